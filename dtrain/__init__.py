@@ -1,0 +1,22 @@
+"""dtrain: declarative, distributed data-parallel training for PyTorch.
+
+The public API, usable without Hydra::
+
+    from dtrain import MinibatchSource, training_session, CheckpointConfig, TestConfig
+"""
+from dtrain.comm import create_communicator
+from dtrain.data import MinibatchSource
+from dtrain.learners import Learner
+from dtrain.schedules import Schedule
+from dtrain.session import (
+    CheckpointConfig,
+    CrossValidationConfig,
+    TestConfig,
+    TrainingSession,
+    training_session,
+)
+
+__all__ = [
+    "CheckpointConfig", "CrossValidationConfig", "Learner", "MinibatchSource", "Schedule", "TestConfig",
+    "TrainingSession", "create_communicator", "training_session",
+]

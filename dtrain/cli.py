@@ -1,0 +1,173 @@
+"""``python -m dtrain +recipe=NAME [key=value ...]``: a thin Hydra layer over the Python API.
+
+Every rank composes the same config; the communicator comes up first, so that a bad config or a
+missing data set ends every rank with one clear line instead of a hang.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+import hydra
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from dtrain.comm import create_communicator, install_fail_fast
+from dtrain.config import register_schemas, validate
+from dtrain.schedules import Schedule
+from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
+from dtrain.session.checkpoint import CheckpointError
+
+#: exit code for a bad config, data set or checkpoint (the user's input, not a crash)
+EXIT_BAD_INPUT = 2
+
+#: the errors that name a bad input; anything else is a bug and keeps its traceback
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, CheckpointError)
+
+
+class UserError(Exception):
+    """A problem with what the user asked for; printed as one line."""
+
+
+def config_dir() -> str:
+    """The shipped config tree: ``dtrain/conf`` in an installed wheel, ``conf/`` in a source checkout."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"dtrain's config tree is missing (looked in {package / 'conf'} and {package.parent / 'conf'})")
+
+
+def fingerprint(cfg: DictConfig) -> str:
+    """A short hash of the resolved config without its run directory (equal on every rank of a job)."""
+    content = OmegaConf.to_container(cfg, resolve=True)
+    content.pop("run_dir", None)
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(content), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _schedule(node) -> Schedule | None:
+    if node is None:
+        return None
+    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size)
+
+
+def _instantiate(node, what: str, **kwargs):
+    """``hydra.utils.instantiate`` that reports the cause of a failure, not Hydra's wrapper."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        if isinstance(cause, USER_ERRORS):
+            raise UserError(f"{what}: {cause}") from None
+        raise
+
+
+def _save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """Writes the resolved config into the run directory without replacing an earlier one."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    index = 1
+    while path.exists():
+        path = run_dir / f"config.{index}.yaml"
+        index += 1
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
+def run(cfg: DictConfig) -> None:
+    """Builds everything from ``cfg`` and trains; a bad input ends every rank with one line and exit code 2."""
+    problems = validate(cfg)
+    if problems:
+        _exit_bad_input("; ".join(problems))
+    comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
+    install_fail_fast(comm)
+    try:
+        _run_with(comm, cfg)
+    except (UserError, *USER_ERRORS) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if os.environ.get("DTRAIN_DEBUG") == "1":
+            traceback.print_exc()
+        if comm.size == 1:
+            _exit_bad_input(message)
+        if not comm.is_main:
+            time.sleep(2.0)  # the same error on rank 0 is reported once, and its abort ends this rank first
+        comm.abort(f"dtrain: error: {message}", EXIT_BAD_INPUT)
+    comm.finalize()
+
+
+def _exit_bad_input(message: str) -> NoReturn:
+    print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_BAD_INPUT)
+
+
+def _run_with(comm, cfg: DictConfig) -> None:
+    # one run directory and one config for all ranks
+    cfg.run_dir = comm.broadcast_object(str(cfg.run_dir) if comm.is_main else None, root=0)
+    hashes = comm.allgather_object(fingerprint(cfg))
+    if len(set(hashes)) > 1:
+        differing = [rank for rank, value in enumerate(hashes) if value != hashes[0]]
+        raise UserError(f"ranks {differing} resolved a different config than rank 0; start every rank with the same "
+                        f"command line, environment and files")
+    threads = cfg.session.num_threads or (max(1, (os.cpu_count() or 1) // comm.local_size) if comm.size > 1 else None)
+    if threads:
+        torch.set_num_threads(threads)
+
+    torch.manual_seed(cfg.seed)  # identical initial model on every rank
+    model = _instantiate(cfg.model, "model")
+    optimizer = _instantiate(cfg.optimizer, "optimizer")(model.parameters())
+    learner = _instantiate(cfg.learner, "learner", optimizer=optimizer, comm=comm)
+    train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
+    test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
+    cv_source = _instantiate(cfg.source.cv, "source.cv") if cfg.source.cv is not None else None
+    torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
+
+    session = cfg.session
+    run_dir = Path(cfg.run_dir)
+    mb_schedule = _schedule(session.minibatch_size_schedule)
+    trainer = training_session(
+        model=model,
+        loss=torch.nn.functional.cross_entropy,
+        learner=learner,
+        mb_source=train_source,
+        mb_size=mb_schedule or session.minibatch_size,
+        max_samples=session.max_samples,
+        progress_frequency=session.progress_frequency,
+        checkpoint_config=CheckpointConfig(session.checkpoint.filename, session.checkpoint.frequency,
+                                           session.checkpoint.restore, session.checkpoint.preserve_all),
+        cv_config=CrossValidationConfig(cv_source, session.cv.frequency, session.cv.minibatch_size,
+                                        max_samples=session.cv.max_samples) if cv_source is not None else None,
+        test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
+        lr_schedule=_schedule(session.lr_schedule),
+        momentum_schedule=_schedule(session.momentum_time_constant_schedule),
+        unit_gain_momentum=session.unit_gain_momentum,
+        run_dir=run_dir,
+        tensorboard=session.tensorboard,
+        config_fingerprint=fingerprint(cfg.model),
+    )
+    if comm.is_main:
+        saved = _save_config(cfg, run_dir)
+        print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
+    trainer.train()
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+def main() -> None:
+    """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
+    register_schemas()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Communicators: each rank's place in the job and the collectives between ranks.
+
+Typical use, identical for one process and for ``mpiexec``/``torchrun``/``srun``::
+
+    from dtrain.comm import create_communicator, install_fail_fast
+
+    comm = create_communicator()          # backend="auto": NCCL with CUDA, else Gloo
+    install_fail_fast(comm)               # an exception on any rank ends the whole job
+    comm.allreduce(grad, op="mean")
+
+Importing this package neither imports mpi4py nor starts a torch.distributed process group.
+"""
+from dtrain.comm.base import REDUCE_OPS, AsyncHandle, Communicator
+from dtrain.comm.bootstrap import BACKENDS, create_communicator, resolve_backend
+from dtrain.comm.failfast import (
+    add_signal_callback,
+    install_fail_fast,
+    install_signal_handlers,
+    remove_signal_callback,
+    uninstall_fail_fast,
+)
+from dtrain.comm.launcher import LaunchInfo, detect_launcher, job_id_from_env
+from dtrain.comm.local import LocalCommunicator
+from dtrain.comm.torch_dist import TorchDistCommunicator
+
+__all__ = [
+    "BACKENDS", "REDUCE_OPS", "AsyncHandle", "Communicator", "LaunchInfo", "LocalCommunicator",
+    "TorchDistCommunicator", "add_signal_callback", "create_communicator", "detect_launcher",
+    "install_fail_fast", "install_signal_handlers", "job_id_from_env", "remove_signal_callback",
+    "resolve_backend", "uninstall_fail_fast",
+]
+

@@ -1,0 +1,265 @@
+"""MinibatchSource: CNTK-style reading of a deserializer along an infinite, partitioned timeline.
+
+Semantics (reference/cntk_chainermn.md §4): sizes are global and counted in samples. Every
+worker builds the same source (same deserializer, seed, limits) and asks for the same global
+minibatch size; each gets its contiguous share of the global minibatch, and all advance the
+same global position. A checkpoint is just that position, so a run resumes on any world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from dtrain.data._checks import check_bool, check_int
+from dtrain.data.partition import partition_slice, timeline_to_indices
+
+__all__ = ["Deserializer", "Minibatch", "MinibatchSource"]
+
+# The keys of get_checkpoint_state(); restore requires exactly these.
+_STATE_KEYS = ("position", "seed", "samples_per_sweep", "randomize")
+
+
+class Deserializer(Protocol):
+    """What a MinibatchSource reads from.
+
+    Optionally also ``mean_image() -> torch.Tensor``: float32 per-pixel mean over the training
+    split, shape ``feature_shape`` (used by ``ImageTransform(mean="dataset")``).
+    """
+
+    num_samples: int  # samples in one sweep
+    feature_shape: tuple  # shape of one sample's features
+    num_classes: int
+
+    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw features ``[len(indices), *feature_shape]`` and int64 labels ``[len(indices)]``."""
+        ...
+
+
+@dataclass
+class Minibatch:
+    """One partition's share of a global minibatch.
+
+    Attributes:
+        features: float32 ``[n, *feature_shape]`` after the transform (``n`` may be 0).
+        labels: int64 ``[n]``.
+        positions: int64 ``[n]`` global timeline positions of these samples.
+        global_num_samples: samples in the whole global minibatch (all partitions together).
+        sweep_end: True when this global minibatch contains the last sample of a sweep.
+    """
+
+    features: torch.Tensor
+    labels: torch.Tensor
+    positions: np.ndarray
+    global_num_samples: int
+    sweep_end: bool
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in this partition's share (local ``n``)."""
+        return int(self.labels.shape[0])
+
+
+class MinibatchSource:
+    """Read a deserializer as an infinite sequence of sweeps, in global minibatches.
+
+    Sweep ``s`` covers timeline positions ``[s*M, (s+1)*M)`` (``M = samples_per_sweep``) and,
+    with ``randomize``, visits the data in a permutation that is a pure function of
+    ``(randomization_seed, s)``; without it, in order. Reading stops at ``max_samples`` samples or
+    at the end of sweep ``max_sweeps`` (at most one of them may be given); with neither, it
+    never stops and minibatches may span a sweep boundary.
+
+    Args:
+        deserializer: has ``num_samples``, ``feature_shape``, ``num_classes`` and
+            ``get(indices) -> (features, labels)``; see ``Deserializer``.
+        randomize: shuffle each sweep (True) or read in data-set order (False).
+        randomization_seed: seed of the per-sweep permutations and of random augmentation (>= 0).
+        max_samples: total samples to read across all sweeps and partitions, or None.
+        max_sweeps: number of sweeps to read, or None.
+        transform: callable ``transform(features, positions, seed) -> float32 tensor`` applied to
+            each local minibatch; if it has ``setup(deserializer)``, that is called once here.
+            Without a transform, features are only converted to float32 (values unchanged).
+
+    Raises:
+        TypeError: an argument has the wrong type (e.g. a deserializer without ``get``).
+        ValueError: a value is out of range, or both ``max_samples`` and ``max_sweeps`` are given.
+    """
+
+    def __init__(
+        self,
+        deserializer: Deserializer,
+        randomize: bool = True,
+        randomization_seed: int = 0,
+        max_samples: int | None = None,
+        max_sweeps: int | None = None,
+        transform: Callable[[torch.Tensor, np.ndarray, int], torch.Tensor] | None = None,
+    ) -> None:
+        for attribute in ("num_samples", "feature_shape", "num_classes", "get"):
+            if not hasattr(deserializer, attribute):
+                raise TypeError(
+                    f"deserializer must have num_samples, feature_shape, num_classes and get(); "
+                    f"{type(deserializer).__name__} has no {attribute!r}"
+                )
+        self._samples_per_sweep = check_int("deserializer.num_samples", deserializer.num_samples, 1)
+        self._randomize = check_bool("randomize", randomize)
+        self._seed = check_int("randomization_seed", randomization_seed, 0)
+        if max_samples is not None and max_sweeps is not None:
+            raise ValueError(
+                f"max_samples ({max_samples}) and max_sweeps ({max_sweeps}) are mutually exclusive; "
+                "give at most one of them"
+            )
+        # _end_position: first timeline position that is never read (None: read forever).
+        self._end_position: int | None = None
+        if max_samples is not None:
+            self._end_position = check_int("max_samples", max_samples, 0)
+        if max_sweeps is not None:
+            self._end_position = check_int("max_sweeps", max_sweeps, 0) * self._samples_per_sweep
+        if transform is not None and not callable(transform):
+            raise TypeError(
+                f"transform must be callable as transform(features, positions, seed), got "
+                f"{type(transform).__name__}"
+            )
+        self._deserializer = deserializer
+        self._transform = transform
+        if transform is not None and hasattr(transform, "setup"):
+            transform.setup(deserializer)
+        self._position = 0
+
+    @property
+    def deserializer(self) -> Deserializer:
+        """The deserializer this source reads."""
+        return self._deserializer
+
+    @property
+    def samples_per_sweep(self) -> int:
+        """Samples in one sweep (the deserializer's ``num_samples``)."""
+        return self._samples_per_sweep
+
+    @property
+    def current_position(self) -> int:
+        """Global timeline position: samples read so far by all partitions together."""
+        return self._position
+
+    def next_minibatch(
+        self, minibatch_size_in_samples: int, num_data_partitions: int = 1, partition_index: int = 0
+    ) -> Minibatch | None:
+        """Read this partition's share of the next global minibatch and advance the position.
+
+        The global minibatch is positions ``[p, p + B)``, clipped at the reading limit; partition
+        ``k`` of ``N`` gets the slice ``partition_slice(p, size, N, k)``. Every partition must
+        make the same calls: each returns a Minibatch (possibly with 0 local samples) for the
+        same number of calls, then None on the same call, and all advance ``p`` by the global
+        size.
+
+        Args:
+            minibatch_size_in_samples: global minibatch size ``B`` (samples, >= 1).
+            num_data_partitions: number of partitions ``N`` (>= 1), usually the world size.
+            partition_index: this partition ``k`` (``0 <= k < N``), usually the rank.
+
+        Returns:
+            The local Minibatch, or None once the reading limit is reached.
+
+        Raises:
+            TypeError / ValueError: an argument is not an int in its range.
+        """
+        global_size = check_int("minibatch_size_in_samples", minibatch_size_in_samples, 1)
+        num_data_partitions = check_int("num_data_partitions", num_data_partitions, 1)
+        partition_index = check_int("partition_index", partition_index, 0)
+        if partition_index >= num_data_partitions:
+            raise ValueError(
+                f"partition_index must be < num_data_partitions ({num_data_partitions}), "
+                f"got {partition_index}"
+            )
+        start_position = self._position
+        if self._end_position is not None:
+            if start_position >= self._end_position:
+                return None
+            global_size = min(global_size, self._end_position - start_position)
+        local_start, local_stop = partition_slice(
+            start_position, global_size, num_data_partitions, partition_index
+        )
+        positions = np.arange(local_start, local_stop, dtype=np.int64)
+        indices = timeline_to_indices(positions, self._samples_per_sweep, self._seed, self._randomize)
+        features, labels = self._deserializer.get(indices)
+        features = self._apply_transform(features, positions)
+        sweeps_done_before = start_position // self._samples_per_sweep
+        sweeps_done_after = (start_position + global_size) // self._samples_per_sweep
+        self._position = start_position + global_size
+        return Minibatch(
+            features=features,
+            labels=labels.to(torch.int64),
+            positions=positions,
+            global_num_samples=global_size,
+            sweep_end=sweeps_done_after > sweeps_done_before,
+        )
+
+    def _apply_transform(self, features: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+        if self._transform is None:
+            return features.to(torch.float32)
+        transformed = self._transform(features, positions, self._seed)
+        if not isinstance(transformed, torch.Tensor) or transformed.dtype != torch.float32:
+            raise TypeError(
+                f"transform must return a float32 torch.Tensor, got "
+                f"{getattr(transformed, 'dtype', type(transformed).__name__)}"
+            )
+        if transformed.shape[0] != len(positions):
+            raise ValueError(
+                f"transform must keep the number of samples ({len(positions)}), got {transformed.shape[0]}"
+            )
+        return transformed
+
+    def get_checkpoint_state(self) -> dict[str, Any]:
+        """Small dict of plain ints/bools that ``restore_from_checkpoint`` replays from.
+
+        Keys: ``position`` (global timeline position), ``seed``, ``samples_per_sweep`` and
+        ``randomize`` (the last three guard against restoring into a different stream).
+        """
+        return {
+            "position": self._position,
+            "seed": self._seed,
+            "samples_per_sweep": self._samples_per_sweep,
+            "randomize": self._randomize,
+        }
+
+    def restore_from_checkpoint(self, state: dict[str, Any]) -> None:
+        """Continue reading from a state saved by ``get_checkpoint_state``.
+
+        The next minibatches equal the ones the saved source would have read next, whatever
+        ``num_data_partitions`` is used now (the position is global).
+
+        Raises:
+            TypeError: ``state`` is not a dict or a value has the wrong type.
+            ValueError: a key is missing or unknown, or the state's seed, sweep size or
+                randomize flag differs from this source's (it would replay another stream).
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
+        missing = [key for key in _STATE_KEYS if key not in state]
+        unknown = sorted(set(state) - set(_STATE_KEYS))
+        if missing or unknown:
+            raise ValueError(
+                f"checkpoint state must have keys {list(_STATE_KEYS)}; missing {missing}, unknown {unknown}"
+            )
+        position = check_int("state['position']", state["position"], 0)
+        seed = check_int("state['seed']", state["seed"], 0)
+        samples_per_sweep = check_int("state['samples_per_sweep']", state["samples_per_sweep"], 1)
+        randomize = check_bool("state['randomize']", state["randomize"])
+        if seed != self._seed:
+            raise ValueError(
+                f"checkpoint state has seed {seed} but this source has randomization_seed "
+                f"{self._seed}; build the source with randomization_seed={seed}"
+            )
+        if samples_per_sweep != self._samples_per_sweep:
+            raise ValueError(
+                f"checkpoint state has samples_per_sweep {samples_per_sweep} but this source's "
+                f"deserializer has {self._samples_per_sweep} samples; restore onto the same data set"
+            )
+        if randomize != self._randomize:
+            raise ValueError(
+                f"checkpoint state has randomize={randomize} but this source has "
+                f"randomize={self._randomize}; build the source with randomize={randomize}"
+            )
+        self._position = position

@@ -1,0 +1,97 @@
+"""The learner interface the training loop talks to: it wraps a torch optimizer by composition.
+
+Every learner (local, data-parallel, quantized, block momentum) implements the same small
+interface, so `training_session` never changes when a distributed learner is chosen.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtrain.comm.local import LocalCommunicator
+
+
+class Learner:
+    """Applies one minibatch's update to a model through a wrapped ``torch.optim.Optimizer``.
+
+    Args:
+        optimizer: the local optimizer whose ``step()`` performs the update.
+        comm: the communicator of the job (a size-1 ``LocalCommunicator`` when omitted).
+        distributed_after: samples (global) to train with local updates on the full data stream
+            before distributed updates start (CNTK's warm start); 0 = distributed from the start.
+
+    The loop calls, per minibatch: ``zero_grad()``, backward on the local mean loss, then
+    ``step(local_samples)``. ``samples_seen`` counts global samples trained on.
+    """
+
+    #: short name written into checkpoints, so a checkpoint says which learner made it
+    kind = "local"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(distributed_after, int) or isinstance(distributed_after, bool) or distributed_after < 0:
+            raise ValueError(f"distributed_after must be a non-negative number of samples, got {distributed_after!r}")
+        self.optimizer = optimizer
+        self.comm = comm if comm is not None else LocalCommunicator()
+        self.distributed_after = distributed_after
+        self.samples_seen = 0
+
+    # -- what the loop asks -------------------------------------------------------------------
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter the optimizer updates, in optimizer order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def is_distributed(self) -> bool:
+        """Whether updates are aggregated across workers now (past ``distributed_after``)."""
+        return self.comm.size > 1 and self.samples_seen >= self.distributed_after
+
+    def data_partition(self) -> tuple[int, int]:
+        """``(num_data_partitions, partition_index)`` this worker reads the next minibatch with.
+
+        Before ``distributed_after`` every worker reads the full stream, as CNTK does.
+        """
+        if self.is_distributed():
+            return self.comm.size, self.comm.rank
+        return 1, 0
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Called once before training (after any restore): e.g. broadcast parameters, add hooks."""
+
+    def zero_grad(self) -> None:
+        """Clears the gradients of every parameter (set to None, as torch does by default)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, local_samples: int, global_samples: int) -> None:
+        """Updates the parameters from this worker's gradients of its local mean loss.
+
+        Args:
+            local_samples: samples this worker's gradient was computed on (may be 0).
+            global_samples: samples in the whole global minibatch (all workers).
+        """
+        if local_samples > 0:
+            self.optimizer.step()
+        self.samples_seen += global_samples
+
+    def synchronize(self) -> None:
+        """Brings every worker to one model (block momentum's final sync); a no-op here."""
+
+    def finalize(self) -> None:
+        """Releases hooks or buffers at the end of training."""
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state plus the learner's own counters (replicated on every worker)."""
+        return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned; refuses a checkpoint made by another learner."""
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"checkpoint was written by the {state.get('kind')!r} learner, this run uses {self.kind!r}; "
+                f"use the same learner or start a new run directory"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.samples_seen = int(state["samples_seen"])

@@ -1,0 +1,87 @@
+"""CNTK's training_session configuration objects: checkpoints, cross-validation, test."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _check_frequency(name: str, frequency: int | None) -> int:
+    """CNTK's rule: ``None`` means once, at the end (``sys.maxsize``); 0 disables the action."""
+    if frequency is None:
+        return sys.maxsize
+    if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 0:
+        raise ValueError(f"{name} must be a non-negative number of samples or None, got {frequency!r}")
+    return frequency
+
+
+def _check_minibatch_size(name: str, size: int) -> None:
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ValueError(f"{name} must be a positive number of samples, got {size!r}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often to save checkpoints.
+
+    Args:
+        filename: checkpoint file name; a relative name is placed in the session's run directory.
+        frequency: samples between checkpoints (``None``: only at the end; 0: never).
+        restore: continue from the latest checkpoint at ``filename`` if there is one.
+        preserve_all: keep every checkpoint (``<filename>.<samples>``) instead of the latest only.
+    """
+
+    filename: str | Path = "checkpoint.pt"
+    frequency: int | None = None
+    restore: bool = True
+    preserve_all: bool = False
+
+    def __post_init__(self):
+        self.frequency = _check_frequency("checkpoint frequency", self.frequency)
+        if not str(self.filename):
+            raise ValueError("checkpoint filename must not be empty")
+
+
+@dataclass
+class CrossValidationConfig:
+    """Periodic evaluation on a held-out source; ``callback`` may stop training.
+
+    Args:
+        minibatch_source: the cross-validation source (read in full each time, position restored).
+        frequency: samples between evaluations (``None``: only at the end; 0: never).
+        minibatch_size: samples per evaluation minibatch (global).
+        callback: ``callback(index, average_error, num_samples, num_minibatches) -> bool``;
+            returning ``False`` stops training. Fires on schedule even without a source.
+        max_samples: read at most this many samples per evaluation (``None``: the whole source).
+    """
+
+    minibatch_source: object | None = None
+    frequency: int | None = None
+    minibatch_size: int = 32
+    callback: Callable[[int, float, int, int], bool | None] | None = None
+    max_samples: int | None = None
+
+    def __post_init__(self):
+        self.frequency = _check_frequency("cross-validation frequency", self.frequency)
+        _check_minibatch_size("cross-validation minibatch_size", self.minibatch_size)
+        if self.minibatch_source is None and self.callback is None:
+            raise ValueError("CrossValidationConfig needs a minibatch_source, a callback, or both")
+
+
+@dataclass
+class TestConfig:
+    """Evaluation on a test source once, after training.
+
+    Args:
+        minibatch_source: the test source (read in full once).
+        minibatch_size: samples per evaluation minibatch (global).
+    """
+
+    __test__ = False  # not a pytest test class
+
+    minibatch_source: object
+    minibatch_size: int = 32
+
+    def __post_init__(self):
+        _check_minibatch_size("test minibatch_size", self.minibatch_size)

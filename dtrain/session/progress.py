@@ -1,0 +1,104 @@
+"""Progress on the console: a rich progress bar on a terminal, plain lines otherwise."""
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def format_duration(seconds: float) -> str:
+    """``h:mm:ss`` for a number of seconds; ``?`` when unknown."""
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    return str(timedelta(seconds=int(round(seconds))))
+
+
+class ProgressPrinter:
+    """Reports training progress on rank 0; silent elsewhere.
+
+    On a terminal it shows a live bar (samples done, rate, ETA) with progress lines above it;
+    when output goes to a file or pipe it prints one plain line per progress period.
+
+    Args:
+        total_samples: samples the run will train on (``None`` when it ends with the data).
+        enabled: whether this process prints at all (rank 0 only).
+        stream: where to print (standard output by default).
+    """
+
+    def __init__(self, total_samples: int | None, enabled: bool = True, stream=None):
+        self.total_samples = total_samples
+        self.enabled = enabled
+        self.console = Console(file=stream or sys.stdout, highlight=False, soft_wrap=True)
+        self.interactive = enabled and self.console.is_terminal
+        self._bar: Progress | None = None
+        self._task = None
+
+    def __enter__(self) -> ProgressPrinter:
+        if self.interactive:
+            self._bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
+                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                console=self.console, transient=True,
+            )
+            self._bar.__enter__()
+            self._task = self._bar.add_task("train", total=self.total_samples, rate="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+            self._bar = None
+
+    def advance(self, samples_seen: int, samples_per_second: float) -> None:
+        """Moves the live bar (cheap; the bar redraws at most a few times a second)."""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=samples_seen, rate=f"{samples_per_second:,.0f}/s")
+
+    def line(self, text: str) -> None:
+        """Prints one line (above the live bar on a terminal)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            self.console.print(text, markup=False)
+
+    def progress(self, samples_seen: int, loss: float, error: float, samples_per_second: float,
+                 learning_rate: float, elapsed: float) -> None:
+        """One progress line: samples, loss, error, throughput, learning rate and ETA."""
+        if self.total_samples:
+            remaining = (self.total_samples - samples_seen) / samples_per_second if samples_per_second > 0 else float("inf")
+            where = f"{samples_seen:>{len(str(self.total_samples))}}/{self.total_samples} ({100 * samples_seen / self.total_samples:5.1f}%)"
+            eta = f" | ETA {format_duration(remaining)}"
+        else:
+            where, eta = f"{samples_seen}", ""
+        self.line(
+            f"samples {where} | loss {loss:.4f} | error {100 * error:6.2f}% | {samples_per_second:,.0f} samples/s"
+            f" | lr {learning_rate:.4g} | {format_duration(elapsed)}{eta}"
+        )
+
+
+class Throughput:
+    """Samples per second over the current progress period (wall clock)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.period_start = self.start
+        self.period_samples = 0
+
+    def add(self, samples: int) -> None:
+        self.period_samples += samples
+
+    def rate(self) -> float:
+        elapsed = time.perf_counter() - self.period_start
+        return self.period_samples / elapsed if elapsed > 0 else 0.0
+
+    def new_period(self) -> None:
+        self.period_start = time.perf_counter()
+        self.period_samples = 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

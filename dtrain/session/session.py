@@ -1,0 +1,399 @@
+"""The training loop: read, forward, backward, learner step, then progress, cross-validation, checkpoints.
+
+``training_session(...)`` has CNTK's meanings: every frequency and ``max_samples`` counts global
+samples; an action fires whenever ``samples_seen // frequency`` changes, and once more at the end
+for a partial period. The loop only talks to the learner interface, so the same loop runs a
+single process or any distributed learner.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtrain.learners.base import Learner
+from dtrain.schedules import Schedule, momentum_from_time_constant
+from dtrain.session import checkpoint
+from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
+from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
+from dtrain.session.metrics import MetricsWriter
+from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
+
+
+@dataclass
+class TrainingResult:
+    """What a finished ``train()`` reports."""
+
+    samples_seen: int
+    minibatches: int
+    seconds: float
+    stopped_early: bool
+    test: Evaluation | None
+    last_cross_validation: Evaluation | None
+    last_checkpoint: Path | None
+    metrics_path: Path | None
+    restored_from: Path | None
+
+
+class _Periodic:
+    """Fires when ``samples_seen // frequency`` changes (frequency 0: never; ``sys.maxsize``: at the end)."""
+
+    def __init__(self, frequency: int):
+        self.frequency = frequency
+        self.last_index = 0
+        self.fired_at = 0  # samples seen when it last fired (or was restored)
+
+    def reset(self, samples_seen: int) -> None:
+        if self.frequency:
+            self.last_index = samples_seen // self.frequency
+        self.fired_at = samples_seen
+
+    def pending(self, samples_seen: int) -> bool:
+        """Whether samples were seen since it last fired (the end-of-training partial period)."""
+        return bool(self.frequency) and samples_seen != self.fired_at
+
+    def due(self, samples_seen: int) -> bool:
+        if not self.frequency:
+            return False
+        index = samples_seen // self.frequency
+        if index != self.last_index:
+            self.last_index = index
+            self.fired_at = samples_seen
+            return True
+        return False
+
+
+class TrainingSession:
+    """Trains ``model`` with ``learner`` on ``mb_source``; see ``training_session`` for the arguments."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        learner: Learner,
+        mb_source,
+        mb_size: int | Schedule,
+        max_samples: int | None = None,
+        progress_frequency: int | None = None,
+        checkpoint_config: CheckpointConfig | None = None,
+        cv_config: CrossValidationConfig | None = None,
+        test_config: TestConfig | None = None,
+        metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = classification_errors,
+        lr_schedule: Schedule | None = None,
+        momentum_schedule: Schedule | None = None,
+        unit_gain_momentum: bool = False,
+        run_dir: str | Path = ".",
+        tensorboard: bool = True,
+        config_fingerprint: str = "",
+        stream=None,
+    ):
+        if not isinstance(learner, Learner):
+            raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
+        if max_samples is not None and (not isinstance(max_samples, int) or max_samples <= 0):
+            raise ValueError(f"max_samples must be a positive number of samples or None, got {max_samples!r}")
+        self.mb_size = mb_size if isinstance(mb_size, Schedule) else Schedule(_positive("mb_size", mb_size))
+        if momentum_schedule is not None and any("momentum" not in g for g in learner.optimizer.param_groups):
+            raise ValueError(
+                f"momentum_schedule needs an optimizer with a 'momentum' setting, "
+                f"{type(learner.optimizer).__name__} has none; drop the schedule or use SGD"
+            )
+        self.model = model
+        self.loss = loss
+        self.metric = metric
+        self.learner = learner
+        self.comm = learner.comm
+        self.source = mb_source
+        self.max_samples = max_samples
+        self.checkpoint_config = checkpoint_config
+        self.cv_config = cv_config
+        self.test_config = test_config
+        self.lr_schedule = lr_schedule
+        self.momentum_schedule = momentum_schedule
+        self.unit_gain_momentum = unit_gain_momentum
+        self.run_dir = Path(run_dir)
+        self.tensorboard = tensorboard
+        self.config_fingerprint = config_fingerprint
+        self.stream = stream
+        self.device = self.comm.device
+        # the configured learning rates; an lr schedule multiplies them
+        self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
+        self.progress_period = _Periodic(_frequency(progress_frequency))
+        self.checkpoint_period = _Periodic(checkpoint_config.frequency if checkpoint_config else 0)
+        self.cv_period = _Periodic(cv_config.frequency if cv_config else 0)
+        self.minibatches = 0
+        self.cv_index = 0
+        self.checkpoint_base = None
+        if checkpoint_config is not None:
+            filename = Path(checkpoint_config.filename)
+            self.checkpoint_base = filename if filename.is_absolute() else self.run_dir / filename
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self) -> TrainingResult:
+        """Runs training to ``max_samples`` (or the end of the data, or a CV callback's stop)."""
+        restored_from = self._restore()
+        self.model.to(self.device)
+        self.learner.prepare(self.model)
+        self.model.train()
+        is_main = self.comm.is_main
+        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main)
+        throughput = Throughput()
+        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, metric sum, local samples this period
+        last_cv: Evaluation | None = None
+        last_checkpoint: Path | None = None
+        stopped_early = False
+        with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream) as printer:
+            self._print_start(printer, restored_from)
+            while self.max_samples is None or self.learner.samples_seen < self.max_samples:
+                seen = self.learner.samples_seen
+                size = int(self.mb_size(seen))
+                if self.max_samples is not None:
+                    size = min(size, self.max_samples - seen)
+                batch = self.source.next_minibatch(size, *self.learner.data_partition())
+                if batch is None:
+                    break
+                self._apply_schedules(seen, size)
+                sums += self._train_minibatch(batch)
+                self.minibatches += 1
+                seen = self.learner.samples_seen
+                throughput.add(batch.global_num_samples)
+                printer.advance(seen, throughput.rate())
+
+                if self.progress_period.due(seen):
+                    self._report_progress(printer, metrics, sums, throughput)
+                if self.cv_period.due(seen):
+                    last_cv, keep_going = self._cross_validate(printer, metrics)
+                    if not keep_going:
+                        stopped_early = True
+                        break
+                if self.checkpoint_period.due(seen):
+                    last_checkpoint = self._save_checkpoint(printer)
+
+            # the end: one last synchronisation, then each action once more for a partial period
+            self.learner.synchronize()
+            seen = self.learner.samples_seen
+            if self.progress_period.frequency and throughput.period_samples > 0:
+                self._report_progress(printer, metrics, sums, throughput)
+            if self.cv_period.pending(seen) and not stopped_early:
+                last_cv, _ = self._cross_validate(printer, metrics)
+            if self.checkpoint_period.pending(seen) or (self.checkpoint_base and last_checkpoint is None
+                                                        and self.checkpoint_period.frequency):
+                last_checkpoint = self._save_checkpoint(printer)
+
+        test = None
+        if self.test_config is not None:
+            test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
+                            self.loss, self.metric, self.comm, self.device)
+            metrics.write("test", seen, loss=test.loss, error=test.error, accuracy=test.accuracy, num_samples=test.num_samples)
+        self.learner.finalize()
+        metrics.close()
+        result = TrainingResult(
+            samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
+            test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
+            metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from,
+        )
+        self._print_summary(printer, result, metrics)
+        return result
+
+    # -- one minibatch --------------------------------------------------------------------------
+    def _train_minibatch(self, batch) -> torch.Tensor:
+        """Forward, backward on the local mean loss, learner step; returns (loss sum, metric sum, samples)."""
+        self.learner.zero_grad()
+        stats = torch.zeros(3, dtype=torch.float64)
+        if batch.num_samples > 0:
+            features, labels = batch.features.to(self.device), batch.labels.to(self.device)
+            output = self.model(features)
+            loss = self.loss(output, labels)
+            loss.backward()
+            with torch.no_grad():
+                stats[0] = loss.detach().double() * batch.num_samples
+                stats[1] = self.metric(output.detach(), labels).double()
+            stats[2] = batch.num_samples
+        self.learner.step(batch.num_samples, batch.global_num_samples)
+        return stats
+
+    def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
+        """Sets each parameter group's lr (and momentum) for the next minibatch."""
+        groups = self.learner.optimizer.param_groups
+        if self.lr_schedule is not None:
+            multiplier = self.lr_schedule(samples_seen)
+            for group, base in zip(groups, self.base_learning_rates):
+                group["lr"] = base * multiplier
+        if self.momentum_schedule is not None:
+            momentum = momentum_from_time_constant(self.momentum_schedule(samples_seen), minibatch_size)
+            for group in groups:
+                group["momentum"] = momentum
+                if self.unit_gain_momentum:
+                    group["dampening"] = momentum
+
+    # -- actions --------------------------------------------------------------------------------
+    def _report_progress(self, printer, metrics, sums: torch.Tensor, throughput: Throughput) -> None:
+        totals = self.comm.allreduce(sums.to(self.comm.device), op="sum").cpu()
+        samples = float(totals[2])
+        loss = float(totals[0]) / samples if samples else float("nan")
+        error = float(totals[1]) / samples if samples else float("nan")
+        rate = throughput.rate()
+        learning_rate = self.learner.optimizer.param_groups[0]["lr"]
+        printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed())
+        metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate)
+        sums.zero_()
+        throughput.new_period()
+
+    def _cross_validate(self, printer, metrics) -> tuple[Evaluation | None, bool]:
+        config = self.cv_config
+        result = None
+        if config.minibatch_source is not None:
+            result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
+                              self.comm, self.device, max_samples=config.max_samples)
+            printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
+                         f"loss {result.loss:.4f} | error {100 * result.error:.2f}% over {result.num_samples} samples")
+            metrics.write("cv", self.learner.samples_seen, loss=result.loss, error=result.error, num_samples=result.num_samples)
+        keep_going = True
+        if config.callback is not None:
+            answer = config.callback(self.cv_index, result.error if result else float("nan"),
+                                     result.num_samples if result else 0, result.num_minibatches if result else 0)
+            keep_going = answer is not False
+            if not keep_going:
+                printer.line(f"cross-validation callback stopped training at {self.learner.samples_seen} samples")
+        self.cv_index += 1
+        return result, keep_going
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        rng_states = self.comm.gather_object(torch.get_rng_state())
+        return {
+            "samples_seen": self.learner.samples_seen,
+            "minibatches": self.minibatches,
+            "cv_index": self.cv_index,
+            "model": self.model.state_dict(),
+            "learner": self.learner.state_dict(),
+            "source": self.source.get_checkpoint_state(),
+            "rng": rng_states,
+            "world_size": self.comm.size,
+            "learner_kind": self.learner.kind,
+            "config_fingerprint": self.config_fingerprint,
+            "versions": {"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
+        }
+
+    def _save_checkpoint(self, printer) -> Path:
+        self.learner.synchronize()
+        state = self._checkpoint_state()  # collective: every rank takes part
+        path = checkpoint.checkpoint_path(self.checkpoint_base, self.learner.samples_seen,
+                                          self.checkpoint_config.preserve_all)
+        if self.comm.is_main:
+            checkpoint.save_atomic(state, path)
+            printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
+        self.comm.barrier()
+        return path
+
+    def _restore(self) -> Path | None:
+        """Loads the latest checkpoint when restore is on; refuses to overwrite one when it is off."""
+        if self.checkpoint_base is None:
+            return None
+        latest = checkpoint.find_latest(self.checkpoint_base)
+        if not self.checkpoint_config.restore:
+            if latest is not None:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {latest} already exists and restore is off; set session.checkpoint.restore=true "
+                    f"to continue it, or use a new run directory so it is not overwritten"
+                )
+            return None
+        if latest is None:
+            return None
+        # rank 0 reads, everyone receives: no shared file system needed
+        state = checkpoint.load(latest) if self.comm.is_main else None
+        state = self.comm.broadcast_object(state, root=0)
+        mismatch = checkpoint.describe_model_mismatch(self.model, state["model"])
+        if mismatch:
+            raise checkpoint.CheckpointError(f"checkpoint {latest} does not fit this model: {mismatch}")
+        self.model.load_state_dict(state["model"])
+        self.learner.load_state_dict(state["learner"])
+        self.source.restore_from_checkpoint(state["source"])
+        rng_states = state.get("rng") or []
+        if len(rng_states) == self.comm.size:
+            torch.set_rng_state(rng_states[self.comm.rank])
+        self.minibatches = int(state["minibatches"])
+        self.cv_index = int(state["cv_index"])
+        seen = self.learner.samples_seen
+        for period in (self.progress_period, self.checkpoint_period, self.cv_period):
+            period.reset(seen)
+        return latest
+
+    # -- printing -------------------------------------------------------------------------------
+    def _print_start(self, printer, restored_from: Path | None) -> None:
+        size = self.comm.size
+        mb = int(self.mb_size(self.learner.samples_seen))
+        parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters",
+                 f"{size} worker{'s' if size > 1 else ''}",
+                 f"global minibatch {mb} ({mb // size}-{-(-mb // size)} per worker)"]
+        if self.max_samples is not None:
+            sweeps = self.max_samples / self.source.samples_per_sweep
+            parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
+        printer.line("dtrain: " + ", ".join(parts))
+        if restored_from is not None:
+            printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
+
+    def _print_summary(self, printer, result: TrainingResult, metrics: MetricsWriter) -> None:
+        if not self.comm.is_main:
+            return
+        lines = [f"finished: {result.samples_seen:,} samples in {result.minibatches:,} minibatches, "
+                 f"{format_duration(result.seconds)} ({result.samples_seen / max(result.seconds, 1e-9):,.0f} samples/s overall)"]
+        if result.test is not None:
+            lines.append(f"test: accuracy {100 * result.test.accuracy:.2f}% (error {100 * result.test.error:.2f}%, "
+                         f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
+        if result.last_checkpoint is not None:
+            lines.append(f"checkpoint: {result.last_checkpoint}")
+        lines.append(f"metrics: {metrics.jsonl_path}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else ""))
+        for line in lines:
+            printer.line(line)
+
+
+def training_session(model, loss, learner, mb_source, mb_size, **options) -> TrainingSession:
+    """Builds a ``TrainingSession`` (CNTK's ``training_session``); call ``.train()`` on it.
+
+    Args:
+        model: the ``torch.nn.Module`` to train.
+        loss: ``loss(output, labels)`` returning the MEAN loss over the local minibatch.
+        learner: a dtrain ``Learner`` wrapping the optimizer of ``model``'s parameters.
+        mb_source: a ``MinibatchSource`` for training.
+        mb_size: global minibatch size in samples, or a ``Schedule`` of sizes by samples seen.
+        max_samples: global samples to train on (``None``: until the source ends).
+        progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
+        checkpoint_config, cv_config, test_config: see their classes.
+        metric: ``metric(output, labels)`` returning a SUM (default: classification errors).
+        lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
+        momentum_schedule: momentum time constants in samples (``exp(-mb/tc)`` per minibatch).
+        unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
+        run_dir: directory for metrics, TensorBoard events and relative checkpoint names.
+        tensorboard: write TensorBoard events too.
+    """
+    return TrainingSession(model, loss, learner, mb_source, mb_size, **options)
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of samples, got {value!r}")
+    return value
+
+
+def _frequency(frequency: int | None) -> int:
+    if frequency is None:
+        return sys.maxsize
+    if not isinstance(frequency, int) or frequency < 0:
+        raise ValueError(f"progress_frequency must be a non-negative number of samples or None, got {frequency!r}")
+    return frequency
+
+
+def _dtrain_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dtrain")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+__all__ = ["TrainingResult", "TrainingSession", "training_session"]
