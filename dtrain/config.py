@@ -24,6 +24,32 @@ class LocalLearnerConfig:
     distributed_after: int = 0
 
 
+@dataclass
+class DataParallelLearnerConfig:
+    """``data_parallel_distributed_learner``: gradients averaged over all workers every minibatch.
+
+    ``num_quantization_bits`` below 32 sends k-bit gradients with error feedback (1-bit SGD).
+    """
+
+    _target_: str = "dtrain.learners.data_parallel_distributed_learner"
+    distributed_after: int = 0
+    num_quantization_bits: int = 32
+    bucket_size_mb: float = 25.0
+
+
+@dataclass
+class BlockMomentumLearnerConfig:
+    """``block_momentum_distributed_learner`` (BMUF): local steps, a filtered model sync every block."""
+
+    _target_: str = "dtrain.learners.block_momentum_distributed_learner"
+    block_size: int = MISSING
+    block_momentum_as_time_constant: Optional[float] = None
+    use_nesterov_momentum: bool = True
+    reset_sgd_momentum_after_aggregation: bool = True
+    block_learning_rate: float = 1.0
+    distributed_after: int = 0
+
+
 # -- optimizers (partial: the parameters are passed when the model exists) -------------------------
 
 
@@ -186,6 +212,8 @@ class DTrainConfig:
 _SCHEMAS = {
     ("schema", "config"): DTrainConfig,
     ("schema/learner", "local"): LocalLearnerConfig,
+    ("schema/learner", "data_parallel"): DataParallelLearnerConfig,
+    ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
     ("schema/optimizer", "sgd"): SGDConfig,
     ("schema/optimizer", "adam"): AdamConfig,
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
@@ -246,11 +274,40 @@ def validate(cfg: DictConfig) -> list[str]:
             positive(f"session.{key}.epoch_size", schedule.epoch_size)
             if not schedule["values"]:
                 problems.append(f"session.{key}.values=[]: expected at least one value")
-    positive("learner.distributed_after", cfg.learner.get("distributed_after", 0), allow_zero=True)
+    problems += _learner_problems(cfg.learner)
     if cfg.optimizer.get("lr", 1.0) <= 0:
         problems.append(f"optimizer.lr={cfg.optimizer.lr}: expected a positive learning rate")
     if cfg.comm.backend not in ("auto", "gloo", "nccl", "local"):
         problems.append(f"comm.backend={cfg.comm.backend!r}: expected one of auto, gloo, nccl, local")
     if cfg.comm.timeout_s <= 0:
         problems.append(f"comm.timeout_s={cfg.comm.timeout_s}: expected a positive number of seconds")
+    return problems
+
+
+def _learner_problems(learner: DictConfig) -> list[str]:
+    """Range checks and refused combinations of the learner options."""
+    problems = []
+    after = learner.get("distributed_after", 0)
+    if not isinstance(after, int) or after < 0:
+        problems.append(f"learner.distributed_after={after!r}: expected a non-negative number of samples")
+    if "num_quantization_bits" in learner:
+        bits = learner.num_quantization_bits
+        if not 1 <= bits <= 32:
+            problems.append(f"learner.num_quantization_bits={bits}: expected 1 to 32 (32 = full precision)")
+        if learner.bucket_size_mb <= 0:
+            problems.append(f"learner.bucket_size_mb={learner.bucket_size_mb}: expected a positive size in MB")
+    if "block_size" in learner:
+        if OmegaConf.is_missing(learner, "block_size"):
+            problems.append("learner.block_size is not set: give the block size in samples, e.g. learner.block_size=4096")
+        elif learner.block_size <= 0:
+            problems.append(f"learner.block_size={learner.block_size}: expected a positive number of samples")
+        time_constant = learner.block_momentum_as_time_constant
+        if time_constant is not None and time_constant <= 0:
+            problems.append(f"learner.block_momentum_as_time_constant={time_constant}: expected a positive number "
+                            f"of samples, or null for CNTK's default -block_size/ln(1-1/N)")
+        if learner.block_learning_rate <= 0:
+            problems.append(f"learner.block_learning_rate={learner.block_learning_rate}: expected a positive number")
+        if learner.get("num_quantization_bits", 32) != 32:
+            problems.append("block momentum cannot be combined with quantized gradients; "
+                            "use learner=block_momentum or learner=quantized, not both")
     return problems

@@ -21,8 +21,8 @@ class Learner:
         distributed_after: samples (global) to train with local updates on the full data stream
             before distributed updates start (CNTK's warm start); 0 = distributed from the start.
 
-    The loop calls, per minibatch: ``zero_grad()``, backward on the local mean loss, then
-    ``step(local_samples)``. ``samples_seen`` counts global samples trained on.
+    The loop calls, per minibatch: ``begin_minibatch(local_samples, global_samples)``, backward
+    on the local mean loss, then ``step()``. ``samples_seen`` counts global samples trained on.
     """
 
     #: short name written into checkpoints, so a checkpoint says which learner made it
@@ -37,6 +37,8 @@ class Learner:
         self.comm = comm if comm is not None else LocalCommunicator()
         self.distributed_after = distributed_after
         self.samples_seen = 0
+        self.local_samples = 0    # of the current minibatch, set by begin_minibatch
+        self.global_samples = 0
 
     # -- what the loop asks -------------------------------------------------------------------
     @property
@@ -59,21 +61,28 @@ class Learner:
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Called once before training (after any restore): e.g. broadcast parameters, add hooks."""
+        if self.comm.size > 1:
+            raise ValueError(
+                f"the local learner trains one process but this job has {self.comm.size}; "
+                f"choose a distributed learner: learner=data_parallel, learner=quantized or learner=block_momentum"
+            )
 
-    def zero_grad(self) -> None:
-        """Clears the gradients of every parameter (set to None, as torch does by default)."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self, local_samples: int, global_samples: int) -> None:
-        """Updates the parameters from this worker's gradients of its local mean loss.
+    def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
+        """Clears the gradients and records the sample counts of the minibatch about to be computed.
 
         Args:
-            local_samples: samples this worker's gradient was computed on (may be 0).
-            global_samples: samples in the whole global minibatch (all workers).
+            local_samples: samples this worker computes its mean loss over (may be 0).
+            global_samples: samples in the whole global minibatch (all workers together).
         """
-        if local_samples > 0:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.local_samples = local_samples
+        self.global_samples = global_samples
+
+    def step(self) -> None:
+        """Updates the parameters from this worker's gradient of its local mean loss."""
+        if self.local_samples > 0:
             self.optimizer.step()
-        self.samples_seen += global_samples
+        self.samples_seen += self.global_samples
 
     def synchronize(self) -> None:
         """Brings every worker to one model (block momentum's final sync); a no-op here."""

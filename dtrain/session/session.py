@@ -183,7 +183,7 @@ class TrainingSession:
                                                         and self.checkpoint_period.frequency):
                 last_checkpoint = self._save_checkpoint(printer)
 
-        test = None
+        test = None  # the model was synchronised above
         if self.test_config is not None:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device)
@@ -201,7 +201,7 @@ class TrainingSession:
     # -- one minibatch --------------------------------------------------------------------------
     def _train_minibatch(self, batch) -> torch.Tensor:
         """Forward, backward on the local mean loss, learner step; returns (loss sum, metric sum, samples)."""
-        self.learner.zero_grad()
+        self.learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         stats = torch.zeros(3, dtype=torch.float64)
         if batch.num_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
@@ -212,7 +212,7 @@ class TrainingSession:
                 stats[0] = loss.detach().double() * batch.num_samples
                 stats[1] = self.metric(output.detach(), labels).double()
             stats[2] = batch.num_samples
-        self.learner.step(batch.num_samples, batch.global_num_samples)
+        self.learner.step()
         return stats
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
@@ -246,6 +246,7 @@ class TrainingSession:
         config = self.cv_config
         result = None
         if config.minibatch_source is not None:
+            self.learner.synchronize()  # evaluate the one model every worker agrees on
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
