@@ -110,7 +110,7 @@ def _exit_bad_input(message: str) -> NoReturn:
 
 def _run_with(comm, cfg: DictConfig) -> None:
     # one run directory and one config for all ranks
-    cfg.run_dir = comm.broadcast_object(str(cfg.run_dir) if comm.is_main else None, root=0)
+    cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
     hashes = comm.allgather_object(fingerprint(cfg))
     if len(set(hashes)) > 1:
         differing = [rank for rank, value in enumerate(hashes) if value != hashes[0]]
@@ -152,6 +152,7 @@ def _run_with(comm, cfg: DictConfig) -> None:
         tensorboard=session.tensorboard,
         config_fingerprint=fingerprint(cfg.model),
     )
+    trainer.restore()  # a bad checkpoint is reported before anything is written
     if comm.is_main:
         saved = _save_config(cfg, run_dir)
         print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
@@ -163,9 +164,64 @@ def _hydra_main(cfg: DictConfig) -> None:
     run(cfg)
 
 
+def available_recipes(argv: list[str]) -> list[str]:
+    """Recipe names in the shipped tree and in any ``--config-dir``/``-cd`` given on the command line."""
+    directories = [Path(config_dir())]
+    for index, argument in enumerate(argv):
+        if argument in ("--config-dir", "-cd") and index + 1 < len(argv):
+            directories.append(Path(argv[index + 1]))
+        elif argument.startswith("--config-dir="):
+            directories.append(Path(argument.split("=", 1)[1]))
+    return sorted({p.stem for d in directories for p in (d / "recipe").glob("*.yaml")})
+
+
+def check_recipe_argument(argv: list[str]) -> str | None:
+    """One-line problem with ``+recipe=NAME`` on the command line (unknown name), else ``None``."""
+    for argument in argv:
+        if argument.startswith(("+recipe=", "recipe=")):
+            name = argument.split("=", 1)[1]
+            known = available_recipes(argv)
+            if name not in known:
+                return (f"unknown recipe {name!r}; expected one of {', '.join(known)} "
+                        f"(or put your own recipe/{name}.yaml in a directory passed with --config-dir)")
+    return None
+
+
+def check_overrides(argv: list[str]) -> str | None:
+    """Composes the config once to turn Hydra's multi-line override errors into one line.
+
+    Skipped when Hydra flags (``--cfg``, ``-m``, ...) are present: Hydra then reports by itself.
+    """
+    if any(argument.startswith("-") for argument in argv):
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            compose("config", overrides=argv)
+    except (HydraException, OmegaConfBaseException) as error:
+        lines = str(error).strip().splitlines()
+        parts = [lines[0]]
+        options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
+        if "Available options" in str(error) and options:
+            parts.append(f"(available: {', '.join(options)})")
+        if error.__cause__ is not None and str(error.__cause__).strip():
+            parts.append(str(error.__cause__).strip().splitlines()[0])
+        if len(parts) == 1 or "Available options" not in str(error):
+            parts.append("(python -m dtrain +recipe=NAME --cfg job lists every key)")
+        return " ".join(parts)
+    return None
+
+
 def main() -> None:
     """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
+    argv = sys.argv[1:]
     register_schemas()
+    problem = check_recipe_argument(argv) or check_overrides(argv)
+    if problem:
+        _exit_bad_input(problem)
     _hydra_main()
 
 

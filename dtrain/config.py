@@ -294,7 +294,7 @@ def _learner_problems(learner: DictConfig) -> list[str]:
         bits = learner.num_quantization_bits
         if not 1 <= bits <= 32:
             problems.append(f"learner.num_quantization_bits={bits}: expected 1 to 32 (32 = full precision)")
-        if learner.bucket_size_mb <= 0:
+        if learner.get("bucket_size_mb", 1.0) <= 0:
             problems.append(f"learner.bucket_size_mb={learner.bucket_size_mb}: expected a positive size in MB")
     if "block_size" in learner:
         if OmegaConf.is_missing(learner, "block_size"):

@@ -127,6 +127,8 @@ class TrainingSession:
         self.minibatches = 0
         self.cv_index = 0
         self.checkpoint_base = None
+        self._restore_attempted = False
+        self._restored_from: Path | None = None
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_base = filename if filename.is_absolute() else self.run_dir / filename
@@ -134,7 +136,7 @@ class TrainingSession:
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainingResult:
         """Runs training to ``max_samples`` (or the end of the data, or a CV callback's stop)."""
-        restored_from = self._restore()
+        restored_from = self.restore()
         self.model.to(self.device)
         self.learner.prepare(self.model)
         self.model.train()
@@ -290,8 +292,19 @@ class TrainingSession:
         self.comm.barrier()
         return path
 
-    def _restore(self) -> Path | None:
-        """Loads the latest checkpoint when restore is on; refuses to overwrite one when it is off."""
+    def restore(self) -> Path | None:
+        """Loads the latest checkpoint when restore is on; refuses to overwrite one when it is off.
+
+        Called by ``train()``; call it earlier to find a bad checkpoint before anything is written.
+        Returns the file restored from (``None``: starting fresh). Idempotent.
+        """
+        if self._restore_attempted:
+            return self._restored_from
+        self._restore_attempted = True
+        self._restored_from = self._load_latest()
+        return self._restored_from
+
+    def _load_latest(self) -> Path | None:
         if self.checkpoint_base is None:
             return None
         latest = checkpoint.find_latest(self.checkpoint_base)

@@ -1,0 +1,110 @@
+"""The command line as a user runs it: recipes end to end, and one clear line for every bad input."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from _cifar_files import write_cifar10_binary  # noqa: E402
+
+
+def dtrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Runs ``python -m dtrain ARGS`` in ``cwd`` as a single process (no launcher in the environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_digits_recipe_reaches_97_percent_and_says_where_outputs_went(tmp_path):
+    result = dtrain("+recipe=digits", "run_dir=run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    accuracy = float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1))
+    assert accuracy >= 97.0, result.stdout
+    run = tmp_path / "run"
+    assert f"checkpoint: {run / 'checkpoint.pt'}" in result.stdout
+    assert f"metrics: {run / 'metrics.jsonl'}" in result.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records if r["kind"] == "train"] == [7520, 15008, 22528, 30000]
+    assert any(r["kind"] == "test" and r["accuracy"] * 100 == pytest.approx(accuracy, abs=0.01) for r in records)
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "config.yaml").is_file()
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["samples_seen"] == 30000
+
+
+def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
+    write_cifar10_binary(tmp_path / "cifar", num_train=300, num_test=40)
+    common = ("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", "session.progress_frequency=128",
+              "session.checkpoint.frequency=128", "session.test.minibatch_size=16")
+    first = dtrain(*common, "session.max_samples=256", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "test: accuracy" in first.stdout and "on 40 samples" in first.stdout
+    resumed = dtrain(*common, "session.max_samples=384", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "restored" in resumed.stdout and "at 256 samples" in resumed.stdout
+    assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "config.1.yaml").is_file()
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["samples_seen"] == 384
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dtrain: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def existing_run(tmp_path):
+    """A run directory with a checkpoint, config and metrics already written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"\x00garbage, not a checkpoint")
+    (run / "config.yaml").write_text("earlier: config\n")
+    (run / "metrics.jsonl").write_text('{"kind": "train"}\n')
+    return run
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("+recipe=imagenette",), "unknown recipe 'imagenette'; expected one of cifar10, digits"),
+    (("+recipe=digits", "session.minibatch_sise=5"), "Key 'minibatch_sise' not in 'SessionConfig'"),
+    (("+recipe=digits", "session.minibatch_size=-5"), "session.minibatch_size=-5: expected a positive"),
+    (("+recipe=digits", "learner=nope"), "Could not find 'learner/nope'"),
+    (("+recipe=digits",), "checkpoint.pt could not be read"),
+    (("+recipe=digits", "session.checkpoint.restore=false"), "already exists and restore is off"),
+])
+def test_bad_input_is_one_line_nonzero_exit_and_nothing_overwritten(args, fragment, existing_run):
+    before = snapshot(existing_run)
+    line = _one_error_line(dtrain(*args, f"run_dir={existing_run}", cwd=existing_run.parent))
+    assert fragment in line
+    assert snapshot(existing_run) == before
+
+
+def test_missing_cifar10_without_network_says_where_to_put_the_files(tmp_path):
+    line = _one_error_line(dtrain(
+        "+recipe=cifar10", f"data.root={tmp_path / 'nowhere'}", "run_dir=run",
+        "+source.train.deserializer.url=http://127.0.0.1:9/cifar-10-binary.tar.gz", cwd=tmp_path))
+    assert "cifar-10-batches-bin" in line and "extract it into" in line and str(tmp_path / "nowhere") in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_cifar10_file_of_the_wrong_size_is_named(tmp_path):
+    batches = write_cifar10_binary(tmp_path / "cifar", num_train=50, num_test=10)
+    with open(batches / "data_batch_3.bin", "ab") as stream:
+        stream.write(b"\x01\x02\x03")
+    line = _one_error_line(dtrain("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", cwd=tmp_path))
+    assert "data_batch_3.bin" in line and "3073" in line
+    assert not (tmp_path / "run").exists()
