@@ -100,7 +100,8 @@ def _slurm_master_addr(info: LaunchInfo) -> str:
         except (OSError, subprocess.SubprocessError):
             pass  # keep the host parsed from the list itself
     if info.master_addr is None:
-        raise ValueError("srun launch without SLURM_JOB_NODELIST: set MASTER_ADDR to the host of task 0")
+        raise ValueError(f"cannot tell the host of task 0 from the Slurm node list {nodelist!r}; "
+                         "set MASTER_ADDR to it")
     return info.master_addr
 
 

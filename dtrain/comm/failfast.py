@@ -11,9 +11,14 @@ hook for preemption checkpoints). Signals are handled on a small watcher thread 
 through ``signal.set_wakeup_fd``, so they act at once even while the main thread is
 blocked inside a collective (Python runs its own signal handlers only between
 bytecodes of the main thread).
+
+Reading the output: when one rank aborts, ``mpiexec`` sends SIGTERM to the others,
+which then print ``received SIGTERM`` lines; the first ``[rank r/size]`` line is the
+cause. A forked child (e.g. a DataLoader worker) gets Python's default hooks back.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -34,15 +39,19 @@ _callbacks: list[SignalCallback] = []
 _lock = threading.Lock()
 
 
-class _Installed:
+@dataclasses.dataclass
+class _State:
     """What :func:`install_fail_fast` changed, so it can be updated or undone."""
 
     comm: Communicator | None = None
     signals: frozenset[int] = frozenset()
     previous_excepthook: Any = None
     previous_threading_excepthook: Any = None
-    previous_handlers: dict[int, Any] = {}
+    previous_handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
     watcher: _SignalWatcher | None = None
+
+
+_installed = _State()
 
 
 def install_fail_fast(comm: Communicator, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
@@ -54,10 +63,10 @@ def install_fail_fast(comm: Communicator, signals: Iterable[int] = DEFAULT_SIGNA
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_fail_fast must be called from the main thread (signal handlers live there)")
     with _lock:
-        if _Installed.comm is None:
-            _Installed.previous_excepthook = sys.excepthook
-            _Installed.previous_threading_excepthook = threading.excepthook
-        _Installed.comm = comm
+        if _installed.comm is None:
+            _installed.previous_excepthook = sys.excepthook
+            _installed.previous_threading_excepthook = threading.excepthook
+        _installed.comm = comm
     sys.excepthook = _excepthook
     threading.excepthook = _threading_excepthook
     install_signal_handlers(signals)
@@ -70,26 +79,44 @@ def install_signal_handlers(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
     for a preemption warning) without touching the exception hooks.
     """
     wanted = frozenset(int(signum) for signum in signals)
-    if _Installed.watcher is None:
-        _Installed.watcher = _SignalWatcher()
-    _Installed.watcher.attach()
-    for signum in wanted - _Installed.signals:
-        _Installed.previous_handlers.setdefault(signum, signal.getsignal(signum))
+    if _installed.watcher is None:
+        _installed.watcher = _SignalWatcher()
+    _installed.watcher.attach()
+    for signum in wanted - _installed.signals:
+        _installed.previous_handlers.setdefault(signum, signal.getsignal(signum))
         signal.signal(signum, _python_handler)
-    _Installed.signals = _Installed.signals | wanted
+    _installed.signals = _installed.signals | wanted
 
 
 def uninstall_fail_fast() -> None:
     """Restore the exception hooks and signal handlers that were in place before installation."""
-    if _Installed.comm is None:
+    if _installed.comm is None:
         return
-    sys.excepthook = _Installed.previous_excepthook
-    threading.excepthook = _Installed.previous_threading_excepthook
-    for signum, handler in _Installed.previous_handlers.items():
+    sys.excepthook = _installed.previous_excepthook
+    threading.excepthook = _installed.previous_threading_excepthook
+    for signum, handler in _installed.previous_handlers.items():
         signal.signal(signum, handler)
-    if _Installed.watcher is not None:
-        _Installed.watcher.detach()
-    _Installed.comm, _Installed.signals, _Installed.previous_handlers = None, frozenset(), {}
+    if _installed.watcher is not None:
+        _installed.watcher.detach()
+    _installed.comm, _installed.signals, _installed.previous_handlers = None, frozenset(), {}
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (e.g. a DataLoader worker) is not a rank: give it Python's defaults back.
+
+    Otherwise its signals would be written into the parent's watcher pipe (the parent
+    would end the job for a worker's SIGTERM) and its exceptions would abort the job.
+    """
+    try:
+        uninstall_fail_fast()
+        if _installed.watcher is not None:
+            _installed.watcher.close()
+            _installed.watcher = None
+    except Exception as error:  # never break a fork
+        sys.stderr.write(f"dtrain fail-fast: reset after fork failed: {error}\n")
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def add_signal_callback(callback: SignalCallback) -> None:
@@ -122,7 +149,7 @@ def handle_signal(signum: int) -> None:
                 return
         except Exception as error:  # a broken hook must not keep the job alive
             sys.stderr.write(f"signal callback {callback!r} failed: {type(error).__name__}: {first_line(error)}\n")
-    comm = _Installed.comm
+    comm = _installed.comm
     message = f"received {signal.Signals(signum).name}; ending the job"
     if comm is None:
         sys.stderr.write(message + "\n")
@@ -158,7 +185,7 @@ def _threading_excepthook(args: threading.ExceptHookArgs) -> None:
 
 
 def _abort(message: str, code: int) -> None:
-    comm = _Installed.comm
+    comm = _installed.comm
     if comm is None:  # uninstalled between the raise and the hook: behave like Python
         sys.stderr.write(message + "\n")
         os._exit(code)
@@ -167,7 +194,7 @@ def _abort(message: str, code: int) -> None:
 
 def _python_handler(signum: int, frame: Any) -> None:
     """Python-level handler: normally the watcher thread acts; this only covers a stolen wakeup fd."""
-    watcher = _Installed.watcher
+    watcher = _installed.watcher
     if watcher is None or not watcher.owns_wakeup_fd():
         handle_signal(signum)
 
@@ -190,10 +217,17 @@ class _SignalWatcher:
         if self.owns_wakeup_fd():
             signal.set_wakeup_fd(-1)
 
+    def close(self) -> None:
+        """Close the pipe (in a forked child, where the thread does not exist)."""
+        self.detach()
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
     def owns_wakeup_fd(self) -> bool:
         """True when signals are still written to this watcher's pipe (main thread only)."""
-        current = signal.set_wakeup_fd(-1)
-        signal.set_wakeup_fd(current, warn_on_full_buffer=False) if current != -1 else None
+        current = signal.set_wakeup_fd(-1)  # Python offers no getter: swap out and back
+        if current != -1:
+            signal.set_wakeup_fd(current, warn_on_full_buffer=False)
         return current == self._write_fd
 
     def _run(self) -> None:
@@ -203,5 +237,5 @@ class _SignalWatcher:
             except InterruptedError:
                 continue
             for signum in data:
-                if signum in _Installed.signals:
+                if signum in _installed.signals:
                     handle_signal(signum)

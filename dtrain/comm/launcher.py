@@ -14,6 +14,7 @@ Recognised launchers, checked in this order (``DTRAIN_LAUNCHER`` forces one):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -125,11 +126,11 @@ def first_slurm_host(nodelist: str) -> str:
     padding). Raises ValueError for an empty or malformed list.
     """
     nodelist = nodelist.strip()
-    first = re.match(r"[^,\[\]]*(\[[^\[\]]*\][^,\[\]]*)*", nodelist)
-    text = first.group(0) if first else ""
-    if not text or not nodelist[len(text):len(text) + 1] in ("", ","):
+    text = re.match(r"[^,\[\]]*(\[[^\[\]]*\][^,\[\]]*)*", nodelist).group(0)  # up to the first top-level comma
+    host = re.sub(r"\[([^\],\-]+)[^\]]*\]", lambda m: m.group(1), text)  # each bracket -> its first value
+    if not host or "[" in host or "]" in host or nodelist[len(text):len(text) + 1] not in ("", ","):
         raise ValueError(f"Slurm node list {nodelist!r} is malformed; expected e.g. 'node[01-04],other'")
-    return re.sub(r"\[([^\],\-]+)[^\]]*\]", lambda m: m.group(1), text)
+    return host
 
 
 def slurm_tasks_on_node(tasks_per_node: str, node_index: int) -> int:
@@ -198,7 +199,9 @@ def _slurm(environ: Mapping[str, str]) -> LaunchInfo | None:
         if nodes == 1 or (nodelist and "," not in nodelist and "[" not in nodelist):
             addr = "127.0.0.1"  # one node: loopback always works and needs no name service
         elif nodelist:
-            addr = first_slurm_host(nodelist)  # bootstrap may refine with `scontrol show hostnames`
+            # An unparsable list leaves None: bootstrap then asks `scontrol show hostnames`.
+            with contextlib.suppress(ValueError):
+                addr = first_slurm_host(nodelist)
     if port is None and "SLURM_JOB_ID" in environ:
         port = slurm_port(_int(environ, "SLURM_JOB_ID"), _optional_int(environ, "SLURM_STEP_ID") or 0)
     return LaunchInfo("slurm", rank, size, local_rank, local_size, addr, port)

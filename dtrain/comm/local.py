@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from dtrain.comm.base import AsyncHandle, CompletedHandle, Communicator, format_rank_message, terminate
+from dtrain.comm.base import AsyncHandle, Communicator, CompletedHandle, format_rank_message, terminate
 
 
 class LocalCommunicator(Communicator):

@@ -1,6 +1,8 @@
 """LocalCommunicator: the size-1 reference every distributed communicator must agree with."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -53,9 +55,10 @@ def test_object_collectives_copy_through_pickle(comm: LocalCommunicator) -> None
     assert gathered == [payload] and gathered[0] is not payload
     assert comm.gather_object(payload, root=0) == [payload]
     assert comm.broadcast_object(payload, root=0) is payload
-    with pytest.raises(Exception):  # what would fail on two ranks fails on one
+    unpicklable = (pickle.PicklingError, AttributeError, TypeError)
+    with pytest.raises(unpicklable):  # what would fail on two ranks fails on one
         comm.allgather_object(lambda: None)
-    with pytest.raises(Exception):
+    with pytest.raises(unpicklable):
         comm.broadcast_object(lambda: None)
 
 
@@ -87,3 +90,60 @@ def test_abort_prints_one_line_and_exits(comm: LocalCommunicator, monkeypatch, c
     with pytest.raises(SystemExit):
         comm.abort("bad code", exit_code=0)  # an abort never reports success
     assert exits == [3, 1]
+
+
+# -- the reference agrees with the real communicator on a world of one --------------------------------
+@pytest.fixture
+def gloo_world_of_one():
+    import torch.distributed as dist
+
+    from dtrain.comm import TorchDistCommunicator
+
+    comm = TorchDistCommunicator(backend="gloo", rank=0, size=1, store=dist.HashStore(), timeout_s=10,
+                                 launcher="local")
+    yield comm
+    comm.finalize()
+    comm.finalize()  # idempotent
+    assert not dist.is_initialized()
+
+
+def test_torch_dist_world_of_one_matches_local(gloo_world_of_one) -> None:
+    local = LocalCommunicator()
+    for comm in (local, gloo_world_of_one):
+        assert (comm.rank, comm.size, comm.local_rank, comm.local_size) == (0, 1, 0, 1)
+        assert comm.device == torch.device("cpu")
+        for op in REDUCE_OPS:
+            tensor = torch.tensor([2.0, -1.0])
+            assert comm.allreduce(tensor, op=op) is tensor and tensor.tolist() == [2.0, -1.0]
+            assert comm.allreduce_async(tensor, op=op).wait().tolist() == [2.0, -1.0]
+        assert [t.tolist() for t in comm.allgather(torch.ones(2))] == [[1.0, 1.0]]
+        assert comm.allgather_object({"a": 1}) == [{"a": 1}]
+        assert comm.broadcast_object("x") == "x" and comm.gather_object(5) == [5]
+        comm.barrier()
+    with pytest.raises(ValueError, match="op='mean' needs a floating-point tensor"):
+        gloo_world_of_one.allreduce(torch.ones(1, dtype=torch.int32), op="mean")
+
+
+def test_torch_dist_rejects_second_initialisation(gloo_world_of_one) -> None:
+    import torch.distributed as dist
+
+    from dtrain.comm import TorchDistCommunicator
+
+    with pytest.raises(RuntimeError, match="already initialised"):
+        TorchDistCommunicator(backend="gloo", rank=0, size=1, store=dist.HashStore())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"backend": "mpi"}, "backend='mpi' is not a torch.distributed backend"),
+    ({"rank": 2}, r"rank=2 is outside \[0, size=2\)"),
+    ({"timeout_s": -1}, "timeout_s=-1 must be a positive"),
+    ({"init_method": "env://"}, "exactly one of store= and init_method="),
+])
+def test_torch_dist_validates_arguments(kwargs: dict, match: str) -> None:
+    import torch.distributed as dist
+
+    from dtrain.comm import TorchDistCommunicator
+
+    arguments = {"backend": "gloo", "rank": 0, "size": 2, "store": dist.HashStore(), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        TorchDistCommunicator(**arguments)

@@ -1,0 +1,174 @@
+"""Worker run by tests/dist/test_block_momentum.py under mpiexec: ``python _bm_worker.py``.
+
+Every rank trains a toy model with ``BlockMomentumLearner`` on its share of each global
+minibatch (the session's partitioning) for two configurations. After every sync the ranks
+all-gather their parameters and rank 0 prints ``SYNC <case> <index> <max difference>``; the
+difference must be exactly 0. Then each rank replays the same training as a single-process
+simulation of CNTK's formulas (N model copies, reference §1.4 written out per parameter) and
+checks the real result against it to 1e-5. Ends with ``PASS <case> rank r/size`` per case.
+"""
+from __future__ import annotations
+
+import io
+import math
+import sys
+
+import torch
+from torch import nn
+
+from dtrain.comm import create_communicator, install_fail_fast
+from dtrain.data.partition import partition_slice
+from dtrain.learners import BlockMomentumLearner
+
+TOLERANCE = 1e-5
+
+CASES = {
+    # name: (global minibatch sizes, learner options); 16 splits evenly over 2 and 4 ranks, 7 does not
+    "defaults": ([16] * 12, dict(block_size=48)),
+    "variants": ([7] * 14, dict(block_size=24, block_momentum_as_time_constant=100.0, block_learning_rate=0.8,
+                                use_nesterov_momentum=False, reset_sgd_momentum_after_aggregation=False,
+                                distributed_after=14)),
+}
+generator = torch.Generator().manual_seed(11)
+FEATURES = torch.randn(256, 5, generator=generator)
+TARGETS = torch.randn(256, 3, generator=generator)
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def flat(parameters) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in parameters]).clone()
+
+
+def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:
+    return nn.functional.mse_loss(model(FEATURES[start:stop]), TARGETS[start:stop])
+
+
+def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Real multi-process training; returns the parameters after each sync and at the end."""
+    global_sizes, options = CASES[case]
+    model = make_model(seed=comm.rank)  # different on every rank: prepare() must broadcast rank 0's
+    learner = BlockMomentumLearner(make_optimizer(model), comm, **options)
+    learner.prepare(model)
+    snapshots, position = [], 0
+
+    def check_one_model() -> None:
+        mine = flat(model.parameters())
+        difference = max(float((theirs - mine).abs().max()) for theirs in comm.allgather(mine))
+        if comm.is_main:
+            print(f"SYNC {case} {learner.syncs} {difference:.3g}", flush=True)
+        assert difference == 0.0, f"ranks hold different models after sync {learner.syncs}: {difference}"
+        snapshots.append(mine)
+
+    for global_size in global_sizes:
+        start, stop = partition_slice(position, global_size, *learner.data_partition())
+        position += global_size
+        learner.begin_minibatch(stop - start, global_size)
+        if stop > start:
+            local_loss(model, start, stop).backward()
+        syncs = learner.syncs
+        learner.step()
+        if learner.syncs != syncs:
+            check_one_model()
+    syncs = learner.syncs
+    learner.synchronize()
+    if learner.syncs != syncs:
+        check_one_model()
+    assert learner.syncs >= 3, learner.syncs
+
+    # the checkpoint state loads without pickled code and restores W_prev and sg
+    buffer = io.BytesIO()
+    torch.save(learner.state_dict(), buffer)
+    buffer.seek(0)
+    restored = BlockMomentumLearner(make_optimizer(model), comm, **options)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(restored.prev_parameters, learner.prev_parameters)
+    assert torch.equal(restored.smoothed_gradient, learner.smoothed_gradient)
+    return snapshots, flat(model.parameters())
+
+
+def simulate(size: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The same training in one process: ``size`` model copies and reference §1.3-1.4 per parameter."""
+    global_sizes, options = CASES[case]
+    block_size = options["block_size"]
+    time_constant = options.get("block_momentum_as_time_constant")
+    if time_constant is None:
+        time_constant = -block_size / math.log(1 - 1 / size)
+    block_lr = options.get("block_learning_rate", 1.0)
+    nesterov = options.get("use_nesterov_momentum", True)
+    reset = options.get("reset_sgd_momentum_after_aggregation", True)
+    distributed_after = options.get("distributed_after", 0)
+    models = [make_model(seed=0) for _ in range(size)]
+    optimizers = [make_optimizer(model) for model in models]
+    prev = [p.detach().clone() for p in models[0].parameters()]
+    smoothed = [torch.zeros_like(p) for p in prev]
+    local_counts = [0] * size
+    samples_seen, position, snapshots = 0, 0, []
+
+    def sync() -> None:
+        momentum = math.exp(-(sum(local_counts) / size) / (time_constant / size))
+        parameters = [list(model.parameters()) for model in models]
+        with torch.no_grad():
+            for j in range(len(prev)):
+                total_delta = sum(prev[j] - parameters[k][j] for k in range(size))  # SUM, not mean
+                smoothed[j] = momentum * smoothed[j] + (1 - momentum) * block_lr * total_delta
+                new = prev[j] - smoothed[j]
+                if nesterov:
+                    new = new - momentum * smoothed[j]
+                prev[j] = new
+                for k in range(size):
+                    parameters[k][j].copy_(new)
+        if reset:
+            for optimizer in optimizers:
+                for state in optimizer.state.values():
+                    state["momentum_buffer"].zero_()
+        local_counts[:] = [0] * size
+        snapshots.append(torch.cat([p.reshape(-1) for p in prev]).clone())
+
+    for global_size in global_sizes:
+        warm = samples_seen < distributed_after  # every worker reads the whole minibatch
+        for k, (model, optimizer) in enumerate(zip(models, optimizers)):
+            start = position if warm else position + k * global_size // size
+            stop = position + global_size if warm else position + (k + 1) * global_size // size
+            optimizer.zero_grad()
+            if stop > start:
+                local_loss(model, start, stop).backward()
+                optimizer.step()
+            if not warm:
+                local_counts[k] += stop - start
+        position += global_size
+        samples_seen += global_size
+        if warm and samples_seen >= distributed_after:
+            prev = [p.detach().clone() for p in models[0].parameters()]
+        elif not warm and max(local_counts) >= block_size // size:
+            sync()
+    if sum(local_counts) > 0:
+        sync()
+    return snapshots, flat(models[0].parameters())
+
+
+def main() -> None:
+    comm = create_communicator(backend="gloo", timeout_s=60)
+    install_fail_fast(comm)
+    torch.set_num_threads(1)  # oversubscribed ranks on a small machine
+    for case in CASES:
+        snapshots, final = train(comm, case)
+        expected_snapshots, expected_final = simulate(comm.size, case)
+        assert len(snapshots) == len(expected_snapshots), (len(snapshots), len(expected_snapshots))
+        for index, (got, want) in enumerate(zip(snapshots + [final], expected_snapshots + [expected_final])):
+            difference = float((got - want).abs().max())
+            assert difference <= TOLERANCE, f"{case}: sync {index} differs from the simulation by {difference}"
+        comm.barrier()
+        print(f"PASS {case} rank {comm.rank}/{comm.size}", flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

