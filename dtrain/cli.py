@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,6 +28,9 @@ from dtrain.session.checkpoint import CheckpointError
 
 #: exit code for a bad config, data set or checkpoint (the user's input, not a crash)
 EXIT_BAD_INPUT = 2
+
+#: exit code after a preemption signal: a checkpoint was saved, run the same command again
+EXIT_PREEMPTED = 75
 
 #: the errors that name a bad input; anything else is a bug and keeps its traceback
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, CheckpointError)
@@ -50,6 +54,21 @@ def fingerprint(cfg: DictConfig) -> str:
     content = OmegaConf.to_container(cfg, resolve=True)
     content.pop("run_dir", None)
     return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(content), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_identity(cfg: DictConfig) -> dict:
+    """The settings a checkpoint must match to be restored: the model, the data, the learner and
+    optimizer types and the seed. Sizes, rates, frequencies and the world size may change."""
+    content = OmegaConf.to_container(cfg, resolve=True)
+    return {
+        "model": content["model"],
+        "train_data": {key: value for key, value in content["source"]["train"]["deserializer"].items()
+                       if key not in ("root", "download", "url", "md5")},  # where the files are may change
+        "learner": content["learner"]["_target_"] + (f"/{content['learner']['num_quantization_bits']}bits"
+                                                      if "num_quantization_bits" in content["learner"] else ""),
+        "optimizer": content["optimizer"]["_target_"],
+        "seed": content["seed"],
+    }
 
 
 def _schedule(node) -> Schedule | None:
@@ -140,8 +159,7 @@ def _run_with(comm, cfg: DictConfig) -> None:
         mb_size=mb_schedule or session.minibatch_size,
         max_samples=session.max_samples,
         progress_frequency=session.progress_frequency,
-        checkpoint_config=CheckpointConfig(session.checkpoint.filename, session.checkpoint.frequency,
-                                           session.checkpoint.restore, session.checkpoint.preserve_all),
+        checkpoint_config=CheckpointConfig(**OmegaConf.to_container(session.checkpoint, resolve=True)),
         cv_config=CrossValidationConfig(cv_source, session.cv.frequency, session.cv.minibatch_size,
                                         max_samples=session.cv.max_samples) if cv_source is not None else None,
         test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
@@ -150,13 +168,18 @@ def _run_with(comm, cfg: DictConfig) -> None:
         unit_gain_momentum=session.unit_gain_momentum,
         run_dir=run_dir,
         tensorboard=session.tensorboard,
-        config_fingerprint=fingerprint(cfg.model),
+        config_fingerprint=fingerprint(cfg),
+        checkpoint_identity=checkpoint_identity(cfg),
     )
     trainer.restore()  # a bad checkpoint is reported before anything is written
     if comm.is_main:
         saved = _save_config(cfg, run_dir)
         print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
-    trainer.train()
+    result = trainer.train()
+    if result.preempted:
+        comm.finalize()
+        sys.stdout.flush()
+        os._exit(EXIT_PREEMPTED)
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
@@ -215,8 +238,13 @@ def check_overrides(argv: list[str]) -> str | None:
     return None
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"dtrain: warning: {message}\n"
+
+
 def main() -> None:
     """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
+    warnings.formatwarning = _one_line_warning
     argv = sys.argv[1:]
     register_schemas()
     problem = check_recipe_argument(argv) or check_overrides(argv)

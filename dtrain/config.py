@@ -7,6 +7,7 @@ is built or written, and every problem is reported at once.
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -148,7 +149,9 @@ class CheckpointSettings:
     filename: str = "checkpoint.pt"     # relative to the run directory
     frequency: Optional[int] = None     # samples; null = at the end only; 0 = never
     restore: bool = True
-    preserve_all: bool = False
+    preserve_all: bool = False          # keep every checkpoint, not only the newest keep_last
+    keep_last: int = 2                  # >= 2: the newest and a fallback if it is damaged
+    preemption_signal: Optional[str] = "SIGTERM"  # save at the next step and exit 75; null disables
 
 
 @dataclass
@@ -268,6 +271,13 @@ def validate(cfg: DictConfig) -> list[str]:
     positive("session.num_threads", session.num_threads, allow_none=True)
     if not session.checkpoint.filename:
         problems.append("session.checkpoint.filename='': expected a file name")
+    if session.checkpoint.keep_last < 2:
+        problems.append(f"session.checkpoint.keep_last={session.checkpoint.keep_last}: expected 2 or more "
+                        f"(the newest checkpoint and a fallback)")
+    signal_name = session.checkpoint.preemption_signal
+    if signal_name is not None and not (signal_name.startswith("SIG") and hasattr(signal, signal_name)):
+        problems.append(f"session.checkpoint.preemption_signal={signal_name!r}: expected a signal name such as "
+                        f"SIGTERM or SIGUSR1, or null")
     for key in ("minibatch_size_schedule", "lr_schedule", "momentum_time_constant_schedule"):
         schedule = session[key]
         if schedule is not None:

@@ -95,6 +95,13 @@ class Learner:
         """Optimizer state plus the learner's own counters (replicated on every worker)."""
         return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen}
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """State that differs between workers (e.g. quantization residuals); gathered into checkpoints."""
+        return {}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores this worker's entry of ``local_state_dict``; called only at the same world size."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what ``state_dict`` returned; refuses a checkpoint made by another learner."""
         if state.get("kind") != self.kind:

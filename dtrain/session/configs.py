@@ -1,6 +1,8 @@
 """CNTK's training_session configuration objects: checkpoints, cross-validation, test."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,18 +31,30 @@ class CheckpointConfig:
         filename: checkpoint file name; a relative name is placed in the session's run directory.
         frequency: samples between checkpoints (``None``: only at the end; 0: never).
         restore: continue from the latest checkpoint at ``filename`` if there is one.
-        preserve_all: keep every checkpoint (``<filename>.<samples>``) instead of the latest only.
+        preserve_all: keep every checkpoint instead of the newest ``keep_last``.
+        keep_last: checkpoints kept (files ``<stem>-<samples><suffix>``); at least 2, so a
+            damaged newest file can fall back to the one before.
+        preemption_signal: the signal (name, e.g. ``"SIGTERM"``) that makes every rank save a
+            checkpoint at the next step boundary and stop with exit code 75; ``None`` disables.
     """
 
     filename: str | Path = "checkpoint.pt"
     frequency: int | None = None
     restore: bool = True
     preserve_all: bool = False
+    keep_last: int = 2
+    preemption_signal: str | None = "SIGTERM"
 
     def __post_init__(self):
         self.frequency = _check_frequency("checkpoint frequency", self.frequency)
-        if not str(self.filename):
-            raise ValueError("checkpoint filename must not be empty")
+        if not str(self.filename) or str(self.filename).endswith(("/", os.sep)):
+            raise ValueError(f"checkpoint filename {str(self.filename)!r} must name a file")
+        if not isinstance(self.keep_last, int) or self.keep_last < 2:
+            raise ValueError(f"checkpoint keep_last={self.keep_last!r}: expected 2 or more (the newest and a fallback)")
+        if self.preemption_signal is not None:
+            if not isinstance(getattr(signal, str(self.preemption_signal), None), signal.Signals):
+                raise ValueError(f"preemption_signal={self.preemption_signal!r}: expected a signal name such as "
+                                 f"'SIGTERM' or 'SIGUSR1', or None")
 
 
 @dataclass

@@ -7,7 +7,10 @@ single process or any distributed learner.
 """
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
 from dtrain.learners.base import Learner
 from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint
@@ -37,6 +41,7 @@ class TrainingResult:
     last_checkpoint: Path | None
     metrics_path: Path | None
     restored_from: Path | None
+    preempted: bool = False   # stopped by the preemption signal after saving a checkpoint
 
 
 class _Periodic:
@@ -89,6 +94,7 @@ class TrainingSession:
         run_dir: str | Path = ".",
         tensorboard: bool = True,
         config_fingerprint: str = "",
+        checkpoint_identity: dict | None = None,
         stream=None,
     ):
         if not isinstance(learner, Learner):
@@ -117,6 +123,7 @@ class TrainingSession:
         self.run_dir = Path(run_dir)
         self.tensorboard = tensorboard
         self.config_fingerprint = config_fingerprint
+        self.checkpoint_identity = checkpoint_identity or {}
         self.stream = stream
         self.device = self.comm.device
         # the configured learning rates; an lr schedule multiplies them
@@ -126,12 +133,13 @@ class TrainingSession:
         self.cv_period = _Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
         self.cv_index = 0
-        self.checkpoint_base = None
+        self.checkpoint_files: checkpoint.CheckpointFiles | None = None
         self._restore_attempted = False
         self._restored_from: Path | None = None
+        self._preemption = threading.Event()
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
-            self.checkpoint_base = filename if filename.is_absolute() else self.run_dir / filename
+            self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainingResult:
@@ -146,8 +154,9 @@ class TrainingSession:
         sums = torch.zeros(3, dtype=torch.float64)  # loss sum, metric sum, local samples this period
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
-        stopped_early = False
-        with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream) as printer:
+        stopped_early = preempted = False
+        with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream) as printer, \
+                self._preemption_handler():
             self._print_start(printer, restored_from)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
@@ -173,6 +182,9 @@ class TrainingSession:
                         break
                 if self.checkpoint_period.due(seen):
                     last_checkpoint = self._save_checkpoint(printer)
+                if self._preemption_requested():
+                    preempted = stopped_early = True
+                    break
 
             # the end: one last synchronisation, then each action once more for a partial period
             self.learner.synchronize()
@@ -181,12 +193,16 @@ class TrainingSession:
                 self._report_progress(printer, metrics, sums, throughput)
             if self.cv_period.pending(seen) and not stopped_early:
                 last_cv, _ = self._cross_validate(printer, metrics)
-            if self.checkpoint_period.pending(seen) or (self.checkpoint_base and last_checkpoint is None
-                                                        and self.checkpoint_period.frequency):
+            if self.checkpoint_files is not None and (
+                    preempted or self.checkpoint_period.pending(seen)
+                    or (last_checkpoint is None and self.checkpoint_period.frequency)):
                 last_checkpoint = self._save_checkpoint(printer)
+            if preempted:
+                printer.line(f"preempted by {self.checkpoint_config.preemption_signal} at {seen} samples: checkpoint "
+                             f"{last_checkpoint} saved; run the same command again to continue")
 
         test = None  # the model was synchronised above
-        if self.test_config is not None:
+        if self.test_config is not None and not preempted:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device)
             metrics.write("test", seen, loss=test.loss, error=test.error, accuracy=test.accuracy, num_samples=test.num_samples)
@@ -195,7 +211,7 @@ class TrainingSession:
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
-            metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from,
+            metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
         )
         self._print_summary(printer, result, metrics)
         return result
@@ -264,9 +280,42 @@ class TrainingSession:
         self.cv_index += 1
         return result, keep_going
 
+    # -- preemption ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _preemption_handler(self):
+        """While training, the preemption signal sets a flag instead of ending the job."""
+        name = self.checkpoint_config.preemption_signal if self.checkpoint_config else None
+        if name is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        wanted = int(getattr(signal, name))
+
+        def claim(signum: int) -> bool:
+            if signum != wanted:
+                return False
+            self._preemption.set()
+            return True
+
+        install_signal_handlers([wanted])
+        add_signal_callback(claim)
+        try:
+            yield
+        finally:
+            remove_signal_callback(claim)
+
+    def _preemption_requested(self) -> bool:
+        """Whether any rank got the preemption signal (a collective when several ranks run)."""
+        if self.checkpoint_files is None or self.checkpoint_config.preemption_signal is None:
+            return False
+        flag = torch.tensor([1.0 if self._preemption.is_set() else 0.0])
+        if self.comm.size > 1:
+            flag = self.comm.allreduce(flag.to(self.comm.device), op="max").cpu()
+        return bool(flag.item())
+
     # -- checkpoints ----------------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
-        rng_states = self.comm.gather_object(torch.get_rng_state())
+        """Everything a bit-exact resume needs; per-rank parts are gathered (a collective)."""
+        per_rank = self.comm.gather_object({"rng": torch.get_rng_state(), "learner": self.learner.local_state_dict()})
         return {
             "samples_seen": self.learner.samples_seen,
             "minibatches": self.minibatches,
@@ -274,29 +323,33 @@ class TrainingSession:
             "model": self.model.state_dict(),
             "learner": self.learner.state_dict(),
             "source": self.source.get_checkpoint_state(),
-            "rng": rng_states,
+            "per_rank": per_rank,
             "world_size": self.comm.size,
             "learner_kind": self.learner.kind,
+            "identity": self.checkpoint_identity,
             "config_fingerprint": self.config_fingerprint,
             "versions": {"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
         }
 
     def _save_checkpoint(self, printer) -> Path:
         self.learner.synchronize()
-        state = self._checkpoint_state()  # collective: every rank takes part
-        path = checkpoint.checkpoint_path(self.checkpoint_base, self.learner.samples_seen,
-                                          self.checkpoint_config.preserve_all)
+        state = self._checkpoint_state()
+        path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
             checkpoint.save_atomic(state, path)
+            self.checkpoint_files.prune(0 if self.checkpoint_config.preserve_all else self.checkpoint_config.keep_last)
             printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
         self.comm.barrier()
         return path
 
     def restore(self) -> Path | None:
-        """Loads the latest checkpoint when restore is on; refuses to overwrite one when it is off.
+        """Loads the newest good checkpoint when restore is on; refuses to overwrite one when it is off.
 
         Called by ``train()``; call it earlier to find a bad checkpoint before anything is written.
         Returns the file restored from (``None``: starting fresh). Idempotent.
+
+        Raises:
+            CheckpointError: no checkpoint is readable, or the newest belongs to another model or config.
         """
         if self._restore_attempted:
             return self._restored_from
@@ -305,36 +358,67 @@ class TrainingSession:
         return self._restored_from
 
     def _load_latest(self) -> Path | None:
-        if self.checkpoint_base is None:
+        if self.checkpoint_files is None:
             return None
-        latest = checkpoint.find_latest(self.checkpoint_base)
-        if not self.checkpoint_config.restore:
-            if latest is not None:
-                raise checkpoint.CheckpointError(
-                    f"checkpoint {latest} already exists and restore is off; set session.checkpoint.restore=true "
-                    f"to continue it, or use a new run directory so it is not overwritten"
-                )
+        # rank 0 reads and every rank receives: no shared file system needed, and one error for all
+        outcome = None
+        if self.comm.is_main:
+            try:
+                outcome = self._read_checkpoint()
+            except checkpoint.CheckpointError as error:
+                outcome = str(error)
+        outcome = self.comm.broadcast_object(outcome, root=0)
+        if isinstance(outcome, str):
+            raise checkpoint.CheckpointError(outcome)
+        if outcome is None:
             return None
-        if latest is None:
-            return None
-        # rank 0 reads, everyone receives: no shared file system needed
-        state = checkpoint.load(latest) if self.comm.is_main else None
-        state = self.comm.broadcast_object(state, root=0)
-        mismatch = checkpoint.describe_model_mismatch(self.model, state["model"])
-        if mismatch:
-            raise checkpoint.CheckpointError(f"checkpoint {latest} does not fit this model: {mismatch}")
+        path, state = outcome
         self.model.load_state_dict(state["model"])
         self.learner.load_state_dict(state["learner"])
         self.source.restore_from_checkpoint(state["source"])
-        rng_states = state.get("rng") or []
-        if len(rng_states) == self.comm.size:
-            torch.set_rng_state(rng_states[self.comm.rank])
+        if state["world_size"] == self.comm.size:
+            own = state["per_rank"][self.comm.rank]
+            torch.set_rng_state(own["rng"])
+            self.learner.load_local_state_dict(own["learner"])
+        elif self.comm.is_main:
+            print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
+                  f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
+                  f"quantization residuals) reset", file=self.stream or sys.stdout, flush=True)
         self.minibatches = int(state["minibatches"])
         self.cv_index = int(state["cv_index"])
         seen = self.learner.samples_seen
         for period in (self.progress_period, self.checkpoint_period, self.cv_period):
             period.reset(seen)
-        return latest
+        return path
+
+    def _read_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
+        """Rank 0: the newest readable checkpoint, checked against this run; ``None`` when there is none."""
+        if not self.checkpoint_config.restore:
+            existing = self.checkpoint_files.existing()
+            if existing:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {existing[-1][1]} already exists and restore is off; set session.checkpoint.restore=true "
+                    f"to continue it, or use a new run directory so it is not overwritten")
+            return None
+        found = checkpoint.load_latest_valid(self.checkpoint_files)
+        if found is None:
+            return None
+        path, state = found
+        for key in ("model", "learner", "source", "per_rank", "world_size", "samples_seen", "minibatches", "cv_index"):
+            if key not in state:
+                raise checkpoint.CheckpointError(f"checkpoint {path} lacks '{key}': it was not written by this dtrain")
+        mismatch = checkpoint.describe_model_mismatch(self.model, state["model"])
+        if mismatch:
+            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this model: {mismatch}")
+        if state["learner_kind"] != self.learner.kind:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} was written by the {state['learner_kind']!r} learner, this run uses "
+                f"{self.learner.kind!r}; restore with the same learner or use a new run directory")
+        difference = checkpoint.describe_config_mismatch(state.get("identity", {}), self.checkpoint_identity)
+        if difference:
+            raise checkpoint.CheckpointError(f"checkpoint {path} belongs to another configuration: {difference}; "
+                                             f"restore with the same settings or use a new run directory")
+        return path, state
 
     # -- printing -------------------------------------------------------------------------------
     def _print_start(self, printer, restored_from: Path | None) -> None:

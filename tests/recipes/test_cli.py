@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from dtrain.session import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from _cifar_files import write_cifar10_binary  # noqa: E402
@@ -34,15 +35,14 @@ def test_digits_recipe_reaches_97_percent_and_says_where_outputs_went(tmp_path):
     accuracy = float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1))
     assert accuracy >= 97.0, result.stdout
     run = tmp_path / "run"
-    assert f"checkpoint: {run / 'checkpoint.pt'}" in result.stdout
+    assert f"checkpoint: {run / 'checkpoint-30000.pt'}" in result.stdout
     assert f"metrics: {run / 'metrics.jsonl'}" in result.stdout
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in records if r["kind"] == "train"] == [7520, 15008, 22528, 30000]
     assert any(r["kind"] == "test" and r["accuracy"] * 100 == pytest.approx(accuracy, abs=0.01) for r in records)
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "config.yaml").is_file()
-    state = torch.load(run / "checkpoint.pt", weights_only=True)
-    assert state["samples_seen"] == 30000
+    assert checkpoint.load(run / "checkpoint-30000.pt")["samples_seen"] == 30000
 
 
 def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
@@ -56,7 +56,7 @@ def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "restored" in resumed.stdout and "at 256 samples" in resumed.stdout
     assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "config.1.yaml").is_file()
-    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["samples_seen"] == 384
+    assert checkpoint.load(tmp_path / "run" / "checkpoint-384.pt")["samples_seen"] == 384
 
 
 def _one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -72,7 +72,7 @@ def existing_run(tmp_path):
     """A run directory with a checkpoint, config and metrics already written."""
     run = tmp_path / "run"
     run.mkdir()
-    (run / "checkpoint.pt").write_bytes(b"\x00garbage, not a checkpoint")
+    (run / "checkpoint-100.pt").write_bytes(b"\x00garbage, not a checkpoint")
     (run / "config.yaml").write_text("earlier: config\n")
     (run / "metrics.jsonl").write_text('{"kind": "train"}\n')
     return run
@@ -83,7 +83,7 @@ def existing_run(tmp_path):
     (("+recipe=digits", "session.minibatch_sise=5"), "Key 'minibatch_sise' not in 'SessionConfig'"),
     (("+recipe=digits", "session.minibatch_size=-5"), "session.minibatch_size=-5: expected a positive"),
     (("+recipe=digits", "learner=nope"), "Could not find 'learner/nope'"),
-    (("+recipe=digits",), "checkpoint.pt could not be read"),
+    (("+recipe=digits",), "checkpoint-100.pt could not be read (not a dtrain checkpoint"),
     (("+recipe=digits", "session.checkpoint.restore=false"), "already exists and restore is off"),
 ])
 def test_bad_input_is_one_line_nonzero_exit_and_nothing_overwritten(args, fragment, existing_run):

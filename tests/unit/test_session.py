@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from torch import nn
 
 from dtrain import CheckpointConfig, CrossValidationConfig, Learner, MinibatchSource, Schedule, TestConfig, training_session
 from dtrain.data import ArrayDeserializer
+from dtrain.session import checkpoint
 from dtrain.session.checkpoint import CheckpointError
 
 
@@ -62,13 +64,13 @@ def test_restored_run_ends_with_exactly_the_parameters_of_an_uninterrupted_run(t
     _, interrupted = make_session(tmp_path / "b", max_samples=480, cv_callback=crash_at_third_cv)
     with pytest.raises(Crash):
         interrupted.train()
-    saved = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
-    assert saved["samples_seen"] == 272
+    assert sorted(p.name for p in (tmp_path / "b").glob("ckpt-*.pt")) == ["ckpt-192.pt", "ckpt-272.pt"]  # keep_last=2
+    assert checkpoint.load(tmp_path / "b" / "ckpt-272.pt")["samples_seen"] == 272
 
     torch.manual_seed(999)  # a different process state: only the checkpoint may matter
     model_b, resumed = make_session(tmp_path / "b", max_samples=480)
     result = resumed.train()
-    assert result.restored_from == tmp_path / "b" / "ckpt.pt"
+    assert result.restored_from == tmp_path / "b" / "ckpt-272.pt"
     assert result.samples_seen == 480
     for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
         assert torch.equal(a, b), name
@@ -87,7 +89,7 @@ def test_actions_fire_each_period_and_once_more_at_the_end(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in records if r["kind"] == "train"] == [112, 208, 300]
     assert [r["samples"] for r in records if r["kind"] == "cv"] == [96, 192, 300]
-    assert not list(tmp_path.glob("ckpt.pt*"))  # frequency 0 disables checkpoints
+    assert not list(tmp_path.glob("ckpt*"))  # frequency 0 disables checkpoints
 
 
 def test_cv_callback_returning_false_stops_training(tmp_path):
@@ -105,18 +107,53 @@ def test_test_config_reads_the_whole_test_source_once(tmp_path):
 
 def test_restore_off_refuses_to_overwrite_an_existing_checkpoint(tmp_path):
     make_session(tmp_path, max_samples=64)[1].train()
-    before = (tmp_path / "ckpt.pt").read_bytes()
+    before = (tmp_path / "ckpt-64.pt").read_bytes()
     with pytest.raises(CheckpointError, match="already exists and restore is off"):
         make_session(tmp_path, max_samples=64, restore=False)[1].train()
-    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    assert (tmp_path / "ckpt-64.pt").read_bytes() == before
 
 
 def test_unreadable_checkpoint_is_one_clear_error_and_left_alone(tmp_path):
-    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(CheckpointError, match=r"ckpt.pt could not be read") as caught:
+    (tmp_path / "ckpt-64.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match=r"ckpt-64.pt could not be read") as caught:
         make_session(tmp_path, max_samples=64)[1].train()
     assert "\n" not in str(caught.value)
-    assert (tmp_path / "ckpt.pt").read_bytes() == b"not a checkpoint at all"
+    assert (tmp_path / "ckpt-64.pt").read_bytes() == b"not a checkpoint at all"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_byte", "empty"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, damage):
+    make_session(tmp_path, max_samples=128)[1].train()
+    newest = tmp_path / "ckpt-128.pt"
+    data = newest.read_bytes()
+    if damage == "truncate":
+        newest.write_bytes(data[: len(data) // 2])
+    elif damage == "flip_byte":
+        newest.write_bytes(data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:])
+    else:
+        newest.write_bytes(b"")
+    with pytest.raises(CheckpointError) as direct:
+        checkpoint.load(newest)
+    assert {"truncate": "truncated", "flip_byte": "checksum mismatch", "empty": "no valid header"}[damage] in str(direct.value)
+    with pytest.warns(RuntimeWarning, match="using the previous checkpoint ckpt-64.pt"):
+        result = make_session(tmp_path, max_samples=160)[1].train()
+    assert result.restored_from == tmp_path / "ckpt-64.pt"
+
+
+def test_a_write_killed_midway_leaves_the_previous_checkpoint_in_use(tmp_path, monkeypatch):
+    make_session(tmp_path, max_samples=64)[1].train()
+    # what SIGKILL during a write leaves behind: a partial temporary file, never the final name
+    (tmp_path / ".ckpt-128.pt.abc123.tmp").write_bytes(b"DTRAIN-CHECKPOINT 2 partial")
+
+    def dies_before_the_data_is_durable(fd):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(os, "fsync", dies_before_the_data_is_durable)
+    with pytest.raises(KeyboardInterrupt):
+        make_session(tmp_path, max_samples=128)[1].train()
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt-64.pt"]
+    assert make_session(tmp_path, max_samples=128)[1].train().restored_from == tmp_path / "ckpt-64.pt"
 
 
 def test_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path):
@@ -129,25 +166,38 @@ def test_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path):
         session.train()
 
 
-def test_checkpoint_write_is_atomic_and_loads_without_code(tmp_path):
+def test_checkpoint_of_another_configuration_is_refused_naming_the_key(tmp_path):
+    def run(identity):
+        model = make_model()
+        return training_session(model, nn.functional.cross_entropy, Learner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                                MinibatchSource(make_data()), 16, max_samples=64, checkpoint_config=CheckpointConfig("ckpt.pt"),
+                                run_dir=tmp_path, tensorboard=False, checkpoint_identity=identity).train()
+    run({"model": {"hidden": 16}, "seed": 0})
+    with pytest.raises(CheckpointError, match="model.hidden was 16 in the checkpoint's run and is 32 now"):
+        run({"model": {"hidden": 32}, "seed": 0})
+
+
+def test_checkpoint_write_is_atomic_checksummed_and_loads_without_code(tmp_path):
     _, session = make_session(tmp_path, max_samples=64)
     session.train()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert state["format"] == "dtrain-checkpoint" and state["learner"]["kind"] == "local"
-    assert set(state) >= {"model", "learner", "source", "rng", "samples_seen", "world_size", "versions"}
+    assert (tmp_path / "ckpt-64.pt").read_bytes().startswith(b"DTRAIN-CHECKPOINT 2 sha256=")
+    state = checkpoint.load(tmp_path / "ckpt-64.pt")
+    assert state["learner"]["kind"] == "local" and state["world_size"] == 1
+    assert set(state) >= {"model", "learner", "source", "per_rank", "samples_seen", "identity", "versions"}
+    assert state["per_rank"][0]["rng"].dtype == torch.uint8
 
 
 def test_preserve_all_keeps_every_checkpoint_and_restores_the_latest(tmp_path):
     model = make_model()
     def build(max_samples):
         return training_session(model, nn.functional.cross_entropy, Learner(torch.optim.SGD(model.parameters(), lr=0.1)),
-                                 MinibatchSource(make_data()), 16, max_samples=max_samples,
-                                 checkpoint_config=CheckpointConfig("ckpt.pt", frequency=32, preserve_all=True),
-                                 run_dir=tmp_path, tensorboard=False)
+                                MinibatchSource(make_data()), 16, max_samples=max_samples,
+                                checkpoint_config=CheckpointConfig("ckpt.pt", frequency=32, preserve_all=True),
+                                run_dir=tmp_path, tensorboard=False)
     build(96).train()
-    assert sorted(p.name for p in tmp_path.glob("ckpt.pt.*")) == ["ckpt.pt.32", "ckpt.pt.64", "ckpt.pt.96"]
-    assert build(128).train().restored_from == tmp_path / "ckpt.pt.96"
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-32.pt", "ckpt-64.pt", "ckpt-96.pt"]
+    assert build(128).train().restored_from == tmp_path / "ckpt-96.pt"
 
 
 def test_bad_arguments_are_refused_when_built():
