@@ -168,6 +168,7 @@ def _run_with(comm, cfg: DictConfig) -> None:
         unit_gain_momentum=session.unit_gain_momentum,
         run_dir=run_dir,
         tensorboard=session.tensorboard,
+        progress_bar=session.progress_bar,
         config_fingerprint=fingerprint(cfg),
         checkpoint_identity=checkpoint_identity(cfg),
     )

@@ -181,6 +181,7 @@ class SessionConfig:
     cv: CrossValidationSettings = field(default_factory=CrossValidationSettings)
     test: TestSettings = field(default_factory=TestSettings)
     tensorboard: bool = True
+    progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
 
 

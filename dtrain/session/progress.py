@@ -26,13 +26,14 @@ class ProgressPrinter:
         total_samples: samples the run will train on (``None`` when it ends with the data).
         enabled: whether this process prints at all (rank 0 only).
         stream: where to print (standard output by default).
+        live_bar: show the live bar (``None``: when ``stream`` is a terminal).
     """
 
-    def __init__(self, total_samples: int | None, enabled: bool = True, stream=None):
+    def __init__(self, total_samples: int | None, enabled: bool = True, stream=None, live_bar: bool | None = None):
         self.total_samples = total_samples
         self.enabled = enabled
         self.console = Console(file=stream or sys.stdout, highlight=False, soft_wrap=True)
-        self.interactive = enabled and self.console.is_terminal
+        self.interactive = enabled and (self.console.is_terminal if live_bar is None else live_bar)
         self._bar: Progress | None = None
         self._task = None
 

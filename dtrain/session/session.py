@@ -95,6 +95,7 @@ class TrainingSession:
         tensorboard: bool = True,
         config_fingerprint: str = "",
         checkpoint_identity: dict | None = None,
+        progress_bar: bool | None = None,
         stream=None,
     ):
         if not isinstance(learner, Learner):
@@ -124,6 +125,9 @@ class TrainingSession:
         self.tensorboard = tensorboard
         self.config_fingerprint = config_fingerprint
         self.checkpoint_identity = checkpoint_identity or {}
+        # a launcher (mpiexec) gives ranks a pseudo-terminal even when its own output goes to a file,
+        # so the live bar is only automatic in a single process
+        self.progress_bar = progress_bar if progress_bar is not None else (None if self.comm.size == 1 else False)
         self.stream = stream
         self.device = self.comm.device
         # the configured learning rates; an lr schedule multiplies them
@@ -155,7 +159,7 @@ class TrainingSession:
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
         stopped_early = preempted = False
-        with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream) as printer, \
+        with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
                 self._preemption_handler():
             self._print_start(printer, restored_from)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
@@ -467,6 +471,8 @@ def training_session(model, loss, learner, mb_source, mb_size, **options) -> Tra
         unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
         run_dir: directory for metrics, TensorBoard events and relative checkpoint names.
         tensorboard: write TensorBoard events too.
+        checkpoint_identity: plain settings a checkpoint must match to be restored (model, data, ...).
+        progress_bar: live progress bar (``None``: on a terminal, single process only).
     """
     return TrainingSession(model, loss, learner, mb_source, mb_size, **options)
 

@@ -29,7 +29,6 @@ def test_ranks_agree_after_every_sync_and_match_the_simulation(nprocs: int) -> N
         assert len(differences) >= 3 and all(float(d) == 0.0 for d in differences), result.report()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_trains_digits_with_block_momentum_on_two_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -1,0 +1,405 @@
+"""Block momentum (BMUF): local steps on each worker, and every block a filtered model sync.
+
+``block_momentum_distributed_learner`` is CNTK's factory of the same name and follows CNTK's
+update literally (reference/cntk_chainermn.md §1.3-1.4, ARCHITECTURE convention 3): each worker
+trains its own copy of the model with the wrapped optimizer; when a block of samples has been
+trained on, the workers' model deltas are SUMMED, filtered by the block momentum and applied to
+the model of the last sync, so every worker continues from one model.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dtrain.learners.base import Learner
+from dtrain.schedules import momentum_from_time_constant
+
+#: Optimizer state entries the momentum reset zeroes: the first-moment (momentum) buffers of
+#: torch's optimizers (SGD/RMSprop ``momentum_buffer``; Adam, AdamW, NAdam, RAdam, Adamax
+#: ``exp_avg``). Second moments (``exp_avg_sq``, ``square_avg``, ...) and step counts are kept:
+#: they scale the steps, and zeroing them while bias correction is already ~1 would make the next
+#: steps several times larger than the learning rate asks for.
+MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")
+
+#: the one misspelt keyword CNTK's Python API has, accepted for ported scripts
+_NESTEROV_ALIAS = "use_nestrov_momentum"
+
+
+def default_time_constant(block_size: int, num_workers: int) -> float:
+    """CNTK's default block momentum time constant ``-block_size / ln(1 - 1/N)``, in samples.
+
+    It makes the block momentum ``1 - 1/N`` at a sync of nominal size. One worker gives 0
+    (block momentum 0: a sync leaves the model unchanged).
+    """
+    if num_workers == 1:
+        return 0.0
+    return -block_size / math.log(1.0 - 1.0 / num_workers)
+
+
+class BlockMomentumLearner(Learner):
+    """Blockwise model-update filtering (CNTK's block momentum distributed learner).
+
+    Every minibatch, ``step()`` first runs the wrapped optimizer on this worker's gradient of its
+    LOCAL mean loss (unscaled: each worker trains its own model copy, PyTorch's loss convention).
+    When a block is complete, every worker takes part in a sync. With ``W_prev`` the model of
+    the last sync, ``W_i`` worker i's model, ``sg`` the block-level smoothed gradient:
+
+    1. ``d_i = W_prev - W_i``, and ``D = sum_i d_i`` (all-reduce SUM, not divided by N);
+    2. ``sg <- bm * sg + (1 - bm) * block_learning_rate * D``;
+    3. ``W <- W_prev - sg``, then with Nesterov ``W <- W - bm * sg``;
+    4. ``W_prev <- W`` on every worker; with ``reset_sgd_momentum_after_aggregation`` the
+       optimizer's momentum buffers are zeroed (see ``MOMENTUM_STATE_KEYS``).
+
+    All parameters travel in ONE flat buffer (one all-reduce per sync), together with the
+    floating-point buffers of the model (BatchNorm running statistics), which are averaged.
+
+    When a block is complete (the decision must be the same on every rank, and costs no extra
+    communication): each rank counts, from the global minibatch sizes it is told, the samples of
+    the most-loaded worker since the last sync, ``ceil(B / N)`` per global minibatch of ``B``
+    samples. The session's partitioning gives every worker ``floor`` or ``ceil`` of ``B / N``
+    (the last rank always ``ceil``), so this count is the largest local count ``n_loc`` of any
+    worker, and a sync happens exactly when the first worker's ``n_loc`` reaches the per-worker
+    sync period ``block_size // N``: CNTK's rule, where one worker asking to aggregate makes all
+    aggregate. With even shares that is every ``N * (block_size // N)`` global samples.
+
+    Block momentum: ``bm = exp(-n / (TC / N))`` (CNTK's per-worker time constant), with ``n``
+    the workers' MEAN local count since the last sync (global samples since the sync / N). With
+    even shares this is every worker's own ``n_loc``, as in CNTK; with uneven shares CNTK's
+    per-worker ``n_loc`` would give each worker a different ``bm`` and so different models after
+    the sync, which the mean avoids. The default ``TC = -block_size / ln(1 - 1/N)`` gives
+    ``bm = 1 - 1/N``; with one worker ``TC = 0`` and ``bm = 0``, so (with ``block_learning_rate``
+    1) a sync leaves the model as it is: the update is then skipped, which also spares its
+    rounding, and only the momentum reset remains.
+
+    Warm start: while ``samples_seen < distributed_after`` (global samples) every worker steps
+    on the full data stream with no communication; at the switch, rank 0's parameters and
+    buffers are broadcast and become ``W_prev``.
+
+    Args:
+        optimizer: the torch optimizer of the model's parameters.
+        comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
+        block_size: global samples per block (> 0, at least N): CNTK's ``block_size``.
+        block_momentum_as_time_constant: the block momentum's time constant in samples (> 0), or
+            None for CNTK's default ``-block_size / ln(1 - 1/N)``.
+        use_nesterov_momentum: apply the Nesterov look-ahead ``W <- W - bm * sg`` at each sync.
+        reset_sgd_momentum_after_aggregation: zero the optimizer's momentum buffers at each sync.
+        block_learning_rate: scale of the block update (> 0); 1 is CNTK's default.
+        distributed_after: global samples of local-only training on the full stream before the
+            first block starts (>= 0).
+
+    Raises:
+        ValueError: a value is out of range, or ``block_size // N`` is 0 (sync period too small).
+        TypeError: the optimizer is not a ``torch.optim.Optimizer``, or a flag is not a bool.
+    """
+
+    kind = "block_momentum"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm, block_size: int,
+                 block_momentum_as_time_constant: float | None = None, use_nesterov_momentum: bool = True,
+                 reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
+                 distributed_after: int = 0):
+        super().__init__(optimizer, comm, distributed_after)
+        num_workers = self.comm.size
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size={block_size!r}: expected a positive whole number of samples "
+                             f"(global, all workers together), e.g. block_size={4096 * num_workers}")
+        if block_size // num_workers < 1:
+            raise ValueError(f"block_size={block_size} is too small for {num_workers} workers: the per-worker sync "
+                             f"period block_size // N is 0 (CNTK: 'Sync period is too small'); "
+                             f"use block_size >= {num_workers}")
+        if block_momentum_as_time_constant is not None:
+            _check_positive("block_momentum_as_time_constant", block_momentum_as_time_constant,
+                            "samples, or None for CNTK's default -block_size/ln(1-1/N)")
+        _check_positive("block_learning_rate", block_learning_rate, "(1.0 is CNTK's default)")
+        for name, flag in (("use_nesterov_momentum", use_nesterov_momentum),
+                           ("reset_sgd_momentum_after_aggregation", reset_sgd_momentum_after_aggregation)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r}: expected True or False")
+
+        # -- hyper-parameters
+        self.block_size = block_size
+        self.sync_period = block_size // num_workers  # per-worker samples between syncs (CNTK)
+        self.time_constant = (float(block_momentum_as_time_constant) if block_momentum_as_time_constant is not None
+                              else default_time_constant(block_size, num_workers))
+        self.use_nesterov_momentum = use_nesterov_momentum
+        self.reset_sgd_momentum_after_aggregation = reset_sgd_momentum_after_aggregation
+        self.block_learning_rate = float(block_learning_rate)
+
+        # -- state (saved in checkpoints)
+        self.local_samples_in_block = 0     # n_loc: this worker's samples since the last sync (CNTK's; recorded)
+        self.global_samples_in_block = 0    # all workers' samples since the last sync
+        self.largest_share_in_block = 0     # the most-loaded worker's samples since the last sync
+        self.syncs = 0                      # block syncs done so far
+        self.prev_parameters: torch.Tensor | None = None     # W_prev, flat: the model of the last sync
+        self.smoothed_gradient: torch.Tensor | None = None   # sg, flat
+
+        # -- working memory, set by prepare()
+        self._model: torch.nn.Module | None = None
+        self._float_buffers: list[torch.Tensor] = []
+        self._other_buffers: list[torch.Tensor] = []
+        self._num_parameter_elements = 0
+        self._scratch: torch.Tensor | None = None  # [W or d_i | floating-point buffers]
+
+    # -- the loop -------------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Broadcasts rank 0's parameters and buffers, then takes them as ``W_prev`` (``sg`` = 0).
+
+        After ``load_state_dict`` the restored ``W_prev`` and ``sg`` are kept instead.
+
+        Raises:
+            ValueError: the optimizer has no parameters, or they are not all on one device.
+        """
+        parameters = self.parameters
+        if not parameters:
+            raise ValueError("the optimizer has no parameters; build it from model.parameters()")
+        devices = {p.device for p in parameters}
+        if len(devices) > 1:
+            raise ValueError(f"block momentum keeps one flat copy of the model, but its parameters are on "
+                             f"{sorted(map(str, devices))}; put the model on one device")
+        self._model = model
+        buffers = list(model.buffers())
+        self._float_buffers = [b for b in buffers if b.is_floating_point()]
+        self._other_buffers = [b for b in buffers if not b.is_floating_point()]
+        # one dtype that holds every parameter and float buffer exactly (float32 for usual models)
+        dtype = parameters[0].dtype
+        for tensor in parameters + self._float_buffers:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+        device = parameters[0].device
+        self._num_parameter_elements = sum(p.numel() for p in parameters)
+        self._scratch = torch.empty(self._num_parameter_elements + sum(b.numel() for b in self._float_buffers),
+                                    dtype=dtype, device=device)
+        if self.comm.size > 1:
+            _broadcast(list(parameters) + buffers, self.comm)
+        restored_prev, restored_sg = self.prev_parameters, self.smoothed_gradient
+        self.prev_parameters = self._flat_parameters().clone()
+        self.smoothed_gradient = torch.zeros_like(self.prev_parameters)
+        if restored_prev is not None:
+            self.prev_parameters.copy_(restored_prev)
+            self.smoothed_gradient.copy_(restored_sg)
+
+    def step(self) -> None:
+        """The local optimizer step, then the block logic (a sync when the block is complete).
+
+        Raises:
+            RuntimeError: ``prepare(model)`` was not called first (``training_session`` calls it).
+        """
+        if self._scratch is None:
+            raise RuntimeError("call learner.prepare(model) before training; training_session does it for you")
+        blocks_started = self._blocks_started()  # decided before this minibatch was read
+        if self.local_samples > 0:
+            self.optimizer.step()
+        self.samples_seen += self.global_samples
+        if blocks_started:
+            self.local_samples_in_block += self.local_samples
+            self.global_samples_in_block += self.global_samples
+            self.largest_share_in_block += -(-self.global_samples // self.comm.size)
+            if self.largest_share_in_block >= self.sync_period:
+                self._sync()
+        elif self._blocks_started():
+            self._start_blocks()
+
+    def synchronize(self) -> None:
+        """Brings every worker to one model: a sync if any samples were trained on since the last.
+
+        Called by the session before cross-validation, before every checkpoint and at the end.
+        Floating-point buffers (BatchNorm statistics) are averaged over workers and other buffers
+        (``num_batches_tracked``) taken from rank 0. During the warm start (before
+        ``distributed_after``) rank 0's parameters and buffers are broadcast instead. A learner
+        not yet prepared has nothing to synchronize.
+        """
+        if self._model is None:
+            return
+        if self._blocks_started():
+            if self.global_samples_in_block > 0:
+                self._sync()  # float buffers are averaged inside it
+            if self.comm.size > 1 and self._other_buffers:
+                _broadcast(self._other_buffers, self.comm)
+        elif self.comm.size > 1:
+            _broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
+
+    # -- the block update -----------------------------------------------------------------------
+    def _blocks_started(self) -> bool:
+        # not is_distributed(): one worker runs blocks too (CNTK resets momentum at its syncs)
+        return self.samples_seen >= self.distributed_after
+
+    def _sync(self) -> None:
+        """The BMUF update of reference §1.4, on every rank at once."""
+        num_workers = self.comm.size
+        mean_local_samples = self.global_samples_in_block / num_workers
+        block_momentum = momentum_from_time_constant(self.time_constant / num_workers, mean_local_samples)
+        scratch, parameter_count = self._scratch, self._num_parameter_elements
+        model_delta = scratch[:parameter_count]
+        self._flat_parameters(out=model_delta)  # W_i for now
+        if num_workers == 1 and block_momentum == 0.0 and self.block_learning_rate == 1.0:
+            # sg = D = W_prev - W and W <- W_prev - sg = W: the model stays as it is
+            torch.sub(self.prev_parameters, model_delta, out=self.smoothed_gradient)
+            self.prev_parameters.copy_(model_delta)
+        else:
+            torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
+            if num_workers > 1:
+                _pack(self._float_buffers, scratch[parameter_count:])
+                self.comm.allreduce(scratch, op="sum")  # D = sum_i d_i; buffers summed
+                _unpack(scratch[parameter_count:].div_(num_workers), self._float_buffers)
+            self.smoothed_gradient.mul_(block_momentum).add_(
+                model_delta, alpha=(1.0 - block_momentum) * self.block_learning_rate)
+            self.prev_parameters.sub_(self.smoothed_gradient)  # W = W_prev - sg
+            if self.use_nesterov_momentum:
+                self.prev_parameters.sub_(self.smoothed_gradient, alpha=block_momentum)  # W -= bm * sg
+            _unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
+        self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
+        self.syncs += 1
+        if self.reset_sgd_momentum_after_aggregation:
+            self._reset_local_momentum()
+
+    def _start_blocks(self) -> None:
+        """End of the warm start: every worker continues from rank 0's model, which becomes W_prev."""
+        if self.comm.size > 1:
+            _broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
+        self._flat_parameters(out=self.prev_parameters)
+        self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
+
+    def _reset_local_momentum(self) -> None:
+        """Zeroes the optimizer's first-moment buffers in place (CNTK's ResetSmoothedGradients)."""
+        for state in self.optimizer.state.values():
+            for key in MOMENTUM_STATE_KEYS:
+                buffer = state.get(key)
+                if isinstance(buffer, torch.Tensor):
+                    buffer.zero_()
+
+    def _flat_parameters(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameters as one flat tensor (into ``out`` when given, casting to its dtype)."""
+        if out is None:
+            out = torch.empty(self._num_parameter_elements, dtype=self._scratch.dtype, device=self._scratch.device)
+        _pack(self.parameters, out)
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus ``W_prev``, ``sg`` and the block counters (tensors and ints only).
+
+        The session calls ``synchronize()`` first, so the counters are 0 and ``W_prev`` is the
+        model in the same checkpoint; ``sg`` is what carries the block momentum across a resume.
+        """
+        state = super().state_dict()
+        state["block"] = {
+            "prev_parameters": _cpu_copy(self.prev_parameters),
+            "smoothed_gradient": _cpu_copy(self.smoothed_gradient),
+            "local_samples_in_block": self.local_samples_in_block,
+            "global_samples_in_block": self.global_samples_in_block,
+            "largest_share_in_block": self.largest_share_in_block,
+            "syncs": self.syncs,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned (applied to the model's device by ``prepare``).
+
+        Raises:
+            ValueError: the checkpoint was written by another learner, or its block state does not
+                fit this model's parameters.
+        """
+        block = state.get("block") if state.get("kind") == self.kind else None
+        expected = sum(p.numel() for p in self.parameters)
+        for key in ("prev_parameters", "smoothed_gradient"):  # before the optimizer's less clear complaint
+            tensor = None if block is None else block[key]
+            if tensor is not None and tensor.numel() != expected:
+                raise ValueError(f"checkpoint block state {key!r} has {tensor.numel()} values but the model has "
+                                 f"{expected} parameters; restore into the model the checkpoint was made with")
+        super().load_state_dict(state)  # refuses another learner's checkpoint
+        block = state["block"]
+        self.local_samples_in_block = int(block["local_samples_in_block"])
+        self.global_samples_in_block = int(block["global_samples_in_block"])
+        self.largest_share_in_block = int(block["largest_share_in_block"])
+        self.syncs = int(block["syncs"])
+        if block["prev_parameters"] is None:
+            return
+        if self._scratch is None:  # prepare() will move them to the model's device
+            self.prev_parameters = block["prev_parameters"].clone()
+            self.smoothed_gradient = block["smoothed_gradient"].clone()
+        else:
+            self.prev_parameters.copy_(block["prev_parameters"])
+            self.smoothed_gradient.copy_(block["smoothed_gradient"])
+
+
+def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, block_size: int,
+                                       block_momentum_as_time_constant: float | None = None,
+                                       use_nesterov_momentum: bool | None = None,
+                                       reset_sgd_momentum_after_aggregation: bool = True,
+                                       block_learning_rate: float = 1.0, distributed_after: int = 0,
+                                       **aliases: Any) -> BlockMomentumLearner:
+    """CNTK's ``block_momentum_distributed_learner``: wraps ``optimizer`` in a ``BlockMomentumLearner``.
+
+    Arguments as in ``BlockMomentumLearner`` (``block_size`` and ``distributed_after`` in global
+    samples). ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
+    ``use_nestrov_momentum`` is accepted in its place.
+
+    Raises:
+        ValueError: as ``BlockMomentumLearner``, or both spellings of the Nesterov flag are given
+            with different values.
+        TypeError: an unknown keyword argument.
+    """
+    unknown = sorted(set(aliases) - {_NESTEROV_ALIAS})
+    if unknown:
+        raise TypeError(f"block_momentum_distributed_learner() got unexpected keyword argument(s) {unknown}")
+    if _NESTEROV_ALIAS in aliases:
+        alias_value = aliases[_NESTEROV_ALIAS]
+        if use_nesterov_momentum is not None and use_nesterov_momentum != alias_value:
+            raise ValueError(f"use_nesterov_momentum={use_nesterov_momentum!r} and its CNTK spelling "
+                             f"{_NESTEROV_ALIAS}={alias_value!r} disagree; give only one of them")
+        use_nesterov_momentum = alias_value
+    return BlockMomentumLearner(
+        optimizer, comm, block_size=block_size, block_momentum_as_time_constant=block_momentum_as_time_constant,
+        use_nesterov_momentum=True if use_nesterov_momentum is None else use_nesterov_momentum,
+        reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
+        block_learning_rate=block_learning_rate, distributed_after=distributed_after,
+    )
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _check_positive(name: str, value, unit: str) -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive finite number {unit}")
+
+
+def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().cpu().clone()
+
+
+def _pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copies ``tensors`` one after another into the 1-D ``flat`` (casting to its dtype)."""
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            count = tensor.numel()
+            flat[offset:offset + count].copy_(tensor.reshape(-1))
+            offset += count
+
+
+def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copies consecutive slices of the 1-D ``flat`` back into ``tensors`` (casting to theirs)."""
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            count = tensor.numel()
+            tensor.copy_(flat[offset:offset + count].view_as(tensor))
+            offset += count
+
+
+def _broadcast(tensors: Sequence[torch.Tensor], comm) -> None:
+    """Overwrites ``tensors`` with rank 0's values: one broadcast per dtype, not one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for dtype, group in by_dtype.items():
+        flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=group[0].device)
+        _pack(group, flat)
+        comm.broadcast(flat, root=0)
+        _unpack(flat, group)
+
+
+__all__ = ["MOMENTUM_STATE_KEYS", "BlockMomentumLearner", "block_momentum_distributed_learner",
+           "default_time_constant"]

@@ -1,0 +1,394 @@
+"""Block momentum (BMUF) against a separate, direct implementation of CNTK's formulas.
+
+N workers are simulated in one process: each runs in its own thread with its own model copy,
+optimizer and learner, and a ``ThreadComm`` whose all-reduce sums over the threads. The
+reference (``simulate``) applies reference §1.3-1.4 parameter by parameter with plain tensors.
+"""
+from __future__ import annotations
+
+import io
+import math
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.comm.local import LocalCommunicator
+from dtrain.data.partition import partition_slice
+from dtrain.learners import BlockMomentumLearner, block_momentum_distributed_learner
+from dtrain.learners.block_momentum import default_time_constant
+from dtrain.schedules import momentum_from_time_constant
+
+TOLERANCE = 1e-6
+NUM_SAMPLES = 256
+generator = torch.Generator().manual_seed(7)
+FEATURES = torch.randn(NUM_SAMPLES, 3, generator=generator, dtype=torch.float64)
+TARGETS = torch.randn(NUM_SAMPLES, 2, generator=generator, dtype=torch.float64)
+
+
+def make_model(batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)]
+    if batch_norm:
+        layers.insert(1, nn.BatchNorm1d(4))
+    return nn.Sequential(*layers).double()
+
+
+def sgd(parameters):
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def flat(parameters) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in parameters]).clone()
+
+
+def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:
+    return nn.functional.mse_loss(model(FEATURES[start:stop]), TARGETS[start:stop])
+
+
+# -- N simulated workers, one thread each ---------------------------------------------------------
+class ThreadGroup:
+    """Shared mailbox of ``size`` threads that act as the ranks of one job."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+
+class ThreadComm:
+    """Rank ``rank`` of a ``ThreadGroup``: all-reduce sums the ranks' tensors in rank order."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank, self.size = group, rank, group.size
+        self.allreduce_calls = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.allreduce_calls += 1
+        self.group.slots[self.rank] = tensor.clone()
+        self.group.barrier.wait()
+        total = sum(self.group.slots)
+        self.group.barrier.wait()  # every rank has read the slots before any rank writes again
+        tensor.copy_(total / self.size if op == "mean" else total)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if self.rank == root:
+            self.group.slots[root] = tensor.clone()
+        self.group.barrier.wait()
+        tensor.copy_(self.group.slots[root])
+        self.group.barrier.wait()
+        return tensor
+
+
+def run_workers(size: int, global_sizes: list[int], options: dict, batch_norm: bool = False, before_sync=None):
+    """Trains ``size`` threaded workers with the learner; returns per rank (snapshots, final, learner, comm)."""
+    group = ThreadGroup(size)
+    results: list = [None] * size
+    errors: list[BaseException] = []
+    models = [make_model(batch_norm) for _ in range(size)]  # here: the global RNG is not thread-safe
+
+    def worker(rank: int) -> None:
+        try:
+            model = models[rank]
+            comm = ThreadComm(group, rank)
+            learner = BlockMomentumLearner(sgd(model.parameters()), comm, **options)
+            learner.prepare(model)
+            snapshots, position = [], 0
+            for global_size in global_sizes:
+                start, stop = partition_slice(position, global_size, *learner.data_partition())
+                position += global_size
+                learner.begin_minibatch(stop - start, global_size)
+                if stop > start:
+                    local_loss(model, start, stop).backward()
+                syncs = learner.syncs
+                learner.step()
+                if learner.syncs != syncs:
+                    snapshots.append(flat(model.parameters()))
+            if before_sync is not None:
+                before_sync(rank, model)
+            learner.synchronize()
+            results[rank] = (snapshots, flat(model.parameters()), learner, comm, model)
+        except BaseException as error:  # let the other threads leave their barrier
+            errors.append(error)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# -- the reference: reference §1.3-1.4 written out per parameter ----------------------------------
+def simulate(size: int, global_sizes: list[int], block_size: int, block_momentum_as_time_constant=None,
+             use_nesterov_momentum=True, reset_sgd_momentum_after_aggregation=True, block_learning_rate=1.0,
+             distributed_after=0):
+    """Direct BMUF: returns (parameters after each sync, final parameters) of the common model."""
+    models = [make_model() for _ in range(size)]
+    optimizers = [sgd(model.parameters()) for model in models]
+    if block_momentum_as_time_constant is not None:
+        time_constant = block_momentum_as_time_constant
+    else:
+        time_constant = 0.0 if size == 1 else -block_size / math.log(1 - 1 / size)
+    sync_period = block_size // size
+    prev = [p.detach().clone() for p in models[0].parameters()]
+    smoothed = [torch.zeros_like(p) for p in prev]
+    local_counts = [0] * size
+    samples_seen, position, snapshots = 0, 0, []
+
+    def sync() -> None:
+        mean_local = sum(local_counts) / size
+        momentum = 0.0 if time_constant == 0 else math.exp(-mean_local / (time_constant / size))
+        parameters = [list(model.parameters()) for model in models]
+        with torch.no_grad():
+            for j in range(len(prev)):
+                total_delta = sum(prev[j] - parameters[k][j] for k in range(size))
+                smoothed[j] = momentum * smoothed[j] + (1 - momentum) * block_learning_rate * total_delta
+                new = prev[j] - smoothed[j]
+                if use_nesterov_momentum:
+                    new = new - momentum * smoothed[j]
+                prev[j] = new
+                for k in range(size):
+                    parameters[k][j].copy_(new)
+        if reset_sgd_momentum_after_aggregation:
+            for optimizer in optimizers:
+                for state in optimizer.state.values():
+                    if state.get("momentum_buffer") is not None:
+                        state["momentum_buffer"].zero_()
+        local_counts[:] = [0] * size
+        snapshots.append(torch.cat([p.reshape(-1) for p in prev]).clone())
+
+    for global_size in global_sizes:
+        warm = samples_seen < distributed_after
+        for k, (model, optimizer) in enumerate(zip(models, optimizers)):
+            start = position if warm else position + k * global_size // size
+            stop = position + global_size if warm else position + (k + 1) * global_size // size
+            optimizer.zero_grad()
+            if stop > start:
+                local_loss(model, start, stop).backward()
+                optimizer.step()
+            if not warm:
+                local_counts[k] += stop - start
+        position += global_size
+        samples_seen += global_size
+        if warm and samples_seen >= distributed_after:
+            with torch.no_grad():
+                for model in models[1:]:
+                    for mine, root in zip(model.parameters(), models[0].parameters()):
+                        mine.copy_(root)
+            prev = [p.detach().clone() for p in models[0].parameters()]
+        elif not warm and max(local_counts) >= sync_period:  # the first worker to reach it decides
+            sync()
+    if sum(local_counts) > 0:
+        sync()
+    return snapshots, flat(models[0].parameters())
+
+
+CASES = {
+    # name: (workers, global minibatch sizes, learner options, expected syncs incl. the final one)
+    "defaults": (2, [8] * 12, dict(block_size=24), 4),
+    "one_worker": (1, [8] * 6, dict(block_size=16), 3),
+    "no_nesterov": (2, [8] * 12, dict(block_size=24, use_nesterov_momentum=False), 4),
+    "no_momentum_reset": (2, [8] * 12, dict(block_size=24, reset_sgd_momentum_after_aggregation=False), 4),
+    "time_constant_and_block_lr": (3, [9] * 10, dict(block_size=27, block_momentum_as_time_constant=40.0,
+                                                   block_learning_rate=0.7), 4),
+    # shares 3 and 4: rank 1 reaches the period 12 after 3 minibatches (21 global samples < 24)
+    "uneven_shares": (2, [7] * 10, dict(block_size=24), 4),
+    "warm_start": (2, [8] * 12, dict(block_size=24, distributed_after=16), 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_threaded_workers_match_the_direct_formulas(case):
+    size, global_sizes, options, expected_syncs = CASES[case]
+    results = run_workers(size, global_sizes, options)
+    reference_snapshots, reference_final = simulate(size, global_sizes, **options)
+    assert len(reference_snapshots) == expected_syncs
+    common = None
+    for rank, (snapshots, final, learner, comm, _) in enumerate(results):
+        if learner.syncs > len(snapshots):  # synchronize() at the end made the last sync
+            snapshots = snapshots + [final]
+        assert learner.syncs == len(snapshots) == expected_syncs, (rank, learner.syncs, len(snapshots))
+        # one flat all-reduce per sync, not one per parameter (none at all for one worker)
+        assert comm.allreduce_calls == (expected_syncs if size > 1 else 0)
+        for index, (got, want) in enumerate(zip(snapshots, reference_snapshots)):
+            assert torch.allclose(got, want, atol=TOLERANCE, rtol=0), (rank, index, (got - want).abs().max())
+        assert torch.allclose(final, reference_final, atol=TOLERANCE, rtol=0)
+        assert torch.equal(learner.prev_parameters, final)
+        common = common or snapshots
+        assert all(torch.equal(mine, rank0) for mine, rank0 in zip(snapshots, common))  # one model on all ranks
+
+
+def test_default_time_constant_gives_block_momentum_one_minus_one_over_n():
+    for workers in (2, 4, 8):
+        time_constant = default_time_constant(4096, workers)
+        nominal = 4096 // workers
+        assert momentum_from_time_constant(time_constant / workers, nominal) == pytest.approx(1 - 1 / workers)
+    assert default_time_constant(4096, 1) == 0.0
+    learner = BlockMomentumLearner(sgd(make_model().parameters()), None, block_size=100)
+    assert learner.time_constant == 0.0 and learner.sync_period == 100
+
+
+def train_alone(learner_or_optimizer, model, steps: int, global_size: int = 8, offset: int = 0) -> list:
+    """One process: returns the flat parameters after each step (learner or bare optimizer)."""
+    trajectory = []
+    for step in range(steps):
+        start = offset + step * global_size
+        if isinstance(learner_or_optimizer, BlockMomentumLearner):
+            learner_or_optimizer.begin_minibatch(global_size, global_size)
+        else:
+            learner_or_optimizer.zero_grad()
+        local_loss(model, start, start + global_size).backward()
+        learner_or_optimizer.step()
+        trajectory.append(flat(model.parameters()))
+    return trajectory
+
+
+def test_single_worker_syncs_leave_the_model_unchanged():
+    plain_model = make_model()
+    plain = train_alone(sgd(plain_model.parameters()), plain_model, 10)
+    model = make_model()
+    learner = BlockMomentumLearner(sgd(model.parameters()), LocalCommunicator(), block_size=16,
+                                   reset_sgd_momentum_after_aggregation=False)
+    learner.prepare(model)
+    blocked = train_alone(learner, model, 10)
+    assert learner.syncs == 5
+    assert all(torch.equal(a, b) for a, b in zip(plain, blocked))  # bit for bit
+    assert torch.equal(learner.prev_parameters, blocked[-1])
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_sgd_momentum_is_zeroed_at_each_sync_only_when_asked(reset):
+    model = make_model()
+    optimizer = sgd(model.parameters())
+    learner = BlockMomentumLearner(optimizer, None, block_size=16, reset_sgd_momentum_after_aggregation=reset)
+    learner.prepare(model)
+    train_alone(learner, model, 2)  # 16 samples: one sync after the second step
+    assert learner.syncs == 1
+    buffers = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert all(bool((b == 0).all()) == reset for b in buffers)
+
+
+def test_adam_first_moment_is_zeroed_and_second_moment_kept():
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    learner = BlockMomentumLearner(optimizer, None, block_size=16)
+    learner.prepare(model)
+    train_alone(learner, model, 2)
+    for parameter in model.parameters():
+        state = optimizer.state[parameter]
+        assert (state["exp_avg"] == 0).all()
+        assert (state["exp_avg_sq"] > 0).any()
+
+
+def test_batchnorm_buffers_are_averaged_by_synchronize():
+    before: dict[int, list[torch.Tensor]] = {}
+
+    def record(rank, model):
+        before[rank] = [b.clone() for b in model.buffers() if b.is_floating_point()]
+
+    results = run_workers(2, [8, 8], dict(block_size=64), batch_norm=True, before_sync=record)
+    assert not torch.equal(before[0][0], before[1][0])  # different shares, different statistics
+    for rank in range(2):
+        model = results[rank][4]
+        assert results[rank][2].syncs == 1
+        floating = [b for b in model.buffers() if b.is_floating_point()]
+        for got, mine, theirs in zip(floating, before[0], before[1]):
+            assert torch.allclose(got, (mine + theirs) / 2, atol=1e-12)
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_checkpoint_round_trip_resumes_bit_for_bit():
+    """A restored learner (weights_only load) continues exactly like one that never stopped."""
+    options = dict(block_size=16, block_momentum_as_time_constant=30.0)  # bm > 0: sg carries state
+    model = make_model()
+    learner = BlockMomentumLearner(sgd(model.parameters()), None, **options)
+    learner.prepare(model)
+    train_alone(learner, model, 5)
+    learner.synchronize()  # as the session does before a checkpoint
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "learner": learner.state_dict()}, buffer)
+    uninterrupted = train_alone(learner, model, 5, offset=40)
+
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["learner"]["block"]["global_samples_in_block"] == 0
+    assert saved["learner"]["block"]["smoothed_gradient"].abs().sum() > 0
+    resumed_model = make_model()
+    resumed = BlockMomentumLearner(sgd(resumed_model.parameters()), None, **options)
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["learner"])
+    resumed.prepare(resumed_model)
+    assert resumed.syncs == 3 and resumed.samples_seen == 40
+    continued = train_alone(resumed, resumed_model, 5, offset=40)
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, continued))
+
+
+def test_checkpoint_of_another_model_is_refused():
+    model = make_model()
+    learner = BlockMomentumLearner(sgd(model.parameters()), None, block_size=16)
+    learner.prepare(model)
+    state = learner.state_dict()
+    other = nn.Linear(3, 1).double()
+    with pytest.raises(ValueError, match="restore into the model"):
+        BlockMomentumLearner(sgd(other.parameters()), None, block_size=16).load_state_dict(state)
+    local_state = {"kind": "local", "optimizer": {}, "samples_seen": 0}
+    with pytest.raises(ValueError, match="written by the 'local' learner"):
+        learner.load_state_dict(local_state)
+
+
+def test_step_before_prepare_is_refused():
+    learner = BlockMomentumLearner(sgd(make_model().parameters()), None, block_size=16)
+    with pytest.raises(RuntimeError, match="prepare"):
+        learner.step()
+
+
+# -- the factory and its checks ---------------------------------------------------------------------
+def test_cntk_misspelt_nesterov_keyword_is_accepted():
+    parameters = list(make_model().parameters())
+    misspelt = block_momentum_distributed_learner(sgd(parameters), None, 16, use_nestrov_momentum=False)
+    assert not misspelt.use_nesterov_momentum
+    assert block_momentum_distributed_learner(sgd(parameters), None, 16).use_nesterov_momentum
+    same = block_momentum_distributed_learner(sgd(parameters), None, 16, use_nesterov_momentum=False,
+                                              use_nestrov_momentum=False)
+    assert not same.use_nesterov_momentum and same.kind == "block_momentum"
+    with pytest.raises(ValueError, match="disagree"):
+        block_momentum_distributed_learner(sgd(parameters), None, 16, use_nesterov_momentum=True,
+                                           use_nestrov_momentum=False)
+    with pytest.raises(TypeError, match="block_sise"):
+        block_momentum_distributed_learner(sgd(parameters), None, 16, block_sise=3)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(block_size=0), "block_size=0: expected a positive"),
+    (dict(block_size=-8), "block_size=-8"),
+    (dict(block_size=8.5), "block_size=8.5"),
+    (dict(block_size=True), "block_size=True"),
+    (dict(block_size=3), "Sync period is too small"),  # 4 workers
+    (dict(block_size=64, block_momentum_as_time_constant=0), "block_momentum_as_time_constant=0"),
+    (dict(block_size=64, block_momentum_as_time_constant=-5.0), "block_momentum_as_time_constant=-5.0"),
+    (dict(block_size=64, block_momentum_as_time_constant=float("nan")), "block_momentum_as_time_constant=nan"),
+    (dict(block_size=64, block_learning_rate=0.0), "block_learning_rate=0.0"),
+    (dict(block_size=64, distributed_after=-1), "distributed_after"),
+])
+def test_bad_values_are_refused_with_one_line(options, message):
+    comm = ThreadComm(ThreadGroup(4), 0)
+    with pytest.raises(ValueError, match=message) as error:
+        block_momentum_distributed_learner(sgd(make_model().parameters()), comm, **options)
+    assert "\n" not in str(error.value)
+
+
+def test_a_non_bool_flag_is_refused():
+    with pytest.raises(TypeError, match="use_nesterov_momentum"):
+        BlockMomentumLearner(sgd(make_model().parameters()), None, 16, use_nesterov_momentum="yes")
