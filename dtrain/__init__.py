@@ -6,7 +6,11 @@ The public API, usable without Hydra::
 """
 from dtrain.comm import create_communicator
 from dtrain.data import MinibatchSource
-from dtrain.learners import Learner
+from dtrain.learners import (
+    Learner,
+    block_momentum_distributed_learner,
+    data_parallel_distributed_learner,
+)
 from dtrain.schedules import Schedule
 from dtrain.session import (
     CheckpointConfig,
@@ -18,5 +22,6 @@ from dtrain.session import (
 
 __all__ = [
     "CheckpointConfig", "CrossValidationConfig", "Learner", "MinibatchSource", "Schedule", "TestConfig",
-    "TrainingSession", "create_communicator", "training_session",
+    "TrainingSession", "block_momentum_distributed_learner", "create_communicator",
+    "data_parallel_distributed_learner", "training_session",
 ]

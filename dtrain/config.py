@@ -36,6 +36,7 @@ class DataParallelLearnerConfig:
     distributed_after: int = 0
     num_quantization_bits: int = 32
     bucket_size_mb: float = 25.0
+    error_feedback: bool = True         # quantized only; false drops the quantization error (ablation)
 
 
 @dataclass

@@ -87,6 +87,10 @@ class Learner:
     def synchronize(self) -> None:
         """Brings every worker to one model (block momentum's final sync); a no-op here."""
 
+    def progress_note(self) -> str:
+        """A short note for progress lines (e.g. bytes sent per step); empty when there is nothing to say."""
+        return ""
+
     def finalize(self) -> None:
         """Releases hooks or buffers at the end of training."""
 

@@ -68,7 +68,7 @@ class ProgressPrinter:
             self.console.print(text, markup=False)
 
     def progress(self, samples_seen: int, loss: float, error: float, samples_per_second: float,
-                 learning_rate: float, elapsed: float) -> None:
+                 learning_rate: float, elapsed: float, note: str = "") -> None:
         """One progress line: samples, loss, error, throughput, learning rate and ETA."""
         if self.total_samples:
             remaining = (self.total_samples - samples_seen) / samples_per_second if samples_per_second > 0 else float("inf")
@@ -78,7 +78,7 @@ class ProgressPrinter:
             where, eta = f"{samples_seen}", ""
         self.line(
             f"samples {where} | loss {loss:.4f} | error {100 * error:6.2f}% | {samples_per_second:,.0f} samples/s"
-            f" | lr {learning_rate:.4g} | {format_duration(elapsed)}{eta}"
+            f" | lr {learning_rate:.4g} | {format_duration(elapsed)}{eta}" + (f" | {note}" if note else "")
         )
 
 

@@ -259,7 +259,8 @@ class TrainingSession:
         error = float(totals[1]) / samples if samples else float("nan")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
-        printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed())
+        printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
+                         note=self.learner.progress_note())
         metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate)
         sums.zero_()
         throughput.new_period()

@@ -1,4 +1,4 @@
-"""Worker run by tests/dist/test_data_parallel.py under mpiexec: ``python _dp_worker.py SCENARIO[,SCENARIO...] RUN_DIR``.
+"""Worker run by tests/dist/test_data_parallel_mpi.py under mpiexec: ``python _dp_worker.py SCENARIO[,SCENARIO...] RUN_DIR``.
 
 Every scenario trains through the public API (``training_session`` + ``MinibatchSource``, the
 session partitioning each global minibatch over the ranks), checks on every rank, and rank 0

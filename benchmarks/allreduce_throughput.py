@@ -1,0 +1,128 @@
+"""Throughput of the data-parallel learner's bucketed gradient all-reduce against a raw all-reduce.
+
+    mpiexec -n 2 python benchmarks/allreduce_throughput.py
+    mpiexec -n 2 python benchmarks/allreduce_throughput.py --megabytes 50 --bucket-mb 25 --repeats 20
+
+(As root, Open MPI also needs ``OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``.)
+
+The "model" is a stack of square float32 weight matrices holding about ``--megabytes`` MB (10^6
+bytes) of parameters. Rows of the table, each the median over ``--repeats`` timed rounds:
+
+* raw all_reduce, one tensor: ``torch.distributed.all_reduce`` of one flat tensor of the same bytes;
+* raw all_reduce, same buckets: the learner's buckets reduced back to back (async, then wait all);
+* learner reduction path: (backward + ``learner.step()``) minus (backward + ``optimizer.step()``)
+  without the learner, i.e. the time the learner adds: packing gradients into buckets, the
+  all-reduces, waiting and copying back. The backward only accumulates a gradient into each
+  parameter, so it adds no compute for the all-reduce to hide behind.
+
+GB/s is algorithm bandwidth: gradient bytes / seconds (10^9 bytes). The ratio is against the
+first row. The four measurements alternate within every round, so other load on the machine hits
+all of them alike.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from dtrain.comm import create_communicator
+from dtrain.learners import DataParallelLearner
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megabytes", type=float, default=32.0, help="parameter bytes in MB (10^6), default 32")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="learner bucket size in MiB, default 25")
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds per row (median), default 15")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, default 1")
+    return parser.parse_args()
+
+
+def make_parameters(megabytes: float) -> list[torch.nn.Parameter]:
+    side = 1024
+    count = max(1, round(megabytes * 1e6 / (side * side * 4)))
+    return [torch.nn.Parameter(torch.randn(side, side)) for _ in range(count)]
+
+
+def median_seconds(runs: dict[str, Callable[[], None]], repeats: int, comm) -> dict[str, float]:
+    """Median wall time of each ``run()`` over ``repeats`` rounds, all ranks starting each together.
+
+    The runs alternate within every round, so load from other processes hits all of them alike.
+    """
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_index in range(repeats + 1):
+        for name, run in runs.items():
+            comm.barrier()
+            start = time.perf_counter()
+            run()
+            if round_index:  # round 0 warms up: connections, allocations
+                times[name].append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(times[name]) for name in runs], dtype=torch.float64)
+    comm.allreduce(medians, op="max")  # the slowest rank decides how long a step takes
+    return dict(zip(runs, medians.tolist()))
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    comm = create_communicator()
+    if comm.size < 2:
+        raise SystemExit("run under mpiexec with at least 2 ranks: mpiexec -n 2 python benchmarks/allreduce_throughput.py")
+    parameters = make_parameters(args.megabytes)
+    num_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    ones = [torch.ones_like(p) for p in parameters]
+
+    def backward() -> None:
+        # accumulates ones into every .grad; post-accumulate hooks fire as in a real backward
+        torch.autograd.backward(parameters, grad_tensors=ones)
+
+    optimizer = torch.optim.SGD(parameters, lr=0.0)
+    learner = DataParallelLearner(optimizer, comm, bucket_size_mb=args.bucket_mb)
+    learner.prepare(torch.nn.ParameterList(parameters))
+
+    def learner_round() -> None:
+        learner.begin_minibatch(1, comm.size)
+        backward()
+        learner.step()
+
+    flat = torch.zeros(num_bytes // 4)
+    bucket_buffers = [torch.zeros_like(bucket.buffer) for bucket in learner.buckets]
+
+    def raw_bucketed() -> None:
+        for work in [dist.all_reduce(buffer, async_op=True) for buffer in bucket_buffers]:
+            work.wait()
+
+    def local_round() -> None:
+        # the same work without the learner: hooks stay registered but are not armed
+        optimizer.zero_grad(set_to_none=True)
+        backward()
+        optimizer.step()
+
+    seconds = median_seconds({"raw": lambda: dist.all_reduce(flat), "bucketed": raw_bucketed,
+                              "learner": learner_round, "local": local_round}, args.repeats, comm)
+    raw_seconds, bucketed_seconds = seconds["raw"], seconds["bucketed"]
+    learner_seconds, local_seconds = seconds["learner"], seconds["local"]
+    reduction_seconds = learner_seconds - local_seconds
+    learner.finalize()
+
+    if comm.is_main:
+        rows = [
+            ("raw all_reduce, one tensor", raw_seconds),
+            (f"raw all_reduce, {len(learner.buckets)} buckets", bucketed_seconds),
+            ("learner reduction path", reduction_seconds),
+        ]
+        print(f"{comm.size} ranks ({comm.backend}), {len(parameters)} parameters, {num_bytes / 1e6:.1f} MB of "
+              f"gradients, buckets of {args.bucket_mb:g} MiB, {args.threads} thread(s) per rank, median of {args.repeats}")
+        print(f"(learner backward+step {1e3 * learner_seconds:.1f} ms; local backward+step {1e3 * local_seconds:.1f} ms)")
+        print(f"{'path':<34}{'ms':>9}{'GB/s':>9}{'ratio':>8}")
+        for name, row_seconds in rows:
+            print(f"{name:<34}{1e3 * row_seconds:>9.1f}{num_bytes / row_seconds / 1e9:>9.2f}{raw_seconds / row_seconds:>8.2f}")
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Bytes on the wire and time per gradient exchange: float32 all-reduce vs k-bit quantized exchange.
+
+    mpiexec -n 2 python benchmarks/bytes_on_wire.py                     # ConvNetCIFAR10, 32/8/4/2/1 bits
+    mpiexec -n 4 --oversubscribe python benchmarks/bytes_on_wire.py --model digits --repeats 50
+
+(As root, Open MPI also needs OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1.)
+
+The gradient is a real one: each rank back-propagates the model's loss on its own random
+minibatch. Rows:
+
+* ``32 (all-reduce)``: ``comm.allreduce`` of the flat float32 gradient, as the data-parallel
+  learner does. Its bytes are the ring all-reduce's 2(N-1)/N * 4 bytes per value (Gloo does not
+  report what it sends).
+* ``32 (two-phase)``: the quantized exchange in its lossless 32-bit mode: measured bytes, which
+  should match the line above plus 8 bytes per column of scales.
+* ``k``: ``QuantizedExchange`` at k bits (phase 1 through ``all_to_all_single``); bytes are what
+  this rank hands to the transport in both phases, measured by the exchange.
+* ``1 (all-gather a2a)``: the same at 1 bit with phase 1 built from all-gather (the fallback).
+
+Time: the slowest rank's wall-clock seconds per exchange (quantize, pack, both phases, unpack,
+decode), median over ``--repeats`` after 2 warm-up exchanges. Error: ``|sum - exact| / |exact|``
+of the first exchange (no residual yet), the error that error feedback then carries forward.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from dtrain.comm import create_communicator
+from dtrain.compress import QuantizedExchange, full_precision_allreduce_bytes
+from dtrain.models import ConvNetCIFAR10, DigitsCNN
+
+MODELS = {
+    # name: (factory, input shape)
+    "cifar": (lambda: ConvNetCIFAR10(dropout=0.0), (3, 32, 32)),
+    "digits": (lambda: DigitsCNN(), (1, 8, 8)),
+}
+
+
+def real_gradients(name: str, rank: int, minibatch: int = 32) -> list[torch.Tensor]:
+    """The gradient of the mean loss on a random minibatch (a different one on every rank)."""
+    factory, shape = MODELS[name]
+    torch.manual_seed(0)  # one model on every rank
+    model = factory()
+    generator = torch.Generator().manual_seed(rank + 1)
+    images = torch.randn(minibatch, *shape, generator=generator) * 64
+    labels = torch.randint(0, 10, (minibatch,), generator=generator)
+    torch.nn.functional.cross_entropy(model(images), labels).backward()
+    return [parameter.grad.detach().clone() for parameter in model.parameters()]
+
+
+def timed(comm, operation, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds for ``operation()``."""
+    for _ in range(2):
+        operation()
+    seconds = []
+    for _ in range(repeats):
+        comm.barrier()
+        started = time.perf_counter()
+        operation()
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        seconds.append(float(comm.allreduce(elapsed, op="max")))
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="cifar")
+    parser.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2, 1])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    comm = create_communicator(backend="gloo")
+    if comm.size < 2:
+        raise SystemExit("run under mpiexec with at least 2 ranks: mpiexec -n 2 python benchmarks/bytes_on_wire.py")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))  # as the CLI does: cores shared by ranks
+    gradients = real_gradients(args.model, comm.rank)
+    numel = sum(gradient.numel() for gradient in gradients)
+    exact = torch.cat([gradient.reshape(-1) for gradient in gradients])
+    comm.allreduce(exact, op="sum")
+    full_bytes = full_precision_allreduce_bytes(numel, comm.size)
+    rows = []
+
+    flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+    seconds = timed(comm, lambda: comm.allreduce(flat.clone(), op="sum"), args.repeats)
+    rows.append(("32 (all-reduce)", full_bytes, seconds, 0.0))
+
+    def quantized_row(label: str, bits: int, all_to_all: str = "torch") -> None:
+        first = QuantizedExchange(comm, bits, all_to_all=all_to_all)
+        result = first.allreduce_([gradient.clone() for gradient in gradients])
+        error = float((torch.cat([r.reshape(-1) for r in result]) - exact).norm() / exact.norm())
+        exchange = QuantizedExchange(comm, bits, all_to_all=all_to_all)
+        seconds = timed(comm, lambda: exchange.allreduce_([gradient.clone() for gradient in gradients]), args.repeats)
+        rows.append((label, exchange.bytes_sent_last_step, seconds, error))
+
+    quantized_row("32 (two-phase)", 32)
+    for bits in args.bits:
+        quantized_row(str(bits), bits)
+    quantized_row("1 (all-gather a2a)", 1, all_to_all="allgather")
+
+    if comm.is_main:
+        layout = QuantizedExchange(comm, 1)._layout_for([tuple(gradient.shape) for gradient in gradients])
+        print(f"model {args.model}: {numel:,} gradient values in {len(gradients)} tensors, "
+              f"{layout.columns.num_columns} columns; {comm.size} ranks (Gloo, CPU); "
+              f"{torch.get_num_threads()} torch threads per rank; time = median of {args.repeats}, slowest rank")
+        header = ("bits", "bytes sent/step/rank", "vs 32-bit", "ms/exchange", "rel. error")
+        print(f"{header[0]:>20} | {header[1]:>20} | {header[2]:>9} | {header[3]:>11} | {header[4]:>10}")
+        print("-" * 84)
+        for label, sent, seconds, error in rows:
+            print(f"{label:>20} | {sent:>20,} | {full_bytes / sent:>8.1f}x | {1e3 * seconds:>11.2f} | {error:>10.2e}")
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The quantized data-parallel learner: 1-bit SGD (and k-bit) with error feedback, CNTK-style.
+
+CNTK's ``data_parallel_distributed_learner(..., num_quantization_bits=k<32)`` (reference/cntk_chainermn.md
+§1.1, §2.2): every minibatch the gradients are summed over workers through
+:class:`dtrain.compress.QuantizedExchange` (k-bit packed on the wire, two error-feedback buffers),
+and every worker applies the same decoded sum with its local optimizer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtrain.compress import QuantizedExchange
+from dtrain.compress.bitpack import check_bits
+from dtrain.learners._buckets import BYTES_PER_MB, coalesced
+from dtrain.learners.base import Learner
+
+_BROADCAST_BUCKET_BYTES = 25 * BYTES_PER_MB  # parameters and buffers travel in flat chunks of this size
+
+
+class QuantizedDataParallelLearner(Learner):
+    """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
+
+    Each rank back-propagates the mean loss over its ``local_samples``; ``step()`` scales that
+    gradient by ``local_samples / global_samples`` (so the SUM over ranks is the gradient of the
+    mean loss over the global minibatch, dtrain's convention), sums it over ranks through
+    :class:`~dtrain.compress.QuantizedExchange`, writes the decoded sum into ``.grad`` and calls
+    the optimizer. All ranks decode the same bytes, so their parameters stay bit-identical.
+    A parameter that got no gradient on a rank contributes zeros; after the exchange every
+    trainable parameter has a ``.grad``.
+
+    Warm start: while ``samples_seen < distributed_after`` every rank steps on its own gradient
+    without communication (CNTK reads the full stream on every rank then). At the first
+    distributed minibatch (and at a ``synchronize()`` in between) rank 0's parameters, buffers
+    and optimizer state are broadcast, so training continues from one model. The residuals start
+    at zero when distributed steps begin.
+
+    Args:
+        optimizer: the torch optimizer of the model's parameters.
+        comm: the job's communicator; with one rank this is the local learner.
+        distributed_after: global samples of local-only training before quantized exchange begins.
+        num_quantization_bits: bits per gradient value on the wire, 1 to 32 (32 is lossless and
+            only useful for comparison: ``data_parallel_distributed_learner`` uses a plain
+            all-reduce for 32).
+        error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
+
+    Raises:
+        ValueError: ``num_quantization_bits`` outside 1..32 or a negative ``distributed_after``.
+        TypeError: ``optimizer`` is not a torch optimizer.
+    """
+
+    kind = "quantized"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
+                 num_quantization_bits: int = 1, error_feedback: bool = True):
+        super().__init__(optimizer, comm, distributed_after)
+        try:
+            check_bits(num_quantization_bits)
+        except ValueError:
+            raise ValueError(f"num_quantization_bits must be an integer from 1 to 32, got {num_quantization_bits!r}; "
+                             f"1 is 1-bit SGD, 32 is full precision") from None
+        self.num_quantization_bits = num_quantization_bits
+        self.exchange = QuantizedExchange(self.comm, num_quantization_bits, error_feedback=error_feedback)
+        self._model: torch.nn.Module | None = None
+        self._replicas_identical = False  # state: all ranks hold rank 0's model and optimizer state
+
+    # -- statistics --------------------------------------------------------------------------------
+    @property
+    def bytes_sent_last_step(self) -> int:
+        """Bytes this rank sent in the last distributed step's gradient exchange (0 before any)."""
+        return self.exchange.bytes_sent_last_step
+
+    @property
+    def compression_ratio(self) -> float:
+        """A float32 all-reduce's bytes over the bytes actually sent, last step (nan before any)."""
+        return self.exchange.compression_ratio
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def progress_note(self) -> str:
+        """Bytes this rank sent in the last exchange and the saving against a 32-bit all-reduce."""
+        if not self.bytes_sent_last_step:
+            return ""
+        return (f"{self.num_quantization_bits}-bit: {self.bytes_sent_last_step / 1e3:,.0f} kB sent/step "
+                f"({self.compression_ratio:.1f}x less than 32-bit)")
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Broadcasts rank 0's parameters, buffers and optimizer state (a collective; nothing with one rank)."""
+        self._model = model
+        if self.comm.size > 1:
+            self._broadcast_from_root()
+
+    # -- one minibatch -----------------------------------------------------------------------------
+    def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
+        """Clears gradients and records sample counts; at the first distributed minibatch after
+        local steps, first broadcasts rank 0's model and optimizer state (a collective)."""
+        super().begin_minibatch(local_samples, global_samples)
+        if self.is_distributed() and not self._replicas_identical:
+            self._require_prepared()
+            self._broadcast_from_root()
+
+    def step(self) -> None:
+        """Sums the scaled gradients over ranks through the quantized exchange, then steps.
+
+        Before ``distributed_after`` (or with one rank) this is the local learner's step.
+        """
+        if not self.is_distributed():
+            super().step()
+            if self.comm.size > 1:
+                self._replicas_identical = False  # local steps let ranks drift apart
+            return
+        if self.global_samples > 0:  # every rank knows the global count, so all skip an empty step together
+            gradients = self._gradients()
+            self.exchange.allreduce_(gradients, scale=self.local_samples / self.global_samples)
+            self.optimizer.step()
+        self.samples_seen += self.global_samples
+
+    def _gradients(self) -> list[torch.Tensor]:
+        """Every trainable parameter's ``.grad`` (zeros where backward gave none), in optimizer order."""
+        gradients = []
+        for parameter in self._trainable():
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter, memory_format=torch.contiguous_format)
+            elif not parameter.grad.is_contiguous():  # e.g. channels_last: the exchange writes flat views
+                parameter.grad = parameter.grad.contiguous()
+            gradients.append(parameter.grad)
+        return gradients
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        seen: set[int] = set()
+        unique = []
+        for parameter in self.parameters:
+            if parameter.requires_grad and id(parameter) not in seen:  # tied weights once
+                seen.add(id(parameter))
+                unique.append(parameter)
+        return unique
+
+    def synchronize(self) -> None:
+        """Makes every rank hold one model (a collective, called at the same points on all ranks).
+
+        After local steps: broadcasts rank 0's parameters, buffers and optimizer state. Otherwise
+        parameters are already identical, so only buffers are made consistent: floating-point
+        buffers (BatchNorm statistics) averaged over ranks, the others taken from rank 0.
+        """
+        if self.comm.size == 1 or self._model is None:
+            return
+        if not self._replicas_identical:
+            self._broadcast_from_root()
+            return
+        buffers = _unique(self._model.buffers())
+        floating = [buffer for buffer in buffers if buffer.is_floating_point()]
+        others = [buffer for buffer in buffers if not buffer.is_floating_point()]
+        coalesced(floating, _BROADCAST_BUCKET_BYTES, lambda flat: self.comm.allreduce(flat, op="mean"))
+        coalesced(others, _BROADCAST_BUCKET_BYTES, lambda flat: self.comm.broadcast(flat, root=0))
+
+    def _broadcast_from_root(self) -> None:
+        """Overwrites this rank's parameters, buffers and optimizer state with rank 0's."""
+        tensors = _unique([*self._model.parameters(), *self.parameters, *self._model.buffers()])
+        coalesced(tensors, _BROADCAST_BUCKET_BYTES, lambda flat: self.comm.broadcast(flat, root=0))
+        # pickled: a rank that has not stepped yet has no momentum buffers, so structures can differ
+        state = self.comm.broadcast_object(self.optimizer.state_dict() if self.comm.is_main else None, root=0)
+        if not self.comm.is_main:
+            self.optimizer.load_state_dict(state)
+        self._replicas_identical = True
+
+    def _require_prepared(self) -> None:
+        if self._model is None:
+            raise RuntimeError("the quantized learner was not prepared; call learner.prepare(model) on every rank "
+                               "before the first minibatch (training_session does)")
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated state (optimizer, samples seen) plus the number of bits; no residuals."""
+        return {**super().state_dict(), "num_quantization_bits": self.num_quantization_bits}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output; the next ``prepare``/first distributed step re-broadcasts."""
+        super().load_state_dict(state)
+        self._replicas_identical = False
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own state: both error-feedback residuals (see ``QuantizedExchange.state_dict``)."""
+        return self.exchange.state_dict()
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`local_state_dict`'s output (saved at this or another world size)."""
+        self.exchange.load_state_dict(state)
+
+
+def _unique(tensors) -> list[torch.Tensor]:
+    """``tensors`` without repeats (shared or tied weights), first occurrence kept."""
+    seen: set[int] = set()
+    unique = []
+    for tensor in tensors:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            unique.append(tensor)
+    return unique
+
+
+__all__ = ["QuantizedDataParallelLearner"]

@@ -1,0 +1,233 @@
+"""Worker run by tests/dist/test_quantized.py under mpiexec: ``python _quant_worker.py checks``.
+
+Every rank runs, in order:
+
+1. ``exchange``: the real two-phase exchange (torch all_to_all_single, and the all-gather
+   fallback) against a direct computation from every rank's full-precision gradients.
+2. ``learner``: a few steps of ``QuantizedDataParallelLearner`` at 1/2/4/8 bits with uneven
+   shares (one rank empty): parameters identical on all ranks after EVERY step, bytes per
+   step below a float32 all-reduce's. Rank 0 prints ``BYTES bits=k sent=... full=... ratio=...``.
+3. ``warm_start``: local steps (ranks drift apart), then the switch: identical from then on.
+4. ``converge``: 1-bit SGD with error feedback on a least-squares problem reaches the
+   full-precision run's loss. Rank 0 prints ``CONVERGE ...``.
+
+Prints ``PASS checks rank r/size`` at the end; any failed check raises, which ends the job.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from dtrain.comm import create_communicator, install_fail_fast
+from dtrain.compress import QuantizedExchange, StripeLayout, dequantize, quantize
+from dtrain.learners import QuantizedDataParallelLearner
+
+SHAPES = [(24, 50), (24,), (16, 3, 3, 3), (10, 24), (10,)]
+
+
+def gradients_of(rank: int, step: int, shapes=SHAPES) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(97 * step + rank)
+    return [torch.randn(shape, generator=generator) * (1 + rank) for shape in shapes]
+
+
+def assert_same_on_all_ranks(comm, tensor: torch.Tensor, what: str) -> None:
+    gathered = comm.allgather(tensor.detach().reshape(-1).contiguous())
+    for rank, other in enumerate(gathered):
+        if not torch.equal(other, gathered[0]):
+            difference = float((other - gathered[0]).abs().max())
+            raise AssertionError(f"{what}: rank {rank} differs from rank 0 by {difference}")
+
+
+# -- 1. the exchange against a direct computation ---------------------------------------------------
+
+
+def check_exchange(comm) -> None:
+    # (a single bias is one column: every stripe but rank 0's is empty, so messages of 0 bytes travel)
+    for bits, shapes in ((1, SHAPES), (3, SHAPES), (8, SHAPES), (2, [(5,)])):
+        layout = StripeLayout(shapes, comm.size)
+        via_torch = QuantizedExchange(comm, bits, all_to_all="torch")
+        via_allgather = QuantizedExchange(comm, bits, all_to_all="allgather")
+        worker_residuals = [torch.zeros(layout.numel) for _ in range(comm.size)]
+        owner_residuals = [torch.zeros(end - start) for start, end in layout.stripe_values]
+        for step in range(3):
+            # the direct computation, from every rank's gradients (all ranks can make them)
+            decoded = []
+            for rank in range(comm.size):
+                values = layout.flatten(gradients_of(rank, step, shapes)) + worker_residuals[rank]
+                sent = dequantize(quantize(values, layout.columns, bits), layout.columns)
+                worker_residuals[rank] = values - sent
+                decoded.append(sent)
+            expected = torch.empty(layout.numel)
+            for stripe, (start, end) in enumerate(layout.stripe_values):
+                total = torch.zeros(end - start)
+                for rank in range(comm.size):
+                    total += decoded[rank][start:end]
+                values = total + owner_residuals[stripe]
+                part = layout.stripe(stripe)
+                expected[start:end] = dequantize(quantize(values, part, bits), part)
+                owner_residuals[stripe] = values - expected[start:end]
+
+            for exchange in (via_torch, via_allgather):
+                grads = gradients_of(comm.rank, step, shapes)
+                exchange.allreduce_(grads)
+                result = layout.flatten(grads)
+                if not torch.equal(result, expected):
+                    raise AssertionError(f"{bits}-bit exchange via {exchange.all_to_all} differs from the direct "
+                                         f"computation at step {step} by {float((result - expected).abs().max())}")
+                assert_same_on_all_ranks(comm, result, f"{bits}-bit exchange result")
+        if comm.rank == 0 and shapes is SHAPES:
+            print(f"A2A bits={bits} torch_bytes={via_torch.bytes_sent_last_step} "
+                  f"allgather_bytes={via_allgather.bytes_sent_last_step}", flush=True)
+        # the fallback sends every message to every rank; all_to_all_single sends each message once
+        assert via_torch.bytes_sent_last_step <= via_allgather.bytes_sent_last_step
+
+
+# -- 2. the learner keeps ranks identical --------------------------------------------------------------
+
+
+class SmallNet(torch.nn.Module):
+    """Conv + BatchNorm + Linear: columns of several lengths, 1-column biases, float buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 3)
+        self.norm = torch.nn.BatchNorm2d(16)
+        self.head = torch.nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.conv(images))).flatten(1))
+
+
+def local_share(rank: int, size: int, step: int) -> int:
+    """Uneven shares; the last rank gets nothing on odd steps."""
+    return 0 if (rank == size - 1 and step % 2) else 3 + rank
+
+
+def train(comm, bits: int, steps: int, distributed_after: int = 0, check_every_step: bool = True):
+    torch.manual_seed(100 + comm.rank)  # different initial models: prepare must broadcast rank 0's
+    model = SmallNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
+                                           num_quantization_bits=bits)
+    learner.prepare(model)
+    generator = torch.Generator().manual_seed(comm.rank)
+    identical_after = []
+    for step in range(steps):
+        local = local_share(comm.rank, comm.size, step)
+        total = sum(local_share(rank, comm.size, step) for rank in range(comm.size))
+        learner.begin_minibatch(local, total)
+        distributed = learner.is_distributed()
+        if local:
+            images = torch.randn(local, 3, 6, 6, generator=generator)
+            labels = torch.randint(0, 10, (local,), generator=generator)
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+        learner.step()
+        if check_every_step:
+            flat = torch.cat([parameter.detach().reshape(-1) for parameter in model.parameters()])
+            gathered = comm.allgather(flat)
+            identical = all(torch.equal(other, gathered[0]) for other in gathered)
+            if distributed and not identical:
+                raise AssertionError(f"{bits}-bit step {step}: parameters differ between ranks")
+            identical_after.append(identical)
+    learner.synchronize()
+    for buffer in model.buffers():
+        assert_same_on_all_ranks(comm, buffer, "buffer after synchronize")
+    return learner, identical_after
+
+
+def check_learner(comm) -> None:
+    for bits in (1, 2, 4, 8):
+        learner, _ = train(comm, bits, steps=4)
+        sent = learner.bytes_sent_last_step
+        full = learner.exchange.full_precision_bytes_last_step
+        assert 0 < sent < full, f"{bits} bits sent {sent} bytes, a float32 all-reduce {full}"
+        if comm.rank == 0:
+            print(f"BYTES bits={bits} sent={sent} full={full} ratio={learner.compression_ratio:.2f} "
+                  f"seconds={learner.exchange.seconds_last_step:.4f}", flush=True)
+
+
+def check_warm_start(comm) -> None:
+    # shares of 3..3+N-1 samples (odd steps: the last rank 0); 3 local steps, then distributed
+    per_step = [sum(local_share(rank, comm.size, step) for rank in range(comm.size)) for step in range(3)]
+    _, identical = train(comm, bits=1, steps=6, distributed_after=sum(per_step))
+    assert not any(identical[:3]), identical  # ranks saw different data during local steps
+    assert all(identical[3:]), identical
+
+
+# -- 4. convergence on a convex problem --------------------------------------------------------------
+
+
+def least_squares() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(1024, 32, generator=generator)
+    weight, bias = torch.randn(4, 32, generator=generator), torch.randn(4, generator=generator)
+    targets = features @ weight.T + bias + 0.1 * torch.randn(1024, 4, generator=generator)
+    return features, targets
+
+
+def fit(comm, bits: int | None, steps: int = 150, minibatch: int = 64, feedback: bool = True):
+    """SGD on the global minibatches; ``bits=None``: one process on the whole minibatch (the reference)."""
+    features, targets = least_squares()
+    torch.manual_seed(1)
+    model = torch.nn.Linear(32, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = None
+    if bits is not None:
+        learner = QuantizedDataParallelLearner(optimizer, comm, num_quantization_bits=bits)
+        learner.prepare(model)
+    order = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        batch = torch.randint(0, len(features), (minibatch,), generator=order)
+        if learner is None:
+            optimizer.zero_grad()
+        else:
+            batch = batch[comm.rank::comm.size]
+            learner.begin_minibatch(len(batch), minibatch)
+        torch.nn.functional.mse_loss(model(features[batch]), targets[batch]).backward()
+        if learner is None:
+            optimizer.step()
+        else:
+            if not feedback:
+                learner.exchange.reset()  # forget the residuals: plain 1-bit quantization
+            learner.step()
+    with torch.no_grad():
+        loss = float(torch.nn.functional.mse_loss(model(features), targets))
+        return loss, torch.cat([model.weight.reshape(-1), model.bias])
+
+
+def check_convergence(comm) -> None:
+    started = time.perf_counter()
+    reference_loss, reference = fit(comm, bits=None)
+    loss, parameters = fit(comm, bits=1)
+    no_feedback_loss, _ = fit(comm, bits=1, feedback=False)
+    distance = float((parameters - reference).norm() / reference.norm())
+    if comm.rank == 0:
+        print(f"CONVERGE full_precision_loss={reference_loss:.5f} one_bit_loss={loss:.5f} "
+              f"one_bit_no_feedback_loss={no_feedback_loss:.5f} relative_distance={distance:.5f} "
+              f"seconds={time.perf_counter() - started:.1f}", flush=True)
+    assert loss < 1.05 * reference_loss, (loss, reference_loss)
+    assert distance < 0.01, distance
+    assert no_feedback_loss > loss  # error feedback is what makes 1 bit work
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    if scenario != "checks":
+        raise ValueError(f"unknown scenario {scenario!r}")
+    comm = create_communicator(backend="gloo", timeout_s=60)
+    install_fail_fast(comm)
+    torch.set_num_threads(1)  # oversubscribed ranks on a small machine
+    for check in (check_exchange, check_learner, check_warm_start, check_convergence):
+        started = time.perf_counter()
+        check(comm)
+        if comm.rank == 0:
+            print(f"TIME {check.__name__} {time.perf_counter() - started:.1f}s", flush=True)
+    comm.barrier()
+    print(f"PASS {scenario} rank {comm.rank}/{comm.size}", flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

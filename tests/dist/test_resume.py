@@ -1,0 +1,145 @@
+"""Checkpoints under real mpiexec: bit-exact resume for every learner, another world size,
+preemption by a signal, and one clear line for bad input with nothing overwritten."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import mpi_command, mpiexec_path, run_mpi
+
+from dtrain.session import checkpoint
+
+LEARNERS = {
+    "data_parallel": ["learner=data_parallel"],
+    "quantized": ["learner=quantized", "learner.num_quantization_bits=2"],
+    "block_momentum": ["learner=block_momentum", "learner.block_size=320"],
+}
+# 640-sample checkpoints; both halves of an interrupted run end on a checkpoint boundary, as the
+# uninterrupted run checkpoints (and block momentum synchronises) at the same sample counts
+COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
+          "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32"]
+
+
+def dtrain_job(nprocs: int, run_dir: Path, *overrides: str, timeout: float = 240):
+    return run_mpi(nprocs, [*COMMON, f"run_dir={run_dir}", *overrides], timeout=timeout)
+
+
+def parameters(path: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(path)["model"]
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nprocs", [1, 2])
+@pytest.mark.parametrize("learner", list(LEARNERS))
+def test_interrupted_and_restored_run_equals_an_uninterrupted_one(learner, nprocs, tmp_path):
+    whole = dtrain_job(nprocs, tmp_path / "whole", *LEARNERS[learner], "session.max_samples=1920")
+    assert whole.returncode == 0, whole.report()
+    first = dtrain_job(nprocs, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1280")
+    assert first.returncode == 0, first.report()
+    second = dtrain_job(nprocs, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1920")
+    assert second.returncode == 0, second.report()
+    assert "restored" in second.stdout and "at 1280 samples" in second.stdout
+    assert_identical(parameters(tmp_path / "whole" / "checkpoint-1920.pt"),
+                     parameters(tmp_path / "split" / "checkpoint-1920.pt"))
+    if learner == "quantized" and nprocs == 2:  # both ranks' residuals travel in the checkpoint
+        per_rank = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")["per_rank"]
+        assert len(per_rank) == 2 and all(entry["learner"] for entry in per_rank)
+
+
+def test_restoring_at_another_world_size_continues_and_says_so(tmp_path):
+    first = dtrain_job(2, tmp_path, "learner=quantized", "session.max_samples=640")
+    assert first.returncode == 0, first.report()
+    second = dtrain_job(1, tmp_path, "learner=quantized", "session.max_samples=1280")
+    assert second.returncode == 0, second.report()
+    assert "restoring a checkpoint of 2 workers on 1" in second.stdout
+    assert "per-rank state (random numbers, quantization residuals) reset" in second.stdout
+    state = checkpoint.load(tmp_path / "checkpoint-1280.pt")
+    assert state["world_size"] == 1 and state["samples_seen"] == 1280
+    assert state["source"]["position"] == 1280  # the global position carried over
+
+
+def _rank_pids(parent: int, timeout: float = 60) -> list[int]:
+    """PIDs of the Python ranks below ``parent`` (mpiexec), once they exist."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().split()
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat[3]) == parent and b"dtrain" in b" ".join(cmdline):
+                found.append(int(entry.name))
+        if len(found) >= 2:
+            return sorted(found)
+        time.sleep(0.2)
+    raise AssertionError("ranks did not start")
+
+
+def test_sigterm_on_one_rank_checkpoints_all_and_exits_75_then_resumes(tmp_path):
+    if mpiexec_path() is None:
+        pytest.skip("mpiexec not found")
+    command = mpi_command(2, [*COMMON, f"run_dir={tmp_path}", "learner=data_parallel", "session.max_samples=200000"])
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as job:
+        try:
+            ranks = _rank_pids(job.pid)
+            deadline = time.monotonic() + 120
+            while not list(tmp_path.glob("checkpoint-*.pt")) and time.monotonic() < deadline:
+                time.sleep(0.2)  # training is under way once the first periodic checkpoint exists
+            os.kill(ranks[-1], signal.SIGTERM)
+            stdout, stderr = job.communicate(timeout=60)
+        except BaseException:
+            os.killpg(job.pid, signal.SIGKILL)
+            raise
+    assert job.returncode == 75, stdout + stderr
+    assert "preempted by SIGTERM" in stdout
+    saved = max(checkpoint.CheckpointFiles(tmp_path / "checkpoint.pt").existing())
+    assert 0 < saved[0] < 200000
+    resumed = dtrain_job(2, tmp_path, "learner=data_parallel", f"session.max_samples={saved[0] + 640}")
+    assert resumed.returncode == 0, resumed.report()
+    assert f"at {saved[0]} samples" in resumed.stdout
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["learner=nope"], "Could not find 'learner/nope'"),
+    (["session.minibatch_size=-64"], "session.minibatch_size=-64"),
+    (["learner=quantized", "learner.num_quantization_bits=0"], "num_quantization_bits=0"),
+    (["learner=block_momentum", "learner.block_size=1"], "block_size"),
+    (["+recipe=cifar10", "data.root=/nonexistent/cifar", "+source.train.deserializer.url=http://127.0.0.1:9/x.tgz"],
+     "cifar-10-batches-bin"),
+    (["learner=data_parallel"], "checkpoint-64.pt could not be read"),
+    (["learner=block_momentum", "learner.block_size=640", "session.checkpoint.restore=false"], "already exists"),
+])
+def test_bad_input_under_mpiexec_is_one_line_and_changes_nothing(overrides, fragment, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint-64.pt").write_bytes(b"garbage")
+    (run / "config.yaml").write_text("earlier: true\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    own_recipe = any(o.startswith("+recipe=") for o in overrides)
+    args = ["-m", "dtrain"] if own_recipe else COMMON
+    result = run_mpi(2, [*args, f"run_dir={run}", *overrides], timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors and fragment in errors[0], result.report()
+    assert "Traceback" not in result.stderr, result.report()
+    assert len([line for line in result.stderr.splitlines() if line.startswith(("dtrain: error", "[rank"))]) <= 2
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before

@@ -1,0 +1,394 @@
+"""The two-phase quantized exchange and the quantized learner, with N workers simulated in threads.
+
+``FakeWorld`` gives each thread a communicator whose collectives meet at a barrier, so the real
+``QuantizedExchange`` code runs end to end (phase 1 then takes the all-gather fallback, since
+``torch.distributed`` is not involved). Results are compared with a direct computation.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from dtrain.comm import LocalCommunicator
+from dtrain.compress import (
+    QuantizedExchange,
+    StripeLayout,
+    dequantize,
+    full_precision_allreduce_bytes,
+    quantize,
+    stripe_bounds,
+)
+from dtrain.compress.exchange import decode_message, encode_message
+from dtrain.learners import QuantizedDataParallelLearner
+
+SHAPES = [(10, 40), (10,), (7, 3, 2, 3), (33,), (5, 16)]
+
+
+# -- an in-process world of N communicators -------------------------------------------------------------
+
+
+class FakeWorld:
+    """N communicators for N threads; every collective is an all-gather through shared slots."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots: list[Any] = [None] * size
+
+    def gather(self, rank: int, item: Any) -> list[Any]:
+        self.slots[rank] = item
+        self.barrier.wait()
+        items = list(self.slots)
+        self.barrier.wait()  # nobody refills the slots before everyone has read them
+        return items
+
+    def run(self, work: Callable[["FakeComm"], Any]) -> list[Any]:
+        """Run ``work(comm)`` in one thread per rank; return the results by rank (re-raising failures)."""
+        results: list[Any] = [None] * self.size
+        errors: list[BaseException] = []
+
+        def target(rank: int) -> None:
+            try:
+                results[rank] = work(FakeComm(self, rank))
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(rank,)) for rank in range(self.size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        if errors:
+            raise errors[0]
+        return results
+
+
+class FakeComm:
+    """The part of the Communicator interface the exchange and the learner use."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, world: FakeWorld, rank: int):
+        self.world, self.rank, self.size = world, rank, world.size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [item.clone() for item in self.world.gather(self.rank, tensor.clone())]
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        total = torch.stack(self.allgather(tensor)).sum(0)
+        tensor.copy_(total / self.size if op == "mean" else total)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        tensor.copy_(self.allgather(tensor)[root])
+        return tensor
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        # a copy, as a real broadcast gives: ranks must not share the root's tensors
+        return copy.deepcopy(self.world.gather(self.rank, obj)[root])
+
+
+def make_gradients(step: int, rank: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(shape, generator=generator) * (1 + rank) for shape in SHAPES]
+
+
+# -- layout ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_columns, num_stripes", [(10, 3), (1, 4), (7, 7), (0, 2), (657, 4)])
+def test_stripes_tile_the_columns_and_the_first_ones_get_the_extra(num_columns, num_stripes):
+    bounds = [stripe_bounds(num_columns, stripe, num_stripes) for stripe in range(num_stripes)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == num_columns
+    assert all(end == start for (_, end), (start, _) in zip(bounds, bounds[1:]))
+    sizes = [end - start for start, end in bounds]
+    extra = num_columns % num_stripes
+    assert sizes == [num_columns // num_stripes + (stripe < extra) for stripe in range(num_stripes)]
+
+
+def test_stripe_major_buffer_round_trips_and_each_stripe_is_contiguous():
+    layout = StripeLayout(SHAPES, 3)
+    tensors = make_gradients(0, 0)
+    flat = layout.flatten(tensors)
+    assert flat.numel() == layout.numel == sum(t.numel() for t in tensors)
+    copies = [torch.zeros_like(t) for t in tensors]
+    layout.unflatten_(flat, copies)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, copies))
+    # stripe 1 holds columns [4, 7) of the [10, 40] weight first
+    start, end = layout.stripe_values[1]
+    assert torch.equal(flat[start:start + 3 * 40], tensors[0][4:7].reshape(-1))
+    ends = [layout.stripe_values[stripe][1] for stripe in range(3)]
+    assert ends == [layout.stripe_values[stripe + 1][0] for stripe in range(2)] + [flat.numel()]
+    # 1-column tensors (biases, the [7,3,2,3] weight with 18-long columns is 7 columns) go to stripe 0
+    assert layout.stripe(2).num_columns == 3 + 2 + 1
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8, 32])
+def test_message_round_trip_and_size(bits):
+    layout = StripeLayout(SHAPES, 2)
+    stripe = layout.stripe(1)
+    values = torch.randn(stripe.numel)
+    quantized = quantize(values, stripe, bits)
+    message = encode_message(quantized)
+    assert message.dtype == torch.uint8 and message.numel() == layout.message_sizes(bits)[1]
+    assert message.numel() == 8 * stripe.num_columns + -(-stripe.numel * bits // 8)
+    decoded = decode_message(message, stripe, bits)
+    assert torch.equal(dequantize(decoded, stripe), dequantize(quantized, stripe))
+
+
+# -- the exchange against a direct computation -------------------------------------------------------
+
+
+def reference_exchange(num_workers: int, bits: int, steps: int):
+    """The two phases written out directly on whole buffers: results and final residuals."""
+    layout = StripeLayout(SHAPES, num_workers)
+    worker_residuals = [torch.zeros(layout.numel) for _ in range(num_workers)]
+    owner_residuals = [torch.zeros(end - start) for start, end in layout.stripe_values]
+    results = []
+    for step in range(steps):
+        decoded = []
+        for rank in range(num_workers):
+            values = layout.flatten(make_gradients(step, rank)) + worker_residuals[rank]
+            sent = dequantize(quantize(values, layout.columns, bits), layout.columns)
+            worker_residuals[rank] = values - sent
+            decoded.append(sent)
+        result = torch.empty(layout.numel)
+        for stripe, (start, end) in enumerate(layout.stripe_values):
+            total = torch.zeros(end - start)
+            for rank in range(num_workers):
+                total += decoded[rank][start:end]
+            values = total + owner_residuals[stripe]
+            part = layout.stripe(stripe)
+            result[start:end] = dequantize(quantize(values, part, bits), part)
+            owner_residuals[stripe] = values - result[start:end]
+        results.append(result)
+    return layout, results, worker_residuals, owner_residuals
+
+
+@pytest.mark.parametrize("num_workers, bits", [(2, 1), (3, 1), (4, 2), (3, 3), (2, 8)])
+def test_threaded_exchange_equals_the_direct_computation(num_workers, bits):
+    steps = 3
+    layout, expected, worker_residuals, owner_residuals = reference_exchange(num_workers, bits, steps)
+
+    def work(comm):
+        exchange = QuantizedExchange(comm, bits)
+        outputs = []
+        for step in range(steps):
+            gradients = make_gradients(step, comm.rank)
+            exchange.allreduce_(gradients)
+            outputs.append(layout.flatten(gradients))
+        return outputs, exchange
+
+    per_rank = FakeWorld(num_workers).run(work)
+    for rank, (outputs, exchange) in enumerate(per_rank):
+        for step in range(steps):
+            assert torch.equal(outputs[step], expected[step]), f"rank {rank} step {step}"
+        assert torch.equal(exchange.worker_residual, worker_residuals[rank])
+        assert torch.equal(exchange.owner_residual, owner_residuals[rank])
+
+
+def test_error_feedback_invariant_across_both_residuals():
+    """Σ_t result_t + Σ_ranks worker residual + owner residuals == Σ_t Σ_ranks gradient_t."""
+    num_workers, steps = 3, 6
+
+    def work(comm):
+        exchange = QuantizedExchange(comm, 1)
+        results, inputs = 0, 0
+        for step in range(steps):
+            gradients = make_gradients(step, comm.rank)
+            inputs = inputs + torch.cat([g.reshape(-1) for g in gradients])
+            exchange.allreduce_(gradients)
+            results = results + torch.cat([g.reshape(-1) for g in gradients])
+        state = exchange.state_dict()
+        return results, inputs, state["worker_residual"], state["owner_residual"]
+
+    per_rank = FakeWorld(num_workers).run(work)
+    results = per_rank[0][0]
+    inputs = sum(item[1] for item in per_rank)
+    pending = sum(item[2] + item[3] for item in per_rank)
+    torch.testing.assert_close(results + pending, inputs, rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(item[0], results) for item in per_rank)  # every rank decoded the same
+
+
+def test_thirty_two_bits_is_the_exact_sum_and_scale_applies_before_the_sum():
+    def work(comm):
+        exchange = QuantizedExchange(comm, 32)
+        gradients = make_gradients(0, comm.rank)
+        exchange.allreduce_(gradients, scale=0.5)
+        return gradients
+
+    per_rank = FakeWorld(3).run(work)
+    for index in range(len(SHAPES)):
+        expected = sum(0.5 * make_gradients(0, rank)[index] for rank in range(3))
+        torch.testing.assert_close(per_rank[1][index], expected)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_bytes_sent_are_counted_and_smaller_than_full_precision(bits):
+    num_workers = 3
+    layout = StripeLayout(SHAPES, num_workers)
+    sizes = layout.message_sizes(bits)
+
+    def work(comm):
+        exchange = QuantizedExchange(comm, bits)
+        exchange.allreduce_(make_gradients(0, comm.rank))
+        return exchange.bytes_sent_last_step, exchange.full_precision_bytes_last_step, exchange.compression_ratio
+
+    for sent, full, ratio in FakeWorld(num_workers).run(work):
+        # all-gather fallback for phase 1 (every rank's N messages to everyone), padded all-gather for phase 2
+        assert sent == (num_workers - 1) * sum(sizes) + (num_workers - 1) * max(sizes)
+        assert full == full_precision_allreduce_bytes(layout.numel, num_workers) == round(2 * 2 / 3 * 4 * layout.numel)
+        assert ratio == pytest.approx(full / sent)
+
+
+def test_one_worker_only_scales():
+    exchange = QuantizedExchange(LocalCommunicator(), 1)
+    gradients = make_gradients(0, 0)
+    expected = [g * 0.25 for g in gradients]
+    exchange.allreduce_(gradients, scale=0.25)
+    assert all(torch.equal(a, b) for a, b in zip(gradients, expected))
+    assert exchange.bytes_sent_last_step == 0
+
+
+def test_bad_arguments_and_changed_shapes_are_rejected():
+    with pytest.raises(ValueError, match="all_to_all='torch' needs a TorchDistCommunicator"):
+        QuantizedExchange(LocalCommunicator(), 1, all_to_all="torch")
+    with pytest.raises(ValueError, match="bits must be an integer from 1 to 32"):
+        QuantizedExchange(LocalCommunicator(), 0)
+
+    def work(comm):
+        exchange = QuantizedExchange(comm, 1)
+        exchange.allreduce_(make_gradients(0, comm.rank))
+        with pytest.raises(ValueError, match="create a new QuantizedExchange"):
+            exchange.allreduce_(make_gradients(0, comm.rank)[:2])
+        return True
+
+    assert FakeWorld(2).run(work) == [True, True]
+
+
+def test_residual_state_round_trips_and_loads_at_another_world_size():
+    def run_steps(world_size: int, state_by_rank=None, steps: int = 2):
+        def work(comm):
+            exchange = QuantizedExchange(comm, 1)
+            if state_by_rank is not None:
+                exchange.load_state_dict(state_by_rank[comm.rank])
+            for step in range(steps):
+                exchange.allreduce_(make_gradients(step, comm.rank))
+            return exchange.state_dict()
+        return FakeWorld(world_size).run(work)
+
+    states = run_steps(2)
+    assert states[0]["shapes"] == [list(shape) for shape in SHAPES]
+    # loading and taking no step gives the same state back
+    assert all(torch.equal(a["worker_residual"], b["worker_residual"]) and
+               torch.equal(a["owner_residual"], b["owner_residual"])
+               for a, b in zip(states, run_steps(2, states, steps=0)))
+    # at 3 workers, owner residuals are cut to the new stripes: nonzero only on each rank's own stripe
+    moved = run_steps(3, [states[0], states[1], states[0]], steps=0)
+    layout = StripeLayout(SHAPES, 3)
+    for rank, state in enumerate(moved):
+        start, end = layout.stripe_values[rank]
+        stripe_only = torch.zeros(layout.numel)
+        stripe_only[start:end] = 1
+        owner = layout.flatten(_split(state["owner_residual"]))
+        assert torch.equal(owner * (1 - stripe_only), torch.zeros(layout.numel))
+
+
+def _split(flat: torch.Tensor) -> list[torch.Tensor]:
+    tensors, offset = [], 0
+    for shape in SHAPES:
+        count = torch.Size(shape).numel()
+        tensors.append(flat[offset:offset + count].reshape(shape))
+        offset += count
+    return tensors
+
+
+# -- the learner ----------------------------------------------------------------------------------------
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 3))
+
+
+def train_steps(comm, bits: int, steps: int, distributed_after: int = 0, local_sizes=(8, 5, 0, 3)):
+    model = make_model(seed=comm.rank)  # different on purpose: prepare must broadcast rank 0's
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
+                                           num_quantization_bits=bits)
+    learner.prepare(model)
+    snapshots = []
+    generator = torch.Generator().manual_seed(comm.rank)
+    for _ in range(steps):
+        local = local_sizes[comm.rank % len(local_sizes)]
+        total = sum(local_sizes[rank % len(local_sizes)] for rank in range(comm.size))
+        learner.begin_minibatch(local, total)
+        if local:
+            features = torch.randn(local, 20, generator=generator)
+            labels = torch.randint(0, 3, (local,), generator=generator)
+            torch.nn.functional.cross_entropy(model(features), labels).backward()
+        learner.step()
+        snapshots.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    learner.synchronize()
+    return snapshots, learner, [b.clone() for b in model.buffers()]
+
+
+def test_learner_keeps_ranks_identical_and_reports_bytes():
+    per_rank = FakeWorld(3).run(lambda comm: train_steps(comm, bits=1, steps=4))
+    for step in range(4):
+        assert all(torch.equal(item[0][step], per_rank[0][0][step]) for item in per_rank)
+    learner = per_rank[0][1]
+    assert learner.kind == "quantized" and learner.samples_seen == 4 * (8 + 5 + 0)
+    # the fake comm's phase 1 is the all-gather fallback (N times the bytes), so the ratio is modest
+    assert 0 < learner.bytes_sent_last_step and learner.compression_ratio > 2
+    # BatchNorm statistics averaged by synchronize()
+    assert all(torch.equal(a, b) for item in per_rank for a, b in zip(item[2], per_rank[0][2]))
+    assert set(learner.local_state_dict()) >= {"worker_residual", "owner_residual"}
+    assert learner.state_dict()["num_quantization_bits"] == 1
+
+
+def test_learner_warm_start_steps_locally_then_broadcasts_rank_zero():
+    def work(comm):
+        snapshots, learner, _ = train_steps(comm, bits=2, steps=5, distributed_after=32)
+        return snapshots, learner.optimizer.state_dict()["state"]
+
+    per_rank = FakeWorld(2).run(work)  # 13 samples a step: steps 1-3 local, then distributed
+    (first, state0), (second, state1) = per_rank
+    assert not torch.equal(first[2], second[2])  # local steps on different data drift apart
+    assert torch.equal(first[3], second[3]) and torch.equal(first[4], second[4])
+    for key in state0:
+        assert torch.equal(state0[key]["momentum_buffer"], state1[key]["momentum_buffer"])
+
+
+def test_one_worker_learner_is_the_plain_optimizer():
+    model, reference = make_model(0), make_model(0)
+    learner = QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), LocalCommunicator())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    learner.prepare(model)
+    features, labels = torch.randn(8, 20), torch.randint(0, 3, (8,))
+    for net, step in ((model, learner), (reference, None)):
+        if step is None:
+            optimizer.zero_grad()
+        else:
+            learner.begin_minibatch(8, 8)
+        torch.nn.functional.cross_entropy(net(features), labels).backward()
+        (learner.step if step is not None else optimizer.step)()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("bits", [0, 33, "1"])
+def test_learner_rejects_bad_bits(bits):
+    model = make_model(0)
+    with pytest.raises(ValueError, match="num_quantization_bits must be an integer from 1 to 32"):
+        QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=bits)
