@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from dtrain.learners._buckets import BYTES_PER_MB, GradientBucket, coalesced, plan_buckets
+from dtrain.learners._buckets import BYTES_PER_MB, GradientBucket, plan_buckets
+from dtrain.learners._replicas import broadcast_replica, make_buffers_consistent, unique_tensors
 from dtrain.learners.base import Learner
 
 
@@ -81,7 +82,7 @@ class DataParallelLearner(Learner):
         if self.comm.size == 1:
             return
         self._broadcast_from_root()
-        trainable = [parameter for parameter in _unique(self.parameters) if parameter.requires_grad]
+        trainable = [parameter for parameter in unique_tensors(self.parameters) if parameter.requires_grad]
         ready_order = trainable[::-1]  # backward produces the last layer's gradients first
         self.buckets = [GradientBucket([ready_order[index] for index in indices])
                         for indices in plan_buckets(ready_order, self.bucket_bytes)]
@@ -165,20 +166,11 @@ class DataParallelLearner(Learner):
         if not self._replicas_identical:
             self._broadcast_from_root()
             return
-        buffers = _unique(self._model.buffers())
-        floating = [buffer for buffer in buffers if buffer.is_floating_point()]
-        others = [buffer for buffer in buffers if not buffer.is_floating_point()]
-        coalesced(floating, self.bucket_bytes, lambda flat: self.comm.allreduce(flat, op="mean"))
-        coalesced(others, self.bucket_bytes, lambda flat: self.comm.broadcast(flat, root=0))
+        make_buffers_consistent(self._model, self.comm, self.bucket_bytes)
 
     def _broadcast_from_root(self) -> None:
         """Overwrites this rank's parameters, buffers and optimizer state with rank 0's (a collective)."""
-        tensors = _unique([*self._model.parameters(), *self.parameters, *self._model.buffers()])
-        coalesced(tensors, self.bucket_bytes, lambda flat: self.comm.broadcast(flat, root=0))
-        # the structure may differ (a rank that never stepped has no momentum yet), so pickle it
-        state = self.comm.broadcast_object(self.optimizer.state_dict() if self.comm.is_main else None, root=0)
-        if not self.comm.is_main:
-            self.optimizer.load_state_dict(state)
+        broadcast_replica(self._model, self.optimizer, self.comm, self.bucket_bytes)
         self._replicas_identical = True
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -239,17 +231,6 @@ def _check_bucket_size(bucket_size_mb) -> float:
             or not bucket_size_mb > 0 or bucket_size_mb == float("inf")):
         raise ValueError(f"bucket_size_mb must be a positive number of MiB (e.g. 25), got {bucket_size_mb!r}")
     return float(bucket_size_mb)
-
-
-def _unique(tensors) -> list[torch.Tensor]:
-    """``tensors`` without repeats (shared or tied weights), first occurrence kept."""
-    seen: set[int] = set()
-    unique = []
-    for tensor in tensors:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            unique.append(tensor)
-    return unique
 
 
 __all__ = ["DataParallelLearner", "data_parallel_distributed_learner"]

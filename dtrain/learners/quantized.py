@@ -13,7 +13,8 @@ import torch
 
 from dtrain.compress import QuantizedExchange
 from dtrain.compress.bitpack import check_bits
-from dtrain.learners._buckets import BYTES_PER_MB, coalesced
+from dtrain.learners._buckets import BYTES_PER_MB
+from dtrain.learners._replicas import broadcast_replica, make_buffers_consistent
 from dtrain.learners.base import Learner
 
 _BROADCAST_BUCKET_BYTES = 25 * BYTES_PER_MB  # parameters and buffers travel in flat chunks of this size
@@ -147,20 +148,11 @@ class QuantizedDataParallelLearner(Learner):
         if not self._replicas_identical:
             self._broadcast_from_root()
             return
-        buffers = _unique(self._model.buffers())
-        floating = [buffer for buffer in buffers if buffer.is_floating_point()]
-        others = [buffer for buffer in buffers if not buffer.is_floating_point()]
-        coalesced(floating, _BROADCAST_BUCKET_BYTES, lambda flat: self.comm.allreduce(flat, op="mean"))
-        coalesced(others, _BROADCAST_BUCKET_BYTES, lambda flat: self.comm.broadcast(flat, root=0))
+        make_buffers_consistent(self._model, self.comm, _BROADCAST_BUCKET_BYTES)
 
     def _broadcast_from_root(self) -> None:
-        """Overwrites this rank's parameters, buffers and optimizer state with rank 0's."""
-        tensors = _unique([*self._model.parameters(), *self.parameters, *self._model.buffers()])
-        coalesced(tensors, _BROADCAST_BUCKET_BYTES, lambda flat: self.comm.broadcast(flat, root=0))
-        # pickled: a rank that has not stepped yet has no momentum buffers, so structures can differ
-        state = self.comm.broadcast_object(self.optimizer.state_dict() if self.comm.is_main else None, root=0)
-        if not self.comm.is_main:
-            self.optimizer.load_state_dict(state)
+        """Overwrites this rank's parameters, buffers and optimizer state with rank 0's (a collective)."""
+        broadcast_replica(self._model, self.optimizer, self.comm, _BROADCAST_BUCKET_BYTES)
         self._replicas_identical = True
 
     def _require_prepared(self) -> None:
@@ -185,17 +177,6 @@ class QuantizedDataParallelLearner(Learner):
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`local_state_dict`'s output (saved at this or another world size)."""
         self.exchange.load_state_dict(state)
-
-
-def _unique(tensors) -> list[torch.Tensor]:
-    """``tensors`` without repeats (shared or tied weights), first occurrence kept."""
-    seen: set[int] = set()
-    unique = []
-    for tensor in tensors:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            unique.append(tensor)
-    return unique
 
 
 __all__ = ["QuantizedDataParallelLearner"]
