@@ -98,6 +98,16 @@ class ConvNetCIFAR10Config:
     dropout: float = 0.5
 
 
+@dataclass
+class ResNet50Config:
+    """``dtrain.models.ResNet50``; ``width`` 64 is the paper's network (smaller for quick tests)."""
+
+    _target_: str = "dtrain.models.ResNet50"
+    num_classes: int = 1000
+    width: int = 64
+    zero_init_residual: bool = False
+
+
 # -- data sources ---------------------------------------------------------------------------------
 
 
@@ -132,6 +142,15 @@ class SourceConfig:
     train: MinibatchSourceConfig = MISSING
     test: Optional[MinibatchSourceConfig] = None
     cv: Optional[MinibatchSourceConfig] = None
+
+
+@dataclass
+class ImageSourceConfig(SourceConfig):
+    """Map-file image sources; ``backend`` picks PIL decoding (``native``) or a DALI pipeline (``dali``)."""
+
+    backend: str = "native"
+    image_size: list[int] = field(default_factory=lambda: [256, 256])  # decode size [H, W], pixels
+    crop_size: list[int] = field(default_factory=lambda: [224, 224])   # network input [H, W], pixels
 
 
 # -- session --------------------------------------------------------------------------------------
@@ -223,7 +242,9 @@ _SCHEMAS = {
     ("schema/optimizer", "adam"): AdamConfig,
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
     ("schema/model", "cifar10_convnet"): ConvNetCIFAR10Config,
+    ("schema/model", "resnet50"): ResNet50Config,
     ("schema/source", "source"): SourceConfig,
+    ("schema/source", "image_source"): ImageSourceConfig,
     ("schema/source", "minibatch_source"): MinibatchSourceConfig,
     ("schema/source", "image_transform"): ImageTransformConfig,
     ("schema/session", "session"): SessionConfig,

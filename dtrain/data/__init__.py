@@ -7,21 +7,33 @@ Sizes are global and counted in samples; each worker reads its share of every gl
 from dtrain.data.arrays import ArrayDeserializer
 from dtrain.data.augment import ImageTransform
 from dtrain.data.cifar10 import Cifar10
+from dtrain.data.ctf import CTFDeserializer
 from dtrain.data.digits import Digits
 from dtrain.data.errors import DataError
+from dtrain.data.image_transforms import ImageAugmentation, crop_geometry
+from dtrain.data.images import ImageFolderDeserializer, image_deserializer, image_transform
+from dtrain.data.mapfile import MapFile, read_map_file
 from dtrain.data.partition import partition_slice, sweep_order, timeline_to_indices
 from dtrain.data.source import Deserializer, Minibatch, MinibatchSource
 
 __all__ = [
     "ArrayDeserializer",
+    "CTFDeserializer",
     "Cifar10",
     "DataError",
     "Deserializer",
     "Digits",
+    "ImageAugmentation",
+    "ImageFolderDeserializer",
     "ImageTransform",
+    "MapFile",
     "Minibatch",
     "MinibatchSource",
+    "crop_geometry",
+    "image_deserializer",
+    "image_transform",
     "partition_slice",
+    "read_map_file",
     "sweep_order",
     "timeline_to_indices",
 ]

@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from _cifar_files import write_cifar10_binary
+from _image_files import write_image_map_files
 from dtrain.cli import config_dir
 from dtrain.comm import LocalCommunicator
 from dtrain.config import register_schemas, validate
@@ -35,6 +36,7 @@ def test_the_tree_ships_the_documented_recipes_and_learners():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_instantiates_with_every_learner(recipe, learner, tmp_path):
     write_cifar10_binary(tmp_path, num_train=20, num_test=10)
+    write_image_map_files(tmp_path, num_train=8, num_val=4)  # recipe imagenet's map files
     cfg = compose_config(f"+recipe={recipe}", f"learner={learner}", f"data.root={tmp_path}")
     assert validate(cfg) == []
     OmegaConf.resolve(cfg)
