@@ -28,7 +28,10 @@ def outward_address(peer_host: str | None = None) -> str:
     Tries, in order: the source address the kernel would use to reach ``peer_host``;
     a non-loopback address the host name resolves to (``/etc/hosts`` often maps it to
     ``127.0.1.1``, which other nodes cannot use); the source address of the default
-    route; the fully qualified host name as a last resort.
+    route; the fully qualified host name if it resolves.
+
+    Raises:
+        RuntimeError: none of these gives a reachable address (set ``DTRAIN_MASTER_ADDR``).
     """
     if peer_host:
         address = _route_source(peer_host)
@@ -41,7 +44,22 @@ def outward_address(peer_host: str | None = None) -> str:
     for *_, sockaddr in infos:
         if not ipaddress.ip_address(sockaddr[0]).is_loopback:
             return sockaddr[0]
-    return _route_source(_PROBE_ADDRESS) or socket.getfqdn()
+    address = _route_source(_PROBE_ADDRESS) or _resolvable(socket.getfqdn())
+    if address is None:
+        raise RuntimeError(
+            f"cannot find an address of this node ({socket.gethostname()}) that the other nodes can reach: no route "
+            f"to them and the host name does not resolve; set DTRAIN_MASTER_ADDR to this node's IP on the network "
+            f"the ranks share")
+    return address
+
+
+def _resolvable(name: str) -> str | None:
+    """``name`` if it resolves to a non-loopback IPv4 address, else None (rank 0 would wait on it in vain)."""
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return name if any(not ipaddress.ip_address(sockaddr[0]).is_loopback for *_, sockaddr in infos) else None
 
 
 def _route_source(host: str) -> str | None:

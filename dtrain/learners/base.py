@@ -87,6 +87,12 @@ class Learner:
     def synchronize(self) -> None:
         """Brings every worker to one model (block momentum's final sync); a no-op here."""
 
+    def describe(self) -> str:
+        """One line of derived settings for the start-up summary (units: samples)."""
+        warm_start = f", local training on the full stream for the first {self.distributed_after:,} samples" \
+            if self.distributed_after and self.comm.size > 1 else ""
+        return f"learner {self.kind}{warm_start}"
+
     def progress_note(self) -> str:
         """A short note for progress lines (e.g. bytes sent per step); empty when there is nothing to say."""
         return ""

@@ -145,6 +145,13 @@ class BlockMomentumLearner(Learner):
         self._scratch: torch.Tensor | None = None  # [W or d_i | floating-point buffers]
 
     # -- the loop -------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """Block size, each worker's sync period and the block momentum at the nominal period."""
+        momentum = math.exp(-self.sync_period / (self.time_constant / self.comm.size)) if self.time_constant > 0 else 0.0
+        return (f"{super().describe()}: block of {self.block_size:,} samples = {self.sync_period:,} per worker between "
+                f"syncs, time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
+                f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}")
+
     def prepare(self, model: torch.nn.Module) -> None:
         """Broadcasts rank 0's parameters and buffers, then takes them as ``W_prev`` (``sg`` = 0).
 

@@ -436,6 +436,7 @@ class TrainingSession:
             sweeps = self.max_samples / self.source.samples_per_sweep
             parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
         printer.line("dtrain: " + ", ".join(parts))
+        printer.line("dtrain: " + self.learner.describe())
         if restored_from is not None:
             printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
 

@@ -205,3 +205,18 @@ def test_local_backend_with_several_processes_is_rejected(plain_env) -> None:
     plain_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="backend='local' runs one process but mpi started 2"):
         create_communicator(backend="local")
+
+
+def test_outward_address_refuses_a_name_no_one_can_resolve(monkeypatch):
+    """With no route and an unresolvable host name, rank 0 says what to set instead of waiting."""
+    import socket
+
+    from dtrain.comm import _address
+
+    def no_resolution(*args, **kwargs):
+        raise OSError("name not known")
+
+    monkeypatch.setattr(_address, "_route_source", lambda host: None)
+    monkeypatch.setattr(socket, "getaddrinfo", no_resolution)
+    with pytest.raises(RuntimeError, match="set DTRAIN_MASTER_ADDR"):
+        _address.outward_address("peer-host")
