@@ -74,7 +74,7 @@ def checkpoint_identity(cfg: DictConfig) -> dict:
 def _schedule(node) -> Schedule | None:
     if node is None:
         return None
-    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size)
+    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size, node.warmup_samples)
 
 
 def _instantiate(node, what: str, **kwargs):

@@ -162,6 +162,7 @@ class ScheduleConfig:
 
     values: list[Any] = MISSING
     epoch_size: int = 1
+    warmup_samples: int = 0             # linear ramp from ~0 to 1x over these samples (lr warm-up)
 
 
 @dataclass
@@ -305,6 +306,7 @@ def validate(cfg: DictConfig) -> list[str]:
         schedule = session[key]
         if schedule is not None:
             positive(f"session.{key}.epoch_size", schedule.epoch_size)
+            positive(f"session.{key}.warmup_samples", schedule.warmup_samples, allow_zero=True)
             if not schedule["values"]:
                 problems.append(f"session.{key}.values=[]: expected at least one value")
     problems += _learner_problems(cfg.learner)

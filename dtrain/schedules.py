@@ -18,12 +18,17 @@ class Schedule:
         values: a number, a list of numbers (one per ``epoch_size`` samples), or a list of
             ``[count, value]`` pairs (``value`` for ``count * epoch_size`` samples).
         epoch_size: samples one unit of ``count`` stands for; ignored for a scalar.
+        warmup_samples: scale the value linearly from ~0 up to 1x over this many samples (a
+            learning-rate warm-up for large minibatches, Goyal et al. 2017); 0 for none.
 
     Raises:
-        ValueError: on an empty list, a non-positive count or epoch size.
+        ValueError: on an empty list, a non-positive count or epoch size, a negative warm-up.
     """
 
-    def __init__(self, values: float | Sequence, epoch_size: int = 1):
+    def __init__(self, values: float | Sequence, epoch_size: int = 1, warmup_samples: int = 0):
+        if not isinstance(warmup_samples, int) or warmup_samples < 0:
+            raise ValueError(f"schedule warmup_samples must be a non-negative number of samples, got {warmup_samples!r}")
+        self.warmup_samples = warmup_samples
         if isinstance(values, (int, float)):
             values = [(1, float(values))]
             epoch_size = 1
@@ -55,10 +60,14 @@ class Schedule:
     def __call__(self, samples_seen: int) -> float:
         """The value in force after ``samples_seen`` global samples."""
         index = bisect.bisect_right(self._ends, samples_seen)
-        return self.values[min(index, len(self.values) - 1)]
+        value = self.values[min(index, len(self.values) - 1)]
+        if samples_seen < self.warmup_samples:
+            value *= (samples_seen + 1) / self.warmup_samples
+        return value
 
     def __repr__(self) -> str:
-        return f"Schedule(values={self.values}, ends={self._ends}, epoch_size={self.epoch_size})"
+        return (f"Schedule(values={self.values}, ends={self._ends}, epoch_size={self.epoch_size}, "
+                f"warmup_samples={self.warmup_samples})")
 
 
 def momentum_from_time_constant(time_constant: float, minibatch_size: int) -> float:

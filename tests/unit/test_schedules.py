@@ -33,3 +33,13 @@ def test_momentum_time_constant_matches_cntk_conversion():
     assert momentum_from_time_constant(600, 64) == pytest.approx(0.899, abs=1e-3)
     with pytest.raises(ValueError):
         momentum_from_time_constant(-1, 64)
+
+
+def test_warmup_ramps_linearly_then_hands_over_to_the_schedule():
+    schedule = Schedule([[1, 1.0], [1, 0.1]], epoch_size=1000, warmup_samples=500)
+    assert schedule(0) == pytest.approx(1 / 500)
+    assert schedule(249) == pytest.approx(0.5)
+    assert schedule(499) == pytest.approx(1.0)
+    assert schedule(500) == 1.0 and schedule(1000) == 0.1
+    with pytest.raises(ValueError, match="warmup_samples"):
+        Schedule(1.0, warmup_samples=-1)
