@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.config import register_schemas, validate
 from dtrain.schedules import Schedule
-from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
+from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.checkpoint import CheckpointError
 
 #: exit code for a bad config, data set or checkpoint (the user's input, not a crash)
@@ -33,7 +33,7 @@ EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
 
 #: the errors that name a bad input; anything else is a bug and keeps its traceback
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, CheckpointError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, CheckpointError, TrainingDiverged)
 
 
 class UserError(Exception):

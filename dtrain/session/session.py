@@ -8,6 +8,7 @@ single process or any distributed learner.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import sys
 import threading
@@ -26,6 +27,10 @@ from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, Test
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import MetricsWriter
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite (raised on every rank at a progress point)."""
 
 
 @dataclass
@@ -257,6 +262,12 @@ class TrainingSession:
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
         error = float(totals[1]) / samples if samples else float("nan")
+        if samples and not math.isfinite(loss):
+            # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
+            raise TrainingDiverged(
+                f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
+                f"{self.learner.samples_seen} samples); lower optimizer.lr, or with 1-bit gradients start "
+                f"distributed training later (learner.distributed_after)")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
@@ -338,6 +349,12 @@ class TrainingSession:
 
     def _save_checkpoint(self, printer) -> Path:
         self.learner.synchronize()
+        # every rank holds the same model now, so every rank reaches the same verdict
+        if not all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters()):
+            raise TrainingDiverged(
+                f"training diverged: the model has NaN or infinite parameters at {self.learner.samples_seen} samples "
+                f"(not saved; the previous checkpoint is kept); lower optimizer.lr, or with 1-bit gradients start "
+                f"distributed training later (learner.distributed_after)")
         state = self._checkpoint_state()
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
@@ -502,4 +519,4 @@ def _dtrain_version() -> str:
         return "unknown"
 
 
-__all__ = ["TrainingResult", "TrainingSession", "training_session"]
+__all__ = ["TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]

@@ -215,3 +215,21 @@ def test_bad_arguments_are_refused_when_built():
     adam = Learner(torch.optim.Adam(model.parameters()))
     with pytest.raises(ValueError, match="momentum"):
         training_session(model, nn.functional.cross_entropy, adam, source, 8, momentum_schedule=Schedule(600))
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+    from dtrain.session import TrainingDiverged
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e6)  # a learning rate that blows up
+    session = training_session(model, nn.functional.cross_entropy, Learner(optimizer), MinibatchSource(make_data()), 16,
+                               max_samples=2000, progress_frequency=160,
+                               checkpoint_config=CheckpointConfig("ckpt.pt", frequency=16), run_dir=tmp_path,
+                               tensorboard=False)
+    with pytest.raises(TrainingDiverged, match="training diverged") as caught:
+        session.train()
+    assert "\n" not in str(caught.value)
+    saved = checkpoint.CheckpointFiles(tmp_path / "ckpt.pt").existing()
+    assert saved  # the good ones from before the blow-up
+    for _, path in saved:
+        assert all(torch.isfinite(t).all() for t in checkpoint.load(path)["model"].values())
