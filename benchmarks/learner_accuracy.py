@@ -7,11 +7,12 @@ Every row trains the `digits` recipe with the same global minibatch, learning-ra
 number of samples; only the learner differs. It shows what 1-bit SGD's error feedback and
 full-precision warm start are worth, and whether block momentum keeps up with data_parallel.
 Each configuration runs once per seed; the table gives the mean and the spread of the test
-accuracy, and the wall time of one run.
+accuracy, and the wall time of one run; a run whose loss turns NaN counts as diverged.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -43,6 +44,8 @@ def run(ranks: int, overrides: list[str], seed: int, samples: int) -> tuple[floa
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
         seconds = time.perf_counter() - started
     match = re.search(r"test: accuracy ([\d.]+)%", result.stdout)
+    if "training diverged" in result.stderr:
+        return float("nan"), seconds
     if result.returncode != 0 or match is None:
         raise RuntimeError(f"{' '.join(overrides)} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     return float(match.group(1)), seconds
@@ -60,10 +63,13 @@ def main() -> None:
     print(f"{'learner':<26} {'test accuracy %':>16} {'spread':>8} {'s/run':>7}")
     for name in names:
         results = [run(args.ranks, CONFIGS[name], seed, args.samples) for seed in args.seeds]
-        accuracies = [accuracy for accuracy, _ in results]
-        spread = max(accuracies) - min(accuracies)
+        accuracies = [accuracy for accuracy, _ in results if not math.isnan(accuracy)]
+        diverged = len(results) - len(accuracies)
         seconds = statistics.mean(s for _, s in results)
-        print(f"{name:<26} {statistics.mean(accuracies):>16.2f} {spread:>8.2f} {seconds:>7.1f}", flush=True)
+        mean = f"{statistics.mean(accuracies):.2f}" if accuracies else "-"
+        spread = f"{max(accuracies) - min(accuracies):.2f}" if accuracies else "-"
+        note = f"  diverged in {diverged} of {len(results)} runs" if diverged else ""
+        print(f"{name:<26} {mean:>16} {spread:>8} {seconds:>7.1f}{note}", flush=True)
 
 
 if __name__ == "__main__":
