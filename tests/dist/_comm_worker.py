@@ -135,7 +135,8 @@ def main() -> None:
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     comm.barrier()
-    print(f"PASS {scenario} rank {rank}/{comm.size}", flush=True)
+    sys.stdout.write(f"PASS {scenario} rank {rank}/{comm.size}\n")  # one write: lines from ranks stay whole
+    sys.stdout.flush()
     comm.finalize()
     comm.finalize()  # idempotent
 

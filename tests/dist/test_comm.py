@@ -30,7 +30,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def _passes(output: str, scenario: str, size: int) -> list[str]:
-    return sorted(re.findall(rf"^PASS {scenario} rank (\d+)/{size}$", output, re.MULTILINE))
+    # ranks share one pipe, so one rank's line may land next to another's: match anywhere
+    return sorted(re.findall(rf"PASS {scenario} rank (\d+)/{size}(?!\d)", output))
 
 
 def _seconds_after_event(result, ended: float) -> float:
