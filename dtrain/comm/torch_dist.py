@@ -6,6 +6,8 @@ where the rendezvous store lives) are decided by :mod:`dtrain.comm.bootstrap`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import socket
 from typing import Any, NoReturn
@@ -167,6 +169,10 @@ class TorchDistCommunicator(Communicator):
         if not self._finalized:
             self._finalized = True
             if dist.is_initialized():
+                # no rank tears its connections down while a peer may still be using them (Gloo
+                # aborts the process when a socket closes under it)
+                with contextlib.suppress(Exception):
+                    dist.barrier()
                 dist.destroy_process_group()
 
 

@@ -142,3 +142,23 @@ def test_bad_input_under_mpiexec_is_one_line_and_changes_nothing(overrides, frag
     assert "Traceback" not in result.stderr, result.report()
     assert len([line for line in result.stderr.splitlines() if line.startswith(("dtrain: error", "[rank"))]) <= 2
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused_under_mpiexec(tmp_path):
+    first = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1280")
+    assert first.returncode == 0, first.report()
+    newest = tmp_path / "checkpoint-1280.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) - 1000])  # a write cut short by a crash of the file system
+    other_model = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1920", "model.hidden=48")
+    assert other_model.returncode != 0
+    assert "does not fit this model: parameter classifier.1.weight has shape (32, 1024) in the checkpoint, " \
+           "(48, 1024) in the model" in other_model.stderr, other_model.report()
+    other_seed = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1920", "seed=5")
+    assert other_seed.returncode != 0
+    assert "belongs to another configuration: seed was 0 in the checkpoint's run and is 5 now" in other_seed.stderr
+    resumed = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1920")
+    assert resumed.returncode == 0, resumed.report()
+    assert "truncated" in resumed.stderr and "using the previous checkpoint checkpoint-640.pt" in resumed.stderr
+    assert "at 640 samples" in resumed.stdout
+    assert checkpoint.load(tmp_path / "checkpoint-1920.pt")["samples_seen"] == 1920
