@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dtrain.data._checks import check_bool, check_int
-from dtrain.data.partition import partition_slice, timeline_to_indices
+from dtrain.data.partition import partition_slice, range_to_indices
 
 __all__ = ["Deserializer", "Minibatch", "MinibatchSource"]
 
@@ -182,7 +182,7 @@ class MinibatchSource:
             start_position, global_size, num_data_partitions, partition_index
         )
         positions = np.arange(local_start, local_stop, dtype=np.int64)
-        indices = timeline_to_indices(positions, self._samples_per_sweep, self._seed, self._randomize)
+        indices = range_to_indices(local_start, local_stop, self._samples_per_sweep, self._seed, self._randomize)
         features, labels = self._deserializer.get(indices)
         features = self._apply_transform(features, positions)
         sweeps_done_before = start_position // self._samples_per_sweep

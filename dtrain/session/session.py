@@ -49,6 +49,29 @@ class TrainingResult:
     preempted: bool = False   # stopped by the preemption signal after saving a checkpoint
 
 
+class _PeriodSums:
+    """Loss and metric sums of one progress period, kept on the device (no sync per step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.metric = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.samples = 0
+
+    def add(self, loss_sum: torch.Tensor, metric_sum: torch.Tensor, samples: int) -> None:
+        self.loss += loss_sum
+        self.metric += metric_sum
+        self.samples += samples
+
+    def as_tensor(self) -> torch.Tensor:
+        """``[loss sum, metric sum, samples]`` in float64, ready to all-reduce."""
+        return torch.stack([self.loss, self.metric, torch.tensor(float(self.samples), dtype=torch.float64,
+                                                                  device=self.device)])
+
+
 class _Periodic:
     """Fires when ``samples_seen // frequency`` changes (frequency 0: never; ``sys.maxsize``: at the end)."""
 
@@ -160,7 +183,7 @@ class TrainingSession:
         is_main = self.comm.is_main
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main)
         throughput = Throughput()
-        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, metric sum, local samples this period
+        sums = _PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
         stopped_early = preempted = False
@@ -176,7 +199,7 @@ class TrainingSession:
                 if batch is None:
                     break
                 self._apply_schedules(seen, size)
-                sums += self._train_minibatch(batch)
+                self._train_minibatch(batch, sums)
                 self.minibatches += 1
                 seen = self.learner.samples_seen
                 throughput.add(batch.global_num_samples)
@@ -226,21 +249,17 @@ class TrainingSession:
         return result
 
     # -- one minibatch --------------------------------------------------------------------------
-    def _train_minibatch(self, batch) -> torch.Tensor:
-        """Forward, backward on the local mean loss, learner step; returns (loss sum, metric sum, samples)."""
+    def _train_minibatch(self, batch, sums: _PeriodSums) -> None:
+        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``."""
         self.learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
-        stats = torch.zeros(3, dtype=torch.float64)
         if batch.num_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
             output = self.model(features)
             loss = self.loss(output, labels)
             loss.backward()
             with torch.no_grad():
-                stats[0] = loss.detach().double() * batch.num_samples
-                stats[1] = self.metric(output.detach(), labels).double()
-            stats[2] = batch.num_samples
+                sums.add(loss.detach() * batch.num_samples, self.metric(output.detach(), labels), batch.num_samples)
         self.learner.step()
-        return stats
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
@@ -257,8 +276,8 @@ class TrainingSession:
                     group["dampening"] = momentum
 
     # -- actions --------------------------------------------------------------------------------
-    def _report_progress(self, printer, metrics, sums: torch.Tensor, throughput: Throughput) -> None:
-        totals = self.comm.allreduce(sums.to(self.comm.device), op="sum").cpu()
+    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput) -> None:
+        totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
         error = float(totals[1]) / samples if samples else float("nan")
@@ -273,7 +292,7 @@ class TrainingSession:
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
                          note=self.learner.progress_note())
         metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate)
-        sums.zero_()
+        sums.reset()
         throughput.new_period()
 
     def _cross_validate(self, printer, metrics) -> tuple[Evaluation | None, bool]:

@@ -113,3 +113,17 @@ def test_bad_arguments_are_rejected(call, error):
 def test_error_message_names_the_value():
     with pytest.raises(ValueError, match=r"partition_index must be < num_partitions \(4\), got 4"):
         partition_slice(0, 10, 4, 4)
+
+
+@pytest.mark.parametrize("randomize", [True, False])
+@pytest.mark.parametrize("start, stop", [(0, 0), (0, 7), (5, 23), (13, 14), (20, 61), (39, 40)])
+def test_range_to_indices_equals_the_general_mapping(start, stop, randomize):
+    """The source's fast path gives exactly the indices of the vectorised mapping, across sweeps."""
+    from dtrain.data.partition import range_to_indices
+
+    expected = timeline_to_indices(np.arange(start, stop, dtype=np.int64), 20, 7, randomize)
+    got = range_to_indices(start, stop, 20, 7, randomize)
+    np.testing.assert_array_equal(got, expected)
+    if randomize and got.size:
+        got[0] = -1  # a private copy: the cached sweep order must stay intact
+        assert timeline_to_indices(np.array([start]), 20, 7, True)[0] != -1
