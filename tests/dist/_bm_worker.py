@@ -10,11 +10,14 @@ checks the real result against it to 1e-5. Ends with ``PASS <case> rank r/size``
 from __future__ import annotations
 
 import io
-import math
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
+from _bmuf_reference import simulate_bmuf  # noqa: E402
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.data.partition import partition_slice
@@ -97,61 +100,8 @@ def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
 def simulate(size: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The same training in one process: ``size`` model copies and reference §1.3-1.4 per parameter."""
     global_sizes, options = CASES[case]
-    block_size = options["block_size"]
-    time_constant = options.get("block_momentum_as_time_constant")
-    if time_constant is None:
-        time_constant = -block_size / math.log(1 - 1 / size)
-    block_lr = options.get("block_learning_rate", 1.0)
-    nesterov = options.get("use_nesterov_momentum", True)
-    reset = options.get("reset_sgd_momentum_after_aggregation", True)
-    distributed_after = options.get("distributed_after", 0)
     models = [make_model(seed=0) for _ in range(size)]
-    optimizers = [make_optimizer(model) for model in models]
-    prev = [p.detach().clone() for p in models[0].parameters()]
-    smoothed = [torch.zeros_like(p) for p in prev]
-    local_counts = [0] * size
-    samples_seen, position, snapshots = 0, 0, []
-
-    def sync() -> None:
-        momentum = math.exp(-(sum(local_counts) / size) / (time_constant / size))
-        parameters = [list(model.parameters()) for model in models]
-        with torch.no_grad():
-            for j in range(len(prev)):
-                total_delta = sum(prev[j] - parameters[k][j] for k in range(size))  # SUM, not mean
-                smoothed[j] = momentum * smoothed[j] + (1 - momentum) * block_lr * total_delta
-                new = prev[j] - smoothed[j]
-                if nesterov:
-                    new = new - momentum * smoothed[j]
-                prev[j] = new
-                for k in range(size):
-                    parameters[k][j].copy_(new)
-        if reset:
-            for optimizer in optimizers:
-                for state in optimizer.state.values():
-                    state["momentum_buffer"].zero_()
-        local_counts[:] = [0] * size
-        snapshots.append(torch.cat([p.reshape(-1) for p in prev]).clone())
-
-    for global_size in global_sizes:
-        warm = samples_seen < distributed_after  # every worker reads the whole minibatch
-        for k, (model, optimizer) in enumerate(zip(models, optimizers)):
-            start = position if warm else position + k * global_size // size
-            stop = position + global_size if warm else position + (k + 1) * global_size // size
-            optimizer.zero_grad()
-            if stop > start:
-                local_loss(model, start, stop).backward()
-                optimizer.step()
-            if not warm:
-                local_counts[k] += stop - start
-        position += global_size
-        samples_seen += global_size
-        if warm and samples_seen >= distributed_after:
-            prev = [p.detach().clone() for p in models[0].parameters()]
-        elif not warm and max(local_counts) >= block_size // size:
-            sync()
-    if sum(local_counts) > 0:
-        sync()
-    return snapshots, flat(models[0].parameters())
+    return simulate_bmuf(models, [make_optimizer(model) for model in models], local_loss, global_sizes, **options)
 
 
 def main() -> None:

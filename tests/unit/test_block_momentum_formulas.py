@@ -7,12 +7,16 @@ reference (``simulate``) applies reference §1.3-1.4 parameter by parameter with
 from __future__ import annotations
 
 import io
-import math
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
+from _bmuf_reference import simulate_bmuf  # noqa: E402
 
 from dtrain.comm.local import LocalCommunicator
 from dtrain.data.partition import partition_slice
@@ -130,69 +134,11 @@ def run_workers(size: int, global_sizes: list[int], options: dict, batch_norm: b
     return results
 
 
-# -- the reference: reference §1.3-1.4 written out per parameter ----------------------------------
-def simulate(size: int, global_sizes: list[int], block_size: int, block_momentum_as_time_constant=None,
-             use_nesterov_momentum=True, reset_sgd_momentum_after_aggregation=True, block_learning_rate=1.0,
-             distributed_after=0):
+# -- the reference (tests/_bmuf_reference.py) on this file's model, optimizer and data -------------
+def simulate(size: int, global_sizes: list[int], **options):
     """Direct BMUF: returns (parameters after each sync, final parameters) of the common model."""
     models = [make_model() for _ in range(size)]
-    optimizers = [sgd(model.parameters()) for model in models]
-    if block_momentum_as_time_constant is not None:
-        time_constant = block_momentum_as_time_constant
-    else:
-        time_constant = 0.0 if size == 1 else -block_size / math.log(1 - 1 / size)
-    sync_period = block_size // size
-    prev = [p.detach().clone() for p in models[0].parameters()]
-    smoothed = [torch.zeros_like(p) for p in prev]
-    local_counts = [0] * size
-    samples_seen, position, snapshots = 0, 0, []
-
-    def sync() -> None:
-        mean_local = sum(local_counts) / size
-        momentum = 0.0 if time_constant == 0 else math.exp(-mean_local / (time_constant / size))
-        parameters = [list(model.parameters()) for model in models]
-        with torch.no_grad():
-            for j in range(len(prev)):
-                total_delta = sum(prev[j] - parameters[k][j] for k in range(size))
-                smoothed[j] = momentum * smoothed[j] + (1 - momentum) * block_learning_rate * total_delta
-                new = prev[j] - smoothed[j]
-                if use_nesterov_momentum:
-                    new = new - momentum * smoothed[j]
-                prev[j] = new
-                for k in range(size):
-                    parameters[k][j].copy_(new)
-        if reset_sgd_momentum_after_aggregation:
-            for optimizer in optimizers:
-                for state in optimizer.state.values():
-                    if state.get("momentum_buffer") is not None:
-                        state["momentum_buffer"].zero_()
-        local_counts[:] = [0] * size
-        snapshots.append(torch.cat([p.reshape(-1) for p in prev]).clone())
-
-    for global_size in global_sizes:
-        warm = samples_seen < distributed_after
-        for k, (model, optimizer) in enumerate(zip(models, optimizers)):
-            start = position if warm else position + k * global_size // size
-            stop = position + global_size if warm else position + (k + 1) * global_size // size
-            optimizer.zero_grad()
-            if stop > start:
-                local_loss(model, start, stop).backward()
-                optimizer.step()
-            if not warm:
-                local_counts[k] += stop - start
-        position += global_size
-        samples_seen += global_size
-        if warm and samples_seen >= distributed_after:
-            with torch.no_grad():
-                for model in models[1:]:
-                    for mine, root in zip(model.parameters(), models[0].parameters()):
-                        mine.copy_(root)
-            prev = [p.detach().clone() for p in models[0].parameters()]
-        elif not warm and max(local_counts) >= sync_period:  # the first worker to reach it decides
-            sync()
-    if sum(local_counts) > 0:
-        sync()
-    return snapshots, flat(models[0].parameters())
+    return simulate_bmuf(models, [sgd(model.parameters()) for model in models], local_loss, global_sizes, **options)
 
 
 CASES = {
