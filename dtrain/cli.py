@@ -130,7 +130,8 @@ def _exit_bad_input(message: str) -> NoReturn:
 def _run_with(comm, cfg: DictConfig) -> None:
     # one run directory and one config for all ranks
     cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
-    hashes = comm.allgather_object(fingerprint(cfg))
+    config_hash = fingerprint(cfg)
+    hashes = comm.allgather_object(config_hash)
     if len(set(hashes)) > 1:
         differing = [rank for rank, value in enumerate(hashes) if value != hashes[0]]
         raise UserError(f"ranks {differing} resolved a different config than rank 0; start every rank with the same "
@@ -169,7 +170,7 @@ def _run_with(comm, cfg: DictConfig) -> None:
         run_dir=run_dir,
         tensorboard=session.tensorboard,
         progress_bar=session.progress_bar,
-        config_fingerprint=fingerprint(cfg),
+        config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
     )
     trainer.restore()  # a bad checkpoint is reported before anything is written
