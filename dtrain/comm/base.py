@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import os
 import sys
+import time
 from typing import Any, NoReturn
 
 import torch
@@ -175,6 +176,10 @@ def format_rank_message(rank: int, size: int, message: str) -> str:
     return f"[rank {rank}/{size}] {message}"
 
 
+ABORT_OUTPUT_GRACE_S = 0.25
+"""Seconds between printing an abort message and calling ``MPI_Abort``."""
+
+
 def terminate(line: str, exit_code: int, mpi_comm: Any = None) -> NoReturn:
     """Print ``line`` to stderr, then end the job with ``exit_code`` without any clean-up.
 
@@ -191,6 +196,9 @@ def terminate(line: str, exit_code: int, mpi_comm: Any = None) -> NoReturn:
     except Exception:  # a closed or broken stream must not stop the abort
         pass
     if mpi_comm is not None:
+        # The line travels through the launcher's output forwarding while MPI_Abort's own
+        # banner takes another path; a short pause lets the reason arrive first.
+        time.sleep(ABORT_OUTPUT_GRACE_S)
         try:
             mpi_comm.Abort(code)
         except Exception:
