@@ -2,7 +2,8 @@
 
 The independent reference both the unit tests and the mpiexec worker compare the learner with:
 ``len(models)`` simulated workers, each with its own model copy and optimizer, reading their
-share of every global minibatch.
+share of every global minibatch. ``train_learner_shares`` feeds the real learner the same
+timeline, one rank's share at a time, the way the training session does.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+
+from dtrain.data.partition import partition_slice
 
 
 def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
@@ -78,3 +81,24 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
     if sum(local_counts) > 0:
         sync()
     return snapshots, torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
+
+
+def train_learner_shares(learner, model: torch.nn.Module,
+                         local_loss: Callable[[torch.nn.Module, int, int], torch.Tensor],
+                         global_sizes: Sequence[int], on_sync: Callable[[], None]) -> None:
+    """Steps ``learner`` through ``global_sizes`` on this rank's share of each global minibatch.
+
+    Calls ``on_sync()`` after every step that made a block sync; the final ``synchronize()``
+    is left to the caller.
+    """
+    position = 0
+    for global_size in global_sizes:
+        start, stop = partition_slice(position, global_size, *learner.data_partition())
+        position += global_size
+        learner.begin_minibatch(stop - start, global_size)
+        if stop > start:
+            local_loss(model, start, stop).backward()
+        syncs = learner.syncs
+        learner.step()
+        if learner.syncs != syncs:
+            on_sync()

@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
-from _bmuf_reference import simulate_bmuf  # noqa: E402
+from _bmuf_reference import simulate_bmuf, train_learner_shares  # noqa: E402
 
 from dtrain.comm import create_communicator, install_fail_fast
-from dtrain.data.partition import partition_slice
 from dtrain.learners import BlockMomentumLearner
 
 TOLERANCE = 1e-5
@@ -60,7 +59,7 @@ def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     model = make_model(seed=comm.rank)  # different on every rank: prepare() must broadcast rank 0's
     learner = BlockMomentumLearner(make_optimizer(model), comm, **options)
     learner.prepare(model)
-    snapshots, position = [], 0
+    snapshots = []
 
     def check_one_model() -> None:
         mine = flat(model.parameters())
@@ -70,16 +69,7 @@ def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
         assert difference == 0.0, f"ranks hold different models after sync {learner.syncs}: {difference}"
         snapshots.append(mine)
 
-    for global_size in global_sizes:
-        start, stop = partition_slice(position, global_size, *learner.data_partition())
-        position += global_size
-        learner.begin_minibatch(stop - start, global_size)
-        if stop > start:
-            local_loss(model, start, stop).backward()
-        syncs = learner.syncs
-        learner.step()
-        if learner.syncs != syncs:
-            check_one_model()
+    train_learner_shares(learner, model, local_loss, global_sizes, on_sync=check_one_model)
     syncs = learner.syncs
     learner.synchronize()
     if learner.syncs != syncs:

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared exchange reference
+from _quantized_reference import ReferenceExchange  # noqa: E402
+
 from dtrain.comm import create_communicator, install_fail_fast
-from dtrain.compress import QuantizedExchange, StripeLayout, dequantize, quantize
+from dtrain.compress import QuantizedExchange, StripeLayout
 from dtrain.learners import QuantizedDataParallelLearner
 
 SHAPES = [(24, 50), (24,), (16, 3, 3, 3), (10, 24), (10,)]
@@ -49,26 +53,10 @@ def check_exchange(comm) -> None:
         layout = StripeLayout(shapes, comm.size)
         via_torch = QuantizedExchange(comm, bits, all_to_all="torch")
         via_allgather = QuantizedExchange(comm, bits, all_to_all="allgather")
-        worker_residuals = [torch.zeros(layout.numel) for _ in range(comm.size)]
-        owner_residuals = [torch.zeros(end - start) for start, end in layout.stripe_values]
+        reference = ReferenceExchange(layout, bits)
         for step in range(3):
             # the direct computation, from every rank's gradients (all ranks can make them)
-            decoded = []
-            for rank in range(comm.size):
-                values = layout.flatten(gradients_of(rank, step, shapes)) + worker_residuals[rank]
-                sent = dequantize(quantize(values, layout.columns, bits), layout.columns)
-                worker_residuals[rank] = values - sent
-                decoded.append(sent)
-            expected = torch.empty(layout.numel)
-            for stripe, (start, end) in enumerate(layout.stripe_values):
-                total = torch.zeros(end - start)
-                for rank in range(comm.size):
-                    total += decoded[rank][start:end]
-                values = total + owner_residuals[stripe]
-                part = layout.stripe(stripe)
-                expected[start:end] = dequantize(quantize(values, part, bits), part)
-                owner_residuals[stripe] = values - expected[start:end]
-
+            expected = reference.step([gradients_of(rank, step, shapes) for rank in range(comm.size)])
             for exchange in (via_torch, via_allgather):
                 grads = gradients_of(comm.rank, step, shapes)
                 exchange.allreduce_(grads)

@@ -1,14 +1,13 @@
 """Block momentum (BMUF) against a separate, direct implementation of CNTK's formulas.
 
 N workers are simulated in one process: each runs in its own thread with its own model copy,
-optimizer and learner, and a ``ThreadComm`` whose all-reduce sums over the threads. The
+optimizer and learner, and a ``FakeComm`` whose all-reduce sums over the threads. The
 reference (``simulate``) applies reference §1.3-1.4 parameter by parameter with plain tensors.
 """
 from __future__ import annotations
 
 import io
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
-from _bmuf_reference import simulate_bmuf  # noqa: E402
+from _bmuf_reference import simulate_bmuf, train_learner_shares  # noqa: E402
+from _thread_world import FakeComm, FakeWorld  # noqa: E402
 
 from dtrain.comm.local import LocalCommunicator
-from dtrain.data.partition import partition_slice
 from dtrain.learners import BlockMomentumLearner, block_momentum_distributed_learner
 from dtrain.learners.block_momentum import default_time_constant
 from dtrain.schedules import momentum_from_time_constant
@@ -52,86 +51,23 @@ def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:
 
 
 # -- N simulated workers, one thread each ---------------------------------------------------------
-class ThreadGroup:
-    """Shared mailbox of ``size`` threads that act as the ranks of one job."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=30)
-        self.slots: list[torch.Tensor | None] = [None] * size
-
-
-class ThreadComm:
-    """Rank ``rank`` of a ``ThreadGroup``: all-reduce sums the ranks' tensors in rank order."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, group: ThreadGroup, rank: int):
-        self.group, self.rank, self.size = group, rank, group.size
-        self.allreduce_calls = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.allreduce_calls += 1
-        self.group.slots[self.rank] = tensor.clone()
-        self.group.barrier.wait()
-        total = sum(self.group.slots)
-        self.group.barrier.wait()  # every rank has read the slots before any rank writes again
-        tensor.copy_(total / self.size if op == "mean" else total)
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        if self.rank == root:
-            self.group.slots[root] = tensor.clone()
-        self.group.barrier.wait()
-        tensor.copy_(self.group.slots[root])
-        self.group.barrier.wait()
-        return tensor
-
-
 def run_workers(size: int, global_sizes: list[int], options: dict, batch_norm: bool = False, before_sync=None):
-    """Trains ``size`` threaded workers with the learner; returns per rank (snapshots, final, learner, comm)."""
-    group = ThreadGroup(size)
-    results: list = [None] * size
-    errors: list[BaseException] = []
+    """Trains ``size`` threaded workers with the learner; returns per rank (snapshots, final, learner, comm, model)."""
     models = [make_model(batch_norm) for _ in range(size)]  # here: the global RNG is not thread-safe
 
-    def worker(rank: int) -> None:
-        try:
-            model = models[rank]
-            comm = ThreadComm(group, rank)
-            learner = BlockMomentumLearner(sgd(model.parameters()), comm, **options)
-            learner.prepare(model)
-            snapshots, position = [], 0
-            for global_size in global_sizes:
-                start, stop = partition_slice(position, global_size, *learner.data_partition())
-                position += global_size
-                learner.begin_minibatch(stop - start, global_size)
-                if stop > start:
-                    local_loss(model, start, stop).backward()
-                syncs = learner.syncs
-                learner.step()
-                if learner.syncs != syncs:
-                    snapshots.append(flat(model.parameters()))
-            if before_sync is not None:
-                before_sync(rank, model)
-            learner.synchronize()
-            results[rank] = (snapshots, flat(model.parameters()), learner, comm, model)
-        except BaseException as error:  # let the other threads leave their barrier
-            errors.append(error)
-            group.barrier.abort()
+    def worker(comm: FakeComm):
+        model = models[comm.rank]
+        learner = BlockMomentumLearner(sgd(model.parameters()), comm, **options)
+        learner.prepare(model)
+        snapshots = []
+        train_learner_shares(learner, model, local_loss, global_sizes,
+                             on_sync=lambda: snapshots.append(flat(model.parameters())))
+        if before_sync is not None:
+            before_sync(comm.rank, model)
+        learner.synchronize()
+        return snapshots, flat(model.parameters()), learner, comm, model
 
-    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return results
+    return FakeWorld(size).run(worker)
 
 
 # -- the reference (tests/_bmuf_reference.py) on this file's model, optimizer and data -------------
@@ -329,7 +265,7 @@ def test_cntk_misspelt_nesterov_keyword_is_accepted():
     (dict(block_size=64, distributed_after=-1), "distributed_after"),
 ])
 def test_bad_values_are_refused_with_one_line(options, message):
-    comm = ThreadComm(ThreadGroup(4), 0)
+    comm = FakeComm(FakeWorld(4), 0)
     with pytest.raises(ValueError, match=message) as error:
         block_momentum_distributed_learner(sgd(make_model().parameters()), comm, **options)
     assert "\n" not in str(error.value)

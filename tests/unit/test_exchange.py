@@ -6,13 +6,15 @@
 """
 from __future__ import annotations
 
-import copy
-import threading
-from collections.abc import Callable
-from typing import Any
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared exchange reference
+from _quantized_reference import ReferenceExchange  # noqa: E402
+from _thread_world import FakeWorld  # noqa: E402
 
 from dtrain.comm import LocalCommunicator
 from dtrain.compress import (
@@ -27,75 +29,6 @@ from dtrain.compress.exchange import decode_message, encode_message
 from dtrain.learners import QuantizedDataParallelLearner
 
 SHAPES = [(10, 40), (10,), (7, 3, 2, 3), (33,), (5, 16)]
-
-
-# -- an in-process world of N communicators -------------------------------------------------------------
-
-
-class FakeWorld:
-    """N communicators for N threads; every collective is an all-gather through shared slots."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=60)
-        self.slots: list[Any] = [None] * size
-
-    def gather(self, rank: int, item: Any) -> list[Any]:
-        self.slots[rank] = item
-        self.barrier.wait()
-        items = list(self.slots)
-        self.barrier.wait()  # nobody refills the slots before everyone has read them
-        return items
-
-    def run(self, work: Callable[["FakeComm"], Any]) -> list[Any]:
-        """Run ``work(comm)`` in one thread per rank; return the results by rank (re-raising failures)."""
-        results: list[Any] = [None] * self.size
-        errors: list[BaseException] = []
-
-        def target(rank: int) -> None:
-            try:
-                results[rank] = work(FakeComm(self, rank))
-            except BaseException as error:  # noqa: BLE001 - reported below
-                errors.append(error)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=target, args=(rank,)) for rank in range(self.size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        if errors:
-            raise errors[0]
-        return results
-
-
-class FakeComm:
-    """The part of the Communicator interface the exchange and the learner use."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, world: FakeWorld, rank: int):
-        self.world, self.rank, self.size = world, rank, world.size
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [item.clone() for item in self.world.gather(self.rank, tensor.clone())]
-
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        total = torch.stack(self.allgather(tensor)).sum(0)
-        tensor.copy_(total / self.size if op == "mean" else total)
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        tensor.copy_(self.allgather(tensor)[root])
-        return tensor
-
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        # a copy, as a real broadcast gives: ranks must not share the root's tensors
-        return copy.deepcopy(self.world.gather(self.rank, obj)[root])
 
 
 def make_gradients(step: int, rank: int) -> list[torch.Tensor]:
@@ -152,27 +85,9 @@ def test_message_round_trip_and_size(bits):
 def reference_exchange(num_workers: int, bits: int, steps: int):
     """The two phases written out directly on whole buffers: results and final residuals."""
     layout = StripeLayout(SHAPES, num_workers)
-    worker_residuals = [torch.zeros(layout.numel) for _ in range(num_workers)]
-    owner_residuals = [torch.zeros(end - start) for start, end in layout.stripe_values]
-    results = []
-    for step in range(steps):
-        decoded = []
-        for rank in range(num_workers):
-            values = layout.flatten(make_gradients(step, rank)) + worker_residuals[rank]
-            sent = dequantize(quantize(values, layout.columns, bits), layout.columns)
-            worker_residuals[rank] = values - sent
-            decoded.append(sent)
-        result = torch.empty(layout.numel)
-        for stripe, (start, end) in enumerate(layout.stripe_values):
-            total = torch.zeros(end - start)
-            for rank in range(num_workers):
-                total += decoded[rank][start:end]
-            values = total + owner_residuals[stripe]
-            part = layout.stripe(stripe)
-            result[start:end] = dequantize(quantize(values, part, bits), part)
-            owner_residuals[stripe] = values - result[start:end]
-        results.append(result)
-    return layout, results, worker_residuals, owner_residuals
+    reference = ReferenceExchange(layout, bits)
+    results = [reference.step([make_gradients(step, rank) for rank in range(num_workers)]) for step in range(steps)]
+    return layout, results, reference.worker_residuals, reference.owner_residuals
 
 
 @pytest.mark.parametrize("num_workers, bits", [(2, 1), (3, 1), (4, 2), (3, 3), (2, 8)])
