@@ -15,6 +15,11 @@ import torch
 from dtrain.data.partition import partition_slice
 
 
+def flat(parameters) -> torch.Tensor:
+    """A detached copy of ``parameters`` laid end to end, for comparing whole models."""
+    return torch.cat([p.detach().reshape(-1) for p in parameters]).clone()
+
+
 def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                   local_loss: Callable[[torch.nn.Module, int, int], torch.Tensor], global_sizes: Sequence[int],
                   block_size: int, block_momentum_as_time_constant=None, use_nesterov_momentum=True,
@@ -55,7 +60,7 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
                     if state.get("momentum_buffer") is not None:
                         state["momentum_buffer"].zero_()
         local_counts[:] = [0] * size
-        snapshots.append(torch.cat([p.reshape(-1) for p in prev]).clone())
+        snapshots.append(flat(prev))
 
     for global_size in global_sizes:
         warm = samples_seen < distributed_after  # every worker reads the whole minibatch
@@ -80,7 +85,7 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
             sync()
     if sum(local_counts) > 0:
         sync()
-    return snapshots, torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
+    return snapshots, flat(models[0].parameters())
 
 
 def train_learner_shares(learner, model: torch.nn.Module,

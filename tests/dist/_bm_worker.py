@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
-from _bmuf_reference import simulate_bmuf, train_learner_shares  # noqa: E402
+from _bmuf_reference import flat, simulate_bmuf, train_learner_shares  # noqa: E402
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.learners import BlockMomentumLearner
@@ -43,10 +43,6 @@ def make_model(seed: int) -> nn.Module:
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
-def flat(parameters) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in parameters]).clone()
 
 
 def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:

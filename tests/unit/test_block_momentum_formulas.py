@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
-from _bmuf_reference import simulate_bmuf, train_learner_shares  # noqa: E402
+from _bmuf_reference import flat, simulate_bmuf, train_learner_shares  # noqa: E402
 from _thread_world import FakeComm, FakeWorld  # noqa: E402
 
 from dtrain.comm.local import LocalCommunicator
@@ -40,10 +40,6 @@ def make_model(batch_norm: bool = False) -> nn.Module:
 
 def sgd(parameters):
     return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
-
-
-def flat(parameters) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in parameters]).clone()
 
 
 def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:
