@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from dtrain.learners._buckets import BYTES_PER_MB, GradientBucket, plan_buckets
-from dtrain.learners._replicas import broadcast_replica, make_buffers_consistent, unique_tensors
+from dtrain.learners._replicas import ReplicatedLearner, unique_tensors
 from dtrain.learners.base import Learner
 
 
-class DataParallelLearner(Learner):
+class DataParallelLearner(ReplicatedLearner):
     """Synchronous data-parallel SGD: the update of the mean loss over the GLOBAL minibatch.
 
     Each rank back-propagates the mean loss over its ``local_samples``; the learner scales that
@@ -61,15 +61,12 @@ class DataParallelLearner(Learner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
                  bucket_size_mb: float = 25.0):
-        super().__init__(optimizer, comm, distributed_after)
-        self.bucket_bytes = _check_bucket_size(bucket_size_mb) * BYTES_PER_MB
+        super().__init__(optimizer, comm, distributed_after, _check_bucket_size(bucket_size_mb) * BYTES_PER_MB)
         self.buckets: list[GradientBucket] = []
-        self._model: torch.nn.Module | None = None
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
         self._reducing = False         # state: this minibatch is a distributed one (hooks are live)
         self._scale = 1.0              # state: local_samples / global_samples of this minibatch
-        self._replicas_identical = False  # state: all ranks hold rank 0's model and optimizer state
 
     # -- set-up -------------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module) -> None:
@@ -106,9 +103,8 @@ class DataParallelLearner(Learner):
         broadcasts rank 0's model and optimizer state (a collective).
         """
         super().begin_minibatch(local_samples, global_samples)
-        if self.comm.size > 1 and self._model is None:
-            raise RuntimeError("the data-parallel learner was not prepared; call learner.prepare(model) on every "
-                               "rank before the first minibatch (training_session does)")
+        if self.comm.size > 1:
+            self._require_prepared()
         self._reducing = self.is_distributed()
         if not self._reducing:
             return
@@ -140,9 +136,7 @@ class DataParallelLearner(Learner):
         learner's step.
         """
         if not self._reducing:
-            super().step()
-            if self.comm.size > 1:
-                self._replicas_identical = False  # local steps let ranks drift apart
+            self._local_step()
             return
         for bucket in self.buckets[self._next_bucket:]:
             bucket.fill_missing_with_zeros()
@@ -153,31 +147,6 @@ class DataParallelLearner(Learner):
         self._reducing = False
         self.optimizer.step()
         self.samples_seen += self.global_samples
-
-    def synchronize(self) -> None:
-        """Makes every rank hold one model (a collective; called at the same points on all ranks).
-
-        After local steps: broadcasts rank 0's parameters, buffers and optimizer state. Otherwise
-        the parameters are already identical and only buffers are made consistent: floating-point
-        buffers averaged over ranks, the others taken from rank 0.
-        """
-        if self.comm.size == 1 or self._model is None:
-            return
-        if not self._replicas_identical:
-            self._broadcast_from_root()
-            return
-        make_buffers_consistent(self._model, self.comm, self.bucket_bytes)
-
-    def _broadcast_from_root(self) -> None:
-        """Overwrites this rank's parameters, buffers and optimizer state with rank 0's (a collective)."""
-        broadcast_replica(self._model, self.optimizer, self.comm, self.bucket_bytes)
-        self._replicas_identical = True
-
-    # -- checkpoints --------------------------------------------------------------------------------
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores a checkpoint (rank 0's state, replicated); the next ``prepare`` re-broadcasts."""
-        super().load_state_dict(state)
-        self._replicas_identical = False
 
 
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,

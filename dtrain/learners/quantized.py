@@ -14,13 +14,12 @@ import torch
 from dtrain.compress import QuantizedExchange
 from dtrain.compress.bitpack import check_bits
 from dtrain.learners._buckets import BYTES_PER_MB
-from dtrain.learners._replicas import broadcast_replica, make_buffers_consistent
-from dtrain.learners.base import Learner
+from dtrain.learners._replicas import ReplicatedLearner, unique_tensors
 
 _BROADCAST_BUCKET_BYTES = 25 * BYTES_PER_MB  # parameters and buffers travel in flat chunks of this size
 
 
-class QuantizedDataParallelLearner(Learner):
+class QuantizedDataParallelLearner(ReplicatedLearner):
     """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
 
     Each rank back-propagates the mean loss over its ``local_samples``; ``step()`` scales that
@@ -55,7 +54,7 @@ class QuantizedDataParallelLearner(Learner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
                  num_quantization_bits: int = 1, error_feedback: bool = True):
-        super().__init__(optimizer, comm, distributed_after)
+        super().__init__(optimizer, comm, distributed_after, _BROADCAST_BUCKET_BYTES)
         try:
             check_bits(num_quantization_bits)
         except ValueError:
@@ -63,8 +62,6 @@ class QuantizedDataParallelLearner(Learner):
                              f"1 is 1-bit SGD, 32 is full precision") from None
         self.num_quantization_bits = num_quantization_bits
         self.exchange = QuantizedExchange(self.comm, num_quantization_bits, error_feedback=error_feedback)
-        self._model: torch.nn.Module | None = None
-        self._replicas_identical = False  # state: all ranks hold rank 0's model and optimizer state
 
     # -- statistics --------------------------------------------------------------------------------
     @property
@@ -106,9 +103,7 @@ class QuantizedDataParallelLearner(Learner):
         Before ``distributed_after`` (or with one rank) this is the local learner's step.
         """
         if not self.is_distributed():
-            super().step()
-            if self.comm.size > 1:
-                self._replicas_identical = False  # local steps let ranks drift apart
+            self._local_step()
             return
         if self.global_samples > 0:  # every rank knows the global count, so all skip an empty step together
             gradients = self._gradients()
@@ -119,7 +114,9 @@ class QuantizedDataParallelLearner(Learner):
     def _gradients(self) -> list[torch.Tensor]:
         """Every trainable parameter's ``.grad`` (zeros where backward gave none), in optimizer order."""
         gradients = []
-        for parameter in self._trainable():
+        for parameter in unique_tensors(self.parameters):  # tied weights once
+            if not parameter.requires_grad:
+                continue
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter, memory_format=torch.contiguous_format)
             elif not parameter.grad.is_contiguous():  # e.g. channels_last: the exchange writes flat views
@@ -127,48 +124,10 @@ class QuantizedDataParallelLearner(Learner):
             gradients.append(parameter.grad)
         return gradients
 
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        seen: set[int] = set()
-        unique = []
-        for parameter in self.parameters:
-            if parameter.requires_grad and id(parameter) not in seen:  # tied weights once
-                seen.add(id(parameter))
-                unique.append(parameter)
-        return unique
-
-    def synchronize(self) -> None:
-        """Makes every rank hold one model (a collective, called at the same points on all ranks).
-
-        After local steps: broadcasts rank 0's parameters, buffers and optimizer state. Otherwise
-        parameters are already identical, so only buffers are made consistent: floating-point
-        buffers (BatchNorm statistics) averaged over ranks, the others taken from rank 0.
-        """
-        if self.comm.size == 1 or self._model is None:
-            return
-        if not self._replicas_identical:
-            self._broadcast_from_root()
-            return
-        make_buffers_consistent(self._model, self.comm, _BROADCAST_BUCKET_BYTES)
-
-    def _broadcast_from_root(self) -> None:
-        """Overwrites this rank's parameters, buffers and optimizer state with rank 0's (a collective)."""
-        broadcast_replica(self._model, self.optimizer, self.comm, _BROADCAST_BUCKET_BYTES)
-        self._replicas_identical = True
-
-    def _require_prepared(self) -> None:
-        if self._model is None:
-            raise RuntimeError("the quantized learner was not prepared; call learner.prepare(model) on every rank "
-                               "before the first minibatch (training_session does)")
-
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The replicated state (optimizer, samples seen) plus the number of bits; no residuals."""
         return {**super().state_dict(), "num_quantization_bits": self.num_quantization_bits}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`'s output; the next ``prepare``/first distributed step re-broadcasts."""
-        super().load_state_dict(state)
-        self._replicas_identical = False
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's own state: both error-feedback residuals (see ``QuantizedExchange.state_dict``)."""
