@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import Learner
 from dtrain.schedules import momentum_from_time_constant
 
@@ -147,7 +148,7 @@ class BlockMomentumLearner(Learner):
     # -- the loop -------------------------------------------------------------------------------
     def describe(self) -> str:
         """Block size, each worker's sync period and the block momentum at the nominal period."""
-        momentum = math.exp(-self.sync_period / (self.time_constant / self.comm.size)) if self.time_constant > 0 else 0.0
+        momentum = momentum_from_time_constant(self.time_constant / self.comm.size, self.sync_period)
         return (f"{super().describe()}: block of {self.block_size:,} samples = {self.sync_period:,} per worker between "
                 f"syncs, time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
                 f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}")
@@ -398,14 +399,7 @@ def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 def _broadcast(tensors: Sequence[torch.Tensor], comm) -> None:
     """Overwrites ``tensors`` with rank 0's values: one broadcast per dtype, not one per tensor."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for dtype, group in by_dtype.items():
-        flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=group[0].device)
-        _pack(group, flat)
-        comm.broadcast(flat, root=0)
-        _unpack(flat, group)
+    coalesced(tensors, math.inf, lambda flat: comm.broadcast(flat, root=0))
 
 
 __all__ = ["MOMENTUM_STATE_KEYS", "BlockMomentumLearner", "block_momentum_distributed_learner",
