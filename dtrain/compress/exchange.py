@@ -287,8 +287,6 @@ class QuantizedExchange:
         self.bytes_sent_last_step = 0                # bytes this rank handed to the transport (both phases)
         self.full_precision_bytes_last_step = 0      # a float32 ring all-reduce's bytes per rank: 2(N-1)/N * 4 * numel
         self.seconds_last_step = 0.0                 # wall-clock seconds of the last exchange
-        self.total_bytes_sent = 0
-        self.steps = 0
 
     # -- the public operation ----------------------------------------------------------------------
     @property
@@ -356,8 +354,6 @@ class QuantizedExchange:
 
         self.bytes_sent_last_step = sent_phase1 + sent_phase2
         self.full_precision_bytes_last_step = full_precision_allreduce_bytes(layout.numel, size)
-        self.total_bytes_sent += self.bytes_sent_last_step
-        self.steps += 1
         self.seconds_last_step = time.perf_counter() - started
         return result
 
