@@ -7,12 +7,13 @@ is built or written, and every problem is reported at once.
 """
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from dtrain.session.configs import signal_from_name
 
 # -- learners -------------------------------------------------------------------------------------
 
@@ -268,6 +269,16 @@ def register_schema(group: str, name: str, node: type) -> None:
 # -- value checks ---------------------------------------------------------------------------------
 
 
+def _sample_count_problem(key: str, value, allow_none: bool = False, allow_zero: bool = False) -> str | None:
+    """The problem line when ``value`` is not a positive (or non-negative) integer number of samples."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+        expected = "a non-negative" if allow_zero else "a positive"
+        return f"{key}={value!r}: expected {expected} integer number of samples" + (" or null" if allow_none else "")
+    return None
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Every range problem in a composed config, one line each (empty when the config is sound)."""
     problems: list[str] = []
@@ -276,12 +287,9 @@ def validate(cfg: DictConfig) -> list[str]:
         return ["no recipe chosen: add +recipe=NAME to the command line (for example +recipe=digits)"]
 
     def positive(key: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
-        if value is None and allow_none:
-            return
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
-            expected = "a non-negative" if allow_zero else "a positive"
-            problems.append(f"{key}={value!r}: expected {expected} integer number of samples"
-                            + (" or null" if allow_none else ""))
+        problem = _sample_count_problem(key, value, allow_none, allow_zero)
+        if problem:
+            problems.append(problem)
 
     session = cfg.session
     positive("session.minibatch_size", session.minibatch_size)
@@ -299,7 +307,7 @@ def validate(cfg: DictConfig) -> list[str]:
         problems.append(f"session.checkpoint.keep_last={session.checkpoint.keep_last}: expected 2 or more "
                         f"(the newest checkpoint and a fallback)")
     signal_name = session.checkpoint.preemption_signal
-    if signal_name is not None and not (signal_name.startswith("SIG") and hasattr(signal, signal_name)):
+    if signal_name is not None and not _names_a_signal(signal_name):
         problems.append(f"session.checkpoint.preemption_signal={signal_name!r}: expected a signal name such as "
                         f"SIGTERM or SIGUSR1, or null")
     for key in ("minibatch_size_schedule", "lr_schedule", "momentum_time_constant_schedule"):
@@ -319,12 +327,20 @@ def validate(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _names_a_signal(name: str) -> bool:
+    try:
+        signal_from_name(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _learner_problems(learner: DictConfig) -> list[str]:
     """Range checks and refused combinations of the learner options."""
     problems = []
-    after = learner.get("distributed_after", 0)
-    if not isinstance(after, int) or after < 0:
-        problems.append(f"learner.distributed_after={after!r}: expected a non-negative number of samples")
+    problem = _sample_count_problem("learner.distributed_after", learner.get("distributed_after", 0), allow_zero=True)
+    if problem:
+        problems.append(problem)
     if "num_quantization_bits" in learner:
         bits = learner.num_quantization_bits
         if not 1 <= bits <= 32:

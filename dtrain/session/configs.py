@@ -23,6 +23,14 @@ def _check_minibatch_size(name: str, size: int) -> None:
         raise ValueError(f"{name} must be a positive number of samples, got {size!r}")
 
 
+def signal_from_name(name: str) -> signal.Signals:
+    """The signal called ``name`` (e.g. ``'SIGTERM'``); ValueError naming the value for anything else."""
+    found = getattr(signal, str(name), None)
+    if not isinstance(found, signal.Signals):  # SIG_IGN and SIG_BLOCK are constants, not signals
+        raise ValueError(f"preemption_signal={name!r}: expected a signal name such as 'SIGTERM' or 'SIGUSR1', or None")
+    return found
+
+
 @dataclass
 class CheckpointConfig:
     """Where and how often to save checkpoints.
@@ -52,9 +60,7 @@ class CheckpointConfig:
         if not isinstance(self.keep_last, int) or self.keep_last < 2:
             raise ValueError(f"checkpoint keep_last={self.keep_last!r}: expected 2 or more (the newest and a fallback)")
         if self.preemption_signal is not None:
-            if not isinstance(getattr(signal, str(self.preemption_signal), None), signal.Signals):
-                raise ValueError(f"preemption_signal={self.preemption_signal!r}: expected a signal name such as "
-                                 f"'SIGTERM' or 'SIGUSR1', or None")
+            signal_from_name(self.preemption_signal)
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, r
 from dtrain.learners.base import Learner
 from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint
-from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
+from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import MetricsWriter
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
@@ -323,7 +322,7 @@ class TrainingSession:
         if name is None or threading.current_thread() is not threading.main_thread():
             yield
             return
-        wanted = int(getattr(signal, name))
+        wanted = int(signal_from_name(name))
 
         def claim(signum: int) -> bool:
             if signum != wanted:

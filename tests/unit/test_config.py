@@ -92,6 +92,9 @@ def test_unknown_recipe_lists_the_available_ones():
     (("+recipe=digits", "learner=block_momentum", "learner.block_momentum_as_time_constant=-3"), "time_constant=-3.0"),
     (("+recipe=digits", "learner=block_momentum", "+learner.num_quantization_bits=1"), "cannot be combined"),
     (("+recipe=digits", "comm.backend=mpi"), "comm.backend='mpi'"),
+    (("+recipe=digits", "learner=quantized", "learner.distributed_after=-1"),
+     "learner.distributed_after=-1: expected a non-negative integer"),
+    (("+recipe=digits", "session.checkpoint.preemption_signal=SIG_IGN"), "preemption_signal='SIG_IGN'"),
     (("+recipe=digits", "optimizer.lr=0"), "optimizer.lr=0"),
 ])
 def test_out_of_range_values_are_all_reported_before_anything_runs(overrides, fragment):
