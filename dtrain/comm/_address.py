@@ -37,14 +37,13 @@ def outward_address(peer_host: str | None = None) -> str:
         address = _route_source(peer_host)
         if address:
             return address
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
-    except OSError:
-        infos = []
-    for *_, sockaddr in infos:
-        if not ipaddress.ip_address(sockaddr[0]).is_loopback:
-            return sockaddr[0]
-    address = _route_source(_PROBE_ADDRESS) or _resolvable(socket.getfqdn())
+    address = _non_loopback_address(socket.gethostname())
+    if address:
+        return address
+    address = _route_source(_PROBE_ADDRESS)
+    if address is None:
+        fqdn = socket.getfqdn()
+        address = fqdn if _non_loopback_address(fqdn) else None  # the name, not its address, as a last resort
     if address is None:
         raise RuntimeError(
             f"cannot find an address of this node ({socket.gethostname()}) that the other nodes can reach: no route "
@@ -53,13 +52,16 @@ def outward_address(peer_host: str | None = None) -> str:
     return address
 
 
-def _resolvable(name: str) -> str | None:
-    """``name`` if it resolves to a non-loopback IPv4 address, else None (rank 0 would wait on it in vain)."""
+def _non_loopback_address(name: str) -> str | None:
+    """The first non-loopback IPv4 address ``name`` resolves to, or None (rank 0 would wait on it in vain)."""
     try:
         infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
     except OSError:
         return None
-    return name if any(not ipaddress.ip_address(sockaddr[0]).is_loopback for *_, sockaddr in infos) else None
+    for *_, sockaddr in infos:
+        if not ipaddress.ip_address(sockaddr[0]).is_loopback:
+            return sockaddr[0]
+    return None
 
 
 def _route_source(host: str) -> str | None:
