@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dtrain.data._checks import check_bool, check_int
-from dtrain.data.augment import crop_boxes, flip_mask, uniform_from_positions
+from dtrain.data.augment import flip_mask, uniform_from_positions
 
 __all__ = ["CROP_TYPES", "ImageAugmentation", "crop_geometry"]
 
@@ -89,9 +89,6 @@ def crop_geometry(
         top = np.full(count, (height - side) // 2, np.int64)
         return left, top, np.full(count, side, np.int64), np.full(count, side, np.int64)
     if crop == "randomside":
-        if side_ratio[0] == side_ratio[1]:
-            left, top, side = crop_boxes(seed, positions, height, width, side_ratio[0])
-            return left, top, np.full(count, side, np.int64), np.full(count, side, np.int64)
         ratio = _between(seed, positions, _STREAM_SIDE_RATIO, *side_ratio)
         sides = np.clip(np.floor(ratio * min(height, width) + 1e-9), 1, min(height, width)).astype(np.int64)
         crop_width = crop_height = sides
@@ -272,7 +269,8 @@ class ImageAugmentation:
             values = _between(seed, positions, stream, 1.0 - radius, 1.0 + radius)
             return torch.from_numpy(values.astype(np.float32)).view(-1, 1, 1, 1).to(device)
 
-        luma = torch.tensor(_LUMA, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        if self.jitter["contrast"] or self.jitter["saturation"]:
+            luma = torch.tensor(_LUMA, dtype=torch.float32, device=device).view(1, 3, 1, 1)
         if self.jitter["brightness"]:
             images = (images * factors(_STREAM_BRIGHTNESS, self.jitter["brightness"])).clamp(0, 255)
         if self.jitter["contrast"]:

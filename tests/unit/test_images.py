@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from _image_files import image_pixels, write_image_map_files
+from dtrain.data.augment import crop_boxes
 from dtrain.data import (DataError, ImageAugmentation, ImageFolderDeserializer, ImageTransform, MinibatchSource,
                          crop_geometry)
 
@@ -73,6 +74,16 @@ def test_crop_geometry_stays_inside_and_is_position_keyed(crop, options):
     assert all(np.array_equal(a[250:], b) for a, b in zip((left, top, width, height), again))
     if crop in ("randomside", "randomarea"):
         assert len(set(zip(left.tolist(), width.tolist()))) > 50   # really random
+
+
+@pytest.mark.parametrize("height, width", [(32, 32), (30, 40), (60, 80), (7, 5)])
+@pytest.mark.parametrize("ratio", [0.8, 0.5, 0.875, 1.0, 0.3])
+def test_randomside_with_a_fixed_ratio_is_exactly_the_cifar_transform_crop(height, width, ratio):
+    positions = np.arange(0, 2000)
+    left, top, crop_width, crop_height = crop_geometry(5, positions, height, width, "randomside", side_ratio=(ratio, ratio))
+    want_left, want_top, side = crop_boxes(5, positions, height, width, ratio)
+    assert np.array_equal(left, want_left) and np.array_equal(top, want_top)
+    assert (crop_width == side).all() and (crop_height == side).all()
 
 
 def test_scale_jitter_and_normalisation():
