@@ -74,7 +74,6 @@ class CTFDeserializer:
                 raise ValueError(f"{role}={name!r} is not in streams {sorted(self.streams)}; add it or rename")
         self.path = os.fspath(path)
         self._features_name, self._labels_name = features, labels
-        self._label_lines: list[str] = []  # "file:line" of each label, for errors
         values = self._parse()
         self._features = torch.from_numpy(values[features].reshape(-1, *self.streams[features]["shape"]))
         self._labels = torch.from_numpy(values[labels])
@@ -102,6 +101,7 @@ class CTFDeserializer:
             raise DataError(f"CTF file {self.path} could not be read ({error}); expected UTF-8 text") from error
         rows: dict[str, list[np.ndarray]] = {name: [] for name in self.streams}
         sequence_lines: dict[str, int] = {}  # name -> line that gave it, in the current sequence
+        label_lines: list[str] = []  # "file:line" of each label, for errors
         current_id: str | None = None
         first_line, started = 0, False
 
@@ -145,13 +145,15 @@ class CTFDeserializer:
                                     f"each line its own sequence id")
                 sequence_lines[name] = line_number
                 rows[name].append(self._values(name, values, where))
+                if name == self._labels_name:
+                    label_lines.append(where)
         if started:
             close_sequence()
         if not rows[self._labels_name]:
             raise DataError(f"CTF file {self.path} has no samples; expected '[seqId] |name v v ...' lines")
         features = np.stack(rows[self._features_name]).astype(np.float32)
         labels = np.asarray([self._class(row, where) for row, where in
-                             zip(rows[self._labels_name], self._label_lines)], dtype=np.int64)
+                             zip(rows[self._labels_name], label_lines)], dtype=np.int64)
         return {self._features_name: features, self._labels_name: labels}
 
     def _values(self, name: str, tokens: list[str], where: str) -> np.ndarray:
@@ -178,8 +180,6 @@ class CTFDeserializer:
                 if not 0 <= index < spec["dim"]:
                     raise DataError(f"{where}: sparse input {name!r} index {index} is outside [0, {spec['dim']})")
                 dense[index] = value
-        if name == self._labels_name:
-            self._label_lines.append(where)
         return dense
 
     def _class(self, row: np.ndarray, where: str) -> int:
