@@ -216,24 +216,18 @@ def _all_to_all_allgather(comm, sends: list[torch.Tensor], sizes: list[list[int]
     ``sizes[src][dst]`` is the length of the message ``src`` sends ``dst`` (known on every rank).
     Bytes sent: (N - 1) copies of this rank's padded concatenation, as a ring all-gather sends.
     """
-    longest = max(sum(row) for row in sizes)
-    if longest == 0:  # nothing to move (every rank knows the sizes, so all skip together)
-        return [sends[comm.rank][:0] for _ in range(comm.size)], 0
-    outgoing = torch.zeros(longest, dtype=torch.uint8, device=sends[comm.rank].device)
-    joined = torch.cat(sends)
-    outgoing[:joined.numel()] = joined
-    gathered = comm.allgather(outgoing)
+    gathered, sent = _all_gather_padded(comm, torch.cat(sends), [sum(row) for row in sizes])
     received = []
     for source, data in enumerate(gathered):
         start = sum(sizes[source][:comm.rank])
         received.append(data[start:start + sizes[source][comm.rank]])
-    return received, (comm.size - 1) * longest
+    return received, sent
 
 
 def _all_gather_padded(comm, message: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], int]:
     """Every rank's ``message`` (rank j's is ``sizes[j]`` bytes) via ``comm.allgather`` of padded copies."""
     longest = max(sizes)
-    if longest == 0:
+    if longest == 0:  # nothing to move (every rank knows the sizes, so all skip together)
         return [message[:0] for _ in sizes], 0
     outgoing = torch.zeros(longest, dtype=torch.uint8, device=message.device)
     outgoing[:message.numel()] = message
