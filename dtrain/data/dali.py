@@ -24,18 +24,15 @@ When the stored size equals ``image_size`` the two differ only by decoder roundi
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
-from dtrain.data._checks import check_bool, check_int
+from dtrain.data._checks import check_int
 from dtrain.data.errors import DataError
 from dtrain.data.image_transforms import ImageAugmentation
-from dtrain.data.images import _check_size, _num_classes, image_size_of
-from dtrain.data.mapfile import read_map_file
+from dtrain.data.images import MapFileImages
 
 __all__ = ["DaliImageAugmentation", "DaliImageDeserializer", "dali_available"]
 
@@ -61,7 +58,7 @@ def _import_dali():
     return dali, fn, types
 
 
-class DaliImageDeserializer:
+class DaliImageDeserializer(MapFileImages):
     """A CNTK map file whose images are decoded later by ``DaliImageAugmentation``.
 
     ``get(indices)`` returns ``(indices as int64 [n], labels int64 [n])``; ``feature_shape`` is
@@ -76,18 +73,6 @@ class DaliImageDeserializer:
     Raises:
         DataError: a bad map file, a missing file or a label >= ``num_classes``.
     """
-
-    def __init__(self, map_file: str | os.PathLike, image_size: Sequence[int] | None = None,
-                 num_classes: int | None = None, check_files: bool = True) -> None:
-        self.map = read_map_file(map_file, check_files=check_bool("check_files", check_files))
-        self.image_size = _check_size(image_size) or image_size_of(self.map)
-        self.num_classes = _num_classes(self.map, num_classes)
-        self.feature_shape = (3, *self.image_size)
-
-    @property
-    def num_samples(self) -> int:
-        """Images listed in the map file."""
-        return self.map.num_samples
 
     def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample indices (int64 ``[n]``, decoded by the transform) and their int64 labels."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from dtrain.data._checks import check_bool, check_int
+from dtrain.data._checks import check_int
 from dtrain.data.errors import DataError
 from dtrain.data.image_transforms import ImageAugmentation
 from dtrain.data.mapfile import MapFile, read_map_file
@@ -62,7 +62,24 @@ def _num_classes(map_file: MapFile, num_classes: int | None) -> int:
     return num_classes
 
 
-class ImageFolderDeserializer:
+class MapFileImages:
+    """What every map-file image deserializer holds: the parsed map file, the decode size
+    ``image_size`` (given, or the first image's), ``num_classes`` and ``feature_shape`` ``(3, H, W)``."""
+
+    def __init__(self, map_file: str | os.PathLike, image_size: Sequence[int] | None = None,
+                 num_classes: int | None = None, check_files: bool = True) -> None:
+        self.map = read_map_file(map_file, check_files=check_files)
+        self.image_size = _check_size(image_size) or image_size_of(self.map)
+        self.num_classes = _num_classes(self.map, num_classes)
+        self.feature_shape = (3, *self.image_size)
+
+    @property
+    def num_samples(self) -> int:
+        """Images listed in the map file."""
+        return self.map.num_samples
+
+
+class ImageFolderDeserializer(MapFileImages):
     """Images listed in a CNTK map file, decoded with PIL to uint8 ``[n, 3, H, W]`` (RGB).
 
     Args:
@@ -88,19 +105,11 @@ class ImageFolderDeserializer:
         check_files: bool = True,
         num_threads: int | None = None,
     ) -> None:
-        self.map = read_map_file(map_file, check_files=check_bool("check_files", check_files))
-        self.image_size = _check_size(image_size) or image_size_of(self.map)
+        super().__init__(map_file, image_size, num_classes, check_files)
         self._resize = image_size is not None
-        self.num_classes = _num_classes(self.map, num_classes)
-        self.feature_shape = (3, *self.image_size)
         self.num_threads = check_int("num_threads", num_threads, 1) if num_threads is not None else min(8, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
         self._mean_image: torch.Tensor | None = None
-
-    @property
-    def num_samples(self) -> int:
-        """Images listed in the map file."""
-        return self.map.num_samples
 
     def _decode(self, index: int, out: np.ndarray) -> None:
         path = self.map.image_paths[index]
