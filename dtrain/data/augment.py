@@ -92,6 +92,29 @@ def flip_mask(seed: int, positions: np.ndarray) -> np.ndarray:
     return uniform_from_positions(seed, positions, _STREAM_FLIP) < 0.5
 
 
+def mirror_where(images: torch.Tensor, flipped: np.ndarray) -> torch.Tensor:
+    """``images`` ``[n, C, H, W]`` with the ones where ``flipped`` (bool ``[n]``) is True mirrored left to right."""
+    mask = torch.from_numpy(np.asarray(flipped, dtype=bool)).view(-1, 1, 1, 1).to(images.device)
+    return torch.where(mask, images.flip(-1), images)
+
+
+def resample_boxes(images: torch.Tensor, left: np.ndarray, top: np.ndarray, crop_width: np.ndarray,
+                   crop_height: np.ndarray, flipped: np.ndarray, output_size: tuple[int, int]) -> torch.Tensor:
+    """Each image's box ``[left, left + w) x [top, top + h)`` scaled to ``output_size`` (bilinear),
+    mirrored where ``flipped``: float ``[n, C, *output_size]`` from float ``images`` ``[n, C, H, W]``."""
+    count, channels, height, width = images.shape
+    # affine_grid maps output coordinates in [-1, 1] (pixel edges, align_corners=False) to the
+    # input: the box [left, left + w) has half-width w / W and centre (2 left + w) / W - 1.
+    theta = np.zeros((count, 2, 3), dtype=np.float32)
+    theta[:, 0, 0] = np.where(flipped, -1.0, 1.0) * crop_width / width
+    theta[:, 0, 2] = (2.0 * left + crop_width) / width - 1.0
+    theta[:, 1, 1] = crop_height / height
+    theta[:, 1, 2] = (2.0 * top + crop_height) / height - 1.0
+    grid = F.affine_grid(torch.from_numpy(theta).to(images.device), [count, channels, *output_size],
+                         align_corners=False)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
 class ImageTransform:
     """Crop, flip, mean-subtract and scale a minibatch of images ``[n, C, H, W]``, vectorised.
 
@@ -190,8 +213,7 @@ class ImageTransform:
         if num_images and self.crop_side_ratio is not None:
             images = self._crop_and_flip(images, positions, seed)
         elif num_images and self.flip:
-            flipped = torch.from_numpy(flip_mask(seed, positions)).view(-1, 1, 1, 1)
-            images = torch.where(flipped, images.flip(-1), images)
+            images = mirror_where(images, flip_mask(seed, positions))
         if self.mean == "dataset":
             if self._mean_image is None:
                 raise RuntimeError(
@@ -209,23 +231,8 @@ class ImageTransform:
         return images
 
     def _crop_and_flip(self, images: torch.Tensor, positions: np.ndarray, seed: int) -> torch.Tensor:
-        num_images, channels, height, width = images.shape
+        num_images, _, height, width = images.shape
         left, top, side = crop_boxes(seed, positions, height, width, self.crop_side_ratio)
-        # affine_grid maps output coordinates in [-1, 1] to input coordinates (align_corners=False:
-        # -1 and 1 are the outer edges of the edge pixels). The crop [left, left+side) spans
-        # input x in [2*left/W - 1, 2*(left+side)/W - 1]: half-width side/W, centre below.
-        scale_x = np.full(num_images, side / width)
-        scale_y = np.full(num_images, side / height)
-        centre_x = (2.0 * left + side) / width - 1.0
-        centre_y = (2.0 * top + side) / height - 1.0
-        if self.flip:
-            scale_x = np.where(flip_mask(seed, positions), -scale_x, scale_x)
-        theta = np.zeros((num_images, 2, 3), dtype=np.float32)
-        theta[:, 0, 0] = scale_x
-        theta[:, 0, 2] = centre_x
-        theta[:, 1, 1] = scale_y
-        theta[:, 1, 2] = centre_y
-        grid = F.affine_grid(
-            torch.from_numpy(theta), [num_images, channels, height, width], align_corners=False
-        )
-        return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        flipped = flip_mask(seed, positions) if self.flip else np.zeros(num_images, dtype=bool)
+        sides = np.full(num_images, side)
+        return resample_boxes(images, left, top, sides, sides, flipped, (height, width))

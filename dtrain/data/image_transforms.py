@@ -19,10 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dtrain.data._checks import check_bool, check_int
-from dtrain.data.augment import flip_mask, uniform_from_positions
+from dtrain.data.augment import flip_mask, mirror_where, resample_boxes, uniform_from_positions
 
 __all__ = ["CROP_TYPES", "ImageAugmentation", "crop_geometry"]
 
@@ -239,20 +238,8 @@ class ImageAugmentation:
         left, top, crop_width, crop_height, flipped = self.geometry(positions, seed, height, width)
         identity = (self.crop is None and (out_height, out_width) == (height, width))
         if identity:
-            if flipped.any():
-                mask = torch.from_numpy(flipped).view(-1, 1, 1, 1).to(images.device)
-                images = torch.where(mask, images.flip(-1), images)
-            return images
-        # affine_grid maps output coordinates in [-1, 1] (pixel edges, align_corners=False) to the
-        # input: the box [left, left + w) has half-width w / W and centre (2 left + w) / W - 1.
-        theta = np.zeros((count, 2, 3), dtype=np.float32)
-        theta[:, 0, 0] = np.where(flipped, -1.0, 1.0) * crop_width / width
-        theta[:, 0, 2] = (2.0 * left + crop_width) / width - 1.0
-        theta[:, 1, 1] = crop_height / height
-        theta[:, 1, 2] = (2.0 * top + crop_height) / height - 1.0
-        grid = F.affine_grid(torch.from_numpy(theta).to(images.device),
-                             [count, channels, out_height, out_width], align_corners=False)
-        return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+            return mirror_where(images, flipped) if flipped.any() else images
+        return resample_boxes(images, left, top, crop_width, crop_height, flipped, (out_height, out_width))
 
     def photometric(self, images: torch.Tensor, positions: np.ndarray, seed: int) -> torch.Tensor:
         """Colour jitter, then ``(x - mean) / std * scale`` on float32 ``[n, 3, h, w]`` (pixels 0..255).
