@@ -341,10 +341,10 @@ class TrainingSession:
         """Whether any rank got the preemption signal (a collective when several ranks run)."""
         if self.checkpoint_files is None or self.checkpoint_config.preemption_signal is None:
             return False
-        flag = torch.tensor([1.0 if self._preemption.is_set() else 0.0])
-        if self.comm.size > 1:
-            flag = self.comm.allreduce(flag.to(self.comm.device), op="max").cpu()
-        return bool(flag.item())
+        if self.comm.size == 1:
+            return self._preemption.is_set()
+        flag = torch.tensor([1.0 if self._preemption.is_set() else 0.0], device=self.comm.device)
+        return bool(self.comm.allreduce(flag, op="max").item())
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
