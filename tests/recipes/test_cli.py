@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,28 @@ def test_cifar10_file_of_the_wrong_size_is_named(tmp_path):
     line = _one_error_line(dtrain("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", cwd=tmp_path))
     assert "data_batch_3.bin" in line and "3073" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_on_a_single_process_checkpoints_and_exits_75_then_resumes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))}
+    command = [sys.executable, "-m", "dtrain", "+recipe=digits", "run_dir=run", "session.max_samples=400000",
+               "session.checkpoint.frequency=1500", "session.tensorboard=false"]
+    with subprocess.Popen(command, cwd=tmp_path, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as job:
+        try:
+            deadline = time.monotonic() + 120
+            while not list((tmp_path / "run").glob("checkpoint-*.pt")) and time.monotonic() < deadline:
+                time.sleep(0.2)  # training is under way once the first periodic checkpoint exists
+            job.send_signal(signal.SIGTERM)
+            stdout, stderr = job.communicate(timeout=60)
+        except BaseException:
+            job.kill()
+            raise
+    assert job.returncode == 75, stdout + stderr
+    assert "preempted by SIGTERM" in stdout, stdout
+    saved = max(checkpoint.CheckpointFiles(tmp_path / "run" / "checkpoint.pt").existing())
+    assert 0 < saved[0] < 400000
+    resumed = dtrain("+recipe=digits", "run_dir=run", f"session.max_samples={saved[0] + 300}",
+                     "session.checkpoint.frequency=1500", "session.tensorboard=false", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at {saved[0]} samples" in resumed.stdout, resumed.stdout
