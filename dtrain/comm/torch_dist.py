@@ -14,6 +14,11 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: this module binds ``group.WORLD`` as a default argument
+# when first imported, so importing it later (torch._dynamo does, e.g. when an optimizer is built)
+# would pin the world group past destroy_process_group, and Gloo's worker threads would then die
+# during interpreter shutdown (std::terminate, SIGABRT) instead of being joined in finalize().
+import torch.distributed.nn.functional  # noqa: F401
 
 from dtrain.comm.base import AsyncHandle, Communicator, format_rank_message, terminate
 
@@ -165,7 +170,7 @@ class TorchDistCommunicator(Communicator):
         terminate(format_rank_message(self._rank, self._size, message), exit_code, self._mpi_comm)
 
     def finalize(self) -> None:
-        """Destroy the default process group; later calls do nothing."""
+        """Destroy the default process group (joining Gloo's worker threads); later calls do nothing."""
         if not self._finalized:
             self._finalized = True
             if dist.is_initialized():

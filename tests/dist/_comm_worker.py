@@ -85,6 +85,21 @@ def check_signal_callback(comm) -> None:
     comm.barrier()
 
 
+def gloo_worker_threads() -> list[str]:
+    """Names of this process's Gloo threads still running (Linux ``/proc``; empty elsewhere)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return []
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as name:
+                names.append(name.read().strip())
+        except OSError:  # the thread ended while listing
+            continue
+    return [name for name in names if name.startswith(("pt_gloo", "gloo_"))]
+
+
 def mark_event() -> None:
     """Print the wall-clock time of the failure, so the test can measure how fast the job ended."""
     print(f"EVENT {time.time():.3f}", flush=True)
@@ -103,6 +118,9 @@ def main() -> None:
     install_fail_fast(comm)
     rank = comm.rank
     if scenario == "ops":
+        # the late import torch._dynamo makes when the first optimizer is built; it must not keep
+        # the process group (and Gloo's threads) alive past finalize()
+        import torch.distributed.nn.functional  # noqa: F401
         check_ops(comm)
         check_signal_callback(comm)
     elif scenario == "raise":  # rank 1 raises while rank 0 waits in a collective
@@ -135,10 +153,12 @@ def main() -> None:
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
     comm.barrier()
-    sys.stdout.write(f"PASS {scenario} rank {rank}/{comm.size}\n")  # one write: lines from ranks stay whole
-    sys.stdout.flush()
     comm.finalize()
     comm.finalize()  # idempotent
+    # threads left running would be torn down mid-work at interpreter exit (SIGABRT)
+    assert not gloo_worker_threads(), f"finalize() left Gloo threads running: {gloo_worker_threads()}"
+    sys.stdout.write(f"PASS {scenario} rank {rank}/{comm.size}\n")  # one write: lines from ranks stay whole
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
