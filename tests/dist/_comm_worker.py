@@ -5,6 +5,7 @@ when it ends normally; failure scenarios end the job instead.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -120,7 +121,7 @@ def main() -> None:
     if scenario == "ops":
         # the late import torch._dynamo makes when the first optimizer is built; it must not keep
         # the process group (and Gloo's threads) alive past finalize()
-        import torch.distributed.nn.functional  # noqa: F401
+        importlib.import_module("torch.distributed.nn.functional")
         check_ops(comm)
         check_signal_callback(comm)
     elif scenario == "raise":  # rank 1 raises while rank 0 waits in a collective
