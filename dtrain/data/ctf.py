@@ -16,9 +16,9 @@ import os
 from collections.abc import Mapping
 
 import numpy as np
-import torch
 
 from dtrain.data._checks import check_int
+from dtrain.data.arrays import ArrayDeserializer
 from dtrain.data.errors import DataError
 
 __all__ = ["CTFDeserializer"]
@@ -47,8 +47,11 @@ def _check_streams(streams: Mapping) -> dict[str, dict]:
     return checked
 
 
-class CTFDeserializer:
+class CTFDeserializer(ArrayDeserializer):
     """A CTF file as a deserializer: float32 features and int64 class labels, one per sequence.
+
+    Parsed into memory once, then served (``get``, ``num_samples``, ``mean_image``) as an
+    :class:`ArrayDeserializer` over those arrays.
 
     Args:
         path: the CTF text file.
@@ -75,20 +78,8 @@ class CTFDeserializer:
         self.path = os.fspath(path)
         self._features_name, self._labels_name = features, labels
         values = self._parse()
-        self._features = torch.from_numpy(values[features].reshape(-1, *self.streams[features]["shape"]))
-        self._labels = torch.from_numpy(values[labels])
-        self.feature_shape = self.streams[features]["shape"]
-        self.num_classes = self.streams[labels]["dim"]
-
-    @property
-    def num_samples(self) -> int:
-        """Sequences (samples) in the file."""
-        return int(self._labels.shape[0])
-
-    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 features ``[len(indices), *shape]`` and int64 labels of samples ``indices``."""
-        index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
-        return self._features[index], self._labels[index]
+        super().__init__(values[features].reshape(-1, *self.streams[features]["shape"]), values[labels],
+                         num_classes=self.streams[labels]["dim"])
 
     # -- parsing ----------------------------------------------------------------------------------
     def _parse(self) -> dict[str, np.ndarray]:

@@ -30,6 +30,8 @@ def test_dense_sparse_ids_comments_and_multi_line_sequences(tmp_path):
     assert features.dtype == torch.float32
     assert features.tolist() == [[0, 0, 0, 1], [1, 2, 3, 4], [5, 6, 7, 8]]
     assert labels.tolist() == [2, 1, 0]
+    # the per-element mean ImageTransform(mean="dataset") subtracts
+    assert torch.allclose(data.mean_image(), torch.tensor([6, 8, 10, 13]) / 3)
 
 
 def test_sparse_inputs_and_sparse_labels_become_dense_and_class_indices(tmp_path):
