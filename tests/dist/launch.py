@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 # Open MPI refuses to run as root without these; containers and CI usually are root.
@@ -112,21 +112,35 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping
     command = mpi_command(nprocs, args, mpiexec)
     full_env = {**os.environ, **_OPEN_MPI_ENV, **(env or {})}
     full_env.setdefault("PYTHONUNBUFFERED", "1")  # keep rank output when a rank is killed
-    started = time.monotonic()
     # A new session holds mpiexec and its ranks, so a timeout can end all of them
     # without touching pytest.
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_session(process.pid)
-            stdout, stderr = process.communicate()
-            raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
-    result = MpiResult(command, process.returncode, stdout, stderr, time.monotonic() - started)
+    result = run_in_new_session(command, full_env, timeout, kill=lambda process: _kill_session(process.pid))
     if check and result.returncode != 0:
         raise AssertionError(result.report())
     return result
+
+
+def run_in_new_session(command: Sequence[str], env: Mapping[str, str], timeout: float,
+                       kill: Callable[[subprocess.Popen], None], shown: Sequence[str] | None = None) -> MpiResult:
+    """Run ``command`` in a new session, wait for it and return the finished run.
+
+    Past ``timeout`` seconds (or on Ctrl-C) ``kill(process)`` must end everything the run
+    started; a timeout then raises ``subprocess.TimeoutExpired`` with the output so far.
+    ``shown`` is the command reported in the result and the error (default ``command``).
+    """
+    shown = list(map(str, command if shown is None else shown))
+    started = time.monotonic()
+    with subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(env), start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException as error:  # the timeout, or Ctrl-C: leave nothing running
+            kill(process)
+            stdout, stderr = process.communicate()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(shown, timeout, output=stdout, stderr=stderr) from None
+            raise
+    return MpiResult(shown, process.returncode, stdout, stderr, time.monotonic() - started)
 
 
 def _kill_session(session_id: int) -> None:

@@ -48,14 +48,12 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import MpiResult, mpiexec_path
+from launch import MpiResult, mpiexec_path, run_in_new_session
 
 IFNAME = "eth0"
 """Name of each host's network interface, inside its namespace (the value for ``GLOO_SOCKET_IFNAME``)."""
@@ -466,22 +464,13 @@ class NamespaceCluster:
         ``subprocess.TimeoutExpired`` is raised with the output so far.
         """
         full_env = {**os.environ, **self.env(), **(env or {})}
-        args = self.exec_args(host, command)
-        started = time.monotonic()
-        with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                              start_new_session=True) as process:
-            try:
-                stdout, stderr = process.communicate(timeout=timeout)
-            except BaseException:  # the timeout, or Ctrl-C: leave nothing running
-                self.kill_all()
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                stdout, stderr = process.communicate()
-                exc = sys.exc_info()[1]
-                if isinstance(exc, subprocess.TimeoutExpired):
-                    raise subprocess.TimeoutExpired(list(command), timeout, output=stdout, stderr=stderr) from None
-                raise
-        return MpiResult(list(map(str, command)), process.returncode, stdout, stderr, time.monotonic() - started)
+        return run_in_new_session(self.exec_args(host, command), full_env, timeout, kill=self._kill_run, shown=command)
+
+    def _kill_run(self, process: subprocess.Popen) -> None:
+        """Ends a run of :meth:`run`: its ranks in every host, and the launcher's own session."""
+        self.kill_all()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
     def kill_all(self) -> None:
         """SIGKILL every process inside the hosts' namespaces (all of them were started by us)."""
