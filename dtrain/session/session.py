@@ -32,6 +32,9 @@ class TrainingDiverged(RuntimeError):
     """The training loss became NaN or infinite (raised on every rank at a progress point)."""
 
 
+_DIVERGED_ADVICE = "lower optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)"
+
+
 @dataclass
 class TrainingResult:
     """What a finished ``train()`` reports."""
@@ -284,8 +287,7 @@ class TrainingSession:
             # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
             raise TrainingDiverged(
                 f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
-                f"{self.learner.samples_seen} samples); lower optimizer.lr, or with 1-bit gradients start "
-                f"distributed training later (learner.distributed_after)")
+                f"{self.learner.samples_seen} samples); {_DIVERGED_ADVICE}")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
@@ -371,8 +373,7 @@ class TrainingSession:
         if not all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters()):
             raise TrainingDiverged(
                 f"training diverged: the model has NaN or infinite parameters at {self.learner.samples_seen} samples "
-                f"(not saved; the previous checkpoint is kept); lower optimizer.lr, or with 1-bit gradients start "
-                f"distributed training later (learner.distributed_after)")
+                f"(not saved; the previous checkpoint is kept); {_DIVERGED_ADVICE}")
         state = self._checkpoint_state()
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
