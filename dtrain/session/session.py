@@ -445,7 +445,8 @@ class TrainingSession:
         if found is None:
             return None
         path, state = found
-        for key in ("model", "learner", "source", "per_rank", "world_size", "samples_seen", "minibatches", "cv_index"):
+        for key in ("model", "learner", "learner_kind", "source", "per_rank", "world_size", "samples_seen", "minibatches",
+                    "cv_index"):
             if key not in state:
                 raise checkpoint.CheckpointError(f"checkpoint {path} lacks '{key}': it was not written by this dtrain")
         mismatch = checkpoint.describe_model_mismatch(self.model, state["model"])

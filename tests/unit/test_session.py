@@ -177,6 +177,19 @@ def test_checkpoint_of_another_configuration_is_refused_naming_the_key(tmp_path)
         run({"model": {"hidden": 32}, "seed": 0})
 
 
+@pytest.mark.parametrize("key", ["learner_kind", "per_rank"])
+def test_checkpoint_missing_a_required_entry_is_refused_naming_it(tmp_path, key):
+    make_session(tmp_path, max_samples=64)[1].train()
+    path = tmp_path / "ckpt-64.pt"
+    state = checkpoint.load(path)
+    del state[key]
+    checkpoint.save_atomic(state, path)  # well-formed and checksummed, but not a whole dtrain checkpoint
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match=rf"ckpt-64.pt lacks '{key}': it was not written by this dtrain"):
+        make_session(tmp_path, max_samples=128)[1].train()
+    assert path.read_bytes() == before
+
+
 def test_checkpoint_write_is_atomic_checksummed_and_loads_without_code(tmp_path):
     _, session = make_session(tmp_path, max_samples=64)
     session.train()
