@@ -1,0 +1,110 @@
+"""Value rules shared by the API and the config validator: each rule written once, one line per problem.
+
+Every check takes the name the user knows the value by (``"session.minibatch_size"`` from the
+config, ``"minibatch_size"`` from the API), returns the value in its canonical type, and raises
+``ValueError`` with one line ``name=value: expected ...``. ``collect`` runs several checks and
+gathers their lines, so a validator reports every problem at once instead of the first.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = [
+    "collect", "boolean", "finite_number", "number_in_range", "positive_number", "sample_count", "whole_number",
+]
+
+
+def _fail(name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"{name}={value!r}: expected {expected}")
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def sample_count(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False) -> int | None:
+    """A whole number of (global) samples: positive, or non-negative with ``allow_zero``; ``None`` with ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if not _is_whole(value) or value < 0 or (value == 0 and not allow_zero):
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise _fail(name, value, f"{kind} whole number of samples" + (" or null" if allow_none else ""))
+    return int(value)
+
+
+def whole_number(name: str, value: Any, low: int | None = None, high: int | None = None, *,
+                 allow_none: bool = False, unit: str = "") -> int | None:
+    """A whole number in ``[low, high]`` (either bound may be open); ``unit`` names what it counts."""
+    if value is None and allow_none:
+        return None
+    if not _is_whole(value) or (low is not None and value < low) or (high is not None and value > high):
+        raise _fail(name, value, _range_words("a whole number", low, high, unit) + (" or null" if allow_none else ""))
+    return int(value)
+
+
+def finite_number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    """Any finite real number (NaN and infinities refused)."""
+    if value is None and allow_none:
+        return None
+    if not _is_real(value) or not math.isfinite(value):
+        raise _fail(name, value, "a finite number" + (" or null" if allow_none else ""))
+    return float(value)
+
+
+def positive_number(name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False,
+                    unit: str = "") -> float | None:
+    """A finite number above 0 (or at least 0 with ``allow_zero``)."""
+    if value is None and allow_none:
+        return None
+    if not _is_real(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise _fail(name, value, f"{kind} finite number" + (f" of {unit}" if unit else "") + (" or null" if allow_none else ""))
+    return float(value)
+
+
+def number_in_range(name: str, value: Any, low: float, high: float, *, include_high: bool = True,
+                    allow_none: bool = False) -> float | None:
+    """A finite number with ``low <= value <= high`` (``< high`` when ``include_high`` is false)."""
+    if value is None and allow_none:
+        return None
+    if (not _is_real(value) or not math.isfinite(value) or value < low
+            or (value > high if include_high else value >= high)):
+        bracket = "]" if include_high else ")"
+        raise _fail(name, value, f"a number in [{low}, {high}{bracket}" + (" or null" if allow_none else ""))
+    return float(value)
+
+
+def boolean(name: str, value: Any) -> bool:
+    """``True`` or ``False`` (numbers and strings refused: ``1`` is not a switch)."""
+    if type(value).__name__ not in ("bool", "bool_"):  # numpy's bool_ too, without importing numpy
+        raise _fail(name, value, "true or false")
+    return bool(value)
+
+
+def collect(checks: Iterable[Callable[[], Any]]) -> list[str]:
+    """Runs every check (a callable with no arguments) and returns each one's problem line."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except (ValueError, TypeError) as error:
+            problems.append(str(error))
+    return problems
+
+
+def _range_words(kind: str, low: int | None, high: int | None, unit: str) -> str:
+    unit_words = f" of {unit}" if unit else ""
+    if low is not None and high is not None:
+        return f"{kind}{unit_words} from {low} to {high}"
+    if low is not None:
+        return f"{kind}{unit_words} of at least {low}"
+    if high is not None:
+        return f"{kind}{unit_words} of at most {high}"
+    return kind + unit_words
