@@ -266,7 +266,7 @@ class QuantizedExchange:
                              f"use all_to_all='allgather'")
         # -- hyper-parameters
         self.comm = comm
-        self.num_bits = bitpack.check_bits(num_bits)
+        self.num_bits = bitpack.check_bits(num_bits, "num_bits")
         if all_to_all == "auto":
             all_to_all = "torch" if has_torch else "allgather"
         self.all_to_all = all_to_all

@@ -268,5 +268,5 @@ def test_bad_values_are_refused_with_one_line(options, message):
 
 
 def test_a_non_bool_flag_is_refused():
-    with pytest.raises(TypeError, match="use_nesterov_momentum"):
+    with pytest.raises(ValueError, match="use_nesterov_momentum='yes': expected true or false"):
         BlockMomentumLearner(sgd(make_model().parameters()), None, 16, use_nesterov_momentum="yes")
