@@ -1,7 +1,7 @@
 """CNTK's two-phase quantized gradient exchange (``QuantizedDistributedCommunicator``), with error feedback.
 
 A striped reduce-scatter followed by an all-gather, both on quantized, bit-packed data
-(reference/cntk_chainermn.md §2.2):
+(``docs/semantics.md#two-phase-exchange``):
 
 1. The columns of every tensor are split into N stripes, one per worker; the first
    ``columns % N`` workers get one extra column (CNTK's ``GetStripeForNode``, applied per tensor

@@ -1,6 +1,6 @@
 """``ImageTransform``: the CIFAR-10 style crop/flip/mean transform, random per (seed, global position).
 
-CNTK's ConvNet_CIFAR10_DataAug (reference/cntk_chainermn.md §6) trains with a random side crop
+CNTK's ConvNet_CIFAR10_DataAug (``docs/semantics.md#cifar-10-example``) trains with a random side crop
 (side ratio 0.8), scales the crop back to 32x32 with bilinear interpolation and subtracts the
 training mean image; tests only scale and subtract the mean. Here the random numbers for a
 sample come from a counter-based hash of (seed, position), so a sample is augmented the same way

@@ -1,7 +1,7 @@
 """Block momentum (BMUF): local steps on each worker, and every block a filtered model sync.
 
 ``block_momentum_distributed_learner`` is CNTK's factory of the same name and follows CNTK's
-update literally (reference/cntk_chainermn.md §1.3-1.4, ARCHITECTURE convention 3): each worker
+update literally (``docs/semantics.md#block-momentum``, with CNTK's sums of model deltas): each worker
 trains its own copy of the model with the wrapped optimizer; when a block of samples has been
 trained on, the workers' model deltas are SUMMED, filtered by the block momentum and applied to
 the model of the last sync, so every worker continues from one model.
@@ -231,7 +231,7 @@ class BlockMomentumLearner(Learner):
         return self.samples_seen + after >= self.distributed_after
 
     def _sync(self) -> None:
-        """The BMUF update of reference §1.4, on every rank at once."""
+        """The BMUF update (``docs/semantics.md#block-momentum``, steps 1-4), on every rank at once."""
         num_workers = self.comm.size
         mean_local_samples = self.global_samples_in_block / num_workers
         block_momentum = momentum_from_time_constant(self.time_constant / num_workers, mean_local_samples)

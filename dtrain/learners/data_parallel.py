@@ -1,7 +1,8 @@
 """The data-parallel learner: every minibatch, gradients are summed over workers in buckets.
 
-``data_parallel_distributed_learner`` is CNTK's factory of the same name (reference/cntk_chainermn.md
-§1.1, §1.2) with ChainerMN's start (§5.2: rank 0's parameters are broadcast before training).
+``data_parallel_distributed_learner`` is CNTK's factory of the same name with ChainerMN's start
+(rank 0's parameters are broadcast before training); see ``docs/semantics.md#data-parallel-learner``
+and, for ``distributed_after``, ``docs/semantics.md#warm-start``.
 The all-reduce overlaps backward: each bucket of gradients is sent as soon as it and every
 earlier bucket are complete.
 """

@@ -1,9 +1,12 @@
 """The quantized data-parallel learner: 1-bit SGD (and k-bit) with error feedback, CNTK-style.
 
-CNTK's ``data_parallel_distributed_learner(..., num_quantization_bits=k<32)`` (reference/cntk_chainermn.md
-§1.1, §2.2): every minibatch the gradients are summed over workers through
-:class:`dtrain.compress.QuantizedExchange` (k-bit packed on the wire, two error-feedback buffers),
-and every worker applies the same decoded sum with its local optimizer.
+One thing, three names: the config option ``learner=quantized`` (``learner.num_quantization_bits``,
+1 by default) and the API call ``data_parallel_distributed_learner(num_quantization_bits=k)``
+with k < 32 (CNTK's factory) both build a :class:`QuantizedDataParallelLearner` (CNTK's
+``QuantizedDataParallelDistributedLearner``). Every minibatch the gradients are summed over
+workers through :class:`dtrain.compress.QuantizedExchange` (k-bit packed on the wire, two
+error-feedback buffers), and every worker applies the same decoded sum with its local optimizer;
+see ``docs/semantics.md#quantized-gradients``.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
 class QuantizedDataParallelLearner(ReplicatedLearner):
     """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
+
+    Built by ``learner=quantized`` in a config, or ``data_parallel_distributed_learner(
+    num_quantization_bits=k)`` with k < 32 from Python; constructing it directly is the same.
 
     Each rank back-propagates the mean loss over its ``local_samples``; ``step()`` scales that
     gradient by ``local_samples / global_samples`` (so the SUM over ranks is the gradient of the

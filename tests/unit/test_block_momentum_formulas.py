@@ -2,7 +2,7 @@
 
 N workers are simulated in one process: each runs in its own thread with its own model copy,
 optimizer and learner, and a ``FakeComm`` whose all-reduce sums over the threads. The
-reference (``simulate``) applies reference §1.3-1.4 parameter by parameter with plain tensors.
+reference (``simulate``) applies ``docs/semantics.md#block-momentum`` parameter by parameter with plain tensors.
 """
 from __future__ import annotations
 
