@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import checks
 from dtrain.comm.torch_dist import TorchDistCommunicator
 from dtrain.compress import bitpack
 from dtrain.compress.quantizer import (
@@ -270,7 +271,7 @@ class QuantizedExchange:
         if all_to_all == "auto":
             all_to_all = "torch" if has_torch else "allgather"
         self.all_to_all = all_to_all
-        self.error_feedback = error_feedback  # False: residuals dropped every step (an ablation, not for training)
+        self.error_feedback = checks.boolean("error_feedback", error_feedback)  # False: residuals dropped every step (an ablation)
         # -- state (this rank's own; not replicated, not in the model's checkpoint)
         self.layout: StripeLayout | None = None           # set by the first call (or load_state_dict)
         self.worker_residual: torch.Tensor | None = None  # [layout.numel] stripe-major: what quantizing

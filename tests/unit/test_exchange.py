@@ -307,3 +307,10 @@ def test_learner_rejects_bad_bits(bits):
     model = make_model(0)
     with pytest.raises(ValueError, match="num_quantization_bits=.*: expected a whole number of bits from 1 to 32"):
         QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=bits)
+
+
+def test_error_feedback_that_is_not_a_bool_is_refused_not_taken_as_true():
+    model = make_model(0)
+    with pytest.raises(ValueError, match="error_feedback='no': expected true or false"):
+        QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=1,
+                                     error_feedback="no")
