@@ -168,9 +168,9 @@ def worker_step(comm, steps: int) -> None:
 def _make_learner(kind: str, optimizer, comm, block_size: int):
     """The learner of ``kind`` (``local``, ``data_parallel``, ``quantized``, ``block_momentum``)."""
     if kind == "local":
-        from dtrain.learners import Learner
+        from dtrain.learners import LocalLearner
 
-        return Learner(optimizer)  # a size-1 communicator: no communication at all
+        return LocalLearner(optimizer)  # a size-1 communicator: no communication at all
     if kind in ("data_parallel", "quantized"):
         from dtrain.learners import data_parallel_distributed_learner
 

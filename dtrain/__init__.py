@@ -8,6 +8,8 @@ from dtrain.comm import create_communicator
 from dtrain.data import MinibatchSource
 from dtrain.learners import (
     Learner,
+    LocalLearner,
+    ReplicatedLearner,
     block_momentum_distributed_learner,
     data_parallel_distributed_learner,
 )
@@ -21,7 +23,8 @@ from dtrain.session import (
 )
 
 __all__ = [
-    "CheckpointConfig", "CrossValidationConfig", "Learner", "MinibatchSource", "Schedule", "TestConfig",
+    "CheckpointConfig", "CrossValidationConfig", "Learner", "LocalLearner", "MinibatchSource", "ReplicatedLearner",
+    "Schedule", "TestConfig",
     "TrainingSession", "block_momentum_distributed_learner", "create_communicator",
     "data_parallel_distributed_learner", "training_session",
 ]

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.config import register_schemas, validate
+from dtrain.help import config_directories, help_text, version
 from dtrain.schedules import Schedule
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.checkpoint import CheckpointError
@@ -191,13 +192,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def available_recipes(argv: list[str]) -> list[str]:
     """Recipe names in the shipped tree and in any ``--config-dir``/``-cd`` given on the command line."""
-    directories = [Path(config_dir())]
-    for index, argument in enumerate(argv):
-        if argument in ("--config-dir", "-cd") and index + 1 < len(argv):
-            directories.append(Path(argv[index + 1]))
-        elif argument.startswith("--config-dir="):
-            directories.append(Path(argument.split("=", 1)[1]))
-    return sorted({p.stem for d in directories for p in (d / "recipe").glob("*.yaml")})
+    return sorted({p.stem for d in config_directories(config_dir(), argv) for p in (d / "recipe").glob("*.yaml")})
 
 
 def check_recipe_argument(argv: list[str]) -> str | None:
@@ -248,6 +243,12 @@ def main() -> None:
     """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
     warnings.formatwarning = _one_line_warning
     argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:  # dtrain's own help; Hydra's stays at --hydra-help
+        print(help_text(config_dir(), argv), end="")
+        sys.exit(0)
+    if "--version" in argv:
+        print(f"dtrain {version()}")
+        sys.exit(0)
     register_schemas()
     problem = check_recipe_argument(argv) or check_overrides(argv)
     if problem:

@@ -1,6 +1,6 @@
 """MinibatchSource: CNTK-style reading of a deserializer along an infinite, partitioned timeline.
 
-Semantics (reference/cntk_chainermn.md §4): sizes are global and counted in samples. Every
+Semantics (``docs/semantics.md#minibatch-source``): sizes are global and counted in samples. Every
 worker builds the same source (same deserializer, seed, limits) and asks for the same global
 minibatch size; each gets its contiguous share of the global minibatch, and all advance the
 same global position. A checkpoint is just that position, so a run resumes on any world size.

@@ -1,4 +1,4 @@
-"""The ConvNet of CNTK's ConvNet_CIFAR10_DataAug example (reference §6), in PyTorch."""
+"""The ConvNet of CNTK's ConvNet_CIFAR10_DataAug example (``docs/semantics.md#cifar-10-example``), in PyTorch."""
 from __future__ import annotations
 
 import torch

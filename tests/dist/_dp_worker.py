@@ -25,7 +25,7 @@ from torch import nn
 import dtrain
 from dtrain.comm import LocalCommunicator, create_communicator
 from dtrain.data import ArrayDeserializer
-from dtrain.learners import Learner, data_parallel_distributed_learner
+from dtrain.learners import Learner, LocalLearner, data_parallel_distributed_learner
 
 # global minibatch sizes by samples seen: 7 (uneven over 2 and 4 ranks), 1 (a rank or three get 0
 # samples), 3 (over 4 ranks: rank 0 gets 0), then 13; the last minibatch is clipped by max_samples
@@ -73,7 +73,7 @@ def scenario_equivalence(comm, run_dir: Path) -> dict:
 
     # the reference: one process, the same global minibatches (every rank computes it for itself)
     reference = make_model("plain")
-    train(reference, Learner(optimizer_of(reference), LocalCommunicator()), run_dir / f"reference{comm.rank}",
+    train(reference, LocalLearner(optimizer_of(reference), LocalCommunicator()), run_dir / f"reference{comm.rank}",
           MINIBATCH_SCHEDULE, MAX_SAMPLES)
     max_difference = _max_difference(model, reference)
     moved = _max_difference(model, make_model("plain"))  # proof that training did something

@@ -45,3 +45,7 @@ def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_pat
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "recipe_name: cifar10" in result.stdout and "ConvNetCIFAR10" in result.stdout
+    for flag, expected in (("--version", "dtrain "), ("--help", "recipes (+recipe=NAME):\n  cifar10")):
+        result = subprocess.run([sys.executable, "-m", "dtrain", flag], cwd=elsewhere, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and expected in result.stdout, result.stderr

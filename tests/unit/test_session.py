@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain import CheckpointConfig, CrossValidationConfig, Learner, MinibatchSource, Schedule, TestConfig, training_session
+from dtrain import CheckpointConfig, CrossValidationConfig, MinibatchSource, Schedule, TestConfig, training_session
+from dtrain import LocalLearner as Learner  # one process: the local learner (the base Learner is abstract)
 from dtrain.data import ArrayDeserializer
 from dtrain.session import checkpoint
 from dtrain.session.checkpoint import CheckpointError
