@@ -202,7 +202,7 @@ class SessionConfig:
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     cv: CrossValidationSettings = field(default_factory=CrossValidationSettings)
     test: TestSettings = field(default_factory=TestSettings)
-    tensorboard: bool = True
+    tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
 

@@ -1,9 +1,32 @@
 """Metric records to the run directory: JSON lines (``metrics.jsonl``) and TensorBoard events."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
+
+#: the one line a run explicitly asking for TensorBoard events gets when the package is missing
+TENSORBOARD_MISSING = ("session.tensorboard=true needs the tensorboard package: pip install 'dtrain[tensorboard]' "
+                       "(or set session.tensorboard=false)")
+
+
+def tensorboard_available() -> bool:
+    """Whether the ``tensorboard`` package (an optional extra) is importable."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def resolve_tensorboard(requested: bool | None) -> bool:
+    """Whether to write TensorBoard events: ``None`` (the default) means when the package is installed.
+
+    Raises:
+        ValueError: ``requested`` is True but the package is missing (``TENSORBOARD_MISSING``).
+    """
+    if requested is None:
+        return tensorboard_available()
+    if requested and not tensorboard_available():
+        raise ValueError(TENSORBOARD_MISSING)
+    return bool(requested)
 
 
 class MetricsWriter:

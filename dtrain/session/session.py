@@ -24,7 +24,7 @@ from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
-from dtrain.session.metrics import MetricsWriter
+from dtrain.session.metrics import MetricsWriter, resolve_tensorboard
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 
 
@@ -122,7 +122,7 @@ class TrainingSession:
         momentum_schedule: Schedule | None = None,
         unit_gain_momentum: bool = False,
         run_dir: str | Path = ".",
-        tensorboard: bool = True,
+        tensorboard: bool | None = None,
         config_fingerprint: str = "",
         checkpoint_identity: dict | None = None,
         progress_bar: bool | None = None,
@@ -152,7 +152,8 @@ class TrainingSession:
         self.momentum_schedule = momentum_schedule
         self.unit_gain_momentum = unit_gain_momentum
         self.run_dir = Path(run_dir)
-        self.tensorboard = tensorboard
+        self.tensorboard = resolve_tensorboard(tensorboard)  # None: when the package is installed
+        self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
         self.config_fingerprint = config_fingerprint
         self.checkpoint_identity = checkpoint_identity or {}
         # a launcher (mpiexec) gives ranks a pseudo-terminal even when its own output goes to a file,
@@ -487,7 +488,8 @@ class TrainingSession:
                          f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
-        lines.append(f"metrics: {metrics.jsonl_path}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else ""))
+        lines.append(f"metrics: {metrics.jsonl_path}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
+                     + (" (no TensorBoard events: pip install 'dtrain[tensorboard]')" if self._tensorboard_hint else ""))
         for line in lines:
             printer.line(line)
 
@@ -509,7 +511,8 @@ def training_session(model, loss, learner, mb_source, mb_size, **options) -> Tra
         momentum_schedule: momentum time constants in samples (``exp(-mb/tc)`` per minibatch).
         unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
         run_dir: directory for metrics, TensorBoard events and relative checkpoint names.
-        tensorboard: write TensorBoard events too.
+        tensorboard: write TensorBoard events too (``None``: when the ``tensorboard`` package is installed;
+            ``True`` without it raises ValueError).
         checkpoint_identity: plain settings a checkpoint must match to be restored (model, data, ...).
         progress_bar: live progress bar (``None``: on a terminal, single process only).
     """

@@ -246,3 +246,31 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert saved  # the good ones from before the blow-up
     for _, path in saved:
         assert all(torch.isfinite(t).all() for t in checkpoint.load(path)["model"].values())
+
+
+# -- TensorBoard is an optional extra ------------------------------------------------------------------
+
+
+def _simple_session(run_dir: Path, **options):
+    model = make_model()
+    return training_session(model, nn.functional.cross_entropy, Learner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                            MinibatchSource(make_data(), randomization_seed=3), mb_size=20, max_samples=100,
+                            run_dir=run_dir, **options)
+
+
+def test_tensorboard_by_default_only_when_installed_and_a_clear_error_when_asked_for_without_it(tmp_path, monkeypatch):
+    import io
+
+    from dtrain.session import metrics
+
+    monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
+    out = io.StringIO()
+    _simple_session(tmp_path / "default", stream=out).train()  # the default run never fails
+    assert not (tmp_path / "default" / "tensorboard").exists()
+    assert "no TensorBoard events: pip install 'dtrain[tensorboard]'" in out.getvalue()
+    with pytest.raises(ValueError, match=r"session.tensorboard=true needs the tensorboard package"):
+        _simple_session(tmp_path / "asked", tensorboard=True)
+    assert not (tmp_path / "asked").exists()  # refused before anything is written
+    monkeypatch.setattr(metrics, "tensorboard_available", lambda: True)
+    _simple_session(tmp_path / "installed", stream=io.StringIO()).train()
+    assert list((tmp_path / "installed" / "tensorboard").glob("events.out.tfevents.*"))
