@@ -103,3 +103,7 @@ class Throughput:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+    def period_elapsed(self) -> float:
+        """Seconds since the current progress period began."""
+        return time.perf_counter() - self.period_start

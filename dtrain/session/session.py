@@ -24,7 +24,8 @@ from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
-from dtrain.session.metrics import MetricsWriter, resolve_tensorboard
+from dtrain.session.metrics import MetricsWriter, PhaseTimer, resolve_tensorboard
+from dtrain.session.report import write_report
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 
 
@@ -172,6 +173,7 @@ class TrainingSession:
         self._restore_attempted = False
         self._restored_from: Path | None = None
         self._preemption = threading.Event()
+        self._report_path: Path | None = None
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
@@ -186,6 +188,7 @@ class TrainingSession:
         is_main = self.comm.is_main
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main)
         throughput = Throughput()
+        timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
         sums = _PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
@@ -198,18 +201,20 @@ class TrainingSession:
                 size = int(self.mb_size(seen))
                 if self.max_samples is not None:
                     size = min(size, self.max_samples - seen)
+                timer.mark()
                 batch = self.source.next_minibatch(size, *self.learner.data_partition())
+                timer.lap("data")
                 if batch is None:
                     break
                 self._apply_schedules(seen, size)
-                self._train_minibatch(batch, sums)
+                self._train_minibatch(batch, sums, timer)
                 self.minibatches += 1
                 seen = self.learner.samples_seen
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput.rate())
 
                 if self.progress_period.due(seen):
-                    self._report_progress(printer, metrics, sums, throughput)
+                    self._report_progress(printer, metrics, sums, throughput, timer)
                 if self.cv_period.due(seen):
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
@@ -225,7 +230,7 @@ class TrainingSession:
             self.learner.synchronize()
             seen = self.learner.samples_seen
             if self.progress_period.frequency and throughput.period_samples > 0:
-                self._report_progress(printer, metrics, sums, throughput)
+                self._report_progress(printer, metrics, sums, throughput, timer)
             if self.cv_period.pending(seen) and not stopped_early:
                 last_cv, _ = self._cross_validate(printer, metrics)
             if self.checkpoint_files is not None and (
@@ -243,6 +248,8 @@ class TrainingSession:
             metrics.write("test", seen, loss=test.loss, error=test.error, accuracy=test.accuracy, num_samples=test.num_samples)
         self.learner.finalize()
         metrics.close()
+        if is_main:
+            self._write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
@@ -252,8 +259,9 @@ class TrainingSession:
         return result
 
     # -- one minibatch --------------------------------------------------------------------------
-    def _train_minibatch(self, batch, sums: _PeriodSums) -> None:
-        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``."""
+    def _train_minibatch(self, batch, sums: _PeriodSums, timer: PhaseTimer) -> None:
+        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
+        and the compute and update times to ``timer``."""
         self.learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         if batch.num_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
@@ -262,7 +270,9 @@ class TrainingSession:
             loss.backward()
             with torch.no_grad():
                 sums.add(loss.detach() * batch.num_samples, self.metric(output.detach(), labels), batch.num_samples)
+        timer.lap("compute")
         self.learner.step()
+        timer.lap("update")
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
@@ -279,7 +289,7 @@ class TrainingSession:
                     group["dampening"] = momentum
 
     # -- actions --------------------------------------------------------------------------------
-    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput) -> None:
+    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
         totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
@@ -293,7 +303,12 @@ class TrainingSession:
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
                          note=self.learner.progress_note())
-        metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate)
+        extra = timer.take(throughput.period_elapsed())
+        bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
+        if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
+            extra["bytes_sent_per_step"] = bytes_sent
+        metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate,
+                      **extra)
         sums.reset()
         throughput.new_period()
 
@@ -463,6 +478,19 @@ class TrainingSession:
                                              f"restore with the same settings or use a new run directory")
         return path, state
 
+    # -- outputs for people -----------------------------------------------------------------------
+    def _write_report(self, printer, metrics: MetricsWriter) -> None:
+        """Rank 0: ``report.png`` from every metric record of the run; a finished run never fails here."""
+        path = self.run_dir / "report.png"
+        try:
+            write_report(metrics.records, path, metric_name="error", title=f"dtrain: {self.run_dir.name}")
+        except ImportError:
+            printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
+        except ValueError as error:
+            printer.line(f"no report.png: {error}")
+        else:
+            self._report_path = path
+
     # -- printing -------------------------------------------------------------------------------
     def _print_start(self, printer, restored_from: Path | None) -> None:
         size = self.comm.size
@@ -488,7 +516,9 @@ class TrainingSession:
                          f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
-        lines.append(f"metrics: {metrics.jsonl_path}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
+        if self._report_path is not None:
+            lines.append(f"report: {self._report_path}")
+        lines.append(f"metrics: {metrics.jsonl_path}, {metrics.csv_path.name}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
                      + (" (no TensorBoard events: pip install 'dtrain[tensorboard]')" if self._tensorboard_hint else ""))
         for line in lines:
             printer.line(line)

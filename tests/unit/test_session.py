@@ -274,3 +274,75 @@ def test_tensorboard_by_default_only_when_installed_and_a_clear_error_when_asked
     monkeypatch.setattr(metrics, "tensorboard_available", lambda: True)
     _simple_session(tmp_path / "installed", stream=io.StringIO()).train()
     assert list((tmp_path / "installed" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# -- outputs people read: metrics.csv, the time split, report.png --------------------------------------
+
+
+def test_csv_rows_match_the_jsonl_records_and_a_resumed_run_keeps_one_header(tmp_path):
+    import csv
+    import io
+
+    _, session = make_session(tmp_path, max_samples=240, progress_frequency=40, test=True)
+    session.stream = io.StringIO()
+    session.train()
+    _, session = make_session(tmp_path, max_samples=400, progress_frequency=40, test=True)  # resumes
+    session.stream = io.StringIO()
+    session.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    with open(tmp_path / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == len(records) > 10
+    for row, record in zip(rows, records):
+        assert set(record) <= set(row)
+        for key, value in record.items():
+            assert row[key] == str(value), (key, row, record)
+    assert list(rows[0])[:5] == ["kind", "samples", "time", "loss", "error"]
+
+
+def test_each_progress_period_records_a_time_split_that_sums_to_the_period(tmp_path):
+    import io
+
+    _, session = make_session(tmp_path, max_samples=400, progress_frequency=80, checkpoint_frequency=None)
+    session.stream = io.StringIO()
+    session.train()
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert len(train) == 5
+    for record in train:
+        parts = [record[key] for key in ("data_s", "compute_s", "update_s", "other_s")]
+        assert all(part >= 0 for part in parts), record
+        assert record["period_s"] > 0 and sum(parts) == pytest.approx(record["period_s"], abs=1e-4), record
+        assert record["compute_s"] > 0 and record["data_s"] > 0 and record["update_s"] > 0
+        assert record["samples_per_second"] > 0
+
+
+def test_report_png_is_written_at_the_end_and_is_a_real_picture(tmp_path):
+    import io
+    import struct
+
+    out = io.StringIO()
+    _, session = make_session(tmp_path, max_samples=400, progress_frequency=80, test=True)
+    session.stream = out
+    session.train()
+    report = tmp_path / "report.png"
+    assert f"report: {report}" in out.getvalue()
+    data = report.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert 800 <= width <= 2000 and 600 <= height <= 2000
+    assert 20_000 < len(data) < 2_000_000
+
+
+def test_report_draws_bytes_per_step_when_the_learner_reports_them(tmp_path):
+    from dtrain.session.report import write_report
+
+    records = [{"kind": "train", "samples": 100 * i, "time": 1000.0 + i, "loss": 1.0 / i, "error": 0.5 / i,
+                "samples_per_second": 100.0, "period_s": 1.0, "data_s": 0.1, "compute_s": 0.6, "update_s": 0.2,
+                "other_s": 0.1, "bytes_sent_per_step": 4096} for i in range(1, 6)]
+    with_bytes = write_report(records, tmp_path / "with.png").read_bytes()
+    for record in records:
+        del record["bytes_sent_per_step"]
+    without = write_report(records, tmp_path / "without.png").read_bytes()
+    import struct
+    assert struct.unpack(">II", with_bytes[16:24])[1] > struct.unpack(">II", without[16:24])[1]  # one more row of plots
