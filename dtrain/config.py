@@ -134,6 +134,7 @@ class MinibatchSourceConfig:
     max_samples: Optional[int] = None
     max_sweeps: Optional[int] = None
     transform: Any = None
+    read_ahead: Optional[bool] = None   # read the next minibatch in the background; null = when reads are slow (images)
 
 
 @dataclass
