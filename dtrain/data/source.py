@@ -36,7 +36,8 @@ class Deserializer(Protocol):
     num_classes: int
 
     def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw features ``[len(indices), *feature_shape]`` and int64 labels ``[len(indices)]``."""
+        """Raw features ``[len(indices), *feature_shape]`` and labels ``[len(indices), ...]``: int64 class
+        indices, or floating-point targets (regression), whose dtype the source keeps."""
         ...
 
 
@@ -46,7 +47,8 @@ class Minibatch:
 
     Attributes:
         features: float32 ``[n, *feature_shape]`` after the transform (``n`` may be 0).
-        labels: int64 ``[n]``.
+        labels: ``[n]`` int64 class indices (any integer dtype is widened to int64), or the
+            deserializer's floating-point targets ``[n, ...]`` in their own dtype (regression).
         positions: int64 ``[n]`` global timeline positions of these samples.
         global_num_samples: samples in the whole global minibatch (all partitions together).
         sweep_end: True when this global minibatch contains the last sample of a sweep.
@@ -233,7 +235,7 @@ class MinibatchSource:
         sweeps_done_after = (start_position + global_size) // self._samples_per_sweep
         return Minibatch(
             features=features,
-            labels=labels.to(torch.int64),
+            labels=_label_tensor(labels),
             positions=positions,
             global_num_samples=global_size,
             sweep_end=sweeps_done_after > sweeps_done_before,
@@ -334,3 +336,11 @@ def _wait_quietly(future: Future) -> None:
         future.result()
     except Exception:  # noqa: BLE001 - a read that was not asked for cannot fail the one that was
         pass
+
+
+def _label_tensor(labels: torch.Tensor) -> torch.Tensor:
+    """Integer class labels as int64 (what torch's classification losses take); floating-point
+    targets unchanged, so a regression target of 0.25 stays 0.25."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex:
+        return labels
+    return labels.to(torch.int64)

@@ -17,7 +17,8 @@ _PHASE_COLORS = {"data_s": ("waiting for data", "tab:gray"), "compute_s": ("comp
                  "other_s": ("other (progress, evaluation, checkpoints)", "tab:olive")}
 
 
-def write_report(records: list[dict], path: str | Path, metric_name: str = "error", title: str = "") -> Path:
+def write_report(records: list[dict], path: str | Path, metric_name: str = "error", title: str = "",
+                 percent: bool | None = None) -> Path:
     """Draws ``records`` (``metrics.jsonl``'s objects) into a PNG at ``path`` (atomically) and returns it.
 
     Panels: loss and the metric against samples and against wall time (train, cross-validation,
@@ -40,7 +41,8 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
     rows = 4 if has_bytes else 3
     figure = Figure(figsize=(13, 3.6 * rows), dpi=100, layout="constrained")
     axes = figure.subplots(rows, 2)
-    percent = "error" in metric_name  # error rates read best in percent
+    if percent is None:
+        percent = "error" in metric_name  # error rates read best in percent
     metric_label = f"{metric_name} (%)" if percent else metric_name
 
     for column, (x_key, x_label) in enumerate((("samples", "samples (global)"), ("time", f"wall time ({time_unit})"))):

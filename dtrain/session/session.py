@@ -24,7 +24,8 @@ from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
-from dtrain.session.metrics import MetricsWriter, PhaseTimer, resolve_tensorboard
+from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
+from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.report import write_report
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 
@@ -142,6 +143,12 @@ class TrainingSession:
         self.model = model
         self.loss = loss
         self.metric = metric
+        # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary
+        self.metric_name = metric_name(metric)
+        self.metric_percent = metric_in_percent(metric)
+        if self.metric_name in set(CSV_COLUMNS) - {"error"}:
+            raise ValueError(f"metric name {self.metric_name!r} is a metrics column of its own; give the metric "
+                             f"another name")
         self.learner = learner
         self.comm = learner.comm
         self.source = mb_source
@@ -186,7 +193,7 @@ class TrainingSession:
         self.learner.prepare(self.model)
         self.model.train()
         is_main = self.comm.is_main
-        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main)
+        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
         throughput = Throughput()
         timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
         sums = _PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
@@ -245,7 +252,9 @@ class TrainingSession:
         if self.test_config is not None and not preempted:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device)
-            metrics.write("test", seen, loss=test.loss, error=test.error, accuracy=test.accuracy, num_samples=test.num_samples)
+            accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
+            metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy,
+                          num_samples=test.num_samples)
         self.learner.finalize()
         metrics.close()
         if is_main:
@@ -302,13 +311,13 @@ class TrainingSession:
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
-                         note=self.learner.progress_note())
+                         note=self.learner.progress_note(), metric_name=self.metric_name, percent=self.metric_percent)
         extra = timer.take(throughput.period_elapsed())
         bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
         if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
             extra["bytes_sent_per_step"] = bytes_sent
-        metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate,
-                      **extra)
+        metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
+                      lr=learning_rate, **extra)
         sums.reset()
         throughput.new_period()
 
@@ -320,8 +329,9 @@ class TrainingSession:
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
-                         f"loss {result.loss:.4f} | error {100 * result.error:.2f}% over {result.num_samples} samples")
-            metrics.write("cv", self.learner.samples_seen, loss=result.loss, error=result.error, num_samples=result.num_samples)
+                         f"loss {result.loss:.4f} | {self._format_metric(result.error)} over {result.num_samples} samples")
+            metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
+                          num_samples=result.num_samples)
         keep_going = True
         if config.callback is not None:
             answer = config.callback(self.cv_index, result.error if result else float("nan"),
@@ -483,7 +493,8 @@ class TrainingSession:
         """Rank 0: ``report.png`` from every metric record of the run; a finished run never fails here."""
         path = self.run_dir / "report.png"
         try:
-            write_report(metrics.records, path, metric_name="error", title=f"dtrain: {self.run_dir.name}")
+            write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
+                         percent=self.metric_percent)
         except ImportError:
             printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
         except ValueError as error:
@@ -492,6 +503,10 @@ class TrainingSession:
             self._report_path = path
 
     # -- printing -------------------------------------------------------------------------------
+    def _format_metric(self, value: float) -> str:
+        """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name."""
+        return f"{self.metric_name} {100 * value:.2f}%" if self.metric_percent else f"{self.metric_name} {value:.4g}"
+
     def _print_start(self, printer, restored_from: Path | None) -> None:
         size = self.comm.size
         mb = int(self.mb_size(self.learner.samples_seen))
@@ -511,9 +526,12 @@ class TrainingSession:
             return
         lines = [f"finished: {result.samples_seen:,} samples in {result.minibatches:,} minibatches, "
                  f"{format_duration(result.seconds)} ({result.samples_seen / max(result.seconds, 1e-9):,.0f} samples/s overall)"]
-        if result.test is not None:
+        if result.test is not None and self.metric_name == "error":
             lines.append(f"test: accuracy {100 * result.test.accuracy:.2f}% (error {100 * result.test.error:.2f}%, "
                          f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
+        elif result.test is not None:
+            lines.append(f"test: {self._format_metric(result.test.error)} (loss {result.test.loss:.4f}) "
+                         f"on {result.test.num_samples:,} samples")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
         if self._report_path is not None:
@@ -536,7 +554,10 @@ def training_session(model, loss, learner, mb_source, mb_size, **options) -> Tra
         max_samples: global samples to train on (``None``: until the source ends).
         progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
         checkpoint_config, cv_config, test_config: see their classes.
-        metric: ``metric(output, labels)`` returning a SUM (default: classification errors).
+        metric: ``metric(output, labels)`` returning a SUM (default: classification errors); its ``name``
+            (default: the function's name; ``error`` for classification errors) labels it in progress lines,
+            metrics files and the summary, and ``percent=True`` shows it as a percentage (see
+            ``dtrain.session.objectives``).
         lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
         momentum_schedule: momentum time constants in samples (``exp(-mb/tc)`` per minibatch).
         unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).

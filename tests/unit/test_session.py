@@ -346,3 +346,76 @@ def test_report_draws_bytes_per_step_when_the_learner_reports_them(tmp_path):
     without = write_report(records, tmp_path / "without.png").read_bytes()
     import struct
     assert struct.unpack(">II", with_bytes[16:24])[1] > struct.unpack(">II", without[16:24])[1]  # one more row of plots
+
+
+# -- your own loss and metric ---------------------------------------------------------------------------
+
+
+def test_top5_error_matches_a_hand_computation():
+    from dtrain.session import TopKError
+
+    logits = torch.tensor([[0.0, 1, 2, 3, 4, 5, 6],    # label 0 is 7th largest: error
+                           [6.0, 5, 4, 3, 2, 1, 0],    # label 4 is 5th largest: fine
+                           [0.0, 0, 0, 0, 0, 0, 9],    # label 6 is largest: fine
+                           [1.0, 2, 3, 4, 5, 6, 7]])   # label 1 is 6th largest: error
+    labels = torch.tensor([0, 4, 6, 1])
+    metric = TopKError(5)
+    assert metric.name == "top5_error" and int(metric(logits, labels)) == 2
+    assert int(TopKError(1)(logits, labels)) == int((logits.argmax(1) != labels).sum()) == 3
+
+
+def test_a_regression_run_with_mse_keeps_float_labels_and_names_its_metric(tmp_path):
+    import io
+
+    from dtrain.session import MeanAbsoluteError, MSELoss
+
+    generator = np.random.default_rng(0)
+    features = generator.normal(size=(200, 3)).astype(np.float32)
+    targets = (features @ np.array([0.5, -0.25, 0.125], dtype=np.float32) + 0.25).astype(np.float32)
+    seen_labels = []
+
+    def mse(output, labels):
+        seen_labels.append(labels)
+        return MSELoss()(output, labels)
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    out = io.StringIO()
+    result = training_session(
+        model, mse, Learner(torch.optim.SGD(model.parameters(), lr=0.1)),
+        MinibatchSource(ArrayDeserializer(features, targets), randomization_seed=1), mb_size=20, max_samples=2000,
+        progress_frequency=1000, metric=MeanAbsoluteError(), run_dir=tmp_path, tensorboard=False, stream=out,
+        test_config=TestConfig(MinibatchSource(ArrayDeserializer(features, targets), randomize=False, max_sweeps=1), 50),
+    ).train()
+    assert all(labels.dtype == torch.float32 for labels in seen_labels)
+    first_sweep = torch.cat(seen_labels[:10])  # 10 minibatches of 20: every target once, exactly
+    assert torch.equal(first_sweep.sort().values, torch.from_numpy(np.sort(targets)))
+    assert result.test.error < 0.05  # a mean absolute error: it learned the float targets
+    lines = out.getvalue().splitlines()
+    assert any(line.startswith("samples") and "| mean_abs_error 0.0" in line for line in lines), lines
+    assert not any("error  " in line or "accuracy" in line for line in lines)
+    assert any(line.startswith("test: mean_abs_error ") for line in lines), lines
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("mean_abs_error" in r and "error" not in r and "accuracy" not in r for r in records)
+    assert "mean_abs_error" in (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+
+
+def test_progress_lines_name_the_metric(tmp_path):
+    import io
+
+    from dtrain.session import TopKError
+
+    out = io.StringIO()
+    _simple_session(tmp_path, metric=TopKError(3), progress_frequency=40, stream=out, tensorboard=False).train()
+    progress = [line for line in out.getvalue().splitlines() if line.startswith("samples")]
+    assert len(progress) == 3 and all("| top3_error " in line and "%" in line for line in progress)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("top3_error" in r for r in records)
+
+
+def test_mse_refuses_shapes_that_would_broadcast():
+    from dtrain.session import MSELoss
+
+    with pytest.raises(ValueError, match=r"outputs shape \(4, 2\) but the labels have shape \(4,\)"):
+        MSELoss()(torch.zeros(4, 2), torch.zeros(4))
+    assert float(MSELoss()(torch.ones(4, 1), torch.zeros(4))) == 1.0

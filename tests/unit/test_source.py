@@ -250,7 +250,9 @@ def test_array_deserializer_validates_inputs():
     with pytest.raises(ValueError, match="same length"):
         ArrayDeserializer(np.zeros((4, 2)), np.zeros(3, dtype=np.int64))
     with pytest.raises(TypeError, match="labels must be integers"):
-        ArrayDeserializer(np.zeros((4, 2)), np.zeros(4))
+        ArrayDeserializer(np.zeros((4, 2)), np.zeros(4, dtype=bool))
+    with pytest.raises(TypeError, match="num_classes=3 applies to integer class labels"):
+        ArrayDeserializer(np.zeros((4, 2)), np.zeros(4), num_classes=3)  # float labels are regression targets
     with pytest.raises(ValueError, match=r"labels must lie in \[0, num_classes=2\)"):
         ArrayDeserializer(np.zeros((4, 2)), np.array([0, 1, 2, 1]), num_classes=2)
     with pytest.raises(ValueError, match="num_samples >= 1"):
@@ -341,3 +343,15 @@ def test_read_ahead_reads_the_next_request_in_the_background_and_discards_a_mism
     assert len(threads) > len([step for step in _PLAN if len(step) == 3])  # discarded reads were redone
     source.close()
     assert not MinibatchSource(make_deserializer(10)).read_ahead  # in-memory arrays: off by default
+
+
+def test_float_labels_keep_their_values_and_dtype_through_the_source():
+    targets = np.array([0.25, -1.5, 3.0, 0.75], dtype=np.float32)
+    deserializer = ArrayDeserializer(np.arange(8.0).reshape(4, 2), targets)
+    assert deserializer.num_classes is None
+    minibatch = MinibatchSource(deserializer, randomize=False).next_minibatch(4)
+    assert minibatch.labels.dtype == torch.float32 and minibatch.labels.tolist() == targets.tolist()
+    two_outputs = ArrayDeserializer(np.zeros((3, 2)), np.array([[0.5, 1.0], [0.25, 2.0], [1.5, 0.125]]))
+    assert MinibatchSource(two_outputs, randomize=False).next_minibatch(2).labels.dtype == torch.float64
+    classes = MinibatchSource(ArrayDeserializer(np.zeros((3, 2)), np.array([0, 2, 1], dtype=np.int32)))
+    assert classes.next_minibatch(3).labels.dtype == torch.int64  # class indices: int64, as the losses want
