@@ -27,6 +27,7 @@ from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.report import write_report
+from dtrain.session.weights import save_weights
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 
 
@@ -181,6 +182,7 @@ class TrainingSession:
         self._restored_from: Path | None = None
         self._preemption = threading.Event()
         self._report_path: Path | None = None
+        self._weights_path: Path | None = None
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
@@ -259,6 +261,8 @@ class TrainingSession:
         metrics.close()
         if is_main:
             self._write_report(printer, metrics)
+            if not preempted:
+                self._export_weights(seen)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
@@ -502,6 +506,11 @@ class TrainingSession:
         else:
             self._report_path = path
 
+    def _export_weights(self, samples_seen: int) -> None:
+        """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors``."""
+        self._weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
+                                          metadata={"samples_seen": str(samples_seen)})
+
     # -- printing -------------------------------------------------------------------------------
     def _format_metric(self, value: float) -> str:
         """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name."""
@@ -534,6 +543,8 @@ class TrainingSession:
                          f"on {result.test.num_samples:,} samples")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
+        if self._weights_path is not None:
+            lines.append(f"weights: {self._weights_path}")
         if self._report_path is not None:
             lines.append(f"report: {self._report_path}")
         lines.append(f"metrics: {metrics.jsonl_path}, {metrics.csv_path.name}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")

@@ -419,3 +419,24 @@ def test_mse_refuses_shapes_that_would_broadcast():
     with pytest.raises(ValueError, match=r"outputs shape \(4, 2\) but the labels have shape \(4,\)"):
         MSELoss()(torch.zeros(4, 2), torch.zeros(4))
     assert float(MSELoss()(torch.ones(4, 1), torch.zeros(4))) == 1.0
+
+
+def test_the_trained_weights_are_written_as_safetensors_equal_to_the_model(tmp_path):
+    import io
+
+    from safetensors.torch import load_file
+
+    out = io.StringIO()
+    model, session = make_session(tmp_path, max_samples=240)
+    session.stream = out
+    session.train()
+    path = tmp_path / "model.safetensors"
+    assert f"weights: {path}" in out.getvalue()
+    weights = load_file(path)
+    state = model.state_dict()
+    assert weights.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(weights[name], tensor.cpu()), name
+    fresh = make_model(seed=5)
+    fresh.load_state_dict(weights)  # loads into a plain model without dtrain's help
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
