@@ -58,8 +58,10 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
             axis.set_xlabel(x_label)
             axis.set_ylabel(label)
             axis.set_title(f"{label} against {x_label.split(' (')[0]}")
-            if key == "loss" and all((_number(r.get("loss")) or 0) > 0 for r in train):
-                axis.set_yscale("log")
+            losses = [_number(r.get("loss")) for r in records if r.get("kind") in _KIND_STYLE]
+            losses = [value for value in losses if value is not None]
+            if key == "loss" and losses and min(losses) > 0 and max(losses) / min(losses) > 30:
+                axis.set_yscale("log")  # a loss falling over decades
             axis.grid(True, alpha=0.3)
             axis.legend(fontsize="small")
 

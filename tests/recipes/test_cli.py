@@ -45,6 +45,9 @@ def test_digits_recipe_reaches_97_percent_and_says_where_outputs_went(tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "config.yaml").is_file()
     assert checkpoint.load(run / "checkpoint-30000.pt")["samples_seen"] == 30000
+    assert f"weights: {run / 'model.safetensors'}" in result.stdout and f"report: {run / 'report.png'}" in result.stdout
+    assert (run / "model.safetensors").stat().st_size > 100_000 and (run / "report.png").stat().st_size > 20_000
+    assert len((run / "metrics.csv").read_text().splitlines()) == len(records) + 1  # a header, then one row each
 
 
 def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
