@@ -67,11 +67,13 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
 
     samples = [r["samples"] for r in train]
     axis = axes[2][0]
-    axis.plot(samples, [r.get("samples_per_second", math.nan) for r in train], color="tab:blue", marker="o")
+    rates = [r.get("samples_per_second", math.nan) for r in train]
+    axis.plot(samples, rates, color="tab:blue", marker="o")
     axis.set_title("training throughput (per progress period)")
     axis.set_xlabel("samples (global)")
     axis.set_ylabel("samples / s")
-    axis.set_ylim(bottom=0)
+    finite = [rate for rate in rates if _number(rate) is not None]
+    axis.set_ylim(0, 1.15 * max(finite) if finite and max(finite) > 0 else 1)
     axis.grid(True, alpha=0.3)
 
     axis = axes[2][1]
