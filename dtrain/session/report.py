@@ -32,6 +32,8 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
     """
     from matplotlib.figure import Figure  # imported here: only rank 0 draws, once, at the end
 
+    # records of another program or a damaged line carry no position: they cannot be placed
+    records = [r for r in records if _number(r.get("samples")) is not None and _number(r.get("time")) is not None]
     train = [r for r in records if r.get("kind") == "train"]
     if not train:
         raise ValueError("no training records to draw (progress_frequency=0?)")

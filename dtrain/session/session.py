@@ -260,9 +260,9 @@ class TrainingSession:
         self.learner.finalize()
         metrics.close()
         if is_main:
-            self._write_report(printer, metrics)
             if not preempted:
                 self._export_weights(seen)
+            self._write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
@@ -503,6 +503,8 @@ class TrainingSession:
             printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
         except ValueError as error:
             printer.line(f"no report.png: {error}")
+        except Exception as error:  # noqa: BLE001 - a drawing problem must not fail a finished run
+            printer.line(f"no report.png: drawing it failed ({type(error).__name__}: {error}); metrics.csv has the data")
         else:
             self._report_path = path
 

@@ -440,3 +440,15 @@ def test_the_trained_weights_are_written_as_safetensors_equal_to_the_model(tmp_p
     fresh = make_model(seed=5)
     fresh.load_state_dict(weights)  # loads into a plain model without dtrain's help
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
+
+
+def test_a_metrics_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path):
+    import io
+
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "samples": 16, "time": 1.0, "loss": 1.0}\n{"kind": "tr')
+    _simple_session(tmp_path, stream=io.StringIO(), tensorboard=False).train()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"kind": "tr' and all(json.loads(line) for line in lines[2:])
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 1 + len(lines) - 1  # header + parseable records
+    assert (tmp_path / "report.png").is_file()
