@@ -98,7 +98,8 @@ def metric_name(metric) -> str:
         return name
     if metric is classification_errors:
         return "error"
-    return getattr(metric, "__name__", None) or type(metric).__name__
+    name = getattr(metric, "__name__", None) or type(metric).__name__
+    return "metric" if name.startswith("<") else name  # a lambda has no name worth a column
 
 
 def metric_in_percent(metric) -> bool:
