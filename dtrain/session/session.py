@@ -26,9 +26,9 @@ from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, Test
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
+from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 from dtrain.session.report import write_report
 from dtrain.session.weights import save_weights
-from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 
 
 class TrainingDiverged(RuntimeError):
