@@ -153,9 +153,12 @@ def _run_with(comm, cfg: DictConfig) -> None:
     session = cfg.session
     run_dir = Path(cfg.run_dir)
     mb_schedule = _schedule(session.minibatch_size_schedule)
+    loss = _instantiate(cfg.loss, "loss")
+    metric = _instantiate(cfg.metric, "metric")
     trainer = training_session(
         model=model,
-        loss=torch.nn.functional.cross_entropy,
+        loss=loss,
+        metric=metric,
         learner=learner,
         mb_source=train_source,
         mb_size=mb_schedule or session.minibatch_size,

@@ -134,6 +134,7 @@ class MinibatchSourceConfig:
     max_samples: Optional[int] = None
     max_sweeps: Optional[int] = None
     transform: Any = None
+    read_ahead: Optional[bool] = None   # read the next minibatch in the background; null = when reads are slow (images)
 
 
 @dataclass
@@ -202,7 +203,7 @@ class SessionConfig:
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     cv: CrossValidationSettings = field(default_factory=CrossValidationSettings)
     test: TestSettings = field(default_factory=TestSettings)
-    tensorboard: bool = True
+    tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
 
@@ -233,6 +234,50 @@ class DTrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     data: DataConfig = field(default_factory=DataConfig)
     recipe: Any = None
+    loss: Any = MISSING                 # conf/loss: loss(output, labels) -> mean over the minibatch
+    metric: Any = MISSING               # conf/metric: metric(output, labels) -> sum over the minibatch
+
+
+# -- losses and metrics (conf/loss, conf/metric) ----------------------------------------------------
+# Each option builds a callable with ``_target_``; your own goes in ``loss/NAME.yaml`` (or
+# ``metric/NAME.yaml``) of a ``--config-dir`` and needs no schema.
+
+
+@dataclass
+class CrossEntropyLossConfig:
+    """``torch.nn.CrossEntropyLoss``: integer class labels, mean over the minibatch."""
+
+    _target_: str = "torch.nn.CrossEntropyLoss"
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class MSELossConfig:
+    """``dtrain.session.MSELoss``: float regression targets, outputs ``[n, 1]`` meet labels ``[n]``."""
+
+    _target_: str = "dtrain.session.MSELoss"
+
+
+@dataclass
+class ClassificationErrorConfig:
+    """``dtrain.session.ClassificationError``: the fraction misclassified, reported as ``error``."""
+
+    _target_: str = "dtrain.session.ClassificationError"
+
+
+@dataclass
+class TopKErrorConfig:
+    """``dtrain.session.TopKError``: label not among the ``k`` largest outputs, reported as ``top<k>_error``."""
+
+    _target_: str = "dtrain.session.TopKError"
+    k: int = 5
+
+
+@dataclass
+class MeanAbsoluteErrorConfig:
+    """``dtrain.session.MeanAbsoluteError``: for regression, reported as ``mean_abs_error``."""
+
+    _target_: str = "dtrain.session.MeanAbsoluteError"
 
 
 _SCHEMAS = {
@@ -250,6 +295,11 @@ _SCHEMAS = {
     ("schema/source", "minibatch_source"): MinibatchSourceConfig,
     ("schema/source", "image_transform"): ImageTransformConfig,
     ("schema/session", "session"): SessionConfig,
+    ("schema/loss", "cross_entropy"): CrossEntropyLossConfig,
+    ("schema/loss", "mse"): MSELossConfig,
+    ("schema/metric", "classification_error"): ClassificationErrorConfig,
+    ("schema/metric", "top5_error"): TopKErrorConfig,
+    ("schema/metric", "mean_abs_error"): MeanAbsoluteErrorConfig,
 }
 
 

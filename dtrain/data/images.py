@@ -45,6 +45,9 @@ class ImageFolderDeserializer(MapFileImages):
         TypeError / ValueError: an argument has the wrong type or value.
     """
 
+    #: decoding is slow enough that a MinibatchSource reads the next minibatch in the background
+    benefits_from_read_ahead = True
+
     def __init__(
         self,
         map_file: str | os.PathLike,

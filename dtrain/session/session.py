@@ -24,8 +24,11 @@ from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
-from dtrain.session.metrics import MetricsWriter
+from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
+from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
+from dtrain.session.report import write_report
+from dtrain.session.weights import save_weights
 
 
 class TrainingDiverged(RuntimeError):
@@ -122,7 +125,7 @@ class TrainingSession:
         momentum_schedule: Schedule | None = None,
         unit_gain_momentum: bool = False,
         run_dir: str | Path = ".",
-        tensorboard: bool = True,
+        tensorboard: bool | None = None,
         config_fingerprint: str = "",
         checkpoint_identity: dict | None = None,
         progress_bar: bool | None = None,
@@ -141,6 +144,12 @@ class TrainingSession:
         self.model = model
         self.loss = loss
         self.metric = metric
+        # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary
+        self.metric_name = metric_name(metric)
+        self.metric_percent = metric_in_percent(metric)
+        if self.metric_name in set(CSV_COLUMNS) - {"error"}:
+            raise ValueError(f"metric name {self.metric_name!r} is a metrics column of its own; give the metric "
+                             f"another name")
         self.learner = learner
         self.comm = learner.comm
         self.source = mb_source
@@ -152,7 +161,8 @@ class TrainingSession:
         self.momentum_schedule = momentum_schedule
         self.unit_gain_momentum = unit_gain_momentum
         self.run_dir = Path(run_dir)
-        self.tensorboard = tensorboard
+        self.tensorboard = resolve_tensorboard(tensorboard)  # None: when the package is installed
+        self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
         self.config_fingerprint = config_fingerprint
         self.checkpoint_identity = checkpoint_identity or {}
         # a launcher (mpiexec) gives ranks a pseudo-terminal even when its own output goes to a file,
@@ -171,6 +181,8 @@ class TrainingSession:
         self._restore_attempted = False
         self._restored_from: Path | None = None
         self._preemption = threading.Event()
+        self._report_path: Path | None = None
+        self._weights_path: Path | None = None
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
@@ -183,8 +195,9 @@ class TrainingSession:
         self.learner.prepare(self.model)
         self.model.train()
         is_main = self.comm.is_main
-        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main)
+        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
         throughput = Throughput()
+        timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
         sums = _PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
@@ -197,18 +210,20 @@ class TrainingSession:
                 size = int(self.mb_size(seen))
                 if self.max_samples is not None:
                     size = min(size, self.max_samples - seen)
+                timer.mark()
                 batch = self.source.next_minibatch(size, *self.learner.data_partition())
+                timer.lap("data")
                 if batch is None:
                     break
                 self._apply_schedules(seen, size)
-                self._train_minibatch(batch, sums)
+                self._train_minibatch(batch, sums, timer)
                 self.minibatches += 1
                 seen = self.learner.samples_seen
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput.rate())
 
                 if self.progress_period.due(seen):
-                    self._report_progress(printer, metrics, sums, throughput)
+                    self._report_progress(printer, metrics, sums, throughput, timer)
                 if self.cv_period.due(seen):
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
@@ -224,7 +239,7 @@ class TrainingSession:
             self.learner.synchronize()
             seen = self.learner.samples_seen
             if self.progress_period.frequency and throughput.period_samples > 0:
-                self._report_progress(printer, metrics, sums, throughput)
+                self._report_progress(printer, metrics, sums, throughput, timer)
             if self.cv_period.pending(seen) and not stopped_early:
                 last_cv, _ = self._cross_validate(printer, metrics)
             if self.checkpoint_files is not None and (
@@ -239,9 +254,15 @@ class TrainingSession:
         if self.test_config is not None and not preempted:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device)
-            metrics.write("test", seen, loss=test.loss, error=test.error, accuracy=test.accuracy, num_samples=test.num_samples)
+            accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
+            metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy,
+                          num_samples=test.num_samples)
         self.learner.finalize()
         metrics.close()
+        if is_main:
+            if not preempted:
+                self._export_weights(seen)
+            self._write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
@@ -251,8 +272,9 @@ class TrainingSession:
         return result
 
     # -- one minibatch --------------------------------------------------------------------------
-    def _train_minibatch(self, batch, sums: _PeriodSums) -> None:
-        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``."""
+    def _train_minibatch(self, batch, sums: _PeriodSums, timer: PhaseTimer) -> None:
+        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
+        and the compute and update times to ``timer``."""
         self.learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         if batch.num_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
@@ -261,7 +283,9 @@ class TrainingSession:
             loss.backward()
             with torch.no_grad():
                 sums.add(loss.detach() * batch.num_samples, self.metric(output.detach(), labels), batch.num_samples)
+        timer.lap("compute")
         self.learner.step()
+        timer.lap("update")
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
@@ -278,7 +302,7 @@ class TrainingSession:
                     group["dampening"] = momentum
 
     # -- actions --------------------------------------------------------------------------------
-    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput) -> None:
+    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
         totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
@@ -291,8 +315,13 @@ class TrainingSession:
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
-                         note=self.learner.progress_note())
-        metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate)
+                         note=self.learner.progress_note(), metric_name=self.metric_name, percent=self.metric_percent)
+        extra = timer.take(throughput.period_elapsed())
+        bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
+        if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
+            extra["bytes_sent_per_step"] = bytes_sent
+        metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
+                      lr=learning_rate, **extra)
         sums.reset()
         throughput.new_period()
 
@@ -304,8 +333,9 @@ class TrainingSession:
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
-                         f"loss {result.loss:.4f} | error {100 * result.error:.2f}% over {result.num_samples} samples")
-            metrics.write("cv", self.learner.samples_seen, loss=result.loss, error=result.error, num_samples=result.num_samples)
+                         f"loss {result.loss:.4f} | {self._format_metric(result.error)} over {result.num_samples} samples")
+            metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
+                          num_samples=result.num_samples)
         keep_going = True
         if config.callback is not None:
             answer = config.callback(self.cv_index, result.error if result else float("nan"),
@@ -462,7 +492,32 @@ class TrainingSession:
                                              f"restore with the same settings or use a new run directory")
         return path, state
 
+    # -- outputs for people -----------------------------------------------------------------------
+    def _write_report(self, printer, metrics: MetricsWriter) -> None:
+        """Rank 0: ``report.png`` from every metric record of the run; a finished run never fails here."""
+        path = self.run_dir / "report.png"
+        try:
+            write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
+                         percent=self.metric_percent)
+        except ImportError:
+            printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
+        except ValueError as error:
+            printer.line(f"no report.png: {error}")
+        except Exception as error:  # noqa: BLE001 - a drawing problem must not fail a finished run
+            printer.line(f"no report.png: drawing it failed ({type(error).__name__}: {error}); metrics.csv has the data")
+        else:
+            self._report_path = path
+
+    def _export_weights(self, samples_seen: int) -> None:
+        """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors``."""
+        self._weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
+                                          metadata={"samples_seen": str(samples_seen)})
+
     # -- printing -------------------------------------------------------------------------------
+    def _format_metric(self, value: float) -> str:
+        """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name."""
+        return f"{self.metric_name} {100 * value:.2f}%" if self.metric_percent else f"{self.metric_name} {value:.4g}"
+
     def _print_start(self, printer, restored_from: Path | None) -> None:
         size = self.comm.size
         mb = int(self.mb_size(self.learner.samples_seen))
@@ -482,12 +537,20 @@ class TrainingSession:
             return
         lines = [f"finished: {result.samples_seen:,} samples in {result.minibatches:,} minibatches, "
                  f"{format_duration(result.seconds)} ({result.samples_seen / max(result.seconds, 1e-9):,.0f} samples/s overall)"]
-        if result.test is not None:
+        if result.test is not None and self.metric_name == "error":
             lines.append(f"test: accuracy {100 * result.test.accuracy:.2f}% (error {100 * result.test.error:.2f}%, "
                          f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
+        elif result.test is not None:
+            lines.append(f"test: {self._format_metric(result.test.error)} (loss {result.test.loss:.4f}) "
+                         f"on {result.test.num_samples:,} samples")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
-        lines.append(f"metrics: {metrics.jsonl_path}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else ""))
+        if self._weights_path is not None:
+            lines.append(f"weights: {self._weights_path}")
+        if self._report_path is not None:
+            lines.append(f"report: {self._report_path}")
+        lines.append(f"metrics: {metrics.jsonl_path}, {metrics.csv_path.name}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
+                     + (" (no TensorBoard events: pip install 'dtrain[tensorboard]')" if self._tensorboard_hint else ""))
         for line in lines:
             printer.line(line)
 
@@ -504,12 +567,16 @@ def training_session(model, loss, learner, mb_source, mb_size, **options) -> Tra
         max_samples: global samples to train on (``None``: until the source ends).
         progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
         checkpoint_config, cv_config, test_config: see their classes.
-        metric: ``metric(output, labels)`` returning a SUM (default: classification errors).
+        metric: ``metric(output, labels)`` returning a SUM (default: classification errors); its ``name``
+            (default: the function's name; ``error`` for classification errors) labels it in progress lines,
+            metrics files and the summary, and ``percent=True`` shows it as a percentage (see
+            ``dtrain.session.objectives``).
         lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
         momentum_schedule: momentum time constants in samples (``exp(-mb/tc)`` per minibatch).
         unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
         run_dir: directory for metrics, TensorBoard events and relative checkpoint names.
-        tensorboard: write TensorBoard events too.
+        tensorboard: write TensorBoard events too (``None``: when the ``tensorboard`` package is installed;
+            ``True`` without it raises ValueError).
         checkpoint_identity: plain settings a checkpoint must match to be restored (model, data, ...).
         progress_bar: live progress bar (``None``: on a terminal, single process only).
     """

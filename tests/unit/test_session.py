@@ -247,3 +247,209 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert saved  # the good ones from before the blow-up
     for _, path in saved:
         assert all(torch.isfinite(t).all() for t in checkpoint.load(path)["model"].values())
+
+
+# -- TensorBoard is an optional extra ------------------------------------------------------------------
+
+
+def _simple_session(run_dir: Path, **options):
+    model = make_model()
+    return training_session(model, nn.functional.cross_entropy, Learner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                            MinibatchSource(make_data(), randomization_seed=3), mb_size=20, max_samples=100,
+                            run_dir=run_dir, **options)
+
+
+def test_tensorboard_by_default_only_when_installed_and_a_clear_error_when_asked_for_without_it(tmp_path, monkeypatch):
+    import io
+
+    from dtrain.session import metrics
+
+    monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
+    out = io.StringIO()
+    _simple_session(tmp_path / "default", stream=out).train()  # the default run never fails
+    assert not (tmp_path / "default" / "tensorboard").exists()
+    assert "no TensorBoard events: pip install 'dtrain[tensorboard]'" in out.getvalue()
+    with pytest.raises(ValueError, match=r"session.tensorboard=true needs the tensorboard package"):
+        _simple_session(tmp_path / "asked", tensorboard=True)
+    assert not (tmp_path / "asked").exists()  # refused before anything is written
+    monkeypatch.setattr(metrics, "tensorboard_available", lambda: True)
+    _simple_session(tmp_path / "installed", stream=io.StringIO()).train()
+    assert list((tmp_path / "installed" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# -- outputs people read: metrics.csv, the time split, report.png --------------------------------------
+
+
+def test_csv_rows_match_the_jsonl_records_and_a_resumed_run_keeps_one_header(tmp_path):
+    import csv
+    import io
+
+    _, session = make_session(tmp_path, max_samples=240, progress_frequency=40, test=True)
+    session.stream = io.StringIO()
+    session.train()
+    _, session = make_session(tmp_path, max_samples=400, progress_frequency=40, test=True)  # resumes
+    session.stream = io.StringIO()
+    session.train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    with open(tmp_path / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == len(records) > 10
+    for row, record in zip(rows, records):
+        assert set(record) <= set(row)
+        for key, value in record.items():
+            assert row[key] == str(value), (key, row, record)
+    assert list(rows[0])[:5] == ["kind", "samples", "time", "loss", "error"]
+
+
+def test_each_progress_period_records_a_time_split_that_sums_to_the_period(tmp_path):
+    import io
+
+    _, session = make_session(tmp_path, max_samples=400, progress_frequency=80, checkpoint_frequency=None)
+    session.stream = io.StringIO()
+    session.train()
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert len(train) == 5
+    for record in train:
+        parts = [record[key] for key in ("data_s", "compute_s", "update_s", "other_s")]
+        assert all(part >= 0 for part in parts), record
+        assert record["period_s"] > 0 and sum(parts) == pytest.approx(record["period_s"], abs=1e-4), record
+        assert record["compute_s"] > 0 and record["data_s"] > 0 and record["update_s"] > 0
+        assert record["samples_per_second"] > 0
+
+
+def test_report_png_is_written_at_the_end_and_is_a_real_picture(tmp_path):
+    import io
+    import struct
+
+    out = io.StringIO()
+    _, session = make_session(tmp_path, max_samples=400, progress_frequency=80, test=True)
+    session.stream = out
+    session.train()
+    report = tmp_path / "report.png"
+    assert f"report: {report}" in out.getvalue()
+    data = report.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert 800 <= width <= 2000 and 600 <= height <= 2000
+    assert 20_000 < len(data) < 2_000_000
+
+
+def test_report_draws_bytes_per_step_when_the_learner_reports_them(tmp_path):
+    from dtrain.session.report import write_report
+
+    records = [{"kind": "train", "samples": 100 * i, "time": 1000.0 + i, "loss": 1.0 / i, "error": 0.5 / i,
+                "samples_per_second": 100.0, "period_s": 1.0, "data_s": 0.1, "compute_s": 0.6, "update_s": 0.2,
+                "other_s": 0.1, "bytes_sent_per_step": 4096} for i in range(1, 6)]
+    with_bytes = write_report(records, tmp_path / "with.png").read_bytes()
+    for record in records:
+        del record["bytes_sent_per_step"]
+    without = write_report(records, tmp_path / "without.png").read_bytes()
+    import struct
+    assert struct.unpack(">II", with_bytes[16:24])[1] > struct.unpack(">II", without[16:24])[1]  # one more row of plots
+
+
+# -- your own loss and metric ---------------------------------------------------------------------------
+
+
+def test_top5_error_matches_a_hand_computation():
+    from dtrain.session import TopKError
+
+    logits = torch.tensor([[0.0, 1, 2, 3, 4, 5, 6],    # label 0 is 7th largest: error
+                           [6.0, 5, 4, 3, 2, 1, 0],    # label 4 is 5th largest: fine
+                           [0.0, 0, 0, 0, 0, 0, 9],    # label 6 is largest: fine
+                           [1.0, 2, 3, 4, 5, 6, 7]])   # label 1 is 6th largest: error
+    labels = torch.tensor([0, 4, 6, 1])
+    metric = TopKError(5)
+    assert metric.name == "top5_error" and int(metric(logits, labels)) == 2
+    assert int(TopKError(1)(logits, labels)) == int((logits.argmax(1) != labels).sum()) == 3
+
+
+def test_a_regression_run_with_mse_keeps_float_labels_and_names_its_metric(tmp_path):
+    import io
+
+    from dtrain.session import MeanAbsoluteError, MSELoss
+
+    generator = np.random.default_rng(0)
+    features = generator.normal(size=(200, 3)).astype(np.float32)
+    targets = (features @ np.array([0.5, -0.25, 0.125], dtype=np.float32) + 0.25).astype(np.float32)
+    seen_labels = []
+
+    def mse(output, labels):
+        seen_labels.append(labels)
+        return MSELoss()(output, labels)
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    out = io.StringIO()
+    result = training_session(
+        model, mse, Learner(torch.optim.SGD(model.parameters(), lr=0.1)),
+        MinibatchSource(ArrayDeserializer(features, targets), randomization_seed=1), mb_size=20, max_samples=2000,
+        progress_frequency=1000, metric=MeanAbsoluteError(), run_dir=tmp_path, tensorboard=False, stream=out,
+        test_config=TestConfig(MinibatchSource(ArrayDeserializer(features, targets), randomize=False, max_sweeps=1), 50),
+    ).train()
+    assert all(labels.dtype == torch.float32 for labels in seen_labels)
+    first_sweep = torch.cat(seen_labels[:10])  # 10 minibatches of 20: every target once, exactly
+    assert torch.equal(first_sweep.sort().values, torch.from_numpy(np.sort(targets)))
+    assert result.test.error < 0.05  # a mean absolute error: it learned the float targets
+    lines = out.getvalue().splitlines()
+    assert any(line.startswith("samples") and "| mean_abs_error 0.0" in line for line in lines), lines
+    assert not any("error  " in line or "accuracy" in line for line in lines)
+    assert any(line.startswith("test: mean_abs_error ") for line in lines), lines
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("mean_abs_error" in r and "error" not in r and "accuracy" not in r for r in records)
+    assert "mean_abs_error" in (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+
+
+def test_progress_lines_name_the_metric(tmp_path):
+    import io
+
+    from dtrain.session import TopKError
+
+    out = io.StringIO()
+    _simple_session(tmp_path, metric=TopKError(3), progress_frequency=40, stream=out, tensorboard=False).train()
+    progress = [line for line in out.getvalue().splitlines() if line.startswith("samples")]
+    assert len(progress) == 3 and all("| top3_error " in line and "%" in line for line in progress)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("top3_error" in r for r in records)
+
+
+def test_mse_refuses_shapes_that_would_broadcast():
+    from dtrain.session import MSELoss
+
+    with pytest.raises(ValueError, match=r"outputs shape \(4, 2\) but the labels have shape \(4,\)"):
+        MSELoss()(torch.zeros(4, 2), torch.zeros(4))
+    assert float(MSELoss()(torch.ones(4, 1), torch.zeros(4))) == 1.0
+
+
+def test_the_trained_weights_are_written_as_safetensors_equal_to_the_model(tmp_path):
+    import io
+
+    from safetensors.torch import load_file
+
+    out = io.StringIO()
+    model, session = make_session(tmp_path, max_samples=240)
+    session.stream = out
+    session.train()
+    path = tmp_path / "model.safetensors"
+    assert f"weights: {path}" in out.getvalue()
+    weights = load_file(path)
+    state = model.state_dict()
+    assert weights.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(weights[name], tensor.cpu()), name
+    fresh = make_model(seed=5)
+    fresh.load_state_dict(weights)  # loads into a plain model without dtrain's help
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
+
+
+def test_a_metrics_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path):
+    import io
+
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "samples": 16, "time": 1.0, "loss": 1.0}\n{"kind": "tr')
+    _simple_session(tmp_path, stream=io.StringIO(), tensorboard=False).train()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"kind": "tr' and all(json.loads(line) for line in lines[2:])
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 1 + len(lines) - 1  # header + parseable records
+    assert (tmp_path / "report.png").is_file()
