@@ -78,7 +78,7 @@ class CrossValidationConfig:
 
     minibatch_source: object | None = None
     frequency: int | None = None
-    minibatch_size: int = 32
+    minibatch_size: int = 256
     callback: Callable[[int, float, int, int], bool | None] | None = None
     max_samples: int | None = None
 
@@ -101,7 +101,7 @@ class TestConfig:
     __test__ = False  # not a pytest test class
 
     minibatch_source: object
-    minibatch_size: int = 32
+    minibatch_size: int = 256
 
     def __post_init__(self):
         _check_minibatch_size("test minibatch_size", self.minibatch_size)

@@ -39,8 +39,8 @@ def make_session(run_dir: Path, max_samples: int, cv_callback=None, restore: boo
         cv = CrossValidationConfig(MinibatchSource(make_data(50, seed=1), randomize=False, max_sweeps=1),
                                    frequency=96, minibatch_size=20, callback=cv_callback)
     return model, training_session(
-        model=model, loss=nn.functional.cross_entropy, learner=Learner(optimizer), mb_source=source,
-        mb_size=Schedule([[1, 16], [1, 32]], epoch_size=200), max_samples=max_samples,
+        model=model, loss=nn.functional.cross_entropy, learner=Learner(optimizer), minibatch_source=source,
+        minibatch_size=Schedule([[1, 16], [1, 32]], epoch_size=200), max_samples=max_samples,
         progress_frequency=progress_frequency,
         checkpoint_config=CheckpointConfig("ckpt.pt", frequency=checkpoint_frequency, restore=restore),
         cv_config=cv, test_config=TestConfig(MinibatchSource(make_data(60, seed=2), randomize=False, max_sweeps=1), 25) if test else None,
@@ -193,8 +193,8 @@ def test_checkpoint_missing_a_required_entry_is_refused_naming_it(tmp_path, key)
 def test_checkpoint_write_is_atomic_checksummed_and_loads_without_code(tmp_path):
     _, session = make_session(tmp_path, max_samples=64)
     session.train()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
-    assert (tmp_path / "ckpt-64.pt").read_bytes().startswith(b"DTRAIN-CHECKPOINT 2 sha256=")
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # no temporary left behind
+    assert (tmp_path / "ckpt-64.pt").read_bytes().startswith(b"DTRAIN-CHECKPOINT 3 sha256=")
     state = checkpoint.load(tmp_path / "ckpt-64.pt")
     assert state["learner"]["kind"] == "local" and state["world_size"] == 1
     assert set(state) >= {"model", "learner", "source", "per_rank", "samples_seen", "identity", "versions"}
@@ -217,7 +217,7 @@ def test_bad_arguments_are_refused_when_built():
     model = make_model()
     learner = Learner(torch.optim.SGD(model.parameters(), lr=0.1))
     source = MinibatchSource(make_data())
-    with pytest.raises(ValueError, match="mb_size must be a positive"):
+    with pytest.raises(ValueError, match="minibatch_size must be a positive"):
         training_session(model, nn.functional.cross_entropy, learner, source, 0)
     with pytest.raises(ValueError, match="max_samples"):
         training_session(model, nn.functional.cross_entropy, learner, source, 8, max_samples=-5)
@@ -227,7 +227,7 @@ def test_bad_arguments_are_refused_when_built():
         CheckpointConfig("x", frequency=-1)
     adam = Learner(torch.optim.Adam(model.parameters()))
     with pytest.raises(ValueError, match="momentum"):
-        training_session(model, nn.functional.cross_entropy, adam, source, 8, momentum_schedule=Schedule(600))
+        training_session(model, nn.functional.cross_entropy, adam, source, 8, momentum_time_constant_schedule=Schedule(600))
 
 
 def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
