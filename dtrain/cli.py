@@ -279,6 +279,24 @@ def check_overrides(argv: list[str]) -> str | None:
     return None
 
 
+def check_sweep_arguments(argv: list[str]) -> str | None:
+    """One-line problem with a sweep's command line (``-m``) before any job starts, else ``None``:
+    ``run_dir`` given (every job would share it), or ``submitit_local`` with several tasks per job."""
+    if not any(argument in ("-m", "--multirun") for argument in argv):
+        return None
+    values = {argument.lstrip("+~").split("=", 1)[0]: argument.split("=", 1)[1]
+              for argument in argv if "=" in argument and not argument.startswith("-")}
+    if "run_dir" in values:
+        return ("run_dir cannot be set in a sweep (-m): every job gets its own directory, hydra.sweep.dir/<job number>; "
+                "choose where with hydra.sweep.dir=DIR (the same DIR again resumes each job)")
+    tasks = values.get("hydra.launcher.tasks_per_node", "1")
+    if values.get("hydra/launcher") == "submitit_local" and tasks != "1":
+        return (f"hydra/launcher=submitit_local with tasks_per_node={tasks} starts {tasks} independent copies of each "
+                f"job; set hydra.launcher.tasks_per_node=1 (under Slurm, submitit_slurm's tasks of one job form one "
+                f"distributed job)")
+    return None
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"dtrain: warning: {message}\n"
 
@@ -288,7 +306,7 @@ def main() -> None:
     warnings.formatwarning = _one_line_warning
     argv = sys.argv[1:]
     register_schemas()
-    problem = check_recipe_argument(argv) or check_overrides(argv)
+    problem = check_recipe_argument(argv) or check_overrides(argv) or check_sweep_arguments(argv)
     if problem:
         _exit_bad_input(problem)
     _hydra_main()

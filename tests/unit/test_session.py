@@ -246,3 +246,226 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert saved  # the good ones from before the blow-up
     for _, path in saved:
         assert all(torch.isfinite(t).all() for t in checkpoint.load(path)["model"].values())
+
+
+# -- resume with changed settings ------------------------------------------------------------------
+def plain_session(run_dir: Path, max_samples: int, lr=0.1, momentum=0.9, weight_decay=0.0, cv=None, **options):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return model, training_session(
+        model, nn.functional.cross_entropy, Learner(optimizer), MinibatchSource(make_data(), randomize=True,
+                                                                                  randomization_seed=3),
+        16, max_samples=max_samples, checkpoint_config=CheckpointConfig("ckpt.pt", frequency=64), cv_config=cv,
+        run_dir=run_dir, tensorboard=False, **options)
+
+
+def test_changed_optimizer_settings_take_effect_on_resume_and_are_named(tmp_path, capsys):
+    plain_session(tmp_path, 64)[1].train()
+    _, resumed = plain_session(tmp_path, 128, lr=0.001, momentum=0.0, weight_decay=0.5)
+    resumed.restore()
+    group = resumed.learner.optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.001, 0.0, 0.5)
+    assert resumed.learner.optimizer.state  # the momentum buffers of the checkpoint are kept
+    result = resumed.train()
+    assert result.restored_from == tmp_path / "ckpt-64.pt"
+    printed = capsys.readouterr().out
+    changes = next(line for line in printed.splitlines() if "settings changed since the checkpoint" in line)
+    for fragment in ("optimizer[0].lr: 0.1 -> 0.001", "optimizer[0].momentum: 0.9 -> 0.0",
+                     "optimizer[0].weight_decay: 0.0 -> 0.5", "max_samples: 64 -> 128"):
+        assert fragment in changes, changes
+    # what the next checkpoint records is what ran
+    saved = checkpoint.load(tmp_path / "ckpt-128.pt")["learner"]["optimizer"]["param_groups"][0]
+    assert (saved["lr"], saved["momentum"], saved["weight_decay"]) == (0.001, 0.0, 0.5)
+
+
+def test_a_resume_with_changed_settings_equals_a_run_that_switched_at_that_point(tmp_path):
+    plain_session(tmp_path / "split", 64)[1].train()
+    torch.manual_seed(5)
+    resumed_model, resumed = plain_session(tmp_path / "split", 160, lr=0.03, momentum=0.5, weight_decay=0.01)
+    resumed.train()
+
+    def switch(index, *rest):  # the callback fires after the step at 64 samples, as the resume point
+        if index == 0:
+            for group in session.learner.optimizer.param_groups:
+                group.update(lr=0.03, momentum=0.5, weight_decay=0.01)
+            session.base_learning_rates = [0.03]
+
+    cv = CrossValidationConfig(callback=switch, frequency=64)
+    whole_model, session = plain_session(tmp_path / "whole", 160, cv=cv)
+    session.train()
+    for (name, a), (_, b) in zip(whole_model.state_dict().items(), resumed_model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_run_config_names_changed_keys_against_the_checkpoints_config(tmp_path, capsys):
+    plain_session(tmp_path, 64, run_config={"optimizer": {"lr": 0.1}, "session": {"max_samples": 64}})[1].train()
+    plain_session(tmp_path, 128, run_config={"optimizer": {"lr": 0.1}, "session": {"max_samples": 128}})[1].train()
+    changes = next(line for line in capsys.readouterr().out.splitlines() if "settings changed" in line)
+    assert changes.endswith("now in effect: session.max_samples: 64 -> 128")
+
+
+# -- checkpoints that lie, temporaries, modes, bounded reads, unsafe content, disk full ---------------
+def test_a_copy_named_as_newer_is_skipped_and_never_makes_pruning_delete_the_newest(tmp_path):
+    plain_session(tmp_path, 128)[1].train()
+    (tmp_path / "ckpt-9999.pt").write_bytes((tmp_path / "ckpt-64.pt").read_bytes())  # an old state, a big name
+    with pytest.warns(RuntimeWarning, match=r"ckpt-9999.pt holds the state at 64 samples, not 9999"):
+        result = plain_session(tmp_path, 192)[1].train()
+    assert result.restored_from == tmp_path / "ckpt-128.pt"
+    # keep_last=2 by content: 128 and 192 stay, the lying file is neither counted nor deleted
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-128.pt", "ckpt-192.pt", "ckpt-9999.pt"]
+    assert checkpoint.load(tmp_path / "ckpt-192.pt")["samples_seen"] == 192
+
+
+def test_a_symlink_to_an_older_checkpoint_is_skipped(tmp_path):
+    plain_session(tmp_path, 128)[1].train()
+    (tmp_path / "ckpt-500.pt").symlink_to(tmp_path / "ckpt-64.pt")
+    with pytest.warns(RuntimeWarning, match="not 500 as its name says"):
+        assert plain_session(tmp_path, 192)[1].train().restored_from == tmp_path / "ckpt-128.pt"
+
+
+def test_stale_temporaries_of_killed_writes_are_removed_at_start(tmp_path):
+    plain_session(tmp_path, 64)[1].train()
+    stale = [tmp_path / ".ckpt-128.pt.abc123.tmp", tmp_path / ".ckpt-192.pt.x_9.tmp"]
+    for path in stale:
+        path.write_bytes(b"DTRAIN-CHECKPOINT 3 partial")
+    (tmp_path / ".other.pt.abc.tmp").write_bytes(b"not ours")
+    plain_session(tmp_path, 128)[1].restore()
+    assert not any(path.exists() for path in stale)
+    assert (tmp_path / ".other.pt.abc.tmp").exists()
+
+
+def test_checkpoints_get_the_umask_permissions_of_other_outputs(tmp_path):
+    old = os.umask(0o002)
+    try:
+        plain_session(tmp_path, 64)[1].train()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ckpt-64.pt").stat().st_mode & 0o777 == 0o664
+    assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o664
+
+
+def test_load_compares_the_size_before_reading_and_reads_only_the_declared_bytes(tmp_path, monkeypatch):
+    junk = tmp_path / "ckpt-64.pt"
+    with open(junk, "wb") as stream:
+        stream.write(b"DTRAIN-CHECKPOINT 3 sha256=" + b"0" * 64 + b" bytes=100 samples=64\n")
+        stream.truncate(1 << 30)  # a sparse 1 GiB file: costs no disk, would cost 1 GiB of memory to read
+    reads = []
+    real_open = open
+
+    class CountingFile:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.stream.close()
+
+        def read(self, size=-1):
+            reads.append(size)
+            return self.stream.read(size)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    monkeypatch.setattr("builtins.open", lambda *a, **k: CountingFile(real_open(*a, **k)))
+    with pytest.raises(CheckpointError, match=r"damaged: 1073741711 bytes after the header, which declares 100"):
+        checkpoint.load(junk)
+    assert reads == []  # refused from the size alone
+    with real_open(junk, "r+b") as stream:
+        stream.truncate(113 + 100)  # the header line, then exactly the declared bytes
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        checkpoint.load(junk)
+    assert reads == [100]
+    reads.clear()
+    with real_open(junk, "wb") as stream:
+        stream.write(b"DTRAIN-CHECKPOINT 3 sha256=" + b"0" * 64 + b" bytes=1073741824 samples=64\nshort")
+    with pytest.raises(CheckpointError, match=r"truncated: 5 of 1073741824 bytes"):
+        checkpoint.load(junk)
+    assert reads == []
+
+
+def test_a_checkpoint_holding_other_objects_is_refused_as_unsafe_in_dtrains_words(tmp_path):
+    path = tmp_path / "ckpt-64.pt"
+    checkpoint.save_atomic({"samples_seen": 64, "model": {}, "payload": _NotATensor()}, path)
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.load(path)
+    message = str(caught.value)
+    assert "holds objects other than tensors" in message and "refused as unsafe" in message
+    assert "_NotATensor" in message and str(path) in message
+    assert "weights_only" not in message and "\x1b" not in message and "\n" not in message
+
+
+class _NotATensor:
+    pass
+
+
+def test_load_checkpoint_is_public_and_plain_torch_reads_the_weights_after_the_header(tmp_path):
+    import dtrain
+
+    model, session = plain_session(tmp_path, 64)
+    session.train()
+    state = dtrain.load_checkpoint(tmp_path / "ckpt-64.pt")
+    assert state["samples_seen"] == 64
+    with open(tmp_path / "ckpt-64.pt", "rb") as stream:  # the README's recipe without dtrain
+        stream.readline()
+        plain = torch.load(stream, weights_only=True)
+    fresh = make_model(seed=1)
+    fresh.load_state_dict(plain["model"])
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    plain_session(tmp_path, 64)[1].train()
+    before = (tmp_path / "ckpt-64.pt").read_bytes()
+    real_fsync = os.fsync
+
+    def full(fd):
+        if os.path.isfile(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointError) as caught:
+        plain_session(tmp_path, 128)[1].train()
+    message = str(caught.value)
+    assert message == (f"checkpoint {tmp_path / 'ckpt-128.pt'} could not be written (No space left on device); "
+                       f"the previous checkpoint is kept")
+    assert sorted(p.name for p in tmp_path.iterdir() if "ckpt" in p.name) == ["ckpt-64.pt"]  # no temporary
+    assert (tmp_path / "ckpt-64.pt").read_bytes() == before
+
+
+# -- one run directory, one job --------------------------------------------------------------------
+HOLD_LOCK = ("import sys, time; from dtrain.session.rundir import RunDirectoryLock; "
+             "lock = RunDirectoryLock.acquire(sys.argv[1]); print('locked', flush=True); time.sleep(120)")
+
+
+def test_a_second_job_into_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError) as caught:
+            plain_session(tmp_path, 64)[1].train()
+        assert f"run directory {tmp_path} is in use by another dtrain job (pid {holder.pid} on host" in str(caught.value)
+        assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("ckpt-*"))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the dead holder's lock is taken over
+    assert plain_session(tmp_path, 64)[1].train().samples_seen == 64
+    assert f"pid {os.getpid()} " in (tmp_path / ".lock").read_text()
+
+
+def test_the_lock_is_released_when_training_ends_or_fails(tmp_path):
+    plain_session(tmp_path, 64)[1].train()
+    with pytest.raises(CheckpointError):
+        plain_session(tmp_path, 64, lr=0.1, momentum=0.9, checkpoint_identity={"seed": 1})[1].train()
+    assert plain_session(tmp_path, 128)[1].train().restored_from == tmp_path / "ckpt-64.pt"
