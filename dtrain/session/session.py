@@ -34,6 +34,9 @@ class TrainingDiverged(RuntimeError):
     """The training loss became NaN or infinite (raised on every rank at a progress point)."""
 
 
+#: how a user calls each launcher kind that ``detect_launcher`` reports
+_LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
+
 _DIVERGED_ADVICE = "lower optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)"
 
 
@@ -159,7 +162,7 @@ class TrainingSession:
         if launch.size > 1 and learner.comm.size == 1 and not independent_processes:
             # each process would train its own copy into the same files: almost always a forgotten communicator
             raise ValueError(
-                f"{launch.kind} started {launch.size} processes but this session's learner has a one-process "
+                f"{_LAUNCHER_NAMES.get(launch.kind, launch.kind)} started {launch.size} processes but this session's learner has a one-process "
                 f"communicator, so each process would train its own copy; create the job's communicator with "
                 f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
                 f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
@@ -236,6 +239,8 @@ class TrainingSession:
 
     def _train(self) -> TrainingResult:
         restored_from = self.restore()
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.record_holder()
         self.model.to(self.device)
         self.learner.prepare(self.model)
         self.model.train()

@@ -441,7 +441,7 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(
 
 # -- one run directory, one job --------------------------------------------------------------------
 HOLD_LOCK = ("import sys, time; from dtrain.session.rundir import RunDirectoryLock; "
-             "lock = RunDirectoryLock.acquire(sys.argv[1]); print('locked', flush=True); time.sleep(120)")
+             "lock = RunDirectoryLock.acquire(sys.argv[1]); lock.record_holder(); print('locked', flush=True); time.sleep(120)")
 
 
 def test_a_second_job_into_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
