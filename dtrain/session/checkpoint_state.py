@@ -21,6 +21,7 @@ buffers is kept.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,8 +53,18 @@ def source_identity(source) -> dict[str, Any]:
     data = getattr(source, "deserializer", None)
     if data is None:
         return {"source": _qualified_name(source)}
-    return {"deserializer": _qualified_name(data), "num_samples": int(data.num_samples),
-            "feature_shape": [int(n) for n in data.feature_shape], "num_classes": int(data.num_classes)}
+    return {"deserializer": _qualified_name(data), "num_samples": _plain(data.num_samples),
+            "feature_shape": _plain(data.feature_shape), "num_classes": _plain(data.num_classes)}
+
+
+def _plain(value: Any) -> Any:
+    """An int, a list of ints, or else the value's text: comparable and safe to store in a checkpoint."""
+    try:
+        if isinstance(value, (tuple, list, torch.Size)):
+            return [int(n) for n in value]
+        return int(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def identity(model: torch.nn.Module, learner, source, extra: dict | None) -> dict[str, Any]:
@@ -229,3 +240,33 @@ def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) 
     torch.set_rng_state(own["rng"])
     learner.load_local_state_dict(own["learner"])
     return True
+
+
+def restore_latest(files: CheckpointFiles | None, restore: bool, model: torch.nn.Module, learner, source, comm,
+                   expected_identity: dict[str, Any], prepare: Callable[[], None] | None = None,
+                   ) -> tuple[Any, dict[str, Any], bool] | None:
+    """Rank 0 calls ``prepare()`` (e.g. to lock the run directory) and reads the newest checkpoint;
+    every rank receives it and applies it (no shared file system needed, and one error for all).
+
+    Returns ``(path, state, same_world_size)``, or ``None`` when starting fresh.
+
+    Raises:
+        CheckpointError: on every rank, with rank 0's one-line message.
+    """
+    outcome = None
+    if comm.is_main:
+        try:
+            if prepare is not None:
+                prepare()
+            if files is not None:
+                files.remove_temporaries()  # of writes killed before their rename; the run is locked now
+                outcome = read_newest(files, restore, model, learner, expected_identity)
+        except CheckpointError as error:
+            outcome = str(error)
+    outcome = comm.broadcast_object(outcome, root=0)
+    if isinstance(outcome, str):
+        raise CheckpointError(outcome)
+    if outcome is None:
+        return None
+    path, state = outcome
+    return path, state, apply(state, model, learner, source, comm)

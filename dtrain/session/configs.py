@@ -40,8 +40,8 @@ class CheckpointConfig:
         frequency: samples between checkpoints (``None``: only at the end; 0: never).
         restore: continue from the latest checkpoint at ``filename`` if there is one.
         preserve_all: keep every checkpoint instead of the newest ``keep_last``.
-        keep_last: checkpoints kept (files ``<stem>-<samples><suffix>``); at least 2, so a
-            damaged newest file can fall back to the one before.
+        keep_last: checkpoints kept (files ``<stem>-<samples><suffix>``, the newest by the samples
+            recorded inside them); at least 2, so a damaged newest file can fall back to the one before.
         preemption_signal: the signal (name, e.g. ``"SIGTERM"``) that makes every rank save a
             checkpoint at the next step boundary and stop with exit code 75; ``None`` disables.
     """

@@ -118,7 +118,43 @@ class _Periodic:
 
 
 class TrainingSession:
-    """Trains ``model`` with ``learner`` on ``minibatch_source``; see ``training_session`` for the arguments."""
+    """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
+
+    The names are the config's (``session.*`` on the command line): every size and frequency
+    counts global samples, over all workers together.
+
+    Args:
+        model: the ``torch.nn.Module`` to train.
+        loss: ``loss(output, labels)`` returning the MEAN loss over the local minibatch.
+        learner: a dtrain ``Learner`` wrapping the optimizer of ``model``'s parameters; its
+            communicator decides how many processes train (see ``dtrain.create_communicator``).
+        minibatch_source: a ``MinibatchSource`` for training.
+        minibatch_size: global minibatch size in samples, or a ``Schedule`` of sizes by samples seen.
+        max_samples: global samples to train on (``None``: until the source ends).
+        progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
+        checkpoint_config, cv_config, test_config: see their classes (``None``: no checkpoints,
+            no cross-validation, no test).
+        metric: ``metric(output, labels)`` returning a SUM (default: classification errors).
+        lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
+        momentum_time_constant_schedule: momentum as time constants in samples (``exp(-mb/tc)`` per minibatch).
+        unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
+        run_dir: directory for metrics, TensorBoard events and relative checkpoint names; rank 0
+            holds a lock on it while training, so a second job into it is refused.
+        tensorboard: write TensorBoard events too.
+        progress_bar: live progress bar (``None``: on a terminal, single process only).
+        checkpoint_identity: plain settings of your own a checkpoint must match to be restored
+            (the model's type, the learner, the optimizer's type and the training data are always checked).
+        run_config: the run's whole resolved config as plain containers (the command line passes
+            it); stored in checkpoints so that a resumed run lists the settings that changed.
+        config_fingerprint: a short hash of the config, stored in checkpoints.
+        independent_processes: allow a one-process session in a process that a launcher
+            (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
+            each process would train its own copy.
+        stream: where progress goes (default: standard output).
+
+    Raises:
+        ValueError, TypeError: a bad argument (the message names it).
+    """
 
     def __init__(
         self,
@@ -459,24 +495,15 @@ class TrainingSession:
         return self._restored_from
 
     def _load_latest(self) -> Path | None:
-        # rank 0 locks and reads, every rank receives: no shared file system needed, and one error for all
-        outcome = None
-        if self.comm.is_main:
-            try:
-                self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
-                if self.checkpoint_files is not None:
-                    self.checkpoint_files.remove_temporaries()  # of writes killed before their rename
-                    outcome = checkpoint_state.read_newest(self.checkpoint_files, self.checkpoint_config.restore,
-                                                           self.model, self.learner, self.checkpoint_identity)
-            except checkpoint.CheckpointError as error:
-                outcome = str(error)
-        outcome = self.comm.broadcast_object(outcome, root=0)
-        if isinstance(outcome, str):
-            raise checkpoint.CheckpointError(outcome)
-        if outcome is None:
+        def lock_run_dir() -> None:  # rank 0, before any checkpoint is read
+            self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
+
+        found = checkpoint_state.restore_latest(
+            self.checkpoint_files, self.checkpoint_config.restore if self.checkpoint_config else False, self.model,
+            self.learner, self.source, self.comm, self.checkpoint_identity, prepare=lock_run_dir)
+        if found is None:
             return None
-        path, state = outcome
-        same_world = checkpoint_state.apply(state, self.model, self.learner, self.source, self.comm)
+        path, state, same_world = found
         if not same_world and self.comm.is_main:
             print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
@@ -522,76 +549,8 @@ class TrainingSession:
             printer.line(line)
 
 
-def training_session(
-    model: torch.nn.Module,
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    learner: Learner,
-    minibatch_source,
-    minibatch_size: int | Schedule,
-    *,
-    max_samples: int | None = None,
-    progress_frequency: int | None = None,
-    checkpoint_config: CheckpointConfig | None = None,
-    cv_config: CrossValidationConfig | None = None,
-    test_config: TestConfig | None = None,
-    metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = classification_errors,
-    lr_schedule: Schedule | None = None,
-    momentum_time_constant_schedule: Schedule | None = None,
-    unit_gain_momentum: bool = False,
-    run_dir: str | Path = ".",
-    tensorboard: bool = True,
-    progress_bar: bool | None = None,
-    checkpoint_identity: dict | None = None,
-    run_config: dict | None = None,
-    config_fingerprint: str = "",
-    independent_processes: bool = False,
-    stream=None,
-) -> TrainingSession:
-    """Builds a ``TrainingSession`` (CNTK's ``training_session``); call ``.train()`` on it.
-
-    The names are the config's (``session.*`` on the command line): every size and frequency
-    counts global samples, over all workers together.
-
-    Args:
-        model: the ``torch.nn.Module`` to train.
-        loss: ``loss(output, labels)`` returning the MEAN loss over the local minibatch.
-        learner: a dtrain ``Learner`` wrapping the optimizer of ``model``'s parameters; its
-            communicator decides how many processes train (see ``dtrain.create_communicator``).
-        minibatch_source: a ``MinibatchSource`` for training.
-        minibatch_size: global minibatch size in samples, or a ``Schedule`` of sizes by samples seen.
-        max_samples: global samples to train on (``None``: until the source ends).
-        progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
-        checkpoint_config, cv_config, test_config: see their classes (``None``: no checkpoints,
-            no cross-validation, no test).
-        metric: ``metric(output, labels)`` returning a SUM (default: classification errors).
-        lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
-        momentum_time_constant_schedule: momentum as time constants in samples (``exp(-mb/tc)`` per minibatch).
-        unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
-        run_dir: directory for metrics, TensorBoard events and relative checkpoint names; rank 0
-            holds a lock on it while training, so a second job into it is refused.
-        tensorboard: write TensorBoard events too.
-        progress_bar: live progress bar (``None``: on a terminal, single process only).
-        checkpoint_identity: plain settings of your own a checkpoint must match to be restored
-            (the model's type, the learner, the optimizer's type and the training data are always checked).
-        run_config: the run's whole resolved config as plain containers (the command line passes
-            it); stored in checkpoints so that a resumed run lists the settings that changed.
-        config_fingerprint: a short hash of the config, stored in checkpoints.
-        independent_processes: allow a one-process session in a process that a launcher
-            (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
-            each process would train its own copy.
-        stream: where progress goes (default: standard output).
-
-    Raises:
-        ValueError, TypeError: a bad argument (the message names it).
-    """
-    return TrainingSession(
-        model, loss, learner, minibatch_source, minibatch_size, max_samples=max_samples,
-        progress_frequency=progress_frequency, checkpoint_config=checkpoint_config, cv_config=cv_config,
-        test_config=test_config, metric=metric, lr_schedule=lr_schedule,
-        momentum_time_constant_schedule=momentum_time_constant_schedule, unit_gain_momentum=unit_gain_momentum,
-        run_dir=run_dir, tensorboard=tensorboard, progress_bar=progress_bar, checkpoint_identity=checkpoint_identity,
-        run_config=run_config, config_fingerprint=config_fingerprint, independent_processes=independent_processes,
-        stream=stream)
+#: CNTK's name for building a session: ``training_session(model, loss, learner, source, size, ...).train()``
+training_session = TrainingSession
 
 
 def _positive(name: str, value) -> int:

@@ -13,7 +13,6 @@ import sys
 
 import torch
 
-import dtrain
 from dtrain import (CheckpointConfig, Learner, MinibatchSource, TestConfig, create_communicator,
                     data_parallel_distributed_learner, training_session)
 from dtrain.data import Digits
