@@ -206,15 +206,21 @@ def sweep_run_dir(cfg: DictConfig) -> str | None:
         return None
     hydra_cfg = HydraConfig.get()
     if any(override.lstrip("+~").split("=", 1)[0] == "run_dir" for override in hydra_cfg.overrides.task):
-        raise UserError("run_dir cannot be set in a sweep (-m): every job gets its own directory, "
-                        "hydra.sweep.dir/<job number>; choose where with hydra.sweep.dir=DIR "
-                        "(the same DIR again resumes each job)")
-    tasks = int(os.environ.get("SUBMITIT_LOCAL_NTASKS", "1") or 1)
-    if tasks > 1:
-        raise UserError(f"hydra/launcher=submitit_local with tasks_per_node={tasks} starts {tasks} independent "
-                        f"copies of each job; set hydra.launcher.tasks_per_node=1 (under Slurm, submitit_slurm's "
-                        f"tasks of one job form one distributed job)")
+        raise UserError(_RUN_DIR_IN_SWEEP)
+    tasks = os.environ.get("SUBMITIT_LOCAL_NTASKS", "1")
+    if tasks != "1":
+        raise UserError(_submitit_local_copies(tasks))
     return hydra_cfg.runtime.output_dir
+
+
+_RUN_DIR_IN_SWEEP = ("run_dir cannot be set in a sweep (-m): every job gets its own directory, hydra.sweep.dir/<job "
+                     "number>; choose where with hydra.sweep.dir=DIR (the same DIR again resumes each job)")
+
+
+def _submitit_local_copies(tasks: str) -> str:
+    return (f"hydra/launcher=submitit_local with tasks_per_node={tasks} starts {tasks} independent copies of each job; "
+            f"set hydra.launcher.tasks_per_node=1 (under Slurm, submitit_slurm's tasks of one job form one "
+            f"distributed job)")
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
@@ -287,13 +293,10 @@ def check_sweep_arguments(argv: list[str]) -> str | None:
     values = {argument.lstrip("+~").split("=", 1)[0]: argument.split("=", 1)[1]
               for argument in argv if "=" in argument and not argument.startswith("-")}
     if "run_dir" in values:
-        return ("run_dir cannot be set in a sweep (-m): every job gets its own directory, hydra.sweep.dir/<job number>; "
-                "choose where with hydra.sweep.dir=DIR (the same DIR again resumes each job)")
+        return _RUN_DIR_IN_SWEEP
     tasks = values.get("hydra.launcher.tasks_per_node", "1")
     if values.get("hydra/launcher") == "submitit_local" and tasks != "1":
-        return (f"hydra/launcher=submitit_local with tasks_per_node={tasks} starts {tasks} independent copies of each "
-                f"job; set hydra.launcher.tasks_per_node=1 (under Slurm, submitit_slurm's tasks of one job form one "
-                f"distributed job)")
+        return _submitit_local_copies(tasks)
     return None
 
 

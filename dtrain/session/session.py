@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
+from dtrain import checks
 from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
 from dtrain.comm.launcher import detect_launcher
 from dtrain.learners.base import Learner
 from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint, checkpoint_state
-from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
+from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
+                                   signal_from_name)
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import MetricsWriter
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
@@ -184,10 +186,9 @@ class TrainingSession:
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
-        if max_samples is not None and (not isinstance(max_samples, int) or max_samples <= 0):
-            raise ValueError(f"max_samples must be a positive number of samples or None, got {max_samples!r}")
+        checks.sample_count("max_samples", max_samples, allow_none=True)
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
-            else Schedule(_positive("minibatch_size", minibatch_size))
+            else Schedule(checks.sample_count("minibatch_size", minibatch_size))
         if momentum_time_constant_schedule is not None \
                 and any("momentum" not in g for g in learner.optimizer.param_groups):
             raise ValueError(
@@ -241,7 +242,7 @@ class TrainingSession:
         self.device = self.comm.device
         # the configured learning rates; an lr schedule multiplies them
         self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
-        self.progress_period = _Periodic(_frequency(progress_frequency))
+        self.progress_period = _Periodic(action_frequency("progress_frequency", progress_frequency))
         self.checkpoint_period = _Periodic(checkpoint_config.frequency if checkpoint_config else 0)
         self.cv_period = _Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
@@ -551,20 +552,6 @@ class TrainingSession:
 
 #: CNTK's name for building a session: ``training_session(model, loss, learner, source, size, ...).train()``
 training_session = TrainingSession
-
-
-def _positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of samples, got {value!r}")
-    return value
-
-
-def _frequency(frequency: int | None) -> int:
-    if frequency is None:
-        return sys.maxsize
-    if not isinstance(frequency, int) or frequency < 0:
-        raise ValueError(f"progress_frequency must be a non-negative number of samples or None, got {frequency!r}")
-    return frequency
 
 
 def _dtrain_version() -> str:
