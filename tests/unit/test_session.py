@@ -469,3 +469,34 @@ def test_the_lock_is_released_when_training_ends_or_fails(tmp_path):
     with pytest.raises(CheckpointError):
         plain_session(tmp_path, 64, lr=0.1, momentum=0.9, checkpoint_identity={"seed": 1})[1].train()
     assert plain_session(tmp_path, 128)[1].train().restored_from == tmp_path / "ckpt-64.pt"
+
+
+def test_another_optimizer_type_or_data_set_is_refused_naming_it(tmp_path):
+    plain_session(tmp_path, 64)[1].train()
+    model = make_model()
+    adam = training_session(model, nn.functional.cross_entropy, Learner(torch.optim.Adam(model.parameters())),
+                            MinibatchSource(make_data()), 16, max_samples=128,
+                            checkpoint_config=CheckpointConfig("ckpt.pt"), run_dir=tmp_path, tensorboard=False)
+    with pytest.raises(CheckpointError, match=r"learner.optimizer was 'torch.optim.sgd.SGD' in the checkpoint's run "
+                                              r"and is 'torch.optim.adam.Adam' now"):
+        adam.train()
+    model = make_model()
+    other_data = training_session(model, nn.functional.cross_entropy, Learner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                                  MinibatchSource(make_data(300)), 16, max_samples=128,
+                                  checkpoint_config=CheckpointConfig("ckpt.pt"), run_dir=tmp_path, tensorboard=False)
+    with pytest.raises(CheckpointError, match="train_data.num_samples was 200 in the checkpoint's run and is 300 now"):
+        other_data.train()
+
+
+def test_the_objective_is_the_test_error_else_the_last_cv_error_else_the_last_training_error(tmp_path):
+    _, session = make_session(tmp_path / "test", max_samples=100, test=True, progress_frequency=50)
+    result = session.train()
+    assert result.objective == result.test.error
+    cv = CrossValidationConfig(MinibatchSource(make_data(50, seed=1), randomize=False, max_sweeps=1), frequency=50)
+    _, session = plain_session(tmp_path / "cv", 100, cv=cv, progress_frequency=50)
+    result = session.train()
+    assert result.test is None and result.objective == result.last_cross_validation.error
+    _, session = plain_session(tmp_path / "train", 100, progress_frequency=50)
+    result = session.train()
+    records = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert result.objective == [r["error"] for r in records if r["kind"] == "train"][-1]
