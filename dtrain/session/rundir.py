@@ -72,5 +72,8 @@ class RunDirectoryLock:
             os.close(self._descriptor)  # closing the only descriptor releases the flock
             self._descriptor = None
 
-    def __del__(self):
-        self.release()
+    def __del__(self):  # a session dropped without train() must not keep its directory locked
+        try:
+            self.release()
+        except Exception:  # at interpreter exit the os module may already be gone; exit releases it anyway
+            pass
