@@ -198,8 +198,9 @@ class TrainingSession:
         launch = detect_launcher(os.environ)
         if launch.size > 1 and learner.comm.size == 1 and not independent_processes:
             # each process would train its own copy into the same files: almost always a forgotten communicator
+            launcher = _LAUNCHER_NAMES.get(launch.kind, launch.kind)
             raise ValueError(
-                f"{_LAUNCHER_NAMES.get(launch.kind, launch.kind)} started {launch.size} processes but this session's learner has a one-process "
+                f"{launcher} started {launch.size} processes but this session's learner has a one-process "
                 f"communicator, so each process would train its own copy; create the job's communicator with "
                 f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
                 f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
