@@ -199,7 +199,8 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         session = training_session(model, torch.nn.functional.cross_entropy, learner, source,
                                    GLOBAL_MINIBATCH // shares, max_samples=samples // shares, progress_frequency=0,
-                                   run_dir=run_dir, tensorboard=False, stream=io.StringIO())
+                                   run_dir=run_dir, tensorboard=False, stream=io.StringIO(),
+                                   independent_processes=kind == "local")  # the no-communication baseline
         comm.barrier()
         result = session.train()
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,

@@ -58,18 +58,19 @@ def fingerprint(cfg: DictConfig) -> str:
 
 
 def checkpoint_identity(cfg: DictConfig) -> dict:
-    """The settings a checkpoint must match to be restored: the model, the data, the learner and
-    optimizer types and the seed. Sizes, rates, frequencies and the world size may change."""
+    """What only the config knows that a checkpoint must match: the model's settings and the seed.
+
+    The session adds what the objects themselves say (the model's type, the learner and its
+    optimizer's type, the training data). Sizes, rates, frequencies and the world size may change.
+    """
+    return {"model": OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
+
+
+def run_config(cfg: DictConfig) -> dict:
+    """The resolved config as plain containers, without the run directory (which may move)."""
     content = OmegaConf.to_container(cfg, resolve=True)
-    return {
-        "model": content["model"],
-        "train_data": {key: value for key, value in content["source"]["train"]["deserializer"].items()
-                       if key not in ("root", "download", "url", "md5")},  # where the files are may change
-        "learner": content["learner"]["_target_"] + (f"/{content['learner']['num_quantization_bits']}bits"
-                                                      if "num_quantization_bits" in content["learner"] else ""),
-        "optimizer": content["optimizer"]["_target_"],
-        "seed": content["seed"],
-    }
+    content.pop("run_dir", None)
+    return content
 
 
 def _schedule(node) -> Schedule | None:
@@ -101,15 +102,19 @@ def _save_config(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
-def run(cfg: DictConfig) -> None:
-    """Builds everything from ``cfg`` and trains; a bad input ends every rank with one line and exit code 2."""
+def run(cfg: DictConfig) -> float | None:
+    """Builds everything from ``cfg`` and trains; a bad input ends every rank with one line and exit code 2.
+
+    Returns the run's objective (``TrainingResult.objective``: test error, else the last
+    cross-validation error, else the last training error), which Hydra's sweepers minimise.
+    """
     problems = validate(cfg)
     if problems:
         _exit_bad_input("; ".join(problems))
     comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
     install_fail_fast(comm)
     try:
-        _run_with(comm, cfg)
+        objective = _run_with(comm, cfg)
     except (UserError, *USER_ERRORS) as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if os.environ.get("DTRAIN_DEBUG") == "1":
@@ -120,6 +125,7 @@ def run(cfg: DictConfig) -> None:
             time.sleep(2.0)  # the same error on rank 0 is reported once, and its abort ends this rank first
         comm.abort(f"dtrain: error: {message}", EXIT_BAD_INPUT)
     comm.finalize()
+    return objective
 
 
 def _exit_bad_input(message: str) -> NoReturn:
@@ -128,7 +134,7 @@ def _exit_bad_input(message: str) -> NoReturn:
     os._exit(EXIT_BAD_INPUT)
 
 
-def _run_with(comm, cfg: DictConfig) -> None:
+def _run_with(comm, cfg: DictConfig) -> float | None:
     # one run directory and one config for all ranks
     cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
     config_hash = fingerprint(cfg)
@@ -160,8 +166,8 @@ def _run_with(comm, cfg: DictConfig) -> None:
         loss=loss,
         metric=metric,
         learner=learner,
-        mb_source=train_source,
-        mb_size=mb_schedule or session.minibatch_size,
+        minibatch_source=train_source,
+        minibatch_size=mb_schedule or session.minibatch_size,
         max_samples=session.max_samples,
         progress_frequency=session.progress_frequency,
         checkpoint_config=CheckpointConfig(**OmegaConf.to_container(session.checkpoint, resolve=True)),
@@ -169,13 +175,14 @@ def _run_with(comm, cfg: DictConfig) -> None:
                                         max_samples=session.cv.max_samples) if cv_source is not None else None,
         test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
         lr_schedule=_schedule(session.lr_schedule),
-        momentum_schedule=_schedule(session.momentum_time_constant_schedule),
+        momentum_time_constant_schedule=_schedule(session.momentum_time_constant_schedule),
         unit_gain_momentum=session.unit_gain_momentum,
         run_dir=run_dir,
         tensorboard=session.tensorboard,
         progress_bar=session.progress_bar,
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
+        run_config=run_config(cfg),
     )
     trainer.restore()  # a bad checkpoint is reported before anything is written
     if comm.is_main:
@@ -186,11 +193,49 @@ def _run_with(comm, cfg: DictConfig) -> None:
         comm.finalize()
         sys.stdout.flush()
         os._exit(EXIT_PREEMPTED)
+    return result.objective
+
+
+def sweep_run_dir(cfg: DictConfig) -> str | None:
+    """In a sweep (``-m``), the job's own run directory, ``hydra.sweep.dir/<job number>``; ``None`` otherwise.
+
+    Raises:
+        UserError: ``run_dir`` was set on the command line of a sweep (every job would share it), or
+            a launcher would start several independent copies of each job.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    if any(override.lstrip("+~").split("=", 1)[0] == "run_dir" for override in hydra_cfg.overrides.task):
+        raise UserError(_RUN_DIR_IN_SWEEP)
+    tasks = os.environ.get("SUBMITIT_LOCAL_NTASKS", "1")
+    if tasks != "1":
+        raise UserError(_submitit_local_copies(tasks))
+    return hydra_cfg.runtime.output_dir
+
+
+_RUN_DIR_IN_SWEEP = ("run_dir cannot be set in a sweep (-m): every job gets its own directory, hydra.sweep.dir/<job "
+                     "number>; choose where with hydra.sweep.dir=DIR (the same DIR again resumes each job)")
+
+
+def _submitit_local_copies(tasks: str) -> str:
+    return (f"hydra/launcher=submitit_local with tasks_per_node={tasks} starts {tasks} independent copies of each job; "
+            f"set hydra.launcher.tasks_per_node=1 (under Slurm, submitit_slurm's tasks of one job form one "
+            f"distributed job)")
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
-    run(cfg)
+def _hydra_main(cfg: DictConfig) -> float | None:
+    try:
+        job_dir = sweep_run_dir(cfg)
+    except UserError as error:
+        _exit_bad_input(str(error))
+    if job_dir is not None:
+        cfg.run_dir = job_dir
+    return run(cfg)
 
 
 def available_recipes(argv: list[str]) -> list[str]:
@@ -238,6 +283,21 @@ def check_overrides(argv: list[str]) -> str | None:
     return None
 
 
+def check_sweep_arguments(argv: list[str]) -> str | None:
+    """One-line problem with a sweep's command line (``-m``) before any job starts, else ``None``:
+    ``run_dir`` given (every job would share it), or ``submitit_local`` with several tasks per job."""
+    if not any(argument in ("-m", "--multirun") for argument in argv):
+        return None
+    values = {argument.lstrip("+~").split("=", 1)[0]: argument.split("=", 1)[1]
+              for argument in argv if "=" in argument and not argument.startswith("-")}
+    if "run_dir" in values:
+        return _RUN_DIR_IN_SWEEP
+    tasks = values.get("hydra.launcher.tasks_per_node", "1")
+    if values.get("hydra/launcher") == "submitit_local" and tasks != "1":
+        return _submitit_local_copies(tasks)
+    return None
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"dtrain: warning: {message}\n"
 
@@ -253,7 +313,7 @@ def main() -> None:
         print(f"dtrain {version()}")
         sys.exit(0)
     register_schemas()
-    problem = check_recipe_argument(argv) or check_overrides(argv)
+    problem = check_recipe_argument(argv) or check_overrides(argv) or check_sweep_arguments(argv)
     if problem:
         _exit_bad_input(problem)
     _hydra_main()

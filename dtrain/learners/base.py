@@ -133,6 +133,11 @@ class Learner(abc.ABC):
         """Releases hooks or buffers at the end of training."""
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """Settings a checkpoint must match to be restored by this learner (its kind; subclasses add
+        settings whose state would not fit another value)."""
+        return {"kind": self.kind}
+
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state plus the learner's own counters (replicated on every worker)."""
         return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen}

@@ -61,6 +61,10 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
         self.num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
         self.exchange = QuantizedExchange(self.comm, num_quantization_bits, error_feedback=error_feedback)
 
+    def checkpoint_identity(self) -> dict:
+        """The kind and the bits per value: a checkpoint restores only into the same quantization."""
+        return {"kind": self.kind, "num_quantization_bits": self.num_quantization_bits}
+
     # -- statistics --------------------------------------------------------------------------------
     @property
     def bytes_sent_last_step(self) -> int:

@@ -46,11 +46,12 @@ def make_model(kind: str) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 32), *middle, nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def train(model: nn.Module, learner: Learner, run_dir: Path, mb_size, max_samples: int) -> None:
+def train(model: nn.Module, learner: Learner, run_dir: Path, minibatch_size, max_samples: int) -> None:
     dtrain.training_session(
         model=model, loss=nn.functional.cross_entropy, learner=learner,
-        mb_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
-        mb_size=mb_size, max_samples=max_samples, run_dir=run_dir, tensorboard=False, stream=io.StringIO(),
+        minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+        minibatch_size=minibatch_size, max_samples=max_samples, run_dir=run_dir, tensorboard=False,
+        stream=io.StringIO(), independent_processes=learner.comm.size == 1,  # the per-rank one-process reference
     ).train()
 
 
