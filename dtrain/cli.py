@@ -5,9 +5,11 @@ missing data set ends every rank with one clear line instead of a hang.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import shlex
 import sys
 import time
 import traceback
@@ -276,9 +278,44 @@ def _run_with(comm, cfg: DictConfig) -> None:
         print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
     result = trainer.train()
     if result.preempted:
-        comm.finalize()
+        exit_preempted(comm, cfg, result)
+
+
+#: signals with which Open MPI's ``mpiexec`` ends itself at once (exit code 1) after passing SIGTERM
+#: to the ranks: their output no longer reaches the user through it
+_LAUNCHER_ENDING_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+def continue_command(comm, run_dir: str, argv: list[str] | None = None) -> str:
+    """The command that continues this run: the same arguments with ``run_dir`` pinned to this run's."""
+    args = [argument for argument in (sys.argv[1:] if argv is None else argv) if not argument.startswith("run_dir=")]
+    command = shlex.join(["python", "-m", "dtrain", *args, f"run_dir={run_dir}"])
+    launcher = {"mpi": f"mpiexec -n {comm.size} ", "torchrun": "torchrun [the same options] ",
+                "slurm": "srun [the same options] "}
+    return launcher.get(comm.launcher, "") + command if comm.size > 1 else command
+
+
+def exit_preempted(comm, cfg: DictConfig, result) -> NoReturn:
+    """After a preemption checkpoint: say where it is and how to continue, then exit with code 75.
+
+    Rank 0 prints the line to stderr; when Open MPI's ``mpiexec`` itself got SIGTERM/SIGINT it has
+    already exited (with code 1) and no longer forwards output, so the line also goes to the
+    controlling terminal, if there is one.
+    """
+    if comm.is_main:
+        line = (f"dtrain: stopped by {cfg.session.checkpoint.preemption_signal}: checkpoint saved at "
+                f"{result.samples_seen} samples ({result.last_checkpoint}); continue with: "
+                f"{continue_command(comm, cfg.run_dir)}")
+        with contextlib.suppress(OSError):  # a launcher that has gone away closed our pipes
+            sys.stdout.flush()
+            print(line, file=sys.stderr, flush=True)
+        if comm.launcher == "mpi" and comm.size > 1 and cfg.session.checkpoint.preemption_signal in _LAUNCHER_ENDING_SIGNALS:
+            with contextlib.suppress(OSError), open("/dev/tty", "w") as terminal:
+                terminal.write(f"\r\n{line}\r\n")
+    comm.finalize()
+    with contextlib.suppress(OSError):
         sys.stdout.flush()
-        os._exit(EXIT_PREEMPTED)
+    os._exit(EXIT_PREEMPTED)
 
 
 def check_model_outputs(model: torch.nn.Module, source, num_classes=None) -> None:
