@@ -8,7 +8,9 @@ rendezvous ``TCPStore`` (its own connection, never the process group's) every
 ``interval_s``; rank 0's thread watches every other rank's counter and the other ranks watch
 rank 0's. A counter that stops moving, or a store that stops answering (rank 0, which serves
 it under ``mpiexec``, is stopped), ends the job through :meth:`Communicator.abort` with one
-line naming the silent rank.
+line naming the silent rank. A store operation against a stopped server blocks forever (its
+timeout covers waiting for keys, not an unanswered request), so a second thread watches
+that the beating thread completes a round in time.
 
 Because the beats come from a thread, not from the training loop, a slow minibatch, a long
 evaluation or a long checkpoint write is never taken for a hang. The bound: the job ends at
@@ -53,20 +55,31 @@ class Heartbeat:
         self.interval_s, self.silence_s = heartbeat_timings(self.timeout_s)
         self._abort = abort
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dtrain-heartbeat", daemon=True)
+        self._ended = threading.Event()  # set once this heartbeat has reported (only one report)
+        self._last_round = time.monotonic()  # when the beating thread last finished a round
+        self._threads = [threading.Thread(target=self._beat, name="dtrain-heartbeat", daemon=True),
+                         threading.Thread(target=self._watch, name="dtrain-heartbeat-watch", daemon=True)]
 
     def start(self) -> Heartbeat:
-        """Starts the thread; returns ``self``."""
-        self._thread.start()
+        """Starts the threads; returns ``self``."""
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self) -> None:
         """Stops beating and watching (call when the job ends normally, before the store goes away)."""
         self._stopped.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self.interval_s + 1.0)
+        for thread in self._threads:
+            if thread.is_alive() and threading.current_thread() is not thread:
+                thread.join(timeout=0.2)  # the beating thread may sit in a store call; it is a daemon
 
-    def _run(self) -> None:
+    def _report(self, message: str) -> None:
+        if self._stopped.is_set() or self._ended.is_set():
+            return
+        self._ended.set()
+        self._abort(message)
+
+    def _beat(self) -> None:
         import torch.distributed as dist
 
         try:
@@ -87,22 +100,33 @@ class Heartbeat:
                     now = time.monotonic()
                     if value != last_value[rank]:
                         last_value[rank], last_change[rank] = value, now
-                    elif now - last_change[rank] > self.silence_s and not self._stopped.is_set():
-                        self._abort(f"rank {rank} of {self.size} has sent no heartbeat for {now - last_change[rank]:.0f} s "
-                                    f"(stopped, swapped out, or its host is unreachable); ending the job "
-                                    f"(comm.heartbeat_timeout_s={self.timeout_s:g})")
+                    elif now - last_change[rank] > self.silence_s:
+                        self._report(f"rank {rank} of {self.size} has sent no heartbeat for "
+                                     f"{now - last_change[rank]:.0f} s (stopped, swapped out, or its host is "
+                                     f"unreachable); ending the job (comm.heartbeat_timeout_s={self.timeout_s:g})")
                         return
             except Exception as error:  # noqa: BLE001 -- a store that stops answering is the signal
                 self._lost_store(error)
                 return
+            self._last_round = time.monotonic()
             self._stopped.wait(self.interval_s)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            silent = time.monotonic() - self._last_round
+            if silent > self.silence_s:
+                who = "rank 0, which serves it," if self.rank != 0 else "this rank's store thread"
+                self._report(f"the job's heartbeat store at {self.host}:{self.port} has not answered for "
+                             f"{silent:.0f} s ({who} is stopped or hung); ending the job "
+                             f"(comm.heartbeat_timeout_s={self.timeout_s:g})")
+                return
 
     def _lost_store(self, error: BaseException) -> None:
         if self._stopped.wait(LOST_STORE_GRACE_S):
             return
         who = "rank 0 (which serves it) is stopped or gone" if self.rank != 0 else "it failed"
-        self._abort(f"lost contact with the job's heartbeat store at {self.host}:{self.port}: {who} "
-                    f"({first_line(error)}); ending the job (comm.heartbeat_timeout_s={self.timeout_s:g})")
+        self._report(f"lost contact with the job's heartbeat store at {self.host}:{self.port}: {who} "
+                     f"({first_line(error)}); ending the job (comm.heartbeat_timeout_s={self.timeout_s:g})")
 
 
 def start_heartbeat(comm: Communicator, timeout_s: float) -> Heartbeat | None:
