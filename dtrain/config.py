@@ -505,8 +505,11 @@ def _session_problems(session: DictConfig) -> list[str]:
 
 
 def _comm_problems(comm: DictConfig) -> list[str]:
+    def at_least_a_second(name, value):
+        if checks.positive_number(name, value, unit="seconds") < 1:
+            raise ValueError(f"{name}={value!r}: expected at least 1 second")
     problems = _check(comm, "comm", ("timeout_s", checks.positive_number, {"unit": "seconds"}),
-                      ("heartbeat_timeout_s", checks.positive_number, {"unit": "seconds"}))
+                      ("heartbeat_timeout_s", at_least_a_second, {}))
     backends = ("auto", "gloo", "nccl", "local")
     if comm.backend not in backends:
         problems.append(f"comm.backend={comm.backend!r}: expected one of {', '.join(backends)}")

@@ -163,3 +163,31 @@ def test_any_non_finite_number_is_refused_even_without_a_rule():
     problems = validate(cfg, check_run_dir=False)
     assert any(p.startswith("source.train.transform.strength=nan: expected a finite number") for p in problems), problems
     assert any("session.lr_schedule.values[0] value=inf" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda base: base / "file", "is a file, not a directory"),
+    (lambda base: base / "empty", "is an empty file, not a directory"),
+    (lambda base: base / "file" / "run", "is a file, so no directory can be made below it"),
+])
+def test_run_dir_that_cannot_be_a_directory_is_named(tmp_path, make, fragment):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").write_bytes(b"")
+    problems = validate(compose_config("+recipe=digits", f"run_dir={make(tmp_path)}"))
+    assert len(problems) == 1 and problems[0].startswith(f"run_dir={make(tmp_path)}") and fragment in problems[0]
+
+
+def test_run_dir_on_a_read_only_file_system_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import dtrain.config
+
+    # what access(2) answers for a read-only mount, even to root
+    monkeypatch.setattr(dtrain.config.os, "access", lambda path, mode: not str(path).startswith(str(tmp_path)))
+    for run_dir in (tmp_path, tmp_path / "new" / "run"):
+        problems = validate(compose_config("+recipe=digits", f"run_dir={run_dir}"))
+        assert len(problems) == 1 and "not writable" in problems[0] and "expected a writable directory" in problems[0]
+    assert not (tmp_path / "new").exists()
+
+
+def test_heartbeat_timeout_is_at_least_a_second():
+    problems = validate(compose_config("+recipe=digits", "comm.heartbeat_timeout_s=0.5"), check_run_dir=False)
+    assert problems == ["comm.heartbeat_timeout_s=0.5: expected at least 1 second"]
