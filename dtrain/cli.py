@@ -93,8 +93,11 @@ def _instantiate(node, what: str, **kwargs):
         return instantiate(node, **kwargs)
     except InstantiationException as error:
         cause = error.__cause__
-        if cause is None or isinstance(cause, (*USER_ERRORS, ImportError, AttributeError)):
-            raise UserError(f"{what}: {first_line(cause or error)}") from None
+        if cause is None or isinstance(cause, ImportError):  # a _target_ that does not exist
+            message = first_line(error).split(", set env var HYDRA_FULL_ERROR")[0]
+            raise UserError(f"{what}: {message}; expected an importable class or function") from None
+        if isinstance(cause, USER_ERRORS):
+            raise UserError(f"{what}: {first_line(cause)}") from None
         raise cause from None
 
 

@@ -38,7 +38,7 @@ def heartbeat_timings(timeout_s: float) -> tuple[float, float]:
     rank silent after ``silence_s`` without a beat, so that detection (up to one interval late),
     the store's own timeout and the grace period all fit inside ``timeout_s``."""
     interval = min(5.0, timeout_s / 10)
-    silence = max(interval, timeout_s - 2 * interval - LOST_STORE_GRACE_S)
+    silence = max(timeout_s / 2, timeout_s - 2 * interval - LOST_STORE_GRACE_S)
     return interval, silence
 
 

@@ -76,7 +76,7 @@ CASES = [
     ("classes-vs-data", ["model.num_classes=3"], ["model.num_classes=3", "10 classes", "expected model.num_classes=10"]),
     ("dropout-1", ["model.dropout=1.0"], ["model.dropout=1.0: expected"]),
     ("dropout-nan", ["model.dropout=nan"], ["model.dropout=nan: expected"]),
-    ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model", "dtrain.models.Nope"]),
+    ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model: Error locating target 'dtrain.models.Nope'; expected an importable class"]),
     # communication
     ("backend-unknown", ["comm.backend=mpi"], ["comm.backend='mpi': expected one of auto, gloo, nccl, local"]),
     ("timeout-nan", ["comm.timeout_s=nan"], ["comm.timeout_s=nan: expected"]),
