@@ -371,7 +371,7 @@ def check_recipe_argument(argv: list[str]) -> str | None:
     return None
 
 
-def config_groups(argv: list[str]) -> list[str]:
+def config_groups() -> list[str]:
     """The config group names (``learner``, ``optimizer``, ``session``, ...) of the shipped tree."""
     return sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir() and not p.name.startswith("."))
 
@@ -392,7 +392,7 @@ def check_overrides(argv: list[str]) -> str | None:
         overrides = OverridesParser.create().parse_overrides(argv)
     except HydraException as error:
         return f"{first_line(error)} (python -m dtrain +recipe=NAME --cfg job lists every key)"
-    groups = config_groups(argv)
+    groups = config_groups()
     for override in overrides:
         key = override.key_or_group
         if key in groups and not isinstance(override.value(), str):
