@@ -427,12 +427,17 @@ def _minibatch_source_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+def _side_ratio(name: str, value: Any) -> None:
+    """A crop side as a fraction of the image side: in (0, 1], or null for no crop."""
+    if value is not None and not (checks.positive_number(name, value) <= 1.0):
+        raise ValueError(f"{name}={value!r}: expected a number in (0, 1] or null")
+
+
 @register_rule("dtrain.data.ImageTransform")
 def _image_transform_rules(node: DictConfig, name: str) -> list[str]:
     return _check(
         node, name,
-        ("crop_side_ratio", lambda key, value: checks.number_in_range(key, value, 0.0, 1.0, allow_none=True)
-         if value is None or value > 0 else checks.positive_number(key, value), {}),
+        ("crop_side_ratio", _side_ratio, {}),
         ("flip", checks.boolean, {}),
         ("scale", checks.positive_number, {}),
     )
