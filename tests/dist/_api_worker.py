@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from dtrain import (CheckpointConfig, Learner, MinibatchSource, TestConfig, create_communicator,
+from dtrain import (CheckpointConfig, LocalLearner, MinibatchSource, TestConfig, create_communicator,
                     data_parallel_distributed_learner, training_session)
 from dtrain.data import Digits
 from dtrain.models import DigitsCNN
@@ -25,7 +25,7 @@ def main() -> None:
     model = DigitsCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     comm = create_communicator() if mode == "distributed" else None
-    learner = data_parallel_distributed_learner(optimizer, comm) if comm is not None else Learner(optimizer)
+    learner = data_parallel_distributed_learner(optimizer, comm) if comm is not None else LocalLearner(optimizer)
     train = MinibatchSource(Digits("train"), randomize=True, randomization_seed=0)
     test = MinibatchSource(Digits("test"), randomize=False, max_sweeps=1)
     result = training_session(
