@@ -524,7 +524,7 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("progress_frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
         ("num_threads", checks.whole_number, {"low": 1, "allow_none": True, "unit": "threads"}),
         ("unit_gain_momentum", checks.boolean, {}),
-        ("tensorboard", checks.boolean, {}),
+        ("tensorboard", checks.boolean, {"allow_none": True}),
     )
     problems += _check(
         session.checkpoint, "session.checkpoint",
