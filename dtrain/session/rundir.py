@@ -2,7 +2,8 @@
 
 ``RunDirectoryLock.acquire(run_dir)`` takes an exclusive ``fcntl.flock`` on the directory itself,
 so taking it adds and changes nothing inside; ``record_holder()`` then writes who holds it (pid,
-host, start time) to ``run_dir/.lock`` once the job has started. The operating system releases
+host, start time) to ``run_dir/.lock`` once the job has started, and ``release()`` removes that
+file again, so a finished or failed job leaves the directory as it found it. The operating system releases
 the lock when the holder exits or dies, so a lock left by a dead job is simply taken over; a
 second live job into the same directory is refused with one line naming the holder.
 """
@@ -29,6 +30,7 @@ class RunDirectoryLock:
     def __init__(self, run_dir: Path, descriptor: int):
         self.run_dir = run_dir
         self._descriptor: int | None = descriptor
+        self._recorded = False  # state: this process wrote run_dir/.lock
 
     @classmethod
     def acquire(cls, run_dir: str | Path) -> RunDirectoryLock:
@@ -65,9 +67,13 @@ class RunDirectoryLock:
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         (self.run_dir / HOLDER_FILE).write_text(f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n",
                                                 encoding="utf-8")
+        self._recorded = True
 
     def release(self) -> None:
-        """Unlocks (idempotent); ``.lock`` stays, naming the last holder."""
+        """Removes the ``.lock`` this process wrote, then unlocks (idempotent)."""
+        if self._recorded:
+            (self.run_dir / HOLDER_FILE).unlink(missing_ok=True)  # while still locked: no other job's file
+            self._recorded = False
         if self._descriptor is not None:
             os.close(self._descriptor)  # closing the only descriptor releases the flock
             self._descriptor = None
