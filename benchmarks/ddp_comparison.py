@@ -121,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
             "ddp_ms": [1e3 * t for t in times["ddp"]], "dtrain_ms": [1e3 * t for t in times["dtrain"]],
             "max_parameter_difference": difference}), flush=True)
     learner.finalize()
-    del ddp_model  # its reducer holds the process group
+    ddp_model = None  # its reducer holds the process group: release it before the group goes
     comm.finalize()
 
 

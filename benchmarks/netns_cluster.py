@@ -168,9 +168,9 @@ def worker_step(comm, steps: int) -> None:
 def _make_learner(kind: str, optimizer, comm, block_size: int):
     """The learner of ``kind`` (``local``, ``data_parallel``, ``quantized``, ``block_momentum``)."""
     if kind == "local":
-        from dtrain.learners import Learner
+        from dtrain.learners import LocalLearner
 
-        return Learner(optimizer)  # a size-1 communicator: no communication at all
+        return LocalLearner(optimizer)  # a size-1 communicator: no communication at all
     if kind in ("data_parallel", "quantized"):
         from dtrain.learners import data_parallel_distributed_learner
 
@@ -199,7 +199,8 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         session = training_session(model, torch.nn.functional.cross_entropy, learner, source,
                                    GLOBAL_MINIBATCH // shares, max_samples=samples // shares, progress_frequency=0,
-                                   run_dir=run_dir, tensorboard=False, stream=io.StringIO())
+                                   run_dir=run_dir, tensorboard=False, stream=io.StringIO(),
+                                   independent_processes=kind == "local")  # the no-communication baseline
         comm.barrier()
         result = session.train()
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,

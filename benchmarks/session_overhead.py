@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from dtrain import Learner, MinibatchSource, training_session
+from dtrain import LocalLearner, MinibatchSource, training_session
 from dtrain.data import ArrayDeserializer
 from dtrain.models import ConvNetCIFAR10, DigitsCNN
 
@@ -71,7 +71,7 @@ def dtrain_session(name: str, features: torch.Tensor, labels: torch.Tensor, samp
     factory, _, minibatch = MODELS[name]
     torch.manual_seed(0)
     model = factory()
-    learner = Learner(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     source = MinibatchSource(ArrayDeserializer(features, labels, num_classes=10), randomize=True)
     with tempfile.TemporaryDirectory() as run_dir:
         session = training_session(model, torch.nn.functional.cross_entropy, learner, source, minibatch,

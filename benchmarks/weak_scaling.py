@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from dtrain import MinibatchSource
-    from dtrain import Learner
+    from dtrain import LocalLearner
     from dtrain.comm import LocalCommunicator, create_communicator
     from dtrain.data import ArrayDeserializer
     from dtrain.learners import data_parallel_distributed_learner
@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
     source = MinibatchSource(ArrayDeserializer(features, generator.integers(0, 10, size=2048), num_classes=10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if args.independent:  # no communication: every rank trains alone on its share
-        learner = Learner(optimizer, LocalCommunicator())
+        learner = LocalLearner(optimizer, LocalCommunicator())
     else:
         learner = data_parallel_distributed_learner(optimizer, comm, bucket_size_mb=args.bucket_mb)
     learner.prepare(model)

@@ -81,10 +81,12 @@ def number_in_range(name: str, value: Any, low: float, high: float, *, include_h
     return float(value)
 
 
-def boolean(name: str, value: Any) -> bool:
-    """``True`` or ``False`` (numbers and strings refused: ``1`` is not a switch)."""
+def boolean(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
+    """``True`` or ``False`` (numbers and strings refused: ``1`` is not a switch); ``None`` with ``allow_none``."""
+    if value is None and allow_none:
+        return None
     if type(value).__name__ not in ("bool", "bool_"):  # numpy's bool_ too, without importing numpy
-        raise _fail(name, value, "true or false")
+        raise _fail(name, value, "true or false" + (" or null" if allow_none else ""))
     return bool(value)
 
 

@@ -5,8 +5,11 @@ missing data set ends every rank with one clear line instead of a hang.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
+import shlex
 import sys
 import time
 import traceback
@@ -20,8 +23,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from dtrain.comm import create_communicator, install_fail_fast
+from dtrain.comm import create_communicator, detect_launcher, install_fail_fast, start_heartbeat
+from dtrain.comm.base import first_line, format_rank_message
+from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
+from dtrain.help import config_directories, help_text, version
 from dtrain.schedules import Schedule
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.checkpoint import CheckpointError
@@ -32,7 +38,7 @@ EXIT_BAD_INPUT = 2
 #: exit code after a preemption signal: a checkpoint was saved, run the same command again
 EXIT_PREEMPTED = 75
 
-#: the errors that name a bad input; anything else is a bug and keeps its traceback
+#: the errors that name a bad input (exit code 2); anything else is reported as a failure (exit code 1)
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, CheckpointError, TrainingDiverged)
 
 
@@ -57,18 +63,19 @@ def fingerprint(cfg: DictConfig) -> str:
 
 
 def checkpoint_identity(cfg: DictConfig) -> dict:
-    """The settings a checkpoint must match to be restored: the model, the data, the learner and
-    optimizer types and the seed. Sizes, rates, frequencies and the world size may change."""
+    """What only the config knows that a checkpoint must match: the model's settings and the seed.
+
+    The session adds what the objects themselves say (the model's type, the learner and its
+    optimizer's type, the training data). Sizes, rates, frequencies and the world size may change.
+    """
+    return {"model": OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
+
+
+def run_config(cfg: DictConfig) -> dict:
+    """The resolved config as plain containers, without the run directory (which may move)."""
     content = OmegaConf.to_container(cfg, resolve=True)
-    return {
-        "model": content["model"],
-        "train_data": {key: value for key, value in content["source"]["train"]["deserializer"].items()
-                       if key not in ("root", "download", "url", "md5")},  # where the files are may change
-        "learner": content["learner"]["_target_"] + (f"/{content['learner']['num_quantization_bits']}bits"
-                                                      if "num_quantization_bits" in content["learner"] else ""),
-        "optimizer": content["optimizer"]["_target_"],
-        "seed": content["seed"],
-    }
+    content.pop("run_dir", None)
+    return content
 
 
 def _schedule(node) -> Schedule | None:
@@ -78,14 +85,22 @@ def _schedule(node) -> Schedule | None:
 
 
 def _instantiate(node, what: str, **kwargs):
-    """``hydra.utils.instantiate`` that reports the cause of a failure, not Hydra's wrapper."""
+    """``hydra.utils.instantiate`` that reports the cause of a failure, not Hydra's wrapper.
+
+    A user error from the component (or a ``_target_`` that cannot be found) becomes a
+    :class:`UserError` naming ``what``; any other cause is re-raised as itself, so the caller
+    classifies it (out of memory, a bug) by its type.
+    """
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as error:
-        cause = error.__cause__ or error
+        cause = error.__cause__
+        if cause is None or isinstance(cause, ImportError):  # a _target_ that does not exist
+            message = first_line(error).split(", set env var HYDRA_FULL_ERROR")[0]
+            raise UserError(f"{what}: {message}; expected an importable class or function") from None
         if isinstance(cause, USER_ERRORS):
-            raise UserError(f"{what}: {cause}") from None
-        raise
+            raise UserError(f"{what}: {first_line(cause)}") from None
+        raise cause from None
 
 
 def _save_config(cfg: DictConfig, run_dir: Path) -> Path:
@@ -100,34 +115,126 @@ def _save_config(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
-def run(cfg: DictConfig) -> None:
-    """Builds everything from ``cfg`` and trains; a bad input ends every rank with one line and exit code 2."""
-    problems = validate(cfg)
+def run(cfg: DictConfig) -> float | None:
+    """Builds everything from ``cfg``, trains, and returns the run's objective.
+
+    The objective (``TrainingResult.objective``: test error, else the last cross-validation
+    error, else the last training error) is what Hydra's sweepers minimise.
+
+    Any failure ends every rank of the job with one line, the failing rank's first: a bad
+    input (config, run directory, data set, checkpoint, a minibatch too large for memory) with
+    ``dtrain: error: ...`` and exit code 2, anything else with the exception's one line and
+    exit code 1 (``DTRAIN_DEBUG=1`` adds the traceback). Exceptions never reach Hydra, whose
+    traceback printer and ``sys.exit`` would leave the other ranks waiting in ``MPI_Finalize``.
+    """
+    rank, _ = launch_position()
+    problems = validate(cfg, check_run_dir=rank == 0)  # only rank 0 writes into run_dir
     if problems:
         _exit_bad_input("; ".join(problems))
-    comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
-    install_fail_fast(comm)
     try:
-        _run_with(comm, cfg)
-    except (UserError, *USER_ERRORS) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if os.environ.get("DTRAIN_DEBUG") == "1":
-            traceback.print_exc()
-        if comm.size == 1:
-            _exit_bad_input(message)
-        if not comm.is_main:
-            time.sleep(2.0)  # the same error on rank 0 is reported once, and its abort ends this rank first
-        comm.abort(f"dtrain: error: {message}", EXIT_BAD_INPUT)
+        comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
+    except Exception as error:  # noqa: BLE001 -- before the job exists; MPI start-up failures abort by themselves
+        _debug_traceback()
+        message, code = describe_failure(error, cfg)
+        _exit_bad_input(message, code)
+    install_fail_fast(comm)
+    heartbeat = start_heartbeat(comm, cfg.comm.heartbeat_timeout_s)
+    try:
+        objective = _run_with(comm, cfg)
+    except Exception as error:  # noqa: BLE001 -- every failure ends the whole job, with one line
+        _debug_traceback()
+        end_job(comm, *describe_failure(error, cfg), lost_peer=is_lost_peer(error))
+    if heartbeat is not None:
+        heartbeat.stop()
     comm.finalize()
+    return objective
 
 
-def _exit_bad_input(message: str) -> NoReturn:
-    print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+def _debug_traceback() -> None:
+    if os.environ.get("DTRAIN_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
+        traceback.print_exc()
+
+
+#: what an allocator says when memory runs out (torch's CPU and CUDA allocators, numpy)
+_OUT_OF_MEMORY = re.compile(r"can't allocate|cannot allocate|out of memory|Unable to allocate", re.IGNORECASE)
+
+
+def describe_failure(error: BaseException, cfg: DictConfig | None = None) -> tuple[str, int]:
+    """The one line (without ``dtrain: error:``) and the exit code for a failure.
+
+    User errors (bad config, data, checkpoint, run directory) and running out of memory (named
+    against ``session.minibatch_size``) give exit code 2; anything else is reported as
+    ``ExceptionType: message`` with exit code 1.
+    """
+    text = first_line(error)
+    if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and _OUT_OF_MEMORY.search(str(error))):
+        size = cfg.session.minibatch_size if cfg is not None else "?"
+        return (f"out of memory ({text or type(error).__name__}) with session.minibatch_size={size}: expected a "
+                f"minibatch that fits in this machine's memory; lower session.minibatch_size"), EXIT_BAD_INPUT
+    if isinstance(error, (UserError, *USER_ERRORS)):
+        return text or type(error).__name__, EXIT_BAD_INPUT
+    if isinstance(error, OSError):  # a disk that is full, a file system that went away
+        return f"{type(error).__name__}: {text}", 1
+    return exception_message(type(error), error) + " (DTRAIN_DEBUG=1 shows the traceback)", 1
+
+
+#: seconds a rank whose collective failed because a peer went away waits before reporting: the
+#: peer that failed (or the launcher) normally ends the job first, so its line comes first
+LOST_PEER_GRACE_S = 5.0
+
+#: seconds a rank other than 0 waits before reporting its own error: when every rank meets the
+#: same problem, rank 0's report ends the job and the user reads it once
+PEER_REPORT_DELAY_S = 2.0
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank died, stopped or aborted."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and bool(re.search(
+        r"Connection (closed|reset) by peer|Broken pipe|Socket Timeout|timed out|Timeout", str(error)))
+
+
+def end_job(comm, message: str, code: int, *, lost_peer: bool = False) -> NoReturn:
+    """Ends every rank with ``dtrain: error: message`` and ``code`` (one process: no rank prefix)."""
+    if comm.size == 1:
+        _exit_bad_input(message, code)
+    if lost_peer:
+        time.sleep(LOST_PEER_GRACE_S)
+    elif not comm.is_main:
+        time.sleep(PEER_REPORT_DELAY_S)
+    comm.abort(f"dtrain: error: {message}", code)
+
+
+def launch_position() -> tuple[int, int]:
+    """``(rank, size)`` the launcher gave this process, read from the environment; ``(0, 1)`` if unclear."""
+    try:
+        info = detect_launcher(os.environ)
+    except ValueError:
+        return 0, 1
+    return info.rank, info.size
+
+
+def _exit_bad_input(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """Prints ``dtrain: error: message`` and exits with ``code`` before a communicator exists.
+
+    Under a launcher every rank finds the same problem: rank 0 reports it and the launcher then
+    ends the others, which report only if they are still running after a pause (a problem only
+    they have), prefixed with their rank.
+    """
+    rank, size = launch_position()
+    line = f"dtrain: error: {message}"
+    if size > 1 and rank != 0:
+        time.sleep(PEER_REPORT_DELAY_S)
+        line = format_rank_message(rank, size, line)
     sys.stdout.flush()
-    os._exit(EXIT_BAD_INPUT)
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)
 
 
-def _run_with(comm, cfg: DictConfig) -> None:
+def _run_with(comm, cfg: DictConfig) -> float | None:
     # one run directory and one config for all ranks
     cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
     config_hash = fingerprint(cfg)
@@ -147,17 +254,21 @@ def _run_with(comm, cfg: DictConfig) -> None:
     train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
     test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
     cv_source = _instantiate(cfg.source.cv, "source.cv") if cfg.source.cv is not None else None
+    check_model_outputs(model, train_source, cfg.model.get("num_classes"))
     torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
 
     session = cfg.session
     run_dir = Path(cfg.run_dir)
     mb_schedule = _schedule(session.minibatch_size_schedule)
+    loss = _instantiate(cfg.loss, "loss")
+    metric = _instantiate(cfg.metric, "metric")
     trainer = training_session(
         model=model,
-        loss=torch.nn.functional.cross_entropy,
+        loss=loss,
+        metric=metric,
         learner=learner,
-        mb_source=train_source,
-        mb_size=mb_schedule or session.minibatch_size,
+        minibatch_source=train_source,
+        minibatch_size=mb_schedule or session.minibatch_size,
         max_samples=session.max_samples,
         progress_frequency=session.progress_frequency,
         checkpoint_config=CheckpointConfig(**OmegaConf.to_container(session.checkpoint, resolve=True)),
@@ -165,13 +276,14 @@ def _run_with(comm, cfg: DictConfig) -> None:
                                         max_samples=session.cv.max_samples) if cv_source is not None else None,
         test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
         lr_schedule=_schedule(session.lr_schedule),
-        momentum_schedule=_schedule(session.momentum_time_constant_schedule),
+        momentum_time_constant_schedule=_schedule(session.momentum_time_constant_schedule),
         unit_gain_momentum=session.unit_gain_momentum,
         run_dir=run_dir,
         tensorboard=session.tensorboard,
         progress_bar=session.progress_bar,
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
+        run_config=run_config(cfg),
     )
     trainer.restore()  # a bad checkpoint is reported before anything is written
     if comm.is_main:
@@ -179,25 +291,115 @@ def _run_with(comm, cfg: DictConfig) -> None:
         print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
     result = trainer.train()
     if result.preempted:
-        comm.finalize()
+        exit_preempted(comm, cfg, result)
+    return result.objective
+
+
+#: signals with which Open MPI's ``mpiexec`` ends itself at once (exit code 1) after passing SIGTERM
+#: to the ranks: their output no longer reaches the user through it
+_LAUNCHER_ENDING_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+def continue_command(comm, run_dir: str, argv: list[str] | None = None) -> str:
+    """The command that continues this run: the same arguments with ``run_dir`` pinned to this run's."""
+    args = [argument for argument in (sys.argv[1:] if argv is None else argv) if not argument.startswith("run_dir=")]
+    command = shlex.join(["python", "-m", "dtrain", *args, f"run_dir={run_dir}"])
+    launcher = {"mpi": f"mpiexec -n {comm.size} ", "torchrun": "torchrun [the same options] ",
+                "slurm": "srun [the same options] "}
+    return launcher.get(comm.launcher, "") + command if comm.size > 1 else command
+
+
+def exit_preempted(comm, cfg: DictConfig, result) -> NoReturn:
+    """After a preemption checkpoint: say where it is and how to continue, then exit with code 75.
+
+    Rank 0 prints the line to stderr; when Open MPI's ``mpiexec`` itself got SIGTERM/SIGINT it has
+    already exited (with code 1) and no longer forwards output, so the line also goes to the
+    controlling terminal, if there is one.
+    """
+    if comm.is_main:
+        line = (f"dtrain: stopped by {cfg.session.checkpoint.preemption_signal}: checkpoint saved at "
+                f"{result.samples_seen} samples ({result.last_checkpoint}); continue with: "
+                f"{continue_command(comm, cfg.run_dir)}")
+        with contextlib.suppress(OSError):  # a launcher that has gone away closed our pipes
+            sys.stdout.flush()
+            print(line, file=sys.stderr, flush=True)
+        if comm.launcher == "mpi" and comm.size > 1 and cfg.session.checkpoint.preemption_signal in _LAUNCHER_ENDING_SIGNALS:
+            with contextlib.suppress(OSError), open("/dev/tty", "w") as terminal:
+                terminal.write(f"\r\n{line}\r\n")
+    comm.finalize()
+    with contextlib.suppress(OSError):
         sys.stdout.flush()
-        os._exit(EXIT_PREEMPTED)
+    os._exit(EXIT_PREEMPTED)
+
+
+def sweep_run_dir(cfg: DictConfig) -> str | None:
+    """In a sweep (``-m``), the job's own run directory, ``hydra.sweep.dir/<job number>``; ``None`` otherwise.
+
+    Raises:
+        UserError: ``run_dir`` was set on the command line of a sweep (every job would share it), or
+            a launcher would start several independent copies of each job.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    if any(override.lstrip("+~").split("=", 1)[0] == "run_dir" for override in hydra_cfg.overrides.task):
+        raise UserError(_RUN_DIR_IN_SWEEP)
+    tasks = os.environ.get("SUBMITIT_LOCAL_NTASKS", "1")
+    if tasks != "1":
+        raise UserError(_submitit_local_copies(tasks))
+    return hydra_cfg.runtime.output_dir
+
+
+_RUN_DIR_IN_SWEEP = ("run_dir cannot be set in a sweep (-m): every job gets its own directory, hydra.sweep.dir/<job "
+                     "number>; choose where with hydra.sweep.dir=DIR (the same DIR again resumes each job)")
+
+
+def _submitit_local_copies(tasks: str) -> str:
+    return (f"hydra/launcher=submitit_local with tasks_per_node={tasks} starts {tasks} independent copies of each job; "
+            f"set hydra.launcher.tasks_per_node=1 (under Slurm, submitit_slurm's tasks of one job form one "
+            f"distributed job)")
+    os._exit(EXIT_PREEMPTED)
+
+
+def check_model_outputs(model: torch.nn.Module, source, num_classes=None) -> None:
+    """Raises :class:`UserError` when the model's output size differs from the data's class count.
+
+    One forward pass of a zero input of the data's feature shape, in eval mode and without
+    gradients (no parameter, buffer or random state changes), before any training.
+    """
+    deserializer = getattr(source, "deserializer", None)
+    classes, shape = getattr(deserializer, "num_classes", None), getattr(deserializer, "feature_shape", None)
+    if classes is None or shape is None:
+        return
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            outputs = model.eval()(torch.zeros(1, *shape)).shape[-1]
+    finally:
+        model.train(was_training)
+    if outputs != classes:
+        setting = f"model.num_classes={num_classes}" if num_classes is not None else "the model"
+        raise UserError(f"{setting}: the model has {outputs} outputs but the training data "
+                        f"({type(deserializer).__name__}) has {classes} classes; expected model.num_classes={classes}")
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
-    run(cfg)
+def _hydra_main(cfg: DictConfig) -> float | None:
+    try:
+        job_dir = sweep_run_dir(cfg)
+    except UserError as error:
+        _exit_bad_input(str(error))
+    if job_dir is not None:
+        cfg.run_dir = job_dir
+    return run(cfg)
 
 
 def available_recipes(argv: list[str]) -> list[str]:
     """Recipe names in the shipped tree and in any ``--config-dir``/``-cd`` given on the command line."""
-    directories = [Path(config_dir())]
-    for index, argument in enumerate(argv):
-        if argument in ("--config-dir", "-cd") and index + 1 < len(argv):
-            directories.append(Path(argv[index + 1]))
-        elif argument.startswith("--config-dir="):
-            directories.append(Path(argument.split("=", 1)[1]))
-    return sorted({p.stem for d in directories for p in (d / "recipe").glob("*.yaml")})
+    return sorted({p.stem for d in config_directories(config_dir(), argv) for p in (d / "recipe").glob("*.yaml")})
 
 
 def check_recipe_argument(argv: list[str]) -> str | None:
@@ -212,6 +414,11 @@ def check_recipe_argument(argv: list[str]) -> str | None:
     return None
 
 
+def config_groups() -> list[str]:
+    """The config group names (``learner``, ``optimizer``, ``session``, ...) of the shipped tree."""
+    return sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def check_overrides(argv: list[str]) -> str | None:
     """Composes the config once to turn Hydra's multi-line override errors into one line.
 
@@ -220,9 +427,20 @@ def check_overrides(argv: list[str]) -> str | None:
     if any(argument.startswith("-") for argument in argv):
         return None
     from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    try:
+        overrides = OverridesParser.create().parse_overrides(argv)
+    except HydraException as error:
+        return f"{first_line(error)} (python -m dtrain +recipe=NAME --cfg job lists every key)"
+    groups = config_groups()
+    for override in overrides:
+        key = override.key_or_group
+        if key in groups and not isinstance(override.value(), str):
+            return (f"{override.input_line}: expected the name of one {key} option "
+                    f"({', '.join(sorted(p.stem for p in (Path(config_dir()) / key).glob('*.yaml')))})")
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             compose("config", overrides=argv)
@@ -232,11 +450,35 @@ def check_overrides(argv: list[str]) -> str | None:
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
         if "Available options" in str(error) and options:
             parts.append(f"(available: {', '.join(options)})")
-        if error.__cause__ is not None and str(error.__cause__).strip():
-            parts.append(str(error.__cause__).strip().splitlines()[0])
+        cause = error.__cause__
+        if cause is not None and str(cause).strip():
+            parts.append(first_line(cause))
+            full_key = re.search(r"full_key: (\S+)", str(cause))
+            if full_key and full_key.group(1) not in " ".join(parts):
+                parts.append(f"(key {full_key.group(1)})")
         if len(parts) == 1 or "Available options" not in str(error):
             parts.append("(python -m dtrain +recipe=NAME --cfg job lists every key)")
         return " ".join(parts)
+    except Exception as error:  # noqa: BLE001 -- Hydra lets some malformed overrides through as raw errors
+        found = re.search(r"full_key: (\S+)", str(error))
+        where = f"the override of {found.group(1)}" if found else f"the command line {' '.join(argv)!r}"
+        return (f"{where} could not be composed into a config ({type(error).__name__}: {first_line(error)}); "
+                f"expected key=value pairs of the keys that python -m dtrain +recipe=NAME --cfg job lists")
+    return None
+
+
+def check_sweep_arguments(argv: list[str]) -> str | None:
+    """One-line problem with a sweep's command line (``-m``) before any job starts, else ``None``:
+    ``run_dir`` given (every job would share it), or ``submitit_local`` with several tasks per job."""
+    if not any(argument in ("-m", "--multirun") for argument in argv):
+        return None
+    values = {argument.lstrip("+~").split("=", 1)[0]: argument.split("=", 1)[1]
+              for argument in argv if "=" in argument and not argument.startswith("-")}
+    if "run_dir" in values:
+        return _RUN_DIR_IN_SWEEP
+    tasks = values.get("hydra.launcher.tasks_per_node", "1")
+    if values.get("hydra/launcher") == "submitit_local" and tasks != "1":
+        return _submitit_local_copies(tasks)
     return None
 
 
@@ -248,8 +490,14 @@ def main() -> None:
     """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
     warnings.formatwarning = _one_line_warning
     argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:  # dtrain's own help; Hydra's stays at --hydra-help
+        print(help_text(config_dir(), argv), end="")
+        sys.exit(0)
+    if "--version" in argv:
+        print(f"dtrain {version()}")
+        sys.exit(0)
     register_schemas()
-    problem = check_recipe_argument(argv) or check_overrides(argv)
+    problem = check_recipe_argument(argv) or check_overrides(argv) or check_sweep_arguments(argv)
     if problem:
         _exit_bad_input(problem)
     _hydra_main()

@@ -2,16 +2,26 @@
 
 Each YAML option in ``conf/<group>/`` extends one of these schemas (``/schema/<group>/<name>``),
 so a misspelt key or a value of the wrong type fails when the config is composed, naming the
-key. Value ranges (positive sizes, known choices) are checked by ``validate`` before anything
-is built or written, and every problem is reported at once.
+key. ``validate`` then checks everything else before anything is built or written and reports
+every problem at once: keys added with ``+`` that a schema does not have, the value rules each
+component registers under its ``_target_`` (:data:`RULES`, :func:`register_rule`), the session
+and comm sections, NaN or infinity in any number, and whether ``run_dir`` can be written.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dtrain import checks
 
 from dtrain.session.configs import signal_from_name
 
@@ -71,12 +81,18 @@ class SGDConfig:
 
 @dataclass
 class AdamConfig:
-    """``torch.optim.Adam``."""
+    """``dtrain.optimizers.Adam`` (``torch.optim.Adam`` with CNTK's names for its two averages).
 
-    _target_: str = "torch.optim.Adam"
+    ``momentum`` is Adam's beta1 and ``variance_momentum`` its beta2, so a recipe's
+    ``optimizer.momentum`` and ``session.momentum_time_constant_schedule`` mean the same for
+    SGD and Adam, and every optimizer combines with every recipe.
+    """
+
+    _target_: str = "dtrain.optimizers.Adam"
     _partial_: bool = True
     lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    momentum: float = 0.9
+    variance_momentum: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
 
@@ -134,6 +150,7 @@ class MinibatchSourceConfig:
     max_samples: Optional[int] = None
     max_sweeps: Optional[int] = None
     transform: Any = None
+    read_ahead: Optional[bool] = None   # read the next minibatch in the background; null = when reads are slow (images)
 
 
 @dataclass
@@ -202,7 +219,7 @@ class SessionConfig:
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     cv: CrossValidationSettings = field(default_factory=CrossValidationSettings)
     test: TestSettings = field(default_factory=TestSettings)
-    tensorboard: bool = True
+    tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
 
@@ -211,6 +228,7 @@ class SessionConfig:
 class CommConfig:
     backend: str = "auto"               # auto | gloo | nccl | local
     timeout_s: float = 300.0            # a collective waiting longer than this ends the job
+    heartbeat_timeout_s: float = 60.0   # a rank silent this long (stopped, swapped out) ends the job
 
 
 @dataclass
@@ -233,6 +251,50 @@ class DTrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     data: DataConfig = field(default_factory=DataConfig)
     recipe: Any = None
+    loss: Any = MISSING                 # conf/loss: loss(output, labels) -> mean over the minibatch
+    metric: Any = MISSING               # conf/metric: metric(output, labels) -> sum over the minibatch
+
+
+# -- losses and metrics (conf/loss, conf/metric) ----------------------------------------------------
+# Each option builds a callable with ``_target_``; your own goes in ``loss/NAME.yaml`` (or
+# ``metric/NAME.yaml``) of a ``--config-dir`` and needs no schema.
+
+
+@dataclass
+class CrossEntropyLossConfig:
+    """``torch.nn.CrossEntropyLoss``: integer class labels, mean over the minibatch."""
+
+    _target_: str = "torch.nn.CrossEntropyLoss"
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class MSELossConfig:
+    """``dtrain.session.MSELoss``: float regression targets, outputs ``[n, 1]`` meet labels ``[n]``."""
+
+    _target_: str = "dtrain.session.MSELoss"
+
+
+@dataclass
+class ClassificationErrorConfig:
+    """``dtrain.session.ClassificationError``: the fraction misclassified, reported as ``error``."""
+
+    _target_: str = "dtrain.session.ClassificationError"
+
+
+@dataclass
+class TopKErrorConfig:
+    """``dtrain.session.TopKError``: label not among the ``k`` largest outputs, reported as ``top<k>_error``."""
+
+    _target_: str = "dtrain.session.TopKError"
+    k: int = 5
+
+
+@dataclass
+class MeanAbsoluteErrorConfig:
+    """``dtrain.session.MeanAbsoluteError``: for regression, reported as ``mean_abs_error``."""
+
+    _target_: str = "dtrain.session.MeanAbsoluteError"
 
 
 _SCHEMAS = {
@@ -250,6 +312,11 @@ _SCHEMAS = {
     ("schema/source", "minibatch_source"): MinibatchSourceConfig,
     ("schema/source", "image_transform"): ImageTransformConfig,
     ("schema/session", "session"): SessionConfig,
+    ("schema/loss", "cross_entropy"): CrossEntropyLossConfig,
+    ("schema/loss", "mse"): MSELossConfig,
+    ("schema/metric", "classification_error"): ClassificationErrorConfig,
+    ("schema/metric", "top5_error"): TopKErrorConfig,
+    ("schema/metric", "mean_abs_error"): MeanAbsoluteErrorConfig,
 }
 
 
@@ -266,65 +333,273 @@ def register_schema(group: str, name: str, node: type) -> None:
     ConfigStore.instance().store(group=group, name=name, node=node)
 
 
-# -- value checks ---------------------------------------------------------------------------------
+# -- validation: every rule of every component, all problems at once --------------------------------
+#
+# A rule takes the config node and the dotted name the user knows it by (``"optimizer"``,
+# ``"source.train"``) and returns one line per problem. Rules for a component live in
+# ``RULES`` under its ``_target_``, so a config is checked wherever the component appears and
+# a new component (a user's learner, model or source) brings its own rules with
+# ``register_rule``. Value rules come from ``dtrain.checks``.
+
+Rule = Callable[[DictConfig, str], list[str]]
+
+RULES: dict[str, Rule] = {}
+"""``_target_`` -> rule; see :func:`register_rule`."""
 
 
-def _sample_count_problem(key: str, value, allow_none: bool = False, allow_zero: bool = False) -> str | None:
-    """The problem line when ``value`` is not a positive (or non-negative) integer number of samples."""
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
-        expected = "a non-negative" if allow_zero else "a positive"
-        return f"{key}={value!r}: expected {expected} integer number of samples" + (" or null" if allow_none else "")
-    return None
+def register_rule(target: str, rule: Rule | None = None):
+    """Registers ``rule(node, name) -> [problem lines]`` for config nodes with ``_target_ == target``.
+
+    Usable as a decorator (``@register_rule("my.Model")``). ``name`` is the node's dotted key
+    (e.g. ``"model"``), to be used in the lines: ``model.hidden=-5: expected ...``.
+    """
+    def add(function: Rule) -> Rule:
+        RULES[target] = function
+        return function
+    return add(rule) if rule is not None else add
 
 
-def validate(cfg: DictConfig) -> list[str]:
-    """Every range problem in a composed config, one line each (empty when the config is sound)."""
-    problems: list[str] = []
-    missing = [key for key in ("recipe_name", "model", "source") if OmegaConf.is_missing(cfg, key)]
-    if missing:
-        return ["no recipe chosen: add +recipe=NAME to the command line (for example +recipe=digits)"]
+def _check(node: DictConfig, name: str, *key_checks: tuple[str, Callable[..., Any], dict]) -> list[str]:
+    """Runs ``check(f"{name}.{key}", node[key], **options)`` for each ``(key, check, options)``."""
+    def bind(key, check, options):
+        return lambda: check(f"{name}.{key}", node[key], **options)
+    return checks.collect(bind(key, check, options) for key, check, options in key_checks
+                          if key in node and not OmegaConf.is_missing(node, key))
 
-    def positive(key: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
-        problem = _sample_count_problem(key, value, allow_none, allow_zero)
-        if problem:
-            problems.append(problem)
 
-    session = cfg.session
-    positive("session.minibatch_size", session.minibatch_size)
-    positive("session.max_samples", session.max_samples, allow_none=True)
-    positive("session.progress_frequency", session.progress_frequency, allow_none=True, allow_zero=True)
-    positive("session.checkpoint.frequency", session.checkpoint.frequency, allow_none=True, allow_zero=True)
-    positive("session.cv.frequency", session.cv.frequency, allow_none=True, allow_zero=True)
-    positive("session.cv.minibatch_size", session.cv.minibatch_size)
-    positive("session.cv.max_samples", session.cv.max_samples, allow_none=True)
-    positive("session.test.minibatch_size", session.test.minibatch_size)
-    positive("session.num_threads", session.num_threads, allow_none=True)
-    if not session.checkpoint.filename:
-        problems.append("session.checkpoint.filename='': expected a file name")
-    if session.checkpoint.keep_last < 2:
-        problems.append(f"session.checkpoint.keep_last={session.checkpoint.keep_last}: expected 2 or more "
-                        f"(the newest checkpoint and a fallback)")
+def _fraction(high_inclusive: bool = False):
+    """A check for a number in [0, 1) (or [0, 1] with ``high_inclusive``)."""
+    def check(name, value):
+        return checks.number_in_range(name, value, 0.0, 1.0, include_high=high_inclusive)
+    return check
+
+
+# -- learners
+def _distributed_after(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("distributed_after", checks.sample_count, {"allow_zero": True}))
+
+
+register_rule("dtrain.learners.Learner", _distributed_after)
+
+
+@register_rule("dtrain.learners.data_parallel_distributed_learner")
+def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(
+        node, name,
+        ("num_quantization_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
+        ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
+        ("error_feedback", checks.boolean, {}),
+    )
+
+
+@register_rule("dtrain.learners.block_momentum_distributed_learner")
+def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
+    problems = _distributed_after(node, name)
+    if OmegaConf.is_missing(node, "block_size"):
+        problems.append(f"{name}.block_size is not set: expected the block size in samples, "
+                        f"e.g. {name}.block_size=4096")
+    return problems + _check(
+        node, name,
+        ("block_size", checks.sample_count, {}),
+        ("block_momentum_as_time_constant", checks.positive_number, {"allow_none": True, "unit": "samples"}),
+        ("block_learning_rate", checks.positive_number, {}),
+        ("use_nesterov_momentum", checks.boolean, {}),
+        ("reset_sgd_momentum_after_aggregation", checks.boolean, {}),
+    )
+
+
+# -- optimizers
+@register_rule("torch.optim.SGD")
+def _sgd_rules(node: DictConfig, name: str) -> list[str]:
+    problems = _check(
+        node, name,
+        ("lr", checks.positive_number, {}),
+        ("momentum", _fraction(), {}),
+        ("dampening", _fraction(high_inclusive=True), {}),
+        ("weight_decay", checks.positive_number, {"allow_zero": True}),
+        ("nesterov", checks.boolean, {}),
+    )
+    if not problems and node.get("nesterov") and (node.get("momentum", 0) == 0 or node.get("dampening", 0) != 0):
+        problems.append(f"{name}.nesterov=true: expected {name}.momentum above 0 and {name}.dampening=0 "
+                        f"(Nesterov momentum needs both)")
+    return problems
+
+
+@register_rule("dtrain.optimizers.Adam")
+def _adam_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(
+        node, name,
+        ("lr", checks.positive_number, {}),
+        ("momentum", _fraction(), {}),
+        ("variance_momentum", _fraction(), {}),
+        ("eps", checks.positive_number, {}),
+        ("weight_decay", checks.positive_number, {"allow_zero": True}),
+    )
+
+
+# -- models
+def _num_classes(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("num_classes", checks.whole_number, {"low": 2, "unit": "classes"}))
+
+
+@register_rule("dtrain.models.DigitsCNN")
+def _digits_cnn_rules(node: DictConfig, name: str) -> list[str]:
+    return _num_classes(node, name) + _check(
+        node, name,
+        ("hidden", checks.whole_number, {"low": 1, "unit": "units"}),
+        ("dropout", _fraction(), {}),
+    )
+
+
+@register_rule("dtrain.models.ConvNetCIFAR10")
+def _cifar10_convnet_rules(node: DictConfig, name: str) -> list[str]:
+    return _num_classes(node, name) + _check(node, name, ("dropout", _fraction(), {}))
+
+
+@register_rule("dtrain.models.ResNet50")
+def _resnet50_rules(node: DictConfig, name: str) -> list[str]:
+    return _num_classes(node, name) + _check(
+        node, name,
+        ("width", checks.whole_number, {"low": 1, "unit": "channels"}),
+        ("zero_init_residual", checks.boolean, {}),
+    )
+
+
+# -- data
+@register_rule("dtrain.data.MinibatchSource")
+def _minibatch_source_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(
+        node, name,
+        ("randomize", checks.boolean, {}),
+        ("randomization_seed", checks.whole_number, {"low": 0}),
+        ("max_samples", checks.sample_count, {"allow_none": True}),
+        ("max_sweeps", checks.whole_number, {"low": 1, "allow_none": True, "unit": "sweeps"}),
+    )
+
+
+def _side_ratio(name: str, value: Any) -> None:
+    """A crop side as a fraction of the image side: in (0, 1], or null for no crop."""
+    if value is not None and not (checks.positive_number(name, value) <= 1.0):
+        raise ValueError(f"{name}={value!r}: expected a number in (0, 1] or null")
+
+
+@register_rule("dtrain.data.ImageTransform")
+def _image_transform_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(
+        node, name,
+        ("crop_side_ratio", _side_ratio, {}),
+        ("flip", checks.boolean, {}),
+        ("scale", checks.positive_number, {}),
+    )
+
+
+# -- the sections that are not components: session, comm, seed, run directory
+def _schedule_problems(name: str, schedule: DictConfig, value_check: Callable[[str, Any], Any]) -> list[str]:
+    problems = _check(schedule, name, ("epoch_size", checks.sample_count, {}),
+                      ("warmup_samples", checks.sample_count, {"allow_zero": True}))
+    if OmegaConf.is_missing(schedule, "values"):
+        return problems + [f"{name}.values is not set: expected a list of values or [count, value] pairs"]
+    values = schedule["values"]
+    if not isinstance(values, ListConfig) or len(values) == 0:
+        return problems + [f"{name}.values={_plain(values)!r}: expected a non-empty list of values "
+                           f"or [count, value] pairs"]
+    for index, entry in enumerate(values):
+        key = f"{name}.values[{index}]"
+        plain = _plain(entry)
+        pair = isinstance(plain, list) and len(plain) == 2
+        count, value = plain if pair else (1, plain)
+        if not (pair or not isinstance(plain, list)):
+            problems.append(f"{key}={plain!r}: expected a number or a [count, value] pair")
+            continue
+        problems += checks.collect([lambda: checks.whole_number(f"{key} count", count, low=1, unit="epochs"),
+                                    lambda: value_check(f"{key} value", value)])
+    return problems
+
+
+def _session_problems(session: DictConfig) -> list[str]:
+    problems = _check(
+        session, "session",
+        ("minibatch_size", checks.sample_count, {}),
+        ("max_samples", checks.sample_count, {"allow_none": True}),
+        ("progress_frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
+        ("num_threads", checks.whole_number, {"low": 1, "allow_none": True, "unit": "threads"}),
+        ("unit_gain_momentum", checks.boolean, {}),
+        ("tensorboard", checks.boolean, {"allow_none": True}),
+    )
+    problems += _check(
+        session.checkpoint, "session.checkpoint",
+        ("frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
+        ("keep_last", checks.whole_number, {"low": 2, "unit": "checkpoints (the newest and a fallback)"}),
+        ("restore", checks.boolean, {}),
+        ("preserve_all", checks.boolean, {}),
+    )
+    filename = session.checkpoint.filename
+    if not filename or str(filename).endswith(("/", os.sep)):
+        problems.append(f"session.checkpoint.filename={filename!r}: expected a file name (e.g. checkpoint.pt)")
     signal_name = session.checkpoint.preemption_signal
     if signal_name is not None and not _names_a_signal(signal_name):
         problems.append(f"session.checkpoint.preemption_signal={signal_name!r}: expected a signal name such as "
                         f"SIGTERM or SIGUSR1, or null")
-    for key in ("minibatch_size_schedule", "lr_schedule", "momentum_time_constant_schedule"):
-        schedule = session[key]
-        if schedule is not None:
-            positive(f"session.{key}.epoch_size", schedule.epoch_size)
-            positive(f"session.{key}.warmup_samples", schedule.warmup_samples, allow_zero=True)
-            if not schedule["values"]:
-                problems.append(f"session.{key}.values=[]: expected at least one value")
-    problems += _learner_problems(cfg.learner)
-    if cfg.optimizer.get("lr", 1.0) <= 0:
-        problems.append(f"optimizer.lr={cfg.optimizer.lr}: expected a positive learning rate")
-    if cfg.comm.backend not in ("auto", "gloo", "nccl", "local"):
-        problems.append(f"comm.backend={cfg.comm.backend!r}: expected one of auto, gloo, nccl, local")
-    if cfg.comm.timeout_s <= 0:
-        problems.append(f"comm.timeout_s={cfg.comm.timeout_s}: expected a positive number of seconds")
+    problems += _check(
+        session.cv, "session.cv",
+        ("frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
+        ("minibatch_size", checks.sample_count, {}),
+        ("max_samples", checks.sample_count, {"allow_none": True}),
+    )
+    problems += _check(session.test, "session.test", ("minibatch_size", checks.sample_count, {}))
+    value_checks = {
+        "minibatch_size_schedule": checks.sample_count,
+        "lr_schedule": lambda key, value: checks.positive_number(key, value, allow_zero=True),
+        "momentum_time_constant_schedule": lambda key, value: checks.positive_number(key, value, allow_zero=True,
+                                                                                     unit="samples"),
+    }
+    for key, value_check in value_checks.items():
+        if session[key] is not None:
+            problems += _schedule_problems(f"session.{key}", session[key], value_check)
     return problems
+
+
+def _comm_problems(comm: DictConfig) -> list[str]:
+    def at_least_a_second(name, value):
+        if checks.positive_number(name, value, unit="seconds") < 1:
+            raise ValueError(f"{name}={value!r}: expected at least 1 second")
+    problems = _check(comm, "comm", ("timeout_s", checks.positive_number, {"unit": "seconds"}),
+                      ("heartbeat_timeout_s", at_least_a_second, {}))
+    backends = ("auto", "gloo", "nccl", "local")
+    if comm.backend not in backends:
+        problems.append(f"comm.backend={comm.backend!r}: expected one of {', '.join(backends)}")
+    elif comm.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("comm.backend='nccl': expected a machine with CUDA (torch.cuda.is_available() is "
+                            "False here); use comm.backend=gloo or auto")
+    return problems
+
+
+def run_dir_problems(run_dir: Any) -> list[str]:
+    """Whether ``run_dir`` can be the run directory: a writable directory, or creatable in one.
+
+    Reads the file system only (nothing is created), so it runs before anything is written.
+    """
+    key = "run_dir"
+    if not isinstance(run_dir, str) or not run_dir.strip():
+        return [f"{key}={run_dir!r}: expected the path of a directory (e.g. run_dir=outputs/my_run)"]
+    path = os.path.abspath(run_dir)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        kind = "an empty file" if os.path.isfile(path) and os.path.getsize(path) == 0 else "a file"
+        return [f"{key}={run_dir}: is {kind}, not a directory; expected a directory (or a path that does not exist yet)"]
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return [f"{key}={run_dir}: {existing} is a file, so no directory can be made below it; "
+                f"expected a path below a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the run directory" if existing == path else f"{existing}, where it would be created,"
+        return [f"{key}={run_dir}: {what} is not writable (read-only or no permission); "
+                f"expected a writable directory"]
+    return []
 
 
 def _names_a_signal(name: str) -> bool:
@@ -335,30 +610,82 @@ def _names_a_signal(name: str) -> bool:
     return True
 
 
-def _learner_problems(learner: DictConfig) -> list[str]:
-    """Range checks and refused combinations of the learner options."""
+# -- generic walks: unknown keys and non-finite numbers anywhere ----------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _walk(node: DictConfig | ListConfig, name: str) -> Iterator[tuple[str, DictConfig | ListConfig, Any, Any]]:
+    """Yields ``(dotted key, parent node, key, value)`` for every set value below ``node`` (resolved)."""
+    keys = range(len(node)) if isinstance(node, ListConfig) else list(node.keys())
+    for key in keys:
+        path = f"{name}[{key}]" if isinstance(node, ListConfig) else (f"{name}.{key}" if name else str(key))
+        if isinstance(node, DictConfig) and OmegaConf.is_missing(node, key):
+            continue
+        value = node[key]
+        yield path, node, key, value
+        if isinstance(value, (DictConfig, ListConfig)):
+            yield from _walk(value, path)
+
+
+def _unknown_key_problems(node: DictConfig, name: str) -> list[str]:
+    """Keys added to a typed section that its schema does not have (``+session.max_sample=640``)."""
+    schema = node._metadata.object_type
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return []
+    known = [item.name for item in dataclasses.fields(schema)]
     problems = []
-    problem = _sample_count_problem("learner.distributed_after", learner.get("distributed_after", 0), allow_zero=True)
-    if problem:
-        problems.append(problem)
-    if "num_quantization_bits" in learner:
-        bits = learner.num_quantization_bits
-        if not 1 <= bits <= 32:
-            problems.append(f"learner.num_quantization_bits={bits}: expected 1 to 32 (32 = full precision)")
-        if learner.get("bucket_size_mb", 1.0) <= 0:
-            problems.append(f"learner.bucket_size_mb={learner.bucket_size_mb}: expected a positive size in MB")
-    if "block_size" in learner:
-        if OmegaConf.is_missing(learner, "block_size"):
-            problems.append("learner.block_size is not set: give the block size in samples, e.g. learner.block_size=4096")
-        elif learner.block_size <= 0:
-            problems.append(f"learner.block_size={learner.block_size}: expected a positive number of samples")
-        time_constant = learner.block_momentum_as_time_constant
-        if time_constant is not None and time_constant <= 0:
-            problems.append(f"learner.block_momentum_as_time_constant={time_constant}: expected a positive number "
-                            f"of samples, or null for CNTK's default -block_size/ln(1-1/N)")
-        if learner.block_learning_rate <= 0:
-            problems.append(f"learner.block_learning_rate={learner.block_learning_rate}: expected a positive number")
-        if learner.get("num_quantization_bits", 32) != 32:
-            problems.append("block momentum cannot be combined with quantized gradients; "
-                            "use learner=block_momentum or learner=quantized, not both")
+    for key in node.keys():
+        if key not in known:
+            full = f"{name}.{key}" if name else str(key)
+            close = difflib.get_close_matches(str(key), [k for k in known if not k.startswith("_")], n=1)
+            hint = f"did you mean {(name + '.') if name else ''}{close[0]}?" if close else \
+                f"expected one of {', '.join(k for k in known if not k.startswith('_'))}"
+            problems.append(f"{full}: unknown key ({schema.__name__} has no such setting); {hint}")
     return problems
+
+
+def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
+    """Every problem in a composed config, one line each (empty when the config is sound).
+
+    Checks, all at once: unknown keys in typed sections (with or without ``+``), the rules
+    registered for each ``_target_`` (learner, optimizer, model, sources, transforms, ...), the
+    session and comm sections, NaN or infinity in any number, and (with ``check_run_dir``)
+    whether ``run_dir`` can be written. Nothing is built or written.
+    """
+    if any(OmegaConf.is_missing(cfg, key) for key in ("recipe_name", "model", "source")):
+        return ["no recipe chosen: add +recipe=NAME to the command line (for example +recipe=digits)"]
+    problems: list[str] = []
+
+    def run(rule: Callable[[], list[str] | None], where: str) -> None:
+        try:
+            problems.extend(rule() or [])
+        except OmegaConfBaseException as error:  # e.g. an interpolation that does not resolve
+            problems.append(f"{where}: {str(error).strip().splitlines()[0]}")
+
+    run(lambda: _unknown_key_problems(cfg, ""), "config")
+    nodes: list[tuple[str, DictConfig]] = []
+    run(lambda: nodes.extend((path, value) for path, _, _, value in _walk(cfg, "")
+                             if isinstance(value, DictConfig)), "config")
+    for path, node in nodes:
+        run(lambda: _unknown_key_problems(node, path), path)
+        target = node.get("_target_") if "_target_" in node else None
+        if target in RULES:
+            run(lambda: RULES[target](node, path), path)
+    run(lambda: _session_problems(cfg.session), "session")
+    run(lambda: _comm_problems(cfg.comm), "comm")
+    run(lambda: _check(cfg, "", ("seed", checks.whole_number, {"low": 0})), "seed")
+    if check_run_dir:
+        run(lambda: run_dir_problems(cfg.run_dir), "run_dir")
+    # NaN or infinity in any number no rule above has already refused
+    mentioned = {problem.split("=", 1)[0].split(":", 1)[0].lstrip(".") for problem in problems}
+
+    def non_finite() -> list[str]:
+        return [f"{path}={value!r}: expected a finite number" for path, _, _, value in _walk(cfg, "")
+                if isinstance(value, float) and not math.isfinite(value) and path not in mentioned]
+    run(non_finite, "config")
+    return [problem.lstrip(".") for problem in problems]

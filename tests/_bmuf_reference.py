@@ -1,4 +1,4 @@
-"""CNTK's block momentum update (reference §1.3-1.4) written out per parameter, in one process.
+"""CNTK's block momentum update (``docs/semantics.md#block-momentum``) written out per parameter, in one process.
 
 The independent reference both the unit tests and the mpiexec worker compare the learner with:
 ``len(models)`` simulated workers, each with its own model copy and optimizer, reading their

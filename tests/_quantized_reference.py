@@ -1,4 +1,4 @@
-"""The two-phase quantized exchange (reference §2) written out directly on whole buffers.
+"""The two-phase quantized exchange (``docs/semantics.md#two-phase-exchange``) written out directly on whole buffers.
 
 The independent reference both the unit tests and the mpiexec worker compare
 ``QuantizedExchange`` with: every rank's gradients are visible at once, so phase 1 (each

@@ -6,6 +6,7 @@ Typical use, identical for one process and for ``mpiexec``/``torchrun``/``srun``
 
     comm = create_communicator()          # backend="auto": NCCL with CUDA, else Gloo
     install_fail_fast(comm)               # an exception on any rank ends the whole job
+    start_heartbeat(comm, timeout_s=60)   # so does a rank that stops (SIGSTOP, swapped out)
     comm.allreduce(grad, op="mean")
 
 Importing this package neither imports mpi4py nor starts a torch.distributed process group.
@@ -19,14 +20,15 @@ from dtrain.comm.failfast import (
     remove_signal_callback,
     uninstall_fail_fast,
 )
+from dtrain.comm.heartbeat import Heartbeat, start_heartbeat
 from dtrain.comm.launcher import LaunchInfo, detect_launcher, job_id_from_env
 from dtrain.comm.local import LocalCommunicator
 from dtrain.comm.torch_dist import TorchDistCommunicator
 
 __all__ = [
-    "BACKENDS", "REDUCE_OPS", "AsyncHandle", "Communicator", "LaunchInfo", "LocalCommunicator",
+    "BACKENDS", "REDUCE_OPS", "AsyncHandle", "Communicator", "Heartbeat", "LaunchInfo", "LocalCommunicator",
     "TorchDistCommunicator", "add_signal_callback", "create_communicator", "detect_launcher",
     "install_fail_fast", "install_signal_handlers", "job_id_from_env", "remove_signal_callback",
-    "resolve_backend", "uninstall_fail_fast",
+    "resolve_backend", "start_heartbeat", "uninstall_fail_fast",
 ]
 

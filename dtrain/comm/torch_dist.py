@@ -81,6 +81,16 @@ class TorchDistCommunicator(Communicator):
         if local_rank is None or local_size is None:
             local_rank, local_size = _node_position(self.allgather_object(socket.gethostname()), rank)
         self._local_rank, self._local_size = local_rank, local_size
+        #: the running :class:`dtrain.comm.heartbeat.Heartbeat`, stopped by :meth:`finalize`
+        self.heartbeat: Any = None
+
+    @property
+    def store_endpoint(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the job's rendezvous ``TCPStore`` (a side channel for heartbeats), or None."""
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        while store is not None and not isinstance(store, dist.TCPStore):
+            store = getattr(store, "underlying_store", None)
+        return (store.host, store.port) if store is not None else None
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -178,6 +188,8 @@ class TorchDistCommunicator(Communicator):
                 # aborts the process when a socket closes under it)
                 with contextlib.suppress(Exception):
                     dist.barrier()
+                if self.heartbeat is not None:  # every rank has arrived: silence is no longer a failure
+                    self.heartbeat.stop()
                 dist.destroy_process_group()
 
 

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from dtrain import checks
+
 MAX_BITS = 32
 """The widest code :func:`pack` accepts (a float32's bit pattern, CNTK's no-quantization case)."""
 
@@ -28,11 +30,15 @@ def code_dtype(bits: int) -> torch.dtype:
     return torch.uint8 if bits <= 8 else torch.int64
 
 
-def check_bits(bits: int) -> int:
-    """Return ``bits`` when it is an integer from 1 to 32; raise ValueError (naming the value) otherwise."""
-    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= MAX_BITS:
-        raise ValueError(f"bits must be an integer from 1 to {MAX_BITS}, got {bits!r}")
-    return bits
+def check_bits(bits: int, name: str = "bits") -> int:
+    """Return ``bits`` when it is a whole number from 1 to 32 (the one rule for a quantization width).
+
+    ``name`` is what the caller's user knows the value by (``"num_quantization_bits"`` for a learner).
+
+    Raises:
+        ValueError: ``name=value: expected a whole number of bits from 1 to 32``.
+    """
+    return checks.whole_number(name, bits, 1, MAX_BITS, unit="bits")
 
 
 def packed_size(count: int, bits: int) -> int:

@@ -1,7 +1,7 @@
 """CNTK's two-phase quantized gradient exchange (``QuantizedDistributedCommunicator``), with error feedback.
 
 A striped reduce-scatter followed by an all-gather, both on quantized, bit-packed data
-(reference/cntk_chainermn.md §2.2):
+(``docs/semantics.md#two-phase-exchange``):
 
 1. The columns of every tensor are split into N stripes, one per worker; the first
    ``columns % N`` workers get one extra column (CNTK's ``GetStripeForNode``, applied per tensor
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import checks
 from dtrain.comm.torch_dist import TorchDistCommunicator
 from dtrain.compress import bitpack
 from dtrain.compress.quantizer import (
@@ -266,11 +267,11 @@ class QuantizedExchange:
                              f"use all_to_all='allgather'")
         # -- hyper-parameters
         self.comm = comm
-        self.num_bits = bitpack.check_bits(num_bits)
+        self.num_bits = bitpack.check_bits(num_bits, "num_bits")
         if all_to_all == "auto":
             all_to_all = "torch" if has_torch else "allgather"
         self.all_to_all = all_to_all
-        self.error_feedback = error_feedback  # False: residuals dropped every step (an ablation, not for training)
+        self.error_feedback = checks.boolean("error_feedback", error_feedback)  # False: residuals dropped every step (an ablation)
         # -- state (this rank's own; not replicated, not in the model's checkpoint)
         self.layout: StripeLayout | None = None           # set by the first call (or load_state_dict)
         self.worker_residual: torch.Tensor | None = None  # [layout.numel] stripe-major: what quantizing

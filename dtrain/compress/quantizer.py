@@ -1,7 +1,7 @@
 """CNTK's column quantizer (``ColumnQuantizer``/``ValueQuantizer``), as pure tensor maths.
 
 Values are quantized per *column* with two float32 numbers per column (``lower``, ``upper``)
-that travel with the packed codes (reference/cntk_chainermn.md §2.2).
+that travel with the packed codes (``docs/semantics.md#column-quantizer``).
 
 The column view
 ---------------
@@ -29,7 +29,7 @@ Quantizers (``bits`` = k)
   (its packing needs them); this packing does not, so every k works the same way. For k > 16
   the arithmetic runs in float64, since float32's 24-bit mantissa cannot resolve 2**k levels.
   A column whose range is below 1e-36 (constant) decodes to ``lower`` (its mean), as in CNTK.
-  (The range follows reference §2.2. The ``ColumnQuantizer.h`` revision we read uses ±4σ
+  (The range follows ``docs/semantics.md#column-quantizer``. The ``ColumnQuantizer.h`` revision we read uses ±4σ
   around 0 instead: it computes the mean only for 1 bit without zero threshold. Change
   :data:`STDDEVS` and the centre here if that is the behaviour wanted.)
 * k = 32: no quantization. The code is the float32 bit pattern of the value (CNTK's

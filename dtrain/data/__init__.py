@@ -5,16 +5,16 @@ Sizes are global and counted in samples; each worker reads its share of every gl
 """
 
 from dtrain.data.arrays import ArrayDeserializer
-from dtrain.data.augment import ImageTransform
+from dtrain.data.augmentation import ImageAugmentation, crop_geometry
 from dtrain.data.cifar10 import Cifar10
 from dtrain.data.ctf import CTFDeserializer
 from dtrain.data.digits import Digits
 from dtrain.data.errors import DataError
-from dtrain.data.image_transforms import ImageAugmentation, crop_geometry
 from dtrain.data.images import ImageFolderDeserializer, image_deserializer, image_transform
 from dtrain.data.mapfile import MapFile, read_map_file
 from dtrain.data.partition import partition_slice, sweep_order, timeline_to_indices
 from dtrain.data.source import Deserializer, Minibatch, MinibatchSource
+from dtrain.data.transform import ImageTransform
 
 __all__ = [
     "ArrayDeserializer",

@@ -24,13 +24,14 @@ class ArrayDeserializer:
     Args:
         features: numpy array or tensor ``[num_samples, *feature_shape]`` (any dtype; the
             transform or the source converts to float32).
-        labels: integer array or tensor ``[num_samples]`` of class indices.
-        num_classes: number of classes; default ``max(labels) + 1``.
+        labels: integer array or tensor ``[num_samples]`` of class indices (served as int64), or a
+            floating-point one ``[num_samples, ...]`` of regression targets (served in its dtype).
+        num_classes: number of classes; default ``max(labels) + 1``; ``None`` for float targets.
         training_mean: per-sample-shaped mean ``mean_image()`` returns, e.g. the training set's
             mean when these arrays are a test split; default the mean of ``features``.
 
     Raises:
-        TypeError: an argument has the wrong type (e.g. float labels).
+        TypeError: an argument has the wrong type (e.g. bool labels, or ``num_classes`` with float targets).
         ValueError: empty arrays, different lengths, labels outside ``[0, num_classes)``, or a
             ``training_mean`` whose shape is not ``feature_shape``.
     """
@@ -48,16 +49,35 @@ class ArrayDeserializer:
             raise ValueError(
                 f"features must have shape [num_samples >= 1, ...], got {tuple(self._features.shape)}"
             )
-        if labels_tensor.ndim != 1:
-            raise ValueError(f"labels must be 1-D [num_samples], got shape {tuple(labels_tensor.shape)}")
         label_dtype = labels_tensor.dtype
-        if label_dtype.is_floating_point or label_dtype.is_complex or label_dtype == torch.bool:
-            raise TypeError(f"labels must be integers, got dtype {labels_tensor.dtype}")
+        if label_dtype.is_complex or label_dtype == torch.bool:
+            raise TypeError(f"labels must be integers (classes) or floats (regression targets), got dtype {label_dtype}")
+        regression = label_dtype.is_floating_point
+        if labels_tensor.ndim != 1 and not (regression and labels_tensor.ndim >= 1):
+            raise ValueError(f"labels must be 1-D [num_samples], got shape {tuple(labels_tensor.shape)}")
         if labels_tensor.shape[0] != self._features.shape[0]:
             raise ValueError(
                 f"features and labels must have the same length, got {self._features.shape[0]} "
                 f"and {labels_tensor.shape[0]}"
             )
+        self._training_mean = None
+        if regression:  # targets keep their values and dtype: 0.25 stays 0.25
+            if num_classes is not None:
+                raise TypeError(f"num_classes={num_classes!r} applies to integer class labels; these are "
+                                f"{label_dtype} regression targets, leave it None")
+            self._labels = labels_tensor
+            self.num_classes = None
+        else:
+            self._set_class_labels(labels_tensor, num_classes)
+        if training_mean is not None:
+            self._training_mean = _as_tensor("training_mean", training_mean).to(torch.float32)
+            if tuple(self._training_mean.shape) != self.feature_shape:
+                raise ValueError(
+                    f"training_mean must have shape {self.feature_shape} (feature_shape), got "
+                    f"{tuple(self._training_mean.shape)}"
+                )
+
+    def _set_class_labels(self, labels_tensor: torch.Tensor, num_classes: int | None) -> None:
         self._labels = labels_tensor.to(torch.int64)
         smallest, largest = int(self._labels.min()), int(self._labels.max())
         if num_classes is None:
@@ -67,14 +87,6 @@ class ArrayDeserializer:
             raise ValueError(
                 f"labels must lie in [0, num_classes={self.num_classes}), got range [{smallest}, {largest}]"
             )
-        self._training_mean = None
-        if training_mean is not None:
-            self._training_mean = _as_tensor("training_mean", training_mean).to(torch.float32)
-            if tuple(self._training_mean.shape) != self.feature_shape:
-                raise ValueError(
-                    f"training_mean must have shape {self.feature_shape} (feature_shape), got "
-                    f"{tuple(self._training_mean.shape)}"
-                )
 
     @property
     def num_samples(self) -> int:
@@ -87,7 +99,8 @@ class ArrayDeserializer:
         return tuple(self._features.shape[1:])
 
     def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features ``[len(indices), *feature_shape]`` (stored dtype) and int64 labels of ``indices``."""
+        """Features ``[len(indices), *feature_shape]`` (stored dtype) and the labels of ``indices``
+        (int64 classes, or the float targets in their dtype)."""
         index_tensor = torch.from_numpy(np.asarray(indices, dtype=np.int64))
         return self._features[index_tensor], self._labels[index_tensor]
 

@@ -1,6 +1,6 @@
 """CNTK Text Format (CTF) deserializer: ``[seqId] |name v v ... |sparse i:v ... |# comment``.
 
-Format (reference/cntk_chainermn.md §4.3, CNTK ``articles/BrainScript-CNTKTextFormat-Reader.md``):
+Format (``docs/semantics.md#data-formats``, CNTK ``articles/BrainScript-CNTKTextFormat-Reader.md``):
   * an optional leading sequence id; consecutive lines with the same id form one sequence, and a
     line without an id is a sequence of its own;
   * ``|name`` starts an input's values: dense ``v v ...`` (exactly ``dim`` numbers) or sparse

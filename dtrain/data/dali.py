@@ -31,8 +31,8 @@ from PIL import Image
 
 from dtrain.data._checks import check_int
 from dtrain.data.errors import DataError
-from dtrain.data.image_transforms import ImageAugmentation
-from dtrain.data.images import MapFileImages
+from dtrain.data.augmentation import ImageAugmentation
+from dtrain.data.map_file_images import MapFileImages
 
 __all__ = ["DaliImageAugmentation", "DaliImageDeserializer", "dali_available"]
 

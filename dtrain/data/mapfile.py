@@ -1,6 +1,6 @@
 """CNTK ImageDeserializer map files: one image per line, ``path<TAB>label`` or ``seqId<TAB>path<TAB>label``.
 
-Format (reference/cntk_chainermn.md §4.3, CNTK ``articles/BrainScript-Image-reader.md``):
+Format (``docs/semantics.md#data-formats``, CNTK ``articles/BrainScript-Image-reader.md``):
   * the label is a 0-based class index (a non-negative integer);
   * a relative path is resolved against the map file's directory, and a leading ``...``
     expands to that directory (CNTK's spelling of "next to the map file");

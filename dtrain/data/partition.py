@@ -1,6 +1,6 @@
 """Pure index maths for reading an infinite sample timeline in partitions.
 
-CNTK's model (reference/cntk_chainermn.md §4.2): reading follows an infinite nominal timeline
+CNTK's model (``docs/semantics.md#partitions-and-sweeps``): reading follows an infinite nominal timeline
 of sample positions 0, 1, 2, ...; sweep ``s`` covers positions ``[s*M, (s+1)*M)`` where ``M``
 is the number of samples in the data set. With randomisation, sweep ``s`` visits the data in a
 permutation that depends only on ``(seed, s)``, so every worker computes the same global order

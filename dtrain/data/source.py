@@ -1,6 +1,6 @@
 """MinibatchSource: CNTK-style reading of a deserializer along an infinite, partitioned timeline.
 
-Semantics (reference/cntk_chainermn.md §4): sizes are global and counted in samples. Every
+Semantics (``docs/semantics.md#minibatch-source``): sizes are global and counted in samples. Every
 worker builds the same source (same deserializer, seed, limits) and asks for the same global
 minibatch size; each gets its contiguous share of the global minibatch, and all advance the
 same global position. A checkpoint is just that position, so a run resumes on any world size.
@@ -8,6 +8,7 @@ same global position. A checkpoint is just that position, so a run resumes on an
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -35,7 +36,8 @@ class Deserializer(Protocol):
     num_classes: int
 
     def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw features ``[len(indices), *feature_shape]`` and int64 labels ``[len(indices)]``."""
+        """Raw features ``[len(indices), *feature_shape]`` and labels ``[len(indices), ...]``: int64 class
+        indices, or floating-point targets (regression), whose dtype the source keeps."""
         ...
 
 
@@ -45,7 +47,8 @@ class Minibatch:
 
     Attributes:
         features: float32 ``[n, *feature_shape]`` after the transform (``n`` may be 0).
-        labels: int64 ``[n]``.
+        labels: ``[n]`` int64 class indices (any integer dtype is widened to int64), or the
+            deserializer's floating-point targets ``[n, ...]`` in their own dtype (regression).
         positions: int64 ``[n]`` global timeline positions of these samples.
         global_num_samples: samples in the whole global minibatch (all partitions together).
         sweep_end: True when this global minibatch contains the last sample of a sweep.
@@ -82,6 +85,11 @@ class MinibatchSource:
         transform: callable ``transform(features, positions, seed) -> float32 tensor`` applied to
             each local minibatch; if it has ``setup(deserializer)``, that is called once here.
             Without a transform, features are only converted to float32 (values unchanged).
+        read_ahead: after returning a minibatch, read (decode and transform) the next one in a
+            background thread, assuming the same size and partitions; a request that differs
+            (another size, partition or position, after a restore) discards it and reads anew, so
+            the stream is the same with or without. ``None``: on when the deserializer says reads
+            are slow (``benefits_from_read_ahead``, e.g. decoding image files).
 
     Raises:
         TypeError: an argument has the wrong type (e.g. a deserializer without ``get``).
@@ -96,6 +104,7 @@ class MinibatchSource:
         max_samples: int | None = None,
         max_sweeps: int | None = None,
         transform: Callable[[torch.Tensor, np.ndarray, int], torch.Tensor] | None = None,
+        read_ahead: bool | None = None,
     ) -> None:
         for attribute in ("num_samples", "feature_shape", "num_classes", "get"):
             if not hasattr(deserializer, attribute):
@@ -127,6 +136,17 @@ class MinibatchSource:
         if transform is not None and hasattr(transform, "setup"):
             transform.setup(deserializer)
         self._position = 0
+        if read_ahead is None:
+            read_ahead = bool(getattr(deserializer, "benefits_from_read_ahead", False))
+        self._read_ahead = check_bool("read_ahead", read_ahead)
+        self._executor: ThreadPoolExecutor | None = None
+        # the minibatch being read in the background: (request key, future)
+        self._pending: tuple[tuple[int, int, int, int], Future] | None = None
+
+    @property
+    def read_ahead(self) -> bool:
+        """Whether the next minibatch is read in the background (see the class docstring)."""
+        return self._read_ahead
 
     @property
     def deserializer(self) -> Deserializer:
@@ -173,11 +193,37 @@ class MinibatchSource:
                 f"partition_index must be < num_data_partitions ({num_data_partitions}), "
                 f"got {partition_index}"
             )
-        start_position = self._position
+        request = self._request(self._position, global_size, num_data_partitions, partition_index)
+        if request is None:
+            self._discard_read_ahead()
+            return None
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == request:
+            minibatch = pending[1].result()  # an error of the background read is raised here
+        else:
+            if pending is not None:
+                _wait_quietly(pending[1])  # never two reads at once: deserializers need not be thread-safe
+            minibatch = self._read(*request)
+        self._position = request[0] + request[1]
+        if self._read_ahead:
+            following = self._request(self._position, global_size, num_data_partitions, partition_index)
+            if following is not None:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-read-ahead")
+                self._pending = (following, self._executor.submit(self._read, *following))
+        return minibatch
+
+    def _request(self, start_position: int, global_size: int, num_data_partitions: int,
+                 partition_index: int) -> tuple[int, int, int, int] | None:
+        """``(start, global size clipped at the reading limit, partitions, index)``; None past the limit."""
         if self._end_position is not None:
             if start_position >= self._end_position:
                 return None
             global_size = min(global_size, self._end_position - start_position)
+        return start_position, global_size, num_data_partitions, partition_index
+
+    def _read(self, start_position: int, global_size: int, num_data_partitions: int, partition_index: int) -> Minibatch:
+        """The minibatch of one request: a pure function of it (no state of the source changes)."""
         local_start, local_stop = partition_slice(
             start_position, global_size, num_data_partitions, partition_index
         )
@@ -187,14 +233,32 @@ class MinibatchSource:
         features = self._apply_transform(features, positions)
         sweeps_done_before = start_position // self._samples_per_sweep
         sweeps_done_after = (start_position + global_size) // self._samples_per_sweep
-        self._position = start_position + global_size
         return Minibatch(
             features=features,
-            labels=labels.to(torch.int64),
+            labels=_label_tensor(labels),
             positions=positions,
             global_num_samples=global_size,
             sweep_end=sweeps_done_after > sweeps_done_before,
         )
+
+    def _discard_read_ahead(self) -> None:
+        """Drops the background read (after it finishes, so no read overlaps the next one)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            _wait_quietly(pending[1])
+
+    def close(self) -> None:
+        """Stops the read-ahead thread (reading again starts a new one)."""
+        self._discard_read_ahead()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_executor"] = None  # threads and futures do not pickle; a copy reads ahead anew
+        state["_pending"] = None
+        return state
 
     def _apply_transform(self, features: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
         if self._transform is None:
@@ -262,4 +326,21 @@ class MinibatchSource:
                 f"checkpoint state has randomize={randomize} but this source has "
                 f"randomize={self._randomize}; build the source with randomize={randomize}"
             )
+        self._discard_read_ahead()
         self._position = position
+
+
+def _wait_quietly(future: Future) -> None:
+    """Waits for a discarded background read; its result or error is not needed."""
+    try:
+        future.result()
+    except Exception:  # noqa: BLE001 - a read that was not asked for cannot fail the one that was
+        pass
+
+
+def _label_tensor(labels: torch.Tensor) -> torch.Tensor:
+    """Integer class labels as int64 (what torch's classification losses take); floating-point
+    targets unchanged, so a regression target of 0.25 stays 0.25."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex:
+        return labels
+    return labels.to(torch.int64)

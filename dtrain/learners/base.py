@@ -1,18 +1,24 @@
 """The learner interface the training loop talks to: it wraps a torch optimizer by composition.
 
-Every learner (local, data-parallel, quantized, block momentum) implements the same small
-interface, so `training_session` never changes when a distributed learner is chosen.
+Every learner (local, data-parallel, quantized, block momentum, or one written outside the
+package) implements the same small interface, so `training_session` never changes when a
+distributed learner is chosen. :class:`Learner` is a template: its final :meth:`Learner.step`
+calls the subclass's :meth:`Learner.apply_update` and then advances the sample clock
+``samples_seen``, which is what ends training at ``max_samples``; a subclass cannot forget it.
+See ``docs/writing-a-learner.md``.
 """
 from __future__ import annotations
 
-from typing import Any
+import abc
+from typing import Any, final
 
 import torch
 
+from dtrain import checks
 from dtrain.comm.local import LocalCommunicator
 
 
-class Learner:
+class Learner(abc.ABC):
     """Applies one minibatch's update to a model through a wrapped ``torch.optim.Optimizer``.
 
     Args:
@@ -23,19 +29,40 @@ class Learner:
 
     The loop calls, per minibatch: ``begin_minibatch(local_samples, global_samples)``, backward
     on the local mean loss, then ``step()``. ``samples_seen`` counts global samples trained on.
+
+    Subclasses implement :meth:`apply_update` (and usually ``prepare``/``synchronize``); they
+    must not override :meth:`step`, which is final: a class that does is refused with a
+    ``TypeError`` when it is defined. ``kind`` names the learner in checkpoints (a subclass that
+    sets none gets its class name).
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: ``distributed_after`` is not a non-negative whole number of samples.
     """
 
     #: short name written into checkpoints, so a checkpoint says which learner made it
-    kind = "local"
+    kind: str = ""
+    _kind_is_class_name = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__} overrides Learner.step(), which is final: step() applies the "
+                f"update and then advances samples_seen, the clock that ends training at max_samples; "
+                f"implement apply_update() instead (see docs/writing-a-learner.md)")
+        if cls.__dict__.get("kind"):
+            cls._kind_is_class_name = False
+        elif not cls.kind or cls._kind_is_class_name:
+            cls.kind = cls.__name__  # a base such as ReplicatedLearner does not lend its name to subclasses
+            cls._kind_is_class_name = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(distributed_after, int) or isinstance(distributed_after, bool) or distributed_after < 0:
-            raise ValueError(f"distributed_after must be a non-negative number of samples, got {distributed_after!r}")
         self.optimizer = optimizer
         self.comm = comm if comm is not None else LocalCommunicator()
-        self.distributed_after = distributed_after
+        self.distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
         self.samples_seen = 0
         self.local_samples = 0    # of the current minibatch, set by begin_minibatch
         self.global_samples = 0
@@ -61,11 +88,6 @@ class Learner:
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Called once before training (after any restore): e.g. broadcast parameters, add hooks."""
-        if self.comm.size > 1:
-            raise ValueError(
-                f"the local learner trains one process but this job has {self.comm.size}; "
-                f"choose a distributed learner: learner=data_parallel, learner=quantized or learner=block_momentum"
-            )
 
     def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
         """Clears the gradients and records the sample counts of the minibatch about to be computed.
@@ -78,11 +100,21 @@ class Learner:
         self.local_samples = local_samples
         self.global_samples = global_samples
 
+    @final
     def step(self) -> None:
-        """Updates the parameters from this worker's gradient of its local mean loss."""
-        if self.local_samples > 0:
-            self.optimizer.step()
+        """Applies this minibatch's update (:meth:`apply_update`), then advances ``samples_seen``
+        by the minibatch's global samples. Final: the clock advances for every learner."""
+        self.apply_update()
         self.samples_seen += self.global_samples
+
+    @abc.abstractmethod
+    def apply_update(self) -> None:
+        """Updates the parameters from this worker's gradient of its LOCAL mean loss.
+
+        Called by :meth:`step` after backward, with ``local_samples``/``global_samples`` of this
+        minibatch set and ``samples_seen`` still counting the samples BEFORE it (``step``
+        advances it when this returns). Must not change ``samples_seen``.
+        """
 
     def synchronize(self) -> None:
         """Brings every worker to one model (block momentum's final sync); a no-op here."""
@@ -101,6 +133,11 @@ class Learner:
         """Releases hooks or buffers at the end of training."""
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """Settings a checkpoint must match to be restored by this learner (its kind; subclasses add
+        settings whose state would not fit another value)."""
+        return {"kind": self.kind}
+
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state plus the learner's own counters (replicated on every worker)."""
         return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen}
@@ -121,3 +158,29 @@ class Learner:
             )
         self.optimizer.load_state_dict(state["optimizer"])
         self.samples_seen = int(state["samples_seen"])
+
+
+class LocalLearner(Learner):
+    """The torch optimizer alone, in one process (``learner=local``): every step is ``optimizer.step()``.
+
+    Args: as :class:`Learner`; ``distributed_after`` has no effect with one process.
+
+    Raises:
+        ValueError: in ``prepare``, when the job has more than one process (choose a distributed
+            learner instead: training N copies alone would silently waste N-1 of them).
+    """
+
+    kind = "local"
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Refuses a job of several processes; nothing else to prepare."""
+        if self.comm.size > 1:
+            raise ValueError(
+                f"the local learner trains one process but this job has {self.comm.size}; "
+                f"choose a distributed learner: learner=data_parallel, learner=quantized or learner=block_momentum"
+            )
+
+    def apply_update(self) -> None:
+        """``optimizer.step()`` on this process's gradient (skipped for an empty minibatch)."""
+        if self.local_samples > 0:
+            self.optimizer.step()

@@ -1,7 +1,7 @@
 """Block momentum (BMUF): local steps on each worker, and every block a filtered model sync.
 
 ``block_momentum_distributed_learner`` is CNTK's factory of the same name and follows CNTK's
-update literally (reference/cntk_chainermn.md §1.3-1.4, ARCHITECTURE convention 3): each worker
+update literally (``docs/semantics.md#block-momentum``, with CNTK's sums of model deltas): each worker
 trains its own copy of the model with the wrapped optimizer; when a block of samples has been
 trained on, the workers' model deltas are SUMMED, filtered by the block momentum and applied to
 the model of the last sync, so every worker continues from one model.
@@ -9,12 +9,12 @@ the model of the last sync, so every worker continues from one model.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from dtrain import checks
 from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import Learner
 from dtrain.schedules import momentum_from_time_constant
@@ -93,8 +93,9 @@ class BlockMomentumLearner(Learner):
             first block starts (>= 0).
 
     Raises:
-        ValueError: a value is out of range, or ``block_size // N`` is 0 (sync period too small).
-        TypeError: the optimizer is not a ``torch.optim.Optimizer``, or a flag is not a bool.
+        ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
+            ``block_size // N`` is 0 (sync period too small).
+        TypeError: the optimizer is not a ``torch.optim.Optimizer``.
     """
 
     kind = "block_momentum"
@@ -105,21 +106,16 @@ class BlockMomentumLearner(Learner):
                  distributed_after: int = 0):
         super().__init__(optimizer, comm, distributed_after)
         num_workers = self.comm.size
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size={block_size!r}: expected a positive whole number of samples "
-                             f"(global, all workers together), e.g. block_size={4096 * num_workers}")
+        block_size = checks.sample_count("block_size", block_size)
         if block_size // num_workers < 1:
-            raise ValueError(f"block_size={block_size} is too small for {num_workers} workers: the per-worker sync "
-                             f"period block_size // N is 0 (CNTK: 'Sync period is too small'); "
-                             f"use block_size >= {num_workers}")
-        if block_momentum_as_time_constant is not None:
-            _check_positive("block_momentum_as_time_constant", block_momentum_as_time_constant,
-                            "samples, or None for CNTK's default -block_size/ln(1-1/N)")
-        _check_positive("block_learning_rate", block_learning_rate, "(1.0 is CNTK's default)")
-        for name, flag in (("use_nesterov_momentum", use_nesterov_momentum),
-                           ("reset_sgd_momentum_after_aggregation", reset_sgd_momentum_after_aggregation)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}={flag!r}: expected True or False")
+            raise ValueError(f"block_size={block_size}: expected at least {num_workers} samples for {num_workers} "
+                             f"workers: the per-worker sync period block_size // N is 0 (CNTK: 'Sync period is "
+                             f"too small')")
+        checks.positive_number("block_momentum_as_time_constant", block_momentum_as_time_constant, allow_none=True,
+                               unit="samples")  # null: CNTK's default
+        checks.positive_number("block_learning_rate", block_learning_rate)
+        checks.boolean("use_nesterov_momentum", use_nesterov_momentum)
+        checks.boolean("reset_sgd_momentum_after_aggregation", reset_sgd_momentum_after_aggregation)
 
         # -- hyper-parameters
         self.block_size = block_size
@@ -189,7 +185,7 @@ class BlockMomentumLearner(Learner):
             self.prev_parameters.copy_(restored_prev)
             self.smoothed_gradient.copy_(restored_sg)
 
-    def step(self) -> None:
+    def apply_update(self) -> None:
         """The local optimizer step, then the block logic (a sync when the block is complete).
 
         Raises:
@@ -200,14 +196,13 @@ class BlockMomentumLearner(Learner):
         blocks_started = self._blocks_started()  # decided before this minibatch was read
         if self.local_samples > 0:
             self.optimizer.step()
-        self.samples_seen += self.global_samples
         if blocks_started:
             self.local_samples_in_block += self.local_samples
             self.global_samples_in_block += self.global_samples
             self.largest_share_in_block += -(-self.global_samples // self.comm.size)
             if self.largest_share_in_block >= self.sync_period:
                 self._sync()
-        elif self._blocks_started():
+        elif self._blocks_started(after=self.global_samples):  # step() counts this minibatch when we return
             self._start_blocks()
 
     def synchronize(self) -> None:
@@ -230,12 +225,13 @@ class BlockMomentumLearner(Learner):
             _broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
 
     # -- the block update -----------------------------------------------------------------------
-    def _blocks_started(self) -> bool:
+    def _blocks_started(self, after: int = 0) -> bool:
+        """Whether blocks have started once ``after`` more samples are counted in ``samples_seen``."""
         # not is_distributed(): one worker runs blocks too (CNTK resets momentum at its syncs)
-        return self.samples_seen >= self.distributed_after
+        return self.samples_seen + after >= self.distributed_after
 
     def _sync(self) -> None:
-        """The BMUF update of reference §1.4, on every rank at once."""
+        """The BMUF update (``docs/semantics.md#block-momentum``, steps 1-4), on every rank at once."""
         num_workers = self.comm.size
         mean_local_samples = self.global_samples_in_block / num_workers
         block_momentum = momentum_from_time_constant(self.time_constant / num_workers, mean_local_samples)
@@ -368,11 +364,6 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _check_positive(name: str, value, unit: str) -> None:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r}: expected a positive finite number {unit}")
-
-
 def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().cpu().clone()
 

@@ -1,21 +1,23 @@
 """The data-parallel learner: every minibatch, gradients are summed over workers in buckets.
 
-``data_parallel_distributed_learner`` is CNTK's factory of the same name (reference/cntk_chainermn.md
-§1.1, §1.2) with ChainerMN's start (§5.2: rank 0's parameters are broadcast before training).
+``data_parallel_distributed_learner`` is CNTK's factory of the same name with ChainerMN's start
+(rank 0's parameters are broadcast before training); see ``docs/semantics.md#data-parallel-learner``
+and, for ``distributed_after``, ``docs/semantics.md#warm-start``.
 The all-reduce overlaps backward: each bucket of gradients is sent as soon as it and every
 earlier bucket are complete.
 """
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any
 
 import torch
 
-from dtrain.learners._buckets import BYTES_PER_MB, GradientBucket, plan_buckets
-from dtrain.learners._replicas import ReplicatedLearner, unique_tensors
+from dtrain import checks
+from dtrain.compress.bitpack import check_bits
+from dtrain.learners._buckets import GradientBucket, plan_buckets
 from dtrain.learners.base import Learner
+from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
 
 class DataParallelLearner(ReplicatedLearner):
@@ -61,7 +63,7 @@ class DataParallelLearner(ReplicatedLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
                  bucket_size_mb: float = 25.0):
-        super().__init__(optimizer, comm, distributed_after, _check_bucket_size(bucket_size_mb) * BYTES_PER_MB)
+        super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
         self.buckets: list[GradientBucket] = []
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
@@ -75,10 +77,9 @@ class DataParallelLearner(ReplicatedLearner):
         A collective: every rank calls it once before training. Does nothing with one worker.
         """
         self.finalize()  # a second prepare replaces the hooks instead of doubling them
-        self._model = model
+        super().prepare(model)
         if self.comm.size == 1:
             return
-        self._broadcast_from_root()
         trainable = [parameter for parameter in unique_tensors(self.parameters) if parameter.requires_grad]
         ready_order = trainable[::-1]  # backward produces the last layer's gradients first
         self.buckets = [GradientBucket([ready_order[index] for index in indices])
@@ -103,13 +104,9 @@ class DataParallelLearner(ReplicatedLearner):
         broadcasts rank 0's model and optimizer state (a collective).
         """
         super().begin_minibatch(local_samples, global_samples)
-        if self.comm.size > 1:
-            self._require_prepared()
         self._reducing = self.is_distributed()
         if not self._reducing:
             return
-        if not self._replicas_identical:
-            self._broadcast_from_root()
         self._scale = local_samples / global_samples
         self._next_bucket = 0
         for bucket in self.buckets:
@@ -129,15 +126,12 @@ class DataParallelLearner(ReplicatedLearner):
             bucket.handle = self.comm.allreduce_async(bucket.buffer, op="sum")
             self._next_bucket += 1
 
-    def step(self) -> None:
+    def distributed_update(self) -> None:
         """Finishes the gradient all-reduce, writes the global-mean gradient into ``.grad`` and steps.
 
-        Without communication (one worker, or before ``distributed_after``) this is the local
-        learner's step.
+        Without communication (one worker, or before ``distributed_after``) ``step`` makes the
+        local learner's update instead.
         """
-        if not self._reducing:
-            self._local_step()
-            return
         for bucket in self.buckets[self._next_bucket:]:
             bucket.fill_missing_with_zeros()
         self._launch_ready_buckets()
@@ -146,7 +140,6 @@ class DataParallelLearner(ReplicatedLearner):
             bucket.assign_grads()
         self._reducing = False
         self.optimizer.step()
-        self.samples_seen += self.global_samples
 
 
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
@@ -169,37 +162,24 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
 
     Raises:
-        ValueError: a value out of range (the message names it and the fix).
-        TypeError: ``optimizer`` is not a torch optimizer, or ``error_feedback`` is not a bool.
+        ValueError: a value out of range or of the wrong kind (one line ``name=value: expected ...``).
+        TypeError: ``optimizer`` is not a torch optimizer.
     """
-    if (not isinstance(num_quantization_bits, numbers.Integral) or isinstance(num_quantization_bits, bool)
-            or not 1 <= num_quantization_bits <= 32):
-        raise ValueError(f"num_quantization_bits must be an integer from 1 to 32 (32 = no quantization), "
-                         f"got {num_quantization_bits!r}")
-    _check_bucket_size(bucket_size_mb)
-    if not isinstance(distributed_after, numbers.Integral) or isinstance(distributed_after, bool) or distributed_after < 0:
-        raise ValueError(f"distributed_after must be a non-negative number of samples (0 = distributed from the "
-                         f"start), got {distributed_after!r}")
-    if not isinstance(error_feedback, bool):
-        raise TypeError(f"error_feedback must be true or false, got {error_feedback!r}")
+    num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
+    checks.positive_number("bucket_size_mb", bucket_size_mb, unit="MiB")  # refused even where quantized ignores it
+    distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
+    error_feedback = checks.boolean("error_feedback", error_feedback)
     if not error_feedback and num_quantization_bits == 32:
-        raise ValueError("error_feedback=False only applies to quantized gradients; set num_quantization_bits below 32 "
-                         "(e.g. learner=quantized) or leave error_feedback=True")
+        raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
+                         "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")
     if num_quantization_bits < 32:
         # imported here: the quantized learner is optional and pulls in the compressors
         from dtrain.learners.quantized import QuantizedDataParallelLearner
 
-        return QuantizedDataParallelLearner(optimizer, comm, distributed_after=int(distributed_after),
+        return QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
                                             num_quantization_bits=int(num_quantization_bits),
                                             error_feedback=error_feedback)
-    return DataParallelLearner(optimizer, comm, distributed_after=int(distributed_after), bucket_size_mb=bucket_size_mb)
-
-
-def _check_bucket_size(bucket_size_mb) -> float:
-    if (not isinstance(bucket_size_mb, numbers.Real) or isinstance(bucket_size_mb, bool)
-            or not bucket_size_mb > 0 or bucket_size_mb == float("inf")):
-        raise ValueError(f"bucket_size_mb must be a positive number of MiB (e.g. 25), got {bucket_size_mb!r}")
-    return float(bucket_size_mb)
+    return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb)
 
 
 __all__ = ["DataParallelLearner", "data_parallel_distributed_learner"]

@@ -1,9 +1,12 @@
 """The quantized data-parallel learner: 1-bit SGD (and k-bit) with error feedback, CNTK-style.
 
-CNTK's ``data_parallel_distributed_learner(..., num_quantization_bits=k<32)`` (reference/cntk_chainermn.md
-§1.1, §2.2): every minibatch the gradients are summed over workers through
-:class:`dtrain.compress.QuantizedExchange` (k-bit packed on the wire, two error-feedback buffers),
-and every worker applies the same decoded sum with its local optimizer.
+One thing, three names: the config option ``learner=quantized`` (``learner.num_quantization_bits``,
+1 by default) and the API call ``data_parallel_distributed_learner(num_quantization_bits=k)``
+with k < 32 (CNTK's factory) both build a :class:`QuantizedDataParallelLearner` (CNTK's
+``QuantizedDataParallelDistributedLearner``). Every minibatch the gradients are summed over
+workers through :class:`dtrain.compress.QuantizedExchange` (k-bit packed on the wire, two
+error-feedback buffers), and every worker applies the same decoded sum with its local optimizer;
+see ``docs/semantics.md#quantized-gradients``.
 """
 from __future__ import annotations
 
@@ -13,14 +16,14 @@ import torch
 
 from dtrain.compress import QuantizedExchange
 from dtrain.compress.bitpack import check_bits
-from dtrain.learners._buckets import BYTES_PER_MB
-from dtrain.learners._replicas import ReplicatedLearner, unique_tensors
-
-_BROADCAST_BUCKET_BYTES = 25 * BYTES_PER_MB  # parameters and buffers travel in flat chunks of this size
+from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
 
 class QuantizedDataParallelLearner(ReplicatedLearner):
     """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
+
+    Built by ``learner=quantized`` in a config, or ``data_parallel_distributed_learner(
+    num_quantization_bits=k)`` with k < 32 from Python; constructing it directly is the same.
 
     Each rank back-propagates the mean loss over its ``local_samples``; ``step()`` scales that
     gradient by ``local_samples / global_samples`` (so the SUM over ranks is the gradient of the
@@ -54,14 +57,13 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
                  num_quantization_bits: int = 1, error_feedback: bool = True):
-        super().__init__(optimizer, comm, distributed_after, _BROADCAST_BUCKET_BYTES)
-        try:
-            check_bits(num_quantization_bits)
-        except ValueError:
-            raise ValueError(f"num_quantization_bits must be an integer from 1 to 32, got {num_quantization_bits!r}; "
-                             f"1 is 1-bit SGD, 32 is full precision") from None
-        self.num_quantization_bits = num_quantization_bits
+        super().__init__(optimizer, comm, distributed_after)  # parameters broadcast in 25 MiB chunks
+        self.num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
         self.exchange = QuantizedExchange(self.comm, num_quantization_bits, error_feedback=error_feedback)
+
+    def checkpoint_identity(self) -> dict:
+        """The kind and the bits per value: a checkpoint restores only into the same quantization."""
+        return {"kind": self.kind, "num_quantization_bits": self.num_quantization_bits}
 
     # -- statistics --------------------------------------------------------------------------------
     @property
@@ -74,7 +76,7 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
         """A float32 all-reduce's bytes over the bytes actually sent, last step (nan before any)."""
         return self.exchange.compression_ratio
 
-    # -- set-up ------------------------------------------------------------------------------------
+    # -- progress ------------------------------------------------------------------------------------
     def progress_note(self) -> str:
         """Bytes this rank sent in the last exchange and the saving against a 32-bit all-reduce."""
         if not self.bytes_sent_last_step:
@@ -82,34 +84,16 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
         return (f"{self.num_quantization_bits}-bit: {self.bytes_sent_last_step / 1e3:,.0f} kB sent/step "
                 f"({self.compression_ratio:.1f}x less than 32-bit)")
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        """Broadcasts rank 0's parameters, buffers and optimizer state (a collective; nothing with one rank)."""
-        self._model = model
-        if self.comm.size > 1:
-            self._broadcast_from_root()
-
     # -- one minibatch -----------------------------------------------------------------------------
-    def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
-        """Clears gradients and records sample counts; at the first distributed minibatch after
-        local steps, first broadcasts rank 0's model and optimizer state (a collective)."""
-        super().begin_minibatch(local_samples, global_samples)
-        if self.is_distributed() and not self._replicas_identical:
-            self._require_prepared()
-            self._broadcast_from_root()
-
-    def step(self) -> None:
+    def distributed_update(self) -> None:
         """Sums the scaled gradients over ranks through the quantized exchange, then steps.
 
-        Before ``distributed_after`` (or with one rank) this is the local learner's step.
+        Before ``distributed_after`` (or with one rank) ``step`` makes the local learner's update instead.
         """
-        if not self.is_distributed():
-            self._local_step()
-            return
         if self.global_samples > 0:  # every rank knows the global count, so all skip an empty step together
             gradients = self._gradients()
             self.exchange.allreduce_(gradients, scale=self.local_samples / self.global_samples)
             self.optimizer.step()
-        self.samples_seen += self.global_samples
 
     def _gradients(self) -> list[torch.Tensor]:
         """Every trainable parameter's ``.grad`` (zeros where backward gave none), in optimizer order."""

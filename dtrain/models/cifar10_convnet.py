@@ -1,8 +1,10 @@
-"""The ConvNet of CNTK's ConvNet_CIFAR10_DataAug example (reference §6), in PyTorch."""
+"""The ConvNet of CNTK's ConvNet_CIFAR10_DataAug example (``docs/semantics.md#cifar-10-example``), in PyTorch."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dtrain import checks
 
 
 class ConvNetCIFAR10(nn.Module):
@@ -15,10 +17,15 @@ class ConvNetCIFAR10(nn.Module):
     Args:
         num_classes: output logits.
         dropout: dropout probability after each hidden dense layer (0.5 in the example).
+
+    Raises:
+        ValueError: ``num_classes`` below 2 or ``dropout`` outside [0, 1).
     """
 
     def __init__(self, num_classes: int = 10, dropout: float = 0.5):
         super().__init__()
+        checks.whole_number("num_classes", num_classes, low=2, unit="classes")
+        checks.number_in_range("dropout", dropout, 0.0, 1.0, include_high=False)
 
         def conv(cin: int, cout: int) -> list[nn.Module]:
             return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]

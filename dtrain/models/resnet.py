@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dtrain import checks
+
 __all__ = ["Bottleneck", "ResNet", "ResNet50"]
 
 
@@ -53,7 +55,7 @@ class ResNet(nn.Module):
             identity (Goyal et al. 2017, for large-minibatch training).
 
     Raises:
-        ValueError: an empty or non-positive ``layers``, ``num_classes`` or ``width``.
+        ValueError: an empty or non-positive ``layers``, ``num_classes`` below 2 or ``width`` below 1.
     """
 
     def __init__(self, layers: Sequence[int], num_classes: int = 1000, width: int = 64,
@@ -61,8 +63,8 @@ class ResNet(nn.Module):
         super().__init__()
         if not layers or any(int(count) < 1 for count in layers):
             raise ValueError(f"layers must be positive block counts per stage, got {list(layers)!r}")
-        if num_classes < 1 or width < 1:
-            raise ValueError(f"num_classes and width must be >= 1, got {num_classes} and {width}")
+        checks.whole_number("num_classes", num_classes, low=2, unit="classes")
+        checks.whole_number("width", width, low=1, unit="channels")
         self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
                                   nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1))
         blocks, in_channels = [], width

@@ -1,9 +1,11 @@
 """The training loop (``training_session``) and what it needs: configs, checkpoints, evaluation, output."""
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
+from dtrain.session.objectives import ClassificationError, MeanAbsoluteError, MSELoss, TopKError
 from dtrain.session.session import TrainingDiverged, TrainingResult, TrainingSession, training_session
 
 __all__ = [
+    "ClassificationError", "MSELoss", "MeanAbsoluteError", "TopKError",
     "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingDiverged", "TrainingResult",
     "TrainingSession", "classification_errors", "evaluate", "training_session",
 ]

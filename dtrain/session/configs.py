@@ -8,19 +8,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def _check_frequency(name: str, frequency: int | None) -> int:
-    """CNTK's rule: ``None`` means once, at the end (``sys.maxsize``); 0 disables the action."""
-    if frequency is None:
-        return sys.maxsize
-    if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 0:
-        raise ValueError(f"{name} must be a non-negative number of samples or None, got {frequency!r}")
-    return frequency
+from dtrain import checks
 
 
-def _check_minibatch_size(name: str, size: int) -> None:
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        raise ValueError(f"{name} must be a positive number of samples, got {size!r}")
+def action_frequency(name: str, frequency: int | None) -> int:
+    """CNTK's rule for how often an action fires, in samples: ``None`` means once, at the end
+    (returned as ``sys.maxsize``); 0 disables the action.
+
+    Raises:
+        ValueError: not a non-negative whole number of samples or None (naming ``name``).
+    """
+    checks.sample_count(name, frequency, allow_zero=True, allow_none=True)
+    return sys.maxsize if frequency is None else frequency
 
 
 def signal_from_name(name: str) -> signal.Signals:
@@ -40,8 +39,8 @@ class CheckpointConfig:
         frequency: samples between checkpoints (``None``: only at the end; 0: never).
         restore: continue from the latest checkpoint at ``filename`` if there is one.
         preserve_all: keep every checkpoint instead of the newest ``keep_last``.
-        keep_last: checkpoints kept (files ``<stem>-<samples><suffix>``); at least 2, so a
-            damaged newest file can fall back to the one before.
+        keep_last: checkpoints kept (files ``<stem>-<samples><suffix>``, the newest by the samples
+            recorded inside them); at least 2, so a damaged newest file can fall back to the one before.
         preemption_signal: the signal (name, e.g. ``"SIGTERM"``) that makes every rank save a
             checkpoint at the next step boundary and stop with exit code 75; ``None`` disables.
     """
@@ -54,11 +53,10 @@ class CheckpointConfig:
     preemption_signal: str | None = "SIGTERM"
 
     def __post_init__(self):
-        self.frequency = _check_frequency("checkpoint frequency", self.frequency)
+        self.frequency = action_frequency("CheckpointConfig.frequency", self.frequency)
         if not str(self.filename) or str(self.filename).endswith(("/", os.sep)):
             raise ValueError(f"checkpoint filename {str(self.filename)!r} must name a file")
-        if not isinstance(self.keep_last, int) or self.keep_last < 2:
-            raise ValueError(f"checkpoint keep_last={self.keep_last!r}: expected 2 or more (the newest and a fallback)")
+        checks.whole_number("CheckpointConfig.keep_last", self.keep_last, 2, unit="checkpoints")  # the newest and a fallback
         if self.preemption_signal is not None:
             signal_from_name(self.preemption_signal)
 
@@ -78,13 +76,14 @@ class CrossValidationConfig:
 
     minibatch_source: object | None = None
     frequency: int | None = None
-    minibatch_size: int = 32
+    minibatch_size: int = 256
     callback: Callable[[int, float, int, int], bool | None] | None = None
     max_samples: int | None = None
 
     def __post_init__(self):
-        self.frequency = _check_frequency("cross-validation frequency", self.frequency)
-        _check_minibatch_size("cross-validation minibatch_size", self.minibatch_size)
+        self.frequency = action_frequency("CrossValidationConfig.frequency", self.frequency)
+        checks.sample_count("CrossValidationConfig.minibatch_size", self.minibatch_size)
+        checks.sample_count("CrossValidationConfig.max_samples", self.max_samples, allow_none=True)
         if self.minibatch_source is None and self.callback is None:
             raise ValueError("CrossValidationConfig needs a minibatch_source, a callback, or both")
 
@@ -101,7 +100,7 @@ class TestConfig:
     __test__ = False  # not a pytest test class
 
     minibatch_source: object
-    minibatch_size: int = 32
+    minibatch_size: int = 256
 
     def __post_init__(self):
-        _check_minibatch_size("test minibatch_size", self.minibatch_size)
+        checks.sample_count("TestConfig.minibatch_size", self.minibatch_size)

@@ -1,30 +1,77 @@
-"""Metric records to the run directory: JSON lines (``metrics.jsonl``) and TensorBoard events."""
+"""Metric records to the run directory: JSON lines (``metrics.jsonl``), CSV (``metrics.csv``) and TensorBoard
+events; and the time split of the training loop's phases."""
 from __future__ import annotations
 
+import csv
+import importlib.util
 import json
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+#: the one line a run explicitly asking for TensorBoard events gets when the package is missing
+TENSORBOARD_MISSING = ("session.tensorboard=true needs the tensorboard package: pip install 'dtrain[tensorboard]' "
+                       "(or set session.tensorboard=false)")
+
+
+def tensorboard_available() -> bool:
+    """Whether the ``tensorboard`` package (an optional extra) is importable."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def resolve_tensorboard(requested: bool | None) -> bool:
+    """Whether to write TensorBoard events: ``None`` (the default) means when the package is installed.
+
+    Raises:
+        ValueError: ``requested`` is True but the package is missing (``TENSORBOARD_MISSING``).
+    """
+    if requested is None:
+        return tensorboard_available()
+    if requested and not tensorboard_available():
+        raise ValueError(TENSORBOARD_MISSING)
+    return bool(requested)
+
+
+#: the CSV's leading columns, in this order; any other key of a record follows in first-seen order
+CSV_COLUMNS = ("kind", "samples", "time", "loss", "error", "accuracy", "num_samples", "samples_per_second", "lr",
+               "period_s", "data_s", "compute_s", "update_s", "other_s", "bytes_sent_per_step")
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to ``run_dir/metrics.jsonl`` and mirrors scalars to TensorBoard.
+    """Appends one record per progress period, cross-validation and test to ``run_dir/metrics.jsonl``,
+    the same rows to ``run_dir/metrics.csv``, and scalars to TensorBoard.
+
+    A resumed run appends to the JSON lines; the CSV is rewritten from them when this writer opens
+    (and whenever a record brings a new key), so its rows always match ``metrics.jsonl`` one for
+    one under one header. ``records`` holds every record, earlier runs' included.
 
     Args:
         run_dir: the run directory (created if missing).
         tensorboard: also write TensorBoard events under ``run_dir/tensorboard``.
         enabled: whether this process writes (rank 0 only); a disabled writer does nothing.
+        metric_name: the key the training metric is recorded under (a CSV column after ``loss``).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, metric_name: str = "error"):
         self.enabled = enabled
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
+        self.csv_path = Path(run_dir) / "metrics.csv"
         self.tensorboard_dir = Path(run_dir) / "tensorboard" if tensorboard else None
+        self.records: list[dict] = []
+        self._columns = _leading_columns(metric_name)
         self._jsonl = None
+        self._csv = None
+        self._csv_writer = None
         self._tensorboard = None
         if not enabled:
             return
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+        self.records = _read_records(self.jsonl_path)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # append: a resumed run keeps its history
+        if self.jsonl_path.stat().st_size and not self.jsonl_path.read_bytes().endswith(b"\n"):
+            self._jsonl.write("\n")  # a run killed mid-line: start the next record on its own line
+        self._rewrite_csv()
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: it loads TensorBoard
 
@@ -35,17 +82,98 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"kind": kind, "samples": samples_seen, "time": round(time.time(), 3), **values}
+        self.records.append(record)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
+        if any(key not in self._columns for key in record):
+            self._rewrite_csv()  # a new column: one header for every row
+        else:
+            self._csv_writer.writerow(record)
+            self._csv.flush()
         if self._tensorboard is not None:
             for name, value in values.items():
                 if isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(f"{kind}/{name}", value, samples_seen)
 
+    def _rewrite_csv(self) -> None:
+        """Writes ``metrics.csv`` from ``records`` (temporary file, then rename) and keeps it open to append."""
+        if self._csv is not None:
+            self._csv.close()
+        for record in self.records:
+            self._columns += [key for key in record if key not in self._columns]
+        temporary = self.csv_path.with_name(f".{self.csv_path.name}.tmp")
+        with open(temporary, "w", encoding="utf-8", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=self._columns, restval="")
+            writer.writeheader()
+            writer.writerows(self.records)
+        os.replace(temporary, self.csv_path)
+        self._csv = open(self.csv_path, "a", encoding="utf-8", newline="")
+        self._csv_writer = csv.DictWriter(self._csv, fieldnames=self._columns, restval="")
+
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        """Closes the files (records written so far stay readable)."""
+        for name in ("_jsonl", "_csv", "_tensorboard"):
+            handle = getattr(self, name)
+            if handle is not None:
+                handle.close()
+                setattr(self, name, None)
+
+
+def _leading_columns(metric_name: str) -> list[str]:
+    columns = list(CSV_COLUMNS)
+    if metric_name not in columns:
+        columns.insert(columns.index("loss") + 1, metric_name)
+    return columns
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The JSON objects of an existing ``metrics.jsonl`` (a line that does not parse is skipped)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+class PhaseTimer:
+    """Wall time of the training loop's phases over one progress period (``time.perf_counter``).
+
+    The loop calls ``mark()`` at the top of a step and ``lap(phase)`` at the end of each phase:
+    ``data`` (waiting for the next minibatch), ``compute`` (forward and backward) and ``update``
+    (the learner's step: the gradient exchange it waits for, and the optimizer). On a GPU,
+    ``synchronize`` (e.g. ``torch.cuda.synchronize``) runs before a ``compute`` or ``update`` lap,
+    so queued kernels count where they were issued; on the CPU nothing extra runs.
+    """
+
+    PHASES = ("data", "compute", "update")
+
+    def __init__(self, synchronize: Callable[[], None] | None = None):
+        self._synchronize = synchronize
+        self._last = time.perf_counter()
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+    def mark(self) -> None:
+        """Starts timing the next phase from now."""
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Adds the time since the last ``mark``/``lap`` to ``phase``."""
+        if self._synchronize is not None and phase != "data":
+            self._synchronize()
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+    def take(self, period_seconds: float) -> dict[str, float]:
+        """``period_s``, ``data_s``, ``compute_s``, ``update_s`` and ``other_s`` (the rest of the
+        period: progress, evaluation, checkpoints), rounded to microseconds; starts a new period."""
+        split = {f"{phase}_s": self.seconds[phase] for phase in self.PHASES}
+        split["other_s"] = max(0.0, period_seconds - sum(split.values()))
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        return {key: round(value, 6) for key, value in {"period_s": period_seconds, **split}.items()}

@@ -68,16 +68,19 @@ class ProgressPrinter:
             self.console.print(text, markup=False)
 
     def progress(self, samples_seen: int, loss: float, error: float, samples_per_second: float,
-                 learning_rate: float, elapsed: float, note: str = "") -> None:
-        """One progress line: samples, loss, error, throughput, learning rate and ETA."""
+                 learning_rate: float, elapsed: float, note: str = "", metric_name: str = "error",
+                 percent: bool = True) -> None:
+        """One progress line: samples, loss, the metric (``error``: its average, named ``metric_name``,
+        in percent when ``percent``), throughput, learning rate and ETA."""
         if self.total_samples:
             remaining = (self.total_samples - samples_seen) / samples_per_second if samples_per_second > 0 else float("inf")
             where = f"{samples_seen:>{len(str(self.total_samples))}}/{self.total_samples} ({100 * samples_seen / self.total_samples:5.1f}%)"
             eta = f" | ETA {format_duration(remaining)}"
         else:
             where, eta = f"{samples_seen}", ""
+        metric = f"{metric_name} {100 * error:6.2f}%" if percent else f"{metric_name} {error:.4g}"
         self.line(
-            f"samples {where} | loss {loss:.4f} | error {100 * error:6.2f}% | {samples_per_second:,.0f} samples/s"
+            f"samples {where} | loss {loss:.4f} | {metric} | {samples_per_second:,.0f} samples/s"
             f" | lr {learning_rate:.4g} | {format_duration(elapsed)}{eta}" + (f" | {note}" if note else "")
         )
 
@@ -103,3 +106,7 @@ class Throughput:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+    def period_elapsed(self) -> float:
+        """Seconds since the current progress period began."""
+        return time.perf_counter() - self.period_start

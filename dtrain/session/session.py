@@ -9,28 +9,38 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from dtrain import checks
 from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
+from dtrain.comm.launcher import detect_launcher
 from dtrain.learners.base import Learner
 from dtrain.schedules import Schedule, momentum_from_time_constant
-from dtrain.session import checkpoint
-from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
+from dtrain.session import checkpoint, checkpoint_state
+from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
+                                   signal_from_name)
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
-from dtrain.session.metrics import MetricsWriter
+from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
+from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
+from dtrain.session.report import write_report
+from dtrain.session.rundir import RunDirectoryLock
+from dtrain.session.weights import save_weights
 
 
 class TrainingDiverged(RuntimeError):
     """The training loss became NaN or infinite (raised on every rank at a progress point)."""
 
+
+#: how a user calls each launcher kind that ``detect_launcher`` reports
+_LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 
 _DIVERGED_ADVICE = "lower optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)"
 
@@ -49,6 +59,16 @@ class TrainingResult:
     metrics_path: Path | None
     restored_from: Path | None
     preempted: bool = False   # stopped by the preemption signal after saving a checkpoint
+    last_training_error: float | None = None  # mean metric of the last progress period (all ranks)
+
+    @property
+    def objective(self) -> float | None:
+        """The run's final figure of merit, for sweeps: the test error, else the last
+        cross-validation error, else the last training error (``None`` when nothing was measured)."""
+        for evaluation in (self.test, self.last_cross_validation):
+            if evaluation is not None:
+                return evaluation.error
+        return self.last_training_error
 
 
 class _PeriodSums:
@@ -103,15 +123,56 @@ class _Periodic:
 
 
 class TrainingSession:
-    """Trains ``model`` with ``learner`` on ``mb_source``; see ``training_session`` for the arguments."""
+    """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
+
+    The names are the config's (``session.*`` on the command line): every size and frequency
+    counts global samples, over all workers together.
+
+    Args:
+        model: the ``torch.nn.Module`` to train.
+        loss: ``loss(output, labels)`` returning the MEAN loss over the local minibatch.
+        learner: a dtrain ``Learner`` wrapping the optimizer of ``model``'s parameters; its
+            communicator decides how many processes train (see ``dtrain.create_communicator``).
+        minibatch_source: a ``MinibatchSource`` for training.
+        minibatch_size: global minibatch size in samples, or a ``Schedule`` of sizes by samples seen.
+        max_samples: global samples to train on (``None``: until the source ends).
+        progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
+        checkpoint_config, cv_config, test_config: see their classes (``None``: no checkpoints,
+            no cross-validation, no test).
+        metric: ``metric(output, labels)`` returning a SUM (default: classification errors); its ``name``
+            (default: the function's name; ``error`` for classification errors) labels it in progress lines,
+            metrics files and the summary, and ``percent=True`` shows it as a percentage (see
+            ``dtrain.session.objectives``).
+        lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
+        momentum_time_constant_schedule: momentum as time constants in samples (``exp(-mb/tc)`` per minibatch).
+        unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
+        run_dir: directory for metrics, TensorBoard events and relative checkpoint names; rank 0
+            holds a lock on it while training, so a second job into it is refused.
+        tensorboard: write TensorBoard events too (``None``: when the ``tensorboard`` package is installed;
+            ``True`` without it raises ValueError).
+        progress_bar: live progress bar (``None``: on a terminal, single process only).
+        checkpoint_identity: plain settings of your own a checkpoint must match to be restored
+            (the model's type, the learner, the optimizer's type and the training data are always checked).
+        run_config: the run's whole resolved config as plain containers (the command line passes
+            it); stored in checkpoints so that a resumed run lists the settings that changed.
+        config_fingerprint: a short hash of the config, stored in checkpoints.
+        independent_processes: allow a one-process session in a process that a launcher
+            (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
+            each process would train its own copy.
+        stream: where progress goes (default: standard output).
+
+    Raises:
+        ValueError, TypeError: a bad argument (the message names it).
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
         loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         learner: Learner,
-        mb_source,
-        mb_size: int | Schedule,
+        minibatch_source,
+        minibatch_size: int | Schedule,
+        *,
         max_samples: int | None = None,
         progress_frequency: int | None = None,
         checkpoint_config: CheckpointConfig | None = None,
@@ -119,42 +180,76 @@ class TrainingSession:
         test_config: TestConfig | None = None,
         metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = classification_errors,
         lr_schedule: Schedule | None = None,
-        momentum_schedule: Schedule | None = None,
+        momentum_time_constant_schedule: Schedule | None = None,
         unit_gain_momentum: bool = False,
         run_dir: str | Path = ".",
-        tensorboard: bool = True,
+        tensorboard: bool | None = None,
         config_fingerprint: str = "",
         checkpoint_identity: dict | None = None,
+        run_config: dict | None = None,
         progress_bar: bool | None = None,
         stream=None,
+        independent_processes: bool = False,
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
-        if max_samples is not None and (not isinstance(max_samples, int) or max_samples <= 0):
-            raise ValueError(f"max_samples must be a positive number of samples or None, got {max_samples!r}")
-        self.mb_size = mb_size if isinstance(mb_size, Schedule) else Schedule(_positive("mb_size", mb_size))
-        if momentum_schedule is not None and any("momentum" not in g for g in learner.optimizer.param_groups):
+        checks.sample_count("max_samples", max_samples, allow_none=True)
+        self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
+            else Schedule(checks.sample_count("minibatch_size", minibatch_size))
+        if momentum_time_constant_schedule is not None \
+                and any("momentum" not in g for g in learner.optimizer.param_groups):
             raise ValueError(
-                f"momentum_schedule needs an optimizer with a 'momentum' setting, "
+                f"momentum_time_constant_schedule needs an optimizer with a 'momentum' setting, "
                 f"{type(learner.optimizer).__name__} has none; drop the schedule or use SGD"
             )
+        launch = detect_launcher(os.environ)
+        if launch.size > 1 and learner.comm.size == 1 and not independent_processes:
+            # each process would train its own copy into the same files: almost always a forgotten communicator
+            launcher = _LAUNCHER_NAMES.get(launch.kind, launch.kind)
+            raise ValueError(
+                f"{launcher} started {launch.size} processes but this session's learner has a one-process "
+                f"communicator, so each process would train its own copy; create the job's communicator with "
+                f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
+                f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
+                f"if separate copies are really wanted)")
         self.model = model
         self.loss = loss
         self.metric = metric
+        # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary
+        self.metric_name = metric_name(metric)
+        self.metric_percent = metric_in_percent(metric)
+        if self.metric_name in set(CSV_COLUMNS) - {"error"}:
+            raise ValueError(f"metric name {self.metric_name!r} is a metrics column of its own; give the metric "
+                             f"another name")
         self.learner = learner
         self.comm = learner.comm
-        self.source = mb_source
+        self.source = minibatch_source
         self.max_samples = max_samples
         self.checkpoint_config = checkpoint_config
         self.cv_config = cv_config
         self.test_config = test_config
         self.lr_schedule = lr_schedule
-        self.momentum_schedule = momentum_schedule
+        self.momentum_time_constant_schedule = momentum_time_constant_schedule
         self.unit_gain_momentum = unit_gain_momentum
         self.run_dir = Path(run_dir)
-        self.tensorboard = tensorboard
+        self.tensorboard = resolve_tensorboard(tensorboard)  # None: when the package is installed
+        self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
         self.config_fingerprint = config_fingerprint
-        self.checkpoint_identity = checkpoint_identity or {}
+        # what a checkpoint must match (model, learner, data, and the caller's own) and what may change
+        self.checkpoint_identity = checkpoint_state.identity(model, learner, minibatch_source, checkpoint_identity)
+        self.settings = {"session": {
+            "minibatch_size": minibatch_size if isinstance(minibatch_size, int) else repr(minibatch_size),
+            "max_samples": max_samples, "progress_frequency": progress_frequency,
+            "checkpoint_frequency": checkpoint_config.frequency if checkpoint_config else None,
+            "cv_frequency": cv_config.frequency if cv_config else None,
+            "lr_schedule": repr(lr_schedule) if lr_schedule else None,
+            "momentum_time_constant_schedule": repr(momentum_time_constant_schedule)
+            if momentum_time_constant_schedule else None,
+            "optimizer": checkpoint_state.optimizer_hyperparameters(learner.optimizer),
+        }}
+        if run_config is not None:
+            self.settings["config"] = run_config
+        self.changed_settings: list[str] = []  # against the restored checkpoint, filled by restore()
         # a launcher (mpiexec) gives ranks a pseudo-terminal even when its own output goes to a file,
         # so the live bar is only automatic in a single process
         self.progress_bar = progress_bar if progress_bar is not None else (None if self.comm.size == 1 else False)
@@ -162,7 +257,7 @@ class TrainingSession:
         self.device = self.comm.device
         # the configured learning rates; an lr schedule multiplies them
         self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
-        self.progress_period = _Periodic(_frequency(progress_frequency))
+        self.progress_period = _Periodic(action_frequency("progress_frequency", progress_frequency))
         self.checkpoint_period = _Periodic(checkpoint_config.frequency if checkpoint_config else 0)
         self.cv_period = _Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
@@ -170,21 +265,43 @@ class TrainingSession:
         self.checkpoint_files: checkpoint.CheckpointFiles | None = None
         self._restore_attempted = False
         self._restored_from: Path | None = None
+        self._run_dir_lock: RunDirectoryLock | None = None
+        self._last_training_error: float | None = None
         self._preemption = threading.Event()
+        self._report_path: Path | None = None
+        self._weights_path: Path | None = None
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainingResult:
-        """Runs training to ``max_samples`` (or the end of the data, or a CV callback's stop)."""
+        """Runs training to ``max_samples`` (or the end of the data, or a CV callback's stop).
+
+        Rank 0 holds the run directory's lock from ``restore()`` until this returns or raises.
+        """
+        try:
+            return self._train()
+        finally:
+            self.release_run_dir()
+
+    def release_run_dir(self) -> None:
+        """Lets another job use the run directory (done by ``train()``; idempotent)."""
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
+            self._run_dir_lock = None
+
+    def _train(self) -> TrainingResult:
         restored_from = self.restore()
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.record_holder()
         self.model.to(self.device)
         self.learner.prepare(self.model)
         self.model.train()
         is_main = self.comm.is_main
-        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main)
+        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
         throughput = Throughput()
+        timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
         sums = _PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
@@ -194,21 +311,23 @@ class TrainingSession:
             self._print_start(printer, restored_from)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
-                size = int(self.mb_size(seen))
+                size = int(self.minibatch_size(seen))
                 if self.max_samples is not None:
                     size = min(size, self.max_samples - seen)
+                timer.mark()
                 batch = self.source.next_minibatch(size, *self.learner.data_partition())
+                timer.lap("data")
                 if batch is None:
                     break
                 self._apply_schedules(seen, size)
-                self._train_minibatch(batch, sums)
+                self._train_minibatch(batch, sums, timer)
                 self.minibatches += 1
                 seen = self.learner.samples_seen
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput.rate())
 
                 if self.progress_period.due(seen):
-                    self._report_progress(printer, metrics, sums, throughput)
+                    self._report_progress(printer, metrics, sums, throughput, timer)
                 if self.cv_period.due(seen):
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
@@ -224,7 +343,7 @@ class TrainingSession:
             self.learner.synchronize()
             seen = self.learner.samples_seen
             if self.progress_period.frequency and throughput.period_samples > 0:
-                self._report_progress(printer, metrics, sums, throughput)
+                self._report_progress(printer, metrics, sums, throughput, timer)
             if self.cv_period.pending(seen) and not stopped_early:
                 last_cv, _ = self._cross_validate(printer, metrics)
             if self.checkpoint_files is not None and (
@@ -239,20 +358,28 @@ class TrainingSession:
         if self.test_config is not None and not preempted:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device)
-            metrics.write("test", seen, loss=test.loss, error=test.error, accuracy=test.accuracy, num_samples=test.num_samples)
+            accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
+            metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy,
+                          num_samples=test.num_samples)
         self.learner.finalize()
         metrics.close()
+        if is_main:
+            if not preempted:
+                self._export_weights(seen)
+            self._write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
             metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
+            last_training_error=self._last_training_error,
         )
         self._print_summary(printer, result, metrics)
         return result
 
     # -- one minibatch --------------------------------------------------------------------------
-    def _train_minibatch(self, batch, sums: _PeriodSums) -> None:
-        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``."""
+    def _train_minibatch(self, batch, sums: _PeriodSums, timer: PhaseTimer) -> None:
+        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
+        and the compute and update times to ``timer``."""
         self.learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         if batch.num_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
@@ -261,7 +388,9 @@ class TrainingSession:
             loss.backward()
             with torch.no_grad():
                 sums.add(loss.detach() * batch.num_samples, self.metric(output.detach(), labels), batch.num_samples)
+        timer.lap("compute")
         self.learner.step()
+        timer.lap("update")
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
@@ -270,15 +399,15 @@ class TrainingSession:
             multiplier = self.lr_schedule(samples_seen)
             for group, base in zip(groups, self.base_learning_rates):
                 group["lr"] = base * multiplier
-        if self.momentum_schedule is not None:
-            momentum = momentum_from_time_constant(self.momentum_schedule(samples_seen), minibatch_size)
+        if self.momentum_time_constant_schedule is not None:
+            momentum = momentum_from_time_constant(self.momentum_time_constant_schedule(samples_seen), minibatch_size)
             for group in groups:
                 group["momentum"] = momentum
                 if self.unit_gain_momentum:
                     group["dampening"] = momentum
 
     # -- actions --------------------------------------------------------------------------------
-    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput) -> None:
+    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
         totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
@@ -288,11 +417,18 @@ class TrainingSession:
             raise TrainingDiverged(
                 f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
                 f"{self.learner.samples_seen} samples); {_DIVERGED_ADVICE}")
+        if samples:
+            self._last_training_error = error
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
-                         note=self.learner.progress_note())
-        metrics.write("train", self.learner.samples_seen, loss=loss, error=error, samples_per_second=rate, lr=learning_rate)
+                         note=self.learner.progress_note(), metric_name=self.metric_name, percent=self.metric_percent)
+        extra = timer.take(throughput.period_elapsed())
+        bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
+        if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
+            extra["bytes_sent_per_step"] = bytes_sent
+        metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
+                      lr=learning_rate, **extra)
         sums.reset()
         throughput.new_period()
 
@@ -304,8 +440,9 @@ class TrainingSession:
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
-                         f"loss {result.loss:.4f} | error {100 * result.error:.2f}% over {result.num_samples} samples")
-            metrics.write("cv", self.learner.samples_seen, loss=result.loss, error=result.error, num_samples=result.num_samples)
+                         f"loss {result.loss:.4f} | {self._format_metric(result.error)} over {result.num_samples} samples")
+            metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
+                          num_samples=result.num_samples)
         keep_going = True
         if config.callback is not None:
             answer = config.callback(self.cv_index, result.error if result else float("nan"),
@@ -349,24 +486,6 @@ class TrainingSession:
         return bool(self.comm.allreduce(flag, op="max").item())
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def _checkpoint_state(self) -> dict[str, Any]:
-        """Everything a bit-exact resume needs; per-rank parts are gathered (a collective)."""
-        per_rank = self.comm.gather_object({"rng": torch.get_rng_state(), "learner": self.learner.local_state_dict()})
-        return {
-            "samples_seen": self.learner.samples_seen,
-            "minibatches": self.minibatches,
-            "cv_index": self.cv_index,
-            "model": self.model.state_dict(),
-            "learner": self.learner.state_dict(),
-            "source": self.source.get_checkpoint_state(),
-            "per_rank": per_rank,
-            "world_size": self.comm.size,
-            "learner_kind": self.learner.kind,
-            "identity": self.checkpoint_identity,
-            "config_fingerprint": self.config_fingerprint,
-            "versions": {"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
-        }
-
     def _save_checkpoint(self, printer) -> Path:
         self.learner.synchronize()
         # every rank holds the same model now, so every rank reaches the same verdict
@@ -374,7 +493,12 @@ class TrainingSession:
             raise TrainingDiverged(
                 f"training diverged: the model has NaN or infinite parameters at {self.learner.samples_seen} samples "
                 f"(not saved; the previous checkpoint is kept); {_DIVERGED_ADVICE}")
-        state = self._checkpoint_state()
+        state = checkpoint_state.assemble(
+            samples_seen=self.learner.samples_seen, minibatches=self.minibatches, cv_index=self.cv_index,
+            model=self.model, learner=self.learner, source=self.source, comm=self.comm,
+            expected_identity=self.checkpoint_identity, settings=self.settings,
+            config_fingerprint=self.config_fingerprint,
+            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)})
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
             checkpoint.save_atomic(state, path)
@@ -384,47 +508,43 @@ class TrainingSession:
         return path
 
     def restore(self) -> Path | None:
-        """Loads the newest good checkpoint when restore is on; refuses to overwrite one when it is off.
+        """Locks the run directory (rank 0), then loads the newest good checkpoint when restore is on,
+        or refuses to overwrite one when it is off.
 
-        Called by ``train()``; call it earlier to find a bad checkpoint before anything is written.
+        Called by ``train()``; call it earlier to find a bad checkpoint or a busy run directory before
+        anything is written. Settings that may change (optimizer hyper-parameters, sizes, frequencies,
+        schedules) keep their configured values; ``changed_settings`` lists them against the checkpoint.
         Returns the file restored from (``None``: starting fresh). Idempotent.
 
         Raises:
-            CheckpointError: no checkpoint is readable, or the newest belongs to another model or config.
+            CheckpointError: another job holds the run directory, no checkpoint is readable, or the newest
+                belongs to another model or configuration.
         """
         if self._restore_attempted:
             return self._restored_from
         self._restore_attempted = True
-        self._restored_from = self._load_latest()
+        try:
+            self._restored_from = self._load_latest()
+        except BaseException:
+            self.release_run_dir()
+            raise
         return self._restored_from
 
     def _load_latest(self) -> Path | None:
-        if self.checkpoint_files is None:
+        def lock_run_dir() -> None:  # rank 0, before any checkpoint is read
+            self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
+
+        found = checkpoint_state.restore_latest(
+            self.checkpoint_files, self.checkpoint_config.restore if self.checkpoint_config else False, self.model,
+            self.learner, self.source, self.comm, self.checkpoint_identity, prepare=lock_run_dir)
+        if found is None:
             return None
-        # rank 0 reads and every rank receives: no shared file system needed, and one error for all
-        outcome = None
-        if self.comm.is_main:
-            try:
-                outcome = self._read_checkpoint()
-            except checkpoint.CheckpointError as error:
-                outcome = str(error)
-        outcome = self.comm.broadcast_object(outcome, root=0)
-        if isinstance(outcome, str):
-            raise checkpoint.CheckpointError(outcome)
-        if outcome is None:
-            return None
-        path, state = outcome
-        self.model.load_state_dict(state["model"])
-        self.learner.load_state_dict(state["learner"])
-        self.source.restore_from_checkpoint(state["source"])
-        if state["world_size"] == self.comm.size:
-            own = state["per_rank"][self.comm.rank]
-            torch.set_rng_state(own["rng"])
-            self.learner.load_local_state_dict(own["learner"])
-        elif self.comm.is_main:
+        path, state, same_world = found
+        if not same_world and self.comm.is_main:
             print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
                   f"quantization residuals) reset", file=self.stream or sys.stdout, flush=True)
+        self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
         self.minibatches = int(state["minibatches"])
         self.cv_index = int(state["cv_index"])
         seen = self.learner.samples_seen
@@ -432,40 +552,35 @@ class TrainingSession:
             period.reset(seen)
         return path
 
-    def _read_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
-        """Rank 0: the newest readable checkpoint, checked against this run; ``None`` when there is none."""
-        if not self.checkpoint_config.restore:
-            existing = self.checkpoint_files.existing()
-            if existing:
-                raise checkpoint.CheckpointError(
-                    f"checkpoint {existing[-1][1]} already exists and restore is off; set session.checkpoint.restore=true "
-                    f"to continue it, or use a new run directory so it is not overwritten")
-            return None
-        found = checkpoint.load_latest_valid(self.checkpoint_files)
-        if found is None:
-            return None
-        path, state = found
-        for key in ("model", "learner", "learner_kind", "source", "per_rank", "world_size", "samples_seen", "minibatches",
-                    "cv_index"):
-            if key not in state:
-                raise checkpoint.CheckpointError(f"checkpoint {path} lacks '{key}': it was not written by this dtrain")
-        mismatch = checkpoint.describe_model_mismatch(self.model, state["model"])
-        if mismatch:
-            raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this model: {mismatch}")
-        if state["learner_kind"] != self.learner.kind:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {path} was written by the {state['learner_kind']!r} learner, this run uses "
-                f"{self.learner.kind!r}; restore with the same learner or use a new run directory")
-        difference = checkpoint.describe_config_mismatch(state.get("identity", {}), self.checkpoint_identity)
-        if difference:
-            raise checkpoint.CheckpointError(f"checkpoint {path} belongs to another configuration: {difference}; "
-                                             f"restore with the same settings or use a new run directory")
-        return path, state
+    # -- outputs for people -----------------------------------------------------------------------
+    def _write_report(self, printer, metrics: MetricsWriter) -> None:
+        """Rank 0: ``report.png`` from every metric record of the run; a finished run never fails here."""
+        path = self.run_dir / "report.png"
+        try:
+            write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
+                         percent=self.metric_percent)
+        except ImportError:
+            printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
+        except ValueError as error:
+            printer.line(f"no report.png: {error}")
+        except Exception as error:  # noqa: BLE001 - a drawing problem must not fail a finished run
+            printer.line(f"no report.png: drawing it failed ({type(error).__name__}: {error}); metrics.csv has the data")
+        else:
+            self._report_path = path
+
+    def _export_weights(self, samples_seen: int) -> None:
+        """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors``."""
+        self._weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
+                                          metadata={"samples_seen": str(samples_seen)})
 
     # -- printing -------------------------------------------------------------------------------
+    def _format_metric(self, value: float) -> str:
+        """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name."""
+        return f"{self.metric_name} {100 * value:.2f}%" if self.metric_percent else f"{self.metric_name} {value:.4g}"
+
     def _print_start(self, printer, restored_from: Path | None) -> None:
         size = self.comm.size
-        mb = int(self.mb_size(self.learner.samples_seen))
+        mb = int(self.minibatch_size(self.learner.samples_seen))
         parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters",
                  f"{size} worker{'s' if size > 1 else ''}",
                  f"global minibatch {mb} ({mb // size}-{-(-mb // size)} per worker)"]
@@ -476,58 +591,35 @@ class TrainingSession:
         printer.line("dtrain: " + self.learner.describe())
         if restored_from is not None:
             printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
+            if self.changed_settings:
+                printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
+                             f"{'; '.join(self.changed_settings)}")
 
     def _print_summary(self, printer, result: TrainingResult, metrics: MetricsWriter) -> None:
         if not self.comm.is_main:
             return
         lines = [f"finished: {result.samples_seen:,} samples in {result.minibatches:,} minibatches, "
                  f"{format_duration(result.seconds)} ({result.samples_seen / max(result.seconds, 1e-9):,.0f} samples/s overall)"]
-        if result.test is not None:
+        if result.test is not None and self.metric_name == "error":
             lines.append(f"test: accuracy {100 * result.test.accuracy:.2f}% (error {100 * result.test.error:.2f}%, "
                          f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
+        elif result.test is not None:
+            lines.append(f"test: {self._format_metric(result.test.error)} (loss {result.test.loss:.4f}) "
+                         f"on {result.test.num_samples:,} samples")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
-        lines.append(f"metrics: {metrics.jsonl_path}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else ""))
+        if self._weights_path is not None:
+            lines.append(f"weights: {self._weights_path}")
+        if self._report_path is not None:
+            lines.append(f"report: {self._report_path}")
+        lines.append(f"metrics: {metrics.jsonl_path}, {metrics.csv_path.name}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
+                     + (" (no TensorBoard events: pip install 'dtrain[tensorboard]')" if self._tensorboard_hint else ""))
         for line in lines:
             printer.line(line)
 
 
-def training_session(model, loss, learner, mb_source, mb_size, **options) -> TrainingSession:
-    """Builds a ``TrainingSession`` (CNTK's ``training_session``); call ``.train()`` on it.
-
-    Args:
-        model: the ``torch.nn.Module`` to train.
-        loss: ``loss(output, labels)`` returning the MEAN loss over the local minibatch.
-        learner: a dtrain ``Learner`` wrapping the optimizer of ``model``'s parameters.
-        mb_source: a ``MinibatchSource`` for training.
-        mb_size: global minibatch size in samples, or a ``Schedule`` of sizes by samples seen.
-        max_samples: global samples to train on (``None``: until the source ends).
-        progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
-        checkpoint_config, cv_config, test_config: see their classes.
-        metric: ``metric(output, labels)`` returning a SUM (default: classification errors).
-        lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
-        momentum_schedule: momentum time constants in samples (``exp(-mb/tc)`` per minibatch).
-        unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
-        run_dir: directory for metrics, TensorBoard events and relative checkpoint names.
-        tensorboard: write TensorBoard events too.
-        checkpoint_identity: plain settings a checkpoint must match to be restored (model, data, ...).
-        progress_bar: live progress bar (``None``: on a terminal, single process only).
-    """
-    return TrainingSession(model, loss, learner, mb_source, mb_size, **options)
-
-
-def _positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of samples, got {value!r}")
-    return value
-
-
-def _frequency(frequency: int | None) -> int:
-    if frequency is None:
-        return sys.maxsize
-    if not isinstance(frequency, int) or frequency < 0:
-        raise ValueError(f"progress_frequency must be a non-negative number of samples or None, got {frequency!r}")
-    return frequency
+#: CNTK's name for building a session: ``training_session(model, loss, learner, source, size, ...).train()``
+training_session = TrainingSession
 
 
 def _dtrain_version() -> str:

@@ -4,7 +4,7 @@ Every rank trains a toy model with ``BlockMomentumLearner`` on its share of each
 minibatch (the session's partitioning) for two configurations. After every sync the ranks
 all-gather their parameters and rank 0 prints ``SYNC <case> <index> <max difference>``; the
 difference must be exactly 0. Then each rank replays the same training as a single-process
-simulation of CNTK's formulas (N model copies, reference §1.4 written out per parameter) and
+simulation of CNTK's formulas (N model copies, ``docs/semantics.md#block-momentum`` written out per parameter) and
 checks the real result against it to 1e-5. Ends with ``PASS <case> rank r/size`` per case.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 def simulate(size: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The same training in one process: ``size`` model copies and reference §1.3-1.4 per parameter."""
+    """The same training in one process: ``size`` model copies and the ``docs/semantics.md#block-momentum`` update per parameter."""
     global_sizes, options = CASES[case]
     models = [make_model(seed=0) for _ in range(size)]
     return simulate_bmuf(models, [make_optimizer(model) for model in models], local_loss, global_sizes, **options)

@@ -25,7 +25,7 @@ from torch import nn
 import dtrain
 from dtrain.comm import LocalCommunicator, create_communicator
 from dtrain.data import ArrayDeserializer
-from dtrain.learners import Learner, data_parallel_distributed_learner
+from dtrain.learners import Learner, LocalLearner, data_parallel_distributed_learner
 
 # global minibatch sizes by samples seen: 7 (uneven over 2 and 4 ranks), 1 (a rank or three get 0
 # samples), 3 (over 4 ranks: rank 0 gets 0), then 13; the last minibatch is clipped by max_samples
@@ -46,11 +46,12 @@ def make_model(kind: str) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 32), *middle, nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def train(model: nn.Module, learner: Learner, run_dir: Path, mb_size, max_samples: int) -> None:
+def train(model: nn.Module, learner: Learner, run_dir: Path, minibatch_size, max_samples: int) -> None:
     dtrain.training_session(
         model=model, loss=nn.functional.cross_entropy, learner=learner,
-        mb_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
-        mb_size=mb_size, max_samples=max_samples, run_dir=run_dir, tensorboard=False, stream=io.StringIO(),
+        minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+        minibatch_size=minibatch_size, max_samples=max_samples, run_dir=run_dir, tensorboard=False,
+        stream=io.StringIO(), independent_processes=learner.comm.size == 1,  # the per-rank one-process reference
     ).train()
 
 
@@ -73,7 +74,7 @@ def scenario_equivalence(comm, run_dir: Path) -> dict:
 
     # the reference: one process, the same global minibatches (every rank computes it for itself)
     reference = make_model("plain")
-    train(reference, Learner(optimizer_of(reference), LocalCommunicator()), run_dir / f"reference{comm.rank}",
+    train(reference, LocalLearner(optimizer_of(reference), LocalCommunicator()), run_dir / f"reference{comm.rank}",
           MINIBATCH_SCHEDULE, MAX_SAMPLES)
     max_difference = _max_difference(model, reference)
     moved = _max_difference(model, make_model("plain"))  # proof that training did something

@@ -45,6 +45,9 @@ def test_digits_recipe_reaches_97_percent_and_says_where_outputs_went(tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "config.yaml").is_file()
     assert checkpoint.load(run / "checkpoint-30000.pt")["samples_seen"] == 30000
+    assert f"weights: {run / 'model.safetensors'}" in result.stdout and f"report: {run / 'report.png'}" in result.stdout
+    assert (run / "model.safetensors").stat().st_size > 100_000 and (run / "report.png").stat().st_size > 20_000
+    assert len((run / "metrics.csv").read_text().splitlines()) == len(records) + 1  # a header, then one row each
 
 
 def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
@@ -135,3 +138,17 @@ def test_sigterm_on_a_single_process_checkpoints_and_exits_75_then_resumes(tmp_p
                      "session.checkpoint.frequency=1500", "session.tensorboard=false", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"at {saved[0]} samples" in resumed.stdout, resumed.stdout
+
+
+def test_loss_and_metric_are_config_nodes_and_the_outputs_name_the_metric(tmp_path):
+    result = dtrain("+recipe=digits", "run_dir=run", "metric=top5_error", "metric.k=3", "loss.label_smoothing=0.1",
+                    "session.max_samples=1500", "session.progress_frequency=750", "session.tensorboard=false",
+                    cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    progress = [line for line in result.stdout.splitlines() if line.startswith("samples")]
+    assert len(progress) == 2 and all("| top3_error " in line for line in progress), result.stdout
+    assert re.search(r"^test: top3_error [\d.]+% \(loss [\d.]+\) on 297 samples$", result.stdout, re.MULTILINE)
+    header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[:5] == ["kind", "samples", "time", "loss", "top3_error"]
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert "_target_: dtrain.session.TopKError" in config and "label_smoothing: 0.1" in config

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dtrain.data import ArrayDeserializer, ImageTransform, MinibatchSource
-from dtrain.data.augment import crop_boxes, flip_mask, uniform_from_positions
+from dtrain.data.positional_random import flip_mask, uniform_from_positions
+from dtrain.data.transform import crop_boxes
 
 
 def ramp_images(num_images: int, height: int, width: int) -> torch.Tensor:

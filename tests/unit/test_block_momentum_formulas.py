@@ -2,7 +2,7 @@
 
 N workers are simulated in one process: each runs in its own thread with its own model copy,
 optimizer and learner, and a ``FakeComm`` whose all-reduce sums over the threads. The
-reference (``simulate``) applies reference §1.3-1.4 parameter by parameter with plain tensors.
+reference (``simulate``) applies ``docs/semantics.md#block-momentum`` parameter by parameter with plain tensors.
 """
 from __future__ import annotations
 
@@ -268,5 +268,5 @@ def test_bad_values_are_refused_with_one_line(options, message):
 
 
 def test_a_non_bool_flag_is_refused():
-    with pytest.raises(TypeError, match="use_nesterov_momentum"):
+    with pytest.raises(ValueError, match="use_nesterov_momentum='yes': expected true or false"):
         BlockMomentumLearner(sgd(make_model().parameters()), None, 16, use_nesterov_momentum="yes")

@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from _cifar_files import write_cifar10_binary
 from _image_files import write_image_map_files
@@ -87,16 +87,107 @@ def test_unknown_recipe_lists_the_available_ones():
     ((), "no recipe chosen"),
     (("+recipe=digits", "session.minibatch_size=0"), "session.minibatch_size=0: expected a positive"),
     (("+recipe=digits", "session.max_samples=-10"), "session.max_samples=-10"),
-    (("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=0"), "num_quantization_bits=0: expected 1 to 32"),
-    (("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=33"), "expected 1 to 32"),
+    (("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=0"), "num_quantization_bits=0: expected a whole number of bits from 1 to 32"),
+    (("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=33"), "from 1 to 32"),
     (("+recipe=digits", "learner=block_momentum", "learner.block_momentum_as_time_constant=-3"), "time_constant=-3.0"),
-    (("+recipe=digits", "learner=block_momentum", "+learner.num_quantization_bits=1"), "cannot be combined"),
+    (("+recipe=digits", "learner=block_momentum", "+learner.num_quantization_bits=1"),
+     "learner.num_quantization_bits: unknown key (BlockMomentumLearnerConfig has no such setting)"),
     (("+recipe=digits", "comm.backend=mpi"), "comm.backend='mpi'"),
     (("+recipe=digits", "learner=quantized", "learner.distributed_after=-1"),
-     "learner.distributed_after=-1: expected a non-negative integer"),
+     "learner.distributed_after=-1: expected a non-negative whole number of samples"),
     (("+recipe=digits", "session.checkpoint.preemption_signal=SIG_IGN"), "preemption_signal='SIG_IGN'"),
     (("+recipe=digits", "optimizer.lr=0"), "optimizer.lr=0"),
 ])
 def test_out_of_range_values_are_all_reported_before_anything_runs(overrides, fragment):
     problems = validate(compose_config(*overrides))
     assert any(fragment in problem for problem in problems), problems
+
+
+OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_optimizer_combines_with_every_recipe_and_its_momentum_settings(recipe, optimizer):
+    cfg = compose_config(f"+recipe={recipe}", f"optimizer={optimizer}", *(["model.width=4"] if recipe == "imagenet" else []))
+    assert validate(cfg, check_run_dir=False) == []
+    model = instantiate(cfg.model)
+    built = instantiate(cfg.optimizer)(model.parameters())
+    group = built.param_groups[0]
+    assert group["lr"] == cfg.optimizer.lr
+    if "momentum" in cfg.optimizer:  # what a recipe or a momentum schedule sets acts on the optimizer
+        group["momentum"] = 0.5
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter)
+        built.step()
+        assert group["momentum"] == 0.5 and group.get("betas", (0.5,))[0] == 0.5
+
+
+def test_adam_momentum_is_beta1_and_matches_torch_adam():
+    from dtrain.optimizers import Adam
+
+    torch.manual_seed(0)
+    weights = [torch.randn(5, requires_grad=True) for _ in range(2)]
+    ours = Adam([weights[0]], lr=0.01, momentum=0.8, variance_momentum=0.99, weight_decay=0.1)
+    theirs = torch.optim.Adam([weights[1]], lr=0.01, betas=(0.8, 0.99), weight_decay=0.1)
+    with torch.no_grad():
+        weights[1].copy_(weights[0])
+    for step in range(3):
+        for weight, optimizer in zip(weights, (ours, theirs)):
+            weight.grad = torch.full_like(weight, float(step + 1)) * weight.detach()
+            optimizer.step()
+    assert torch.equal(weights[0], weights[1])
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (("session.minibatch_size=0", "session.checkpoint.filename=sub/"),
+     ("session.minibatch_size=0", "session.checkpoint.filename='sub/'")),
+    (("optimizer.lr=nan", "model.dropout=inf", "comm.timeout_s=-inf"),
+     ("optimizer.lr=nan", "model.dropout=inf", "comm.timeout_s=-inf")),
+    (("+session.max_sample=640", "+model.hiden=3", "model.hidden=0"),
+     ("session.max_sample: unknown key", "did you mean session.max_samples?", "model.hiden: unknown key",
+      "model.hidden=0")),
+])
+def test_every_problem_is_reported_at_once_naming_each_key(overrides, fragments):
+    problems = validate(compose_config("+recipe=digits", *overrides), check_run_dir=False)
+    assert len(problems) == len(fragments) - ("did you mean session.max_samples?" in fragments), problems
+    for fragment in fragments:
+        assert any(fragment in problem for problem in problems), (fragment, problems)
+
+
+def test_any_non_finite_number_is_refused_even_without_a_rule():
+    cfg = compose_config("+recipe=cifar10")
+    with open_dict(cfg):  # an untyped section (a user's component) with a number no rule knows
+        cfg.source.train.transform.strength = float("nan")
+    cfg.session.lr_schedule["values"][0][1] = float("inf")
+    problems = validate(cfg, check_run_dir=False)
+    assert any(p.startswith("source.train.transform.strength=nan: expected a finite number") for p in problems), problems
+    assert any("session.lr_schedule.values[0] value=inf" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda base: base / "file", "is a file, not a directory"),
+    (lambda base: base / "empty", "is an empty file, not a directory"),
+    (lambda base: base / "file" / "run", "is a file, so no directory can be made below it"),
+])
+def test_run_dir_that_cannot_be_a_directory_is_named(tmp_path, make, fragment):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").write_bytes(b"")
+    problems = validate(compose_config("+recipe=digits", f"run_dir={make(tmp_path)}"))
+    assert len(problems) == 1 and problems[0].startswith(f"run_dir={make(tmp_path)}") and fragment in problems[0]
+
+
+def test_run_dir_on_a_read_only_file_system_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import dtrain.config
+
+    # what access(2) answers for a read-only mount, even to root
+    monkeypatch.setattr(dtrain.config.os, "access", lambda path, mode: not str(path).startswith(str(tmp_path)))
+    for run_dir in (tmp_path, tmp_path / "new" / "run"):
+        problems = validate(compose_config("+recipe=digits", f"run_dir={run_dir}"))
+        assert len(problems) == 1 and "not writable" in problems[0] and "expected a writable directory" in problems[0]
+    assert not (tmp_path / "new").exists()
+
+
+def test_heartbeat_timeout_is_at_least_a_second():
+    problems = validate(compose_config("+recipe=digits", "comm.heartbeat_timeout_s=0.5"), check_run_dir=False)
+    assert problems == ["comm.heartbeat_timeout_s=0.5: expected at least 1 second"]

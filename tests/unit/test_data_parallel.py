@@ -12,7 +12,7 @@ from torch import nn
 
 from dtrain import comm as dcomm
 from dtrain.comm.base import CompletedHandle
-from dtrain.learners import DataParallelLearner, Learner, data_parallel_distributed_learner
+from dtrain.learners import DataParallelLearner, LocalLearner, data_parallel_distributed_learner
 from dtrain.learners._buckets import BYTES_PER_MB, plan_buckets
 
 
@@ -149,7 +149,7 @@ def test_hooks_are_removed_by_finalize():
 # -- one worker -----------------------------------------------------------------------------------
 def test_one_worker_steps_exactly_like_the_local_learner():
     results = []
-    for make_learner in (Learner, data_parallel_distributed_learner):
+    for make_learner in (LocalLearner, data_parallel_distributed_learner):
         model = make_model()
         learner = make_learner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         learner.prepare(model)
@@ -173,18 +173,19 @@ def test_state_dict_round_trip_and_kind():
     other.load_state_dict(learner.state_dict())
     assert other.samples_seen == 96
     with pytest.raises(ValueError, match="'local'"):
-        other.load_state_dict(Learner(torch.optim.SGD(model.parameters(), lr=0.1)).state_dict())
+        other.load_state_dict(LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)).state_dict())
 
 
 # -- arguments ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
-    ({"num_quantization_bits": 0}, "num_quantization_bits must be an integer from 1 to 32"),
+    ({"num_quantization_bits": 0}, "num_quantization_bits=0: expected a whole number of bits from 1 to 32"),
     ({"num_quantization_bits": 33}, "num_quantization_bits"),
     ({"num_quantization_bits": 8.0}, "num_quantization_bits"),
-    ({"bucket_size_mb": 0}, "bucket_size_mb must be a positive number of MiB"),
+    ({"bucket_size_mb": 0}, "bucket_size_mb=0: expected a positive finite number of MiB"),
     ({"bucket_size_mb": -1.5}, "bucket_size_mb"),
-    ({"distributed_after": -1}, "distributed_after must be a non-negative number of samples"),
-    ({"error_feedback": False}, "error_feedback=False only applies to quantized gradients"),
+    ({"bucket_size_mb": float("inf")}, "bucket_size_mb=inf: expected a positive finite number"),
+    ({"distributed_after": -1}, "distributed_after=-1: expected a non-negative whole number of samples"),
+    ({"error_feedback": False}, "error_feedback=False: expected True with num_quantization_bits=32"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -192,7 +193,7 @@ def test_bad_arguments_are_refused_with_the_fix(kwargs, message):
 
 
 def test_error_feedback_must_be_a_bool():
-    with pytest.raises(TypeError, match="error_feedback must be true or false"):
+    with pytest.raises(ValueError, match="error_feedback='no': expected true or false"):
         data_parallel_distributed_learner(torch.optim.SGD(make_model().parameters(), lr=0.1), error_feedback="no")
 
 

@@ -1,13 +1,58 @@
-"""Digits deserializer: scaling, a fixed disjoint stratified split, and the training mean."""
+"""Digits deserializer: the shipped file, scaling, a fixed disjoint stratified split, and the training mean."""
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from sklearn.datasets import load_digits
 
+import dtrain.data
 from dtrain.data import Digits, ImageTransform, MinibatchSource
+
+DATA_FILE = Path(dtrain.data.__file__).with_name("digits.npz")
+
+# SHA-256 of the float32 features and int64 labels Digits(split) returned when it read scikit-learn's
+# load_digits() and split it with train_test_split(test_size=297, random_state=0, stratify=labels):
+# the shipped file must give exactly the same arrays.
+EXPECTED = {
+    "train": ("0b250ec018fd03c444e6f0f7fe203cbc407a512a786bcbc05e740c7f2d8b56a8",
+              "ae9487dae07cd06be7ef9c8789bb03513daa6259d6b60b622a433e724430593f"),
+    "test": ("8efb856720bed5cde3abd29464851a3d12c51b0d63caeb5230a6110f91643d49",
+             "29075d0e34b610e09823619befb34ca6423bcf49523804688fee992db8b92b19"),
+}
+EXPECTED_MEAN = "d8ef58b727fab8f3006f7e52ec074a85c2469a2a1c72171f8b4af93fae1c24bf"
+
+
+def _sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_default_split_returns_exactly_the_arrays_scikit_learn_gave(split):
+    digits = Digits(split)
+    features, labels = digits.get(np.arange(digits.num_samples))
+    assert (features.dtype, labels.dtype) == (torch.float32, torch.int64)
+    assert (_sha256(features), _sha256(labels)) == EXPECTED[split]
+    assert _sha256(digits.mean_image()) == EXPECTED_MEAN
+
+
+def test_the_data_ships_as_a_small_file_with_its_licence_note():
+    assert DATA_FILE.stat().st_size < 100_000
+    note = DATA_FILE.with_name("digits.README.md").read_text()
+    assert "CC BY 4.0" in note and "archive.ics.uci.edu" in note
+
+
+def test_other_seeds_and_sizes_are_stratified_and_keep_every_class():
+    for test_size, seed in ((100, 0), (297, 1), (10, 3), (1787, 2)):
+        train, test = Digits("train", test_size, seed), Digits("test", test_size, seed)
+        assert test.num_samples == test_size and train.num_samples == 1797 - test_size
+        assert set(train.indices.tolist()).isdisjoint(test.indices.tolist())
+        for split in (train, test):
+            _, labels = split.get(np.arange(split.num_samples))
+            assert set(labels.tolist()) == set(range(10))
 
 
 def test_splits_are_disjoint_complete_and_stratified():
@@ -27,14 +72,15 @@ def test_split_is_deterministic_and_seeded():
 
 
 def test_features_are_scaled_images_of_the_right_samples():
-    reference = load_digits()
+    with np.load(DATA_FILE) as reference:
+        images, targets = reference["images"], reference["labels"]
     test = Digits("test")
     features, labels = test.get(np.array([0, 5, 296]))
     assert features.dtype == torch.float32 and features.shape == (3, 1, 8, 8)
     assert labels.dtype == torch.int64
     original = test.indices[[0, 5, 296]]
-    torch.testing.assert_close(features[:, 0], torch.from_numpy(reference.images[original] / 16).float())
-    assert labels.tolist() == reference.target[original].tolist()
+    torch.testing.assert_close(features[:, 0], torch.from_numpy(images[original] / 16).float())
+    assert labels.tolist() == targets[original].tolist()
     assert 0.0 <= float(features.min()) and float(features.max()) <= 1.0
 
 

@@ -178,7 +178,7 @@ def test_one_worker_only_scales():
 def test_bad_arguments_and_changed_shapes_are_rejected():
     with pytest.raises(ValueError, match="all_to_all='torch' needs a TorchDistCommunicator"):
         QuantizedExchange(LocalCommunicator(), 1, all_to_all="torch")
-    with pytest.raises(ValueError, match="bits must be an integer from 1 to 32"):
+    with pytest.raises(ValueError, match="num_bits=0: expected a whole number of bits from 1 to 32"):
         QuantizedExchange(LocalCommunicator(), 0)
 
     def work(comm):
@@ -305,5 +305,12 @@ def test_one_worker_learner_is_the_plain_optimizer():
 @pytest.mark.parametrize("bits", [0, 33, "1"])
 def test_learner_rejects_bad_bits(bits):
     model = make_model(0)
-    with pytest.raises(ValueError, match="num_quantization_bits must be an integer from 1 to 32"):
+    with pytest.raises(ValueError, match="num_quantization_bits=.*: expected a whole number of bits from 1 to 32"):
         QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=bits)
+
+
+def test_error_feedback_that_is_not_a_bool_is_refused_not_taken_as_true():
+    model = make_model(0)
+    with pytest.raises(ValueError, match="error_feedback='no': expected true or false"):
+        QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=1,
+                                     error_feedback="no")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _image_files import image_pixels, write_image_map_files
-from dtrain.data.augment import crop_boxes
+from dtrain.data.transform import crop_boxes
 from dtrain.data import (DataError, ImageAugmentation, ImageFolderDeserializer, ImageTransform, MinibatchSource,
                          crop_geometry)
 

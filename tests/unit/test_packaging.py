@@ -29,6 +29,7 @@ def test_wheel_holds_every_package_and_the_config_tree(wheel):
         assert f"dtrain/conf/recipe/{recipe.name}" in names
     for config in (ROOT / "conf").rglob("*.yaml"):
         assert f"dtrain/conf/{config.relative_to(ROOT / 'conf')}" in names
+    assert {"dtrain/data/digits.npz", "dtrain/data/digits.README.md"} <= names  # the data set and its licence
 
 
 def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_path):
@@ -45,3 +46,21 @@ def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_pat
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "recipe_name: cifar10" in result.stdout and "ConvNetCIFAR10" in result.stdout
+    for flag, expected in (("--version", "dtrain "), ("--help", "recipes (+recipe=NAME):\n  cifar10")):
+        result = subprocess.run([sys.executable, "-m", "dtrain", flag], cwd=elsewhere, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and expected in result.stdout, result.stderr
+    # the digits set is read from the installed package, without scikit-learn
+    result = subprocess.run([sys.executable, "-c", "import sys; from dtrain.data import Digits; "
+                             "print(Digits('train').num_samples, Digits('test').num_samples, 'sklearn' in sys.modules)"],
+                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1500", "297", "False"]
+
+
+def test_default_dependencies_leave_out_scikit_learn_and_tensorboard():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {dependency.split(">")[0].split("=")[0].split("<")[0].strip() for dependency in dependencies}
+    assert not names & {"scikit-learn", "scipy", "tensorboard"}

@@ -250,7 +250,9 @@ def test_array_deserializer_validates_inputs():
     with pytest.raises(ValueError, match="same length"):
         ArrayDeserializer(np.zeros((4, 2)), np.zeros(3, dtype=np.int64))
     with pytest.raises(TypeError, match="labels must be integers"):
-        ArrayDeserializer(np.zeros((4, 2)), np.zeros(4))
+        ArrayDeserializer(np.zeros((4, 2)), np.zeros(4, dtype=bool))
+    with pytest.raises(TypeError, match="num_classes=3 applies to integer class labels"):
+        ArrayDeserializer(np.zeros((4, 2)), np.zeros(4), num_classes=3)  # float labels are regression targets
     with pytest.raises(ValueError, match=r"labels must lie in \[0, num_classes=2\)"):
         ArrayDeserializer(np.zeros((4, 2)), np.array([0, 1, 2, 1]), num_classes=2)
     with pytest.raises(ValueError, match="num_samples >= 1"):
@@ -260,3 +262,96 @@ def test_array_deserializer_validates_inputs():
     deserializer = ArrayDeserializer(torch.arange(12.0).view(4, 3), torch.tensor([0, 1, 1, 0]))
     assert (deserializer.num_samples, deserializer.feature_shape, deserializer.num_classes) == (4, (3,), 2)
     torch.testing.assert_close(deserializer.mean_image(), torch.tensor([4.5, 5.5, 6.5]))
+
+
+# -- read-ahead: the next minibatch is read in the background, and the stream does not change ---------
+
+
+def _read_stream(source: MinibatchSource, plan) -> list[Minibatch | None]:
+    """Reads ``plan``: (size, partitions, index) requests, ("checkpoint",), ("restore", k) back to checkpoint k."""
+    out, saved = [], []
+    for step in plan:
+        if step[0] == "checkpoint":
+            saved.append(source.get_checkpoint_state())
+        elif step[0] == "restore":
+            source.restore_from_checkpoint(saved[step[1]])
+        else:
+            out.append(source.next_minibatch(*step))
+    return out
+
+
+_PLAN = [(8, 1, 0), (8, 1, 0), ("checkpoint",), (8, 1, 0), (8, 2, 1), (8, 2, 1), (6, 2, 1), (6, 3, 0),
+         ("restore", 0), (8, 1, 0), (8, 1, 0), ("checkpoint",), (8, 2, 0), (8, 2, 0), (8, 2, 0), (8, 2, 0),
+         ("restore", 1), (8, 3, 2), (8, 3, 2), (8, 3, 2)]
+
+
+def _assert_same_stream(with_read_ahead, without) -> None:
+    assert len(with_read_ahead) == len(without)
+    for a, b in zip(with_read_ahead, without):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.features, b.features) and torch.equal(a.labels, b.labels)
+            assert np.array_equal(a.positions, b.positions)
+            assert (a.global_num_samples, a.sweep_end) == (b.global_num_samples, b.sweep_end)
+
+
+def test_read_ahead_stream_equals_the_plain_stream_across_restore_and_repartitioning(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _image_files import write_image_map_files
+
+    from dtrain.data import ImageAugmentation, ImageFolderDeserializer
+
+    map_file, _ = write_image_map_files(tmp_path, num_train=20, num_val=1, size=(24, 24), formats=("jpg",))
+
+    def source(read_ahead):
+        return MinibatchSource(ImageFolderDeserializer(map_file, num_threads=2), randomization_seed=5, max_sweeps=3,
+                               read_ahead=read_ahead,
+                               transform=ImageAugmentation(crop="randomarea", area_ratio=[0.3, 1.0], output_size=[16, 16],
+                                                           flip=True, brightness=0.3))
+
+    assert source(None).read_ahead  # on by default for decoded image files
+    plan = _PLAN + [(16, 2, 1)] * 6  # and on to the end of the last sweep
+    _assert_same_stream(_read_stream(source(True), plan), _read_stream(source(False), plan))
+
+
+class _RecordingDeserializer(ArrayDeserializer):
+    """Records which thread read which indices."""
+
+    def __init__(self, num_samples: int):
+        ids = np.arange(num_samples)
+        super().__init__(np.stack([ids, -ids], axis=1).astype(np.int32), ids % 3, num_classes=3)
+        self.reads: list[tuple[str, list[int]]] = []
+
+    def get(self, indices):
+        import threading
+
+        self.reads.append((threading.current_thread().name, list(indices)))
+        return super().get(indices)
+
+
+def test_read_ahead_reads_the_next_request_in_the_background_and_discards_a_mismatch():
+    deserializer = _RecordingDeserializer(40)
+    source = MinibatchSource(deserializer, randomize=False, read_ahead=True)
+    _assert_same_stream(_read_stream(source, _PLAN),
+                        _read_stream(MinibatchSource(make_deserializer(40), randomize=False), _PLAN))
+    threads = [name for name, _ in deserializer.reads]
+    assert threads[0] == "MainThread" and threads[1].startswith("dtrain-read-ahead")
+    assert sum(name.startswith("dtrain-read-ahead") for name in threads) >= 8
+    assert len(threads) > len([step for step in _PLAN if len(step) == 3])  # discarded reads were redone
+    source.close()
+    assert not MinibatchSource(make_deserializer(10)).read_ahead  # in-memory arrays: off by default
+
+
+def test_float_labels_keep_their_values_and_dtype_through_the_source():
+    targets = np.array([0.25, -1.5, 3.0, 0.75], dtype=np.float32)
+    deserializer = ArrayDeserializer(np.arange(8.0).reshape(4, 2), targets)
+    assert deserializer.num_classes is None
+    minibatch = MinibatchSource(deserializer, randomize=False).next_minibatch(4)
+    assert minibatch.labels.dtype == torch.float32 and minibatch.labels.tolist() == targets.tolist()
+    two_outputs = ArrayDeserializer(np.zeros((3, 2)), np.array([[0.5, 1.0], [0.25, 2.0], [1.5, 0.125]]))
+    assert MinibatchSource(two_outputs, randomize=False).next_minibatch(2).labels.dtype == torch.float64
+    classes = MinibatchSource(ArrayDeserializer(np.zeros((3, 2)), np.array([0, 2, 1], dtype=np.int32)))
+    assert classes.next_minibatch(3).labels.dtype == torch.int64  # class indices: int64, as the losses want

@@ -1,4 +1,4 @@
-"""CNTK ImageDeserializer transforms (crop, scale, colour, mean) for decoded image batches.
+"""``ImageAugmentation``: CNTK ImageDeserializer transforms (crop, scale, colour, mean) for decoded image batches.
 
 Every random draw is a pure function of ``(seed, global position)`` through
 ``uniform_from_positions``, so a sample is augmented identically whatever the number of
@@ -21,17 +21,17 @@ import numpy as np
 import torch
 
 from dtrain.data._checks import check_bool, check_int
-from dtrain.data.augment import flip_mask, mirror_where, resample_boxes, uniform_from_positions
+from dtrain.data.positional_random import STREAM_CROP_X, STREAM_CROP_Y, flip_mask, uniform_from_positions
+from dtrain.data.resample import mirror_where, resample_boxes
 
 __all__ = ["CROP_TYPES", "ImageAugmentation", "crop_geometry"]
 
 CROP_TYPES = (None, "center", "randomside", "randomarea")
 
-# Random streams of this module. 1, 2 (crop position) and 3 (flip) are augment.py's, reused so a
-# fixed-ratio random side crop equals ImageTransform's; the others are new and independent.
+# Random streams of this module. The crop position and flip streams are shared with
+# ImageTransform, so a fixed-ratio random side crop equals its crop; the others are independent.
 _STREAM_SIDE_RATIO, _STREAM_AREA, _STREAM_ASPECT = 11, 12, 13
 _STREAM_BRIGHTNESS, _STREAM_CONTRAST, _STREAM_SATURATION = 14, 15, 16
-_STREAM_CROP_X, _STREAM_CROP_Y = 1, 2
 # ITU-R BT.601 luma weights (what PIL's "L" conversion and torchvision use).
 _LUMA = (0.299, 0.587, 0.114)
 
@@ -72,7 +72,7 @@ def crop_geometry(
     * ``"center"``: a centred square of side ``floor(side_ratio_min * min(H, W))``.
     * ``"randomside"``: a square of side ``floor(r * min(H, W))``, ``r`` uniform in
       ``side_ratio`` (CNTK's ``jitterType=uniRatio``), at a uniform position; with a fixed ratio
-      this is exactly ``augment.crop_boxes``.
+      this is exactly ``transform.crop_boxes``.
     * ``"randomarea"``: area ``a * H * W`` with ``a`` uniform in ``area_ratio`` and aspect ratio
       ``w / h`` uniform in ``aspect_ratio`` (CNTK draws both uniformly), clamped to the image,
       at a uniform position.
@@ -98,8 +98,8 @@ def crop_geometry(
         crop_height = np.clip(np.round(np.sqrt(area / aspect)), 1, height).astype(np.int64)
     else:
         raise ValueError(f"crop must be one of {CROP_TYPES}, got {crop!r}")
-    u_left = uniform_from_positions(seed, positions, _STREAM_CROP_X)
-    u_top = uniform_from_positions(seed, positions, _STREAM_CROP_Y)
+    u_left = uniform_from_positions(seed, positions, STREAM_CROP_X)
+    u_top = uniform_from_positions(seed, positions, STREAM_CROP_Y)
     left = np.floor(u_left * (width - crop_width + 1)).astype(np.int64)
     top = np.floor(u_top * (height - crop_height + 1)).astype(np.int64)
     return left, top, crop_width, crop_height

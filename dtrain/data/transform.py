@@ -1,6 +1,6 @@
-"""Image augmentation whose randomness is a pure function of (seed, global timeline position).
+"""``ImageTransform``: the CIFAR-10 style crop/flip/mean transform, random per (seed, global position).
 
-CNTK's ConvNet_CIFAR10_DataAug (reference/cntk_chainermn.md §6) trains with a random side crop
+CNTK's ConvNet_CIFAR10_DataAug (``docs/semantics.md#cifar-10-example``) trains with a random side crop
 (side ratio 0.8), scales the crop back to 32x32 with bilinear interpolation and subtracts the
 training mean image; tests only scale and subtract the mean. Here the random numbers for a
 sample come from a counter-based hash of (seed, position), so a sample is augmented the same way
@@ -13,58 +13,12 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dtrain.data._checks import check_bool, check_int
+from dtrain.data.positional_random import STREAM_CROP_X, STREAM_CROP_Y, flip_mask, uniform_from_positions
+from dtrain.data.resample import mirror_where, resample_boxes
 
-__all__ = ["ImageTransform", "crop_boxes", "flip_mask", "uniform_from_positions"]
-
-# splitmix64 constants (Steele, Lea & Flood 2014; the same as java.util.SplittableRandom).
-_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_MIX_MULTIPLIER_1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
-
-# Independent random streams per decision, so adding one never changes another.
-_STREAM_CROP_X, _STREAM_CROP_Y, _STREAM_FLIP = 1, 2, 3
-
-
-def _mix64(state: np.ndarray) -> np.ndarray:
-    """splitmix64's output function on a uint64 array (wrapping arithmetic is intended)."""
-    z = state
-    z = (z ^ (z >> np.uint64(30))) * _MIX_MULTIPLIER_1
-    z = (z ^ (z >> np.uint64(27))) * _MIX_MULTIPLIER_2
-    return z ^ (z >> np.uint64(31))
-
-
-def uniform_from_positions(seed: int, positions: np.ndarray, stream: int) -> np.ndarray:
-    """Uniform floats in [0, 1), one per position, a pure function of (seed, position, stream).
-
-    The stream key is hashed from ``(seed, stream)``; position ``p`` then takes the ``p``-th
-    output of the splitmix64 generator started at that key. Vectorised in numpy uint64.
-
-    Args:
-        seed: non-negative integer seed (taken modulo 2**64).
-        positions: non-negative integer array of global timeline positions.
-        stream: small non-negative integer naming the random decision (crop x, flip, ...).
-
-    Returns:
-        float64 array shaped like ``positions``.
-
-    Raises:
-        TypeError / ValueError: a negative seed or stream, or non-integer positions.
-    """
-    seed = check_int("seed", seed, 0)
-    stream = check_int("stream", stream, 0)
-    positions = np.asarray(positions)
-    if positions.size and not np.issubdtype(positions.dtype, np.integer):
-        raise TypeError(f"positions must be an integer array, got dtype {positions.dtype}")
-    with np.errstate(over="ignore"):
-        seed_key = _mix64(np.array([seed % 2**64], dtype=np.uint64) + _GOLDEN_GAMMA)
-        stream_key = _mix64(seed_key + np.uint64(stream) * _GOLDEN_GAMMA)
-        counters = stream_key + (positions.astype(np.uint64) + np.uint64(1)) * _GOLDEN_GAMMA
-        bits = _mix64(counters)
-    # The top 53 bits fill a float64 mantissa exactly: values k / 2**53.
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+__all__ = ["ImageTransform", "crop_boxes"]
 
 
 def crop_boxes(
@@ -80,39 +34,11 @@ def crop_boxes(
     width = check_int("width", width, 1)
     # The epsilon keeps e.g. 0.8 * 30 = 23.999999999999996 from flooring to 23.
     side = max(1, min(math.floor(side_ratio * min(height, width) + 1e-9), min(height, width)))
-    u_left = uniform_from_positions(seed, positions, _STREAM_CROP_X)
-    u_top = uniform_from_positions(seed, positions, _STREAM_CROP_Y)
+    u_left = uniform_from_positions(seed, positions, STREAM_CROP_X)
+    u_top = uniform_from_positions(seed, positions, STREAM_CROP_Y)
     left = np.floor(u_left * (width - side + 1)).astype(np.int64)
     top = np.floor(u_top * (height - side + 1)).astype(np.int64)
     return left, top, side
-
-
-def flip_mask(seed: int, positions: np.ndarray) -> np.ndarray:
-    """bool array: True for the positions (about half) whose image is mirrored horizontally."""
-    return uniform_from_positions(seed, positions, _STREAM_FLIP) < 0.5
-
-
-def mirror_where(images: torch.Tensor, flipped: np.ndarray) -> torch.Tensor:
-    """``images`` ``[n, C, H, W]`` with the ones where ``flipped`` (bool ``[n]``) is True mirrored left to right."""
-    mask = torch.from_numpy(np.asarray(flipped, dtype=bool)).view(-1, 1, 1, 1).to(images.device)
-    return torch.where(mask, images.flip(-1), images)
-
-
-def resample_boxes(images: torch.Tensor, left: np.ndarray, top: np.ndarray, crop_width: np.ndarray,
-                   crop_height: np.ndarray, flipped: np.ndarray, output_size: tuple[int, int]) -> torch.Tensor:
-    """Each image's box ``[left, left + w) x [top, top + h)`` scaled to ``output_size`` (bilinear),
-    mirrored where ``flipped``: float ``[n, C, *output_size]`` from float ``images`` ``[n, C, H, W]``."""
-    count, channels, height, width = images.shape
-    # affine_grid maps output coordinates in [-1, 1] (pixel edges, align_corners=False) to the
-    # input: the box [left, left + w) has half-width w / W and centre (2 left + w) / W - 1.
-    theta = np.zeros((count, 2, 3), dtype=np.float32)
-    theta[:, 0, 0] = np.where(flipped, -1.0, 1.0) * crop_width / width
-    theta[:, 0, 2] = (2.0 * left + crop_width) / width - 1.0
-    theta[:, 1, 1] = crop_height / height
-    theta[:, 1, 2] = (2.0 * top + crop_height) / height - 1.0
-    grid = F.affine_grid(torch.from_numpy(theta).to(images.device), [count, channels, *output_size],
-                         align_corners=False)
-    return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 class ImageTransform:

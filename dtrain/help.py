@@ -1,0 +1,170 @@
+"""dtrain's own ``--help`` and ``--version`` texts for the command line.
+
+Hydra's generic help lists its internal ``schema/*`` groups and says nothing about recipes, so
+``python -m dtrain --help`` prints this instead (``--hydra-help`` still prints Hydra's). The
+groups and their options are discovered from the config tree(s) the run would use: the shipped
+one and any ``--config-dir``, so a user's own recipes, models or learners appear too. Each
+option's one-line description is the first sentence of the comment at the top of its YAML file.
+"""
+from __future__ import annotations
+
+import re
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+#: groups that exist for the machinery, not for users to choose from
+_HIDDEN_GROUPS = ("hydra", "schema")
+
+_WIDTH = 100
+
+_INTRO = """\
+dtrain: declarative, distributed data-parallel training for PyTorch.
+
+A run is composed from a recipe (the model, the data and the settings of a known example) and
+config groups you can swap on the command line. The same command trains one process or, under
+mpiexec/torchrun/srun, N processes with a distributed learner; sizes and frequencies count
+global samples (all processes together), so the result does not depend on the process count.
+
+usage: python -m dtrain +recipe=NAME [group=option ...] [key=value ...]
+       dtrain +recipe=NAME ...            (the same, installed as a command)
+       dtrain --help | --version | --hydra-help"""
+
+_EXAMPLES = """\
+  python -m dtrain +recipe=digits                            one process
+  mpiexec -n 4 python -m dtrain +recipe=digits               4 processes, data-parallel
+  mpiexec -n 4 python -m dtrain +recipe=cifar10 learner=quantized learner.distributed_after=50000
+  python -m dtrain +recipe=digits optimizer.lr=0.1 session.max_samples=15000   override values
+  python -m dtrain +recipe=digits --cfg job                  print the composed config, run nothing
+  python -m dtrain -m +recipe=digits optimizer.lr=0.01,0.05,0.1               a sweep (one run each)
+  python -m dtrain +recipe=digits run_dir=outputs/digits/2026-01-01_12-00-00  resume that run
+  python -m dtrain --config-dir my_conf +recipe=mine         your own recipe/model/learner YAMLs"""
+
+_MORE = """\
+  README.md                 installation, the Python API, recipes, outputs and resuming
+  docs/semantics.md         what dtrain computes: global sample counts, the learners' formulas,
+                            minibatch sources, checkpoints (with links to CNTK and ChainerMN)
+  docs/writing-a-learner.md write a distributed learner of your own and plug it in with --config-dir
+  python -m dtrain +recipe=NAME --cfg job    every key of a composed config and its value"""
+
+
+def version() -> str:
+    """dtrain's version: the installed distribution's, else the source tree's ``pyproject.toml``.
+
+    Raises:
+        RuntimeError: neither is available (a copy of the package without its metadata).
+    """
+    try:
+        return metadata.version("dtrain")
+    except metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+    raise RuntimeError("dtrain's version is unknown: it is neither installed nor run from its source tree")
+
+
+def config_directories(shipped: str | Path, argv: list[str]) -> list[Path]:
+    """The shipped config tree followed by every ``--config-dir``/``-cd`` directory named in ``argv``."""
+    directories = [Path(shipped)]
+    for index, argument in enumerate(argv):
+        if argument in ("--config-dir", "-cd") and index + 1 < len(argv):
+            directories.append(Path(argv[index + 1]))
+        elif argument.startswith("--config-dir="):
+            directories.append(Path(argument.split("=", 1)[1]))
+    return directories
+
+
+def config_groups(directories: list[Path]) -> dict[str, dict[str, str]]:
+    """``{group: {option: description}}`` of every user-facing group in ``directories`` (later ones
+    add options; ``hydra`` and ``schema`` groups are left out)."""
+    groups: dict[str, dict[str, str]] = {}
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob("*/*.yaml")):
+            group = path.parent.name
+            if group in _HIDDEN_GROUPS:
+                continue
+            groups.setdefault(group, {})[path.stem] = describe_option(path)
+    return {group: dict(sorted(options.items())) for group, options in sorted(groups.items())}
+
+
+def describe_option(path: Path) -> str:
+    """The first sentence of the prose comment at the top of a config file.
+
+    The header comment is split into paragraphs at empty ``#`` lines; command lines (``python
+    -m dtrain ...``, ``mpiexec ...``) are skipped and the last paragraph is the description (a
+    recipe's header starts with its commands, a group option's is a single paragraph).
+    """
+    paragraphs: list[list[str]] = [[]]
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.startswith("#"):
+            break
+        text = line[1:].strip()
+        if not text:
+            paragraphs.append([])
+        elif not (text.startswith("@package") or line[1:].startswith("  ")
+                  or re.match(r"(python|mpiexec|torchrun|srun|dtrain)\b", text)):
+            paragraphs[-1].append(text)
+    prose = " ".join(next((p for p in reversed(paragraphs) if p), []))
+    prose = re.sub(rf"^{re.escape(path.parent.name)}={re.escape(path.stem)}:\s*", "", prose)
+    return _first_sentence(prose)
+
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to the first full stop outside parentheses that a space (or the end) follows."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        rest = text[index + 1:]
+        if char == "." and depth == 0 and (not rest.strip() or rest[0].isspace()) \
+                and not re.search(r"\b(al|e\.g|i\.e|etc)$", text[:index]):
+            return text[:index + 1]
+    return text
+
+
+def default_choices(shipped: str | Path) -> dict[str, str]:
+    """The option each group defaults to in the root ``config.yaml`` (``{"learner": "data_parallel", ...}``)."""
+    choices = {}
+    for line in (Path(shipped) / "config.yaml").read_text().splitlines():
+        match = re.match(r"\s*-\s*([a-z_]+):\s*([A-Za-z0-9_]+)", line)
+        if match:
+            choices[match.group(1)] = match.group(2)
+    return choices
+
+
+def help_text(shipped: str | Path, argv: list[str]) -> str:
+    """The whole ``--help`` text for a command line ``argv`` (its ``--config-dir`` options count)."""
+    directories = config_directories(shipped, argv)
+    groups = config_groups(directories)
+    defaults = default_choices(shipped)
+    recipes = groups.pop("recipe", {})
+    sections = [_INTRO, "recipes (+recipe=NAME):\n" + _options(recipes, None)]
+    group_lines = []
+    for group, options in groups.items():
+        default = defaults.get(group)
+        heading = f"  {group}=" + "|".join(options) + (f"   (default: {default})" if default and len(options) > 1 else "")
+        group_lines.append(heading + "\n" + _options(options, default, indent=4))
+    sections.append("config groups (group=option picks an option, * marks the default; group.key=value sets a value):\n"
+                    + "\n".join(group_lines))
+    sections.append("examples:\n" + _EXAMPLES)
+    sections.append("read more:\n" + _MORE)
+    return "\n\n".join(sections) + "\n"
+
+
+def _options(options: dict[str, str], default: str | None, indent: int = 2) -> str:
+    width = max((len(name) for name in options), default=0) + 2
+    lines = []
+    for name, description in options.items():
+        marker = "*" if name == default else " "
+        head = " " * indent + f"{name:<{width}}{marker} "
+        body = textwrap.wrap(description or "(no description)", _WIDTH - len(head)) or [""]
+        lines.append(head + body[0])
+        lines.extend(" " * len(head) + more for more in body[1:])
+    return "\n".join(lines)
+
+
+__all__ = ["config_directories", "config_groups", "default_choices", "describe_option", "help_text", "version"]

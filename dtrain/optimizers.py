@@ -1,0 +1,45 @@
+"""Optimizers whose hyper-parameters carry the names the rest of dtrain uses.
+
+``session.momentum_time_constant_schedule`` and a recipe's ``optimizer.momentum`` set a
+parameter group's ``momentum``; SGD reads it directly, and :class:`Adam` reads it as its
+beta1 (CNTK's ``adam(momentum=..., variance_momentum=...)`` naming), so every optimizer
+combines with every recipe and schedule.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dtrain import checks
+
+__all__ = ["Adam"]
+
+
+class Adam(torch.optim.Adam):
+    """``torch.optim.Adam`` with ``momentum`` (beta1) and ``variance_momentum`` (beta2) as parameters.
+
+    Each parameter group keeps a ``momentum`` entry; ``step`` copies it into ``betas[0]``
+    first, so a momentum schedule that changes ``group["momentum"]`` acts on Adam as on SGD.
+    Raises ValueError naming the argument for a value out of range.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.9,
+                 variance_momentum: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        checks.positive_number("lr", lr)
+        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
+        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
+        checks.positive_number("eps", eps)
+        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
+        super().__init__(params, lr=lr, betas=(momentum, variance_momentum), eps=eps, weight_decay=weight_decay)
+        self.defaults["momentum"] = momentum
+        for group in self.param_groups:
+            group.setdefault("momentum", momentum)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Adam step, with each group's ``momentum`` as its beta1."""
+        for group in self.param_groups:
+            group["betas"] = (float(group["momentum"]), group["betas"][1])
+        return super().step(closure)

@@ -1,0 +1,272 @@
+"""What a checkpoint holds and when it may be restored (the file format is ``checkpoint.py``).
+
+A checkpoint is a dictionary with these entries (all plain containers and tensors):
+
+- ``samples_seen``, ``minibatches``, ``cv_index``: the loop's counters (global samples);
+- ``model``: ``model.state_dict()``;
+- ``learner``: the learner's replicated state (``kind``, ``optimizer`` state dict, ``samples_seen``,
+  and e.g. block momentum's global model);
+- ``source``: the training source's position (``MinibatchSource.get_checkpoint_state()``);
+- ``per_rank``: one entry per rank, ``{"rng": torch RNG state, "learner": per-rank learner state}``;
+- ``world_size``, ``learner_kind``;
+- ``identity``: the settings a checkpoint must match to be restored (model, data, learner,
+  optimizer type, and what the caller adds, e.g. the seed);
+- ``settings``: the settings that may change on resume, as the run that wrote it used them;
+- ``config_fingerprint``, ``versions`` (dtrain and torch).
+
+Restoring refuses a checkpoint whose identity differs (naming the first difference) and
+re-applies the configured optimizer hyper-parameters after loading the optimizer state, so a
+changed learning rate, momentum or weight decay takes effect while state such as momentum
+buffers is kept.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dtrain.session.checkpoint import CheckpointError, CheckpointFiles, load_latest_valid
+
+#: entries a checkpoint must have to be restored
+REQUIRED_KEYS = ("model", "learner", "learner_kind", "source", "per_rank", "world_size", "samples_seen", "minibatches",
+                 "cv_index")
+
+
+def _qualified_name(value: Any) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def learner_identity(learner) -> dict[str, Any]:
+    """What a learner's checkpoint must match: ``learner.checkpoint_identity()`` when it has one,
+    else its kind; plus the optimizer's type (optimizer state only fits the same optimizer)."""
+    own = learner.checkpoint_identity() if hasattr(learner, "checkpoint_identity") else {"kind": learner.kind}
+    return {**own, "optimizer": _qualified_name(learner.optimizer)}
+
+
+def source_identity(source) -> dict[str, Any]:
+    """What a training source's checkpoint must match: ``source.checkpoint_identity()`` when it has
+    one, else the deserializer's type, size, feature shape and classes (where the files lie may change)."""
+    if hasattr(source, "checkpoint_identity"):
+        return source.checkpoint_identity()
+    data = getattr(source, "deserializer", None)
+    if data is None:
+        return {"source": _qualified_name(source)}
+    return {"deserializer": _qualified_name(data), "num_samples": _plain(data.num_samples),
+            "feature_shape": _plain(data.feature_shape), "num_classes": _plain(data.num_classes)}
+
+
+def _plain(value: Any) -> Any:
+    """An int, a list of ints, or else the value's text: comparable and safe to store in a checkpoint."""
+    try:
+        if isinstance(value, (tuple, list, torch.Size)):
+            return [int(n) for n in value]
+        return int(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def identity(model: torch.nn.Module, learner, source, extra: dict | None) -> dict[str, Any]:
+    """The settings a checkpoint must match: model type, learner, optimizer type, training data,
+    and ``extra`` (the caller's own, e.g. the model's config and the seed)."""
+    return {"model_type": _qualified_name(model), "learner": learner_identity(learner),
+            "train_data": source_identity(source), **(extra or {})}
+
+
+def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, momentum, weight decay, ...) without its parameters."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def reapply_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[dict[str, Any]]) -> None:
+    """Puts the configured hyper-parameters back after ``optimizer.load_state_dict`` (which
+    restores the checkpoint's); per-parameter state such as momentum buffers is kept."""
+    for group, settings in zip(optimizer.param_groups, configured):
+        group.update(settings)
+
+
+def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learner,
+                     expected_identity: dict[str, Any]) -> None:
+    """Refuses a checkpoint that lacks an entry or belongs to another model, learner or configuration.
+
+    Raises:
+        CheckpointError: one line naming the file and the first problem.
+    """
+    for key in REQUIRED_KEYS:
+        if key not in state:
+            raise CheckpointError(f"checkpoint {path} lacks '{key}': it was not written by this dtrain")
+    mismatch = describe_model_mismatch(model, state["model"])
+    if mismatch:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {mismatch}")
+    if state["learner_kind"] != learner.kind:
+        raise CheckpointError(
+            f"checkpoint {path} was written by the {state['learner_kind']!r} learner, this run uses "
+            f"{learner.kind!r}; restore with the same learner or use a new run directory")
+    saved = state.get("identity", {})
+    if "model_type" not in saved:  # written before the learner and source supplied their identity
+        expected_identity = {key: value for key, value in expected_identity.items()
+                             if key not in ("model_type", "learner", "train_data")}
+        saved = {key: value for key, value in saved.items() if key not in ("learner", "optimizer", "train_data")}
+    difference = describe_config_mismatch(saved, expected_identity)
+    if difference:
+        raise CheckpointError(f"checkpoint {path} belongs to another configuration: {difference}; "
+                              f"restore with the same settings or use a new run directory")
+
+
+def describe_model_mismatch(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> str | None:
+    """One line naming how a saved model state differs from ``model``; ``None`` when they match."""
+    current = model.state_dict()
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if missing or unexpected:
+        return f"parameters missing from checkpoint {missing[:3]}, unexpected in checkpoint {unexpected[:3]}"
+    for name, tensor in current.items():
+        if tuple(saved[name].shape) != tuple(tensor.shape):
+            return f"parameter {name} has shape {tuple(saved[name].shape)} in the checkpoint, {tuple(tensor.shape)} in the model"
+    return None
+
+
+def describe_config_mismatch(saved: Any, current: Any, path: str = "") -> str | None:
+    """The first key whose value differs between two plain config trees, as one line; ``None`` if equal."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in saved or key not in current:
+                return f"{where} is {'missing from' if key not in saved else 'only in'} the checkpoint's config"
+            difference = describe_config_mismatch(saved[key], current[key], where)
+            if difference:
+                return difference
+        return None
+    if saved != current:
+        return f"{path} was {saved!r} in the checkpoint's run and is {current!r} now"
+    return None
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(tree, (list, tuple)) and tree and all(isinstance(item, dict) for item in tree):
+        flat = {}
+        for index, value in enumerate(tree):
+            flat.update(_flatten(value, f"{prefix}[{index}]"))
+        return flat
+    return {prefix: tree}
+
+
+def changed_settings(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every setting that differs from the checkpoint's run (sorted by key).
+
+    Only trees of the same kind are compared: a run described by a config (the command line)
+    against the config stored in the checkpoint, else the session's own settings.
+    """
+    if not saved:
+        return []
+    which = "config" if "config" in saved and "config" in current else "session"
+    old, new = _flatten(saved.get(which, {})), _flatten(current.get(which, {}))
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if before != after:
+            changes.append(f"{key}: {before!r} -> {after!r}")
+    return changes
+
+
+def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch.nn.Module, learner, source, comm,
+             expected_identity: dict[str, Any], settings: dict[str, Any], config_fingerprint: str,
+             versions: dict[str, str]) -> dict[str, Any]:
+    """Everything a bit-exact resume needs, in the layout above; per-rank parts are gathered (a
+    collective: every rank calls it, rank 0 gets the whole dictionary)."""
+    per_rank = comm.gather_object({"rng": torch.get_rng_state(), "learner": learner.local_state_dict()})
+    return {
+        "samples_seen": samples_seen,
+        "minibatches": minibatches,
+        "cv_index": cv_index,
+        "model": model.state_dict(),
+        "learner": learner.state_dict(),
+        "source": source.get_checkpoint_state(),
+        "per_rank": per_rank,
+        "world_size": comm.size,
+        "learner_kind": learner.kind,
+        "identity": expected_identity,
+        "settings": settings,
+        "config_fingerprint": config_fingerprint,
+        "versions": versions,
+    }
+
+
+def read_newest(files: CheckpointFiles, restore: bool, model: torch.nn.Module, learner,
+                expected_identity: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """Rank 0: the newest readable checkpoint, checked against this run; ``None`` when there is none.
+
+    Raises:
+        CheckpointError: restore is off but a checkpoint exists (it would be overwritten), no
+            checkpoint is readable, or the newest belongs to another model, learner or configuration.
+    """
+    if not restore:
+        existing = files.existing()
+        if existing:
+            raise CheckpointError(
+                f"checkpoint {existing[-1][1]} already exists and restore is off; set session.checkpoint.restore=true "
+                f"to continue it, or use a new run directory so it is not overwritten")
+        return None
+    found = load_latest_valid(files)
+    if found is None:
+        return None
+    path, state = found
+    check_restorable(path, state, model, learner, expected_identity)
+    return path, state
+
+
+def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) -> bool:
+    """Loads a checked checkpoint into the model, learner and source on this rank.
+
+    The optimizer's configured hyper-parameters (learning rate, momentum, weight decay, ...) are
+    put back after its state is loaded, so settings changed since the checkpoint take effect.
+    Per-rank state (random numbers, e.g. quantization residuals) is restored only at the same world
+    size. Returns whether it was (``False``: re-partitioned onto another number of ranks).
+    """
+    configured = optimizer_hyperparameters(learner.optimizer)
+    model.load_state_dict(state["model"])
+    learner.load_state_dict(state["learner"])
+    reapply_hyperparameters(learner.optimizer, configured)
+    source.restore_from_checkpoint(state["source"])
+    if state["world_size"] != comm.size:
+        return False
+    own = state["per_rank"][comm.rank]
+    torch.set_rng_state(own["rng"])
+    learner.load_local_state_dict(own["learner"])
+    return True
+
+
+def restore_latest(files: CheckpointFiles | None, restore: bool, model: torch.nn.Module, learner, source, comm,
+                   expected_identity: dict[str, Any], prepare: Callable[[], None] | None = None,
+                   ) -> tuple[Any, dict[str, Any], bool] | None:
+    """Rank 0 calls ``prepare()`` (e.g. to lock the run directory) and reads the newest checkpoint;
+    every rank receives it and applies it (no shared file system needed, and one error for all).
+
+    Returns ``(path, state, same_world_size)``, or ``None`` when starting fresh.
+
+    Raises:
+        CheckpointError: on every rank, with rank 0's one-line message.
+    """
+    outcome = None
+    if comm.is_main:
+        try:
+            if prepare is not None:
+                prepare()
+            if files is not None:
+                files.remove_temporaries()  # of writes killed before their rename; the run is locked now
+                outcome = read_newest(files, restore, model, learner, expected_identity)
+        except CheckpointError as error:
+            outcome = str(error)
+    outcome = comm.broadcast_object(outcome, root=0)
+    if isinstance(outcome, str):
+        raise CheckpointError(outcome)
+    if outcome is None:
+        return None
+    path, state = outcome
+    return path, state, apply(state, model, learner, source, comm)

@@ -1,0 +1,110 @@
+"""Losses and metrics the config can name (``loss: {_target_: ...}``, ``metric: {_target_: ...}``).
+
+A loss is ``loss(output, labels)`` returning the MEAN over the minibatch (any ``torch.nn`` loss
+module qualifies). A metric is ``metric(output, labels)`` returning the SUM over the minibatch
+(so the loop can average it over samples and ranks exactly); its optional attributes ``name``
+(the key in progress lines, ``metrics.jsonl``/``metrics.csv`` and the summary) and ``percent``
+(shown as a percentage) say how it is reported.
+"""
+from __future__ import annotations
+
+import torch
+
+from dtrain.session.evaluate import classification_errors
+
+__all__ = ["ClassificationError", "MSELoss", "MeanAbsoluteError", "TopKError", "metric_name", "metric_in_percent"]
+
+
+class ClassificationError:
+    """Samples whose arg-max output is not the label, summed (CNTK's ``classification_error``)."""
+
+    name = "error"
+    percent = True
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return classification_errors(output, labels)
+
+    def __repr__(self) -> str:
+        return "ClassificationError()"
+
+
+class TopKError:
+    """Samples whose label is not among the ``k`` largest outputs, summed (``name``: ``top<k>_error``).
+
+    Raises:
+        ValueError: ``k`` is not a positive integer; when called, fewer than ``k`` classes.
+    """
+
+    percent = True
+
+    def __init__(self, k: int = 5) -> None:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"metric.k={k!r}: expected a positive whole number of classes")
+        self.k = k
+        self.name = f"top{k}_error"
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if output.shape[1] < self.k:
+            raise ValueError(f"metric {self.name} needs at least {self.k} classes, the model outputs {output.shape[1]}")
+        top = output.topk(self.k, dim=1).indices
+        return (top != labels.unsqueeze(1)).all(dim=1).sum()
+
+    def __repr__(self) -> str:
+        return f"TopKError(k={self.k})"
+
+
+def _regression_pair(output: torch.Tensor, labels: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``output`` and ``labels`` with one shape: ``[n, 1]`` outputs meet ``[n]`` labels; anything
+    else that differs is refused (broadcasting would silently compare every pair of samples)."""
+    if output.shape != labels.shape and output.shape == (*labels.shape, 1):
+        output = output.squeeze(-1)
+    if output.shape != labels.shape:
+        raise ValueError(f"{what}: the model outputs shape {tuple(output.shape)} but the labels have shape "
+                         f"{tuple(labels.shape)}; they must match (or outputs [n, 1] for labels [n])")
+    return output, labels.to(output.dtype)
+
+
+class MSELoss:
+    """Mean squared error over samples and outputs, for regression targets (float labels)."""
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        output, labels = _regression_pair(output, labels, "loss mse")
+        return torch.nn.functional.mse_loss(output, labels)
+
+    def __repr__(self) -> str:
+        return "MSELoss()"
+
+
+class MeanAbsoluteError:
+    """Absolute error per sample (averaged over its outputs), summed; for regression targets."""
+
+    name = "mean_abs_error"
+    percent = False
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        output, labels = _regression_pair(output, labels, "metric mean_abs_error")
+        difference = (output - labels).abs()
+        return difference.reshape(difference.shape[0], -1).mean(dim=1).sum()
+
+    def __repr__(self) -> str:
+        return "MeanAbsoluteError()"
+
+
+def metric_name(metric) -> str:
+    """The name a metric is reported under: its ``name``, ``error`` for ``classification_errors``,
+    else its function or class name."""
+    name = getattr(metric, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    if metric is classification_errors:
+        return "error"
+    name = getattr(metric, "__name__", None) or type(metric).__name__
+    return "metric" if name.startswith("<") else name  # a lambda has no name worth a column
+
+
+def metric_in_percent(metric) -> bool:
+    """Whether a metric reads as a fraction shown in percent (error rates)."""
+    percent = getattr(metric, "percent", None)
+    if isinstance(percent, bool):
+        return percent
+    return metric is classification_errors

@@ -1,0 +1,160 @@
+"""``report.png``: one page of plots of a run's metric records, for people to look at.
+
+Drawn with matplotlib's object API (``matplotlib.figure.Figure`` and its Agg canvas), so it works
+without a display and leaves ``pyplot``'s global state alone.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+_KIND_STYLE = {"train": dict(color="tab:blue", marker="o", label="train"),
+               "cv": dict(color="tab:orange", marker="s", label="cross-validation"),
+               "test": dict(color="tab:red", marker="*", markersize=12, linestyle="none", label="test")}
+_PHASE_COLORS = {"data_s": ("waiting for data", "tab:gray"), "compute_s": ("compute (forward, backward)", "tab:green"),
+                 "update_s": ("update (exchange, optimizer)", "tab:purple"),
+                 "other_s": ("other (progress, evaluation, checkpoints)", "tab:olive")}
+
+
+def write_report(records: list[dict], path: str | Path, metric_name: str = "error", title: str = "",
+                 percent: bool | None = None) -> Path:
+    """Draws ``records`` (``metrics.jsonl``'s objects) into a PNG at ``path`` (atomically) and returns it.
+
+    Panels: loss and the metric against samples and against wall time (train, cross-validation,
+    test), training throughput, the split of each progress period between waiting for data,
+    computing, the learner's update and the rest, and, when the learner reports it, bytes sent per
+    step.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: there are no training records to draw.
+    """
+    from matplotlib.figure import Figure  # imported here: only rank 0 draws, once, at the end
+
+    # records of another program or a damaged line carry no position: they cannot be placed
+    records = [r for r in records if _number(r.get("samples")) is not None and _number(r.get("time")) is not None]
+    train = [r for r in records if r.get("kind") == "train"]
+    if not train:
+        raise ValueError("no training records to draw (progress_frequency=0?)")
+    start = _start_time(train)
+    time_unit, time_scale = _time_unit(max(float(r.get("time", start)) for r in records) - start)
+    has_bytes = any(_number(r.get("bytes_sent_per_step")) for r in train)
+    rows = 4 if has_bytes else 3
+    figure = Figure(figsize=(13, 3.6 * rows), dpi=100, layout="constrained")
+    axes = figure.subplots(rows, 2)
+    if percent is None:
+        percent = "error" in metric_name  # error rates read best in percent
+    metric_label = f"{metric_name} (%)" if percent else metric_name
+
+    for column, (x_key, x_label) in enumerate((("samples", "samples (global)"), ("time", f"wall time ({time_unit})"))):
+        for row, (key, label) in enumerate((("loss", "loss"), (metric_name, metric_label))):
+            axis = axes[row][column]
+            for kind, style in _KIND_STYLE.items():
+                points = [(r["samples"] if x_key == "samples" else (float(r["time"]) - start) / time_scale, r[key]) for r in records
+                          if r.get("kind") == kind and _number(r.get(key)) is not None and _number(r.get("time")) is not None]
+                if points:
+                    xs, ys = zip(*points)
+                    ys = [100 * y for y in ys] if percent and row == 1 else ys
+                    axis.plot(xs, ys, **style)
+            axis.set_xlabel(x_label)
+            axis.set_ylabel(label)
+            axis.set_title(f"{label} against {x_label.split(' (')[0]}")
+            losses = [_number(r.get("loss")) for r in records if r.get("kind") in _KIND_STYLE]
+            losses = [value for value in losses if value is not None]
+            if key == "loss" and losses and min(losses) > 0 and max(losses) / min(losses) > 30:
+                axis.set_yscale("log")  # a loss falling over decades
+            axis.grid(True, alpha=0.3)
+            axis.legend(fontsize="small")
+
+    samples = [r["samples"] for r in train]
+    axis = axes[2][0]
+    rates = [r.get("samples_per_second", math.nan) for r in train]
+    axis.plot(samples, rates, color="tab:blue", marker="o")
+    axis.set_title("training throughput (per progress period)")
+    axis.set_xlabel("samples (global)")
+    axis.set_ylabel("samples / s")
+    finite = [rate for rate in rates if _number(rate) is not None]
+    axis.set_ylim(0, 1.15 * max(finite) if finite and max(finite) > 0 else 1)
+    axis.grid(True, alpha=0.3)
+
+    axis = axes[2][1]
+    timed = [r for r in train if _number(r.get("period_s"))]
+    if timed:
+        positions = list(range(len(timed)))
+        bottom = [0.0] * len(timed)
+        for key, (label, color) in _PHASE_COLORS.items():
+            shares = [100 * (r.get(key) or 0.0) / r["period_s"] for r in timed]
+            axis.bar(positions, shares, bottom=bottom, color=color, label=label, width=0.8)
+            bottom = [b + s for b, s in zip(bottom, shares)]
+        axis.set_xticks(positions, [_short(r["samples"]) for r in timed], rotation=45 if len(timed) > 8 else 0,
+                        fontsize="small")
+        axis.set_ylim(0, 128)  # the legend sits above the bars
+        axis.set_yticks(range(0, 101, 20))
+        axis.legend(fontsize="small", loc="upper center", ncol=2, framealpha=0.9)
+    else:
+        axis.text(0.5, 0.5, "no time split recorded", ha="center", va="center", transform=axis.transAxes)
+    axis.set_title("where each progress period's time went (rank 0)")
+    axis.set_xlabel("progress period ending at samples")
+    axis.set_ylabel("% of the period")
+
+    if has_bytes:
+        axis = axes[3][0]
+        points = [(r["samples"], r["bytes_sent_per_step"]) for r in train if _number(r.get("bytes_sent_per_step"))]
+        xs, ys = zip(*points)
+        axis.plot(xs, [y / 1024 for y in ys], color="tab:brown", marker="o")
+        axis.set_title("bytes sent per step by this rank (compressed learner)")
+        axis.set_xlabel("samples (global)")
+        axis.set_ylabel("KiB per step")
+        axis.set_ylim(0, 1.15 * max(ys) / 1024)
+        axis.grid(True, alpha=0.3)
+        _summary(axes[3][1], records, metric_name, percent)
+    figure.suptitle(title or "dtrain run", fontsize="x-large")
+
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    figure.savefig(temporary, format="png")
+    os.replace(temporary, path)
+    return path
+
+
+def _summary(axis, records: list[dict], metric_name: str, percent: bool) -> None:
+    """The last value of each kind as text, in the panel left over beside the bytes plot."""
+    axis.axis("off")
+    lines = []
+    for kind in ("train", "cv", "test"):
+        last = [r for r in records if r.get("kind") == kind and _number(r.get(metric_name)) is not None]
+        if last:
+            value = last[-1][metric_name]
+            shown = f"{100 * value:.2f}%" if percent else f"{value:.4g}"
+            lines.append(f"{kind}: {metric_name} {shown}, loss {last[-1].get('loss', math.nan):.4f} "
+                         f"at {last[-1]['samples']:,} samples")
+    axis.text(0.02, 0.9, "\n".join(lines), va="top", fontsize="medium", family="monospace", transform=axis.transAxes)
+
+
+def _start_time(train: list[dict]) -> float:
+    """Wall-clock start of the run: the first progress period's end minus its length."""
+    first = train[0]
+    return float(first.get("time", 0.0)) - float(first.get("period_s") or 0.0)
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """A readable unit for a run of ``seconds``: its name and its length in seconds."""
+    if seconds < 120:
+        return "seconds", 1.0
+    if seconds < 2 * 3600:
+        return "minutes", 60.0
+    return "hours", 3600.0
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _short(samples: int) -> str:
+    for divisor, suffix in ((1_000_000, "M"), (1_000, "k")):
+        if samples >= divisor:
+            return f"{samples / divisor:.3g}{suffix}"
+    return str(samples)

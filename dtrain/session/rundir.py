@@ -1,0 +1,85 @@
+"""One run directory, one job: a lock held by rank 0 for the life of the job.
+
+``RunDirectoryLock.acquire(run_dir)`` takes an exclusive ``fcntl.flock`` on the directory itself,
+so taking it adds and changes nothing inside; ``record_holder()`` then writes who holds it (pid,
+host, start time) to ``run_dir/.lock`` once the job has started, and ``release()`` removes that
+file again, so a finished or failed job leaves the directory as it found it. The operating system releases
+the lock when the holder exits or dies, so a lock left by a dead job is simply taken over; a
+second live job into the same directory is refused with one line naming the holder.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from dtrain.session.checkpoint import CheckpointError
+
+HOLDER_FILE = ".lock"
+
+
+class RunDirectoryInUse(CheckpointError):
+    """Another live job holds the run directory (one-line message naming it)."""
+
+
+class RunDirectoryLock:
+    """An exclusive lock on one run directory; release it (or exit) to let another job in."""
+
+    def __init__(self, run_dir: Path, descriptor: int):
+        self.run_dir = run_dir
+        self._descriptor: int | None = descriptor
+        self._recorded = False  # state: this process wrote run_dir/.lock
+
+    @classmethod
+    def acquire(cls, run_dir: str | Path) -> RunDirectoryLock:
+        """Creates ``run_dir`` if needed and locks it for this process.
+
+        Raises:
+            RunDirectoryInUse: another live process holds the lock (the message names its pid, host and start).
+            CheckpointError: the directory cannot be created, opened or locked.
+        """
+        run_dir = Path(run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as error:
+            raise CheckpointError(f"run directory {run_dir} cannot be used ({error.strerror or error})") from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            try:
+                holder = (run_dir / HOLDER_FILE).read_text(encoding="utf-8").strip() or "a job starting up"
+            except OSError:
+                holder = "a job starting up"
+            raise RunDirectoryInUse(f"run directory {run_dir} is in use by another dtrain job ({holder}); wait for "
+                                    f"it to end, or choose another run_dir") from None
+        except OSError as error:  # a file system without locks: say so rather than run unprotected
+            os.close(descriptor)
+            raise CheckpointError(f"run directory {run_dir} cannot be locked ({error.strerror or error}); "
+                                  f"choose a run_dir on a file system with file locks") from None
+        return cls(run_dir, descriptor)
+
+    def record_holder(self) -> None:
+        """Writes this process's pid, host and start time to ``run_dir/.lock`` for a refused job to name."""
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        (self.run_dir / HOLDER_FILE).write_text(f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n",
+                                                encoding="utf-8")
+        self._recorded = True
+
+    def release(self) -> None:
+        """Removes the ``.lock`` this process wrote, then unlocks (idempotent)."""
+        if self._recorded:
+            (self.run_dir / HOLDER_FILE).unlink(missing_ok=True)  # while still locked: no other job's file
+            self._recorded = False
+        if self._descriptor is not None:
+            os.close(self._descriptor)  # closing the only descriptor releases the flock
+            self._descriptor = None
+
+    def __del__(self):  # a session dropped without train() must not keep its directory locked
+        try:
+            self.release()
+        except Exception:  # at interpreter exit the os module may already be gone; exit releases it anyway
+            pass

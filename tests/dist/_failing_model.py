@@ -1,0 +1,46 @@
+"""A digits model that fails on purpose, for fail-fast tests of the command line.
+
+``model._target_=_failing_model.FailingDigitsCNN`` (with ``tests/dist`` on ``PYTHONPATH``);
+``DTRAIN_TEST_FAIL_RANK`` chooses the rank and ``DTRAIN_TEST_FAIL_AFTER`` the number of
+training forward passes after which it acts; ``DTRAIN_TEST_FAIL_HOW`` is ``raise`` (a
+RuntimeError), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself) or ``slow``
+(sleeps ``DTRAIN_TEST_SLOW_S`` seconds in one forward, a slow step that is not a hang).
+``DTRAIN_TEST_MARK`` names a file that gets the wall-clock time at which it acted.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from dtrain.comm import detect_launcher
+from dtrain.models import DigitsCNN
+
+
+class FailingDigitsCNN(DigitsCNN):
+    """``DigitsCNN`` that fails as the environment says (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.forwards = 0
+        self.rank = detect_launcher(os.environ).rank
+
+    def forward(self, images):
+        if self.training:
+            self.forwards += 1
+            if (self.rank == int(os.environ.get("DTRAIN_TEST_FAIL_RANK", "-1"))
+                    and self.forwards == int(os.environ.get("DTRAIN_TEST_FAIL_AFTER", "5"))):
+                how = os.environ.get("DTRAIN_TEST_FAIL_HOW", "raise")
+                print(f"test model: rank {self.rank} acts ({how}) at forward {self.forwards}", flush=True)
+                if os.environ.get("DTRAIN_TEST_MARK"):  # when it acted, for the test's time bound
+                    with open(os.environ["DTRAIN_TEST_MARK"], "w") as mark:
+                        mark.write(repr(time.time()))
+                if how == "raise":
+                    raise RuntimeError(f"injected failure on rank {self.rank}")
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if how == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                if how == "slow":
+                    time.sleep(float(os.environ.get("DTRAIN_TEST_SLOW_S", "10")))
+        return super().forward(images)

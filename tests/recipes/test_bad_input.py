@@ -1,0 +1,237 @@
+"""Every bad input gives ONE line, ``dtrain: error: ...`` naming the key or file and what was expected,
+a non-zero exit (2: the user's input), no traceback, and leaves every file already in the run
+directory byte-identical, in a single process and under ``mpiexec -n 2``.
+
+Each case runs the real ``python -m dtrain`` entry (``dtrain.cli.main``) in its own process
+against a run directory holding a finished tiny run. Single-process cases are forked from one
+interpreter that imported dtrain once (``_forked_dtrain.py``), which keeps the file fast; the
+``mpiexec`` cases start real ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+from launch import run_mpi  # noqa: E402
+
+RUNNER = Path(__file__).resolve().parent / "_forked_dtrain.py"
+LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MV2_", "TORCHELASTIC_")
+
+# (id, arguments, fragments the line must hold). ``{run}`` is the finished run, ``{file}`` a file,
+# ``{empty}`` an empty file, ``{readonly}`` a directory this user cannot write; run_dir={run} is
+# added when a case names no run_dir. Each fragment names the key/file or says what was expected.
+CASES = [
+    # sizes, counts and frequencies
+    ("minibatch-0", ["session.minibatch_size=0"], ["session.minibatch_size=0: expected a positive whole number"]),
+    ("minibatch-negative", ["session.minibatch_size=-5"], ["session.minibatch_size=-5: expected"]),
+    ("minibatch-word", ["session.minibatch_size=abc"], ["minibatch_size", "abc"]),
+    ("max-samples-0", ["session.max_samples=0"], ["session.max_samples=0: expected"]),
+    ("max-samples-negative", ["session.max_samples=-1"], ["session.max_samples=-1: expected"]),
+    ("progress-negative", ["session.progress_frequency=-1"], ["session.progress_frequency=-1: expected"]),
+    ("checkpoint-frequency", ["session.checkpoint.frequency=-5"], ["session.checkpoint.frequency=-5: expected"]),
+    ("keep-last-1", ["session.checkpoint.keep_last=1"], ["session.checkpoint.keep_last=1: expected", "at least 2"]),
+    ("checkpoint-filename-dir", ["session.checkpoint.filename=sub/"], ["session.checkpoint.filename='sub/': expected a file name"]),
+    ("preemption-signal", ["session.checkpoint.preemption_signal=SIGFOO"], ["preemption_signal='SIGFOO': expected a signal name"]),
+    ("cv-minibatch-0", ["session.cv.minibatch_size=0"], ["session.cv.minibatch_size=0: expected"]),
+    ("cv-frequency", ["session.cv.frequency=-3"], ["session.cv.frequency=-3: expected"]),
+    ("test-minibatch-0", ["session.test.minibatch_size=0"], ["session.test.minibatch_size=0: expected"]),
+    ("threads-0", ["session.num_threads=0"], ["session.num_threads=0: expected a whole number of threads"]),
+    ("threads-negative", ["session.num_threads=-2"], ["session.num_threads=-2: expected"]),
+    ("two-problems-at-once", ["session.minibatch_size=0", "session.checkpoint.filename=sub/"],
+     ["session.minibatch_size=0: expected", "session.checkpoint.filename='sub/': expected"]),
+    # schedules
+    ("lr-schedule-word", ["session.lr_schedule.values=[[1,abc]]"], ["session.lr_schedule.values[0] value='abc': expected"]),
+    ("lr-schedule-empty", ["session.lr_schedule.values=[]"], ["session.lr_schedule.values=[]: expected a non-empty list"]),
+    ("lr-schedule-count-0", ["session.lr_schedule.values=[[0,1.0]]"], ["session.lr_schedule.values[0] count=0: expected"]),
+    ("lr-schedule-nan", ["session.lr_schedule.values=[nan]"], ["session.lr_schedule.values[0] value=nan: expected"]),
+    ("lr-schedule-triple", ["session.lr_schedule.values=[[1,2,3]]"], ["session.lr_schedule.values[0]=[1, 2, 3]: expected"]),
+    ("lr-schedule-epoch-0", ["session.lr_schedule.epoch_size=0"], ["session.lr_schedule.epoch_size=0: expected"]),
+    ("lr-warmup-negative", ["session.lr_schedule.warmup_samples=-1"], ["session.lr_schedule.warmup_samples=-1: expected"]),
+    # optimizers
+    ("lr-nan", ["optimizer.lr=nan"], ["optimizer.lr=nan: expected a positive finite number"]),
+    ("lr-inf", ["optimizer.lr=inf"], ["optimizer.lr=inf: expected"]),
+    ("lr-0", ["optimizer.lr=0"], ["optimizer.lr=0.0: expected"]),
+    ("lr-negative", ["optimizer.lr=-0.1"], ["optimizer.lr=-0.1: expected"]),
+    ("momentum-negative", ["optimizer.momentum=-1"], ["optimizer.momentum=-1.0: expected a number in [0.0, 1.0)"]),
+    ("momentum-above-1", ["optimizer.momentum=1.5"], ["optimizer.momentum=1.5: expected"]),
+    ("weight-decay-negative", ["optimizer.weight_decay=-1"], ["optimizer.weight_decay=-1.0: expected"]),
+    ("dampening-2", ["optimizer.dampening=2"], ["optimizer.dampening=2.0: expected"]),
+    ("nesterov-dampening", ["optimizer.nesterov=true", "optimizer.dampening=0.5"], ["optimizer.nesterov=true: expected"]),
+    ("adam-eps-0", ["optimizer=adam", "optimizer.eps=0"], ["optimizer.eps=0.0: expected"]),
+    ("adam-variance-1", ["optimizer=adam", "optimizer.variance_momentum=1"], ["optimizer.variance_momentum=1.0: expected"]),
+    ("adam-lr-nan", ["optimizer=adam", "optimizer.lr=nan"], ["optimizer.lr=nan: expected"]),
+    ("optimizer-unknown", ["optimizer=sgdd"], ["optimizer/sgdd", "available: adam, sgd"]),
+    # models
+    ("hidden-negative", ["model.hidden=-5"], ["model.hidden=-5: expected a whole number of units of at least 1"]),
+    ("hidden-0", ["model.hidden=0"], ["model.hidden=0: expected"]),
+    ("classes-1", ["model.num_classes=1"], ["model.num_classes=1: expected"]),
+    ("classes-vs-data", ["model.num_classes=3"], ["model.num_classes=3", "10 classes", "expected model.num_classes=10"]),
+    ("dropout-1", ["model.dropout=1.0"], ["model.dropout=1.0: expected"]),
+    ("dropout-nan", ["model.dropout=nan"], ["model.dropout=nan: expected"]),
+    ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model: Error locating target 'dtrain.models.Nope'; expected an importable class"]),
+    # communication
+    ("backend-unknown", ["comm.backend=mpi"], ["comm.backend='mpi': expected one of auto, gloo, nccl, local"]),
+    ("timeout-nan", ["comm.timeout_s=nan"], ["comm.timeout_s=nan: expected"]),
+    ("timeout-0", ["comm.timeout_s=0"], ["comm.timeout_s=0.0: expected"]),
+    ("heartbeat-negative", ["comm.heartbeat_timeout_s=-1"], ["comm.heartbeat_timeout_s=-1.0: expected"]),
+    ("heartbeat-inf", ["comm.heartbeat_timeout_s=inf"], ["comm.heartbeat_timeout_s=inf: expected"]),
+    # learners
+    ("bits-0", ["learner=quantized", "learner.num_quantization_bits=0"], ["learner.num_quantization_bits=0: expected"]),
+    ("bits-33", ["learner=quantized", "learner.num_quantization_bits=33"], ["learner.num_quantization_bits=33: expected"]),
+    ("bucket-0", ["learner.bucket_size_mb=0"], ["learner.bucket_size_mb=0.0: expected"]),
+    ("bucket-nan", ["learner.bucket_size_mb=nan"], ["learner.bucket_size_mb=nan: expected"]),
+    ("distributed-after", ["learner.distributed_after=-1"], ["learner.distributed_after=-1: expected"]),
+    ("block-size-0", ["learner=block_momentum", "learner.block_size=0"], ["learner.block_size=0: expected"]),
+    ("block-lr-0", ["learner=block_momentum", "learner.block_learning_rate=0"], ["learner.block_learning_rate=0.0: expected"]),
+    ("block-time-constant", ["learner=block_momentum", "learner.block_momentum_as_time_constant=-3"],
+     ["learner.block_momentum_as_time_constant=-3.0: expected"]),
+    ("learner-unknown", ["learner=nope"], ["learner/nope", "available:"]),
+    # unknown keys, with and without +
+    ("plus-misspelt-session", ["+session.max_sample=640"], ["session.max_sample: unknown key", "did you mean session.max_samples?"]),
+    ("plus-misspelt-optimizer", ["+optimizer.momentun=0.9"], ["optimizer.momentun: unknown key", "did you mean optimizer.momentum?"]),
+    ("plus-misspelt-model", ["+model.hiden=64"], ["model.hiden: unknown key", "did you mean model.hidden?"]),
+    ("plus-misspelt-comm", ["+comm.timout_s=5"], ["comm.timout_s: unknown key", "did you mean comm.timeout_s?"]),
+    ("plus-bits-on-block-momentum", ["learner=block_momentum", "+learner.num_quantization_bits=1"],
+     ["learner.num_quantization_bits: unknown key", "expected one of block_size"]),
+    ("misspelt", ["session.minibatch_sise=5"], ["minibatch_sise"]),
+    ("group-list", ["session=[1,2]"], ["session=[1,2]: expected the name of one session option (default)"]),
+    ("seed-negative", ["seed=-1"], ["seed=-1: expected"]),
+    ("source-sweeps-0", ["source.train.max_sweeps=0"], ["source.train.max_sweeps=0: expected"]),
+    ("source-seed-negative", ["source.train.randomization_seed=-1"], ["source.train.randomization_seed=-1: expected"]),
+    # recipes
+    ("recipe-unknown", ["+recipe=imagenette"], ["unknown recipe 'imagenette'; expected one of cifar10, digits"]),
+    ("recipe-missing", [], ["no recipe chosen", "+recipe=NAME"]),
+    # run directories
+    ("run-dir-empty-string", ["run_dir="], ["run_dir='': expected the path of a directory"]),
+    ("run-dir-is-file", ["run_dir={file}"], ["run_dir={file}: is a file, not a directory; expected a directory"]),
+    ("run-dir-is-empty-file", ["run_dir={empty}"], ["run_dir={empty}: is an empty file", "expected a directory"]),
+    ("run-dir-below-file", ["run_dir={file}/sub"], ["run_dir={file}/sub: {file} is a file", "expected a path below a directory"]),
+    ("run-dir-read-only", ["run_dir={readonly}/run"], ["run_dir={readonly}/run", "not writable", "expected a writable directory"]),
+    # the run directory's own checkpoint and resources
+    ("restore-off", ["session.checkpoint.restore=false"], ["already exists and restore is off"]),
+    ("minibatch-too-large", ["session.minibatch_size=1000000000000", "session.max_samples=2000000000000"],
+     ["out of memory", "session.minibatch_size=1000000000000", "expected a minibatch that fits"]),
+]
+if torch.cuda.is_available():
+    CASES.append(("backend-nccl-needs-gpus", ["comm.backend=nccl", "comm.timeout_s=-1"], ["comm.timeout_s=-1.0: expected"]))
+else:
+    CASES.append(("backend-nccl-without-cuda", ["comm.backend=nccl"], ["comm.backend='nccl': expected a machine with CUDA"]))
+
+# every case without a recipe of its own uses the digits recipe
+_RECIPE_FREE = {"recipe-unknown", "recipe-missing"}
+
+# under mpiexec: failures before the communicator exists (validation, composition, the recipe) and
+# after it (instantiation, the checkpoint, training), each reported once, by rank 0
+MPI_CASES = ["lr-nan", "group-list", "plus-misspelt-session", "hidden-negative", "classes-vs-data",
+             "run-dir-is-file", "run-dir-empty-string", "lr-schedule-word", "threads-0",
+             "minibatch-too-large", "restore-off", "recipe-unknown"]
+
+
+def _arguments(case_id: str, arguments: list[str], places: dict[str, str]) -> list[str]:
+    filled = [argument.format(**places) for argument in arguments]
+    if not any(argument.startswith("run_dir=") for argument in filled):
+        filled.append(f"run_dir={places['run']}")
+    return filled if case_id in _RECIPE_FREE else ["+recipe=digits", *filled]
+
+
+def _single_process_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, str]:
+    """A finished tiny run (checkpoints, configs, metrics) and the odd paths the run_dir cases use."""
+    base = tmp_path_factory.mktemp("bad_input")
+    finished = subprocess.run(
+        [sys.executable, "-m", "dtrain", "+recipe=digits", f"run_dir={base / 'finished'}", "session.max_samples=64",
+         "session.checkpoint.frequency=32", "session.progress_frequency=32", "session.tensorboard=false"],
+        cwd=base, env=_single_process_env(), capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert len(list((base / "finished").glob("checkpoint-*.pt"))) == 2
+    (base / "afile").write_text("not a directory\n")
+    (base / "empty").write_bytes(b"")
+    readonly = base / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    return {"base": str(base), "finished": str(base / "finished"), "file": str(base / "afile"),
+            "empty": str(base / "empty"), "readonly": str(readonly)}
+
+
+@pytest.fixture(scope="module")
+def single_process_results(places) -> dict[str, dict]:
+    """Every single-process case, run by two forking runners side by side, each on its own copy of the run."""
+    base = Path(places["base"])
+    runners, requests = [], {}
+    for index in range(2):
+        run = base / f"run{index}"
+        shutil.copytree(places["finished"], run)
+        process = subprocess.Popen([sys.executable, str(RUNNER)], cwd=base, env=_single_process_env(),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        runners.append((process, {**places, "run": str(run)}))
+    for number, (case_id, arguments, _) in enumerate(CASES):
+        process, where = runners[number % 2]
+        watch = [where["run"], where["file"], where["empty"]]
+        process.stdin.write(json.dumps({"argv": _arguments(case_id, arguments, where), "cwd": str(base),
+                                        "watch": watch}) + "\n")
+        requests.setdefault(number % 2, []).append((case_id, where))
+    results = {}
+    for index, (process, _) in enumerate(runners):
+        process.stdin.close()
+        for case_id, where in requests[index]:
+            line = process.stdout.readline()
+            assert line, f"runner {index} ended early"
+            results[case_id] = {**json.loads(line), "places": where}
+        assert process.wait(timeout=60) == 0
+    return results
+
+
+def _check(case_id: str, result: dict, fragments: list[str], places: dict[str, str], *, mpi: bool = False) -> None:
+    report = f"exit code {result['returncode']}\n--- stdout ---\n{result['stdout']}\n--- stderr ---\n{result['stderr']}"
+    assert result["returncode"] == 2, report
+    assert "Traceback" not in result["stdout"] and "Traceback" not in result["stderr"], report
+    lines = [line for line in (result["stdout"] + result["stderr"]).splitlines() if "dtrain: error:" in line]
+    assert len(lines) == 1, report
+    line = lines[0]
+    if mpi:
+        assert line.startswith(("dtrain: error: ", "[rank 0/2] dtrain: error: ")), report
+        assert "dtrain: error:" in result["stderr"].split("-----")[0], report  # before Open MPI's banner
+    else:
+        assert result["stderr"].strip().splitlines() == [line] and line.startswith("dtrain: error: "), report
+    for fragment in fragments:
+        assert fragment.format(**places) in line, (fragment, line)
+    if case_id == "threads-0":
+        assert "samples" not in line
+    assert result["changed"] == [], f"files changed: {result['changed']}\n{report}"
+
+
+@pytest.mark.parametrize("case_id, arguments, fragments", CASES, ids=[case[0] for case in CASES])
+def test_bad_input_in_one_process(case_id, arguments, fragments, single_process_results):
+    if case_id == "run-dir-read-only" and os.geteuid() == 0:
+        pytest.skip("root may write into a read-only directory; the rule is covered by test_config")
+    result = single_process_results[case_id]
+    _check(case_id, result, fragments, result["places"])
+
+
+@pytest.mark.parametrize("case_id", MPI_CASES)
+def test_bad_input_under_mpiexec(case_id, places, tmp_path):
+    _, arguments, fragments = next(case for case in CASES if case[0] == case_id)
+    run = tmp_path / "run"
+    shutil.copytree(places["finished"], run)
+    where = {**places, "run": str(run)}
+    watch = [run, Path(places["file"]), Path(places["empty"])]
+    before = {p: p.read_bytes() for root in watch for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file()}
+    result = run_mpi(2, ["-m", "dtrain", *_arguments(case_id, arguments, where)], timeout=120)
+    changed = [str(p) for p, content in before.items() if not p.exists() or p.read_bytes() != content]
+    _check(case_id, {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr,
+                     "changed": changed}, fragments, where, mpi=True)

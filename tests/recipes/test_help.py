@@ -1,0 +1,70 @@
+"""``--help`` and ``--version``: dtrain's own texts, not Hydra's generic ones."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONSOLE_SCRIPT = Path(sys.executable).with_name("dtrain")
+
+
+def run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(list(command), cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", [
+    (sys.executable, "-m", "dtrain", "--help"),
+    (sys.executable, "-m", "dtrain", "-h"),
+    (str(CONSOLE_SCRIPT), "--help"),
+    (sys.executable, "-m", "dtrain", "+recipe=digits", "--help"),
+], ids=["python-m-help", "python-m-h", "console-script", "after-overrides"])
+def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, tmp_path):
+    if not Path(command[0]).exists():
+        pytest.skip("the dtrain console script is not installed in this environment")
+    result = run(*command, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "Powered by Hydra" not in text and "schema/" not in text and "schema" not in text.split("examples:")[0]
+    assert text.startswith("dtrain: declarative, distributed data-parallel training for PyTorch")
+    for recipe in ("cifar10", "digits", "imagenet"):
+        assert f"\n  {recipe} " in text
+    assert "learner=block_momentum|data_parallel|local|quantized   (default: data_parallel)" in text
+    for group in ("model=", "optimizer=adam|sgd", "session=default", "source=cifar10|digits|imagenet"):
+        assert f"\n  {group}" in text
+    assert "1-bit SGD with error feedback" in text  # each option says what it is
+    for example in ("mpiexec -n 4 python -m dtrain", "python -m dtrain -m ", "run_dir=", "--config-dir"):
+        assert example in text
+    assert "docs/semantics.md" in text and "README.md" in text
+
+
+def test_help_lists_the_recipes_and_options_of_a_config_dir(tmp_path):
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "learner").mkdir()
+    (tmp_path / "conf" / "recipe" / "mine.yaml").write_text("# @package _global_\n# my own recipe. More.\n")
+    (tmp_path / "conf" / "learner" / "local_sgd.yaml").write_text("# learner=local_sgd: Local SGD, averaged every k steps.\n")
+    result = run(sys.executable, "-m", "dtrain", "--config-dir", str(tmp_path / "conf"), "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "\n  mine        my own recipe." in result.stdout
+    assert "learner=block_momentum|data_parallel|local|local_sgd|quantized" in result.stdout
+    assert "local_sgd         Local SGD, averaged every k steps." in result.stdout
+
+
+def test_hydra_help_is_still_hydras(tmp_path):
+    result = run(sys.executable, "-m", "dtrain", "--hydra-help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Hydra" in result.stdout
+
+
+@pytest.mark.parametrize("command", [(sys.executable, "-m", "dtrain", "--version"), (str(CONSOLE_SCRIPT), "--version")],
+                         ids=["python-m", "console-script"])
+def test_version_prints_dtrains_version_and_exits_0(command, tmp_path):
+    if not Path(command[0]).exists():
+        pytest.skip("the dtrain console script is not installed in this environment")
+    result = run(*command, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert result.stdout == f"dtrain {expected}\n"

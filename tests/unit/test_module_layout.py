@@ -1,0 +1,68 @@
+"""The package's shape: no import cycles between dtrain's modules (lazy imports inside functions
+included), and docstrings cite only what ships with the project or upstream sources."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import dtrain
+
+PACKAGE = Path(dtrain.__file__).resolve().parent
+ROOT = PACKAGE.parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """dtrain modules ``path`` imports anywhere in it (top level or inside a function)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def test_no_import_cycles_between_modules():
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    # a package's __init__ re-exports its modules; only edges between plain modules form a real cycle
+    graph = {name: {target for target in imports_of(path, modules) if target in paths
+                    and not paths[target].name == "__init__.py"}
+             for name, path in paths.items() if path.name != "__init__.py"}
+    cycles = []
+
+    def visit(node: str, stack: list[str], done: set[str]) -> None:
+        for target in sorted(graph.get(node, ())):
+            if target in stack:
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in done:
+                visit(target, stack + [target], done)
+        done.add(node)
+
+    done: set[str] = set()
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name], done)
+    assert not cycles, cycles
+
+
+def test_docstrings_cite_the_projects_own_docs_not_unshipped_notes():
+    pattern = re.compile(r"reference/|ARCHITECTURE|convention \d")
+    offenders = [f"{path.relative_to(ROOT)}:{number}" for folder in ("dtrain", "conf", "recipes", "benchmarks", "tests")
+                 for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".yaml", ".md") and path.is_file()
+                 and path.name != Path(__file__).name
+                 for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders
+    cited = {match for path in PACKAGE.rglob("*.py")
+             for match in re.findall(r"docs/semantics\.md#([a-z0-9-]+)", path.read_text())}
+    anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+               for line in (ROOT / "docs" / "semantics.md").read_text().splitlines() if line.startswith("#")}
+    assert cited and cited <= anchors, sorted(cited - anchors)
