@@ -363,9 +363,10 @@ class TrainingSession:
                           num_samples=test.num_samples)
         self.learner.finalize()
         metrics.close()
-        if is_main:
-            if not preempted:
-                self._export_weights(seen)
+        # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
+        # resumed run writes both at its end, from every record)
+        if is_main and not preempted:
+            self._export_weights(seen)
             self._write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
