@@ -222,6 +222,9 @@ class SessionConfig:
     tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
+    micro_batch_size: Optional[int] = None  # samples per rank per forward/backward pass; null = no cap
+    clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
+    precision: Any = "32"               # 32 | bf16 (autocast forward in bfloat16)
 
 
 @dataclass
@@ -365,6 +368,13 @@ def _check(node: DictConfig, name: str, *key_checks: tuple[str, Callable[..., An
         return lambda: check(f"{name}.{key}", node[key], **options)
     return checks.collect(bind(key, check, options) for key, check, options in key_checks
                           if key in node and not OmegaConf.is_missing(node, key))
+
+
+def _optional(check):
+    """``check`` that also accepts null (the setting's "decide for me" value)."""
+    def optional_check(name, value, **options):
+        return None if value is None else check(name, value, **options)
+    return optional_check
 
 
 def _fraction(high_inclusive: bool = False):
@@ -524,7 +534,10 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("progress_frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
         ("num_threads", checks.whole_number, {"low": 1, "allow_none": True, "unit": "threads"}),
         ("unit_gain_momentum", checks.boolean, {}),
-        ("tensorboard", checks.boolean, {}),
+        ("tensorboard", _optional(checks.boolean), {}),
+        ("micro_batch_size", checks.sample_count, {"allow_none": True}),
+        ("clip_grad_norm", checks.positive_number, {"allow_none": True}),
+        ("precision", checks.precision, {}),
     )
     problems += _check(
         session.checkpoint, "session.checkpoint",

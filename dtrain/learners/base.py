@@ -10,6 +10,8 @@ See ``docs/writing-a-learner.md``.
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, final
 
 import torch
@@ -66,6 +68,9 @@ class Learner(abc.ABC):
         self.samples_seen = 0
         self.local_samples = 0    # of the current minibatch, set by begin_minibatch
         self.global_samples = 0
+        # -- micro-batch and optimizer-step seams (used by the session: micro_batch_size, clip_grad_norm)
+        self._accumulating = False  # state: backward passes now only accumulate (no gradient exchange)
+        self._before_optimizer_step: list[Callable[[Learner], bool | None]] = []
 
     # -- what the loop asks -------------------------------------------------------------------
     @property
@@ -99,6 +104,49 @@ class Learner(abc.ABC):
         self.optimizer.zero_grad(set_to_none=True)
         self.local_samples = local_samples
         self.global_samples = global_samples
+
+    # -- micro-batches: several backward passes, one exchange ----------------------------------------
+    @property
+    def accumulating(self) -> bool:
+        """Whether backward passes now only accumulate into ``.grad`` (inside :meth:`no_sync`)."""
+        return self._accumulating
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without starting any exchange (as DDP's).
+
+        A minibatch computed in several micro-batches runs every backward but the last inside it,
+        so gradient hooks (the data-parallel learner's bucket all-reduce) fire once per minibatch,
+        on the accumulated gradient. Learners that exchange in :meth:`apply_update` need nothing more.
+        """
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    # -- the optimizer step: the point between the gradient exchange and the update ---------------
+    def add_before_optimizer_step(self, callback: Callable[[Learner], bool | None]) -> Callable[[], None]:
+        """Registers ``callback(learner)``, run just before every ``optimizer.step()`` of this learner.
+
+        It sees the gradient the optimizer will use: after the exchange (the global mean) for
+        synchronous learners, the local gradient for local steps (block momentum, warm start).
+        Returning ``False`` skips this optimizer step (it must then decide the same on every rank
+        for synchronous learners). Used for gradient clipping. Returns a function that removes it.
+        """
+        self._before_optimizer_step.append(callback)
+        return lambda: self._before_optimizer_step.remove(callback)
+
+    def _step_optimizer(self) -> bool:
+        """Runs the before-optimizer-step callbacks, then ``optimizer.step()`` unless one said ``False``.
+
+        Every learner steps its optimizer through this. Returns whether the optimizer stepped.
+        """
+        for callback in self._before_optimizer_step:
+            if callback(self) is False:
+                return False
+        self.optimizer.step()
+        return True
 
     @final
     def step(self) -> None:
@@ -183,4 +231,4 @@ class LocalLearner(Learner):
     def apply_update(self) -> None:
         """``optimizer.step()`` on this process's gradient (skipped for an empty minibatch)."""
         if self.local_samples > 0:
-            self.optimizer.step()
+            self._step_optimizer()

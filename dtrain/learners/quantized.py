@@ -93,7 +93,7 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
         if self.global_samples > 0:  # every rank knows the global count, so all skip an empty step together
             gradients = self._gradients()
             self.exchange.allreduce_(gradients, scale=self.local_samples / self.global_samples)
-            self.optimizer.step()
+            self._step_optimizer()
 
     def _gradients(self) -> list[torch.Tensor]:
         """Every trainable parameter's ``.grad`` (zeros where backward gave none), in optimizer order."""

@@ -156,6 +156,15 @@ class TrainingSession:
         run_config: the run's whole resolved config as plain containers (the command line passes
             it); stored in checkpoints so that a resumed run lists the settings that changed.
         config_fingerprint: a short hash of the config, stored in checkpoints.
+        micro_batch_size: samples per rank per forward/backward pass (``None``: no cap). A rank's share
+            of the global minibatch is computed in passes of at most this many samples whose gradients
+            accumulate locally and are exchanged once, so the update is the uncapped one (to float
+            rounding; BatchNorm statistics are then per pass) while activations fit in memory.
+        clip_grad_norm: clip the gradient to this global L2 norm before every optimizer step
+            (``None``: off): after the exchange, so on the global-mean gradient, the same on every
+            rank; with block momentum (and warm-start local steps) on each local step's gradient.
+        precision: ``"32"`` (float32), ``"bf16"`` (the forward and loss under ``torch.autocast`` in
+            bfloat16, on CPU or GPU; parameters, gradients and optimizer state stay float32).
         independent_processes: allow a one-process session in a process that a launcher
             (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
             each process would train its own copy.
@@ -190,10 +199,16 @@ class TrainingSession:
         progress_bar: bool | None = None,
         stream=None,
         independent_processes: bool = False,
+        micro_batch_size: int | None = None,
+        clip_grad_norm: float | None = None,
+        precision: str | int = "32",
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
         checks.sample_count("max_samples", max_samples, allow_none=True)
+        self.micro_batch_size = checks.sample_count("micro_batch_size", micro_batch_size, allow_none=True)
+        self.clip_grad_norm = checks.positive_number("clip_grad_norm", clip_grad_norm, allow_none=True)
+        self.precision = checks.precision("precision", precision)
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
             else Schedule(checks.sample_count("minibatch_size", minibatch_size))
         if momentum_time_constant_schedule is not None \
@@ -246,6 +261,8 @@ class TrainingSession:
             "momentum_time_constant_schedule": repr(momentum_time_constant_schedule)
             if momentum_time_constant_schedule else None,
             "optimizer": checkpoint_state.optimizer_hyperparameters(learner.optimizer),
+            "micro_batch_size": self.micro_batch_size, "clip_grad_norm": self.clip_grad_norm,
+            "precision": self.precision,
         }}
         if run_config is not None:
             self.settings["config"] = run_config
@@ -298,6 +315,15 @@ class TrainingSession:
         self.model.to(self.device)
         self.learner.prepare(self.model)
         self.model.train()
+        remove_clipping = self.learner.add_before_optimizer_step(self._clip_gradients) \
+            if self.clip_grad_norm is not None else None
+        try:
+            return self._train_prepared(restored_from)
+        finally:
+            if remove_clipping is not None:
+                remove_clipping()
+
+    def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
         is_main = self.comm.is_main
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
         throughput = Throughput()
@@ -379,18 +405,55 @@ class TrainingSession:
     # -- one minibatch --------------------------------------------------------------------------
     def _train_minibatch(self, batch, sums: _PeriodSums, timer: PhaseTimer) -> None:
         """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
-        and the compute and update times to ``timer``."""
-        self.learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
-        if batch.num_samples > 0:
+        and the compute and update times to ``timer``.
+
+        With ``micro_batch_size`` the rank's share is computed in passes of at most that many
+        samples; pass ``i`` back-propagates its mean loss times ``n_i / n`` (``n``: the rank's
+        samples), so the accumulated gradient is the gradient of the mean over all ``n``. Every
+        pass but the last runs under ``learner.no_sync()``: the exchange happens once.
+        """
+        local_samples = batch.num_samples
+        self.learner.begin_minibatch(local_samples, batch.global_num_samples)
+        if local_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
-            output = self.model(features)
-            loss = self.loss(output, labels)
-            loss.backward()
-            with torch.no_grad():
-                sums.add(loss.detach() * batch.num_samples, self.metric(output.detach(), labels), batch.num_samples)
+            pass_size = min(self.micro_batch_size or local_samples, local_samples)
+            for start in range(0, local_samples, pass_size):
+                stop = min(start + pass_size, local_samples)
+                is_last = stop == local_samples
+                with contextlib.nullcontext() if is_last else self.learner.no_sync():
+                    self._forward_backward(features[start:stop], labels[start:stop], stop - start, local_samples, sums)
         timer.lap("compute")
         self.learner.step()
         timer.lap("update")
+
+    def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, samples: int, local_samples: int,
+                          sums: _PeriodSums) -> None:
+        """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16),
+        backward on the pass's mean loss weighted by its share, loss and metric sums into ``sums``."""
+        with self._autocast():
+            output = self.model(features)
+            loss = self.loss(output, labels)
+        weighted = loss if samples == local_samples else loss * (samples / local_samples)
+        weighted.backward()
+        with torch.no_grad():
+            output = output.detach()
+            if output.is_floating_point() and output.dtype != torch.float32 and self.precision != "32":
+                output = output.float()  # the metric sees float32, as without autocast
+            sums.add(loss.detach().double() * samples, self.metric(output, labels), samples)
+
+    def _autocast(self):
+        """``torch.autocast`` for ``precision=bf16``; nothing for float32."""
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _clip_gradients(self, learner: Learner) -> None:
+        """Before-optimizer-step callback: clips the gradient the optimizer will use to ``clip_grad_norm``
+        (its L2 norm over all parameters). After a synchronous exchange every rank holds the same
+        gradient, so every rank computes the same norm and clips the same way."""
+        gradients = [parameter for parameter in learner.parameters if parameter.grad is not None]
+        if gradients:
+            torch.nn.utils.clip_grad_norm_(gradients, self.clip_grad_norm)
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
@@ -589,6 +652,12 @@ class TrainingSession:
             parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
         printer.line("dtrain: " + ", ".join(parts))
         printer.line("dtrain: " + self.learner.describe())
+        options = [f"precision {self.precision}" if self.precision != "32" else "",
+                   f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
+                   if self.micro_batch_size else "",
+                   f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else ""]
+        if any(options):
+            printer.line("dtrain: " + ", ".join(option for option in options if option))
         if restored_from is not None:
             printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
             if self.changed_settings:
