@@ -18,7 +18,7 @@ __all__ = [
 ]
 
 #: the training precisions a session accepts (``session.precision``)
-PRECISIONS = ("32", "bf16")
+PRECISIONS = ("32", "bf16", "fp16")
 
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
@@ -115,14 +115,8 @@ def _range_words(kind: str, low: int | None, high: int | None, unit: str) -> str
 
 
 def precision(name: str, value: Any) -> str:
-    """A training precision: ``32`` (or ``"32"``) for float32, or ``"bf16"`` (autocast in bfloat16).
-
-    ``fp16`` (float16 with a loss scaler) is refused with its own line: it is not available yet.
-    """
+    """A training precision: ``32`` (or ``"32"``) for float32, ``"bf16"`` or ``"fp16"`` (autocast)."""
     text = str(value).strip().lower() if _is_whole(value) or isinstance(value, str) else None
-    if text == "fp16":
-        raise ValueError(f"{name}={value!r}: fp16 (float16 with a loss scaler) is not available yet; "
-                         f"expected 32 or bf16 (bf16 needs no scaler)")
     if text not in PRECISIONS:
-        raise _fail(name, value, "one of 32, bf16")
+        raise _fail(name, value, "one of 32, bf16, fp16")
     return text

@@ -71,6 +71,10 @@ class Learner(abc.ABC):
         # -- micro-batch and optimizer-step seams (used by the session: micro_batch_size, clip_grad_norm)
         self._accumulating = False  # state: backward passes now only accumulate (no gradient exchange)
         self._before_optimizer_step: list[Callable[[Learner], bool | None]] = []
+        # -- fp16 loss scaling seam: the factor the loss was multiplied by before backward (1: none);
+        # gradients are divided by it before any exchange and before the optimizer step
+        self.loss_scale = 1.0
+        self.found_inf = False  # state: this minibatch's unscaled gradient had an inf/NaN (its step was skipped)
 
     # -- what the loop asks -------------------------------------------------------------------
     @property
@@ -102,6 +106,7 @@ class Learner(abc.ABC):
             global_samples: samples in the whole global minibatch (all workers together).
         """
         self.optimizer.zero_grad(set_to_none=True)
+        self.found_inf = False
         self.local_samples = local_samples
         self.global_samples = global_samples
 
@@ -137,11 +142,22 @@ class Learner(abc.ABC):
         self._before_optimizer_step.append(callback)
         return lambda: self._before_optimizer_step.remove(callback)
 
-    def _step_optimizer(self) -> bool:
+    def _step_optimizer(self, gradients_unscaled: bool = False) -> bool:
         """Runs the before-optimizer-step callbacks, then ``optimizer.step()`` unless one said ``False``.
 
-        Every learner steps its optimizer through this. Returns whether the optimizer stepped.
+        Every learner steps its optimizer through this. With loss scaling (``loss_scale`` != 1) the
+        gradients are first divided by ``loss_scale`` (unless the exchange already did:
+        ``gradients_unscaled``), and an inf or NaN among them skips the step and sets ``found_inf``
+        (after a summing exchange every rank sees the same). Returns whether the optimizer stepped.
         """
+        if self.loss_scale != 1.0:
+            gradients = [parameter.grad for parameter in self.parameters if parameter.grad is not None]
+            if not gradients_unscaled and gradients:
+                torch._foreach_div_(gradients, self.loss_scale)
+            self.found_inf = bool(gradients) and not bool(torch.stack(
+                [torch.isfinite(gradient).all() for gradient in gradients]).all())
+            if self.found_inf:
+                return False
         for callback in self._before_optimizer_step:
             if callback(self) is False:
                 return False

@@ -107,7 +107,7 @@ class DataParallelLearner(ReplicatedLearner):
         self._reducing = self.is_distributed()
         if not self._reducing:
             return
-        self._scale = local_samples / global_samples
+        self._scale = local_samples / global_samples / self.loss_scale  # unscaled before the exchange (fp16)
         self._next_bucket = 0
         for bucket in self.buckets:
             bucket.reset()
@@ -143,7 +143,7 @@ class DataParallelLearner(ReplicatedLearner):
             bucket.handle.wait()
             bucket.assign_grads()
         self._reducing = False
-        self._step_optimizer()
+        self._step_optimizer(gradients_unscaled=True)
 
 
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,

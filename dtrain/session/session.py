@@ -29,6 +29,7 @@ from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, Tes
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
+from dtrain.session.precision import LossScaler, autocast
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 from dtrain.session.report import write_report
 from dtrain.session.rundir import RunDirectoryLock
@@ -164,7 +165,9 @@ class TrainingSession:
             (``None``: off): after the exchange, so on the global-mean gradient, the same on every
             rank; with block momentum (and warm-start local steps) on each local step's gradient.
         precision: ``"32"`` (float32), ``"bf16"`` (the forward and loss under ``torch.autocast`` in
-            bfloat16, on CPU or GPU; parameters, gradients and optimizer state stay float32).
+            bfloat16, on CPU or GPU; parameters, gradients and optimizer state stay float32), or
+            ``"fp16"`` (autocast in float16 with a dynamic loss scale: gradients unscaled before any
+            exchange, a step with an inf/NaN gradient skipped on every rank, the scale in checkpoints).
         independent_processes: allow a one-process session in a process that a launcher
             (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
             each process would train its own copy.
@@ -209,6 +212,8 @@ class TrainingSession:
         self.micro_batch_size = checks.sample_count("micro_batch_size", micro_batch_size, allow_none=True)
         self.clip_grad_norm = checks.positive_number("clip_grad_norm", clip_grad_norm, allow_none=True)
         self.precision = checks.precision("precision", precision)
+        self.loss_scaler = LossScaler(learner.comm.device) if self.precision == "fp16" else None
+        self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
             else Schedule(checks.sample_count("minibatch_size", minibatch_size))
         if momentum_time_constant_schedule is not None \
@@ -322,6 +327,7 @@ class TrainingSession:
         finally:
             if remove_clipping is not None:
                 remove_clipping()
+            self.learner.loss_scale = 1.0  # the learner may train again without loss scaling
 
     def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
         is_main = self.comm.is_main
@@ -413,6 +419,8 @@ class TrainingSession:
         pass but the last runs under ``learner.no_sync()``: the exchange happens once.
         """
         local_samples = batch.num_samples
+        if self.loss_scaler is not None:
+            self.learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
         self.learner.begin_minibatch(local_samples, batch.global_num_samples)
         if local_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
@@ -424,7 +432,22 @@ class TrainingSession:
                     self._forward_backward(features[start:stop], labels[start:stop], stop - start, local_samples, sums)
         timer.lap("compute")
         self.learner.step()
+        if self.loss_scaler is not None:
+            self._update_loss_scale()
         timer.lap("update")
+
+    def _update_loss_scale(self) -> None:
+        """fp16: one overflow verdict for all ranks (a collective when several run), then the new scale.
+
+        Synchronous learners already reach the same verdict on every rank; local steps (block
+        momentum, warm start) may not, and the scale must stay the same everywhere.
+        """
+        found_inf = self.learner.found_inf
+        if self.comm.size > 1:
+            flag = torch.tensor([1.0 if found_inf else 0.0], device=self.comm.device)
+            found_inf = bool(self.comm.allreduce(flag, op="max").item())
+        self.skipped_steps += int(found_inf)
+        self.loss_scaler.update(found_inf)
 
     def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, samples: int, local_samples: int,
                           sums: _PeriodSums) -> None:
@@ -434,6 +457,8 @@ class TrainingSession:
             output = self.model(features)
             loss = self.loss(output, labels)
         weighted = loss if samples == local_samples else loss * (samples / local_samples)
+        if self.loss_scaler is not None:
+            weighted = weighted * self.learner.loss_scale
         weighted.backward()
         with torch.no_grad():
             output = output.detach()
@@ -442,10 +467,8 @@ class TrainingSession:
             sums.add(loss.detach().double() * samples, self.metric(output, labels), samples)
 
     def _autocast(self):
-        """``torch.autocast`` for ``precision=bf16``; nothing for float32."""
-        if self.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """``torch.autocast`` for ``precision=bf16`` or ``fp16``; nothing for float32."""
+        return autocast(self.precision, self.device)
 
     def _clip_gradients(self, learner: Learner) -> None:
         """Before-optimizer-step callback: clips the gradient the optimizer will use to ``clip_grad_norm``
@@ -561,7 +584,8 @@ class TrainingSession:
             model=self.model, learner=self.learner, source=self.source, comm=self.comm,
             expected_identity=self.checkpoint_identity, settings=self.settings,
             config_fingerprint=self.config_fingerprint,
-            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)})
+            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
+            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None)
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
             checkpoint.save_atomic(state, path)
@@ -608,6 +632,8 @@ class TrainingSession:
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
                   f"quantization residuals) reset", file=self.stream or sys.stdout, flush=True)
         self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])  # a checkpoint of a float32/bf16 run: a fresh scale
         self.minibatches = int(state["minibatches"])
         self.cv_index = int(state["cv_index"])
         seen = self.learner.samples_seen

@@ -10,6 +10,8 @@ Scenarios:
   clipping       data-parallel and quantized (32 bits: lossless) with clip_grad_norm equal one
                  process clipping the global minibatch's gradient; block momentum clips every local
                  step; every learner ends with identical parameters on all ranks.
+  fp16           an overflow on rank 1 alone skips that step on every rank (data_parallel,
+                 quantized, block momentum), the loss scale halves everywhere, ranks stay identical.
 """
 from __future__ import annotations
 
@@ -128,11 +130,47 @@ def scenario_clipping(comm, run_dir: Path) -> dict:
     return results
 
 
+class OverflowOnRank:
+    """Cross-entropy multiplied by 1e38 on one rank's ``call``-th evaluation (its fp16 gradient overflows)."""
+
+    def __init__(self, rank: int, overflow_rank: int, call: int):
+        self.overflows, self.call, self.calls = rank == overflow_rank, call, 0
+
+    def __call__(self, output, labels):
+        self.calls += 1
+        loss = nn.functional.cross_entropy(output, labels)
+        return loss * 1e38 if self.overflows and self.calls == self.call else loss
+
+
+def scenario_fp16(comm, run_dir: Path) -> dict:
+    results = {}
+    builders = {
+        "data_parallel": lambda opt: data_parallel_distributed_learner(opt, comm),
+        "quantized": lambda opt: QuantizedDataParallelLearner(opt, comm, num_quantization_bits=1),
+        "block_momentum": lambda opt: block_momentum_distributed_learner(opt, comm, block_size=40),
+    }
+    for name, build in builders.items():
+        model = make_model()
+        learner = build(optimizer_of(model))
+        session = dtrain.training_session(
+            model=model, loss=OverflowOnRank(comm.rank, 1, 3), learner=learner,
+            minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+            minibatch_size=16, max_samples=160, run_dir=run_dir / f"fp16_{name}", tensorboard=False,
+            stream=io.StringIO(), precision="fp16")
+        session.train()
+        everyone = comm.allgather_object((session.skipped_steps, session.loss_scaler.scale))
+        results[name] = {"skipped_and_scale_per_rank": everyone,
+                         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                         "differing_parameters": differing_on_ranks(comm, model)}
+    return results
+
+
 def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
     comm = create_communicator(timeout_s=60)
-    for name, scenario in (("micro_batches", scenario_micro_batches), ("clipping", scenario_clipping)):
+    for name, scenario in (("micro_batches", scenario_micro_batches), ("clipping", scenario_clipping),
+                           ("fp16", scenario_fp16)):
         result = {"scenario": name, "size": comm.size, **scenario(comm, run_dir)}
         if comm.is_main:
             print("RESULT " + json.dumps(result), flush=True)

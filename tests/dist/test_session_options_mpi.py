@@ -13,12 +13,12 @@ WORKER = str(Path(__file__).with_name("_session_options_worker.py"))
 
 
 @pytest.mark.timeout(200)
-def test_micro_batches_and_clipping_under_mpiexec(tmp_path: Path) -> None:
+def test_micro_batches_clipping_and_fp16_under_mpiexec(tmp_path: Path) -> None:
     result = run_mpi(2, [WORKER, tmp_path], timeout=180)
     assert result.returncode == 0, result.report()
     results = {record["scenario"]: record for record in
                (json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT "))}
-    assert set(results) == {"micro_batches", "clipping"}, result.report()
+    assert set(results) == {"micro_batches", "clipping", "fp16"}, result.report()
 
     micro = results["micro_batches"]
     assert micro["largest_pass"] == 2 and micro["passes"] > micro["minibatches"]
@@ -36,3 +36,9 @@ def test_micro_batches_and_clipping_under_mpiexec(tmp_path: Path) -> None:
     block = clipping["block_momentum"]
     assert block["local_steps"] > 0 and block["largest_norm_stepped"] <= 0.05 * (1 + 1e-5), block
     assert block["differing_parameters"] == [], block
+
+    # fp16: rank 1's overflow skips the step on both ranks, and both halve the loss scale
+    for learner in ("data_parallel", "quantized", "block_momentum"):
+        record = results["fp16"][learner]
+        assert record["skipped_and_scale_per_rank"] == [[1, 32768.0], [1, 32768.0]], (learner, record)
+        assert record["finite"] and record["differing_parameters"] == [], (learner, record)

@@ -85,8 +85,8 @@ def test_bf16_autocasts_the_forward_on_the_cpu_and_trains(tmp_path):
 @pytest.mark.parametrize("options, message", [
     ({"micro_batch_size": 0}, "micro_batch_size=0: expected a positive whole number of samples"),
     ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0: expected"),
-    ({"precision": "16"}, "precision='16': expected one of 32, bf16"),
-    ({"precision": "fp16"}, "precision='fp16': fp16 (float16 with a loss scaler) is not available yet"),
+    ({"precision": "16"}, "precision='16': expected one of 32, bf16, fp16"),
+    ({"precision": "float16"}, "precision='float16': expected one of 32, bf16, fp16"),
 ])
 def test_bad_session_settings_are_refused_naming_them(tmp_path, options, message):
     with pytest.raises(ValueError) as error:
@@ -108,3 +108,76 @@ def test_config_checks_the_new_session_settings():
     good = validate(compose_config("+recipe=digits", "session.micro_batch_size=8", "session.clip_grad_norm=1.0",
                                    "session.precision=bf16"), check_run_dir=False)
     assert good == [], good
+
+
+class OverflowOnCall:
+    """Cross-entropy whose ``call``-th evaluation is multiplied by 1e38, so the scaled fp16 gradient overflows."""
+
+    def __init__(self, call: int):
+        self.call, self.calls = call, 0
+
+    def __call__(self, output, labels):
+        self.calls += 1
+        loss = nn.functional.cross_entropy(output, labels)
+        return loss * 1e38 if self.calls == self.call else loss
+
+
+def train_fp16(run_dir: Path, model: nn.Module, loss, max_samples: int, **options):
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    session = training_session(model, loss, learner, MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+                               minibatch_size=20, max_samples=max_samples, run_dir=run_dir, tensorboard=False,
+                               stream=io.StringIO(), precision="fp16", **options)
+    return session, session.train(), learner
+
+
+def test_fp16_skips_an_overflowing_step_and_halves_the_scale(tmp_path):
+    model = make_model()
+    seen = []
+    model.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    session, result, learner = train_fp16(tmp_path / "run", model, OverflowOnCall(3), 100)
+    assert set(seen) == {torch.float16}
+    assert session.skipped_steps == 1
+    assert session.loss_scaler.scale == 65536.0 / 2
+    # the overflowing minibatch (the 3rd) changed nothing: the same parameters as a run that skips it
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_fp16_overflow_step_leaves_parameters_and_optimizer_untouched(tmp_path):
+    """Two minibatches, the second overflowing: the parameters are those after the first."""
+    after_first = make_model()
+    train_fp16(tmp_path / "one", after_first, OverflowOnCall(99), 20)
+    model = make_model()
+    session, _, learner = train_fp16(tmp_path / "two", model, OverflowOnCall(2), 40)
+    assert session.skipped_steps == 1 and learner.samples_seen == 40
+    for parameter, wanted in zip(model.parameters(), after_first.parameters()):
+        assert torch.equal(parameter, wanted)
+
+
+def test_fp16_gradients_are_unscaled_before_the_optimizer_step(tmp_path):
+    """fp16 and float32 make nearly the same first step: the optimizer never sees the 65536-fold gradient."""
+    half, full = make_model(), make_model()
+    train_fp16(tmp_path / "half", half, nn.functional.cross_entropy, 20)
+    train(tmp_path / "full", full, max_samples=20)
+    for a, b in zip(half.parameters(), full.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+
+
+def test_fp16_loss_scale_is_checkpointed_and_resumes_bit_exactly(tmp_path):
+    """A run interrupted after a skipped step resumes with the halved scale and ends bit-identical."""
+    whole = make_model()
+    whole_session, _, _ = train_fp16(tmp_path / "whole", whole, OverflowOnCall(2), 120)
+    from dtrain import CheckpointConfig
+
+    first = make_model()
+    first_session, _, _ = train_fp16(tmp_path / "split", first, OverflowOnCall(2), 60,
+                                     checkpoint_config=CheckpointConfig("ckpt.pt", frequency=60))
+    from dtrain.session import checkpoint
+
+    saved = checkpoint.load(sorted((tmp_path / "split").glob("ckpt*.pt"))[-1])
+    assert saved["loss_scaler"]["scale"] == 32768.0
+    resumed = make_model()
+    resumed_session, _, _ = train_fp16(tmp_path / "split", resumed, OverflowOnCall(99), 120,
+                                       checkpoint_config=CheckpointConfig("ckpt.pt", frequency=60))
+    assert resumed_session.loss_scaler.state_dict() == whole_session.loss_scaler.state_dict()
+    for a, b in zip(resumed.parameters(), whole.parameters()):
+        assert torch.equal(a, b)
