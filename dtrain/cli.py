@@ -284,6 +284,7 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         micro_batch_size=session.micro_batch_size,
         clip_grad_norm=session.clip_grad_norm,
         precision=session.precision,
+        compile=session.compile,
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
         run_config=run_config(cfg),

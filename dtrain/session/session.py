@@ -168,6 +168,10 @@ class TrainingSession:
             bfloat16, on CPU or GPU; parameters, gradients and optimizer state stay float32), or
             ``"fp16"`` (autocast in float16 with a dynamic loss scale: gradients unscaled before any
             exchange, a step with an inf/NaN gradient skipped on every rank, the scale in checkpoints).
+        compile: train through ``torch.compile(model)`` (inductor). The compiled module shares the
+            model's parameters, so checkpoints and ``model.safetensors`` keep the plain parameter
+            names (a model the caller already compiled is unwrapped the same way); a model that
+            cannot be compiled stops training at the first minibatch with a ValueError naming ``compile``.
         independent_processes: allow a one-process session in a process that a launcher
             (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
             each process would train its own copy.
@@ -205,6 +209,7 @@ class TrainingSession:
         micro_batch_size: int | None = None,
         clip_grad_norm: float | None = None,
         precision: str | int = "32",
+        compile: bool = False,  # noqa: A002 - the config's name (session.compile)
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
@@ -232,7 +237,14 @@ class TrainingSession:
                 f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
                 f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
                 f"if separate copies are really wanted)")
+        self.compile = checks.boolean("compile", compile)
+        compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+        if compiled is not None:  # checkpoints and weights name the parameters without the wrapper's _orig_mod.
+            model = compiled._orig_mod
         self.model = model
+        # what the training forward calls: the compiled module (sharing model's parameters) or the model
+        self.forward_model = compiled if compiled is not None else (torch.compile(model) if self.compile else model)
+        self._forward_checked = not self.compile
         self.loss = loss
         self.metric = metric
         # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary
@@ -267,7 +279,7 @@ class TrainingSession:
             if momentum_time_constant_schedule else None,
             "optimizer": checkpoint_state.optimizer_hyperparameters(learner.optimizer),
             "micro_batch_size": self.micro_batch_size, "clip_grad_norm": self.clip_grad_norm,
-            "precision": self.precision,
+            "precision": self.precision, "compile": self.compile,
         }}
         if run_config is not None:
             self.settings["config"] = run_config
@@ -454,7 +466,7 @@ class TrainingSession:
         """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16),
         backward on the pass's mean loss weighted by its share, loss and metric sums into ``sums``."""
         with self._autocast():
-            output = self.model(features)
+            output = self._forward(features)
             loss = self.loss(output, labels)
         weighted = loss if samples == local_samples else loss * (samples / local_samples)
         if self.loss_scaler is not None:
@@ -465,6 +477,22 @@ class TrainingSession:
             if output.is_floating_point() and output.dtype != torch.float32 and self.precision != "32":
                 output = output.float()  # the metric sees float32, as without autocast
             sums.add(loss.detach().double() * samples, self.metric(output, labels), samples)
+
+    def _forward(self, features: torch.Tensor) -> torch.Tensor:
+        """The model's training forward; the first compiled one turns a compiler failure into one clear line."""
+        if self._forward_checked:
+            return self.forward_model(features)
+        try:
+            output = self.forward_model(features)
+        except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
+            if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(f"compile=True: torch.compile (inductor) could not compile {type(self.model).__name__} "
+                             f"({type(error).__name__}: {first_line[:300]}); train without it (session.compile=false)"
+                             ) from error
+        self._forward_checked = True
+        return output
 
     def _autocast(self):
         """``torch.autocast`` for ``precision=bf16`` or ``fp16``; nothing for float32."""
@@ -679,6 +707,7 @@ class TrainingSession:
         printer.line("dtrain: " + ", ".join(parts))
         printer.line("dtrain: " + self.learner.describe())
         options = [f"precision {self.precision}" if self.precision != "32" else "",
+                   "torch.compile (inductor backend)" if self.compile else "",
                    f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
                    if self.micro_batch_size else "",
                    f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else ""]

@@ -181,3 +181,54 @@ def test_fp16_loss_scale_is_checkpointed_and_resumes_bit_exactly(tmp_path):
     assert resumed_session.loss_scaler.state_dict() == whole_session.loss_scaler.state_dict()
     for a, b in zip(resumed.parameters(), whole.parameters()):
         assert torch.equal(a, b)
+
+
+def test_compile_trains_and_its_checkpoint_restores_into_a_plain_run(tmp_path):
+    from dtrain import CheckpointConfig
+    from dtrain.session import checkpoint
+
+    compiled, plain = make_model(), make_model()
+    _, learner = train(tmp_path / "run", compiled, max_samples=40, compile=True,
+                       checkpoint_config=CheckpointConfig("ckpt.pt", frequency=40))
+    train(tmp_path / "plain", plain, max_samples=40)
+    assert learner.samples_seen == 40
+    for a, b in zip(compiled.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the same training, compiled
+    saved = checkpoint.load(sorted((tmp_path / "run").glob("ckpt*.pt"))[-1])
+    assert set(saved["model"]) == set(make_model().state_dict())  # plain names, no _orig_mod.
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "run" / "model.safetensors")) == set(make_model().state_dict())
+    resumed = make_model()
+    result, _ = train(tmp_path / "run", resumed, max_samples=80,
+                      checkpoint_config=CheckpointConfig("ckpt.pt", frequency=40))
+    assert result.restored_from is not None and result.samples_seen == 80
+
+
+def test_an_already_compiled_model_is_trained_and_saved_under_its_plain_names(tmp_path):
+    model = make_model()
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    session = training_session(torch.compile(model), nn.functional.cross_entropy, learner,
+                               MinibatchSource(make_data()), minibatch_size=20, max_samples=20, run_dir=tmp_path,
+                               tensorboard=False, stream=io.StringIO())
+    assert session.model is model and session.forward_model is not model
+    assert session.train().samples_seen == 20
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "model.safetensors")) == set(make_model().state_dict())  # no _orig_mod.
+
+
+def test_a_model_that_cannot_be_compiled_is_one_line_naming_compile(tmp_path, monkeypatch):
+    failure = type("BackendCompilerFailed", (RuntimeError,), {"__module__": "torch._dynamo.exc"})
+
+    def broken_compile(model):
+        def forward(features):
+            raise failure("backend='inductor' raised:\nCppCompileError: no C++ compiler")
+        return forward
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.raises(ValueError) as error:
+        train(tmp_path, make_model(), max_samples=20, compile=True)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("compile=True: torch.compile (inductor) could not compile")
+    assert "BackendCompilerFailed" in message and "session.compile=false" in message
