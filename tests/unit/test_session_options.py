@@ -232,3 +232,27 @@ def test_a_model_that_cannot_be_compiled_is_one_line_naming_compile(tmp_path, mo
     message = str(error.value)
     assert "\n" not in message and message.startswith("compile=True: torch.compile (inductor) could not compile")
     assert "BackendCompilerFailed" in message and "session.compile=false" in message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_trains_on_cuda(tmp_path, precision):
+    """One process on the GPU: the forward autocasts to the asked type, parameters stay float32 on CUDA,
+    fp16's scale stays at its start when nothing overflows, and training learns."""
+    from dtrain.comm import LocalCommunicator
+
+    model = make_model()
+    dtypes = []
+    model.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), LocalCommunicator("cuda"))
+    session = training_session(model, nn.functional.cross_entropy, learner,
+                               MinibatchSource(make_data(), randomize=True, randomization_seed=5), minibatch_size=20,
+                               max_samples=400, run_dir=tmp_path, tensorboard=False, stream=io.StringIO(),
+                               precision=precision, clip_grad_norm=1.0, micro_batch_size=8)
+    result = session.train()
+    assert set(dtypes) == {torch.bfloat16 if precision == "bf16" else torch.float16}
+    assert all(p.is_cuda and p.dtype == torch.float32 for p in model.parameters())
+    assert result.last_training_error < 0.5
+    if precision == "fp16":
+        assert session.skipped_steps == 0 and session.loss_scaler.scale == 65536.0
