@@ -439,9 +439,12 @@ class TrainingSession:
             pass_size = min(self.micro_batch_size or local_samples, local_samples)
             for start in range(0, local_samples, pass_size):
                 stop = min(start + pass_size, local_samples)
-                is_last = stop == local_samples
-                with contextlib.nullcontext() if is_last else self.learner.no_sync():
-                    self._forward_backward(features[start:stop], labels[start:stop], stop - start, local_samples, sums)
+                if pass_size == local_samples:  # one pass: the tensors as read
+                    pass_features, pass_labels = features, labels
+                else:
+                    pass_features, pass_labels = features[start:stop], labels[start:stop]
+                with contextlib.nullcontext() if stop == local_samples else self.learner.no_sync():
+                    self._forward_backward(pass_features, pass_labels, stop - start, local_samples, sums)
         timer.lap("compute")
         self.learner.step()
         if self.loss_scaler is not None:
