@@ -75,6 +75,7 @@ class Learner(abc.ABC):
         # gradients are divided by it before any exchange and before the optimizer step
         self.loss_scale = 1.0
         self.found_inf = False  # state: this minibatch's unscaled gradient had an inf/NaN (its step was skipped)
+        self._in_optimizer_step = False  # state: optimizer.step() is running, called by _step_optimizer
 
     # -- what the loop asks -------------------------------------------------------------------
     @property
@@ -142,6 +143,12 @@ class Learner(abc.ABC):
         self._before_optimizer_step.append(callback)
         return lambda: self._before_optimizer_step.remove(callback)
 
+    @property
+    def in_optimizer_step(self) -> bool:
+        """Whether ``optimizer.step()`` is now running through :meth:`_step_optimizer` (the session checks,
+        with clipping or fp16, that a learner does not call ``optimizer.step()`` around its callbacks)."""
+        return self._in_optimizer_step
+
     def _step_optimizer(self, gradients_unscaled: bool = False) -> bool:
         """Runs the before-optimizer-step callbacks, then ``optimizer.step()`` unless one said ``False``.
 
@@ -161,7 +168,11 @@ class Learner(abc.ABC):
         for callback in self._before_optimizer_step:
             if callback(self) is False:
                 return False
-        self.optimizer.step()
+        self._in_optimizer_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._in_optimizer_step = False
         return True
 
     @final

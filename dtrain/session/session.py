@@ -334,11 +334,17 @@ class TrainingSession:
         self.model.train()
         remove_clipping = self.learner.add_before_optimizer_step(self._clip_gradients) \
             if self.clip_grad_norm is not None else None
+        # clipping and fp16 happen in the learner's _step_optimizer(); a learner calling optimizer.step()
+        # itself would silently train without them, so such a step is refused
+        seam_check = self.learner.optimizer.register_step_pre_hook(self._require_learner_seam) \
+            if self.clip_grad_norm is not None or self.loss_scaler is not None else None
         try:
             return self._train_prepared(restored_from)
         finally:
             if remove_clipping is not None:
                 remove_clipping()
+            if seam_check is not None:
+                seam_check.remove()
             self.learner.loss_scale = 1.0  # the learner may train again without loss scaling
 
     def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
@@ -500,6 +506,14 @@ class TrainingSession:
     def _autocast(self):
         """``torch.autocast`` for ``precision=bf16`` or ``fp16``; nothing for float32."""
         return autocast(self.precision, self.device)
+
+    def _require_learner_seam(self, optimizer, args, kwargs) -> None:
+        """Optimizer step pre-hook: refuses a step that bypassed ``Learner._step_optimizer``."""
+        if not self.learner.in_optimizer_step:
+            setting = "clip_grad_norm" if self.clip_grad_norm is not None else "precision=fp16"
+            raise ValueError(
+                f"{setting}: the {self.learner.kind} learner calls optimizer.step() itself, so the gradient would "
+                f"not be clipped or unscaled; it must call self._step_optimizer() instead (see docs/writing-a-learner.md)")
 
     def _clip_gradients(self, learner: Learner) -> None:
         """Before-optimizer-step callback: clips the gradient the optimizer will use to ``clip_grad_norm``

@@ -256,3 +256,26 @@ def test_reduced_precision_trains_on_cuda(tmp_path, precision):
     assert result.last_training_error < 0.5
     if precision == "fp16":
         assert session.skipped_steps == 0 and session.loss_scaler.scale == 65536.0
+
+
+@pytest.mark.parametrize("options", [{"clip_grad_norm": 1.0}, {"precision": "fp16"}])
+def test_a_learner_stepping_the_optimizer_itself_is_refused_when_clipping_or_fp16(tmp_path, options):
+    """Such a learner would silently train without clipping or unscaling; it is refused at its first step."""
+    class BypassingLearner(LocalLearner):
+        kind = "bypassing"
+
+        def apply_update(self) -> None:
+            self.optimizer.step()
+
+    model = make_model()
+    learner = BypassingLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    session = training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(make_data()),
+                               minibatch_size=20, max_samples=20, run_dir=tmp_path, tensorboard=False,
+                               stream=io.StringIO(), **options)
+    with pytest.raises(ValueError, match=r"the bypassing learner calls optimizer.step\(\) itself.*_step_optimizer"):
+        session.train()
+    # without either setting it trains as before
+    plain = BypassingLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert training_session(model, nn.functional.cross_entropy, plain, MinibatchSource(make_data()), minibatch_size=20,
+                            max_samples=20, run_dir=tmp_path / "plain", tensorboard=False,
+                            stream=io.StringIO()).train().samples_seen == 20
