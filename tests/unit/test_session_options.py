@@ -279,3 +279,30 @@ def test_a_learner_stepping_the_optimizer_itself_is_refused_when_clipping_or_fp1
     assert training_session(model, nn.functional.cross_entropy, plain, MinibatchSource(make_data()), minibatch_size=20,
                             max_samples=20, run_dir=tmp_path / "plain", tensorboard=False,
                             stream=io.StringIO()).train().samples_seen == 20
+
+
+def test_data_parallel_exchanges_once_after_passes_under_no_sync():
+    """Passes under no_sync launch nothing; the last launches every bucket once, with the accumulated
+    gradient, including a parameter only an earlier pass reached."""
+    from test_data_parallel import _RecordingComm, make_model as make_deep_model
+
+    from dtrain.learners import DataParallelLearner
+
+    model = make_deep_model()
+    comm = _RecordingComm()
+    learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.0), comm, bucket_size_mb=1e-3)
+    learner.prepare(model)
+    comm.calls.clear()
+    learner.begin_minibatch(4, 8)
+    with learner.no_sync():
+        nn.functional.cross_entropy(model(torch.randn(2, 5)), torch.tensor([0, 1])).backward()
+        model[4].bias.sum().backward()  # the last bias: reached by this earlier pass only
+    assert comm.calls == [] and not learner.accumulating
+    last_bias_grad = model[4].bias.grad.clone()
+    model[4].weight.sum().backward()  # the last pass reaches only the last weight
+    accumulated = [parameter.grad.clone() for parameter in model.parameters()]
+    learner.step()
+    assert len(comm.calls) == len(learner.buckets)  # once per bucket for the whole minibatch
+    for parameter, local in zip(model.parameters(), accumulated):
+        torch.testing.assert_close(parameter.grad, local * 4 / 8)  # the fake peer sends zeros
+    torch.testing.assert_close(model[4].bias.grad, last_bias_grad * 0.5)
