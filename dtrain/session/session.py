@@ -747,6 +747,9 @@ class TrainingSession:
         elif result.test is not None:
             lines.append(f"test: {self._format_metric(result.test.error)} (loss {result.test.loss:.4f}) "
                          f"on {result.test.num_samples:,} samples")
+        if self.loss_scaler is not None:
+            lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "
+                         f"loss scale now {self.loss_scaler.scale:g}")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
         if self._weights_path is not None:

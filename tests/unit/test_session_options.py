@@ -126,7 +126,7 @@ def train_fp16(run_dir: Path, model: nn.Module, loss, max_samples: int, **option
     learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     session = training_session(model, loss, learner, MinibatchSource(make_data(), randomize=True, randomization_seed=5),
                                minibatch_size=20, max_samples=max_samples, run_dir=run_dir, tensorboard=False,
-                               stream=io.StringIO(), precision="fp16", **options)
+                               **{"stream": io.StringIO(), **options}, precision="fp16")
     return session, session.train(), learner
 
 
@@ -134,7 +134,9 @@ def test_fp16_skips_an_overflowing_step_and_halves_the_scale(tmp_path):
     model = make_model()
     seen = []
     model.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
-    session, result, learner = train_fp16(tmp_path / "run", model, OverflowOnCall(3), 100)
+    stream = io.StringIO()
+    session, result, learner = train_fp16(tmp_path / "run", model, OverflowOnCall(3), 100, stream=stream)
+    assert "fp16: 1 optimizer steps skipped for an inf/NaN gradient, loss scale now 32768" in stream.getvalue()
     assert set(seen) == {torch.float16}
     assert session.skipped_steps == 1
     assert session.loss_scaler.scale == 65536.0 / 2
