@@ -222,6 +222,10 @@ class SessionConfig:
     tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
+    micro_batch_size: Optional[int] = None  # samples per rank per forward/backward pass; null = no cap
+    clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
+    precision: Any = "32"               # 32 | bf16 | fp16 (autocast forward; fp16 with a loss scale)
+    compile: bool = False               # train through torch.compile(model) (inductor)
 
 
 @dataclass
@@ -525,6 +529,10 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("num_threads", checks.whole_number, {"low": 1, "allow_none": True, "unit": "threads"}),
         ("unit_gain_momentum", checks.boolean, {}),
         ("tensorboard", checks.boolean, {"allow_none": True}),
+        ("micro_batch_size", checks.sample_count, {"allow_none": True}),
+        ("clip_grad_norm", checks.positive_number, {"allow_none": True}),
+        ("precision", checks.precision, {}),
+        ("compile", checks.boolean, {}),
     )
     problems += _check(
         session.checkpoint, "session.checkpoint",

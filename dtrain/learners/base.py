@@ -10,6 +10,8 @@ See ``docs/writing-a-learner.md``.
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, final
 
 import torch
@@ -66,6 +68,14 @@ class Learner(abc.ABC):
         self.samples_seen = 0
         self.local_samples = 0    # of the current minibatch, set by begin_minibatch
         self.global_samples = 0
+        # -- micro-batch and optimizer-step seams (used by the session: micro_batch_size, clip_grad_norm)
+        self._accumulating = False  # state: backward passes now only accumulate (no gradient exchange)
+        self._before_optimizer_step: list[Callable[[Learner], bool | None]] = []
+        # -- fp16 loss scaling seam: the factor the loss was multiplied by before backward (1: none);
+        # gradients are divided by it before any exchange and before the optimizer step
+        self.loss_scale = 1.0
+        self.found_inf = False  # state: this minibatch's unscaled gradient had an inf/NaN (its step was skipped)
+        self._in_optimizer_step = False  # state: optimizer.step() is running, called by _step_optimizer
 
     # -- what the loop asks -------------------------------------------------------------------
     @property
@@ -97,8 +107,73 @@ class Learner(abc.ABC):
             global_samples: samples in the whole global minibatch (all workers together).
         """
         self.optimizer.zero_grad(set_to_none=True)
+        self.found_inf = False
         self.local_samples = local_samples
         self.global_samples = global_samples
+
+    # -- micro-batches: several backward passes, one exchange ----------------------------------------
+    @property
+    def accumulating(self) -> bool:
+        """Whether backward passes now only accumulate into ``.grad`` (inside :meth:`no_sync`)."""
+        return self._accumulating
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without starting any exchange (as DDP's).
+
+        A minibatch computed in several micro-batches runs every backward but the last inside it,
+        so gradient hooks (the data-parallel learner's bucket all-reduce) fire once per minibatch,
+        on the accumulated gradient. Learners that exchange in :meth:`apply_update` need nothing more.
+        """
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    # -- the optimizer step: the point between the gradient exchange and the update ---------------
+    def add_before_optimizer_step(self, callback: Callable[[Learner], bool | None]) -> Callable[[], None]:
+        """Registers ``callback(learner)``, run just before every ``optimizer.step()`` of this learner.
+
+        It sees the gradient the optimizer will use: after the exchange (the global mean) for
+        synchronous learners, the local gradient for local steps (block momentum, warm start).
+        Returning ``False`` skips this optimizer step (it must then decide the same on every rank
+        for synchronous learners). Used for gradient clipping. Returns a function that removes it.
+        """
+        self._before_optimizer_step.append(callback)
+        return lambda: self._before_optimizer_step.remove(callback)
+
+    @property
+    def in_optimizer_step(self) -> bool:
+        """Whether ``optimizer.step()`` is now running through :meth:`_step_optimizer` (the session checks,
+        with clipping or fp16, that a learner does not call ``optimizer.step()`` around its callbacks)."""
+        return self._in_optimizer_step
+
+    def _step_optimizer(self, gradients_unscaled: bool = False) -> bool:
+        """Runs the before-optimizer-step callbacks, then ``optimizer.step()`` unless one said ``False``.
+
+        Every learner steps its optimizer through this. With loss scaling (``loss_scale`` != 1) the
+        gradients are first divided by ``loss_scale`` (unless the exchange already did:
+        ``gradients_unscaled``), and an inf or NaN among them skips the step and sets ``found_inf``
+        (after a summing exchange every rank sees the same). Returns whether the optimizer stepped.
+        """
+        if self.loss_scale != 1.0:
+            gradients = [parameter.grad for parameter in self.parameters if parameter.grad is not None]
+            if not gradients_unscaled and gradients:
+                torch._foreach_div_(gradients, self.loss_scale)
+            self.found_inf = bool(gradients) and not bool(torch.stack(
+                [torch.isfinite(gradient).all() for gradient in gradients]).all())
+            if self.found_inf:
+                return False
+        for callback in self._before_optimizer_step:
+            if callback(self) is False:
+                return False
+        self._in_optimizer_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._in_optimizer_step = False
+        return True
 
     @final
     def step(self) -> None:
@@ -183,4 +258,4 @@ class LocalLearner(Learner):
     def apply_update(self) -> None:
         """``optimizer.step()`` on this process's gradient (skipped for an empty minibatch)."""
         if self.local_samples > 0:
-            self.optimizer.step()
+            self._step_optimizer()

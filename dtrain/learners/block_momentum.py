@@ -195,7 +195,7 @@ class BlockMomentumLearner(Learner):
             raise RuntimeError("call learner.prepare(model) before training; training_session does it for you")
         blocks_started = self._blocks_started()  # decided before this minibatch was read
         if self.local_samples > 0:
-            self.optimizer.step()
+            self._step_optimizer()
         if blocks_started:
             self.local_samples_in_block += self.local_samples
             self.global_samples_in_block += self.global_samples

@@ -107,15 +107,15 @@ class DataParallelLearner(ReplicatedLearner):
         self._reducing = self.is_distributed()
         if not self._reducing:
             return
-        self._scale = local_samples / global_samples
+        self._scale = local_samples / global_samples / self.loss_scale  # unscaled before the exchange (fp16)
         self._next_bucket = 0
         for bucket in self.buckets:
             bucket.reset()
 
     def _on_gradient_ready(self, bucket_index: int, slot: int, parameter: torch.Tensor) -> None:
         """Post-accumulate-grad hook: packs this gradient and launches every bucket now ready, in order."""
-        if not self._reducing:
-            return  # local steps, or a backward outside training (hooks stay registered)
+        if not self._reducing or self._accumulating:
+            return  # local steps, a backward outside training, or an earlier micro-batch (see no_sync)
         self.buckets[bucket_index].fill(slot, parameter.grad, self._scale)
         self._launch_ready_buckets()
 
@@ -133,13 +133,17 @@ class DataParallelLearner(ReplicatedLearner):
         local learner's update instead.
         """
         for bucket in self.buckets[self._next_bucket:]:
+            for slot, parameter in enumerate(bucket.parameters):
+                if not bucket.filled[slot] and parameter.grad is not None:
+                    # accumulated under no_sync by an earlier micro-batch, untouched by the last one
+                    bucket.fill(slot, parameter.grad, self._scale)
             bucket.fill_missing_with_zeros()
         self._launch_ready_buckets()
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.assign_grads()
         self._reducing = False
-        self.optimizer.step()
+        self._step_optimizer(gradients_unscaled=True)
 
 
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,

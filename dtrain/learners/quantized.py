@@ -92,8 +92,19 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
         """
         if self.global_samples > 0:  # every rank knows the global count, so all skip an empty step together
             gradients = self._gradients()
-            self.exchange.allreduce_(gradients, scale=self.local_samples / self.global_samples)
-            self.optimizer.step()
+            if self.loss_scale != 1.0 and self._overflow_on_any_rank(gradients):
+                self.found_inf = True  # skipped everywhere, before an inf reaches the error-feedback residuals
+                return
+            # unscaled (fp16 loss scaling) as they are quantized
+            self.exchange.allreduce_(gradients, scale=self.local_samples / self.global_samples / self.loss_scale)
+            self._step_optimizer(gradients_unscaled=True)
+
+    def _overflow_on_any_rank(self, gradients: list[torch.Tensor]) -> bool:
+        """Whether any rank's gradient has an inf or NaN (a collective: one verdict for all ranks)."""
+        local = not bool(torch.stack([torch.isfinite(gradient).all() for gradient in gradients]).all()) \
+            if gradients else False
+        flag = torch.tensor([1.0 if local else 0.0], device=self.comm.device)
+        return bool(self.comm.allreduce(flag, op="max").item())
 
     def _gradients(self) -> list[torch.Tensor]:
         """Every trainable parameter's ``.grad`` (zeros where backward gave none), in optimizer order."""
