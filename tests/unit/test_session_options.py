@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from dtrain import LocalLearner, MinibatchSource, training_session
