@@ -34,7 +34,7 @@ class DataParallelLearnerConfig:
     """
 
     _target_: str = "dtrain.learners.data_parallel_distributed_learner"
-    distributed_after: int = 0
+    distributed_after: Any = "auto"     # samples, or "auto": none at 32 bits, a warm start relative to the run below
     num_quantization_bits: int = 32
     bucket_size_mb: float = 25.0
     error_feedback: bool = True         # quantized only; false drops the quantization error (ablation)
@@ -45,12 +45,12 @@ class BlockMomentumLearnerConfig:
     """``block_momentum_distributed_learner`` (BMUF): local steps, a filtered model sync every block."""
 
     _target_: str = "dtrain.learners.block_momentum_distributed_learner"
-    block_size: int = MISSING
+    block_size: Any = "auto"            # samples, or "auto": within CNTK's bound from the data set's size and N
     block_momentum_as_time_constant: Optional[float] = None
     use_nesterov_momentum: bool = True
     reset_sgd_momentum_after_aggregation: bool = True
     block_learning_rate: float = 1.0
-    distributed_after: int = 0
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
 
 
 # -- optimizers (partial: the parameters are passed when the model exists) -------------------------
@@ -339,7 +339,7 @@ def _learner_problems(learner: DictConfig) -> list[str]:
     """Range checks and refused combinations of the learner options."""
     problems = []
     problem = _sample_count_problem("learner.distributed_after", learner.get("distributed_after", 0), allow_zero=True)
-    if problem:
+    if problem and learner.get("distributed_after") != "auto":
         problems.append(problem)
     if "num_quantization_bits" in learner:
         bits = learner.num_quantization_bits
@@ -350,8 +350,8 @@ def _learner_problems(learner: DictConfig) -> list[str]:
     if "block_size" in learner:
         if OmegaConf.is_missing(learner, "block_size"):
             problems.append("learner.block_size is not set: give the block size in samples, e.g. learner.block_size=4096")
-        elif learner.block_size <= 0:
-            problems.append(f"learner.block_size={learner.block_size}: expected a positive number of samples")
+        elif learner.block_size != "auto" and (not isinstance(learner.block_size, int) or learner.block_size <= 0):
+            problems.append(f"learner.block_size={learner.block_size!r}: expected a positive number of samples or auto")
         time_constant = learner.block_momentum_as_time_constant
         if time_constant is not None and time_constant <= 0:
             problems.append(f"learner.block_momentum_as_time_constant={time_constant}: expected a positive number "

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
-from dtrain.learners.base import Learner
+from dtrain.learners.base import Learner, RunFacts
 from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint
+from dtrain.session.collapse import COLLAPSE_ADVICE, CollapseWatch
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, signal_from_name
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import MetricsWriter
@@ -30,6 +31,11 @@ from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 
 class TrainingDiverged(RuntimeError):
     """The training loss became NaN or infinite (raised on every rank at a progress point)."""
+
+
+class TrainingCollapsed(TrainingDiverged):
+    """A classifier's training loss (or test accuracy) returned to chance after it had learned
+    (``docs/semantics.md#collapse``); raised on every rank."""
 
 
 _DIVERGED_ADVICE = "lower optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)"
@@ -171,6 +177,7 @@ class TrainingSession:
         self._restore_attempted = False
         self._restored_from: Path | None = None
         self._preemption = threading.Event()
+        self._collapse = CollapseWatch(self.device)
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
@@ -180,6 +187,8 @@ class TrainingSession:
         """Runs training to ``max_samples`` (or the end of the data, or a CV callback's stop)."""
         restored_from = self.restore()
         self.model.to(self.device)
+        self.learner.plan(RunFacts(samples_per_sweep=getattr(self.source, "samples_per_sweep", None),
+                                   max_samples=self.max_samples, minibatch_size=int(self.mb_size(0))))
         self.learner.prepare(self.model)
         self.model.train()
         is_main = self.comm.is_main
@@ -207,16 +216,21 @@ class TrainingSession:
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput.rate())
 
+                # preemption is agreed only where the ranks meet anyway (block momentum: once a block)
+                ranks_meet = self.learner.is_sync_point()
                 if self.progress_period.due(seen):
+                    ranks_meet = True
                     self._report_progress(printer, metrics, sums, throughput)
                 if self.cv_period.due(seen):
+                    ranks_meet = True
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
                         stopped_early = True
                         break
                 if self.checkpoint_period.due(seen):
+                    ranks_meet = True
                     last_checkpoint = self._save_checkpoint(printer)
-                if self._preemption_requested():
+                if (ranks_meet or self.comm.size == 1) and self._preemption_requested():
                     preempted = stopped_early = True
                     break
 
@@ -240,6 +254,10 @@ class TrainingSession:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device)
             metrics.write("test", seen, loss=test.loss, error=test.error, accuracy=test.accuracy, num_samples=test.num_samples)
+            if self._collapse.evaluation_collapsed(test.loss, test.accuracy, self.comm):
+                raise TrainingCollapsed(
+                    f"training collapsed: test accuracy {100 * test.accuracy:.2f}% is chance for "
+                    f"{self._collapse.num_classes} classes after the training loss had fallen; {COLLAPSE_ADVICE}")
         self.learner.finalize()
         metrics.close()
         result = TrainingResult(
@@ -260,6 +278,7 @@ class TrainingSession:
             loss = self.loss(output, labels)
             loss.backward()
             with torch.no_grad():
+                self._collapse.observe(output, labels, loss, self.loss)
                 sums.add(loss.detach() * batch.num_samples, self.metric(output.detach(), labels), batch.num_samples)
         self.learner.step()
 
@@ -288,6 +307,11 @@ class TrainingSession:
             raise TrainingDiverged(
                 f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
                 f"{self.learner.samples_seen} samples); {_DIVERGED_ADVICE}")
+        if samples and self._collapse.loss_collapsed(loss, self.comm):
+            raise TrainingCollapsed(
+                f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is back at chance "
+                f"(ln {self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) at {self.learner.samples_seen} "
+                f"samples after having fallen; {COLLAPSE_ADVICE}")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
@@ -539,4 +563,4 @@ def _dtrain_version() -> str:
         return "unknown"
 
 
-__all__ = ["TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
+__all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
