@@ -149,7 +149,9 @@ class Learner(abc.ABC):
         """
         self.run_facts = facts
         if self.distributed_after_is_auto:
-            self.distributed_after = self.auto_distributed_after(facts)
+            # a resumed run keeps the warm start it was planned with, even if max_samples changed
+            restored = getattr(self, "_restored_distributed_after", None)
+            self.distributed_after = restored if restored is not None else self.auto_distributed_after(facts)
 
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """The warm start ``distributed_after="auto"`` stands for, in global samples: 0 here
@@ -216,7 +218,8 @@ class Learner(abc.ABC):
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state plus the learner's own counters (replicated on every worker)."""
-        return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen}
+        return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen,
+                "distributed_after": self.distributed_after}
 
     def local_state_dict(self) -> dict[str, Any]:
         """State that differs between workers (e.g. quantization residuals); gathered into checkpoints."""
@@ -234,6 +237,8 @@ class Learner(abc.ABC):
             )
         self.optimizer.load_state_dict(state["optimizer"])
         self.samples_seen = int(state["samples_seen"])
+        if state.get("distributed_after") is not None:
+            self._restored_distributed_after = int(state["distributed_after"])
 
 
 class LocalLearner(Learner):

@@ -278,3 +278,12 @@ def test_no_false_alarm(tmp_path, case):
         _session(tmp_path, collapse_at=2000, labels_as_float=True).train()  # loss at a constant: not chance of anything
     else:
         _session(tmp_path, collapse_at=None, learnable=False).train()  # at chance all along: nothing fell, no alarm
+
+
+def test_a_resumed_run_keeps_the_warm_start_it_was_planned_with():
+    first = QuantizedDataParallelLearner(sgd(), _Comm(2))
+    first.plan(DIGITS)
+    resumed = QuantizedDataParallelLearner(sgd(), _Comm(2))
+    resumed.load_state_dict(first.state_dict())
+    resumed.plan(RunFacts(samples_per_sweep=1500, max_samples=60000, minibatch_size=32))  # a longer run now
+    assert resumed.distributed_after == first.distributed_after == 7520
