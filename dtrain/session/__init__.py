@@ -1,9 +1,9 @@
 """The training loop (``training_session``) and what it needs: configs, checkpoints, evaluation, output."""
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
-from dtrain.session.session import TrainingDiverged, TrainingResult, TrainingSession, training_session
+from dtrain.session.session import TrainingCollapsed, TrainingDiverged, TrainingResult, TrainingSession, training_session
 
 __all__ = [
-    "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingDiverged", "TrainingResult",
-    "TrainingSession", "classification_errors", "evaluate", "training_session",
+    "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingCollapsed", "TrainingDiverged",
+    "TrainingResult", "TrainingSession", "classification_errors", "evaluate", "training_session",
 ]
