@@ -146,7 +146,7 @@ class DataParallelLearner(ReplicatedLearner):
         self._step_optimizer(gradients_unscaled=True)
 
 
-def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
+def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
                                       num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
                                       error_feedback: bool = True) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
@@ -154,7 +154,9 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     Args:
         optimizer: the torch optimizer of the model's parameters.
         comm: the job's communicator (a size-1 local one when omitted).
-        distributed_after: global samples trained with local updates before gradients are shared.
+        distributed_after: global samples trained with local updates before gradients are shared;
+            ``"auto"`` (default): none for 32 bits, a warm start relative to the run for fewer
+            (``dtrain.learners.quantized.auto_warm_start``, derived when the session plans the run).
         num_quantization_bits: 32 sends full-precision gradients (``DataParallelLearner``); 1..31
             sends k-bit quantized gradients with error feedback (``QuantizedDataParallelLearner``,
             which does not use ``bucket_size_mb``).
@@ -171,7 +173,8 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     """
     num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
     checks.positive_number("bucket_size_mb", bucket_size_mb, unit="MiB")  # refused even where quantized ignores it
-    distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
+    if distributed_after != "auto":
+        distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
     error_feedback = checks.boolean("error_feedback", error_feedback)
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "

@@ -16,8 +16,8 @@ import torch
 
 from dtrain.compress import QuantizedExchange
 from dtrain.compress.bitpack import check_bits
+from dtrain.learners.base import AUTO, RunFacts, auto_warm_start
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
-
 
 class QuantizedDataParallelLearner(ReplicatedLearner):
     """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
@@ -42,7 +42,8 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
     Args:
         optimizer: the torch optimizer of the model's parameters.
         comm: the job's communicator; with one rank this is the local learner.
-        distributed_after: global samples of local-only training before quantized exchange begins.
+        distributed_after: global samples of local-only training before quantized exchange begins;
+            ``"auto"`` (the default) = :func:`auto_warm_start` of the run's facts (set by ``plan``).
         num_quantization_bits: bits per gradient value on the wire, 1 to 32 (32 is lossless and
             only useful for comparison: ``data_parallel_distributed_learner`` uses a plain
             all-reduce for 32).
@@ -55,7 +56,7 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
 
     kind = "quantized"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  num_quantization_bits: int = 1, error_feedback: bool = True):
         super().__init__(optimizer, comm, distributed_after)  # parameters broadcast in 25 MiB chunks
         self.num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
@@ -64,6 +65,10 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
     def checkpoint_identity(self) -> dict:
         """The kind and the bits per value: a checkpoint restores only into the same quantization."""
         return {"kind": self.kind, "num_quantization_bits": self.num_quantization_bits}
+
+    def auto_distributed_after(self, facts: RunFacts) -> int:
+        """``distributed_after="auto"``: :func:`auto_warm_start` (0 with one process)."""
+        return auto_warm_start(facts) if self.comm.size > 1 else 0
 
     # -- statistics --------------------------------------------------------------------------------
     @property

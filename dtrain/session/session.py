@@ -21,9 +21,10 @@ import torch
 from dtrain import checks
 from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
 from dtrain.comm.launcher import detect_launcher
-from dtrain.learners.base import Learner
+from dtrain.learners.base import Learner, RunFacts
 from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint, checkpoint_state
+from dtrain.session.collapse import COLLAPSE_ADVICE, CollapseWatch
 from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
                                    signal_from_name)
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
@@ -42,6 +43,12 @@ class TrainingDiverged(RuntimeError):
 
 #: how a user calls each launcher kind that ``detect_launcher`` reports
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
+
+
+class TrainingCollapsed(TrainingDiverged):
+    """A classifier's training loss (or test accuracy) returned to chance after it had learned
+    (``docs/semantics.md#collapse``); raised on every rank."""
+
 
 _DIVERGED_ADVICE = "lower optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)"
 
@@ -304,6 +311,7 @@ class TrainingSession:
         self._preemption = threading.Event()
         self._report_path: Path | None = None
         self._weights_path: Path | None = None
+        self._collapse = CollapseWatch(self.device)
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
@@ -330,6 +338,8 @@ class TrainingSession:
         if self._run_dir_lock is not None:
             self._run_dir_lock.record_holder()
         self.model.to(self.device)
+        self.learner.plan(RunFacts(samples_per_sweep=getattr(self.source, "samples_per_sweep", None),
+                                   max_samples=self.max_samples, minibatch_size=int(self.mb_size(0))))
         self.learner.prepare(self.model)
         self.model.train()
         remove_clipping = self.learner.add_before_optimizer_step(self._clip_gradients) \
@@ -376,16 +386,21 @@ class TrainingSession:
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput.rate())
 
+                # preemption is agreed only where the ranks meet anyway (block momentum: once a block)
+                ranks_meet = self.learner.is_sync_point()
                 if self.progress_period.due(seen):
+                    ranks_meet = True
                     self._report_progress(printer, metrics, sums, throughput, timer)
                 if self.cv_period.due(seen):
+                    ranks_meet = True
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
                         stopped_early = True
                         break
                 if self.checkpoint_period.due(seen):
+                    ranks_meet = True
                     last_checkpoint = self._save_checkpoint(printer)
-                if self._preemption_requested():
+                if (ranks_meet or self.comm.size == 1) and self._preemption_requested():
                     preempted = stopped_early = True
                     break
 
@@ -411,6 +426,10 @@ class TrainingSession:
             accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
             metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy,
                           num_samples=test.num_samples)
+            if self.metric_name == "error" and self._collapse.evaluation_collapsed(test.loss, test.accuracy, self.comm):
+                raise TrainingCollapsed(
+                    f"training collapsed: test accuracy {100 * test.accuracy:.2f}% is chance for "
+                    f"{self._collapse.num_classes} classes after the training loss had fallen; {COLLAPSE_ADVICE}")
         self.learner.finalize()
         metrics.close()
         # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
@@ -486,6 +505,7 @@ class TrainingSession:
             output = output.detach()
             if output.is_floating_point() and output.dtype != torch.float32 and self.precision != "32":
                 output = output.float()  # the metric sees float32, as without autocast
+            self._collapse.observe(output, labels, loss, self.loss)
             sums.add(loss.detach().double() * samples, self.metric(output, labels), samples)
 
     def _forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -551,6 +571,11 @@ class TrainingSession:
                 f"{self.learner.samples_seen} samples); {_DIVERGED_ADVICE}")
         if samples:
             self._last_training_error = error
+        if samples and self._collapse.loss_collapsed(loss, self.comm):
+            raise TrainingCollapsed(
+                f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is back at chance "
+                f"(ln {self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) at {self.learner.samples_seen} "
+                f"samples after having fallen; {COLLAPSE_ADVICE}")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
@@ -776,4 +801,4 @@ def _dtrain_version() -> str:
         return "unknown"
 
 
-__all__ = ["TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
+__all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
