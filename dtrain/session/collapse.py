@@ -52,18 +52,17 @@ class CollapseWatch:
     def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
         """Adds one minibatch's mean loss (a tensor; nothing is read back to the host after the first).
 
-        The first minibatch decides whether the task is watched: ``loss_function`` must give a
-        uniform prediction (all-zero logits) the loss ``ln C``, as cross-entropy does; a
-        regression or any other loss does not, and is never judged.
+        The first minibatch decides whether the task is watched: only a cross-entropy loss
+        (``torch.nn.functional.cross_entropy`` or a ``torch.nn.CrossEntropyLoss``), whose uniform
+        prediction costs ``ln C``, over integer class labels. The user's loss is never called
+        here (a loss may count its calls or keep state); any other loss is never judged.
         """
         if not self._judged:
             self._judged = True
-            if (output.dim() == 2 and output.shape[1] >= 2 and labels.dim() == 1
-                    and not labels.is_floating_point() and not labels.is_complex()):
-                uniform = float(loss_function(torch.zeros_like(output), labels))
-                if math.isclose(uniform, math.log(output.shape[1]), rel_tol=1e-4):
-                    self.num_classes = int(output.shape[1])
-                    self.chance_loss = math.log(self.num_classes)
+            if (_is_cross_entropy(loss_function) and output.dim() == 2 and output.shape[1] >= 2
+                    and labels.dim() == 1 and not labels.is_floating_point() and not labels.is_complex()):
+                self.num_classes = int(output.shape[1])
+                self.chance_loss = math.log(self.num_classes)
         if self.chance_loss is None:
             return
         value = loss.detach().to(torch.float64)
@@ -107,3 +106,9 @@ class CollapseWatch:
 
 
 __all__ = ["COLLAPSE_ADVICE", "CollapseWatch"]
+
+
+def _is_cross_entropy(loss_function) -> bool:
+    """Whether ``loss_function`` is torch's cross-entropy (the function, or the module with its defaults' meaning)."""
+    return loss_function is torch.nn.functional.cross_entropy or (
+        isinstance(loss_function, torch.nn.CrossEntropyLoss) and loss_function.reduction == "mean")

@@ -339,7 +339,7 @@ class TrainingSession:
             self._run_dir_lock.record_holder()
         self.model.to(self.device)
         self.learner.plan(RunFacts(samples_per_sweep=getattr(self.source, "samples_per_sweep", None),
-                                   max_samples=self.max_samples, minibatch_size=int(self.mb_size(0))))
+                                   max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0))))
         self.learner.prepare(self.model)
         self.model.train()
         remove_clipping = self.learner.add_before_optimizer_step(self._clip_gradients) \

@@ -177,8 +177,8 @@ def test_block_momentum_session_makes_no_collective_between_syncs(tmp_path):
         learner.begin_minibatch = begin
         session = training_session(
             model=model, loss=nn.functional.cross_entropy, learner=learner,
-            mb_source=MinibatchSource(_classification_data(640), randomize=True, randomization_seed=1),
-            mb_size=minibatch, max_samples=640, progress_frequency=0,
+            minibatch_source=MinibatchSource(_classification_data(640), randomize=True, randomization_seed=1),
+            minibatch_size=minibatch, max_samples=640, progress_frequency=0,
             checkpoint_config=CheckpointConfig(tmp_path / f"rank{comm.rank}" / "ckpt.pt", frequency=0,
                                                preemption_signal="SIGTERM"),
             run_dir=tmp_path / f"rank{comm.rank}", tensorboard=False, stream=open("/dev/null", "w"))
@@ -249,7 +249,7 @@ def _session(tmp_path, collapse_at, labels_as_float=False, progress_frequency=40
     test_config = TestConfig(MinibatchSource(_classification_data(200, seed=5), randomize=False, max_sweeps=1), 50) \
         if test else None
     return training_session(model=model, loss=loss, learner=learner,
-                            mb_source=MinibatchSource(data, randomize=True, randomization_seed=1), mb_size=16,
+                            minibatch_source=MinibatchSource(data, randomize=True, randomization_seed=1), minibatch_size=16,
                             max_samples=4000, progress_frequency=progress_frequency, test_config=test_config,
                             run_dir=tmp_path, tensorboard=False, stream=open("/dev/null", "w"))
 
