@@ -13,8 +13,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
-    "collect", "boolean", "finite_number", "number_in_range", "positive_number", "sample_count", "whole_number",
+    "collect", "boolean", "finite_number", "number_in_range", "positive_number", "precision", "sample_count",
+    "whole_number",
 ]
+
+#: the training precisions a session accepts (``session.precision``)
+PRECISIONS = ("32", "bf16", "fp16")
 
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
@@ -110,3 +114,11 @@ def _range_words(kind: str, low: int | None, high: int | None, unit: str) -> str
     if high is not None:
         return f"{kind}{unit_words} of at most {high}"
     return kind + unit_words
+
+
+def precision(name: str, value: Any) -> str:
+    """A training precision: ``32`` (or ``"32"``) for float32, ``"bf16"`` or ``"fp16"`` (autocast)."""
+    text = str(value).strip().lower() if _is_whole(value) or isinstance(value, str) else None
+    if text not in PRECISIONS:
+        raise _fail(name, value, "one of 32, bf16, fp16")
+    return text

@@ -127,8 +127,9 @@ def run(cfg: DictConfig) -> float | None:
     exit code 1 (``DTRAIN_DEBUG=1`` adds the traceback). Exceptions never reach Hydra, whose
     traceback printer and ``sys.exit`` would leave the other ranks waiting in ``MPI_Finalize``.
     """
-    rank, _ = launch_position()
-    problems = validate(cfg, check_run_dir=rank == 0)  # only rank 0 writes into run_dir
+    # every rank looks (only rank 0 writes): a rank that went on into start-up alone would leave the
+    # launcher to tear down a half-started job
+    problems = validate(cfg, check_run_dir=True)
     if problems:
         _exit_bad_input("; ".join(problems))
     try:
@@ -281,6 +282,10 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         run_dir=run_dir,
         tensorboard=session.tensorboard,
         progress_bar=session.progress_bar,
+        micro_batch_size=session.micro_batch_size,
+        clip_grad_norm=session.clip_grad_norm,
+        precision=session.precision,
+        compile=session.compile,
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
         run_config=run_config(cfg),

@@ -44,7 +44,7 @@ class DataParallelLearnerConfig:
     """
 
     _target_: str = "dtrain.learners.data_parallel_distributed_learner"
-    distributed_after: int = 0
+    distributed_after: Any = "auto"     # samples, or "auto": none at 32 bits, a warm start relative to the run below
     num_quantization_bits: int = 32
     bucket_size_mb: float = 25.0
     error_feedback: bool = True         # quantized only; false drops the quantization error (ablation)
@@ -55,12 +55,12 @@ class BlockMomentumLearnerConfig:
     """``block_momentum_distributed_learner`` (BMUF): local steps, a filtered model sync every block."""
 
     _target_: str = "dtrain.learners.block_momentum_distributed_learner"
-    block_size: int = MISSING
+    block_size: Any = "auto"            # samples, or "auto": within CNTK's bound from the data set's size and N
     block_momentum_as_time_constant: Optional[float] = None
     use_nesterov_momentum: bool = True
     reset_sgd_momentum_after_aggregation: bool = True
     block_learning_rate: float = 1.0
-    distributed_after: int = 0
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
 
 
 # -- optimizers (partial: the parameters are passed when the model exists) -------------------------
@@ -222,6 +222,10 @@ class SessionConfig:
     tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
+    micro_batch_size: Optional[int] = None  # samples per rank per forward/backward pass; null = no cap
+    clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
+    precision: Any = "32"               # 32 | bf16 | fp16 (autocast forward; fp16 with a loss scale)
+    compile: bool = False               # train through torch.compile(model) (inductor)
 
 
 @dataclass
@@ -375,11 +379,22 @@ def _fraction(high_inclusive: bool = False):
 
 
 # -- learners
+def _samples_or_auto(name: str, value, **options):
+    """A sample count, or ``"auto"`` (the learner derives it from the run and prints it at start-up)."""
+    if value == "auto":
+        return value
+    try:
+        return checks.sample_count(name, value, **options)
+    except ValueError as error:
+        raise ValueError(f"{error} or auto") from None
+
+
 def _distributed_after(node: DictConfig, name: str) -> list[str]:
-    return _check(node, name, ("distributed_after", checks.sample_count, {"allow_zero": True}))
+    return _check(node, name, ("distributed_after", _samples_or_auto, {"allow_zero": True}))
 
 
 register_rule("dtrain.learners.Learner", _distributed_after)
+register_rule("dtrain.learners.LocalLearner", _distributed_after)
 
 
 @register_rule("dtrain.learners.data_parallel_distributed_learner")
@@ -400,7 +415,7 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
                         f"e.g. {name}.block_size=4096")
     return problems + _check(
         node, name,
-        ("block_size", checks.sample_count, {}),
+        ("block_size", _samples_or_auto, {}),
         ("block_momentum_as_time_constant", checks.positive_number, {"allow_none": True, "unit": "samples"}),
         ("block_learning_rate", checks.positive_number, {}),
         ("use_nesterov_momentum", checks.boolean, {}),
@@ -525,6 +540,10 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("num_threads", checks.whole_number, {"low": 1, "allow_none": True, "unit": "threads"}),
         ("unit_gain_momentum", checks.boolean, {}),
         ("tensorboard", checks.boolean, {"allow_none": True}),
+        ("micro_batch_size", checks.sample_count, {"allow_none": True}),
+        ("clip_grad_norm", checks.positive_number, {"allow_none": True}),
+        ("precision", checks.precision, {}),
+        ("compile", checks.boolean, {}),
     )
     problems += _check(
         session.checkpoint, "session.checkpoint",

@@ -112,7 +112,8 @@ class GradientBucket:
         if self.filled[slot]:
             raise RuntimeError(
                 "a parameter received a second gradient in one minibatch; the data-parallel learner "
-                "expects exactly one backward between begin_minibatch() and step()"
+                "expects exactly one backward between begin_minibatch() and step() (run the backward passes of "
+                "earlier micro-batches under learner.no_sync())"
             )
         if gradient.is_sparse:
             raise TypeError("sparse gradients are not supported by the data-parallel learner; "

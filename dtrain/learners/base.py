@@ -10,12 +10,63 @@ See ``docs/writing-a-learner.md``.
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Callable, Iterator
+import math
+from dataclasses import dataclass
 from typing import Any, final
 
 import torch
 
 from dtrain import checks
 from dtrain.comm.local import LocalCommunicator
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a learner may derive its defaults from, told once before training by :meth:`Learner.plan`.
+
+    Attributes:
+        samples_per_sweep: unique training samples (one pass over the data); ``None`` when unknown.
+        max_samples: global samples the run trains on; ``None`` when it runs until the data ends.
+        minibatch_size: the global minibatch size at the start, in samples.
+    """
+
+    samples_per_sweep: int | None = None
+    max_samples: int | None = None
+    minibatch_size: int | None = None
+
+
+#: the value of a setting a learner derives from the run's facts in :meth:`Learner.plan`
+AUTO = "auto"
+
+#: ``distributed_after="auto"`` (quantized, block momentum): this fraction of ``max_samples`` ...
+WARM_START_FRACTION = 0.25
+#: ... but never more than this many sweeps over the data (a long run needs no longer warm start)
+WARM_START_MAX_SWEEPS = 5
+
+
+def auto_warm_start(facts: RunFacts) -> int:
+    """The full-precision, synchronous warm start the learners that communicate less get by
+    default, in global samples: ``min(max_samples / 4, 5 sweeps)``, rounded up to whole global
+    minibatches; one sweep when the run has no ``max_samples``; 0 when nothing is known.
+
+    1-bit SGD started on a fresh model can collapse to chance (CNTK's docs ask for a warm start;
+    Seide et al. 2014), and local SGD generalises as well as synchronous SGD when started from a
+    warmed-up model (post-local SGD, Lin et al. 2020); measured on digits in
+    ``docs/semantics.md#warm-start``.
+    """
+    sweep = facts.samples_per_sweep
+    if facts.max_samples is not None:
+        samples = math.ceil(facts.max_samples * WARM_START_FRACTION)
+        if sweep:
+            samples = min(samples, WARM_START_MAX_SWEEPS * sweep)
+    elif sweep:
+        samples = sweep
+    else:
+        return 0
+    minibatch = facts.minibatch_size or 1
+    return math.ceil(samples / minibatch) * minibatch
 
 
 class Learner(abc.ABC):
@@ -25,7 +76,9 @@ class Learner(abc.ABC):
         optimizer: the local optimizer whose ``step()`` performs the update.
         comm: the communicator of the job (a size-1 ``LocalCommunicator`` when omitted).
         distributed_after: samples (global) to train with local updates on the full data stream
-            before distributed updates start (CNTK's warm start); 0 = distributed from the start.
+            before distributed updates start (CNTK's warm start); 0 = distributed from the start;
+            ``"auto"`` = the learner's own rule from the run's facts (:meth:`auto_distributed_after`,
+            applied by :meth:`plan`; 0 until then).
 
     The loop calls, per minibatch: ``begin_minibatch(local_samples, global_samples)``, backward
     on the local mean loss, then ``step()``. ``samples_seen`` counts global samples trained on.
@@ -62,10 +115,21 @@ class Learner(abc.ABC):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.comm = comm if comm is not None else LocalCommunicator()
-        self.distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
+        self.distributed_after_is_auto = distributed_after == AUTO
+        self.distributed_after = 0 if self.distributed_after_is_auto else checks.sample_count(
+            "distributed_after", distributed_after, allow_zero=True)
+        self.run_facts = RunFacts()
         self.samples_seen = 0
         self.local_samples = 0    # of the current minibatch, set by begin_minibatch
         self.global_samples = 0
+        # -- micro-batch and optimizer-step seams (used by the session: micro_batch_size, clip_grad_norm)
+        self._accumulating = False  # state: backward passes now only accumulate (no gradient exchange)
+        self._before_optimizer_step: list[Callable[[Learner], bool | None]] = []
+        # -- fp16 loss scaling seam: the factor the loss was multiplied by before backward (1: none);
+        # gradients are divided by it before any exchange and before the optimizer step
+        self.loss_scale = 1.0
+        self.found_inf = False  # state: this minibatch's unscaled gradient had an inf/NaN (its step was skipped)
+        self._in_optimizer_step = False  # state: optimizer.step() is running, called by _step_optimizer
 
     # -- what the loop asks -------------------------------------------------------------------
     @property
@@ -86,8 +150,36 @@ class Learner(abc.ABC):
             return self.comm.size, self.comm.rank
         return 1, 0
 
+    def plan(self, facts: RunFacts) -> None:
+        """Told the run's facts once before :meth:`prepare` (``training_session`` calls it).
+
+        A learner whose defaults are relative to the run (``"auto"`` settings) derives them here;
+        :meth:`describe` prints what was derived. The base keeps ``facts`` as ``self.run_facts``
+        and resolves ``distributed_after="auto"`` through :meth:`auto_distributed_after`.
+        """
+        self.run_facts = facts
+        if self.distributed_after_is_auto:
+            # a resumed run keeps the warm start it was planned with, even if max_samples changed
+            restored = getattr(self, "_restored_distributed_after", None)
+            self.distributed_after = restored if restored is not None else self.auto_distributed_after(facts)
+
+    def auto_distributed_after(self, facts: RunFacts) -> int:
+        """The warm start ``distributed_after="auto"`` stands for, in global samples: 0 here
+        (full-precision learners need none); the quantized learner derives one from the run."""
+        return 0
+
     def prepare(self, model: torch.nn.Module) -> None:
         """Called once before training (after any restore): e.g. broadcast parameters, add hooks."""
+
+    def is_sync_point(self) -> bool:
+        """Whether the ranks met (communicated) in the step just made, on every rank alike.
+
+        The session agrees on preemption only at such points (and where it meets the ranks
+        anyway: progress, cross-validation, checkpoints), so a learner that talks once a block
+        (block momentum) makes no collective between its syncs. True by default: learners that
+        exchange every minibatch meet every minibatch.
+        """
+        return True
 
     def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
         """Clears the gradients and records the sample counts of the minibatch about to be computed.
@@ -97,8 +189,73 @@ class Learner(abc.ABC):
             global_samples: samples in the whole global minibatch (all workers together).
         """
         self.optimizer.zero_grad(set_to_none=True)
+        self.found_inf = False
         self.local_samples = local_samples
         self.global_samples = global_samples
+
+    # -- micro-batches: several backward passes, one exchange ----------------------------------------
+    @property
+    def accumulating(self) -> bool:
+        """Whether backward passes now only accumulate into ``.grad`` (inside :meth:`no_sync`)."""
+        return self._accumulating
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without starting any exchange (as DDP's).
+
+        A minibatch computed in several micro-batches runs every backward but the last inside it,
+        so gradient hooks (the data-parallel learner's bucket all-reduce) fire once per minibatch,
+        on the accumulated gradient. Learners that exchange in :meth:`apply_update` need nothing more.
+        """
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    # -- the optimizer step: the point between the gradient exchange and the update ---------------
+    def add_before_optimizer_step(self, callback: Callable[[Learner], bool | None]) -> Callable[[], None]:
+        """Registers ``callback(learner)``, run just before every ``optimizer.step()`` of this learner.
+
+        It sees the gradient the optimizer will use: after the exchange (the global mean) for
+        synchronous learners, the local gradient for local steps (block momentum, warm start).
+        Returning ``False`` skips this optimizer step (it must then decide the same on every rank
+        for synchronous learners). Used for gradient clipping. Returns a function that removes it.
+        """
+        self._before_optimizer_step.append(callback)
+        return lambda: self._before_optimizer_step.remove(callback)
+
+    @property
+    def in_optimizer_step(self) -> bool:
+        """Whether ``optimizer.step()`` is now running through :meth:`_step_optimizer` (the session checks,
+        with clipping or fp16, that a learner does not call ``optimizer.step()`` around its callbacks)."""
+        return self._in_optimizer_step
+
+    def _step_optimizer(self, gradients_unscaled: bool = False) -> bool:
+        """Runs the before-optimizer-step callbacks, then ``optimizer.step()`` unless one said ``False``.
+
+        Every learner steps its optimizer through this. With loss scaling (``loss_scale`` != 1) the
+        gradients are first divided by ``loss_scale`` (unless the exchange already did:
+        ``gradients_unscaled``), and an inf or NaN among them skips the step and sets ``found_inf``
+        (after a summing exchange every rank sees the same). Returns whether the optimizer stepped.
+        """
+        if self.loss_scale != 1.0:
+            gradients = [parameter.grad for parameter in self.parameters if parameter.grad is not None]
+            if not gradients_unscaled and gradients:
+                torch._foreach_div_(gradients, self.loss_scale)
+            self.found_inf = bool(gradients) and not bool(torch.stack(
+                [torch.isfinite(gradient).all() for gradient in gradients]).all())
+            if self.found_inf:
+                return False
+        for callback in self._before_optimizer_step:
+            if callback(self) is False:
+                return False
+        self._in_optimizer_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._in_optimizer_step = False
+        return True
 
     @final
     def step(self) -> None:
@@ -121,7 +278,8 @@ class Learner(abc.ABC):
 
     def describe(self) -> str:
         """One line of derived settings for the start-up summary (units: samples)."""
-        warm_start = f", local training on the full stream for the first {self.distributed_after:,} samples" \
+        auto = " (auto)" if self.distributed_after_is_auto else ""
+        warm_start = f", local training on the full stream for the first {self.distributed_after:,} samples{auto}" \
             if self.distributed_after and self.comm.size > 1 else ""
         return f"learner {self.kind}{warm_start}"
 
@@ -140,7 +298,8 @@ class Learner(abc.ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state plus the learner's own counters (replicated on every worker)."""
-        return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen}
+        return {"kind": self.kind, "optimizer": self.optimizer.state_dict(), "samples_seen": self.samples_seen,
+                "distributed_after": self.distributed_after}
 
     def local_state_dict(self) -> dict[str, Any]:
         """State that differs between workers (e.g. quantization residuals); gathered into checkpoints."""
@@ -158,6 +317,8 @@ class Learner(abc.ABC):
             )
         self.optimizer.load_state_dict(state["optimizer"])
         self.samples_seen = int(state["samples_seen"])
+        if state.get("distributed_after") is not None:
+            self._restored_distributed_after = int(state["distributed_after"])
 
 
 class LocalLearner(Learner):
@@ -183,4 +344,4 @@ class LocalLearner(Learner):
     def apply_update(self) -> None:
         """``optimizer.step()`` on this process's gradient (skipped for an empty minibatch)."""
         if self.local_samples > 0:
-            self.optimizer.step()
+            self._step_optimizer()

@@ -9,6 +9,7 @@ the model of the last sync, so every worker continues from one model.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from dtrain import checks
 from dtrain.learners._buckets import coalesced
-from dtrain.learners.base import Learner
+from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
 from dtrain.schedules import momentum_from_time_constant
 
 #: Optimizer state entries the momentum reset zeroes: the first-moment (momentum) buffers of
@@ -28,6 +29,35 @@ MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")
 
 #: the one misspelt keyword CNTK's Python API has, accepted for ported scripts
 _NESTEROV_ALIAS = "use_nestrov_momentum"
+
+
+def largest_block_size(samples_per_sweep: int, num_workers: int) -> float:
+    """CNTK's bound on the block size, in global samples: the largest ``B`` with default time
+    constant ``TC = -B / ln(1 - 1/N)`` that keeps ``samples_per_sweep >= TC * N``.
+
+    CNTK's "Multiple GPUs and machines" article (block momentum section) asks that the unique
+    training samples be at least the block momentum time constant times the number of workers;
+    above it BMUF trains measurably worse (``docs/semantics.md#block-momentum``). Infinite for one
+    worker.
+    """
+    if num_workers == 1:
+        return math.inf
+    return samples_per_sweep * -math.log(1.0 - 1.0 / num_workers) / num_workers
+
+
+def auto_block_size(facts: RunFacts, num_workers: int) -> int:
+    """``block_size="auto"``: the largest whole number of global minibatches within
+    :func:`largest_block_size` (at least one minibatch, and at least ``num_workers`` samples).
+
+    With the data set's size unknown: 32 global minibatches.
+    """
+    minibatch = facts.minibatch_size or num_workers
+    if facts.samples_per_sweep is None:
+        return max(32 * minibatch, num_workers)
+    bound = largest_block_size(facts.samples_per_sweep, num_workers)
+    if math.isinf(bound):
+        return max(facts.samples_per_sweep, num_workers)
+    return max(int(bound // minibatch) * minibatch, minibatch, num_workers)
 
 
 def default_time_constant(block_size: int, num_workers: int) -> float:
@@ -83,14 +113,16 @@ class BlockMomentumLearner(Learner):
     Args:
         optimizer: the torch optimizer of the model's parameters.
         comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
-        block_size: global samples per block (> 0, at least N): CNTK's ``block_size``.
+        block_size: global samples per block (> 0, at least N): CNTK's ``block_size``; ``"auto"``
+            (the default) = :func:`auto_block_size` of the run's facts, derived in :meth:`plan`.
         block_momentum_as_time_constant: the block momentum's time constant in samples (> 0), or
             None for CNTK's default ``-block_size / ln(1 - 1/N)``.
         use_nesterov_momentum: apply the Nesterov look-ahead ``W <- W - bm * sg`` at each sync.
         reset_sgd_momentum_after_aggregation: zero the optimizer's momentum buffers at each sync.
         block_learning_rate: scale of the block update (> 0); 1 is CNTK's default.
         distributed_after: global samples of local-only training on the full stream before the
-            first block starts (>= 0).
+            first block starts (>= 0); ``"auto"`` (the default): a warm start relative to the run,
+            :meth:`auto_distributed_after`.
 
     Raises:
         ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
@@ -100,17 +132,12 @@ class BlockMomentumLearner(Learner):
 
     kind = "block_momentum"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm, block_size: int,
+    def __init__(self, optimizer: torch.optim.Optimizer, comm, block_size: int | str = AUTO,
                  block_momentum_as_time_constant: float | None = None, use_nesterov_momentum: bool = True,
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
-                 distributed_after: int = 0):
+                 distributed_after: int | str = AUTO):
         super().__init__(optimizer, comm, distributed_after)
-        num_workers = self.comm.size
-        block_size = checks.sample_count("block_size", block_size)
-        if block_size // num_workers < 1:
-            raise ValueError(f"block_size={block_size}: expected at least {num_workers} samples for {num_workers} "
-                             f"workers: the per-worker sync period block_size // N is 0 (CNTK: 'Sync period is "
-                             f"too small')")
+        self.block_size_is_auto = block_size == AUTO
         checks.positive_number("block_momentum_as_time_constant", block_momentum_as_time_constant, allow_none=True,
                                unit="samples")  # null: CNTK's default
         checks.positive_number("block_learning_rate", block_learning_rate)
@@ -118,10 +145,11 @@ class BlockMomentumLearner(Learner):
         checks.boolean("reset_sgd_momentum_after_aggregation", reset_sgd_momentum_after_aggregation)
 
         # -- hyper-parameters
-        self.block_size = block_size
-        self.sync_period = block_size // num_workers  # per-worker samples between syncs (CNTK)
-        self.time_constant = (float(block_momentum_as_time_constant) if block_momentum_as_time_constant is not None
-                              else default_time_constant(block_size, num_workers))
+        self._time_constant_setting = block_momentum_as_time_constant
+        self.block_size = self.sync_period = 0
+        self.time_constant = 0.0
+        if not self.block_size_is_auto:
+            self._set_block_size(checks.sample_count("block_size", block_size))
         self.use_nesterov_momentum = use_nesterov_momentum
         self.reset_sgd_momentum_after_aggregation = reset_sgd_momentum_after_aggregation
         self.block_learning_rate = float(block_learning_rate)
@@ -140,12 +168,52 @@ class BlockMomentumLearner(Learner):
         self._other_buffers: list[torch.Tensor] = []
         self._num_parameter_elements = 0
         self._scratch: torch.Tensor | None = None  # [W or d_i | floating-point buffers]
+        self._met = True  # the last step ended with the ranks meeting (see is_sync_point)
+
+    def _set_block_size(self, block_size: int) -> None:
+        """Sets the block size, the per-worker sync period and (unless given) the time constant."""
+        num_workers = self.comm.size
+        if block_size // num_workers < 1:
+            raise ValueError(f"block_size={block_size}: expected at least {num_workers} samples for {num_workers} "
+                             f"workers: the per-worker sync period block_size // N is 0 (CNTK: 'Sync period is "
+                             f"too small')")
+        self.block_size = block_size
+        self.sync_period = block_size // num_workers  # per-worker samples between syncs (CNTK)
+        self.time_constant = (float(self._time_constant_setting) if self._time_constant_setting is not None
+                              else default_time_constant(block_size, num_workers))
 
     # -- the loop -------------------------------------------------------------------------------
+    def plan(self, facts: RunFacts) -> None:
+        """Derives ``block_size="auto"`` (:func:`auto_block_size`); warns (rank 0, one line) when a
+        block size given explicitly breaks CNTK's bound :func:`largest_block_size`."""
+        super().plan(facts)
+        num_workers = self.comm.size
+        if self.block_size_is_auto:
+            self._set_block_size(auto_block_size(facts, num_workers))
+            return
+        if facts.samples_per_sweep is None or num_workers == 1 or not self.comm.is_main:
+            return
+        needed = self.time_constant * num_workers
+        if facts.samples_per_sweep < needed:
+            bound = largest_block_size(facts.samples_per_sweep, num_workers)
+            warnings.warn(
+                f"learner.block_size={self.block_size:,} is too large for {facts.samples_per_sweep:,} unique samples "
+                f"and {num_workers} workers: block momentum needs samples per sweep >= time constant x workers "
+                f"({needed:,.0f}), i.e. a block of at most about {bound:,.0f} samples; expect lower accuracy, or "
+                f"use learner.block_size=auto", RuntimeWarning, stacklevel=2)
+
+    def auto_distributed_after(self, facts: RunFacts) -> int:
+        """``distributed_after="auto"``: :func:`~dtrain.learners.base.auto_warm_start` (0 with one
+        worker): local SGD from a warmed-up model (post-local SGD) generalises as well as
+        synchronous SGD, started from scratch it measurably does not (``docs/semantics.md#warm-start``)."""
+        return auto_warm_start(facts) if self.comm.size > 1 else 0
+
     def describe(self) -> str:
         """Block size, each worker's sync period and the block momentum at the nominal period."""
+        self._require_block_size()
         momentum = momentum_from_time_constant(self.time_constant / self.comm.size, self.sync_period)
-        return (f"{super().describe()}: block of {self.block_size:,} samples = {self.sync_period:,} per worker between "
+        auto = " (auto: CNTK's bound samples/sweep >= time constant x workers)" if self.block_size_is_auto else ""
+        return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
                 f"syncs, time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
                 f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}")
 
@@ -157,6 +225,7 @@ class BlockMomentumLearner(Learner):
         Raises:
             ValueError: the optimizer has no parameters, or they are not all on one device.
         """
+        self._require_block_size()
         parameters = self.parameters
         if not parameters:
             raise ValueError("the optimizer has no parameters; build it from model.parameters()")
@@ -194,16 +263,35 @@ class BlockMomentumLearner(Learner):
         if self._scratch is None:
             raise RuntimeError("call learner.prepare(model) before training; training_session does it for you")
         blocks_started = self._blocks_started()  # decided before this minibatch was read
+        self._met = False
         if self.local_samples > 0:
-            self.optimizer.step()
+            self._step_optimizer()
         if blocks_started:
             self.local_samples_in_block += self.local_samples
             self.global_samples_in_block += self.global_samples
             self.largest_share_in_block += -(-self.global_samples // self.comm.size)
             if self.largest_share_in_block >= self.sync_period:
                 self._sync()
+                self._met = True
         elif self._blocks_started(after=self.global_samples):  # step() counts this minibatch when we return
             self._start_blocks()
+            self._met = True
+        else:  # warm start: no collective at all; a meeting point every block_size samples
+            self._met = (self.samples_seen + self.global_samples) // self.block_size != self.samples_seen // self.block_size
+
+    def is_sync_point(self) -> bool:
+        """Whether the step just made ended a block (a sync, or the broadcast that starts blocks),
+        or, during the warm start, crossed a multiple of ``block_size`` samples.
+
+        Between these points block momentum makes no collective, so the session agrees on
+        preemption only here: a signal stops the job at most one block of samples later.
+        """
+        return self._met
+
+    def _require_block_size(self) -> None:
+        if self.block_size_is_auto and not self.block_size:
+            raise ValueError("block_size='auto' is derived from the run's facts: call learner.plan(RunFacts(...)) "
+                             "before prepare() (training_session does), or give block_size in samples")
 
     def synchronize(self) -> None:
         """Brings every worker to one model: a sync if any samples were trained on since the last.
@@ -329,11 +417,11 @@ class BlockMomentumLearner(Learner):
             self.smoothed_gradient.copy_(block["smoothed_gradient"])
 
 
-def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, block_size: int,
+def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, block_size: int | str = AUTO,
                                        block_momentum_as_time_constant: float | None = None,
                                        use_nesterov_momentum: bool | None = None,
                                        reset_sgd_momentum_after_aggregation: bool = True,
-                                       block_learning_rate: float = 1.0, distributed_after: int = 0,
+                                       block_learning_rate: float = 1.0, distributed_after: int | str = AUTO,
                                        **aliases: Any) -> BlockMomentumLearner:
     """CNTK's ``block_momentum_distributed_learner``: wraps ``optimizer`` in a ``BlockMomentumLearner``.
 
@@ -393,5 +481,5 @@ def _broadcast(tensors: Sequence[torch.Tensor], comm) -> None:
     coalesced(tensors, math.inf, lambda flat: comm.broadcast(flat, root=0))
 
 
-__all__ = ["MOMENTUM_STATE_KEYS", "BlockMomentumLearner", "block_momentum_distributed_learner",
-           "default_time_constant"]
+__all__ = ["MOMENTUM_STATE_KEYS", "BlockMomentumLearner", "auto_block_size", "block_momentum_distributed_learner",
+           "default_time_constant", "largest_block_size"]

@@ -107,15 +107,15 @@ class DataParallelLearner(ReplicatedLearner):
         self._reducing = self.is_distributed()
         if not self._reducing:
             return
-        self._scale = local_samples / global_samples
+        self._scale = local_samples / global_samples / self.loss_scale  # unscaled before the exchange (fp16)
         self._next_bucket = 0
         for bucket in self.buckets:
             bucket.reset()
 
     def _on_gradient_ready(self, bucket_index: int, slot: int, parameter: torch.Tensor) -> None:
         """Post-accumulate-grad hook: packs this gradient and launches every bucket now ready, in order."""
-        if not self._reducing:
-            return  # local steps, or a backward outside training (hooks stay registered)
+        if not self._reducing or self._accumulating:
+            return  # local steps, a backward outside training, or an earlier micro-batch (see no_sync)
         self.buckets[bucket_index].fill(slot, parameter.grad, self._scale)
         self._launch_ready_buckets()
 
@@ -133,16 +133,20 @@ class DataParallelLearner(ReplicatedLearner):
         local learner's update instead.
         """
         for bucket in self.buckets[self._next_bucket:]:
+            for slot, parameter in enumerate(bucket.parameters):
+                if not bucket.filled[slot] and parameter.grad is not None:
+                    # accumulated under no_sync by an earlier micro-batch, untouched by the last one
+                    bucket.fill(slot, parameter.grad, self._scale)
             bucket.fill_missing_with_zeros()
         self._launch_ready_buckets()
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.assign_grads()
         self._reducing = False
-        self.optimizer.step()
+        self._step_optimizer(gradients_unscaled=True)
 
 
-def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
+def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
                                       num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
                                       error_feedback: bool = True) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
@@ -150,7 +154,9 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     Args:
         optimizer: the torch optimizer of the model's parameters.
         comm: the job's communicator (a size-1 local one when omitted).
-        distributed_after: global samples trained with local updates before gradients are shared.
+        distributed_after: global samples trained with local updates before gradients are shared;
+            ``"auto"`` (default): none for 32 bits, a warm start relative to the run for fewer
+            (``dtrain.learners.quantized.auto_warm_start``, derived when the session plans the run).
         num_quantization_bits: 32 sends full-precision gradients (``DataParallelLearner``); 1..31
             sends k-bit quantized gradients with error feedback (``QuantizedDataParallelLearner``,
             which does not use ``bucket_size_mb``).
@@ -167,7 +173,8 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     """
     num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
     checks.positive_number("bucket_size_mb", bucket_size_mb, unit="MiB")  # refused even where quantized ignores it
-    distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
+    if distributed_after != "auto":
+        distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
     error_feedback = checks.boolean("error_feedback", error_feedback)
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "

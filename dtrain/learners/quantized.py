@@ -16,8 +16,8 @@ import torch
 
 from dtrain.compress import QuantizedExchange
 from dtrain.compress.bitpack import check_bits
+from dtrain.learners.base import AUTO, RunFacts, auto_warm_start
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
-
 
 class QuantizedDataParallelLearner(ReplicatedLearner):
     """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
@@ -42,7 +42,8 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
     Args:
         optimizer: the torch optimizer of the model's parameters.
         comm: the job's communicator; with one rank this is the local learner.
-        distributed_after: global samples of local-only training before quantized exchange begins.
+        distributed_after: global samples of local-only training before quantized exchange begins;
+            ``"auto"`` (the default) = :func:`auto_warm_start` of the run's facts (set by ``plan``).
         num_quantization_bits: bits per gradient value on the wire, 1 to 32 (32 is lossless and
             only useful for comparison: ``data_parallel_distributed_learner`` uses a plain
             all-reduce for 32).
@@ -55,7 +56,7 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
 
     kind = "quantized"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  num_quantization_bits: int = 1, error_feedback: bool = True):
         super().__init__(optimizer, comm, distributed_after)  # parameters broadcast in 25 MiB chunks
         self.num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
@@ -64,6 +65,10 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
     def checkpoint_identity(self) -> dict:
         """The kind and the bits per value: a checkpoint restores only into the same quantization."""
         return {"kind": self.kind, "num_quantization_bits": self.num_quantization_bits}
+
+    def auto_distributed_after(self, facts: RunFacts) -> int:
+        """``distributed_after="auto"``: :func:`auto_warm_start` (0 with one process)."""
+        return auto_warm_start(facts) if self.comm.size > 1 else 0
 
     # -- statistics --------------------------------------------------------------------------------
     @property
@@ -92,8 +97,19 @@ class QuantizedDataParallelLearner(ReplicatedLearner):
         """
         if self.global_samples > 0:  # every rank knows the global count, so all skip an empty step together
             gradients = self._gradients()
-            self.exchange.allreduce_(gradients, scale=self.local_samples / self.global_samples)
-            self.optimizer.step()
+            if self.loss_scale != 1.0 and self._overflow_on_any_rank(gradients):
+                self.found_inf = True  # skipped everywhere, before an inf reaches the error-feedback residuals
+                return
+            # unscaled (fp16 loss scaling) as they are quantized
+            self.exchange.allreduce_(gradients, scale=self.local_samples / self.global_samples / self.loss_scale)
+            self._step_optimizer(gradients_unscaled=True)
+
+    def _overflow_on_any_rank(self, gradients: list[torch.Tensor]) -> bool:
+        """Whether any rank's gradient has an inf or NaN (a collective: one verdict for all ranks)."""
+        local = not bool(torch.stack([torch.isfinite(gradient).all() for gradient in gradients]).all()) \
+            if gradients else False
+        flag = torch.tensor([1.0 if local else 0.0], device=self.comm.device)
+        return bool(self.comm.allreduce(flag, op="max").item())
 
     def _gradients(self) -> list[torch.Tensor]:
         """Every trainable parameter's ``.grad`` (zeros where backward gave none), in optimizer order."""

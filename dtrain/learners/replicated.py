@@ -140,7 +140,7 @@ class ReplicatedLearner(Learner):
         ``synchronize``) re-broadcasts rank 0's model.
         """
         if self.local_samples > 0:
-            self.optimizer.step()
+            self._step_optimizer()
         if self.comm.size > 1:
             self._replicas_identical = False
 

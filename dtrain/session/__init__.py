@@ -2,10 +2,10 @@
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.objectives import ClassificationError, MeanAbsoluteError, MSELoss, TopKError
-from dtrain.session.session import TrainingDiverged, TrainingResult, TrainingSession, training_session
+from dtrain.session.session import TrainingCollapsed, TrainingDiverged, TrainingResult, TrainingSession, training_session
 
 __all__ = [
     "ClassificationError", "MSELoss", "MeanAbsoluteError", "TopKError",
-    "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingDiverged", "TrainingResult",
-    "TrainingSession", "classification_errors", "evaluate", "training_session",
+    "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingCollapsed", "TrainingDiverged",
+    "TrainingResult", "TrainingSession", "classification_errors", "evaluate", "training_session",
 ]

@@ -302,32 +302,3 @@ def load_latest_valid(files: CheckpointFiles) -> tuple[Path, dict[str, Any]] | N
         return None
     raise CheckpointError(f"{errors[0]}; no earlier checkpoint is readable either: move the damaged files "
                           f"away to start afresh, or pick another run_dir")
-
-
-def describe_model_mismatch(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> str | None:
-    """One line naming how a saved model state differs from ``model``; ``None`` when they match."""
-    current = model.state_dict()
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    if missing or unexpected:
-        return f"parameters missing from checkpoint {missing[:3]}, unexpected in checkpoint {unexpected[:3]}"
-    for name, tensor in current.items():
-        if tuple(saved[name].shape) != tuple(tensor.shape):
-            return f"parameter {name} has shape {tuple(saved[name].shape)} in the checkpoint, {tuple(tensor.shape)} in the model"
-    return None
-
-
-def describe_config_mismatch(saved: Any, current: Any, path: str = "") -> str | None:
-    """The first key whose value differs between two plain config trees, as one line; ``None`` if equal."""
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current), key=str):
-            where = f"{path}.{key}" if path else str(key)
-            if key not in saved or key not in current:
-                return f"{where} is {'missing from' if key not in saved else 'only in'} the checkpoint's config"
-            difference = describe_config_mismatch(saved[key], current[key], where)
-            if difference:
-                return difference
-        return None
-    if saved != current:
-        return f"{path} was {saved!r} in the checkpoint's run and is {current!r} now"
-    return None

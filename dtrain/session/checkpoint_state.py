@@ -12,7 +12,8 @@ A checkpoint is a dictionary with these entries (all plain containers and tensor
 - ``identity``: the settings a checkpoint must match to be restored (model, data, learner,
   optimizer type, and what the caller adds, e.g. the seed);
 - ``settings``: the settings that may change on resume, as the run that wrote it used them;
-- ``config_fingerprint``, ``versions`` (dtrain and torch).
+- ``config_fingerprint``, ``versions`` (dtrain and torch);
+- ``loss_scaler``: fp16's ``torch.amp.GradScaler`` state dict (only when training in fp16).
 
 Restoring refuses a checkpoint whose identity differs (naming the first difference) and
 re-applies the configured optimizer hyper-parameters after loading the optimizer state, so a
@@ -177,11 +178,11 @@ def changed_settings(saved: dict[str, Any] | None, current: dict[str, Any]) -> l
 
 def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch.nn.Module, learner, source, comm,
              expected_identity: dict[str, Any], settings: dict[str, Any], config_fingerprint: str,
-             versions: dict[str, str]) -> dict[str, Any]:
+             versions: dict[str, str], loss_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a bit-exact resume needs, in the layout above; per-rank parts are gathered (a
     collective: every rank calls it, rank 0 gets the whole dictionary)."""
     per_rank = comm.gather_object({"rng": torch.get_rng_state(), "learner": learner.local_state_dict()})
-    return {
+    state = {
         "samples_seen": samples_seen,
         "minibatches": minibatches,
         "cv_index": cv_index,
@@ -196,6 +197,9 @@ def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch
         "config_fingerprint": config_fingerprint,
         "versions": versions,
     }
+    if loss_scaler is not None:
+        state["loss_scaler"] = loss_scaler
+    return state
 
 
 def read_newest(files: CheckpointFiles, restore: bool, model: torch.nn.Module, learner,

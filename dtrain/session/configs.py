@@ -42,7 +42,8 @@ class CheckpointConfig:
         keep_last: checkpoints kept (files ``<stem>-<samples><suffix>``, the newest by the samples
             recorded inside them); at least 2, so a damaged newest file can fall back to the one before.
         preemption_signal: the signal (name, e.g. ``"SIGTERM"``) that makes every rank save a
-            checkpoint at the next step boundary and stop with exit code 75; ``None`` disables.
+            checkpoint where the ranks next meet (the next minibatch; block momentum: within one block)
+            and stop with exit code 75; ``None`` disables.
     """
 
     filename: str | Path = "checkpoint.pt"

@@ -2,6 +2,7 @@
 events; and the time split of the training loop's phases."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -38,6 +39,10 @@ CSV_COLUMNS = ("kind", "samples", "time", "loss", "error", "accuracy", "num_samp
                "period_s", "data_s", "compute_s", "update_s", "other_s", "bytes_sent_per_step")
 
 
+class MetricsWriteError(RuntimeError):
+    """A metrics file could not be written (a full disk, say); one line naming the file."""
+
+
 class MetricsWriter:
     """Appends one record per progress period, cross-validation and test to ``run_dir/metrics.jsonl``,
     the same rows to ``run_dir/metrics.csv``, and scalars to TensorBoard.
@@ -68,9 +73,11 @@ class MetricsWriter:
             return
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         self.records = _read_records(self.jsonl_path)
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # append: a resumed run keeps its history
+        # unbuffered appends: a resumed run keeps its history, and each record is one write that
+        # is taken back whole if the disk fills (no torn last line for the next run to append to)
+        self._jsonl = open(self.jsonl_path, "ab", buffering=0)
         if self.jsonl_path.stat().st_size and not self.jsonl_path.read_bytes().endswith(b"\n"):
-            self._jsonl.write("\n")  # a run killed mid-line: start the next record on its own line
+            self._append_whole(b"\n")  # a run killed mid-line: start the next record on its own line
         self._rewrite_csv()
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: it loads TensorBoard
@@ -83,17 +90,34 @@ class MetricsWriter:
             return
         record = {"kind": kind, "samples": samples_seen, "time": round(time.time(), 3), **values}
         self.records.append(record)
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        if any(key not in self._columns for key in record):
-            self._rewrite_csv()  # a new column: one header for every row
-        else:
-            self._csv_writer.writerow(record)
-            self._csv.flush()
+        self._append_whole((json.dumps(record) + "\n").encode("utf-8"))
+        try:
+            if any(key not in self._columns for key in record):
+                self._rewrite_csv()  # a new column: one header for every row
+            else:
+                self._csv_writer.writerow(record)
+                self._csv.flush()
+        except OSError as error:  # metrics.csv is rebuilt from metrics.jsonl when a run opens it
+            raise MetricsWriteError(f"{self.csv_path} could not be written ({error.strerror or error}); "
+                                    f"{self.jsonl_path.name} has every record so far") from None
         if self._tensorboard is not None:
             for name, value in values.items():
                 if isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(f"{kind}/{name}", value, samples_seen)
+
+    def _append_whole(self, data: bytes) -> None:
+        """Appends ``data`` to metrics.jsonl, or on a write error cuts the file back to before it and raises."""
+        descriptor = self._jsonl.fileno()
+        size = os.fstat(descriptor).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._jsonl.write(view):]
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(descriptor, size)
+            raise MetricsWriteError(f"{self.jsonl_path} could not be written ({error.strerror or error}); the records "
+                                    f"before this one are kept") from None
 
     def _rewrite_csv(self) -> None:
         """Writes ``metrics.csv`` from ``records`` (temporary file, then rename) and keeps it open to append."""

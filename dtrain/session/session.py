@@ -21,14 +21,16 @@ import torch
 from dtrain import checks
 from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
 from dtrain.comm.launcher import detect_launcher
-from dtrain.learners.base import Learner
+from dtrain.learners.base import Learner, RunFacts
 from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint, checkpoint_state
+from dtrain.session.collapse import COLLAPSE_ADVICE, CollapseWatch
 from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
                                    signal_from_name)
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
+from dtrain.session.precision import LossScaler, autocast
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 from dtrain.session.report import write_report
 from dtrain.session.rundir import RunDirectoryLock
@@ -41,6 +43,12 @@ class TrainingDiverged(RuntimeError):
 
 #: how a user calls each launcher kind that ``detect_launcher`` reports
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
+
+
+class TrainingCollapsed(TrainingDiverged):
+    """A classifier's training loss (or test accuracy) returned to chance after it had learned
+    (``docs/semantics.md#collapse``); raised on every rank."""
+
 
 _DIVERGED_ADVICE = "lower optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)"
 
@@ -156,6 +164,21 @@ class TrainingSession:
         run_config: the run's whole resolved config as plain containers (the command line passes
             it); stored in checkpoints so that a resumed run lists the settings that changed.
         config_fingerprint: a short hash of the config, stored in checkpoints.
+        micro_batch_size: samples per rank per forward/backward pass (``None``: no cap). A rank's share
+            of the global minibatch is computed in passes of at most this many samples whose gradients
+            accumulate locally and are exchanged once, so the update is the uncapped one (to float
+            rounding; BatchNorm statistics are then per pass) while activations fit in memory.
+        clip_grad_norm: clip the gradient to this global L2 norm before every optimizer step
+            (``None``: off): after the exchange, so on the global-mean gradient, the same on every
+            rank; with block momentum (and warm-start local steps) on each local step's gradient.
+        precision: ``"32"`` (float32), ``"bf16"`` (the forward and loss under ``torch.autocast`` in
+            bfloat16, on CPU or GPU; parameters, gradients and optimizer state stay float32), or
+            ``"fp16"`` (autocast in float16 with a dynamic loss scale: gradients unscaled before any
+            exchange, a step with an inf/NaN gradient skipped on every rank, the scale in checkpoints).
+        compile: train through ``torch.compile(model)`` (inductor). The compiled module shares the
+            model's parameters, so checkpoints and ``model.safetensors`` keep the plain parameter
+            names (a model the caller already compiled is unwrapped the same way); a model that
+            cannot be compiled stops training at the first minibatch with a ValueError naming ``compile``.
         independent_processes: allow a one-process session in a process that a launcher
             (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
             each process would train its own copy.
@@ -190,10 +213,19 @@ class TrainingSession:
         progress_bar: bool | None = None,
         stream=None,
         independent_processes: bool = False,
+        micro_batch_size: int | None = None,
+        clip_grad_norm: float | None = None,
+        precision: str | int = "32",
+        compile: bool = False,  # noqa: A002 - the config's name (session.compile)
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
         checks.sample_count("max_samples", max_samples, allow_none=True)
+        self.micro_batch_size = checks.sample_count("micro_batch_size", micro_batch_size, allow_none=True)
+        self.clip_grad_norm = checks.positive_number("clip_grad_norm", clip_grad_norm, allow_none=True)
+        self.precision = checks.precision("precision", precision)
+        self.loss_scaler = LossScaler(learner.comm.device) if self.precision == "fp16" else None
+        self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
             else Schedule(checks.sample_count("minibatch_size", minibatch_size))
         if momentum_time_constant_schedule is not None \
@@ -212,7 +244,14 @@ class TrainingSession:
                 f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
                 f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
                 f"if separate copies are really wanted)")
+        self.compile = checks.boolean("compile", compile)
+        compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+        if compiled is not None:  # checkpoints and weights name the parameters without the wrapper's _orig_mod.
+            model = compiled._orig_mod
         self.model = model
+        # what the training forward calls: the compiled module (sharing model's parameters) or the model
+        self.forward_model = compiled if compiled is not None else (torch.compile(model) if self.compile else model)
+        self._forward_checked = not self.compile
         self.loss = loss
         self.metric = metric
         # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary
@@ -246,6 +285,8 @@ class TrainingSession:
             "momentum_time_constant_schedule": repr(momentum_time_constant_schedule)
             if momentum_time_constant_schedule else None,
             "optimizer": checkpoint_state.optimizer_hyperparameters(learner.optimizer),
+            "micro_batch_size": self.micro_batch_size, "clip_grad_norm": self.clip_grad_norm,
+            "precision": self.precision, "compile": self.compile,
         }}
         if run_config is not None:
             self.settings["config"] = run_config
@@ -270,6 +311,7 @@ class TrainingSession:
         self._preemption = threading.Event()
         self._report_path: Path | None = None
         self._weights_path: Path | None = None
+        self._collapse = CollapseWatch(self.device)
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
@@ -296,8 +338,26 @@ class TrainingSession:
         if self._run_dir_lock is not None:
             self._run_dir_lock.record_holder()
         self.model.to(self.device)
+        self.learner.plan(RunFacts(samples_per_sweep=getattr(self.source, "samples_per_sweep", None),
+                                   max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0))))
         self.learner.prepare(self.model)
         self.model.train()
+        remove_clipping = self.learner.add_before_optimizer_step(self._clip_gradients) \
+            if self.clip_grad_norm is not None else None
+        # clipping and fp16 happen in the learner's _step_optimizer(); a learner calling optimizer.step()
+        # itself would silently train without them, so such a step is refused
+        seam_check = self.learner.optimizer.register_step_pre_hook(self._require_learner_seam) \
+            if self.clip_grad_norm is not None or self.loss_scaler is not None else None
+        try:
+            return self._train_prepared(restored_from)
+        finally:
+            if remove_clipping is not None:
+                remove_clipping()
+            if seam_check is not None:
+                seam_check.remove()
+            self.learner.loss_scale = 1.0  # the learner may train again without loss scaling
+
+    def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
         is_main = self.comm.is_main
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
         throughput = Throughput()
@@ -326,16 +386,21 @@ class TrainingSession:
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput.rate())
 
+                # preemption is agreed only where the ranks meet anyway (block momentum: once a block)
+                ranks_meet = self.learner.is_sync_point()
                 if self.progress_period.due(seen):
+                    ranks_meet = True
                     self._report_progress(printer, metrics, sums, throughput, timer)
                 if self.cv_period.due(seen):
+                    ranks_meet = True
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
                         stopped_early = True
                         break
                 if self.checkpoint_period.due(seen):
+                    ranks_meet = True
                     last_checkpoint = self._save_checkpoint(printer)
-                if self._preemption_requested():
+                if (ranks_meet or self.comm.size == 1) and self._preemption_requested():
                     preempted = stopped_early = True
                     break
 
@@ -361,11 +426,16 @@ class TrainingSession:
             accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
             metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy,
                           num_samples=test.num_samples)
+            if self.metric_name == "error" and self._collapse.evaluation_collapsed(test.loss, test.accuracy, self.comm):
+                raise TrainingCollapsed(
+                    f"training collapsed: test accuracy {100 * test.accuracy:.2f}% is chance for "
+                    f"{self._collapse.num_classes} classes after the training loss had fallen; {COLLAPSE_ADVICE}")
         self.learner.finalize()
         metrics.close()
-        if is_main:
-            if not preempted:
-                self._export_weights(seen)
+        # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
+        # resumed run writes both at its end, from every record)
+        if is_main and not preempted:
+            self._export_weights(seen)
             self._write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
@@ -379,18 +449,100 @@ class TrainingSession:
     # -- one minibatch --------------------------------------------------------------------------
     def _train_minibatch(self, batch, sums: _PeriodSums, timer: PhaseTimer) -> None:
         """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
-        and the compute and update times to ``timer``."""
-        self.learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
-        if batch.num_samples > 0:
+        and the compute and update times to ``timer``.
+
+        With ``micro_batch_size`` the rank's share is computed in passes of at most that many
+        samples; pass ``i`` back-propagates its mean loss times ``n_i / n`` (``n``: the rank's
+        samples), so the accumulated gradient is the gradient of the mean over all ``n``. Every
+        pass but the last runs under ``learner.no_sync()``: the exchange happens once.
+        """
+        local_samples = batch.num_samples
+        if self.loss_scaler is not None:
+            self.learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
+        self.learner.begin_minibatch(local_samples, batch.global_num_samples)
+        if local_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
-            output = self.model(features)
-            loss = self.loss(output, labels)
-            loss.backward()
-            with torch.no_grad():
-                sums.add(loss.detach() * batch.num_samples, self.metric(output.detach(), labels), batch.num_samples)
+            pass_size = min(self.micro_batch_size or local_samples, local_samples)
+            for start in range(0, local_samples, pass_size):
+                stop = min(start + pass_size, local_samples)
+                if pass_size == local_samples:  # one pass: the tensors as read
+                    pass_features, pass_labels = features, labels
+                else:
+                    pass_features, pass_labels = features[start:stop], labels[start:stop]
+                with contextlib.nullcontext() if stop == local_samples else self.learner.no_sync():
+                    self._forward_backward(pass_features, pass_labels, stop - start, local_samples, sums)
         timer.lap("compute")
         self.learner.step()
+        if self.loss_scaler is not None:
+            self._update_loss_scale()
         timer.lap("update")
+
+    def _update_loss_scale(self) -> None:
+        """fp16: one overflow verdict for all ranks (a collective when several run), then the new scale.
+
+        Synchronous learners already reach the same verdict on every rank; local steps (block
+        momentum, warm start) may not, and the scale must stay the same everywhere.
+        """
+        found_inf = self.learner.found_inf
+        if self.comm.size > 1:
+            flag = torch.tensor([1.0 if found_inf else 0.0], device=self.comm.device)
+            found_inf = bool(self.comm.allreduce(flag, op="max").item())
+        self.skipped_steps += int(found_inf)
+        self.loss_scaler.update(found_inf)
+
+    def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, samples: int, local_samples: int,
+                          sums: _PeriodSums) -> None:
+        """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16),
+        backward on the pass's mean loss weighted by its share, loss and metric sums into ``sums``."""
+        with self._autocast():
+            output = self._forward(features)
+            loss = self.loss(output, labels)
+        weighted = loss if samples == local_samples else loss * (samples / local_samples)
+        if self.loss_scaler is not None:
+            weighted = weighted * self.learner.loss_scale
+        weighted.backward()
+        with torch.no_grad():
+            output = output.detach()
+            if output.is_floating_point() and output.dtype != torch.float32 and self.precision != "32":
+                output = output.float()  # the metric sees float32, as without autocast
+            self._collapse.observe(output, labels, loss, self.loss)
+            sums.add(loss.detach().double() * samples, self.metric(output, labels), samples)
+
+    def _forward(self, features: torch.Tensor) -> torch.Tensor:
+        """The model's training forward; the first compiled one turns a compiler failure into one clear line."""
+        if self._forward_checked:
+            return self.forward_model(features)
+        try:
+            output = self.forward_model(features)
+        except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
+            if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(f"compile=True: torch.compile (inductor) could not compile {type(self.model).__name__} "
+                             f"({type(error).__name__}: {first_line[:300]}); train without it (session.compile=false)"
+                             ) from error
+        self._forward_checked = True
+        return output
+
+    def _autocast(self):
+        """``torch.autocast`` for ``precision=bf16`` or ``fp16``; nothing for float32."""
+        return autocast(self.precision, self.device)
+
+    def _require_learner_seam(self, optimizer, args, kwargs) -> None:
+        """Optimizer step pre-hook: refuses a step that bypassed ``Learner._step_optimizer``."""
+        if not self.learner.in_optimizer_step:
+            setting = "clip_grad_norm" if self.clip_grad_norm is not None else "precision=fp16"
+            raise ValueError(
+                f"{setting}: the {self.learner.kind} learner calls optimizer.step() itself, so the gradient would "
+                f"not be clipped or unscaled; it must call self._step_optimizer() instead (see docs/writing-a-learner.md)")
+
+    def _clip_gradients(self, learner: Learner) -> None:
+        """Before-optimizer-step callback: clips the gradient the optimizer will use to ``clip_grad_norm``
+        (its L2 norm over all parameters). After a synchronous exchange every rank holds the same
+        gradient, so every rank computes the same norm and clips the same way."""
+        gradients = [parameter for parameter in learner.parameters if parameter.grad is not None]
+        if gradients:
+            torch.nn.utils.clip_grad_norm_(gradients, self.clip_grad_norm)
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
@@ -419,6 +571,11 @@ class TrainingSession:
                 f"{self.learner.samples_seen} samples); {_DIVERGED_ADVICE}")
         if samples:
             self._last_training_error = error
+        if samples and self._collapse.loss_collapsed(loss, self.comm):
+            raise TrainingCollapsed(
+                f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is back at chance "
+                f"(ln {self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) at {self.learner.samples_seen} "
+                f"samples after having fallen; {COLLAPSE_ADVICE}")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
@@ -498,7 +655,8 @@ class TrainingSession:
             model=self.model, learner=self.learner, source=self.source, comm=self.comm,
             expected_identity=self.checkpoint_identity, settings=self.settings,
             config_fingerprint=self.config_fingerprint,
-            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)})
+            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
+            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None)
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
             checkpoint.save_atomic(state, path)
@@ -545,6 +703,8 @@ class TrainingSession:
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
                   f"quantization residuals) reset", file=self.stream or sys.stdout, flush=True)
         self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])  # a checkpoint of a float32/bf16 run: a fresh scale
         self.minibatches = int(state["minibatches"])
         self.cv_index = int(state["cv_index"])
         seen = self.learner.samples_seen
@@ -589,6 +749,13 @@ class TrainingSession:
             parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
         printer.line("dtrain: " + ", ".join(parts))
         printer.line("dtrain: " + self.learner.describe())
+        options = [f"precision {self.precision}" if self.precision != "32" else "",
+                   "torch.compile (inductor backend)" if self.compile else "",
+                   f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
+                   if self.micro_batch_size else "",
+                   f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else ""]
+        if any(options):
+            printer.line("dtrain: " + ", ".join(option for option in options if option))
         if restored_from is not None:
             printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
             if self.changed_settings:
@@ -606,6 +773,9 @@ class TrainingSession:
         elif result.test is not None:
             lines.append(f"test: {self._format_metric(result.test.error)} (loss {result.test.loss:.4f}) "
                          f"on {result.test.num_samples:,} samples")
+        if self.loss_scaler is not None:
+            lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "
+                         f"loss scale now {self.loss_scaler.scale:g}")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
         if self._weights_path is not None:
@@ -631,4 +801,4 @@ def _dtrain_version() -> str:
         return "unknown"
 
 
-__all__ = ["TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
+__all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]

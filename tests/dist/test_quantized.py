@@ -50,3 +50,18 @@ def test_cli_trains_digits_with_one_bit_sgd(tmp_path: Path) -> None:
     assert result.returncode == 0, result.report()
     assert "finished: 3,000 samples" in result.stdout, result.report()
     assert (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_one_bit_sgd_without_warm_start_collapses_and_says_so(tmp_path: Path) -> None:
+    """The issue's case: 1-bit SGD from a fresh model (distributed_after=0) learns, then returns to
+    chance (digits: ~10% accuracy). It must end with one line and a non-zero exit, not a result."""
+    result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "learner=quantized", "learner.distributed_after=0",
+                         "session.max_samples=12000", "session.progress_frequency=1500", "seed=0",
+                         "session.tensorboard=false", f"run_dir={tmp_path / 'run'}"], timeout=240)
+    assert result.returncode == 2, result.report()
+    errors = [line for line in result.stderr.splitlines() if "dtrain: error:" in line]
+    assert errors and "training collapsed: the mean loss" in errors[0], result.report()
+    assert "ln 10 = 2.3026" in errors[0] and "learner.distributed_after" in errors[0], result.report()
+    assert "test: accuracy" not in result.stdout and "finished:" not in result.stdout, result.report()

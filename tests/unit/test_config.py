@@ -66,7 +66,7 @@ def test_cifar10_recipe_converts_cntk_schedule_to_per_minibatch_rates():
 
 @pytest.mark.parametrize("override, fragment", [
     ("session.minibatch_sise=5", "minibatch_sise"),
-    ("learner.block_size=abc", "block_size"),
+    ("learner.block_learning_rate=abc", "block_learning_rate"),
     ("session.max_samples=many", "max_samples"),
     ("optimizer.lrr=0.1", "lrr"),
 ])
@@ -95,6 +95,11 @@ def test_unknown_recipe_lists_the_available_ones():
     (("+recipe=digits", "comm.backend=mpi"), "comm.backend='mpi'"),
     (("+recipe=digits", "learner=quantized", "learner.distributed_after=-1"),
      "learner.distributed_after=-1: expected a non-negative whole number of samples"),
+    # block_size and distributed_after also take "auto", so a word other than that is refused here
+    (("+recipe=digits", "learner=block_momentum", "learner.block_size=abc"),
+     "learner.block_size='abc': expected a positive whole number of samples or auto"),
+    (("+recipe=digits", "learner=quantized", "learner.distributed_after=soon"),
+     "learner.distributed_after='soon': expected a non-negative whole number of samples or auto"),
     (("+recipe=digits", "session.checkpoint.preemption_signal=SIG_IGN"), "preemption_signal='SIG_IGN'"),
     (("+recipe=digits", "optimizer.lr=0"), "optimizer.lr=0"),
 ])

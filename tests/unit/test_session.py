@@ -707,3 +707,34 @@ def test_the_objective_is_the_test_error_else_the_last_cv_error_else_the_last_tr
     result = session.train()
     records = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert result.objective == [r["error"] for r in records if r["kind"] == "train"][-1]
+
+
+FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+from dtrain.session.metrics import MetricsWriteError, MetricsWriter
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
+run_dir = Path(sys.argv[1])
+writer = MetricsWriter(run_dir, tensorboard=False)
+writer.write("train", 16, loss=1.0, error=0.5)
+limit = (run_dir / "metrics.jsonl").stat().st_size + 40  # room for part of the next record only
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    writer.write("train", 32, loss=0.5, error=0.25, note="x" * 200)
+except MetricsWriteError as error:
+    print(str(error))
+"""
+
+
+def test_a_full_disk_while_writing_metrics_is_one_line_and_leaves_no_torn_record(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    jsonl = tmp_path / "metrics.jsonl"
+    assert done.stdout.strip().splitlines() == [
+        f"{jsonl} could not be written (File too large); the records before this one are kept"]
+    text = jsonl.read_text()
+    assert text.endswith("\n") and [json.loads(line)["samples"] for line in text.splitlines()] == [16]

@@ -14,7 +14,7 @@ class LocalSGDLearner(ReplicatedLearner):
 
     def distributed_update(self) -> None:
         if self.local_samples > 0:
-            self.optimizer.step()  # this worker's own step: no communication
+            self._step_optimizer()  # this worker's own step: no communication
         self.steps_since_average += 1  # the same count on every worker, so all average together
         if self.steps_since_average == self.period:
             self.average_models()

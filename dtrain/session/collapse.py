@@ -1,0 +1,114 @@
+"""Notices a classifier whose training collapsed back to chance, so a run never ends "normally" there.
+
+A model trained with cross-entropy on C classes that predicts nothing useful has a mean loss of
+about ``ln C`` (the uniform prediction) and an accuracy of about ``1/C``. 1-bit SGD started
+without a warm start is known to go there after first learning (``docs/semantics.md#collapse``);
+a NaN check does not see it, because every number stays finite. :class:`CollapseWatch` follows
+the training loss per minibatch ON the device (no synchronisation per step) and, at progress
+points and after the test pass, answers whether the run collapsed: the loss had clearly fallen
+below chance (an exponential average at most half of ``ln C``) and has come back to it (a whole
+progress period's mean loss at 90% of ``ln C`` or more), or a test pass is at chance (loss at 90%
+of ``ln C`` or more, accuracy at most ``2 / C``) after the loss had fallen.
+
+Only classification is watched: a 2-D output of C >= 2 columns, integer class labels and a loss
+that gives a uniform prediction ``ln C`` (cross-entropy); a regression loss, one-hot labels or
+any other shape is never judged.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: the loss has "clearly fallen" once its running average is at most this fraction of ln C
+FALLEN_FRACTION = 0.5
+#: a progress period's mean loss at or above this fraction of ln C is back at chance
+CHANCE_FRACTION = 0.9
+#: weight of the newest minibatch in the running average (about 20 minibatches)
+AVERAGE_WEIGHT = 0.05
+
+
+#: the likely cause and the setting to change, for the one-line collapse message
+COLLAPSE_ADVICE = ("the likely cause is a learning rate too high for this learner, or 1-bit gradients started too early; "
+            "lower optimizer.lr, or with learner=quantized give a longer full-precision warm start "
+            "(learner.distributed_after=SAMPLES, 'auto' by default) or more bits (learner.num_quantization_bits=2)")
+
+
+class CollapseWatch:
+    """The running loss of a classifier, kept on the device, and the chance level it is judged against.
+
+    ``chance_loss`` is ``ln C`` once a classification minibatch was seen (``None`` before or when
+    the task is not classification).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.chance_loss: float | None = None
+        self.num_classes = 0
+        self._judged = False  # the task was inspected (first non-empty minibatch)
+        self._average: torch.Tensor | None = None
+        self._lowest = torch.tensor(math.inf, dtype=torch.float64, device=device)
+
+    def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
+        """Adds one minibatch's mean loss (a tensor; nothing is read back to the host after the first).
+
+        The first minibatch decides whether the task is watched: only a cross-entropy loss
+        (``torch.nn.functional.cross_entropy`` or a ``torch.nn.CrossEntropyLoss``), whose uniform
+        prediction costs ``ln C``, over integer class labels. The user's loss is never called
+        here (a loss may count its calls or keep state); any other loss is never judged.
+        """
+        if not self._judged:
+            self._judged = True
+            if (_is_cross_entropy(loss_function) and output.dim() == 2 and output.shape[1] >= 2
+                    and labels.dim() == 1 and not labels.is_floating_point() and not labels.is_complex()):
+                self.num_classes = int(output.shape[1])
+                self.chance_loss = math.log(self.num_classes)
+        if self.chance_loss is None:
+            return
+        value = loss.detach().to(torch.float64)
+        if self._average is None:
+            self._average = value.clone()
+        else:
+            self._average.mul_(1.0 - AVERAGE_WEIGHT).add_(value, alpha=AVERAGE_WEIGHT)
+        torch.minimum(self._lowest, self._average, out=self._lowest)
+
+    def lowest_average(self, comm) -> float:
+        """The lowest running loss so far, the largest over ranks (a collective when several run)."""
+        lowest = self._lowest.clone()
+        if comm.size > 1:
+            lowest = comm.allreduce(lowest.to(comm.device), op="max")
+        return float(lowest)
+
+    def watching(self, comm) -> bool:
+        """Whether a collapse can be judged (classification on every rank; a collective when several run)."""
+        flag = torch.tensor([0.0 if self.chance_loss is None else 1.0], dtype=torch.float64)
+        if comm.size > 1:
+            flag = comm.allreduce(flag.to(comm.device), op="min").cpu()
+        return bool(flag.item())
+
+    def loss_collapsed(self, period_loss: float, comm) -> bool:
+        """Whether a progress period's mean loss (the same on every rank) is back at chance after
+        having clearly fallen. A collective when several ranks run, at progress points only."""
+        if not self.watching(comm):
+            return False
+        fell = self.lowest_average(comm) <= FALLEN_FRACTION * self.chance_loss
+        return fell and period_loss >= CHANCE_FRACTION * self.chance_loss
+
+    def evaluation_collapsed(self, loss: float, accuracy: float, comm) -> bool:
+        """Whether an evaluation (test or CV pass) is at chance after the training loss had clearly
+        fallen: its mean loss at 90% of ``ln C`` or more and its accuracy at most ``2 / C`` (a
+        collapsed model predicts one class, whose share of an unbalanced set can exceed ``1 / C``).
+        A collective when several ranks run."""
+        if not self.watching(comm) or not (math.isfinite(loss) and math.isfinite(accuracy)):
+            return False
+        fell = self.lowest_average(comm) <= FALLEN_FRACTION * self.chance_loss
+        return fell and loss >= CHANCE_FRACTION * self.chance_loss and accuracy <= 2.0 / self.num_classes
+
+
+__all__ = ["COLLAPSE_ADVICE", "CollapseWatch"]
+
+
+def _is_cross_entropy(loss_function) -> bool:
+    """Whether ``loss_function`` is torch's cross-entropy (the function, or the module with its defaults' meaning)."""
+    return loss_function is torch.nn.functional.cross_entropy or (
+        isinstance(loss_function, torch.nn.CrossEntropyLoss) and loss_function.reduction == "mean")

@@ -1,0 +1,181 @@
+"""Worker run by tests/dist/test_session_options_mpi.py under mpiexec: ``python _session_options_worker.py RUN_DIR``.
+
+Checks the session settings ``micro_batch_size`` and ``clip_grad_norm`` with real ranks; rank 0
+prints one ``RESULT {json}`` line per scenario.
+
+Scenarios:
+  micro_batches  data-parallel with passes of 2 samples equals the uncapped run and one process
+                 (shares of 7, 1, 3 and 13: uneven, and ranks with 0 samples); the gradient
+                 all-reduce runs once per bucket per minibatch (not once per pass).
+  clipping       data-parallel and quantized (32 bits: lossless) with clip_grad_norm equal one
+                 process clipping the global minibatch's gradient; block momentum clips every local
+                 step; every learner ends with identical parameters on all ranks.
+  fp16           an overflow on rank 1 alone skips that step on every rank (data_parallel,
+                 quantized, block momentum), the loss scale halves everywhere, ranks stay identical.
+"""
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import dtrain
+from dtrain.comm import LocalCommunicator, create_communicator
+from dtrain.data import ArrayDeserializer
+from dtrain.learners import (Learner, LocalLearner, QuantizedDataParallelLearner, block_momentum_distributed_learner,
+                             data_parallel_distributed_learner)
+
+MINIBATCH_SCHEDULE = dtrain.Schedule([[2, 7], [1, 1], [1, 3], [1, 13]], epoch_size=7)
+MAX_SAMPLES = 200
+CLIP = 0.05
+
+
+def make_data(num_samples: int = 120) -> ArrayDeserializer:
+    generator = np.random.default_rng(0)
+    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
+    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
+    return ArrayDeserializer(features, labels, num_classes=4)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(model: nn.Module, learner: Learner, run_dir: Path, **options) -> None:
+    dtrain.training_session(
+        model=model, loss=nn.functional.cross_entropy, learner=learner,
+        minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+        minibatch_size=MINIBATCH_SCHEDULE, max_samples=MAX_SAMPLES, run_dir=run_dir, tensorboard=False,
+        stream=io.StringIO(), independent_processes=learner.comm.size == 1, **options,
+    ).train()
+
+
+def reference(run_dir: Path, comm, **options) -> nn.Module:
+    """One process, the same global minibatches (every rank computes it for itself)."""
+    model = make_model()
+    train(model, LocalLearner(optimizer_of(model), LocalCommunicator()), run_dir / f"reference{comm.rank}", **options)
+    return model
+
+
+def max_difference(model_a: nn.Module, model_b: nn.Module) -> float:
+    return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def differing_on_ranks(comm, model: nn.Module) -> list[str]:
+    everyone = comm.allgather_object({name: p.detach().cpu() for name, p in model.named_parameters()})
+    return sorted({name for copy in everyone[1:] for name in copy if not torch.equal(copy[name], everyone[0][name])})
+
+
+def scenario_micro_batches(comm, run_dir: Path) -> dict:
+    uncapped = make_model()
+    train(uncapped, data_parallel_distributed_learner(optimizer_of(uncapped), comm, bucket_size_mb=0.002),
+          run_dir / "uncapped")
+    model = make_model()
+    learner = data_parallel_distributed_learner(optimizer_of(model), comm, bucket_size_mb=0.002)
+    launches = []  # the storage of every tensor all-reduced asynchronously (bucket buffers among them)
+    original = comm.allreduce_async
+    comm.allreduce_async = lambda tensor, op="sum": (launches.append(tensor.data_ptr()), original(tensor, op=op))[1]
+    minibatches = []
+    original_step = learner.step
+    learner.step = lambda: (minibatches.append(learner.global_samples), original_step())[1]
+    passes = []
+    model.register_forward_hook(lambda module, inputs, output: passes.append(inputs[0].shape[0]))
+    try:
+        train(model, learner, run_dir / "capped", micro_batch_size=2)
+    finally:
+        del comm.allreduce_async
+        del learner.step
+    one_process = reference(run_dir, comm)
+    return {
+        "num_buckets": len(learner.buckets), "minibatches": len(minibatches),
+        "bucket_allreduces": sum(ptr in {bucket.buffer.data_ptr() for bucket in learner.buckets} for ptr in launches),
+        "largest_pass": max(passes), "passes": len(passes),
+        "difference_to_uncapped": max_difference(model, uncapped),
+        "difference_to_one_process": max_difference(model, one_process),
+        "moved": max_difference(model, make_model()),
+        "differing_parameters": differing_on_ranks(comm, model),
+    }
+
+
+def scenario_clipping(comm, run_dir: Path) -> dict:
+    one_process = reference(run_dir, comm, clip_grad_norm=CLIP)
+    unclipped = reference(run_dir / "unclipped", comm)
+    results = {"clip_changes_the_result": max_difference(one_process, unclipped)}
+    for name, build in (("data_parallel", lambda opt: data_parallel_distributed_learner(opt, comm)),
+                        ("quantized", lambda opt: QuantizedDataParallelLearner(opt, comm, num_quantization_bits=32))):
+        model = make_model()
+        train(model, build(optimizer_of(model)), run_dir / name, clip_grad_norm=CLIP)
+        results[name] = {"difference_to_one_process": max_difference(model, one_process),
+                         "differing_parameters": differing_on_ranks(comm, model)}
+    model = make_model()
+    learner = block_momentum_distributed_learner(optimizer_of(model), comm, block_size=40)
+    norms = []  # the gradient norm each local optimizer step is given (after the session's clipping)
+    original_step = learner.optimizer.step
+    learner.optimizer.step = lambda: (norms.append(float(torch.nn.utils.get_total_norm(
+        [p.grad for p in learner.parameters if p.grad is not None]))), original_step())[1]
+    train(model, learner, run_dir / "block_momentum", clip_grad_norm=CLIP)
+    del learner.optimizer.step
+    results["block_momentum"] = {"local_steps": len(norms), "largest_norm_stepped": max(norms),
+                                 "differing_parameters": differing_on_ranks(comm, model)}
+    return results
+
+
+class OverflowOnRank:
+    """Cross-entropy multiplied by 1e38 on one rank's ``call``-th evaluation (its fp16 gradient overflows)."""
+
+    def __init__(self, rank: int, overflow_rank: int, call: int):
+        self.overflows, self.call, self.calls = rank == overflow_rank, call, 0
+
+    def __call__(self, output, labels):
+        self.calls += 1
+        loss = nn.functional.cross_entropy(output, labels)
+        return loss * 1e38 if self.overflows and self.calls == self.call else loss
+
+
+def scenario_fp16(comm, run_dir: Path) -> dict:
+    results = {}
+    builders = {
+        "data_parallel": lambda opt: data_parallel_distributed_learner(opt, comm),
+        "quantized": lambda opt: QuantizedDataParallelLearner(opt, comm, num_quantization_bits=1),
+        "block_momentum": lambda opt: block_momentum_distributed_learner(opt, comm, block_size=40),
+    }
+    for name, build in builders.items():
+        model = make_model()
+        learner = build(optimizer_of(model))
+        session = dtrain.training_session(
+            model=model, loss=OverflowOnRank(comm.rank, 1, 3), learner=learner,
+            minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+            minibatch_size=16, max_samples=160, run_dir=run_dir / f"fp16_{name}", tensorboard=False,
+            stream=io.StringIO(), precision="fp16")
+        session.train()
+        everyone = comm.allgather_object((session.skipped_steps, session.loss_scaler.scale))
+        results[name] = {"skipped_and_scale_per_rank": everyone,
+                         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                         "differing_parameters": differing_on_ranks(comm, model)}
+    return results
+
+
+def main() -> None:
+    run_dir = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    comm = create_communicator(timeout_s=60)
+    for name, scenario in (("micro_batches", scenario_micro_batches), ("clipping", scenario_clipping),
+                           ("fp16", scenario_fp16)):
+        result = {"scenario": name, "size": comm.size, **scenario(comm, run_dir)}
+        if comm.is_main:
+            print("RESULT " + json.dumps(result), flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Learners that work out of the box: defaults derived from the run, BMUF that talks once a block,
+and a collapsed classifier that ends the run with one line instead of a normal-looking result."""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _thread_world import FakeComm, FakeWorld  # noqa: E402
+
+from dtrain import CheckpointConfig, MinibatchSource, TestConfig, training_session
+from dtrain.data import ArrayDeserializer
+from dtrain.learners import BlockMomentumLearner, LocalLearner, QuantizedDataParallelLearner
+from dtrain.learners.base import RunFacts, auto_warm_start
+from dtrain.learners.block_momentum import auto_block_size, default_time_constant, largest_block_size
+from dtrain.learners.data_parallel import data_parallel_distributed_learner
+from dtrain.session.session import TrainingCollapsed
+
+DIGITS = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
+CIFAR10 = RunFacts(samples_per_sweep=50000, max_samples=8_000_000, minibatch_size=64)
+
+
+class _Comm:
+    """A stand-in communicator of ``size`` ranks for learners that are only planned, never stepped."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, size: int, rank: int = 0):
+        self.size, self.rank = size, rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def sgd() -> torch.optim.Optimizer:
+    return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+
+
+# -- derived defaults ------------------------------------------------------------------------------
+def test_auto_warm_start_is_a_quarter_of_the_run_capped_at_five_sweeps_in_whole_minibatches():
+    assert auto_warm_start(DIGITS) == 7520            # 7,500 rounded up to 235 minibatches of 32
+    assert auto_warm_start(CIFAR10) == 250_048        # 5 sweeps of 50,000, not 2,000,000
+    assert auto_warm_start(RunFacts(samples_per_sweep=1000, max_samples=None, minibatch_size=10)) == 1000
+    assert auto_warm_start(RunFacts()) == 0
+
+
+def test_quantized_and_block_momentum_plan_their_warm_start_data_parallel_needs_none():
+    quantized = data_parallel_distributed_learner(sgd(), _Comm(2), num_quantization_bits=1)
+    assert isinstance(quantized, QuantizedDataParallelLearner) and quantized.distributed_after == 0
+    quantized.plan(DIGITS)
+    assert quantized.distributed_after == 7520
+    assert "first 7,520 samples (auto)" in quantized.describe()
+    full = data_parallel_distributed_learner(sgd(), _Comm(2))
+    full.plan(DIGITS)
+    assert full.distributed_after == 0
+    explicit = QuantizedDataParallelLearner(sgd(), _Comm(2), distributed_after=64)
+    explicit.plan(DIGITS)
+    assert explicit.distributed_after == 64  # a value the user gave is kept
+    alone = QuantizedDataParallelLearner(sgd(), _Comm(1))
+    alone.plan(DIGITS)
+    assert alone.distributed_after == 0  # one process: nothing to warm up for
+
+
+def test_block_size_bound_is_cntks_samples_per_sweep_over_time_constant_times_workers():
+    for workers in (2, 4, 8):
+        bound = largest_block_size(1500, workers)
+        # at the bound, time constant x workers equals the unique samples exactly
+        assert default_time_constant(bound, workers) * workers == pytest.approx(1500)
+    assert largest_block_size(1500, 2) == pytest.approx(519.86, abs=0.01)   # the issue's "about 520"
+    assert largest_block_size(50000, 4) < 4096 < largest_block_size(50000, 2)  # 4,096 just over it at 4 workers
+    assert math.isinf(largest_block_size(1500, 1))
+
+
+@pytest.mark.parametrize("facts, workers, expected", [
+    (DIGITS, 2, 512), (DIGITS, 4, 96), (CIFAR10, 4, 3584), (CIFAR10, 2, 17280),
+    (RunFacts(samples_per_sweep=100, max_samples=1000, minibatch_size=64), 8, 64),  # at least one minibatch
+])
+def test_auto_block_size_is_whole_minibatches_within_the_bound(facts, workers, expected):
+    assert auto_block_size(facts, workers) == expected
+    learner = BlockMomentumLearner(sgd(), _Comm(workers))
+    learner.plan(facts)
+    assert (learner.block_size, learner.sync_period) == (expected, expected // workers)
+    assert f"block of {expected:,} samples (auto" in learner.describe()
+
+
+def test_an_explicit_block_size_over_the_bound_warns_once_in_one_line():
+    learner = BlockMomentumLearner(sgd(), _Comm(2), block_size=4096)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        learner.plan(DIGITS)
+        BlockMomentumLearner(sgd(), _Comm(2), block_size=512).plan(DIGITS)      # within the bound: quiet
+        BlockMomentumLearner(sgd(), _Comm(2, rank=1), block_size=4096).plan(DIGITS)  # rank 1: quiet
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "learner.block_size=4,096" in message and "about 520 samples" in message and "\n" not in message
+    assert learner.block_size == 4096  # warned, not changed
+
+
+def test_auto_block_size_without_a_plan_is_refused_with_a_clear_message():
+    learner = BlockMomentumLearner(sgd(), _Comm(1))
+    with pytest.raises(ValueError, match="block_size='auto' is derived from the run's facts"):
+        learner.prepare(nn.Linear(2, 2))
+
+
+# -- BMUF talks once a block -----------------------------------------------------------------------
+class CountingComm(FakeComm):
+    """FakeComm with what the session needs too (max, gather_object, barrier); counts every collective."""
+
+    def __init__(self, world, rank):
+        super().__init__(world, rank)
+        self.collectives = 0
+
+    def allreduce(self, tensor, op="sum"):
+        self.collectives += 1
+        if op == "max":
+            tensor.copy_(torch.stack(self.allgather(tensor)).max(0).values)
+            return tensor
+        if op == "min":
+            tensor.copy_(torch.stack(self.allgather(tensor)).min(0).values)
+            return tensor
+        return super().allreduce(tensor, op)
+
+    def broadcast(self, tensor, root=0):
+        self.collectives += 1
+        return super().broadcast(tensor, root)
+
+    def broadcast_object(self, obj, root=0):
+        self.collectives += 1
+        return super().broadcast_object(obj, root)
+
+    def gather_object(self, obj, root=0):
+        self.collectives += 1
+        items = self.world.gather(self.rank, obj)
+        return items if self.rank == root else None
+
+    def barrier(self):
+        self.collectives += 1
+        self.world.gather(self.rank, None)
+
+
+def _classification_data(num_samples: int, seed: int = 0) -> ArrayDeserializer:
+    generator = np.random.default_rng(seed)
+    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
+    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
+    return ArrayDeserializer(features, labels, num_classes=4)
+
+
+def test_block_momentum_session_makes_no_collective_between_syncs(tmp_path):
+    """With preemption armed, the session used to all-reduce its flag every minibatch; now the
+    ranks meet only at syncs: exactly 2 collectives a block (the sync, the flag), none between."""
+    minibatch, block = 16, 64
+
+    def worker(comm: CountingComm):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+        learner = BlockMomentumLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, block_size=block,
+                                       distributed_after=0)
+        per_step = []
+
+        class Counted(type(learner)):
+            pass
+
+        original_begin = learner.begin_minibatch
+
+        def begin(local, global_):
+            per_step.append(comm.collectives)
+            original_begin(local, global_)
+
+        learner.begin_minibatch = begin
+        session = training_session(
+            model=model, loss=nn.functional.cross_entropy, learner=learner,
+            minibatch_source=MinibatchSource(_classification_data(640), randomize=True, randomization_seed=1),
+            minibatch_size=minibatch, max_samples=640, progress_frequency=0,
+            checkpoint_config=CheckpointConfig(tmp_path / f"rank{comm.rank}" / "ckpt.pt", frequency=0,
+                                               preemption_signal="SIGTERM"),
+            run_dir=tmp_path / f"rank{comm.rank}", tensorboard=False, stream=open("/dev/null", "w"))
+        session.train()
+        per_step.append(comm.collectives)
+        return [after - before for before, after in zip(per_step, per_step[1:])], learner.syncs
+
+    world = FakeWorld(2)
+    world_comms = []
+
+    def run(comm):
+        counting = CountingComm(world, comm.rank)
+        world_comms.append(counting)
+        return worker(counting)
+
+    results = world.run(run)
+    steps_per_block = block // minibatch
+    for per_step_collectives, syncs in results:
+        assert syncs == 640 // block
+        # the last step's count also holds the end of training (final synchronize, none left to sync)
+        for index, count in enumerate(per_step_collectives[:-1]):
+            expected = 2 if (index + 1) % steps_per_block == 0 else 0
+            assert count == expected, (index, per_step_collectives)
+
+
+def test_during_the_warm_start_block_momentum_meets_once_a_block_of_samples():
+    learner = BlockMomentumLearner(sgd(), _Comm(1), block_size=64, distributed_after=1000)
+    learner.prepare(nn.Linear(2, 2))
+    meetings = []
+    for _ in range(16):
+        learner.begin_minibatch(16, 16)
+        learner.step()
+        meetings.append(learner.is_sync_point())
+    assert meetings == [False, False, False, True] * 4
+
+
+# -- a collapsed run says so -----------------------------------------------------------------------
+class CollapsingLearner(LocalLearner):
+    """Trains normally, then zeroes the model at ``collapse_at`` samples: the output becomes
+    uniform and the loss returns to ln C (what a 1-bit collapse looks like, made certain)."""
+
+    kind = "collapsing"
+
+    def __init__(self, optimizer, collapse_at: int | None):
+        super().__init__(optimizer)
+        self.collapse_at = collapse_at
+
+    def apply_update(self) -> None:
+        super().apply_update()
+        if self.collapse_at is not None and self.samples_seen >= self.collapse_at:
+            with torch.no_grad():
+                for parameter in self.parameters:
+                    parameter.zero_()
+
+
+def _session(tmp_path, collapse_at, labels_as_float=False, progress_frequency=400, test=False, learnable=True):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4))
+    data = _classification_data(400)
+    if not learnable:  # labels unrelated to the features: the loss never falls below chance
+        data = ArrayDeserializer(data.features if hasattr(data, "features") else np.random.default_rng(1).normal(
+            size=(400, 6)).astype(np.float32), np.random.default_rng(2).integers(0, 4, 400), num_classes=4)
+    loss = nn.functional.cross_entropy
+    if labels_as_float:  # regression on the label value: never judged
+        def loss(output, labels):
+            return nn.functional.mse_loss(output[:, 0], labels.float())
+    learner = CollapsingLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), collapse_at)
+    test_config = TestConfig(MinibatchSource(_classification_data(200, seed=5), randomize=False, max_sweeps=1), 50) \
+        if test else None
+    return training_session(model=model, loss=loss, learner=learner,
+                            minibatch_source=MinibatchSource(data, randomize=True, randomization_seed=1), minibatch_size=16,
+                            max_samples=4000, progress_frequency=progress_frequency, test_config=test_config,
+                            run_dir=tmp_path, tensorboard=False, stream=open("/dev/null", "w"))
+
+
+def test_a_loss_back_at_chance_after_falling_stops_training_with_one_line(tmp_path):
+    with pytest.raises(TrainingCollapsed) as caught:
+        _session(tmp_path, collapse_at=2000).train()
+    message = str(caught.value)
+    assert message.startswith("training collapsed: the mean loss 1.3")  # ln 4 = 1.386 once the model is zeroed
+    assert "at 2400 samples" in message  # the first progress point after the collapse at 2,000
+    assert "ln 4 = 1.3863" in message and "learner.distributed_after" in message and "optimizer.lr" in message
+    assert "\n" not in message
+
+
+def test_test_accuracy_at_chance_after_learning_is_not_reported_as_a_normal_end(tmp_path):
+    with pytest.raises(TrainingCollapsed, match=r"training collapsed: test accuracy \d+\.\d\d% is chance for 4 classes"):
+        _session(tmp_path, collapse_at=3600, progress_frequency=0, test=True).train()
+
+
+@pytest.mark.parametrize("case", ["healthy", "regression", "never_learned"])
+def test_no_false_alarm(tmp_path, case):
+    if case == "healthy":
+        result = _session(tmp_path, collapse_at=None, test=True).train()
+        assert result.test.accuracy > 0.5
+    elif case == "regression":
+        _session(tmp_path, collapse_at=2000, labels_as_float=True).train()  # loss at a constant: not chance of anything
+    else:
+        _session(tmp_path, collapse_at=None, learnable=False).train()  # at chance all along: nothing fell, no alarm
+
+
+def test_a_resumed_run_keeps_the_warm_start_it_was_planned_with():
+    first = QuantizedDataParallelLearner(sgd(), _Comm(2))
+    first.plan(DIGITS)
+    resumed = QuantizedDataParallelLearner(sgd(), _Comm(2))
+    resumed.load_state_dict(first.state_dict())
+    resumed.plan(RunFacts(samples_per_sweep=1500, max_samples=60000, minibatch_size=32))  # a longer run now
+    assert resumed.distributed_after == first.distributed_after == 7520
