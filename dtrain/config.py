@@ -63,6 +63,25 @@ class BlockMomentumLearnerConfig:
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
 
 
+# -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
+
+
+@dataclass
+class AllReduceExchangeConfig:
+    """``dtrain.exchange.AllReduce``: a full-precision SUM all-reduce."""
+
+    _target_: str = "dtrain.exchange.AllReduce"
+
+
+@dataclass
+class QuantizedExchangeConfig:
+    """``dtrain.exchange.Quantized``: k-bit codes with two-sided error feedback."""
+
+    _target_: str = "dtrain.exchange.Quantized"
+    num_bits: int = 1
+    error_feedback: bool = True
+
+
 # -- optimizers (partial: the parameters are passed when the model exists) -------------------------
 
 
@@ -306,6 +325,8 @@ _SCHEMAS = {
     ("schema/learner", "local"): LocalLearnerConfig,
     ("schema/learner", "data_parallel"): DataParallelLearnerConfig,
     ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
+    ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
+    ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
     ("schema/optimizer", "sgd"): SGDConfig,
     ("schema/optimizer", "adam"): AdamConfig,
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
