@@ -2,25 +2,26 @@
 
 Every rank trains a toy model with ``BlockMomentumLearner`` on its share of each global
 minibatch (the session's partitioning) for two configurations. After every sync the ranks
-all-gather their parameters and rank 0 prints ``SYNC <case> <index> <max difference>``; the
-difference must be exactly 0. Then each rank replays the same training as a single-process
-simulation of CNTK's formulas (N model copies, ``docs/semantics.md#block-momentum`` written out per parameter) and
-checks the real result against it to 1e-5. Ends with ``PASS <case> rank r/size`` per case.
+all-gather their parameters and record the largest difference, which must be exactly 0. Then
+each rank replays the same training as a single-process simulation of CNTK's formulas (N model
+copies, ``docs/semantics.md#block-momentum`` written out per parameter) and checks the real result
+against it to 1e-5. Each configuration is one named check (``tests.helpers.checks``) whose result
+is the list of differences after each sync.
 """
 from __future__ import annotations
 
 import io
 import sys
-from pathlib import Path
+from functools import partial
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
-from _bmuf_reference import flat, simulate_bmuf, train_learner_shares  # noqa: E402
-
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.learners import BlockMomentumLearner
+
+from tests.helpers.bmuf_reference import flat, simulate_bmuf, train_learner_shares
+from tests.helpers.checks import run_checks
 
 TOLERANCE = 1e-5
 
@@ -49,19 +50,19 @@ def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(FEATURES[start:stop]), TARGETS[start:stop])
 
 
-def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Real multi-process training; returns the parameters after each sync and at the end."""
+def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor, list[float]]:
+    """Real multi-process training; returns the parameters after each sync and at the end, and the
+    largest difference between ranks after each sync."""
     global_sizes, options = CASES[case]
     model = make_model(seed=comm.rank)  # different on every rank: prepare() must broadcast rank 0's
     learner = BlockMomentumLearner(make_optimizer(model), comm, **options)
     learner.prepare(model)
-    snapshots = []
+    snapshots, differences = [], []
 
     def check_one_model() -> None:
         mine = flat(model.parameters())
         difference = max(float((theirs - mine).abs().max()) for theirs in comm.allgather(mine))
-        if comm.is_main:
-            print(f"SYNC {case} {learner.syncs} {difference:.3g}", flush=True)
+        differences.append(difference)
         assert difference == 0.0, f"ranks hold different models after sync {learner.syncs}: {difference}"
         snapshots.append(mine)
 
@@ -80,7 +81,7 @@ def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert torch.equal(restored.prev_parameters, learner.prev_parameters)
     assert torch.equal(restored.smoothed_gradient, learner.smoothed_gradient)
-    return snapshots, flat(model.parameters())
+    return snapshots, flat(model.parameters()), differences
 
 
 def simulate(size: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -90,19 +91,23 @@ def simulate(size: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     return simulate_bmuf(models, [make_optimizer(model) for model in models], local_loss, global_sizes, **options)
 
 
+def check_case(comm, case: str) -> dict:
+    """Train ``case`` on every rank and compare each sync with the simulation; returns the differences between ranks."""
+    snapshots, final, differences = train(comm, case)
+    expected_snapshots, expected_final = simulate(comm.size, case)
+    assert len(snapshots) == len(expected_snapshots), (len(snapshots), len(expected_snapshots))
+    for index, (got, want) in enumerate(zip(snapshots + [final], expected_snapshots + [expected_final])):
+        difference = float((got - want).abs().max())
+        assert difference <= TOLERANCE, f"{case}: sync {index} differs from the simulation by {difference}"
+    comm.barrier()
+    return {"differences_between_ranks": differences}
+
+
 def main() -> None:
     comm = create_communicator(backend="gloo", timeout_s=60)
     install_fail_fast(comm)
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
-    for case in CASES:
-        snapshots, final = train(comm, case)
-        expected_snapshots, expected_final = simulate(comm.size, case)
-        assert len(snapshots) == len(expected_snapshots), (len(snapshots), len(expected_snapshots))
-        for index, (got, want) in enumerate(zip(snapshots + [final], expected_snapshots + [expected_final])):
-            difference = float((got - want).abs().max())
-            assert difference <= TOLERANCE, f"{case}: sync {index} differs from the simulation by {difference}"
-        comm.barrier()
-        print(f"PASS {case} rank {comm.rank}/{comm.size}", flush=True)
+    run_checks(comm, {case: partial(check_case, case=case) for case in CASES})
     comm.finalize()
 
 

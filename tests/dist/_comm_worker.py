@@ -1,7 +1,9 @@
 """Worker run by tests/dist/test_comm.py under mpiexec (or torchrun): ``python _comm_worker.py SCENARIO``.
 
-Each scenario checks one behaviour on every rank and prints ``PASS <scenario> rank r/size``
-when it ends normally; failure scenarios end the job instead.
+``ops`` runs the named checks ``collectives``, ``signal_callback`` and ``finalize`` on every rank
+(``tests.helpers.checks``: each its own test id). The failure scenarios (``raise``,
+``thread_raise``, ``sigkill``, ``sigterm``, ``stall``) end the job instead; one that did not would
+print ``PASS <scenario> rank r/size`` and exit 0, which their tests refuse.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import time
 import torch
 
 from dtrain.comm import add_signal_callback, create_communicator, install_fail_fast, remove_signal_callback
+
+from tests.helpers.checks import run_checks
 
 
 def check_ops(comm) -> None:
@@ -86,6 +90,15 @@ def check_signal_callback(comm) -> None:
     comm.barrier()
 
 
+def check_finalize(comm) -> None:
+    """``finalize()`` twice is harmless and leaves no Gloo thread running (threads left running
+    would be torn down mid-work at interpreter exit: SIGABRT)."""
+    comm.barrier()
+    comm.finalize()
+    comm.finalize()  # idempotent
+    assert not gloo_worker_threads(), f"finalize() left Gloo threads running: {gloo_worker_threads()}"
+
+
 def gloo_worker_threads() -> list[str]:
     """Names of this process's Gloo threads still running (Linux ``/proc``; empty elsewhere)."""
     tasks = "/proc/self/task"
@@ -122,9 +135,10 @@ def main() -> None:
         # the late import torch._dynamo makes when the first optimizer is built; it must not keep
         # the process group (and Gloo's threads) alive past finalize()
         importlib.import_module("torch.distributed.nn.functional")
-        check_ops(comm)
-        check_signal_callback(comm)
-    elif scenario == "raise":  # rank 1 raises while rank 0 waits in a collective
+        run_checks(comm, {"collectives": check_ops, "signal_callback": check_signal_callback,
+                          "finalize": check_finalize})
+        return
+    if scenario == "raise":  # rank 1 raises while rank 0 waits in a collective
         if rank == 1:
             time.sleep(0.5)
             mark_event()
@@ -153,11 +167,7 @@ def main() -> None:
         blocked_in_allreduce(comm)
     else:
         raise ValueError(f"unknown scenario {scenario!r}")
-    comm.barrier()
-    comm.finalize()
-    comm.finalize()  # idempotent
-    # threads left running would be torn down mid-work at interpreter exit (SIGABRT)
-    assert not gloo_worker_threads(), f"finalize() left Gloo threads running: {gloo_worker_threads()}"
+    check_finalize(comm)
     sys.stdout.write(f"PASS {scenario} rank {rank}/{comm.size}\n")  # one write: lines from ranks stay whole
     sys.stdout.flush()
 

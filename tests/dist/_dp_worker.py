@@ -1,11 +1,11 @@
-"""Worker run by tests/dist/test_data_parallel_mpi.py under mpiexec: ``python _dp_worker.py SCENARIO[,SCENARIO...] RUN_DIR``.
+"""Worker run by tests/dist/test_data_parallel_mpi.py under mpiexec: ``python _dp_worker.py RUN_DIR``.
 
-Every scenario trains through the public API (``training_session`` + ``MinibatchSource``, the
-session partitioning each global minibatch over the ranks), checks on every rank, and rank 0
-prints one line ``RESULT {json}`` per scenario for the test to read. Several scenarios share one
-launch because starting the ranks costs far more than the scenarios themselves.
+Every check trains through the public API (``training_session`` + ``MinibatchSource``, the
+session partitioning each global minibatch over the ranks) and returns its figures, which the
+test asserts one check per test id (``tests.helpers.checks``). The checks share one launch because
+starting the ranks costs far more than the checks themselves.
 
-Scenarios:
+Checks:
   equivalence      an MLP trained by N ranks equals one process with the same global minibatches
                    (uneven shares and ranks with 0 samples included); parameters identical on all
                    ranks; a BatchNorm model ends with identical parameters AND buffers.
@@ -14,30 +14,25 @@ Scenarios:
 from __future__ import annotations
 
 import io
-import json
 import sys
+from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 import dtrain
 from dtrain.comm import LocalCommunicator, create_communicator
-from dtrain.data import ArrayDeserializer
 from dtrain.learners import Learner, LocalLearner, data_parallel_distributed_learner
+
+from tests.helpers.checks import run_checks
+from tests.helpers.compare import differing_on_ranks, max_difference
+from tests.helpers.toy_data import four_class_data
 
 # global minibatch sizes by samples seen: 7 (uneven over 2 and 4 ranks), 1 (a rank or three get 0
 # samples), 3 (over 4 ranks: rank 0 gets 0), then 13; the last minibatch is clipped by max_samples
 MINIBATCH_SCHEDULE = dtrain.Schedule([[2, 7], [1, 1], [1, 3], [1, 13]], epoch_size=7)
 MAX_SAMPLES = 200
-
-
-def make_data(num_samples: int = 120) -> ArrayDeserializer:
-    generator = np.random.default_rng(0)
-    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
-    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
-    return ArrayDeserializer(features, labels, num_classes=4)
 
 
 def make_model(kind: str) -> nn.Module:
@@ -49,7 +44,7 @@ def make_model(kind: str) -> nn.Module:
 def train(model: nn.Module, learner: Learner, run_dir: Path, minibatch_size, max_samples: int) -> None:
     dtrain.training_session(
         model=model, loss=nn.functional.cross_entropy, learner=learner,
-        minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+        minibatch_source=dtrain.MinibatchSource(four_class_data(), randomize=True, randomization_seed=5),
         minibatch_size=minibatch_size, max_samples=max_samples, run_dir=run_dir, tensorboard=False,
         stream=io.StringIO(), independent_processes=learner.comm.size == 1,  # the per-rank one-process reference
     ).train()
@@ -59,13 +54,7 @@ def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def identical_on_all_ranks(comm, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the tensors some rank holds differently from rank 0 (bitwise)."""
-    everyone = comm.allgather_object({name: tensor.detach().cpu() for name, tensor in tensors.items()})
-    return sorted({name for copy in everyone[1:] for name in tensors if not torch.equal(copy[name], everyone[0][name])})
-
-
-def scenario_equivalence(comm, run_dir: Path) -> dict:
+def check_equivalence(comm, run_dir: Path) -> dict:
     model = make_model("plain")
     # a tiny bucket size, so the model spans several buckets and the in-order launch is exercised
     learner = data_parallel_distributed_learner(optimizer_of(model), comm, bucket_size_mb=0.002)
@@ -76,27 +65,24 @@ def scenario_equivalence(comm, run_dir: Path) -> dict:
     reference = make_model("plain")
     train(reference, LocalLearner(optimizer_of(reference), LocalCommunicator()), run_dir / f"reference{comm.rank}",
           MINIBATCH_SCHEDULE, MAX_SAMPLES)
-    max_difference = _max_difference(model, reference)
-    moved = _max_difference(model, make_model("plain"))  # proof that training did something
+    difference_to_one_process = max_difference(model, reference)
+    moved = max_difference(model, make_model("plain"))  # proof that training did something
 
     batchnorm = make_model("batchnorm")
     train(batchnorm, data_parallel_distributed_learner(optimizer_of(batchnorm), comm, bucket_size_mb=0.002),
           run_dir / "batchnorm", 16, 96)
     return {
+        "size": comm.size,
         "samples_seen": learner.samples_seen,
         "num_buckets": num_buckets,
-        "max_difference_to_one_process": max_difference,
+        "max_difference_to_one_process": difference_to_one_process,
         "parameters_moved_by": moved,
-        "differing_parameters": identical_on_all_ranks(comm, dict(model.named_parameters())),
-        "differing_batchnorm_state": identical_on_all_ranks(comm, batchnorm.state_dict()),
+        "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters())),
+        "differing_batchnorm_state": differing_on_ranks(comm, batchnorm.state_dict()),
     }
 
 
-def _max_difference(model_a: nn.Module, model_b: nn.Module) -> float:
-    return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters()))
-
-
-def scenario_distributed_after(comm, run_dir: Path) -> dict:
+def check_distributed_after(comm, run_dir: Path) -> dict:
     model = make_model("dropout")
     torch.manual_seed(100 + comm.rank)  # different dropout masks: ranks drift apart while local
     learner = data_parallel_distributed_learner(optimizer_of(model), comm, distributed_after=48)
@@ -107,26 +93,23 @@ def scenario_distributed_after(comm, run_dir: Path) -> dict:
         was_distributed = learner.is_distributed()
         original_step()
         if not was_distributed and learner.is_distributed():  # the last local step: ranks should differ now
-            states.append(identical_on_all_ranks(comm, dict(model.named_parameters())))
+            states.append(differing_on_ranks(comm, dict(model.named_parameters())))
 
     learner.step = step_and_record
     train(model, learner, run_dir / "distributed_after", 16, 160)
     return {
         "samples_seen": learner.samples_seen,
         "differing_before_switch": states[0] if states else None,
-        "differing_parameters": identical_on_all_ranks(comm, dict(model.named_parameters())),
+        "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters())),
     }
 
 
 def main() -> None:
-    scenarios, run_dir = sys.argv[1].split(","), Path(sys.argv[2])
+    run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)  # several ranks share two cores
     comm = create_communicator(timeout_s=60)
-    for scenario in scenarios:
-        run = {"equivalence": scenario_equivalence, "distributed_after": scenario_distributed_after}[scenario]
-        result = {"scenario": scenario, "size": comm.size, **run(comm, run_dir)}
-        if comm.is_main:
-            print("RESULT " + json.dumps(result), flush=True)
+    run_checks(comm, {"equivalence": partial(check_equivalence, run_dir=run_dir),
+                      "distributed_after": partial(check_distributed_after, run_dir=run_dir)})
     comm.finalize()
 
 

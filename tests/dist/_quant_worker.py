@@ -1,32 +1,28 @@
-"""Worker run by tests/dist/test_quantized.py under mpiexec: ``python _quant_worker.py checks``.
+"""Worker run by tests/dist/test_quantized.py under mpiexec: ``python _quant_worker.py``.
 
-Every rank runs, in order:
+Every rank runs, in order, these named checks (``tests.helpers.checks``; each its own test id):
 
 1. ``exchange``: the real two-phase exchange (torch all_to_all_single, and the all-gather
    fallback) against a direct computation from every rank's full-precision gradients.
 2. ``learner``: a few steps of ``QuantizedDataParallelLearner`` at 1/2/4/8 bits with uneven
    shares (one rank empty): parameters identical on all ranks after EVERY step, bytes per
-   step below a float32 all-reduce's. Rank 0 prints ``BYTES bits=k sent=... full=... ratio=...``.
+   step below a float32 all-reduce's. Returns ``{bits: {"sent", "full", "ratio", "seconds"}}``.
 3. ``warm_start``: local steps (ranks drift apart), then the switch: identical from then on.
 4. ``converge``: 1-bit SGD with error feedback on a least-squares problem reaches the
-   full-precision run's loss. Rank 0 prints ``CONVERGE ...``.
+   full-precision run's loss. Returns the losses and the distance to the full-precision model.
 
-Prints ``PASS checks rank r/size`` at the end; any failed check raises, which ends the job.
+Any failed check raises, which ends the job.
 """
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared exchange reference
-from _quantized_reference import ReferenceExchange  # noqa: E402
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.compress import QuantizedExchange, StripeLayout
 from dtrain.learners import QuantizedDataParallelLearner
+
+from tests.helpers.checks import run_checks
+from tests.helpers.quantized_reference import ReferenceExchange
 
 SHAPES = [(24, 50), (24,), (16, 3, 3, 3), (10, 24), (10,)]
 
@@ -47,7 +43,9 @@ def assert_same_on_all_ranks(comm, tensor: torch.Tensor, what: str) -> None:
 # -- 1. the exchange against a direct computation ---------------------------------------------------
 
 
-def check_exchange(comm) -> None:
+def check_exchange(comm) -> dict[str, dict[str, int]]:
+    """Returns the bytes each way of exchanging sent in its last step, by number of bits."""
+    bytes_sent = {}
     # (a single bias is one column: every stripe but rank 0's is empty, so messages of 0 bytes travel)
     for bits, shapes in ((1, SHAPES), (3, SHAPES), (8, SHAPES), (2, [(5,)])):
         layout = StripeLayout(shapes, comm.size)
@@ -65,11 +63,12 @@ def check_exchange(comm) -> None:
                     raise AssertionError(f"{bits}-bit exchange via {exchange.all_to_all} differs from the direct "
                                          f"computation at step {step} by {float((result - expected).abs().max())}")
                 assert_same_on_all_ranks(comm, result, f"{bits}-bit exchange result")
-        if comm.rank == 0 and shapes is SHAPES:
-            print(f"A2A bits={bits} torch_bytes={via_torch.bytes_sent_last_step} "
-                  f"allgather_bytes={via_allgather.bytes_sent_last_step}", flush=True)
+        if shapes is SHAPES:
+            bytes_sent[str(bits)] = {"torch": via_torch.bytes_sent_last_step,
+                                     "allgather": via_allgather.bytes_sent_last_step}
         # the fallback sends every message to every rank; all_to_all_single sends each message once
         assert via_torch.bytes_sent_last_step <= via_allgather.bytes_sent_last_step
+    return bytes_sent
 
 
 # -- 2. the learner keeps ranks identical --------------------------------------------------------------
@@ -125,15 +124,16 @@ def train(comm, bits: int, steps: int, distributed_after: int = 0, check_every_s
     return learner, identical_after
 
 
-def check_learner(comm) -> None:
+def check_learner(comm) -> dict[str, dict[str, float]]:
+    figures = {}
     for bits in (1, 2, 4, 8):
         learner, _ = train(comm, bits, steps=4)
         sent = learner.bytes_sent_last_step
         full = learner.exchange.full_precision_bytes_last_step
         assert 0 < sent < full, f"{bits} bits sent {sent} bytes, a float32 all-reduce {full}"
-        if comm.rank == 0:
-            print(f"BYTES bits={bits} sent={sent} full={full} ratio={learner.compression_ratio:.2f} "
-                  f"seconds={learner.exchange.seconds_last_step:.4f}", flush=True)
+        figures[str(bits)] = {"sent": sent, "full": full, "ratio": learner.compression_ratio,
+                              "seconds": learner.exchange.seconds_last_step}
+    return figures
 
 
 def check_warm_start(comm) -> None:
@@ -185,35 +185,24 @@ def fit(comm, bits: int | None, steps: int = 150, minibatch: int = 64, feedback:
         return loss, torch.cat([model.weight.reshape(-1), model.bias])
 
 
-def check_convergence(comm) -> None:
-    started = time.perf_counter()
+def check_convergence(comm) -> dict[str, float]:
     reference_loss, reference = fit(comm, bits=None)
     loss, parameters = fit(comm, bits=1)
     no_feedback_loss, _ = fit(comm, bits=1, feedback=False)
     distance = float((parameters - reference).norm() / reference.norm())
-    if comm.rank == 0:
-        print(f"CONVERGE full_precision_loss={reference_loss:.5f} one_bit_loss={loss:.5f} "
-              f"one_bit_no_feedback_loss={no_feedback_loss:.5f} relative_distance={distance:.5f} "
-              f"seconds={time.perf_counter() - started:.1f}", flush=True)
     assert loss < 1.05 * reference_loss, (loss, reference_loss)
     assert distance < 0.01, distance
     assert no_feedback_loss > loss  # error feedback is what makes 1 bit work
+    return {"full_precision_loss": reference_loss, "one_bit_loss": loss, "one_bit_no_feedback_loss": no_feedback_loss,
+            "relative_distance": distance}
 
 
 def main() -> None:
-    scenario = sys.argv[1]
-    if scenario != "checks":
-        raise ValueError(f"unknown scenario {scenario!r}")
     comm = create_communicator(backend="gloo", timeout_s=60)
     install_fail_fast(comm)
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
-    for check in (check_exchange, check_learner, check_warm_start, check_convergence):
-        started = time.perf_counter()
-        check(comm)
-        if comm.rank == 0:
-            print(f"TIME {check.__name__} {time.perf_counter() - started:.1f}s", flush=True)
-    comm.barrier()
-    print(f"PASS {scenario} rank {comm.rank}/{comm.size}", flush=True)
+    run_checks(comm, {"exchange": check_exchange, "learner": check_learner, "warm_start": check_warm_start,
+                      "convergence": check_convergence})
     comm.finalize()
 
 

@@ -1,9 +1,10 @@
 """Worker run by tests/dist/test_session_options_mpi.py under mpiexec: ``python _session_options_worker.py RUN_DIR``.
 
-Checks the session settings ``micro_batch_size`` and ``clip_grad_norm`` with real ranks; rank 0
-prints one ``RESULT {json}`` line per scenario.
+Checks the session settings ``micro_batch_size``, ``clip_grad_norm`` and ``precision="fp16"`` with
+real ranks; each check returns its figures, which the test asserts one check per test id
+(``tests.helpers.checks``).
 
-Scenarios:
+Checks:
   micro_batches  data-parallel with passes of 2 samples equals the uncapped run and one process
                  (shares of 7, 1, 3 and 13: uneven, and ranks with 0 samples); the gradient
                  all-reduce runs once per bucket per minibatch (not once per pass).
@@ -16,30 +17,25 @@ Scenarios:
 from __future__ import annotations
 
 import io
-import json
 import sys
+from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 import dtrain
 from dtrain.comm import LocalCommunicator, create_communicator
-from dtrain.data import ArrayDeserializer
 from dtrain.learners import (Learner, LocalLearner, QuantizedDataParallelLearner, block_momentum_distributed_learner,
                              data_parallel_distributed_learner)
+
+from tests.helpers.checks import run_checks
+from tests.helpers.compare import differing_on_ranks, max_difference
+from tests.helpers.toy_data import four_class_data
 
 MINIBATCH_SCHEDULE = dtrain.Schedule([[2, 7], [1, 1], [1, 3], [1, 13]], epoch_size=7)
 MAX_SAMPLES = 200
 CLIP = 0.05
-
-
-def make_data(num_samples: int = 120) -> ArrayDeserializer:
-    generator = np.random.default_rng(0)
-    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
-    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
-    return ArrayDeserializer(features, labels, num_classes=4)
 
 
 def make_model() -> nn.Module:
@@ -54,7 +50,7 @@ def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
 def train(model: nn.Module, learner: Learner, run_dir: Path, **options) -> None:
     dtrain.training_session(
         model=model, loss=nn.functional.cross_entropy, learner=learner,
-        minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+        minibatch_source=dtrain.MinibatchSource(four_class_data(), randomize=True, randomization_seed=5),
         minibatch_size=MINIBATCH_SCHEDULE, max_samples=MAX_SAMPLES, run_dir=run_dir, tensorboard=False,
         stream=io.StringIO(), independent_processes=learner.comm.size == 1, **options,
     ).train()
@@ -67,16 +63,7 @@ def reference(run_dir: Path, comm, **options) -> nn.Module:
     return model
 
 
-def max_difference(model_a: nn.Module, model_b: nn.Module) -> float:
-    return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters()))
-
-
-def differing_on_ranks(comm, model: nn.Module) -> list[str]:
-    everyone = comm.allgather_object({name: p.detach().cpu() for name, p in model.named_parameters()})
-    return sorted({name for copy in everyone[1:] for name in copy if not torch.equal(copy[name], everyone[0][name])})
-
-
-def scenario_micro_batches(comm, run_dir: Path) -> dict:
+def check_micro_batches(comm, run_dir: Path) -> dict:
     uncapped = make_model()
     train(uncapped, data_parallel_distributed_learner(optimizer_of(uncapped), comm, bucket_size_mb=0.002),
           run_dir / "uncapped")
@@ -103,11 +90,11 @@ def scenario_micro_batches(comm, run_dir: Path) -> dict:
         "difference_to_uncapped": max_difference(model, uncapped),
         "difference_to_one_process": max_difference(model, one_process),
         "moved": max_difference(model, make_model()),
-        "differing_parameters": differing_on_ranks(comm, model),
+        "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters())),
     }
 
 
-def scenario_clipping(comm, run_dir: Path) -> dict:
+def check_clipping(comm, run_dir: Path) -> dict:
     one_process = reference(run_dir, comm, clip_grad_norm=CLIP)
     unclipped = reference(run_dir / "unclipped", comm)
     results = {"clip_changes_the_result": max_difference(one_process, unclipped)}
@@ -116,7 +103,7 @@ def scenario_clipping(comm, run_dir: Path) -> dict:
         model = make_model()
         train(model, build(optimizer_of(model)), run_dir / name, clip_grad_norm=CLIP)
         results[name] = {"difference_to_one_process": max_difference(model, one_process),
-                         "differing_parameters": differing_on_ranks(comm, model)}
+                         "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters()))}
     model = make_model()
     learner = block_momentum_distributed_learner(optimizer_of(model), comm, block_size=40)
     norms = []  # the gradient norm each local optimizer step is given (after the session's clipping)
@@ -126,7 +113,7 @@ def scenario_clipping(comm, run_dir: Path) -> dict:
     train(model, learner, run_dir / "block_momentum", clip_grad_norm=CLIP)
     del learner.optimizer.step
     results["block_momentum"] = {"local_steps": len(norms), "largest_norm_stepped": max(norms),
-                                 "differing_parameters": differing_on_ranks(comm, model)}
+                                 "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters()))}
     return results
 
 
@@ -142,7 +129,7 @@ class OverflowOnRank:
         return loss * 1e38 if self.overflows and self.calls == self.call else loss
 
 
-def scenario_fp16(comm, run_dir: Path) -> dict:
+def check_fp16(comm, run_dir: Path) -> dict:
     results = {}
     builders = {
         "data_parallel": lambda opt: data_parallel_distributed_learner(opt, comm),
@@ -154,14 +141,14 @@ def scenario_fp16(comm, run_dir: Path) -> dict:
         learner = build(optimizer_of(model))
         session = dtrain.training_session(
             model=model, loss=OverflowOnRank(comm.rank, 1, 3), learner=learner,
-            minibatch_source=dtrain.MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+            minibatch_source=dtrain.MinibatchSource(four_class_data(), randomize=True, randomization_seed=5),
             minibatch_size=16, max_samples=160, run_dir=run_dir / f"fp16_{name}", tensorboard=False,
             stream=io.StringIO(), precision="fp16")
         session.train()
         everyone = comm.allgather_object((session.skipped_steps, session.loss_scaler.scale))
         results[name] = {"skipped_and_scale_per_rank": everyone,
                          "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
-                         "differing_parameters": differing_on_ranks(comm, model)}
+                         "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters()))}
     return results
 
 
@@ -169,11 +156,8 @@ def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
     comm = create_communicator(timeout_s=60)
-    for name, scenario in (("micro_batches", scenario_micro_batches), ("clipping", scenario_clipping),
-                           ("fp16", scenario_fp16)):
-        result = {"scenario": name, "size": comm.size, **scenario(comm, run_dir)}
-        if comm.is_main:
-            print("RESULT " + json.dumps(result), flush=True)
+    run_checks(comm, {name: partial(check, run_dir=run_dir) for name, check in (
+        ("micro_batches", check_micro_batches), ("clipping", check_clipping), ("fp16", check_fp16))})
     comm.finalize()
 
 

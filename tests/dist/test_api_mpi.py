@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launch import run_mpi
+from tests.helpers.mpi import run_mpi
 
 WORKER = Path(__file__).with_name("_api_worker.py")
 

@@ -2,31 +2,37 @@
 single-process simulation of CNTK's formulas; and the CLI end to end.
 
 Each launch starts torch in every rank (a few seconds on 2 cores), so one run of
-``_bm_worker.py`` covers both learner configurations.
+``_bm_worker.py`` per world size covers both learner configurations, each its own test id.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from launch import run_mpi
+from tests.helpers.checks import CheckLaunch, launch_checks
+from tests.helpers.mpi import run_mpi
 
-WORKER = str(Path(__file__).with_name("_bm_worker.py"))
+WORKER = Path(__file__).with_name("_bm_worker.py")
 CASES = ("defaults", "variants")
 
 
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"nprocs={n}")
+def launch(request, tmp_path_factory) -> CheckLaunch:
+    """One run of ``_bm_worker.py`` (both configurations) on ``request.param`` ranks."""
+    return launch_checks(request.param, [WORKER], tmp_path_factory.mktemp(f"bm{request.param}"), timeout=120)
+
+
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_ranks_agree_after_every_sync_and_match_the_simulation(nprocs: int) -> None:
-    result = run_mpi(nprocs, [WORKER], timeout=120)
-    assert result.returncode == 0, result.report()
-    for case in CASES:
-        passes = sorted(re.findall(rf"^PASS {case} rank (\d+)/{nprocs}$", result.stdout, re.MULTILINE))
-        assert passes == [str(rank) for rank in range(nprocs)], result.report()
-        differences = re.findall(rf"^SYNC {case} \d+ (\S+)$", result.stdout, re.MULTILINE)
-        assert len(differences) >= 3 and all(float(d) == 0.0 for d in differences), result.report()
+@pytest.mark.parametrize("case", CASES)
+def test_ranks_agree_after_every_sync_and_match_the_simulation(launch: CheckLaunch, case: str) -> None:
+    for differences in (result["differences_between_ranks"] for result in launch.results(case)):
+        assert len(differences) >= 3 and all(d == 0.0 for d in differences), differences
+
+
+@pytest.mark.timeout(150)
+def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
+    assert launch.returncode == 0, launch.output
 
 
 @pytest.mark.timeout(240)

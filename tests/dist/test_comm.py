@@ -1,7 +1,7 @@
 """Communicators under real launchers: mpiexec with 1, 2 and 4 ranks, torchrun, an emulated srun.
 
-Each run starts Python + torch in every rank (about 2 s), so each test batches many
-checks into one run of ``_comm_worker.py``.
+Each run starts Python + torch in every rank (about 2 s), so one run of ``_comm_worker.py ops``
+per launcher covers its named checks, each asserted in its own test (``tests.helpers.checks``).
 """
 from __future__ import annotations
 
@@ -14,24 +14,23 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import run_mpi
+
+from tests.helpers.checks import RESULTS_DIR_VARIABLE, CheckLaunch, launch_checks
+from tests.helpers.mpi import run_mpi, with_repository_on_path
 
 WORKER = str(Path(__file__).with_name("_comm_worker.py"))
+OPS_CHECKS = ("collectives", "signal_callback", "finalize")
 FAIL_FAST_LIMIT_S = 30.0  # the promise: a failing rank ends the whole job within this
 _LAUNCH_VARIABLES = re.compile(r"^(OMPI_|PMIX_|PMI_|MV2_|SLURM_|TORCHELASTIC_|MASTER_|DTRAIN_)"
                                r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MPI_LOCALRANKID|MPI_LOCALNRANKS)$")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any launcher's variables (as in a plain shell)."""
+    """This process's environment without any launcher's variables (as in a plain shell), with
+    the repository root on ``PYTHONPATH`` for the worker's ``tests.helpers`` imports."""
     env = {name: value for name, value in os.environ.items() if not _LAUNCH_VARIABLES.match(name)}
     env.update(PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def _passes(output: str, scenario: str, size: int) -> list[str]:
-    # ranks share one pipe, so one rank's line may land next to another's: match anywhere
-    return sorted(re.findall(rf"PASS {scenario} rank (\d+)/{size}(?!\d)", output))
+    return with_repository_on_path(env)
 
 
 def _seconds_after_event(result, ended: float) -> float:
@@ -41,14 +40,69 @@ def _seconds_after_event(result, ended: float) -> float:
     return ended - float(event.group(1))
 
 
+def _ops_under_torchrun(results_dir: Path) -> CheckLaunch:
+    """The env:// path: torchrun's RANK/WORLD_SIZE/LOCAL_RANK, no MPI."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, "ops"]
+    env = _clean_env(**{RESULTS_DIR_VARIABLE: str(results_dir)})
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=80, env=env)
+    except subprocess.TimeoutExpired as error:
+        return CheckLaunch.read(results_dir, 2, None, f"$ {' '.join(command)}\ntimed out\n{error.output}\n{error.stderr}")
+    return CheckLaunch.read(results_dir, 2, result.returncode,
+                            f"$ {' '.join(command)}\nexit code {result.returncode}\n{result.stdout}\n{result.stderr}")
+
+
+def _ops_under_emulated_srun(results_dir: Path) -> CheckLaunch:
+    """The Slurm path (tcp:// on a port derived from the job id), with srun's variables set by hand."""
+    from dtrain.comm.launcher import slurm_port
+
+    job_id = next(job for job in range(4242, 5242) if _port_is_free(slurm_port(job)))
+    processes = []
+    for rank in range(2):
+        env = _clean_env(SLURM_JOB_ID=str(job_id), SLURM_STEP_ID="0", SLURM_PROCID=str(rank),
+                         SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_STEP_NUM_TASKS="2",
+                         SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NUM_NODES="1",
+                         SLURM_STEP_NODELIST=socket.gethostname(), **{RESULTS_DIR_VARIABLE: str(results_dir)})
+        processes.append(subprocess.Popen([sys.executable, WORKER, "ops"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=80))
+    except subprocess.TimeoutExpired:
+        pass  # reported below: the ranks that did not finish have no return code
+    finally:
+        for process in processes:
+            process.kill()
+    codes = [process.returncode for process in processes]
+    report = f"exit codes by rank {codes}\n" + "\n".join(out + err for out, err in outputs)
+    returncode = None if None in codes or len(outputs) < 2 else max(codes, key=abs)
+    return CheckLaunch.read(results_dir, 2, returncode, report)
+
+
+@pytest.fixture(scope="module", params=["mpiexec-1", "mpiexec-2", "mpiexec-4", "torchrun-2", "srun-2"])
+def ops_launch(request, tmp_path_factory) -> CheckLaunch:
+    """One run of ``_comm_worker.py ops`` under a launcher and world size (``LAUNCHER-N``)."""
+    launcher, nprocs = request.param.split("-")
+    results_dir = tmp_path_factory.mktemp(f"ops-{request.param}")
+    if launcher == "mpiexec":
+        return launch_checks(int(nprocs), [WORKER, "ops"], results_dir, timeout=100, env=_clean_env())
+    return _ops_under_torchrun(results_dir) if launcher == "torchrun" else _ops_under_emulated_srun(results_dir)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nprocs", [1, 2, 4])
-def test_collectives_under_mpiexec(nprocs: int) -> None:
-    """rank/size/local_rank, allreduce sum/mean/max/min, async, broadcast, allgather(+object),
-    gather_object, barrier, a claimed SIGTERM; with 1 rank: LocalCommunicator without mpi4py."""
-    result = run_mpi(nprocs, [WORKER, "ops"], timeout=100, env=_clean_env())
-    assert result.returncode == 0, result.report()
-    assert _passes(result.stdout, "ops", nprocs) == sorted(str(rank) for rank in range(nprocs)), result.report()
+@pytest.mark.parametrize("check", OPS_CHECKS)
+def test_communicator_under_a_launcher(ops_launch: CheckLaunch, check: str) -> None:
+    """``collectives``: rank/size/local_rank, allreduce sum/mean/max/min, async, broadcast,
+    allgather(+object), gather_object, barrier; with 1 rank: LocalCommunicator without mpi4py.
+    ``signal_callback``: a callback that claims SIGTERM keeps the job alive. ``finalize``: twice is
+    harmless and leaves no Gloo thread running."""
+    ops_launch.results(check)
+
+
+@pytest.mark.timeout(120)
+def test_the_ops_launch_ends_cleanly(ops_launch: CheckLaunch) -> None:
+    assert ops_launch.returncode == 0, ops_launch.output
 
 
 @pytest.mark.timeout(60)
@@ -98,41 +152,6 @@ def test_single_process_never_imports_mpi4py() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
                             env=_clean_env())
     assert result.returncode == 0 and "single ok" in result.stdout, result.stderr
-
-
-@pytest.mark.timeout(90)
-def test_collectives_under_torchrun() -> None:
-    """The env:// path: torchrun's RANK/WORLD_SIZE/LOCAL_RANK, no MPI."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, "ops"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=80, env=_clean_env())
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert _passes(result.stdout, "ops", 2) == ["0", "1"], result.stdout + result.stderr
-
-
-@pytest.mark.timeout(90)
-def test_collectives_under_emulated_srun() -> None:
-    """The Slurm path (tcp:// on a port derived from the job id), with srun's variables set by hand."""
-    from dtrain.comm.launcher import slurm_port
-
-    job_id = next(job for job in range(4242, 5242) if _port_is_free(slurm_port(job)))
-    processes = []
-    for rank in range(2):
-        env = _clean_env(SLURM_JOB_ID=str(job_id), SLURM_STEP_ID="0", SLURM_PROCID=str(rank),
-                         SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_STEP_NUM_TASKS="2",
-                         SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NUM_NODES="1",
-                         SLURM_STEP_NODELIST=socket.gethostname())
-        processes.append(subprocess.Popen([sys.executable, WORKER, "ops"], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env))
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=80))
-    finally:
-        for process in processes:
-            process.kill()
-    report = "\n".join(out + err for out, err in outputs)
-    assert [process.returncode for process in processes] == [0, 0], report
-    assert _passes(report, "ops", 2) == ["0", "1"], report
 
 
 def _port_is_free(port: int) -> bool:

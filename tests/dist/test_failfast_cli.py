@@ -3,19 +3,16 @@
 A rank that raises (any exception type), is killed, or is stopped ends the whole job, with
 the failing rank's one ``dtrain: error:`` line first and no traceback: exceptions and
 deaths within 10 s, a stopped rank within ``comm.heartbeat_timeout_s``. A slow step is not
-a hang. The failures come from ``_failing_model.FailingDigitsCNN`` (see its docstring).
+a hang. The failures come from ``tests.helpers.failing_model.FailingDigitsCNN`` (see its docstring).
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import run_mpi
-
-HERE = Path(__file__).resolve().parent
+from tests.helpers.mpi import run_mpi
 
 
 def run_failing(tmp_path: Path, nprocs: int, how: str, *overrides: str, rank: int = 1, after: int = 4,
@@ -23,11 +20,10 @@ def run_failing(tmp_path: Path, nprocs: int, how: str, *overrides: str, rank: in
     """Runs the digits recipe on ``nprocs`` ranks with rank ``rank`` failing ``how``; returns
     (result, seconds from the failure to the end of mpiexec)."""
     mark = tmp_path / "acted"
-    environment = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-                   "DTRAIN_TEST_FAIL_RANK": str(rank), "DTRAIN_TEST_FAIL_AFTER": str(after),
+    environment = {"DTRAIN_TEST_FAIL_RANK": str(rank), "DTRAIN_TEST_FAIL_AFTER": str(after),
                    "DTRAIN_TEST_FAIL_HOW": how, "DTRAIN_TEST_MARK": str(mark), **(env or {})}
     result = run_mpi(nprocs, ["-m", "dtrain", "+recipe=digits", f"run_dir={tmp_path / 'run'}",
-                              "model._target_=_failing_model.FailingDigitsCNN", "session.tensorboard=false",
+                              "model._target_=tests.helpers.failing_model.FailingDigitsCNN", "session.tensorboard=false",
                               "session.max_samples=30000", *overrides], timeout=timeout, env=environment)
     ended = time.time()
     assert mark.exists(), f"the failure was never injected\n{result.report()}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import _OPEN_MPI_ENV, _kill_session, mpi_command, mpiexec_path, run_mpi
+from tests.helpers.mpi import OPEN_MPI_ENV, kill_session, mpi_command, mpiexec_path, run_mpi
 
 STOPPED = re.compile(r"dtrain: stopped by (\w+): checkpoint saved at (\d+) samples \((\S+)\); continue with: (.+?)\r?$",
                      re.MULTILINE)
@@ -37,7 +37,7 @@ def _run_on_terminal(command: list[str], run_dir: Path, signum: int, timeout: fl
     """Runs ``command`` on a pseudo-terminal, sends ``signum`` to it once training has written a
     checkpoint, and returns (everything written to the terminal until the stop line, and with
     ``wait_for_exit`` until ``command`` ended; its exit status, None if it was still running)."""
-    env = {**os.environ, **_OPEN_MPI_ENV, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **OPEN_MPI_ENV, "PYTHONUNBUFFERED": "1"}
     pid, terminal = pty.fork()
     if pid == 0:  # the child: mpiexec on the terminal, in its own session (as from a shell)
         os.execvpe(command[0], command, env)
@@ -63,7 +63,7 @@ def _run_on_terminal(command: list[str], run_dir: Path, signum: int, timeout: fl
                     and (status is not None or not wait_for_exit):
                 break
     finally:
-        _kill_session(pid)
+        kill_session(pid)
         if status is None:
             os.waitpid(pid, 0)
         os.close(terminal)

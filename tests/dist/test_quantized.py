@@ -1,44 +1,54 @@
 """Quantized data parallelism under a real ``mpiexec``: 2 and 4 ranks, and the CLI end to end.
 
 One launch per world size runs every check of ``_quant_worker.py`` (each launch starts Python
-and torch on every rank): the exchange against a direct computation, parameters identical on
-all ranks after every step at 1/2/4/8 bits, bytes per step below a float32 all-reduce's, the
-warm-start switch, and 1-bit SGD with error feedback converging to the full-precision loss.
+and torch on every rank), each its own test: the exchange against a direct computation, parameters
+identical on all ranks after every step at 1/2/4/8 bits with bytes per step below a float32
+all-reduce's, the warm-start switch, and 1-bit SGD with error feedback converging to the
+full-precision loss.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from launch import run_mpi
+from tests.helpers.checks import CheckLaunch, launch_checks
+from tests.helpers.mpi import run_mpi
 
-WORKER = str(Path(__file__).with_name("_quant_worker.py"))
+WORKER = Path(__file__).with_name("_quant_worker.py")
 
-
-def _figures(output: str, tag: str) -> list[dict[str, float]]:
-    """``TAG key=value ...`` lines as dicts."""
-    return [{key: float(value) for key, value in re.findall(r"(\w+)=([0-9.]+)", line)}
-            for line in re.findall(rf"^{tag} (.*)$", output, re.MULTILINE)]
+pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_quantized_exchange_and_learner_under_mpiexec(nprocs: int) -> None:
-    result = run_mpi(nprocs, [WORKER, "checks"], timeout=240)
-    assert result.returncode == 0, result.report()
-    passes = sorted(re.findall(rf"^PASS checks rank (\d+)/{nprocs}$", result.stdout, re.MULTILINE))
-    assert passes == [str(rank) for rank in range(nprocs)], result.report()
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
+def launch(request, tmp_path_factory) -> CheckLaunch:
+    """One run of every check of ``_quant_worker.py`` on ``request.param`` ranks."""
+    return launch_checks(request.param, [WORKER], tmp_path_factory.mktemp(f"quant{request.param}"), timeout=240)
 
-    per_bits = {int(row["bits"]): row for row in _figures(result.stdout, "BYTES")}
-    assert sorted(per_bits) == [1, 2, 4, 8], result.report()
+
+def test_exchange_equals_the_direct_computation(launch: CheckLaunch) -> None:
+    launch.results("exchange")  # the worker compared every step bit for bit, on every rank
+
+
+def test_learner_keeps_ranks_identical_and_sends_fewer_bytes_with_fewer_bits(launch: CheckLaunch) -> None:
+    per_bits = {int(bits): row for bits, row in launch.result("learner").items()}
+    assert sorted(per_bits) == [1, 2, 4, 8], per_bits
     sent = [per_bits[bits]["sent"] for bits in (1, 2, 4, 8)]
-    assert sent == sorted(sent) and sent[-1] < per_bits[8]["full"], result.report()  # fewer bits, fewer bytes
-    assert per_bits[1]["ratio"] > 10, result.report()
+    assert sent == sorted(sent) and sent[-1] < per_bits[8]["full"], per_bits  # fewer bits, fewer bytes
+    assert per_bits[1]["ratio"] > 10, per_bits
 
-    (converge,) = _figures(result.stdout, "CONVERGE")
-    assert converge["one_bit_loss"] < 1.05 * converge["full_precision_loss"], result.report()
+
+def test_ranks_drift_while_local_and_are_identical_after_the_switch(launch: CheckLaunch) -> None:
+    launch.results("warm_start")
+
+
+def test_one_bit_sgd_with_error_feedback_reaches_the_full_precision_loss(launch: CheckLaunch) -> None:
+    converge = launch.result("convergence")
+    assert converge["one_bit_loss"] < 1.05 * converge["full_precision_loss"], converge
+
+
+def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
+    assert launch.returncode == 0, launch.output
 
 
 @pytest.mark.slow

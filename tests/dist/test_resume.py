@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import mpi_command, mpiexec_path, run_mpi
+from tests.helpers.mpi import mpi_command, mpiexec_path, run_mpi
 
 from dtrain.session import checkpoint
 

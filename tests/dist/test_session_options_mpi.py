@@ -1,26 +1,30 @@
-"""Session settings under a real ``mpiexec -n 2``: micro-batches (one exchange per minibatch) and
-gradient clipping on the global gradient, for every learner (see ``_session_options_worker.py``)."""
+"""Session settings under a real ``mpiexec -n 2``: micro-batches (one exchange per minibatch),
+gradient clipping on the global gradient and fp16 overflow skipping, for every learner.
+
+One launch runs every check of ``_session_options_worker.py``; each is asserted in its own test.
+"""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from launch import run_mpi
+from tests.helpers.checks import CheckLaunch, launch_checks
 
-WORKER = str(Path(__file__).with_name("_session_options_worker.py"))
+WORKER = Path(__file__).with_name("_session_options_worker.py")
+
+pytestmark = pytest.mark.timeout(200)
 
 
-@pytest.mark.timeout(200)
-def test_micro_batches_clipping_and_fp16_under_mpiexec(tmp_path: Path) -> None:
-    result = run_mpi(2, [WORKER, tmp_path], timeout=180)
-    assert result.returncode == 0, result.report()
-    results = {record["scenario"]: record for record in
-               (json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT "))}
-    assert set(results) == {"micro_batches", "clipping", "fp16"}, result.report()
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> CheckLaunch:
+    """One run of every check of ``_session_options_worker.py`` on 2 ranks."""
+    run_dir = tmp_path_factory.mktemp("session_options")
+    return launch_checks(2, [WORKER, run_dir / "runs"], run_dir / "checks", timeout=180)
 
-    micro = results["micro_batches"]
+
+def test_micro_batches_exchange_once_per_minibatch_and_equal_one_pass(launch: CheckLaunch) -> None:
+    micro = launch.result("micro_batches")
     assert micro["largest_pass"] == 2 and micro["passes"] > micro["minibatches"]
     # every bucket all-reduced exactly once per minibatch, however many passes computed it
     assert micro["bucket_allreduces"] == micro["num_buckets"] * micro["minibatches"], micro
@@ -28,7 +32,9 @@ def test_micro_batches_clipping_and_fp16_under_mpiexec(tmp_path: Path) -> None:
     assert micro["difference_to_uncapped"] < 1e-5 and micro["difference_to_one_process"] < 1e-5, micro
     assert micro["differing_parameters"] == [], micro
 
-    clipping = results["clipping"]
+
+def test_clipping_clips_the_global_gradient_for_every_learner(launch: CheckLaunch) -> None:
+    clipping = launch.result("clipping")
     assert clipping["clip_changes_the_result"] > 0.01  # the clip is active in this run
     for learner in ("data_parallel", "quantized"):
         assert clipping[learner]["difference_to_one_process"] < 1e-5, clipping
@@ -37,8 +43,15 @@ def test_micro_batches_clipping_and_fp16_under_mpiexec(tmp_path: Path) -> None:
     assert block["local_steps"] > 0 and block["largest_norm_stepped"] <= 0.05 * (1 + 1e-5), block
     assert block["differing_parameters"] == [], block
 
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(launch: CheckLaunch) -> None:
     # fp16: rank 1's overflow skips the step on both ranks, and both halve the loss scale
+    fp16 = launch.result("fp16")
     for learner in ("data_parallel", "quantized", "block_momentum"):
-        record = results["fp16"][learner]
+        record = fp16[learner]
         assert record["skipped_and_scale_per_rank"] == [[1, 32768.0], [1, 32768.0]], (learner, record)
         assert record["finite"] and record["differing_parameters"] == [], (learner, record)
+
+
+def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
+    assert launch.returncode == 0, launch.output

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import run_mpi
+from tests.helpers.mpi import run_mpi
 
 
 @pytest.mark.slow

@@ -2,18 +2,27 @@
 --config-dir, trains under mpiexec to max_samples with one model on every worker."""
 from __future__ import annotations
 
+import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import torch
 
-from launch import run_mpi
-
 from dtrain.session import checkpoint
+
+from tests.helpers.mpi import run_mpi
+from tests.helpers.thread_world import FakeWorld
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "examples" / "local_sgd"
+
+
+def _example_module():
+    """The page's ``local_sgd.py``, imported from its file (as ``PYTHONPATH`` makes dtrain import it)."""
+    spec = importlib.util.spec_from_file_location("local_sgd", EXAMPLE / "local_sgd.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_page_shows_the_tested_example_unchanged():
@@ -39,10 +48,7 @@ def test_local_sgd_from_a_config_dir_trains_to_max_samples_under_mpiexec(tmp_pat
 
 
 def test_local_sgd_averages_every_period_and_synchronize_leaves_one_model():
-    sys.path.insert(0, str(EXAMPLE))
-    sys.path.insert(0, str(ROOT / "tests" / "unit"))
-    from _thread_world import FakeWorld
-    from local_sgd import LocalSGDLearner
+    LocalSGDLearner = _example_module().LocalSGDLearner
 
     def work(comm):
         torch.manual_seed(0)

@@ -4,7 +4,7 @@ directory byte-identical, in a single process and under ``mpiexec -n 2``.
 
 Each case runs the real ``python -m dtrain`` entry (``dtrain.cli.main``) in its own process
 against a run directory holding a finished tiny run. Single-process cases are forked from one
-interpreter that imported dtrain once (``_forked_dtrain.py``), which keeps the file fast; the
+interpreter that imported dtrain once (``tests/helpers/forked_dtrain.py``), which keeps the file fast; the
 ``mpiexec`` cases start real ranks.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-from launch import run_mpi  # noqa: E402
+from tests.helpers import forked_dtrain
+from tests.helpers.mpi import run_mpi
 
-RUNNER = Path(__file__).resolve().parent / "_forked_dtrain.py"
+RUNNER = Path(forked_dtrain.__file__)
 LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MV2_", "TORCHELASTIC_")
 
 # (id, arguments, fragments the line must hold). ``{run}`` is the finished run, ``{file}`` a file,

@@ -14,8 +14,7 @@ import pytest
 
 from dtrain.session import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from _cifar_files import write_cifar10_binary  # noqa: E402
+from tests.helpers.cifar_files import write_cifar10_binary
 
 
 def dtrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:

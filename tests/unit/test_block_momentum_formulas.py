@@ -7,21 +7,18 @@ reference (``simulate``) applies ``docs/semantics.md#block-momentum`` parameter 
 from __future__ import annotations
 
 import io
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared BMUF reference
-from _bmuf_reference import flat, simulate_bmuf, train_learner_shares  # noqa: E402
-from _thread_world import FakeComm, FakeWorld  # noqa: E402
-
 from dtrain.comm.local import LocalCommunicator
 from dtrain.learners import BlockMomentumLearner, block_momentum_distributed_learner
 from dtrain.learners.block_momentum import default_time_constant
 from dtrain.schedules import momentum_from_time_constant
+
+from tests.helpers.bmuf_reference import flat, simulate_bmuf, train_learner_shares
+from tests.helpers.thread_world import FakeComm, FakeWorld
 
 TOLERANCE = 1e-6
 NUM_SAMPLES = 256

@@ -10,8 +10,8 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-from _cifar_files import write_cifar10_binary
-from _image_files import write_image_map_files
+from tests.helpers.cifar_files import write_cifar10_binary
+from tests.helpers.image_files import write_image_map_files
 from dtrain.cli import config_dir
 from dtrain.comm import LocalCommunicator
 from dtrain.config import register_schemas, validate

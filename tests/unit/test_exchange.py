@@ -6,15 +6,8 @@
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared exchange reference
-from _quantized_reference import ReferenceExchange  # noqa: E402
-from _thread_world import FakeWorld  # noqa: E402
 
 from dtrain.comm import LocalCommunicator
 from dtrain.compress import (
@@ -27,6 +20,9 @@ from dtrain.compress import (
 )
 from dtrain.compress.exchange import decode_message, encode_message
 from dtrain.learners import QuantizedDataParallelLearner
+
+from tests.helpers.quantized_reference import ReferenceExchange
+from tests.helpers.thread_world import FakeWorld
 
 SHAPES = [(10, 40), (10,), (7, 3, 2, 3), (33,), (5, 16)]
 

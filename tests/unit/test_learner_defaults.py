@@ -3,17 +3,12 @@ and a collapsed classifier that ends the run with one line instead of a normal-l
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _thread_world import FakeComm, FakeWorld  # noqa: E402
 
 from dtrain import CheckpointConfig, MinibatchSource, TestConfig, training_session
 from dtrain.data import ArrayDeserializer
@@ -22,6 +17,8 @@ from dtrain.learners.base import RunFacts, auto_warm_start
 from dtrain.learners.block_momentum import auto_block_size, default_time_constant, largest_block_size
 from dtrain.learners.data_parallel import data_parallel_distributed_learner
 from dtrain.session.session import TrainingCollapsed
+
+from tests.helpers.thread_world import FakeComm, FakeWorld
 
 DIGITS = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
 CIFAR10 = RunFacts(samples_per_sweep=50000, max_samples=8_000_000, minibatch_size=64)

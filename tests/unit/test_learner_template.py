@@ -6,7 +6,6 @@ minibatches for ``max_samples=64``), and a subclass that overrides ``step`` is r
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +18,7 @@ from dtrain.comm.local import LocalCommunicator
 from dtrain.data import ArrayDeserializer
 from dtrain.learners import Learner, LocalLearner, ReplicatedLearner
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _thread_world import FakeWorld  # noqa: E402
+from tests.helpers.thread_world import FakeWorld
 
 
 def make_data(num_samples: int = 200) -> ArrayDeserializer:

@@ -296,11 +296,7 @@ def _assert_same_stream(with_read_ahead, without) -> None:
 
 
 def test_read_ahead_stream_equals_the_plain_stream_across_restore_and_repartitioning(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _image_files import write_image_map_files
+    from tests.helpers.image_files import write_image_map_files
 
     from dtrain.data import ImageAugmentation, ImageFolderDeserializer
 

