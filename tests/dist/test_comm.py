@@ -5,7 +5,6 @@ per launcher covers its named checks, each asserted in its own test (``tests.hel
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -16,21 +15,17 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checks import RESULTS_DIR_VARIABLE, CheckLaunch, launch_checks
-from tests.helpers.mpi import run_mpi, with_repository_on_path
+from tests.helpers.mpi import plain_environment, run_mpi, with_repository_on_path
 
 WORKER = str(Path(__file__).with_name("_comm_worker.py"))
 OPS_CHECKS = ("collectives", "signal_callback", "finalize")
 FAIL_FAST_LIMIT_S = 30.0  # the promise: a failing rank ends the whole job within this
-_LAUNCH_VARIABLES = re.compile(r"^(OMPI_|PMIX_|PMI_|MV2_|SLURM_|TORCHELASTIC_|MASTER_|DTRAIN_)"
-                               r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MPI_LOCALRANKID|MPI_LOCALNRANKS)$")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables (as in a plain shell), with
     the repository root on ``PYTHONPATH`` for the worker's ``tests.helpers`` imports."""
-    env = {name: value for name, value in os.environ.items() if not _LAUNCH_VARIABLES.match(name)}
-    env.update(PYTHONUNBUFFERED="1", **extra)
-    return with_repository_on_path(env)
+    return with_repository_on_path(plain_environment(PYTHONUNBUFFERED="1", **extra))
 
 
 def _seconds_after_event(result, ended: float) -> float:

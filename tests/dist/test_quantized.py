@@ -53,8 +53,7 @@ def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_cli_trains_digits_with_one_bit_sgd(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def test_cli_trains_digits_with_one_bit_sgd(run_dir: Path) -> None:
     result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "learner=quantized", "session.max_samples=3000",
                          f"run_dir={run_dir}"], timeout=240)
     assert result.returncode == 0, result.report()
@@ -64,12 +63,12 @@ def test_cli_trains_digits_with_one_bit_sgd(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_cli_one_bit_sgd_without_warm_start_collapses_and_says_so(tmp_path: Path) -> None:
+def test_cli_one_bit_sgd_without_warm_start_collapses_and_says_so(run_dir: Path) -> None:
     """The issue's case: 1-bit SGD from a fresh model (distributed_after=0) learns, then returns to
     chance (digits: ~10% accuracy). It must end with one line and a non-zero exit, not a result."""
     result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "learner=quantized", "learner.distributed_after=0",
                          "session.max_samples=12000", "session.progress_frequency=1500", "seed=0",
-                         "session.tensorboard=false", f"run_dir={tmp_path / 'run'}"], timeout=240)
+                         "session.tensorboard=false", f"run_dir={run_dir}"], timeout=240)
     assert result.returncode == 2, result.report()
     errors = [line for line in result.stderr.splitlines() if "dtrain: error:" in line]
     assert errors and "training collapsed: the mean loss" in errors[0], result.report()

@@ -32,15 +32,14 @@ def test_the_page_shows_the_tested_example_unchanged():
     assert len((EXAMPLE / "local_sgd.py").read_text().splitlines()) <= 35  # short enough to read at once
 
 
-def test_local_sgd_from_a_config_dir_trains_to_max_samples_under_mpiexec(tmp_path):
-    run = tmp_path / "run"
+def test_local_sgd_from_a_config_dir_trains_to_max_samples_under_mpiexec(run_dir):
     result = run_mpi(2, ["-m", "dtrain", "--config-dir", str(EXAMPLE / "conf"), "+recipe=digits",
                          "learner=local_sgd", "learner.period=3", "session.max_samples=3000",
-                         "session.tensorboard=false", f"run_dir={run}"],
+                         "session.tensorboard=false", f"run_dir={run_dir}"],
                      timeout=240, env={"PYTHONPATH": str(EXAMPLE)})
     assert result.returncode == 0, result.report()
     assert "learner local_sgd" in result.stdout
-    state = checkpoint.load(run / "checkpoint-3000.pt")
+    state = checkpoint.load(run_dir / "checkpoint-3000.pt")
     assert state["samples_seen"] == 3000 and state["learner_kind"] == "local_sgd"
     assert state["minibatches"] == 94  # ceil(3000 / 32): it stopped, not thousands of minibatches
     accuracy = float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1))

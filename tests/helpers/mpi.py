@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,20 @@ class MpiResult(subprocess.CompletedProcess):
         """Return a readable summary (command, exit code, time, both streams) for assertion messages."""
         return (f"$ {' '.join(self.args)}\nexit code {self.returncode} after {self.duration_s:.1f} s\n"
                 f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+
+
+# what launchers (mpiexec, srun, torchrun) and dtrain's own overrides put in a rank's environment
+LAUNCHER_VARIABLES = re.compile(r"^(OMPI_|PMIX_|PMI_|MV2_|SLURM_|TORCHELASTIC_|MASTER_|DTRAIN_)"
+                                r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MPI_LOCALRANKID|MPI_LOCALNRANKS)$")
+
+
+def plain_environment(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables (as in a plain shell), plus ``extra``.
+
+    For starting a process that must not think it is a rank of the job pytest itself may run in.
+    """
+    env = {name: value for name, value in os.environ.items() if not LAUNCHER_VARIABLES.match(name)}
+    return {**env, **extra}
 
 
 def with_repository_on_path(env: Mapping[str, str]) -> dict[str, str]:

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from tests.helpers import forked_dtrain
-from tests.helpers.mpi import run_mpi
+from tests.helpers.mpi import plain_environment, run_mpi
 
 RUNNER = Path(forked_dtrain.__file__)
-LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MV2_", "TORCHELASTIC_")
 
 # (id, arguments, fragments the line must hold). ``{run}`` is the finished run, ``{file}`` a file,
 # ``{empty}`` an empty file, ``{readonly}`` a directory this user cannot write; run_dir={run} is
@@ -142,13 +141,6 @@ def _arguments(case_id: str, arguments: list[str], places: dict[str, str]) -> li
     return filled if case_id in _RECIPE_FREE else ["+recipe=digits", *filled]
 
 
-def _single_process_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def places(tmp_path_factory) -> dict[str, str]:
     """A finished tiny run (checkpoints, configs, metrics) and the odd paths the run_dir cases use."""
@@ -156,7 +148,7 @@ def places(tmp_path_factory) -> dict[str, str]:
     finished = subprocess.run(
         [sys.executable, "-m", "dtrain", "+recipe=digits", f"run_dir={base / 'finished'}", "session.max_samples=64",
          "session.checkpoint.frequency=32", "session.progress_frequency=32", "session.tensorboard=false"],
-        cwd=base, env=_single_process_env(), capture_output=True, text=True, timeout=300)
+        cwd=base, env=plain_environment(), capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr
     assert len(list((base / "finished").glob("checkpoint-*.pt"))) == 2
     (base / "afile").write_text("not a directory\n")
@@ -176,7 +168,7 @@ def single_process_results(places) -> dict[str, dict]:
     for index in range(2):
         run = base / f"run{index}"
         shutil.copytree(places["finished"], run)
-        process = subprocess.Popen([sys.executable, str(RUNNER)], cwd=base, env=_single_process_env(),
+        process = subprocess.Popen([sys.executable, str(RUNNER)], cwd=base, env=plain_environment(),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         runners.append((process, {**places, "run": str(run)}))
     for number, (case_id, arguments, _) in enumerate(CASES):

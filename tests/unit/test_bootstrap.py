@@ -1,8 +1,6 @@
 """Launcher detection and backend choice, from fake environments (no processes, no MPI)."""
 from __future__ import annotations
 
-import os
-import re
 import socket
 
 import pytest
@@ -12,9 +10,6 @@ from dtrain.comm import LaunchInfo, LocalCommunicator, create_communicator, dete
 from dtrain.comm._address import LOOPBACK, choose_master_addr, outward_address
 from dtrain.comm.bootstrap import resolve_backend
 from dtrain.comm.launcher import first_slurm_host, master_override, slurm_port, slurm_tasks_on_node
-
-_LAUNCH_VARIABLES = re.compile(r"^(OMPI_|PMIX_|PMI_|MV2_|SLURM_|TORCHELASTIC_|MASTER_|DTRAIN_)"
-                               r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MPI_LOCALRANKID|MPI_LOCALNRANKS)$")
 
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
             "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": "prterun-vm-3112@1", "PMIX_RANK": "3"}
@@ -166,15 +161,6 @@ def test_resolve_backend() -> None:
         resolve_backend("mpi", cuda_available=False)
     with pytest.raises(RuntimeError, match="backend='nccl' needs CUDA"):
         resolve_backend("nccl", cuda_available=False)
-
-
-@pytest.fixture
-def plain_env(monkeypatch):
-    """This process's environment without any launcher's variables."""
-    for name in list(os.environ):
-        if _LAUNCH_VARIABLES.match(name):
-            monkeypatch.delenv(name)
-    return monkeypatch
 
 
 def test_single_process_gets_local_communicator(plain_env) -> None:

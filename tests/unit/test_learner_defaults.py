@@ -19,6 +19,7 @@ from dtrain.learners.data_parallel import data_parallel_distributed_learner
 from dtrain.session.session import TrainingCollapsed
 
 from tests.helpers.thread_world import FakeComm, FakeWorld
+from tests.helpers.toy_data import four_class_data
 
 DIGITS = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
 CIFAR10 = RunFacts(samples_per_sweep=50000, max_samples=8_000_000, minibatch_size=64)
@@ -143,13 +144,6 @@ class CountingComm(FakeComm):
         self.world.gather(self.rank, None)
 
 
-def _classification_data(num_samples: int, seed: int = 0) -> ArrayDeserializer:
-    generator = np.random.default_rng(seed)
-    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
-    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
-    return ArrayDeserializer(features, labels, num_classes=4)
-
-
 def test_block_momentum_session_makes_no_collective_between_syncs(tmp_path):
     """With preemption armed, the session used to all-reduce its flag every minibatch; now the
     ranks meet only at syncs: exactly 2 collectives a block (the sync, the flag), none between."""
@@ -174,7 +168,7 @@ def test_block_momentum_session_makes_no_collective_between_syncs(tmp_path):
         learner.begin_minibatch = begin
         session = training_session(
             model=model, loss=nn.functional.cross_entropy, learner=learner,
-            minibatch_source=MinibatchSource(_classification_data(640), randomize=True, randomization_seed=1),
+            minibatch_source=MinibatchSource(four_class_data(640), randomize=True, randomization_seed=1),
             minibatch_size=minibatch, max_samples=640, progress_frequency=0,
             checkpoint_config=CheckpointConfig(tmp_path / f"rank{comm.rank}" / "ckpt.pt", frequency=0,
                                                preemption_signal="SIGTERM"),
@@ -234,7 +228,7 @@ class CollapsingLearner(LocalLearner):
 def _session(tmp_path, collapse_at, labels_as_float=False, progress_frequency=400, test=False, learnable=True):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4))
-    data = _classification_data(400)
+    data = four_class_data(400)
     if not learnable:  # labels unrelated to the features: the loss never falls below chance
         data = ArrayDeserializer(data.features if hasattr(data, "features") else np.random.default_rng(1).normal(
             size=(400, 6)).astype(np.float32), np.random.default_rng(2).integers(0, 4, 400), num_classes=4)
@@ -243,7 +237,7 @@ def _session(tmp_path, collapse_at, labels_as_float=False, progress_frequency=40
         def loss(output, labels):
             return nn.functional.mse_loss(output[:, 0], labels.float())
     learner = CollapsingLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), collapse_at)
-    test_config = TestConfig(MinibatchSource(_classification_data(200, seed=5), randomize=False, max_sweeps=1), 50) \
+    test_config = TestConfig(MinibatchSource(four_class_data(200, seed=5), randomize=False, max_sweeps=1), 50) \
         if test else None
     return training_session(model=model, loss=loss, learner=learner,
                             minibatch_source=MinibatchSource(data, randomize=True, randomization_seed=1), minibatch_size=16,

@@ -16,12 +16,12 @@ from dtrain.data import ArrayDeserializer
 from dtrain.session import checkpoint
 from dtrain.session.checkpoint import CheckpointError
 
+from tests.helpers.toy_data import four_class_data
+
 
 def make_data(num_samples: int = 200, seed: int = 0) -> ArrayDeserializer:
-    generator = np.random.default_rng(seed)
-    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
-    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
-    return ArrayDeserializer(features, labels, num_classes=4)
+    """This file's data: 200 samples unless told."""
+    return four_class_data(num_samples, seed)
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -4,20 +4,13 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from dtrain import LocalLearner, MinibatchSource, training_session
-from dtrain.data import ArrayDeserializer
 
-
-def make_data(num_samples: int = 120) -> ArrayDeserializer:
-    generator = np.random.default_rng(0)
-    features = generator.normal(size=(num_samples, 6)).astype(np.float32)
-    labels = (features[:, 0] + features[:, 1] > 0).astype(np.int64) + 2 * (features[:, 2] > 0.5)
-    return ArrayDeserializer(features, labels, num_classes=4)
+from tests.helpers.toy_data import four_class_data
 
 
 def make_model() -> nn.Module:
@@ -29,7 +22,7 @@ def train(run_dir: Path, model: nn.Module, *, lr: float = 0.1, momentum: float =
           max_samples: int = 200, **options):
     learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
     session = training_session(model, nn.functional.cross_entropy, learner,
-                               MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+                               MinibatchSource(four_class_data(), randomize=True, randomization_seed=5),
                                minibatch_size=minibatch_size, max_samples=max_samples, run_dir=run_dir,
                                tensorboard=False, stream=io.StringIO(), **options)
     return session.train(), learner
@@ -52,7 +45,7 @@ def test_micro_batches_give_the_update_of_the_whole_minibatch(tmp_path):
 def test_clipping_matches_clip_grad_norm_on_the_minibatch_gradient(tmp_path):
     """One minibatch of 20 with clip_grad_norm=0.05: p - lr * clip(grad of the mean loss), by hand."""
     model, reference = make_model(), make_model()
-    order = MinibatchSource(make_data(), randomize=True, randomization_seed=5).next_minibatch(20, 1, 0)
+    order = MinibatchSource(four_class_data(), randomize=True, randomization_seed=5).next_minibatch(20, 1, 0)
     loss = nn.functional.cross_entropy(reference(order.features), order.labels)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.05)
@@ -123,7 +116,7 @@ class OverflowOnCall:
 
 def train_fp16(run_dir: Path, model: nn.Module, loss, max_samples: int, **options):
     learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    session = training_session(model, loss, learner, MinibatchSource(make_data(), randomize=True, randomization_seed=5),
+    session = training_session(model, loss, learner, MinibatchSource(four_class_data(), randomize=True, randomization_seed=5),
                                minibatch_size=20, max_samples=max_samples, run_dir=run_dir, tensorboard=False,
                                **{"stream": io.StringIO(), **options}, precision="fp16")
     return session, session.train(), learner
@@ -210,7 +203,7 @@ def test_an_already_compiled_model_is_trained_and_saved_under_its_plain_names(tm
     model = make_model()
     learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
     session = training_session(torch.compile(model), nn.functional.cross_entropy, learner,
-                               MinibatchSource(make_data()), minibatch_size=20, max_samples=20, run_dir=tmp_path,
+                               MinibatchSource(four_class_data()), minibatch_size=20, max_samples=20, run_dir=tmp_path,
                                tensorboard=False, stream=io.StringIO())
     assert session.model is model and session.forward_model is not model
     assert session.train().samples_seen == 20
@@ -248,7 +241,7 @@ def test_reduced_precision_trains_on_cuda(tmp_path, precision):
     model.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
     learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), LocalCommunicator("cuda"))
     session = training_session(model, nn.functional.cross_entropy, learner,
-                               MinibatchSource(make_data(), randomize=True, randomization_seed=5), minibatch_size=20,
+                               MinibatchSource(four_class_data(), randomize=True, randomization_seed=5), minibatch_size=20,
                                max_samples=400, run_dir=tmp_path, tensorboard=False, stream=io.StringIO(),
                                precision=precision, clip_grad_norm=1.0, micro_batch_size=8)
     result = session.train()
@@ -270,14 +263,14 @@ def test_a_learner_stepping_the_optimizer_itself_is_refused_when_clipping_or_fp1
 
     model = make_model()
     learner = BypassingLearner(torch.optim.SGD(model.parameters(), lr=0.1))
-    session = training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(make_data()),
+    session = training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(four_class_data()),
                                minibatch_size=20, max_samples=20, run_dir=tmp_path, tensorboard=False,
                                stream=io.StringIO(), **options)
     with pytest.raises(ValueError, match=r"the bypassing learner calls optimizer.step\(\) itself.*_step_optimizer"):
         session.train()
     # without either setting it trains as before
     plain = BypassingLearner(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert training_session(model, nn.functional.cross_entropy, plain, MinibatchSource(make_data()), minibatch_size=20,
+    assert training_session(model, nn.functional.cross_entropy, plain, MinibatchSource(four_class_data()), minibatch_size=20,
                             max_samples=20, run_dir=tmp_path / "plain", tensorboard=False,
                             stream=io.StringIO()).train().samples_seen == 20
 
