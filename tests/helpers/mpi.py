@@ -54,7 +54,7 @@ class MpiResult(subprocess.CompletedProcess):
 
 
 # what launchers (mpiexec, srun, torchrun) and dtrain's own overrides put in a rank's environment
-LAUNCHER_VARIABLES = re.compile(r"^(OMPI_|PMIX_|PMI_|MV2_|SLURM_|TORCHELASTIC_|MASTER_|DTRAIN_)"
+LAUNCHER_VARIABLES = re.compile(r"^(OMPI_|PMIX_|PMI_|MV2_|SLURM_|SUBMITIT_|TORCHELASTIC_|MASTER_|DTRAIN_)"
                                 r"|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MPI_LOCALRANKID|MPI_LOCALNRANKS)$")
 
 

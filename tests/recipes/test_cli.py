@@ -15,15 +15,7 @@ import pytest
 from dtrain.session import checkpoint
 
 from tests.helpers.cifar_files import write_cifar10_binary
-
-
-def dtrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Runs ``python -m dtrain ARGS`` in ``cwd`` as a single process (no launcher in the environment)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+from tests.helpers.cli import run_dtrain
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -31,7 +23,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 
 def test_digits_recipe_reaches_97_percent_and_says_where_outputs_went(tmp_path):
-    result = dtrain("+recipe=digits", "run_dir=run", cwd=tmp_path)
+    result = run_dtrain("+recipe=digits", "run_dir=run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     accuracy = float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1))
     assert accuracy >= 97.0, result.stdout
@@ -53,10 +45,10 @@ def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
     write_cifar10_binary(tmp_path / "cifar", num_train=300, num_test=40)
     common = ("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", "session.progress_frequency=128",
               "session.checkpoint.frequency=128", "session.test.minibatch_size=16")
-    first = dtrain(*common, "session.max_samples=256", cwd=tmp_path)
+    first = run_dtrain(*common, "session.max_samples=256", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "test: accuracy" in first.stdout and "on 40 samples" in first.stdout
-    resumed = dtrain(*common, "session.max_samples=384", cwd=tmp_path)
+    resumed = run_dtrain(*common, "session.max_samples=384", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "restored" in resumed.stdout and "at 256 samples" in resumed.stdout
     assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "config.1.yaml").is_file()
@@ -92,13 +84,13 @@ def existing_run(tmp_path):
 ])
 def test_bad_input_is_one_line_nonzero_exit_and_nothing_overwritten(args, fragment, existing_run):
     before = snapshot(existing_run)
-    line = _one_error_line(dtrain(*args, f"run_dir={existing_run}", cwd=existing_run.parent))
+    line = _one_error_line(run_dtrain(*args, f"run_dir={existing_run}", cwd=existing_run.parent))
     assert fragment in line
     assert snapshot(existing_run) == before
 
 
 def test_missing_cifar10_without_network_says_where_to_put_the_files(tmp_path):
-    line = _one_error_line(dtrain(
+    line = _one_error_line(run_dtrain(
         "+recipe=cifar10", f"data.root={tmp_path / 'nowhere'}", "run_dir=run",
         "+source.train.deserializer.url=http://127.0.0.1:9/cifar-10-binary.tar.gz", cwd=tmp_path))
     assert "cifar-10-batches-bin" in line and "extract it into" in line and str(tmp_path / "nowhere") in line
@@ -109,7 +101,7 @@ def test_cifar10_file_of_the_wrong_size_is_named(tmp_path):
     batches = write_cifar10_binary(tmp_path / "cifar", num_train=50, num_test=10)
     with open(batches / "data_batch_3.bin", "ab") as stream:
         stream.write(b"\x01\x02\x03")
-    line = _one_error_line(dtrain("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", cwd=tmp_path))
+    line = _one_error_line(run_dtrain("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", cwd=tmp_path))
     assert "data_batch_3.bin" in line and "3073" in line
     assert not (tmp_path / "run").exists()
 
@@ -133,16 +125,16 @@ def test_sigterm_on_a_single_process_checkpoints_and_exits_75_then_resumes(tmp_p
     assert "preempted by SIGTERM" in stdout, stdout
     saved = max(checkpoint.CheckpointFiles(tmp_path / "run" / "checkpoint.pt").existing())
     assert 0 < saved[0] < 400000
-    resumed = dtrain("+recipe=digits", "run_dir=run", f"session.max_samples={saved[0] + 300}",
-                     "session.checkpoint.frequency=1500", "session.tensorboard=false", cwd=tmp_path)
+    resumed = run_dtrain("+recipe=digits", "run_dir=run", f"session.max_samples={saved[0] + 300}",
+                         "session.checkpoint.frequency=1500", "session.tensorboard=false", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"at {saved[0]} samples" in resumed.stdout, resumed.stdout
 
 
 def test_loss_and_metric_are_config_nodes_and_the_outputs_name_the_metric(tmp_path):
-    result = dtrain("+recipe=digits", "run_dir=run", "metric=top5_error", "metric.k=3", "loss.label_smoothing=0.1",
-                    "session.max_samples=1500", "session.progress_frequency=750", "session.tensorboard=false",
-                    cwd=tmp_path)
+    result = run_dtrain("+recipe=digits", "run_dir=run", "metric=top5_error", "metric.k=3", "loss.label_smoothing=0.1",
+                        "session.max_samples=1500", "session.progress_frequency=750", "session.tensorboard=false",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     progress = [line for line in result.stdout.splitlines() if line.startswith("samples")]
     assert len(progress) == 2 and all("| top3_error " in line for line in progress), result.stdout

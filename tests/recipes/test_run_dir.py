@@ -1,39 +1,26 @@
 """The run directory from the command line: resuming with changed settings, and one job per directory."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import yaml
 
 from dtrain.session import checkpoint
 
+from tests.helpers.cli import run_dtrain
+from tests.helpers.mpi import plain_environment
+
 TINY = ("+recipe=digits", "session.progress_frequency=320", "session.tensorboard=false", "model.hidden=32")
 
 
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_", "SUBMITIT_"))}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def dtrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Runs ``python -m dtrain ARGS`` in ``cwd`` as a single process (no launcher in the environment)."""
-    return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=cwd, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def test_resuming_with_changed_optimizer_settings_uses_them_says_so_and_records_them(tmp_path):
-    first = dtrain(*TINY, "run_dir=run", "session.max_samples=640", cwd=tmp_path)
+    first = run_dtrain(*TINY, "run_dir=run", "session.max_samples=640", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    second = dtrain(*TINY, "run_dir=run", "session.max_samples=960", "optimizer.momentum=0.0",
-                    "optimizer.weight_decay=0.5", "optimizer.lr=0.001", cwd=tmp_path)
+    second = run_dtrain(*TINY, "run_dir=run", "session.max_samples=960", "optimizer.momentum=0.0",
+                        "optimizer.weight_decay=0.5", "optimizer.lr=0.001", cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert "at 640 samples" in second.stdout
     changes = next(line for line in second.stdout.splitlines() if "settings changed since the checkpoint" in line)
@@ -48,11 +35,11 @@ def test_resuming_with_changed_optimizer_settings_uses_them_says_so_and_records_
 
 
 def test_settings_that_cannot_change_are_refused_naming_them(tmp_path):
-    assert dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path).returncode == 0
+    assert run_dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path).returncode == 0
     for override, fragment in (("seed=1", "seed was 0 in the checkpoint's run and is 1 now"),
                                ("model.hidden=16", "does not fit this model"),
                                ("learner=quantized", "'data_parallel' learner, this run uses 'quantized'")):
-        result = dtrain(*TINY, "run_dir=run", "session.max_samples=640", override, cwd=tmp_path)
+        result = run_dtrain(*TINY, "run_dir=run", "session.max_samples=640", override, cwd=tmp_path)
         assert result.returncode == 2, result.stdout + result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and fragment in lines[0], result.stderr
@@ -61,7 +48,7 @@ def test_settings_that_cannot_change_are_refused_naming_them(tmp_path):
 def test_a_second_job_into_the_same_run_directory_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path):
     command = [sys.executable, "-m", "dtrain", *TINY, "run_dir=run", "session.max_samples=4000000",
                "session.checkpoint.preemption_signal=null"]
-    with subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL,
+    with subprocess.Popen(command, cwd=tmp_path, env=plain_environment(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL) as first:
         try:
             holder = tmp_path / "run" / ".lock"
@@ -69,7 +56,7 @@ def test_a_second_job_into_the_same_run_directory_is_refused_and_a_dead_ones_loc
             while not (holder.exists() and f"pid {first.pid} " in holder.read_text()):
                 assert time.monotonic() < deadline and first.poll() is None, "the first job did not start"
                 time.sleep(0.2)
-            second = dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path)
+            second = run_dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path)
             assert second.returncode == 2, second.stdout + second.stderr
             lines = second.stderr.strip().splitlines()
             assert len(lines) == 1, second.stderr
@@ -78,5 +65,5 @@ def test_a_second_job_into_the_same_run_directory_is_refused_and_a_dead_ones_loc
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait()
-    third = dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path)
+    third = run_dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path)
     assert third.returncode == 0, third.stderr

@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,17 +9,9 @@ import yaml
 
 from dtrain.session import checkpoint
 
+from tests.helpers.cli import run_dtrain
+
 TINY = ("+recipe=digits", "session.max_samples=640", "session.progress_frequency=320", "session.tensorboard=false")
-
-
-def dtrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Runs ``python -m dtrain ARGS`` in ``cwd`` as a single process (no launcher in the environment)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_", "SUBMITIT_"))}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def final_test_error(run_dir: Path) -> float:
@@ -32,7 +21,7 @@ def final_test_error(run_dir: Path) -> float:
 
 def test_a_two_job_sweep_trains_twice_into_two_run_directories(tmp_path):
     sweep = tmp_path / "sweep"
-    result = dtrain("-m", *TINY, "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    result = run_dtrain("-m", *TINY, "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "restored" not in result.stdout
     for job, lr in ((0, 0.02), (1, 0.05)):
@@ -42,8 +31,8 @@ def test_a_two_job_sweep_trains_twice_into_two_run_directories(tmp_path):
         assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == lr
     assert final_test_error(sweep / "0") != final_test_error(sweep / "1")
     # the same command with the same sweep directory continues each job from its own checkpoint
-    again = dtrain("-m", *TINY[:-3], "session.max_samples=960", "session.tensorboard=false", "optimizer.lr=0.02,0.05",
-                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    again = run_dtrain("-m", *TINY[:-3], "session.max_samples=960", "session.tensorboard=false", "optimizer.lr=0.02,0.05",
+                       f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     for job in (0, 1):
         assert f"restored {sweep / str(job) / 'checkpoint-640.pt'} at 640 samples" in again.stdout
@@ -51,8 +40,8 @@ def test_a_two_job_sweep_trains_twice_into_two_run_directories(tmp_path):
 
 def test_an_optuna_sweep_minimises_the_returned_test_error(tmp_path):
     sweep = tmp_path / "optuna"
-    result = dtrain("-m", *TINY, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1",
-                    "optimizer.lr=interval(0.01,0.1)", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    result = run_dtrain("-m", *TINY, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=1",
+                        "optimizer.lr=interval(0.01,0.1)", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     errors = [final_test_error(sweep / str(job)) for job in range(3)]
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
@@ -63,8 +52,8 @@ def test_an_optuna_sweep_minimises_the_returned_test_error(tmp_path):
 
 def test_a_sweep_through_submitit_trains_distinct_runs(tmp_path):
     sweep = tmp_path / "submitit"
-    result = dtrain("-m", *TINY, "hydra/launcher=submitit_local", "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={sweep}",
-                    cwd=tmp_path)
+    result = run_dtrain("-m", *TINY, "hydra/launcher=submitit_local", "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={sweep}",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
     assert "restored" not in logs
@@ -78,7 +67,7 @@ def test_a_sweep_through_submitit_trains_distinct_runs(tmp_path):
     (("hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"), "starts 2 independent copies of each job"),
 ])
 def test_a_sweep_that_would_share_or_copy_a_run_is_refused_in_one_line(tmp_path, args, fragment):
-    result = dtrain("-m", *TINY, *args, "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    result = run_dtrain("-m", *TINY, *args, "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dtrain: error: ") and fragment in lines[0], result.stderr

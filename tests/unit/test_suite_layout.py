@@ -1,0 +1,22 @@
+"""The test suite's own layout: helpers come from ``tests.helpers``, never from edits of ``sys.path``,
+and every multi-process worker script is launched by a test."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_no_test_helper_or_worker_edits_sys_path():
+    pattern = re.compile(r"sys\.path\.(insert|append|extend)|syspath_prepend")
+    offenders = [f"{path.relative_to(TESTS)}:{number}" for path in sorted(TESTS.rglob("*.py"))
+                 if path != Path(__file__).resolve()
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, f"import shared code from tests.helpers instead: {offenders}"
+
+
+def test_every_worker_script_is_launched_by_a_test_module():
+    tests = "\n".join(path.read_text() for path in TESTS.glob("dist/test_*.py"))
+    unused = [worker.name for worker in sorted(TESTS.glob("dist/_*_worker.py")) if worker.name not in tests]
+    assert not unused, unused
