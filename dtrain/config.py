@@ -100,7 +100,7 @@ class PowerSGDExchangeConfig:
 
     _target_: str = "dtrain.exchange.PowerSGD"
     matrix_approximation_rank: int = 1
-    start_powersgd_iter: int = 1000     # steps of plain all-reduce first
+    start_powersgd_iter: Any = 1000     # steps of plain all-reduce first, or "auto": 10% of the run's steps
     min_compression_rate: float = 2.0
     use_error_feedback: bool = True
     warm_start: bool = True
@@ -484,12 +484,22 @@ def _compressed_exchange_rules(node: DictConfig, name: str) -> list[str]:
     return []
 
 
+def _steps_or_auto(name: str, value):
+    """A whole number of steps (>= 0), or ``"auto"``."""
+    if value == "auto":
+        return value
+    try:
+        return checks.whole_number(name, value, low=0, unit="steps")
+    except ValueError as error:
+        raise ValueError(f"{error} or auto") from None
+
+
 @register_rule("dtrain.exchange.PowerSGD")
 def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
     return _check(
         node, name,
         ("matrix_approximation_rank", checks.whole_number, {"low": 1}),
-        ("start_powersgd_iter", checks.whole_number, {"low": 0, "unit": "steps"}),
+        ("start_powersgd_iter", _steps_or_auto, {}),
         ("min_compression_rate", checks.positive_number, {}),
         ("use_error_feedback", checks.boolean, {}),
         ("warm_start", checks.boolean, {}),

@@ -102,6 +102,10 @@ class Exchange(abc.ABC):
         """A few words for progress lines and the start-up summary (e.g. ``powersgd rank 1``)."""
         return self.name
 
+    def plan(self, facts: Any) -> None:
+        """Told the run's facts (a :class:`dtrain.learners.base.RunFacts`) by the learner's ``plan``,
+        before training, to derive ``"auto"`` settings; nothing to derive here."""
+
     def close(self) -> None:
         """Releases threads or buffers the strategy holds (a later ``start`` may create them again)."""
 

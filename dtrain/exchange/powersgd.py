@@ -22,6 +22,7 @@ orthogonalisation (the same after it), Q equals the hook's Q.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Hashable
 from typing import Any
@@ -31,6 +32,13 @@ import torch
 
 from dtrain import checks
 from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views
+
+
+AUTO_START_FRACTION = 0.1
+"""``start_powersgd_iter="auto"``: this fraction of the run's steps is plain all-reduce (the hook's advice)."""
+
+DEFAULT_START_ITER = 1000
+"""The hook's default, used by ``"auto"`` when the run's length is unknown."""
 
 
 def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
@@ -70,7 +78,9 @@ class PowerSGD(ThreadedExchange):
     Args:
         matrix_approximation_rank: r, the rank of the approximation (>= 1; 1-4 is typical).
         start_powersgd_iter: steps of plain all-reduce before compression starts (>= 0); the
-            hook's default is 1000, and it recommends about 10% of the run.
+            hook's default is 1000, and it recommends about 10% of the run, which ``"auto"``
+            gives (10% of ``max_samples / minibatch_size``, derived in :meth:`plan`; 1000 when
+            the run's length is unknown).
         min_compression_rate: compress a matrix only if it shrinks by more than this factor (> 0).
         use_error_feedback: add each step's compression error to the next step's input.
         warm_start: start the power iteration from the previous step's Q (else a new random Q).
@@ -83,14 +93,15 @@ class PowerSGD(ThreadedExchange):
 
     name = "powersgd"
 
-    def __init__(self, matrix_approximation_rank: int = 1, start_powersgd_iter: int = 1000,
+    def __init__(self, matrix_approximation_rank: int = 1, start_powersgd_iter: int | str = DEFAULT_START_ITER,
                  min_compression_rate: float = 2.0, use_error_feedback: bool = True, warm_start: bool = True,
                  orthogonalization_epsilon: float = 0.0, random_seed: int = 0):
         super().__init__()
         self.matrix_approximation_rank = checks.whole_number("matrix_approximation_rank", matrix_approximation_rank,
                                                              low=1)
-        self.start_powersgd_iter = checks.whole_number("start_powersgd_iter", start_powersgd_iter, low=0,
-                                                       unit="steps")
+        self.start_is_auto = start_powersgd_iter == "auto"
+        self.start_powersgd_iter = DEFAULT_START_ITER if self.start_is_auto else checks.whole_number(
+            "start_powersgd_iter", start_powersgd_iter, low=0, unit="steps")
         self.min_compression_rate = checks.positive_number("min_compression_rate", min_compression_rate)
         self.use_error_feedback = checks.boolean("use_error_feedback", use_error_feedback)
         self.warm_start = checks.boolean("warm_start", warm_start)
@@ -108,6 +119,16 @@ class PowerSGD(ThreadedExchange):
         """``powersgd rank r`` (``, all-reduce until step s`` while compression has not started)."""
         waiting = f" (all-reduce until step {self.start_powersgd_iter})" if self.step < self.start_powersgd_iter else ""
         return f"powersgd rank {self.matrix_approximation_rank}{waiting}"
+
+    def plan(self, facts) -> None:
+        """Derives ``start_powersgd_iter="auto"``: 10% of the run's steps (1000 when its length is unknown)."""
+        if not self.start_is_auto:
+            return
+        max_samples, minibatch = getattr(facts, "max_samples", None), getattr(facts, "minibatch_size", None)
+        if max_samples and minibatch:
+            self.start_powersgd_iter = math.ceil(AUTO_START_FRACTION * math.ceil(max_samples / minibatch))
+        else:
+            self.start_powersgd_iter = DEFAULT_START_ITER
 
     @property
     def step(self) -> int:

@@ -118,6 +118,11 @@ class DataParallelLearner(ReplicatedLearner):
         self._reducing = False
         self.exchange.close()
 
+    def plan(self, facts: RunFacts) -> None:
+        """The base's plan, then the exchange's (a strategy may derive ``"auto"`` settings from the run)."""
+        super().plan(facts)
+        self.exchange.plan(facts)
+
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """``distributed_after="auto"``: a warm start (:func:`auto_warm_start`) when the exchange asks for
         one (k-bit quantization), else none; 0 with one process."""
