@@ -67,6 +67,8 @@ class DataParallelLearner(ReplicatedLearner):
         distributed_after: global samples of local-only training before synchronous steps begin.
         bucket_size_mb: bucket size limit in MiB (> 0); a parameter larger than it gets its own bucket.
         exchange: how buckets are summed over ranks (:mod:`dtrain.exchange`); None: float32 all-reduce.
+        overlap_backward: start each bucket's exchange during backward (the default); ``False``
+            starts them all after backward, only to measure what the overlap saves.
 
     Raises:
         ValueError: ``bucket_size_mb`` is not a positive number, or ``distributed_after`` < 0.
@@ -77,8 +79,9 @@ class DataParallelLearner(ReplicatedLearner):
     kind = "data_parallel"
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = 0,
-                 bucket_size_mb: float = 25.0, exchange: Exchange | None = None):
+                 bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True):
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
+        self.overlap_backward = checks.boolean("overlap_backward", overlap_backward)
         if exchange is None:
             exchange = AllReduce()
         if not isinstance(exchange, Exchange):
@@ -176,7 +179,8 @@ class DataParallelLearner(ReplicatedLearner):
         if not self._reducing or self._accumulating:
             return  # local steps, a backward outside training, or an earlier micro-batch (see no_sync)
         self.buckets[bucket_index].fill(slot, parameter.grad, self._scale)
-        self._launch_ready_buckets()
+        if self.overlap_backward:
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         # strictly in index order: a full bucket waits for earlier ones, so ranks never disagree
