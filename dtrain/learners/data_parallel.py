@@ -334,7 +334,8 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
 
     Raises:
         ValueError: a value out of range or of the wrong kind (one line ``name=value: expected ...``),
-            or both ``exchange`` and ``num_quantization_bits`` below 32.
+            or both ``exchange`` (other than float32 all-reduce, the config's default) and
+            ``num_quantization_bits`` below 32.
         TypeError: ``optimizer`` is not a torch optimizer, or ``exchange`` not an exchange strategy.
     """
     num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
@@ -345,7 +346,7 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
                          "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")
-    if exchange is not None and num_quantization_bits < 32:
+    if exchange is not None and not isinstance(exchange, AllReduce) and num_quantization_bits < 32:
         raise ValueError(f"num_quantization_bits={num_quantization_bits} and exchange={exchange.describe()} both choose "
                          f"the exchange; use learner/exchange=quantized with learner.exchange.num_bits, or drop the "
                          f"exchange")
