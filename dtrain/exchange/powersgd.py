@@ -233,14 +233,14 @@ class PowerSGD(ThreadedExchange):
 
         def cpu(tensors: dict) -> dict:
             return {key: tensor.detach().cpu().clone() for key, tensor in tensors.items()}
-        return {"name": self.name, "steps_begun": self.steps_begun, "rng": self.rng.get_state(),
+        return {"name": self.name, "steps_begun": self.steps_begun, "rng": _rng_state(self.rng),
                 "errors": cpu(self.errors), "p_memory": cpu(self.p_memory), "q_memory": cpu(self.q_memory)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output (saved at the same world size)."""
         device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.steps_begun = int(state["steps_begun"])
-        self.rng.set_state(state["rng"])
+        self.rng.set_state(_rng_state_from(state["rng"]))
         self.errors = {key: tensor.to(device) for key, tensor in state["errors"].items()}
         self.p_memory = {key: tensor.to(device) for key, tensor in state["p_memory"].items()}
         self.q_memory = {key: tensor.to(device) for key, tensor in state["q_memory"].items()}
@@ -254,6 +254,19 @@ class PowerSGD(ThreadedExchange):
         self.p_memory: dict[Hashable, torch.Tensor] = {}
         self.q_memory: dict[Hashable, torch.Tensor] = {}
         self.steps_begun = 0
+
+
+def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:
+    """The generator's state as tensors and numbers (checkpoints are read with ``weights_only=True``)."""
+    kind, keys, position, has_gauss, cached = rng.get_state()
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _rng_state_from(state: dict[str, Any]) -> tuple:
+    """Inverse of :func:`_rng_state`."""
+    return (state["kind"], state["keys"].numpy().astype(np.uint32), state["position"], state["has_gauss"],
+            state["cached_gaussian"])
 
 
 __all__ = ["PowerSGD", "orthogonalize_", "should_compress"]

@@ -11,7 +11,8 @@ gradient:
 * a resume from (model, learner.state_dict(), learner.local_state_dict()) at the same world
   size continues bit-exactly, and for strategies with state, dropping the per-rank state gives
   a different result (the state matters and is what was saved);
-* a replicated state saved at another world size resets the strategy's state, with a line.
+* a replicated state saved at another world size resets the strategy's state, with a line;
+* ``Communicator.all_to_all`` (native and the allgather fallback) with per-pair lengths.
 
 Prints ``RESULT name key=value ...`` lines on rank 0 and ``PASS rank r/N`` on every rank.
 """
@@ -24,7 +25,7 @@ import sys
 
 import torch
 
-from dtrain.comm import create_communicator
+from dtrain.comm import Communicator, create_communicator
 from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
 from dtrain.learners import DataParallelLearner
 
@@ -135,9 +136,23 @@ def check_strategy(comm, strategy: str) -> None:
         print(f"RESULT {strategy} sent={sent} full={full} stateful={int(stateful)}", flush=True)
 
 
+def check_all_to_all(comm) -> None:
+    """``comm.all_to_all`` with lengths differing per pair, native and through the allgather fallback,
+    with and without the receive sizes given."""
+    sends = [torch.arange(comm.rank + 2 * peer + 1, dtype=torch.float32) + 100 * comm.rank for peer in range(comm.size)]
+    expected = [torch.arange(source + 2 * comm.rank + 1, dtype=torch.float32) + 100 * source
+                for source in range(comm.size)]
+    sizes = [message.numel() for message in expected]
+    for received in (comm.all_to_all(sends), comm.all_to_all(sends, receive_sizes=sizes),
+                     Communicator.all_to_all(comm, sends)):
+        if len(received) != comm.size or not all(torch.equal(a, b) for a, b in zip(received, expected)):
+            raise AssertionError(f"all_to_all gave {received}, expected {expected}")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     comm = create_communicator(timeout_s=60)
+    check_all_to_all(comm)
     for strategy in sys.argv[1].split(",") if len(sys.argv) > 1 else STRATEGIES:
         check_strategy(comm, strategy)
     print(f"PASS rank {comm.rank}/{comm.size}", flush=True)

@@ -169,3 +169,27 @@ def test_the_learner_reports_exchange_seconds_for_the_session():
         return learner.exchange_seconds_last_step, learner.bytes_sent_last_step, learner.progress_note()
     for seconds, sent, note in FakeWorld(2).run(work):
         assert seconds > 0 and sent > 0 and note.startswith("2-bit: ")
+
+
+def test_powersgd_state_survives_a_weights_only_checkpoint_round_trip():
+    import io
+
+    def work(comm):
+        exchange = PowerSGD(start_powersgd_iter=0)
+        exchange.bind(comm)
+        shapes = [torch.Size([6, 5]), torch.Size([5])]
+        for step in range(2):
+            exchange.begin_step()
+            exchange.start(0, torch.randn(35, generator=torch.Generator().manual_seed(step + comm.rank)), shapes).wait()
+        buffer = io.BytesIO()
+        torch.save(exchange.state_dict(), buffer)  # the session reads checkpoints with weights_only=True
+        restored = PowerSGD(start_powersgd_iter=0)
+        restored.bind(comm)
+        restored.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+        results = []
+        for strategy in (exchange, restored):
+            strategy.begin_step()
+            results.append(strategy.start(0, torch.randn(35, generator=torch.Generator().manual_seed(9)), shapes).wait())
+            strategy.close()
+        return torch.equal(*results) and restored.rng.randint(1000) == exchange.rng.randint(1000)
+    assert all(FakeWorld(2).run(work))
