@@ -242,7 +242,7 @@ class DataParallelLearner(ReplicatedLearner):
         saved = state.get("exchange_world_size")
         if saved is not None and saved != self.comm.size and self.exchange.stateful \
                 and self.comm.is_main:
-            print(f"dtrain: the {self.exchange.describe()} exchange state (error feedback, factors, step counter) "
+            print(f"dtrain: the {self.exchange.name} exchange state (error feedback, factors, step counter) "
                   f"was saved by {saved} workers; starting it afresh on {self.comm.size}", flush=True)
 
     def local_state_dict(self) -> dict[str, Any]:
