@@ -1,4 +1,4 @@
-"""Bytes on the wire and time per gradient exchange: float32 all-reduce vs k-bit quantized exchange.
+"""Bytes on the wire and time per gradient exchange: float32 all-reduce vs bf16/fp16, k-bit and PowerSGD.
 
     mpiexec -n 2 python benchmarks/bytes_on_wire.py                     # ConvNetCIFAR10, 32/8/4/2/1 bits
     mpiexec -n 4 --oversubscribe python benchmarks/bytes_on_wire.py --model digits --repeats 50
@@ -16,6 +16,13 @@ minibatch. Rows:
 * ``k``: ``QuantizedExchange`` at k bits (phase 1 through ``all_to_all_single``); bytes are what
   this rank hands to the transport in both phases, measured by the exchange.
 * ``1 (all-gather a2a)``: the same at 1 bit with phase 1 built from all-gather (the fallback).
+* ``bf16`` / ``fp16``: :class:`dtrain.exchange.CompressedAllReduce` (the all-reduce in 16 bits).
+* ``powersgd rR``: :class:`dtrain.exchange.PowerSGD` at rank R from the first step (the learner's
+  ``start_powersgd_iter`` all-reduce phase skipped), the whole gradient as one bucket; bytes are
+  the three all-reduces (uncompressed vectors, P, Q) of a ring. ``--ranks`` chooses R.
+
+The strategies run through the same interface the data-parallel learner uses
+(``exchange.start(key, flat, shapes).wait()``).
 
 Time: the slowest rank's wall-clock seconds per exchange (quantize, pack, both phases, unpack,
 decode), median over ``--repeats`` after 2 warm-up exchanges. Error: ``|sum - exact| / |exact|``
@@ -32,6 +39,7 @@ import torch
 
 from dtrain.comm import create_communicator
 from dtrain.compress import QuantizedExchange, full_precision_allreduce_bytes
+from dtrain.exchange import CompressedAllReduce, PowerSGD
 from dtrain.models import ConvNetCIFAR10, DigitsCNN
 
 MODELS = {
@@ -71,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="cifar")
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2, 1])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="PowerSGD ranks")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
 
@@ -102,12 +111,36 @@ def main() -> None:
         quantized_row(str(bits), bits)
     quantized_row("1 (all-gather a2a)", 1, all_to_all="allgather")
 
+    shapes = [gradient.shape for gradient in gradients]
+
+    def strategy_row(label: str, make) -> None:
+        def exchange_once(strategy) -> torch.Tensor:
+            strategy.begin_step()
+            flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+            return strategy.allreduce_(0, flat, shapes)
+
+        first = make()
+        first.bind(comm)
+        error = float((exchange_once(first) - exact).norm() / exact.norm())
+        strategy = make()
+        strategy.bind(comm)
+        seconds = timed(comm, lambda: exchange_once(strategy), args.repeats)
+        rows.append((label, strategy.bytes_sent_last_step, seconds, error))
+        first.close()
+        strategy.close()
+
+    for dtype in ("bf16", "fp16"):
+        strategy_row(dtype, lambda dtype=dtype: CompressedAllReduce(dtype))
+    for rank in args.ranks:
+        strategy_row(f"powersgd r{rank}", lambda rank=rank: PowerSGD(matrix_approximation_rank=rank,
+                                                                      start_powersgd_iter=0))
+
     if comm.is_main:
         layout = QuantizedExchange(comm, 1)._layout_for([tuple(gradient.shape) for gradient in gradients])
         print(f"model {args.model}: {numel:,} gradient values in {len(gradients)} tensors, "
               f"{layout.columns.num_columns} columns; {comm.size} ranks (Gloo, CPU); "
               f"{torch.get_num_threads()} torch threads per rank; time = median of {args.repeats}, slowest rank")
-        header = ("bits", "bytes sent/step/rank", "vs 32-bit", "ms/exchange", "rel. error")
+        header = ("exchange (bits)", "bytes sent/step/rank", "vs 32-bit", "ms/exchange", "rel. error")
         print(f"{header[0]:>20} | {header[1]:>20} | {header[2]:>9} | {header[3]:>11} | {header[4]:>10}")
         print("-" * 84)
         for label, sent, seconds, error in rows:

@@ -27,13 +27,18 @@ CONFIGS = {
     "data_parallel": ["learner=data_parallel"],
     "quantized (1-bit)": ["learner=quantized"],
     "block_momentum": ["learner=block_momentum"],
+    "powersgd": ["learner=powersgd"],
+    "data_parallel, bf16 exchange": ["learner=data_parallel", "learner/exchange=bf16"],
+    "data_parallel, fp16 exchange": ["learner=data_parallel", "learner/exchange=fp16"],
+    "powersgd rank 1": ["learner=powersgd", "learner.exchange.matrix_approximation_rank=1"],
+    "powersgd, no all-reduce start": ["learner=powersgd", "learner.exchange.start_powersgd_iter=0"],
     "quantized, 2-bit": ["learner=quantized", "learner.num_quantization_bits=2"],
     "1-bit, no warm start": ["learner=quantized", "learner.distributed_after=0"],
     "1-bit, no error feedback": ["learner=quantized", "learner.error_feedback=false"],
     "block_momentum, no warm start": ["learner=block_momentum", "learner.distributed_after=0"],
     "block_momentum, block 4096": ["learner=block_momentum", "learner.block_size=4096"],
 }
-DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum"]
+DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum", "powersgd"]
 
 
 def run(ranks: int, overrides: list[str], seed: int, samples: int) -> tuple[float | str, float]:

@@ -40,14 +40,17 @@ class LocalLearnerConfig:
 class DataParallelLearnerConfig:
     """``data_parallel_distributed_learner``: gradients averaged over all workers every minibatch.
 
-    ``num_quantization_bits`` below 32 sends k-bit gradients with error feedback (1-bit SGD).
+    ``exchange`` is the strategy that sums each gradient bucket (``learner/exchange=NAME``, one
+    of the schemas below; float32 all-reduce when unset). ``num_quantization_bits`` below 32 is
+    CNTK's shortcut for k-bit gradients with error feedback (1-bit SGD, ``learner=quantized``).
     """
 
     _target_: str = "dtrain.learners.data_parallel_distributed_learner"
-    distributed_after: Any = "auto"     # samples, or "auto": none at 32 bits, a warm start relative to the run below
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run for k-bit, else none
     num_quantization_bits: int = 32
     bucket_size_mb: float = 25.0
     error_feedback: bool = True         # quantized only; false drops the quantization error (ablation)
+    exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
 
 
 @dataclass
@@ -80,6 +83,29 @@ class QuantizedExchangeConfig:
     _target_: str = "dtrain.exchange.Quantized"
     num_bits: int = 1
     error_feedback: bool = True
+
+
+@dataclass
+class CompressedExchangeConfig:
+    """``dtrain.exchange.CompressedAllReduce``: the pre-divided gradients all-reduced as bf16 or fp16."""
+
+    _target_: str = "dtrain.exchange.CompressedAllReduce"
+    dtype: str = "bf16"                 # bf16 or fp16
+
+
+@dataclass
+class PowerSGDExchangeConfig:
+    """``dtrain.exchange.PowerSGD``: rank-r low-rank compression with error feedback and warm start
+    (PyTorch's ``powerSGD_hook``, same defaults)."""
+
+    _target_: str = "dtrain.exchange.PowerSGD"
+    matrix_approximation_rank: int = 1
+    start_powersgd_iter: Any = 1000     # steps of plain all-reduce first, or "auto": 10% of the run's steps
+    min_compression_rate: float = 2.0
+    use_error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    random_seed: int = 0
 
 
 # -- optimizers (partial: the parameters are passed when the model exists) -------------------------
@@ -327,6 +353,8 @@ _SCHEMAS = {
     ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
     ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
     ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
+    ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,
+    ("schema/learner/exchange", "powersgd"): PowerSGDExchangeConfig,
     ("schema/optimizer", "sgd"): SGDConfig,
     ("schema/optimizer", "adam"): AdamConfig,
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
@@ -425,6 +453,58 @@ def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
         ("num_quantization_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
         ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
         ("error_feedback", checks.boolean, {}),
+    ) + _exchange_choice_problems(node, name)
+
+
+def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:
+    """``num_quantization_bits`` below 32 and an exchange other than float32 both choose how gradients travel."""
+    exchange = node.get("exchange") if "exchange" in node else None
+    bits = node.get("num_quantization_bits", 32)
+    if isinstance(exchange, DictConfig) and exchange.get("_target_") not in (None, "dtrain.exchange.AllReduce") \
+            and isinstance(bits, int) and bits < 32:
+        return [f"{name}.num_quantization_bits={bits} and {name}/exchange={exchange.get('_target_')}: both choose the "
+                f"gradient exchange; use {name}/exchange=quantized with {name}.exchange.num_bits, or leave "
+                f"{name}.num_quantization_bits at 32"]
+    return []
+
+
+@register_rule("dtrain.exchange.Quantized")
+def _quantized_exchange_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(
+        node, name,
+        ("num_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
+        ("error_feedback", checks.boolean, {}),
+    )
+
+
+@register_rule("dtrain.exchange.CompressedAllReduce")
+def _compressed_exchange_rules(node: DictConfig, name: str) -> list[str]:
+    if "dtype" in node and node.dtype not in ("bf16", "fp16"):
+        return [f"{name}.dtype={node.dtype!r}: expected bf16 or fp16"]
+    return []
+
+
+def _steps_or_auto(name: str, value):
+    """A whole number of steps (>= 0), or ``"auto"``."""
+    if value == "auto":
+        return value
+    try:
+        return checks.whole_number(name, value, low=0, unit="steps")
+    except ValueError as error:
+        raise ValueError(f"{error} or auto") from None
+
+
+@register_rule("dtrain.exchange.PowerSGD")
+def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(
+        node, name,
+        ("matrix_approximation_rank", checks.whole_number, {"low": 1}),
+        ("start_powersgd_iter", _steps_or_auto, {}),
+        ("min_compression_rate", checks.positive_number, {}),
+        ("use_error_feedback", checks.boolean, {}),
+        ("warm_start", checks.boolean, {}),
+        ("orthogonalization_epsilon", checks.positive_number, {"allow_zero": True}),
+        ("random_seed", checks.whole_number, {"low": 0}),
     )
 
 

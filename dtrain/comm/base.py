@@ -117,6 +117,35 @@ class Communicator(abc.ABC):
         All ranks must pass tensors of the same shape and dtype.
         """
 
+    def all_to_all(self, sends: list[torch.Tensor], receive_sizes: list[int] | None = None) -> list[torch.Tensor]:
+        """Send ``sends[j]`` to rank j and return what every rank sent this one, indexed by source rank.
+
+        Messages are 1-D tensors of one dtype; their lengths may differ per pair of ranks (MPI's
+        ``alltoallv``). Every rank must pass ``size`` tensors. ``receive_sizes`` (the lengths this
+        rank will receive, by source), when the caller knows them, saves a transport the exchange
+        of lengths. This default is built from
+        :meth:`allgather` (each rank gathers every rank's padded messages and keeps those addressed
+        to it, N times the bytes of a true all-to-all); transports with a native all-to-all
+        override it.
+
+        Raises ValueError when ``sends`` does not hold one 1-D tensor per rank.
+        """
+        self._check_sends(sends)
+        del receive_sizes  # the gathered lengths below say the same
+        sizes = torch.tensor([message.numel() for message in sends], dtype=torch.int64, device=self.device)
+        all_sizes = self.allgather(sizes)  # all_sizes[src][dst]: what src sends dst
+        longest = max(int(row.sum()) for row in all_sizes)
+        outgoing = torch.zeros(longest, dtype=sends[0].dtype, device=self.device)
+        if longest:
+            outgoing[:int(sizes.sum())] = torch.cat([message.reshape(-1) for message in sends])
+        gathered = self.allgather(outgoing) if longest else [outgoing] * self.size
+        received = []
+        for source, data in enumerate(gathered):
+            row = [int(size) for size in all_sizes[source]]
+            start = sum(row[:self.rank])
+            received.append(data[start:start + row[self.rank]].clone())
+        return received
+
     # -- object collectives -----------------------------------------------------------------
     @abc.abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
@@ -165,6 +194,13 @@ class Communicator(abc.ABC):
         if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise ValueError(f"allreduce op='mean' needs a floating-point tensor, got {tensor.dtype}; "
                              "use op='sum' and divide, or cast first")
+
+    def _check_sends(self, sends: list[torch.Tensor]) -> None:
+        if len(sends) != self.size or any(message.dim() != 1 for message in sends):
+            raise ValueError(f"all_to_all needs one 1-D tensor per rank ({self.size}), got "
+                             f"{[tuple(message.shape) for message in sends]}")
+        if len({message.dtype for message in sends}) > 1:
+            raise ValueError(f"all_to_all needs messages of one dtype, got {sorted({str(m.dtype) for m in sends})}")
 
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.size:

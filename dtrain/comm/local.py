@@ -77,6 +77,11 @@ class LocalCommunicator(Communicator):
         """Return ``[copy of tensor]`` (a new tensor, as the distributed version gives)."""
         return [tensor.clone()]
 
+    def all_to_all(self, sends: list[torch.Tensor], receive_sizes: list[int] | None = None) -> list[torch.Tensor]:
+        """Return ``[copy of sends[0]]``: the one message this rank sends itself."""
+        self._check_sends(sends)
+        return [sends[0].clone()]
+
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return ``[copy of obj]``, copied through pickle like the distributed version."""
         return [_pickle_round_trip(obj)]

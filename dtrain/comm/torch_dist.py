@@ -146,6 +146,27 @@ class TorchDistCommunicator(Communicator):
         dist.all_gather(gathered, tensor)
         return gathered
 
+    def all_to_all(self, sends: list[torch.Tensor], receive_sizes: list[int] | None = None) -> list[torch.Tensor]:
+        """``sends[j]`` to rank j through ``all_to_all_single`` with per-peer sizes (alltoallv).
+
+        Gloo implements it for CPU tensors and NCCL for GPU tensors in torch 2.x; a backend
+        without it falls back to :meth:`Communicator.all_to_all` (built from ``allgather``).
+        Without ``receive_sizes`` the lengths are exchanged first with a small all-to-all.
+        """
+        self._check_sends(sends)
+        send_sizes = [message.numel() for message in sends]
+        if receive_sizes is None:
+            size_out = torch.empty(self._size, dtype=torch.int64, device=self.device)
+            try:
+                dist.all_to_all_single(size_out, torch.tensor(send_sizes, dtype=torch.int64, device=self.device))
+            except (RuntimeError, NotImplementedError):  # no all-to-all in this backend: the allgather form
+                return super().all_to_all(sends)
+            receive_sizes = [int(size) for size in size_out.tolist()]
+        received = torch.empty(sum(receive_sizes), dtype=sends[0].dtype, device=self.device)
+        dist.all_to_all_single(received, torch.cat([message.reshape(-1) for message in sends]),
+                               output_split_sizes=receive_sizes, input_split_sizes=send_sizes)
+        return list(received.split(receive_sizes))
+
     # -- object collectives -----------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return every rank's picklable object, indexed by rank."""

@@ -15,11 +15,11 @@ A striped reduce-scatter followed by an all-gather, both on quantized, bit-packe
 What travels for a stripe is one uint8 message: ``lower`` (float32 per column) | ``upper``
 (float32 per column) | the packed codes (``bitpack``).
 
-Transports. Phase 1 uses ``torch.distributed.all_to_all_single`` with per-peer sizes (Gloo
-implements this "alltoallv" on CPU tensors in torch 2.13, NCCL on GPU) when the communicator is a
-:class:`~dtrain.comm.TorchDistCommunicator`. Any other communicator (and ``all_to_all="allgather"``)
-gets a fallback built from ``Communicator.allgather``: every rank gathers every rank's messages
-and keeps those addressed to it, which moves N times the bytes. Phase 2 is
+Transports. Phase 1 uses the communicator's ``all_to_all`` with per-peer sizes
+(:meth:`dtrain.comm.Communicator.all_to_all`: ``all_to_all_single`` on Gloo and NCCL). A
+communicator without one (and ``all_to_all="allgather"``) gets a fallback built from
+``Communicator.allgather``: every rank gathers every rank's messages and keeps those addressed
+to it, which moves N times the bytes. Phase 2 is
 ``Communicator.allgather`` of the messages padded to the longest stripe's.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dtrain import checks
 from dtrain.comm.torch_dist import TorchDistCommunicator
@@ -45,7 +44,8 @@ from dtrain.compress.quantizer import (
 )
 
 ALL_TO_ALL_CHOICES = ("auto", "torch", "allgather")
-"""How phase 1 travels: ``torch`` (all_to_all_single), ``allgather`` (fallback), ``auto`` (torch when possible)."""
+"""How phase 1 travels: ``torch`` (the communicator's ``all_to_all``: ``all_to_all_single`` on a
+torch.distributed one), ``allgather`` (the fallback), ``auto`` (``all_to_all`` when the communicator has one)."""
 
 _BYTES_PER_SCALE = 4  # lower and upper are float32
 
@@ -201,14 +201,11 @@ def decode_message(message: torch.Tensor, layout: ColumnLayout, bits: int) -> Qu
 # -- transports --------------------------------------------------------------------------------------
 
 
-def _all_to_all_torch(comm, sends: list[torch.Tensor], receive_sizes: list[int]) -> tuple[list[torch.Tensor], int]:
-    """``sends[j]`` to rank j through ``torch.distributed.all_to_all_single``; returns (received, bytes sent)."""
-    send_sizes = [message.numel() for message in sends]
-    device = sends[comm.rank].device
-    received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(received, torch.cat(sends), output_split_sizes=receive_sizes, input_split_sizes=send_sizes)
-    sent = sum(size for rank, size in enumerate(send_sizes) if rank != comm.rank)
-    return list(received.split(receive_sizes)), sent
+def _all_to_all_native(comm, sends: list[torch.Tensor], receive_sizes: list[int]) -> tuple[list[torch.Tensor], int]:
+    """``sends[j]`` to rank j through ``comm.all_to_all``; returns (received, bytes sent to other ranks)."""
+    received = comm.all_to_all(sends, receive_sizes=receive_sizes)
+    sent = sum(message.numel() for rank, message in enumerate(sends) if rank != comm.rank)
+    return received, sent
 
 
 def _all_to_all_allgather(comm, sends: list[torch.Tensor], sizes: list[list[int]]) -> tuple[list[torch.Tensor], int]:
@@ -249,7 +246,8 @@ class QuantizedExchange:
         comm: the job's :class:`~dtrain.comm.Communicator`.
         num_bits: bits per value on the wire, 1 to 32 (32: CNTK's lossless bit-pattern path).
         all_to_all: phase 1's transport: ``auto`` (``torch`` for a TorchDistCommunicator, else
-            ``allgather``), ``torch`` (``all_to_all_single``) or ``allgather`` (N times the bytes).
+            ``allgather``), ``torch`` (``comm.all_to_all``: ``all_to_all_single``) or ``allgather``
+            (N times the bytes).
         error_feedback: carry each step's quantization error into the next (1-bit SGD needs it);
             ``False`` drops it, to show what error feedback is worth.
 
@@ -328,7 +326,7 @@ class QuantizedExchange:
         quantized = quantize_with_feedback(flat, self.worker_residual, layout.columns, bits)
         sends = [encode_message(_stripe_of(quantized, layout, stripe)) for stripe in range(size)]
         if self.all_to_all == "torch":
-            received, sent_phase1 = _all_to_all_torch(self.comm, sends, [sizes[rank]] * size)
+            received, sent_phase1 = _all_to_all_native(self.comm, sends, [sizes[rank]] * size)
         else:
             received, sent_phase1 = _all_to_all_allgather(self.comm, sends, [sizes] * size)
 

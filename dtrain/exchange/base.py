@@ -20,6 +20,15 @@ Contract, for anyone writing a strategy:
   ``identity()`` is what a checkpoint must agree with to be restored.
 * ``bytes_sent_last_step`` counts the bytes this rank handed to the transport since the last
   ``begin_step()``; ``full_precision_bytes_last_step`` what a float32 all-reduce would have sent.
+  Read them after every handle of the step has been waited (a strategy that runs on a
+  background thread counts there).
+* ``lossless`` says whether the result is the exact float32 sum (then anything, e.g. the
+  data-parallel learner's "has a gradient" flags, may travel in ``flat``); a lossy strategy is
+  handed gradient values only.
+* ``loss_scaled`` is set by the learner when the gradients come from an fp16 loss-scaled
+  backward, where an inf or NaN is expected now and then: a stateful strategy must then not let
+  it into its state (the step is skipped on every rank, see :class:`ThreadedExchange`).
+* ``close()`` releases any thread the strategy started (the learner's ``finalize`` calls it).
 """
 from __future__ import annotations
 
@@ -46,10 +55,20 @@ class Exchange(abc.ABC):
     name: str = "exchange"
     """Short name, used in progress lines and checkpoint identities."""
 
+    lossless: bool = True
+    """Whether the result is the exact float32 sum (lossy strategies get gradient values only)."""
+
+    stateful: bool = False
+    """Whether the strategy keeps per-rank state between steps (saved by :meth:`state_dict`)."""
+
+    needs_warm_start: bool = False
+    """Whether the learner should start with a full-precision warm start (``distributed_after="auto"``)."""
+
     def __init__(self) -> None:
         self.comm = None
         self.bytes_sent_last_step = 0
         self.full_precision_bytes_last_step = 0
+        self.loss_scaled = False  # set by the learner: inf/NaN may come from an fp16 loss-scaled backward
 
     def bind(self, comm) -> None:
         """Attaches the job's communicator (called once by the learner, before the first exchange)."""
@@ -79,6 +98,17 @@ class Exchange(abc.ABC):
         """What a checkpoint must match to restore this strategy's state (its name and settings)."""
         return {"name": self.name}
 
+    def describe(self) -> str:
+        """A few words for progress lines and the start-up summary (e.g. ``powersgd rank 1``)."""
+        return self.name
+
+    def plan(self, facts: Any) -> None:
+        """Told the run's facts (a :class:`dtrain.learners.base.RunFacts`) by the learner's ``plan``,
+        before training, to derive ``"auto"`` settings; nothing to derive here."""
+
+    def close(self) -> None:
+        """Releases threads or buffers the strategy holds (a later ``start`` may create them again)."""
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's own state (residuals, warm-start factors), tensors on the CPU; {} when stateless."""
         return {}
@@ -90,4 +120,62 @@ class Exchange(abc.ABC):
         """Forgets this rank's state (a resume at another world size): residuals to zero, factors re-drawn."""
 
 
-__all__ = ["Exchange", "full_precision_allreduce_bytes"]
+class ThreadedExchange(Exchange):
+    """A strategy whose exchange is several dependent collectives plus compute, run on one
+    background thread (:class:`~dtrain.exchange._worker.ExchangeWorker`) so it overlaps backward.
+
+    Subclasses implement :meth:`exchange_now` (the blocking exchange, run on the worker thread
+    in launch order). With ``loss_scaled`` set, the worker first agrees with every rank whether
+    any rank's input holds an inf or NaN (one tiny all-reduce); if so the result is NaN on every
+    rank (the learner then skips the step everywhere) and the strategy's state is not touched.
+    """
+
+    lossless = False
+    stateful = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        from dtrain.exchange._worker import ExchangeWorker  # here: the base module stays import-light
+
+        self._worker = ExchangeWorker()
+
+    def start(self, key: Hashable, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> AsyncHandle:
+        """Queues the exchange of ``flat`` on the worker thread; ``wait()`` returns ``flat`` summed."""
+        shapes = [torch.Size(shape) for shape in shapes]
+        return self._worker.submit(lambda: self._guarded(key, flat, shapes))
+
+    def _guarded(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:
+        if self.loss_scaled:
+            bad = torch.tensor([0.0 if bool(torch.isfinite(flat).all()) else 1.0], device=flat.device)
+            if self.comm.allreduce(bad, op="max").item():
+                return flat.fill_(float("nan"))
+        return self.exchange_now(key, flat, shapes)
+
+    @abc.abstractmethod
+    def exchange_now(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:
+        """Replaces ``flat`` by its (approximate) sum over ranks, blocking; returns ``flat``."""
+
+    def drain(self) -> None:
+        """Blocks until every exchange started so far has finished (call before touching the state)."""
+        self._worker.drain()
+
+    def close(self) -> None:
+        """Waits for queued exchanges and stops the worker thread."""
+        self._worker.close()
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    """The number of values of a tensor of ``shape`` (1 for a scalar)."""
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+def split_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Views of ``flat`` holding tensors of ``shapes`` back to back (a bucket's layout)."""
+    sizes = [numel_of(shape) for shape in shapes]
+    return [part.view(tuple(shape)) for part, shape in zip(flat[:sum(sizes)].split(sizes), shapes)]
+
+
+__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "numel_of", "split_views"]

@@ -1,75 +1,87 @@
 """k-bit quantized exchange with two-sided error feedback, as a strategy: one
-:class:`dtrain.compress.QuantizedExchange` (CNTK's two-phase exchange) per key."""
+:class:`dtrain.compress.QuantizedExchange` (CNTK's two-phase exchange) per key, run on a
+background thread so each bucket's exchange overlaps the rest of backward."""
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from dtrain import checks
-from dtrain.comm.base import AsyncHandle, CompletedHandle
 from dtrain.compress.bitpack import check_bits
 from dtrain.compress.exchange import QuantizedExchange
-from dtrain.exchange.base import Exchange
+from dtrain.exchange.base import ThreadedExchange, split_views
 
 
-class Quantized(Exchange):
+class Quantized(ThreadedExchange):
     """Sums through k-bit codes with error feedback (1-bit SGD at ``num_bits=1``); state per key.
+
+    Each key (a gradient bucket) has its own worker and owner residuals, so a bucket is
+    exchanged as soon as backward has filled it. Lossy: 1-bit SGD needs a full-precision warm
+    start (``needs_warm_start``: the learner's ``distributed_after="auto"`` gives one).
 
     Args:
         num_bits: bits per value on the wire, 1 to 32.
         error_feedback: carry each step's quantization error into the next (``False``: ablation).
+
+    Raises:
+        ValueError: ``num_bits`` outside 1..32 or ``error_feedback`` not a boolean.
     """
 
     name = "quantized"
+    needs_warm_start = True
 
     def __init__(self, num_bits: int = 1, error_feedback: bool = True):
         super().__init__()
         self.num_bits = check_bits(num_bits, "num_bits")
         self.error_feedback = checks.boolean("error_feedback", error_feedback)
         self._exchanges: dict[Hashable, QuantizedExchange] = {}
+        self.seconds_last_step = 0.0  # wall-clock seconds of this step's exchanges (on the worker thread)
+
+    def begin_step(self) -> None:
+        """Starts a step's byte and time counters."""
+        super().begin_step()
+        self.seconds_last_step = 0.0
 
     def identity(self) -> dict[str, Any]:
         """The name and the bits per value."""
         return {"name": self.name, "num_bits": self.num_bits}
 
-    def start(self, key: Hashable, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> AsyncHandle:
-        """Runs the two-phase exchange of ``flat`` (seen as tensors of ``shapes``) now; the handle is complete."""
+    def describe(self) -> str:
+        """``1-bit`` and so on."""
+        return f"{self.num_bits}-bit"
+
+    def _exchange_for(self, key: Hashable) -> QuantizedExchange:
         exchange = self._exchanges.get(key)
         if exchange is None:
             exchange = self._exchanges[key] = QuantizedExchange(self.comm, self.num_bits,
-                                                                 error_feedback=self.error_feedback)
-        views = [part.view(shape) for part, shape in zip(flat.split([_numel(s) for s in shapes]), shapes)]
-        exchange.allreduce_(views)
+                                                                error_feedback=self.error_feedback)
+        return exchange
+
+    def exchange_now(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:
+        """Runs the two-phase exchange of ``flat`` (seen as tensors of ``shapes``), blocking."""
+        exchange = self._exchange_for(key)
+        exchange.allreduce_(split_views(flat, shapes))
         self.bytes_sent_last_step += exchange.bytes_sent_last_step
         self.full_precision_bytes_last_step += exchange.full_precision_bytes_last_step
-        return CompletedHandle(flat)
+        self.seconds_last_step += exchange.seconds_last_step
+        return flat
 
     def state_dict(self) -> dict[str, Any]:
         """Each key's residuals (see ``QuantizedExchange.state_dict``)."""
-        return {"per_key": {key: exchange.state_dict() for key, exchange in self._exchanges.items()}}
+        self.drain()
+        return {"name": self.name, "per_key": {key: exchange.state_dict() for key, exchange in self._exchanges.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output (needs ``bind`` first)."""
         for key, saved in state.get("per_key", {}).items():
-            exchange = self._exchanges.get(key)
-            if exchange is None:
-                exchange = self._exchanges[key] = QuantizedExchange(self.comm, self.num_bits,
-                                                                     error_feedback=self.error_feedback)
-            exchange.load_state_dict(saved)
+            self._exchange_for(key).load_state_dict(saved)
 
     def reset(self) -> None:
-        """Zeroes every key's residuals."""
-        for exchange in self._exchanges.values():
-            exchange.reset()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
+        """Forgets every key's residuals (they start again at zero), after any exchange still running."""
+        self.drain()
+        self._exchanges.clear()
 
 
 __all__ = ["Quantized"]

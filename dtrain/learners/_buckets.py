@@ -77,10 +77,11 @@ def coalesced(tensors: Sequence[torch.Tensor], bucket_bytes: float, operation: C
 class GradientBucket:
     """One flat buffer for the gradients of some parameters, plus one "has a gradient" flag each.
 
-    The buffer is ``[grad_0 | grad_1 | ... | flag_0 | flag_1 | ...]``: the flags travel in the
-    same all-reduce as the gradients, so after a SUM every rank knows whether ANY rank had a
-    gradient for a parameter (flag > 0) and can leave ``.grad`` at None otherwise, as a single
-    process would.
+    The buffer is ``[grad_0 | grad_1 | ... | flag_0 | flag_1 | ...]``: with an exact (float32)
+    exchange the flags travel in the same all-reduce as the gradients, so after a SUM every rank
+    knows whether ANY rank had a gradient for a parameter (flag > 0) and can leave ``.grad`` at
+    None otherwise, as a single process would; a lossy exchange is given ``payload`` (the
+    gradients alone) and the learner sums the flags separately.
     """
 
     def __init__(self, parameters: Sequence[torch.Tensor]):
@@ -92,6 +93,9 @@ class GradientBucket:
         self.gradients = [part.view(parameter.shape)
                           for part, parameter in zip(self.buffer[:total].split(numels), self.parameters)]
         self.flags = self.buffer[total:]
+        self.payload = self.buffer[:total]  # the gradients alone, for exchanges that are not exact sums
+        self.shapes = [parameter.shape for parameter in self.parameters]
+        self.shapes_with_flags = [*self.shapes, torch.Size([len(numels)])]  # what ``buffer`` holds
         self.filled = [False] * len(self.parameters)  # state: which slots this minibatch's backward wrote
         self.missing = len(self.parameters)           # state: slots still to be written before launch
         self.handle = None                           # state: the in-flight all-reduce, if launched

@@ -95,6 +95,9 @@ class Learner(abc.ABC):
 
     #: short name written into checkpoints, so a checkpoint says which learner made it
     kind: str = ""
+    #: seconds of the last ``step()`` spent on the exchange that did not overlap backward (waiting
+    #: for it, and its compute after backward); learners that exchange set it, the session reads it
+    exchange_seconds_last_step: float = 0.0
     _kind_is_class_name = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

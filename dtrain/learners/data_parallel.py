@@ -3,20 +3,23 @@
 ``data_parallel_distributed_learner`` is CNTK's factory of the same name with ChainerMN's start
 (rank 0's parameters are broadcast before training); see ``docs/semantics.md#data-parallel-learner``
 and, for ``distributed_after``, ``docs/semantics.md#warm-start``.
-The all-reduce overlaps backward: each bucket of gradients is sent as soon as it and every
-earlier bucket are complete.
+The exchange overlaps backward: each bucket of gradients is handed to the exchange strategy
+(:mod:`dtrain.exchange`: fp32 all-reduce by default, bf16/fp16, k-bit quantized, PowerSGD) as
+soon as it and every earlier bucket are complete.
 """
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import torch
 
 from dtrain import checks
 from dtrain.compress.bitpack import check_bits
+from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, plan_buckets
-from dtrain.learners.base import Learner
+from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
 
@@ -30,11 +33,21 @@ class DataParallelLearner(ReplicatedLearner):
 
     Communication: gradients are packed into buckets of about ``bucket_size_mb`` MiB, planned in
     reverse parameter order (the order backward produces them). A post-accumulate-grad hook on
-    every parameter fills its bucket; a bucket's all-reduce starts as soon as it and all earlier
-    buckets are full, so reduction overlaps the rest of backward and every rank issues the same
-    collectives in the same order. ``step()`` launches whatever is left (zeros for parameters
-    that got no gradient), waits, sets each ``.grad`` to its reduced gradient (a view into the
-    bucket, valid until the next minibatch's backward) and calls the wrapped optimizer.
+    every parameter fills its bucket; a bucket's exchange starts (``exchange.start(bucket_index,
+    flat, shapes)``) as soon as it and all earlier buckets are full, so reduction overlaps the
+    rest of backward and every rank issues the same collectives in the same order. ``step()``
+    launches whatever is left (zeros for parameters that got no gradient), waits, sets each
+    ``.grad`` to its reduced gradient (a view into the bucket, valid until the next minibatch's
+    backward) and calls the wrapped optimizer.
+
+    The exchange strategy (``exchange``; :class:`~dtrain.exchange.AllReduce`, float32, when
+    None) does the transport. Each parameter's "has a gradient" flag stays exact whatever the
+    strategy: with a lossless one it travels in the bucket (one all-reduce per bucket, as
+    before); a lossy one gets gradient values only, and the flags of all buckets are summed
+    in one small float32 all-reduce after the buckets are done. ``exchange_seconds_last_step``
+    is the part of the last step spent on the exchange after backward (waiting for the buckets,
+    the flags, unpacking). A strategy that asks for it (``needs_warm_start``, k-bit) gets a
+    full-precision warm start with ``distributed_after="auto"``.
 
     Start and warm start: ``prepare`` broadcasts rank 0's parameters and buffers. While
     ``samples_seen < distributed_after`` each rank steps on its own gradient with no
@@ -53,17 +66,28 @@ class DataParallelLearner(ReplicatedLearner):
         comm: the job's communicator; with size 1 this is the local learner (no hooks).
         distributed_after: global samples of local-only training before synchronous steps begin.
         bucket_size_mb: bucket size limit in MiB (> 0); a parameter larger than it gets its own bucket.
+        exchange: how buckets are summed over ranks (:mod:`dtrain.exchange`); None: float32 all-reduce.
+        overlap_backward: start each bucket's exchange during backward (the default); ``False``
+            starts them all after backward, only to measure what the overlap saves.
 
     Raises:
         ValueError: ``bucket_size_mb`` is not a positive number, or ``distributed_after`` < 0.
+        TypeError: ``exchange`` is not a :class:`dtrain.exchange.Exchange`.
         RuntimeError: a parameter gets two gradients in one minibatch (more than one backward).
     """
 
     kind = "data_parallel"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
-                 bucket_size_mb: float = 25.0):
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = 0,
+                 bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True):
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
+        self.overlap_backward = checks.boolean("overlap_backward", overlap_backward)
+        if exchange is None:
+            exchange = AllReduce()
+        if not isinstance(exchange, Exchange):
+            raise TypeError(f"exchange must be a dtrain.exchange.Exchange, got {type(exchange).__name__}")
+        self.exchange = exchange
+        self.exchange.bind(self.comm)
         self.buckets: list[GradientBucket] = []
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
@@ -90,11 +114,47 @@ class DataParallelLearner(ReplicatedLearner):
                 self._hook_handles.append(parameter.register_post_accumulate_grad_hook(hook))
 
     def finalize(self) -> None:
-        """Removes the gradient hooks (the model can then be used without this learner)."""
+        """Removes the gradient hooks and stops the exchange's thread (the model can then be used alone)."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
         self._reducing = False
+        self.exchange.close()
+
+    def plan(self, facts: RunFacts) -> None:
+        """The base's plan, then the exchange's (a strategy may derive ``"auto"`` settings from the run)."""
+        super().plan(facts)
+        self.exchange.plan(facts)
+
+    def auto_distributed_after(self, facts: RunFacts) -> int:
+        """``distributed_after="auto"``: a warm start (:func:`auto_warm_start`) when the exchange asks for
+        one (k-bit quantization), else none; 0 with one process."""
+        return auto_warm_start(facts) if self.exchange.needs_warm_start and self.comm.size > 1 else 0
+
+    def describe(self) -> str:
+        """The base line plus the exchange strategy when it is not the float32 all-reduce."""
+        line = super().describe()
+        if self.comm.size > 1 and not isinstance(self.exchange, AllReduce):
+            line += f", gradients exchanged by {self.exchange.describe()}"
+        return line
+
+    # -- statistics --------------------------------------------------------------------------------
+    @property
+    def bytes_sent_last_step(self) -> int:
+        """Bytes this rank sent in the last distributed step's gradient exchange (0 before any)."""
+        return int(self.exchange.bytes_sent_last_step)
+
+    @property
+    def compression_ratio(self) -> float:
+        """A float32 all-reduce's bytes over the bytes actually sent, last step (nan before any)."""
+        return self.exchange.compression_ratio
+
+    def progress_note(self) -> str:
+        """For a compressing strategy: bytes this rank sent in the last exchange and the saving against float32."""
+        if not self.bytes_sent_last_step or self.exchange.lossless:
+            return ""
+        return (f"{self.exchange.describe()}: {self.bytes_sent_last_step / 1e3:,.0f} kB sent/step "
+                f"({self.compression_ratio:.1f}x less than 32-bit)")
 
     # -- one minibatch ------------------------------------------------------------------------------
     def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
@@ -111,27 +171,34 @@ class DataParallelLearner(ReplicatedLearner):
         self._next_bucket = 0
         for bucket in self.buckets:
             bucket.reset()
+        self.exchange.begin_step()
+        self.exchange.loss_scaled = self.loss_scale != 1.0
 
     def _on_gradient_ready(self, bucket_index: int, slot: int, parameter: torch.Tensor) -> None:
         """Post-accumulate-grad hook: packs this gradient and launches every bucket now ready, in order."""
         if not self._reducing or self._accumulating:
             return  # local steps, a backward outside training, or an earlier micro-batch (see no_sync)
         self.buckets[bucket_index].fill(slot, parameter.grad, self._scale)
-        self._launch_ready_buckets()
+        if self.overlap_backward:
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         # strictly in index order: a full bucket waits for earlier ones, so ranks never disagree
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].missing == 0:
             bucket = self.buckets[self._next_bucket]
-            bucket.handle = self.comm.allreduce_async(bucket.buffer, op="sum")
+            if self.exchange.lossless:  # the flags ride along: one collective per bucket
+                bucket.handle = self.exchange.start(self._next_bucket, bucket.buffer, bucket.shapes_with_flags)
+            else:
+                bucket.handle = self.exchange.start(self._next_bucket, bucket.payload, bucket.shapes)
             self._next_bucket += 1
 
     def distributed_update(self) -> None:
         """Finishes the gradient all-reduce, writes the global-mean gradient into ``.grad`` and steps.
 
         Without communication (one worker, or before ``distributed_after``) ``step`` makes the
-        local learner's update instead.
+        local learner's update instead. Sets ``exchange_seconds_last_step``.
         """
+        started = time.perf_counter()
         for bucket in self.buckets[self._next_bucket:]:
             for slot, parameter in enumerate(bucket.parameters):
                 if not bucket.filled[slot] and parameter.grad is not None:
@@ -141,52 +208,154 @@ class DataParallelLearner(ReplicatedLearner):
         self._launch_ready_buckets()
         for bucket in self.buckets:
             bucket.handle.wait()
+        if not self.exchange.lossless and self.buckets:  # every exchange is done: the flags, exactly
+            flags = self.comm.allreduce(torch.cat([bucket.flags for bucket in self.buckets]), op="sum")
+            for bucket, summed in zip(self.buckets, flags.split([len(bucket.flags) for bucket in self.buckets])):
+                bucket.flags.copy_(summed)
+        for bucket in self.buckets:
             bucket.assign_grads()
         self._reducing = False
+        self.exchange_seconds_last_step = time.perf_counter() - started
         self._step_optimizer(gradients_unscaled=True)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """The kind, plus the exchange strategy's identity (name, bits, rank) unless it is the float32 all-reduce."""
+        identity = super().checkpoint_identity()
+        if not isinstance(self.exchange, AllReduce):
+            identity["exchange"] = self.exchange.identity()
+        return identity
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated state, plus the world size the exchange's per-rank state belongs to."""
+        return {**super().state_dict(), "exchange_world_size": self.comm.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the replicated state and resets the exchange's per-rank state.
+
+        The per-rank state (residuals, P and Q, step counter) comes back with
+        :meth:`load_local_state_dict` at the same world size; at another one it stays reset and a
+        line on rank 0 says so.
+        """
+        super().load_state_dict(state)
+        self.exchange.reset()
+        saved = state.get("exchange_world_size")
+        if saved is not None and saved != self.comm.size and self.exchange.stateful \
+                and self.comm.is_main:
+            print(f"dtrain: the {self.exchange.name} exchange state (error feedback, factors, step counter) "
+                  f"was saved by {saved} workers; starting it afresh on {self.comm.size}", flush=True)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's exchange state (error-feedback residuals, PowerSGD's P and Q); {} for float32."""
+        return self.exchange.state_dict()
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`local_state_dict`'s output (the session calls it only at the same world size)."""
+        if state:
+            self.exchange.load_state_dict(state)
+
+
+class QuantizedDataParallelLearner(DataParallelLearner):
+    """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
+
+    Built by ``learner=quantized`` in a config, or ``data_parallel_distributed_learner(
+    num_quantization_bits=k)`` with k < 32 from Python; constructing it directly is the same.
+    It is :class:`DataParallelLearner` with ``exchange=Quantized(num_quantization_bits,
+    error_feedback)`` under its own checkpoint kind (``quantized``).
+
+    Each rank back-propagates the mean loss over its ``local_samples``; every gradient bucket is
+    scaled by ``local_samples / global_samples`` (so the SUM over ranks is the gradient of the
+    mean loss over the global minibatch, dtrain's convention) and summed over ranks through the
+    two-phase k-bit exchange on a background thread while backward goes on. All ranks decode the
+    same bytes, so their parameters stay bit-identical.
+
+    Warm start: while ``samples_seen < distributed_after`` every rank steps on its own gradient
+    without communication (CNTK reads the full stream on every rank then). At the first
+    distributed minibatch (and at a ``synchronize()`` in between) rank 0's parameters, buffers
+    and optimizer state are broadcast, so training continues from one model. The residuals start
+    at zero when distributed steps begin.
+
+    Args:
+        optimizer: the torch optimizer of the model's parameters.
+        comm: the job's communicator; with one rank this is the local learner.
+        distributed_after: global samples of local-only training before quantized exchange begins;
+            ``"auto"`` (the default) = :func:`auto_warm_start` of the run's facts (set by ``plan``).
+        num_quantization_bits: bits per gradient value on the wire, 1 to 32 (32 is lossless and
+            only useful for comparison: ``data_parallel_distributed_learner`` uses a plain
+            all-reduce for 32).
+        error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
+        bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
+
+    Raises:
+        ValueError: ``num_quantization_bits`` outside 1..32 or a negative ``distributed_after``.
+        TypeError: ``optimizer`` is not a torch optimizer.
+    """
+
+    kind = "quantized"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
+                 num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0):
+        self.num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
+        super().__init__(optimizer, comm, distributed_after, bucket_size_mb,
+                         exchange=Quantized(self.num_quantization_bits, error_feedback))
+
+    def checkpoint_identity(self) -> dict:
+        """The kind and the bits per value: a checkpoint restores only into the same quantization."""
+        return {"kind": self.kind, "num_quantization_bits": self.num_quantization_bits}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated state (optimizer, samples seen) plus the number of bits; no residuals."""
+        return {**super().state_dict(), "num_quantization_bits": self.num_quantization_bits}
 
 
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
                                       num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
-                                      error_feedback: bool = True) -> Learner:
+                                      error_feedback: bool = True, exchange: Exchange | None = None) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
         optimizer: the torch optimizer of the model's parameters.
         comm: the job's communicator (a size-1 local one when omitted).
         distributed_after: global samples trained with local updates before gradients are shared;
-            ``"auto"`` (default): none for 32 bits, a warm start relative to the run for fewer
-            (``dtrain.learners.quantized.auto_warm_start``, derived when the session plans the run).
-        num_quantization_bits: 32 sends full-precision gradients (``DataParallelLearner``); 1..31
-            sends k-bit quantized gradients with error feedback (``QuantizedDataParallelLearner``,
-            which does not use ``bucket_size_mb``).
-        bucket_size_mb: gradient bucket size in MiB for the full-precision all-reduce.
+            ``"auto"`` (default): none for a full-precision or low-rank exchange, a warm start
+            relative to the run for k-bit quantization (``dtrain.learners.base.auto_warm_start``,
+            derived when the session plans the run).
+        num_quantization_bits: 32 sends full-precision gradients; 1..31 sends k-bit quantized
+            gradients with error feedback (``QuantizedDataParallelLearner``, CNTK's shortcut for
+            ``exchange=Quantized(k)``).
+        bucket_size_mb: gradient bucket size in MiB (every strategy exchanges bucket by bucket).
         error_feedback: quantized only: carry each step's quantization error into the next
             (``False`` is an ablation); must stay True with 32 bits, where nothing is quantized.
+        exchange: the exchange strategy (:mod:`dtrain.exchange`, ``learner/exchange=...`` in a
+            config); None: float32 all-reduce, or k-bit with ``num_quantization_bits`` below 32.
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
 
     Raises:
-        ValueError: a value out of range or of the wrong kind (one line ``name=value: expected ...``).
-        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: a value out of range or of the wrong kind (one line ``name=value: expected ...``),
+            or both ``exchange`` (other than float32 all-reduce, the config's default) and
+            ``num_quantization_bits`` below 32.
+        TypeError: ``optimizer`` is not a torch optimizer, or ``exchange`` not an exchange strategy.
     """
     num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
-    checks.positive_number("bucket_size_mb", bucket_size_mb, unit="MiB")  # refused even where quantized ignores it
-    if distributed_after != "auto":
+    checks.positive_number("bucket_size_mb", bucket_size_mb, unit="MiB")
+    if distributed_after != AUTO:
         distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
     error_feedback = checks.boolean("error_feedback", error_feedback)
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
                          "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")
+    if exchange is not None and not isinstance(exchange, AllReduce) and num_quantization_bits < 32:
+        raise ValueError(f"num_quantization_bits={num_quantization_bits} and exchange={exchange.describe()} both choose "
+                         f"the exchange; use learner/exchange=quantized with learner.exchange.num_bits, or drop the "
+                         f"exchange")
     if num_quantization_bits < 32:
-        # imported here: the quantized learner is optional and pulls in the compressors
-        from dtrain.learners.quantized import QuantizedDataParallelLearner
-
         return QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
                                             num_quantization_bits=int(num_quantization_bits),
-                                            error_feedback=error_feedback)
-    return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb)
+                                            error_feedback=error_feedback, bucket_size_mb=bucket_size_mb)
+    return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb,
+                               exchange=exchange)
 
 
-__all__ = ["DataParallelLearner", "data_parallel_distributed_learner"]
+__all__ = ["DataParallelLearner", "QuantizedDataParallelLearner", "data_parallel_distributed_learner"]

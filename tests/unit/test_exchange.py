@@ -265,7 +265,7 @@ def test_learner_keeps_ranks_identical_and_reports_bytes():
     assert 0 < learner.bytes_sent_last_step and learner.compression_ratio > 2
     # BatchNorm statistics averaged by synchronize()
     assert all(torch.equal(a, b) for item in per_rank for a, b in zip(item[2], per_rank[0][2]))
-    assert set(learner.local_state_dict()) >= {"worker_residual", "owner_residual"}
+    assert set(learner.local_state_dict()["per_key"][0]) >= {"worker_residual", "owner_residual"}  # per bucket
     assert learner.state_dict()["num_quantization_bits"] == 1
 
 

@@ -1,0 +1,195 @@
+"""Exchange strategies of the data-parallel learner, in one process (threads stand in for ranks):
+configuration and its one-line errors, checkpoint identities, the fp16 overflow and loss-scaling
+guards, PowerSGD's auto start, and the seam's timing attribute. Multi-process behaviour (identical
+ranks, resume) is in tests/dist/test_exchange_strategies.py."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from _thread_world import FakeWorld
+from dtrain.cli import config_dir
+from dtrain.comm import LocalCommunicator
+from dtrain.config import register_schemas, validate
+from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
+from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner, data_parallel_distributed_learner
+from dtrain.learners.base import Learner, RunFacts
+
+CONF = Path(config_dir())
+
+
+def compose_config(*overrides: str):
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def sgd() -> torch.optim.Optimizer:
+    return torch.optim.SGD(torch.nn.Linear(4, 3).parameters(), lr=0.1)
+
+
+# -- configuration ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["learner=data_parallel"], AllReduce),
+    (["learner=data_parallel", "learner/exchange=bf16"], CompressedAllReduce),
+    (["learner=data_parallel", "learner/exchange=fp16"], CompressedAllReduce),
+    (["learner=data_parallel", "learner/exchange=quantized"], Quantized),
+    (["learner=data_parallel", "learner/exchange=powersgd"], PowerSGD),
+    (["learner=powersgd"], PowerSGD),
+])
+def test_every_exchange_option_builds_its_strategy(overrides, expected):
+    cfg = compose_config("+recipe=digits", *overrides)
+    assert validate(cfg, check_run_dir=False) == []
+    learner = instantiate(cfg.learner, optimizer=sgd(), comm=LocalCommunicator())
+    assert type(learner) is DataParallelLearner and type(learner.exchange) is expected
+
+
+def test_the_quantized_preset_keeps_its_keys_and_learner():
+    cfg = compose_config("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=2")
+    learner = instantiate(cfg.learner, optimizer=sgd(), comm=LocalCommunicator())
+    assert isinstance(learner, QuantizedDataParallelLearner) and learner.exchange.num_bits == 2
+    assert learner.distributed_after_is_auto
+    # the old command form: data_parallel with fewer bits is still the quantized learner
+    cfg = compose_config("+recipe=digits", "learner=data_parallel", "learner.num_quantization_bits=1")
+    assert isinstance(instantiate(cfg.learner, optimizer=sgd(), comm=LocalCommunicator()),
+                      QuantizedDataParallelLearner)
+
+
+def test_powersgd_preset_starts_compression_after_a_tenth_of_the_run():
+    cfg = compose_config("+recipe=digits", "learner=powersgd")
+    learner = instantiate(cfg.learner, optimizer=sgd(), comm=LocalCommunicator())
+    learner.plan(RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32))
+    assert learner.exchange.matrix_approximation_rank == 2
+    assert learner.exchange.start_powersgd_iter == math.ceil(0.1 * math.ceil(30000 / 32)) == 94
+    unknown = PowerSGD(start_powersgd_iter="auto")
+    unknown.plan(RunFacts())
+    assert unknown.start_powersgd_iter == 1000  # the hook's default when the run's length is unknown
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["learner/exchange=bf16", "learner.exchange.dtype=int8"], "learner.exchange.dtype='int8': expected bf16 or fp16"),
+    (["learner/exchange=powersgd", "learner.exchange.matrix_approximation_rank=0"],
+     "learner.exchange.matrix_approximation_rank=0: expected a whole number"),
+    (["learner/exchange=powersgd", "learner.exchange.start_powersgd_iter=-1"],
+     "learner.exchange.start_powersgd_iter=-1: expected"),
+    (["learner/exchange=powersgd", "learner.exchange.min_compression_rate=0"],
+     "learner.exchange.min_compression_rate=0"),
+    (["learner/exchange=quantized", "learner.exchange.num_bits=33"], "learner.exchange.num_bits=33"),
+    (["learner/exchange=powersgd", "learner.num_quantization_bits=1"],
+     "learner.num_quantization_bits=1 and learner/exchange=dtrain.exchange.PowerSGD: both choose"),
+])
+def test_bad_exchange_values_are_one_line_each(overrides, fragment):
+    problems = validate(compose_config("+recipe=digits", "learner=data_parallel", *overrides), check_run_dir=False)
+    assert len(problems) == 1 and fragment in problems[0], problems
+    assert "\n" not in problems[0]
+
+
+def test_factory_refuses_two_exchange_choices_and_keeps_cntk_bits():
+    with pytest.raises(ValueError, match="num_quantization_bits=1 and exchange=powersgd rank 1.*both choose"):
+        data_parallel_distributed_learner(sgd(), num_quantization_bits=1, exchange=PowerSGD(start_powersgd_iter=0))
+    assert isinstance(data_parallel_distributed_learner(sgd(), num_quantization_bits=1, exchange=AllReduce()),
+                      QuantizedDataParallelLearner)
+    with pytest.raises(TypeError, match="exchange must be a dtrain.exchange.Exchange"):
+        DataParallelLearner(sgd(), exchange="powersgd")
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+
+def test_checkpoint_identity_names_the_strategy_so_state_never_lands_in_another():
+    assert DataParallelLearner(sgd()).checkpoint_identity() == {"kind": "data_parallel"}  # as before the seam
+    one_bit = QuantizedDataParallelLearner(sgd(), num_quantization_bits=1).checkpoint_identity()
+    assert one_bit == {"kind": "quantized", "num_quantization_bits": 1}
+    rank_one = DataParallelLearner(sgd(), exchange=PowerSGD(1)).checkpoint_identity()
+    rank_two = DataParallelLearner(sgd(), exchange=PowerSGD(2)).checkpoint_identity()
+    bf16 = DataParallelLearner(sgd(), exchange=CompressedAllReduce("bf16")).checkpoint_identity()
+    assert rank_one["exchange"] == {"name": "powersgd", "matrix_approximation_rank": 1}
+    assert len({str(identity) for identity in (rank_one, rank_two, bf16, one_bit)}) == 4
+
+
+# -- guards -----------------------------------------------------------------------------------------
+
+
+def test_fp16_overflow_without_loss_scaling_is_an_error_not_an_inf_step():
+    exchange = CompressedAllReduce("fp16")
+    exchange.bind(LocalCommunicator())
+    flat = torch.tensor([1.0, 1e6])
+    with pytest.raises(RuntimeError, match="fp16 gradient exchange produced inf or NaN.*learner/exchange=bf16"):
+        exchange.start(0, flat, [flat.shape]).wait()
+    exchange.loss_scaled = True  # the loss scaler skips the step instead
+    assert math.isinf(exchange.start(0, torch.tensor([1.0, 1e6]), [flat.shape]).wait()[1])
+    bf16 = CompressedAllReduce("bf16")
+    bf16.bind(LocalCommunicator())
+    assert bf16.start(0, torch.tensor([1.0, 1e6]), [flat.shape]).wait()[1] == pytest.approx(1e6, rel=2 ** -8)  # in range
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(start_powersgd_iter=0), lambda: Quantized(1)])
+def test_an_inf_under_loss_scaling_reaches_every_rank_but_not_the_state(make):
+    def work(comm):
+        exchange = make()
+        exchange.bind(comm)
+        exchange.loss_scaled = True
+        shapes = [torch.Size([6, 5])]
+        exchange.begin_step()
+        good = torch.randn(30, generator=torch.Generator().manual_seed(comm.rank))
+        exchange.start(0, good, shapes).wait()
+        state_before = repr(exchange.state_dict())
+        exchange.begin_step()
+        bad = torch.randn(30, generator=torch.Generator().manual_seed(comm.rank))
+        if comm.rank == 1:
+            bad[3] = float("inf")
+        result = exchange.start(0, bad, shapes).wait()
+        state_after = repr(exchange.state_dict())
+        exchange.close()
+        return bool(torch.isnan(result).all()), state_before.replace("steps_begun': 1", "steps_begun': 2") \
+            == state_after
+    for all_nan, state_kept in FakeWorld(2).run(work):
+        assert all_nan and state_kept
+
+
+def test_the_learner_reports_exchange_seconds_for_the_session():
+    assert Learner.exchange_seconds_last_step == 0.0
+
+    def work(comm):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, exchange=Quantized(2))
+        learner.prepare(model)
+        learner.begin_minibatch(4, 8)
+        model(torch.randn(4, 8)).sum().backward()
+        learner.step()
+        learner.finalize()
+        return learner.exchange_seconds_last_step, learner.bytes_sent_last_step, learner.progress_note()
+    for seconds, sent, note in FakeWorld(2).run(work):
+        assert seconds > 0 and sent > 0 and note.startswith("2-bit: ")
+
+
+def test_powersgd_state_survives_a_weights_only_checkpoint_round_trip():
+    import io
+
+    def work(comm):
+        exchange = PowerSGD(start_powersgd_iter=0)
+        exchange.bind(comm)
+        shapes = [torch.Size([6, 5]), torch.Size([5])]
+        for step in range(2):
+            exchange.begin_step()
+            exchange.start(0, torch.randn(35, generator=torch.Generator().manual_seed(step + comm.rank)), shapes).wait()
+        buffer = io.BytesIO()
+        torch.save(exchange.state_dict(), buffer)  # the session reads checkpoints with weights_only=True
+        restored = PowerSGD(start_powersgd_iter=0)
+        restored.bind(comm)
+        restored.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+        results = []
+        for strategy in (exchange, restored):
+            strategy.begin_step()
+            results.append(strategy.start(0, torch.randn(35, generator=torch.Generator().manual_seed(9)), shapes).wait())
+            strategy.close()
+        return torch.equal(*results) and restored.rng.randint(1000) == exchange.rng.randint(1000)
+    assert all(FakeWorld(2).run(work))
