@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -296,6 +296,10 @@ class DTrainConfig:
     seed: int = 0
     learner: Any = MISSING
     optimizer: Any = MISSING
+    # a recipe's learning rate per optimizer preset (sgd, adam, adamw); each preset's lr reads its
+    # entry, so a learner preset that chooses another optimizer (learner=diloco: adamw) gets a
+    # learning rate tuned for it; optimizer.lr=... on the command line still wins
+    optimizer_lr: Dict[str, float] = field(default_factory=dict)
     model: Any = MISSING
     source: SourceConfig = MISSING
     session: SessionConfig = field(default_factory=SessionConfig)
