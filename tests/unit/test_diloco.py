@@ -1,8 +1,8 @@
 """DiLoCo's outer step against an independent reference: torch's own SGD with Nesterov momentum.
 
 N workers run as threads (``FakeWorld``), each with its own model copy, AdamW inner optimizer
-and ``DiLoCoLearner``. The reference (``simulate_diloco``) trains N model copies in one process
-and makes every outer step with ``torch.optim.SGD(lr, momentum, nesterov=True)`` on
+and ``DiLoCoLearner``. The reference (``tests/_diloco_reference.py``) trains N model copies in one
+process and makes every outer step with ``torch.optim.SGD(lr, momentum, nesterov=True)`` on
 ``p.grad = W_prev - mean_i W_i``, parameter by parameter: DiLoCo's definition
 (arXiv 2311.08105, Algorithm 1), not the learner's code.
 """
@@ -18,10 +18,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared block reference
 from _bmuf_reference import flat, simulate_bmuf, train_learner_shares  # noqa: E402
+from _diloco_reference import simulate_diloco  # noqa: E402
 from _thread_world import FakeWorld  # noqa: E402
 
 from dtrain.comm.local import LocalCommunicator
-from dtrain.data.partition import partition_slice
 from dtrain.learners import BlockMomentumLearner, DiLoCoLearner
 
 TOLERANCE = 1e-12  # float64 models: only the order of the sums differs from the reference
@@ -43,56 +43,11 @@ def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(FEATURES[start:stop]), TARGETS[start:stop])
 
 
-def simulate_diloco(size: int, global_sizes: list[int], block_size: int, outer_learning_rate: float = 0.7,
-                    outer_momentum: float = 0.9, outer_nesterov: bool = True, distributed_after: int = 0):
-    """DiLoCo written out: ``size`` copies with their own AdamW; at a sync torch's SGD steps W_prev
-    with ``grad = W_prev - mean_i W_i``. Returns (W after each outer step, final W)."""
+def simulate(size: int, global_sizes: list[int], **options):
+    """The reference (tests/_diloco_reference.py) on this file's model, optimizer and data."""
     models = [make_model() for _ in range(size)]
-    inner = [adamw(model.parameters()) for model in models]
-    prev = [p.detach().clone() for p in models[0].parameters()]
-    outer = torch.optim.SGD(prev, lr=outer_learning_rate, momentum=outer_momentum, nesterov=outer_nesterov)
-    period = block_size // size
-    largest_share, position, seen, snapshots = 0, 0, 0, []
-
-    def outer_step() -> None:
-        with torch.no_grad():
-            for j, p in enumerate(prev):
-                mean_model = sum(list(model.parameters())[j] for model in models) / size
-                p.grad = p - mean_model  # DiLoCo's outer gradient
-        outer.step()
-        with torch.no_grad():
-            for model in models:  # every worker continues from the new global model
-                for mine, new in zip(model.parameters(), prev):
-                    mine.copy_(new)
-        snapshots.append(flat(prev))
-
-    for global_size in global_sizes:
-        warm = seen < distributed_after
-        for k, (model, optimizer) in enumerate(zip(models, inner)):
-            start, stop = partition_slice(position, global_size, 1, 0) if warm else \
-                partition_slice(position, global_size, size, k)
-            optimizer.zero_grad()
-            if stop > start:
-                local_loss(model, start, stop).backward()
-                optimizer.step()
-        position += global_size
-        seen += global_size
-        if warm:
-            if seen >= distributed_after:  # rank 0's model is broadcast and becomes W_prev
-                with torch.no_grad():
-                    for model in models[1:]:
-                        for mine, root in zip(model.parameters(), models[0].parameters()):
-                            mine.copy_(root)
-                    for p, root in zip(prev, models[0].parameters()):
-                        p.copy_(root)
-            continue
-        largest_share += -(-global_size // size)
-        if largest_share >= period:
-            outer_step()
-            largest_share = 0
-    if largest_share:
-        outer_step()
-    return snapshots, flat(models[0].parameters())
+    return simulate_diloco(models, [adamw(model.parameters()) for model in models], local_loss, global_sizes,
+                           **options)
 
 
 def run_workers(size: int, global_sizes: list[int], options: dict, learner_class=DiLoCoLearner, optimizer=adamw):
@@ -130,7 +85,7 @@ CASES = {
 def test_outer_steps_equal_torch_sgd_nesterov_on_the_mean_delta(case):
     size, global_sizes, options = CASES[case]
     options = {"distributed_after": 0, **options}
-    want_snapshots, want_final = simulate_diloco(size, global_sizes, **options)
+    want_snapshots, want_final = simulate(size, global_sizes, **options)
     assert len(want_snapshots) >= 3
     results = run_workers(size, global_sizes, options)
     for rank, (snapshots, final, learner, _) in enumerate(results):
@@ -207,7 +162,7 @@ def test_bmuf_reference_is_not_diloco():
     models = [make_model() for _ in range(2)]
     bmuf, _ = simulate_bmuf(models, [adamw(model.parameters()) for model in models], local_loss, [8] * 12,
                             block_size=24, reset_sgd_momentum_after_aggregation=False)
-    diloco, _ = simulate_diloco(2, [8] * 12, block_size=24)
+    diloco, _ = simulate(2, [8] * 12, block_size=24)
     assert (bmuf[-1] - diloco[-1]).abs().max() > 1e-3
 
 
