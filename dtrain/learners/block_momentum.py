@@ -236,7 +236,8 @@ class BlockMomentumLearner(Learner):
         auto = " (auto: CNTK's bound samples/sweep >= time constant x workers)" if self.block_size_is_auto else ""
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
                 f"syncs, time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
-                f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}")
+                f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}, "
+                f"exchange {describe_exchange(self.exchange)}")
 
     # -- statistics of the last sync --------------------------------------------------------------
     @property
@@ -554,6 +555,12 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def describe_exchange(exchange: Exchange) -> str:
+    """The strategy's name and settings for the start-up line, e.g. ``quantized (num_bits=4)``."""
+    settings = ", ".join(f"{key}={value}" for key, value in exchange.identity().items() if key != "name")
+    return f"{exchange.name} ({settings})" if settings else exchange.name
+
+
 def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().cpu().clone()
 
