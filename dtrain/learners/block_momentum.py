@@ -463,12 +463,25 @@ class BlockMomentumLearner(Learner):
         return identity
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This rank's exchange state (e.g. the quantized strategy's error-feedback residuals)."""
-        return {"exchange": self.exchange.state_dict()}
+        """This rank's own state: its optimizer's (the local steps make every rank's momentum and
+        Adam moments different, and :meth:`state_dict` holds only rank 0's) and the exchange
+        strategy's (e.g. the quantized strategy's error-feedback residuals)."""
+        return {"optimizer": self.optimizer.state_dict(), "exchange": self.exchange.state_dict()}
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`local_state_dict`'s output (the session calls it only at the same world
-        size; at another the strategy starts from a fresh state and the session says so)."""
+        """Restores :meth:`local_state_dict`'s output. The session calls it only at the same world
+        size; at another, every rank continues with rank 0's optimizer state (from
+        :meth:`state_dict`) and a fresh exchange state, and the session says so.
+
+        The optimizer's hyper-parameters (learning rate, momentum, ...) stay as they are now: the
+        configured ones, which the session has put back after :meth:`load_state_dict`.
+        """
+        if "optimizer" in state:
+            configured = [{key: value for key, value in group.items() if key != "params"}
+                          for group in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group, settings in zip(self.optimizer.param_groups, configured):
+                group.update(settings)
         if "exchange" in state:
             self.exchange.load_state_dict(state["exchange"])
 

@@ -203,3 +203,18 @@ def test_bad_outer_settings_are_refused():
         DiLoCoLearner(adamw(model.parameters()), None, block_size=8, outer_momentum=1.0)
     with pytest.raises(ValueError, match="outer_nesterov"):
         DiLoCoLearner(adamw(model.parameters()), None, block_size=8, outer_nesterov="yes")
+
+
+def test_each_rank_restores_its_own_inner_optimizer_state_with_the_configured_settings():
+    """Local steps make every rank's AdamW moments different: they are per-rank state (rank 0's
+    alone in state_dict would give rank 1 the wrong moments on resume)."""
+    results = run_workers(2, [8] * 5, dict(block_size=16, distributed_after=0))
+    states = [learner.local_state_dict()["optimizer"]["state"] for _, _, learner, _ in results]
+    assert not torch.equal(states[0][0]["exp_avg"], states[1][0]["exp_avg"])
+    saved = results[1][2].local_state_dict()
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.005, weight_decay=0.01)  # a changed setting
+    restored = DiLoCoLearner(optimizer, LocalCommunicator(), block_size=16)
+    restored.load_local_state_dict(saved)
+    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], states[1][0]["exp_avg"])
+    assert optimizer.param_groups[0]["lr"] == 0.005  # the configured value, not the saved one
