@@ -37,8 +37,12 @@ CONFIGS = {
     "1-bit, no error feedback": ["learner=quantized", "learner.error_feedback=false"],
     "block_momentum, no warm start": ["learner=block_momentum", "learner.distributed_after=0"],
     "block_momentum, block 4096": ["learner=block_momentum", "learner.block_size=4096"],
+    "diloco": ["learner=diloco"],
+    "block_momentum, 4-bit outer": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
+    "block_momentum, 8-bit outer": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=8"],
+    "diloco, 4-bit outer": ["learner=diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
 }
-DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum", "powersgd"]
+DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum", "powersgd", "diloco"]
 
 
 def run(ranks: int, overrides: list[str], seed: int, samples: int) -> tuple[float | str, float]:

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -64,6 +64,20 @@ class BlockMomentumLearnerConfig:
     reset_sgd_momentum_after_aggregation: bool = True
     block_learning_rate: float = 1.0
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
+    exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas (fp32: allreduce)
+
+
+@dataclass
+class DiLoCoLearnerConfig:
+    """``dtrain.learners.DiLoCoLearner``: block momentum's blocks with DiLoCo's outer Nesterov SGD step."""
+
+    _target_: str = "dtrain.learners.DiLoCoLearner"
+    block_size: Any = "auto"            # samples per block (H inner steps x global minibatch), or "auto"
+    outer_learning_rate: float = 0.7    # DiLoCo's outer SGD learning rate
+    outer_momentum: float = 0.9         # DiLoCo's outer Nesterov momentum
+    outer_nesterov: bool = True
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
+    exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
 
 
 # -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
@@ -140,6 +154,20 @@ class AdamConfig:
     variance_momentum: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+
+@dataclass
+class AdamWConfig:
+    """``dtrain.optimizers.AdamW`` (``torch.optim.AdamW``, decoupled weight decay, with CNTK's names
+    for its two averages as :class:`AdamConfig`); DiLoCo's inner optimizer."""
+
+    _target_: str = "dtrain.optimizers.AdamW"
+    _partial_: bool = True
+    lr: float = 1e-3
+    momentum: float = 0.9
+    variance_momentum: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -294,6 +322,10 @@ class DTrainConfig:
     seed: int = 0
     learner: Any = MISSING
     optimizer: Any = MISSING
+    # a recipe's learning rate per optimizer preset (sgd, adam, adamw); each preset's lr reads its
+    # entry, so a learner preset that chooses another optimizer (learner=diloco: adamw) gets a
+    # learning rate tuned for it; optimizer.lr=... on the command line still wins
+    optimizer_lr: Dict[str, float] = field(default_factory=dict)
     model: Any = MISSING
     source: SourceConfig = MISSING
     session: SessionConfig = field(default_factory=SessionConfig)
@@ -351,12 +383,14 @@ _SCHEMAS = {
     ("schema/learner", "local"): LocalLearnerConfig,
     ("schema/learner", "data_parallel"): DataParallelLearnerConfig,
     ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
+    ("schema/learner", "diloco"): DiLoCoLearnerConfig,
     ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
     ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
     ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,
     ("schema/learner/exchange", "powersgd"): PowerSGDExchangeConfig,
     ("schema/optimizer", "sgd"): SGDConfig,
     ("schema/optimizer", "adam"): AdamConfig,
+    ("schema/optimizer", "adamw"): AdamWConfig,
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
     ("schema/model", "cifar10_convnet"): ConvNetCIFAR10Config,
     ("schema/model", "resnet50"): ResNet50Config,
@@ -524,6 +558,17 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+@register_rule("dtrain.learners.DiLoCoLearner")
+def _diloco_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(
+        node, name,
+        ("block_size", _samples_or_auto, {}),
+        ("outer_learning_rate", checks.positive_number, {}),
+        ("outer_momentum", _fraction(), {}),
+        ("outer_nesterov", checks.boolean, {}),
+    )
+
+
 # -- optimizers
 @register_rule("torch.optim.SGD")
 def _sgd_rules(node: DictConfig, name: str) -> list[str]:
@@ -541,6 +586,7 @@ def _sgd_rules(node: DictConfig, name: str) -> list[str]:
     return problems
 
 
+@register_rule("dtrain.optimizers.AdamW")
 @register_rule("dtrain.optimizers.Adam")
 def _adam_rules(node: DictConfig, name: str) -> list[str]:
     return _check(

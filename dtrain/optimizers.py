@@ -14,7 +14,7 @@ import torch
 
 from dtrain import checks
 
-__all__ = ["Adam"]
+__all__ = ["Adam", "AdamW"]
 
 
 class Adam(torch.optim.Adam):
@@ -40,6 +40,34 @@ class Adam(torch.optim.Adam):
     @torch.no_grad()
     def step(self, closure=None):
         """One Adam step, with each group's ``momentum`` as its beta1."""
+        for group in self.param_groups:
+            group["betas"] = (float(group["momentum"]), group["betas"][1])
+        return super().step(closure)
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (decoupled weight decay) with ``momentum`` (beta1) and
+    ``variance_momentum`` (beta2) as parameters, as :class:`Adam`; DiLoCo's inner optimizer.
+
+    ``weight_decay`` defaults to torch's 0.01. Raises ValueError naming the argument for a value
+    out of range.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.9,
+                 variance_momentum: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        checks.positive_number("lr", lr)
+        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
+        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
+        checks.positive_number("eps", eps)
+        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
+        super().__init__(params, lr=lr, betas=(momentum, variance_momentum), eps=eps, weight_decay=weight_decay)
+        self.defaults["momentum"] = momentum
+        for group in self.param_groups:
+            group.setdefault("momentum", momentum)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step, with each group's ``momentum`` as its beta1."""
         for group in self.param_groups:
             group["betas"] = (float(group["momentum"]), group["betas"][1])
         return super().step(closure)

@@ -7,11 +7,12 @@ the subclass's update and advances the sample clock); :class:`LocalLearner` is `
 """
 from dtrain.learners.base import Learner, LocalLearner
 from dtrain.learners.block_momentum import BlockMomentumLearner, block_momentum_distributed_learner
+from dtrain.learners.diloco import DiLoCoLearner
 from dtrain.learners.data_parallel import DataParallelLearner, data_parallel_distributed_learner
 from dtrain.learners.quantized import QuantizedDataParallelLearner
 from dtrain.learners.replicated import ReplicatedLearner
 
 __all__ = [
-    "BlockMomentumLearner", "DataParallelLearner", "Learner", "LocalLearner", "QuantizedDataParallelLearner",
+    "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner", "LocalLearner", "QuantizedDataParallelLearner",
     "ReplicatedLearner", "block_momentum_distributed_learner", "data_parallel_distributed_learner",
 ]

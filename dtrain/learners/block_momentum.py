@@ -9,6 +9,7 @@ the model of the last sync, so every worker continues from one model.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from dtrain import checks
+from dtrain.exchange import AllReduce, Exchange, full_precision_allreduce_bytes
 from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
 from dtrain.schedules import momentum_from_time_constant
@@ -85,8 +87,12 @@ class BlockMomentumLearner(Learner):
     4. ``W_prev <- W`` on every worker; with ``reset_sgd_momentum_after_aggregation`` the
        optimizer's momentum buffers are zeroed (see ``MOMENTUM_STATE_KEYS``).
 
-    All parameters travel in ONE flat buffer (one all-reduce per sync), together with the
-    floating-point buffers of the model (BatchNorm running statistics), which are averaged.
+    The deltas ``d_i`` travel as ONE flat buffer through the ``exchange`` strategy (one exchange
+    per sync, key ``"model"``). With the default fp32 :class:`~dtrain.exchange.AllReduce` the
+    floating-point buffers of the model (BatchNorm running statistics) ride in the same buffer,
+    one all-reduce as always; with a lossy strategy (e.g. :class:`~dtrain.exchange.Quantized`,
+    k-bit with error feedback) only the parameter deltas are compressed and the buffers take a
+    separate exact all-reduce. Either way the buffers are averaged.
 
     When a block is complete (the decision must be the same on every rank, and costs no extra
     communication): each rank counts, from the global minibatch sizes it is told, the samples of
@@ -123,11 +129,15 @@ class BlockMomentumLearner(Learner):
         distributed_after: global samples of local-only training on the full stream before the
             first block starts (>= 0); ``"auto"`` (the default): a warm start relative to the run,
             :meth:`auto_distributed_after`.
+        exchange: the :class:`~dtrain.exchange.Exchange` strategy that sums the model deltas over
+            workers (``learner.exchange`` in the config); None: fp32 :class:`~dtrain.exchange.AllReduce`.
+            Its per-rank state (error-feedback residuals) is in :meth:`local_state_dict`.
 
     Raises:
         ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
             ``block_size // N`` is 0 (sync period too small).
-        TypeError: the optimizer is not a ``torch.optim.Optimizer``.
+        TypeError: the optimizer is not a ``torch.optim.Optimizer``, or ``exchange`` is not an
+            ``Exchange``.
     """
 
     kind = "block_momentum"
@@ -135,8 +145,15 @@ class BlockMomentumLearner(Learner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm, block_size: int | str = AUTO,
                  block_momentum_as_time_constant: float | None = None, use_nesterov_momentum: bool = True,
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
-                 distributed_after: int | str = AUTO):
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None):
         super().__init__(optimizer, comm, distributed_after)
+        if exchange is None:
+            exchange = AllReduce()
+        if not isinstance(exchange, Exchange):
+            raise TypeError(f"exchange must be a dtrain.exchange.Exchange strategy (e.g. dtrain.exchange.Quantized), "
+                            f"got {type(exchange).__name__}")
+        self.exchange = exchange
+        self.exchange.bind(self.comm)  # before any restore: a strategy's state loads onto its communicator
         self.block_size_is_auto = block_size == AUTO
         checks.positive_number("block_momentum_as_time_constant", block_momentum_as_time_constant, allow_none=True,
                                unit="samples")  # null: CNTK's default
@@ -169,6 +186,10 @@ class BlockMomentumLearner(Learner):
         self._num_parameter_elements = 0
         self._scratch: torch.Tensor | None = None  # [W or d_i | floating-point buffers]
         self._met = True  # the last step ended with the ranks meeting (see is_sync_point)
+        # -- statistics of the last sync (the session reads them)
+        self.exchange_seconds_last_step = 0.0  # seconds in the last step's exchange (0.0: no sync in that step)
+        self._bytes_sent_last_sync = 0
+        self._full_precision_bytes_last_sync = 0
 
     def _set_block_size(self, block_size: int) -> None:
         """Sets the block size, the per-worker sync period and (unless given) the time constant."""
@@ -215,7 +236,31 @@ class BlockMomentumLearner(Learner):
         auto = " (auto: CNTK's bound samples/sweep >= time constant x workers)" if self.block_size_is_auto else ""
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
                 f"syncs, time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
-                f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}")
+                f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}, "
+                f"exchange {describe_exchange(self.exchange)}")
+
+    # -- statistics of the last sync --------------------------------------------------------------
+    @property
+    def bytes_sent_last_step(self) -> int:
+        """Bytes this rank sent in the last block sync's exchange (0 before any sync, and with one worker)."""
+        return self._bytes_sent_last_sync
+
+    @property
+    def compression_ratio(self) -> float:
+        """A float32 all-reduce's bytes over the bytes actually sent, last sync (nan before any)."""
+        if not self._bytes_sent_last_sync:
+            return float("nan")
+        return self._full_precision_bytes_last_sync / self._bytes_sent_last_sync
+
+    def progress_note(self) -> str:
+        """Bytes this rank sent in the last sync, and with a compressing strategy the saving
+        against a float32 all-reduce; empty before the first sync."""
+        if not self._bytes_sent_last_sync:
+            return ""
+        note = f"{self.exchange.name}: {self._bytes_sent_last_sync / 1e3:,.0f} kB sent/sync"
+        if self._bytes_sent_last_sync < self._full_precision_bytes_last_sync:
+            note += f" ({self.compression_ratio:.1f}x less than 32-bit)"
+        return note
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Broadcasts rank 0's parameters and buffers, then takes them as ``W_prev`` (``sg`` = 0).
@@ -264,6 +309,7 @@ class BlockMomentumLearner(Learner):
             raise RuntimeError("call learner.prepare(model) before training; training_session does it for you")
         blocks_started = self._blocks_started()  # decided before this minibatch was read
         self._met = False
+        self.exchange_seconds_last_step = 0.0
         if self.local_samples > 0:
             self._step_optimizer()
         if blocks_started:
@@ -319,33 +365,71 @@ class BlockMomentumLearner(Learner):
         return self.samples_seen + after >= self.distributed_after
 
     def _sync(self) -> None:
-        """The BMUF update (``docs/semantics.md#block-momentum``, steps 1-4), on every rank at once."""
-        num_workers = self.comm.size
-        mean_local_samples = self.global_samples_in_block / num_workers
-        block_momentum = momentum_from_time_constant(self.time_constant / num_workers, mean_local_samples)
+        """The block sync (``docs/semantics.md#block-momentum``, steps 1-4), on every rank at once:
+        ``d_i``, their sum ``D`` through the exchange, then :meth:`_outer_update` from ``D``."""
         scratch, parameter_count = self._scratch, self._num_parameter_elements
         model_delta = scratch[:parameter_count]
         self._flat_parameters(out=model_delta)  # W_i for now
-        if num_workers == 1 and block_momentum == 0.0 and self.block_learning_rate == 1.0:
+        if self._sync_keeps_model():
             # sg = D = W_prev - W and W <- W_prev - sg = W: the model stays as it is
             torch.sub(self.prev_parameters, model_delta, out=self.smoothed_gradient)
             self.prev_parameters.copy_(model_delta)
         else:
             torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
-            if num_workers > 1:
-                _pack(self._float_buffers, scratch[parameter_count:])
-                self.comm.allreduce(scratch, op="sum")  # D = sum_i d_i; buffers summed
-                _unpack(scratch[parameter_count:].div_(num_workers), self._float_buffers)
-            self.smoothed_gradient.mul_(block_momentum).add_(
-                model_delta, alpha=(1.0 - block_momentum) * self.block_learning_rate)
-            self.prev_parameters.sub_(self.smoothed_gradient)  # W = W_prev - sg
-            if self.use_nesterov_momentum:
-                self.prev_parameters.sub_(self.smoothed_gradient, alpha=block_momentum)  # W -= bm * sg
+            if self.comm.size > 1:
+                self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
+            self._outer_update(model_delta)
             _unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
         self.syncs += 1
         if self.reset_sgd_momentum_after_aggregation:
             self._reset_local_momentum()
+
+    def _block_momentum(self) -> float:
+        """``bm = exp(-n / (TC / N))`` with ``n`` the workers' mean local samples since the last sync."""
+        num_workers = self.comm.size
+        return momentum_from_time_constant(self.time_constant / num_workers, self.global_samples_in_block / num_workers)
+
+    def _sync_keeps_model(self) -> bool:
+        """Whether the update would give back the workers' model: one worker, ``bm`` = 0 and block
+        learning rate 1 (then it is skipped, which also spares its rounding)."""
+        return self.comm.size == 1 and self._block_momentum() == 0.0 and self.block_learning_rate == 1.0
+
+    def _outer_update(self, total_delta: torch.Tensor) -> None:
+        """BMUF's filter (steps 2-3): ``sg <- bm sg + (1 - bm) blr D``; ``W = W_prev - sg`` (- ``bm sg``
+        with Nesterov), written into ``prev_parameters``. ``total_delta`` is ``D`` (may be overwritten)."""
+        block_momentum = self._block_momentum()
+        self.smoothed_gradient.mul_(block_momentum).add_(
+            total_delta, alpha=(1.0 - block_momentum) * self.block_learning_rate)
+        self.prev_parameters.sub_(self.smoothed_gradient)  # W = W_prev - sg
+        if self.use_nesterov_momentum:
+            self.prev_parameters.sub_(self.smoothed_gradient, alpha=block_momentum)  # W -= bm * sg
+
+    def _exchange_model_delta(self) -> None:
+        """Sums the deltas ``d_i`` (the first part of the scratch buffer) over workers through the
+        exchange strategy and averages the floating-point buffers exactly; records the bytes sent
+        and the seconds taken (``exchange_seconds_last_step``)."""
+        started = time.perf_counter()
+        num_workers, scratch = self.comm.size, self._scratch
+        parameter_count = self._num_parameter_elements
+        buffers = scratch[parameter_count:]
+        _pack(self._float_buffers, buffers)
+        self.exchange.begin_step()
+        if isinstance(self.exchange, AllReduce):
+            # lossless: the buffers ride along, one all-reduce per sync as before strategies existed
+            self.exchange.allreduce_("model", scratch, [torch.Size([parameter_count]), torch.Size([buffers.numel()])])
+            extra_bytes = 0
+        else:
+            # a lossy strategy compresses only the parameter deltas; BatchNorm statistics stay exact
+            self.exchange.allreduce_("model", scratch[:parameter_count], [p.shape for p in self.parameters])
+            extra_bytes = 0
+            if buffers.numel():
+                self.comm.allreduce(buffers, op="sum")
+                extra_bytes = full_precision_allreduce_bytes(buffers.numel(), num_workers) * buffers.element_size() // 4
+        _unpack(buffers.div_(num_workers), self._float_buffers)
+        self._bytes_sent_last_sync = self.exchange.bytes_sent_last_step + extra_bytes
+        self._full_precision_bytes_last_sync = self.exchange.full_precision_bytes_last_step + extra_bytes
+        self.exchange_seconds_last_step = time.perf_counter() - started
 
     def _start_blocks(self) -> None:
         """End of the warm start: every worker continues from rank 0's model, which becomes W_prev."""
@@ -370,6 +454,37 @@ class BlockMomentumLearner(Learner):
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """The kind, and the exchange strategy when it is not the default fp32 all-reduce: a
+        checkpoint's residuals restore only into the same strategy and settings."""
+        identity = super().checkpoint_identity()
+        if not isinstance(self.exchange, AllReduce):
+            identity["exchange"] = self.exchange.identity()
+        return identity
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own state: its optimizer's (the local steps make every rank's momentum and
+        Adam moments different, and :meth:`state_dict` holds only rank 0's) and the exchange
+        strategy's (e.g. the quantized strategy's error-feedback residuals)."""
+        return {"optimizer": self.optimizer.state_dict(), "exchange": self.exchange.state_dict()}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`local_state_dict`'s output. The session calls it only at the same world
+        size; at another, every rank continues with rank 0's optimizer state (from
+        :meth:`state_dict`) and a fresh exchange state, and the session says so.
+
+        The optimizer's hyper-parameters (learning rate, momentum, ...) stay as they are now: the
+        configured ones, which the session has put back after :meth:`load_state_dict`.
+        """
+        if "optimizer" in state:
+            configured = [{key: value for key, value in group.items() if key != "params"}
+                          for group in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group, settings in zip(self.optimizer.param_groups, configured):
+                group.update(settings)
+        if "exchange" in state:
+            self.exchange.load_state_dict(state["exchange"])
+
     def state_dict(self) -> dict[str, Any]:
         """Base state plus ``W_prev``, ``sg`` and the block counters (tensors and ints only).
 
@@ -422,11 +537,12 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
                                        use_nesterov_momentum: bool | None = None,
                                        reset_sgd_momentum_after_aggregation: bool = True,
                                        block_learning_rate: float = 1.0, distributed_after: int | str = AUTO,
-                                       **aliases: Any) -> BlockMomentumLearner:
+                                       exchange: Exchange | None = None, **aliases: Any) -> BlockMomentumLearner:
     """CNTK's ``block_momentum_distributed_learner``: wraps ``optimizer`` in a ``BlockMomentumLearner``.
 
     Arguments as in ``BlockMomentumLearner`` (``block_size`` and ``distributed_after`` in global
-    samples). ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
+    samples; ``exchange`` the instantiated strategy that sums the model deltas, None: fp32).
+    ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
     ``use_nestrov_momentum`` is accepted in its place.
 
     Raises:
@@ -447,11 +563,17 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
         optimizer, comm, block_size=block_size, block_momentum_as_time_constant=block_momentum_as_time_constant,
         use_nesterov_momentum=True if use_nesterov_momentum is None else use_nesterov_momentum,
         reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
-        block_learning_rate=block_learning_rate, distributed_after=distributed_after,
+        block_learning_rate=block_learning_rate, distributed_after=distributed_after, exchange=exchange,
     )
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def describe_exchange(exchange: Exchange) -> str:
+    """The strategy's name and settings for the start-up line, e.g. ``quantized (num_bits=4)``."""
+    settings = ", ".join(f"{key}={value}" for key, value in exchange.identity().items() if key != "name")
+    return f"{exchange.name} ({settings})" if settings else exchange.name
+
+
 def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().cpu().clone()
 

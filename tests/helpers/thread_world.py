@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from dtrain.comm.base import CompletedHandle
+
 
 class FakeWorld:
     """N communicators for N threads; every collective is an all-gather through shared slots."""
@@ -72,6 +74,9 @@ class FakeComm:
         total = torch.stack(self.allgather(tensor)).sum(0)
         tensor.copy_(total / self.size if op == "mean" else total)
         return tensor
+
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> CompletedHandle:
+        return CompletedHandle(self.allreduce(tensor, op))
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         tensor.copy_(self.allgather(tensor)[root])

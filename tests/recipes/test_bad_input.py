@@ -67,7 +67,7 @@ CASES = [
     ("adam-eps-0", ["optimizer=adam", "optimizer.eps=0"], ["optimizer.eps=0.0: expected"]),
     ("adam-variance-1", ["optimizer=adam", "optimizer.variance_momentum=1"], ["optimizer.variance_momentum=1.0: expected"]),
     ("adam-lr-nan", ["optimizer=adam", "optimizer.lr=nan"], ["optimizer.lr=nan: expected"]),
-    ("optimizer-unknown", ["optimizer=sgdd"], ["optimizer/sgdd", "available: adam, sgd"]),
+    ("optimizer-unknown", ["optimizer=sgdd"], ["optimizer/sgdd", "available: adam, adamw, sgd"]),
     # models
     ("hidden-negative", ["model.hidden=-5"], ["model.hidden=-5: expected a whole number of units of at least 1"]),
     ("hidden-0", ["model.hidden=0"], ["model.hidden=0: expected"]),

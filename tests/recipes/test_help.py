@@ -32,8 +32,8 @@ def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, t
     assert text.startswith("dtrain: declarative, distributed data-parallel training for PyTorch")
     for recipe in ("cifar10", "digits", "imagenet"):
         assert f"\n  {recipe} " in text
-    assert "learner=block_momentum|data_parallel|local|powersgd|quantized   (default: data_parallel)" in text
-    for group in ("model=", "optimizer=adam|sgd", "session=default", "source=cifar10|digits|imagenet"):
+    assert "learner=block_momentum|data_parallel|diloco|local|powersgd|quantized   (default: data_parallel)" in text
+    for group in ("model=", "optimizer=adam|adamw|sgd", "session=default", "source=cifar10|digits|imagenet"):
         assert f"\n  {group}" in text
     assert "1-bit SGD with error feedback" in text  # each option says what it is
     for example in ("mpiexec -n 4 python -m dtrain", "python -m dtrain -m ", "run_dir=", "--config-dir"):
@@ -49,7 +49,7 @@ def test_help_lists_the_recipes_and_options_of_a_config_dir(tmp_path):
     result = run(sys.executable, "-m", "dtrain", "--config-dir", str(tmp_path / "conf"), "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "\n  mine        my own recipe." in result.stdout
-    assert "learner=block_momentum|data_parallel|local|local_sgd|powersgd|quantized" in result.stdout
+    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized" in result.stdout
     assert "local_sgd         Local SGD, averaged every k steps." in result.stdout
 
 

@@ -1,0 +1,111 @@
+"""DiLoCo: local steps with an inner optimizer, and every block an outer Nesterov SGD step.
+
+DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
+Models", arXiv 2311.08105; open implementation: PrimeIntellect-ai/OpenDiLoCo) is block momentum's
+family: each worker takes ``H`` steps of its inner optimizer (AdamW in the paper) on its own model
+copy, then the workers' model changes are averaged into an outer gradient, and an outer optimizer
+(SGD with Nesterov momentum 0.9, learning rate 0.7) applies it to the model of the last sync.
+:class:`DiLoCoLearner` shares block momentum's block machinery (block counting, warm start, sync
+points, exchange strategies, checkpoints) and replaces its filter by DiLoCo's outer step, exactly
+as ``torch.optim.SGD(nesterov=True)`` computes it. ``docs/semantics.md#diloco`` gives the mapping
+to BMUF's ``block_learning_rate`` and ``block_momentum`` and where the two updates differ.
+"""
+from __future__ import annotations
+
+import warnings
+import torch
+
+from dtrain import checks
+from dtrain.exchange import Exchange
+from dtrain.learners.base import AUTO, RunFacts
+from dtrain.learners.block_momentum import BlockMomentumLearner, describe_exchange
+
+
+class DiLoCoLearner(BlockMomentumLearner):
+    """DiLoCo's outer step on block momentum's blocks (``learner=diloco``).
+
+    Every minibatch each worker steps its inner optimizer (the wrapped ``optimizer``; AdamW in
+    the ``learner=diloco`` preset) on the gradient of its LOCAL mean loss. When a block of
+    ``block_size`` global samples is complete, with ``W_prev`` the model of the last sync and
+    ``W_i`` worker i's model, every worker computes the same outer step:
+
+    1. outer gradient ``g = (1/N) sum_i (W_prev - W_i)`` (the strategy sums the deltas, then / N);
+    2. ``v <- mu v + g`` (``v`` starts at 0, so the first ``v`` is ``g``, as torch's first step);
+    3. ``W = W_prev - lr (g + mu v)`` with Nesterov, ``W = W_prev - lr v`` without;
+    4. ``W_prev <- W`` on every worker. The inner optimizer's state (AdamW's moments) is kept
+       across syncs, as in DiLoCo.
+
+    These are ``torch.optim.SGD(lr=outer_learning_rate, momentum=outer_momentum,
+    nesterov=outer_nesterov)`` stepping ``W_prev`` with ``W_prev.grad = g``, op for op. ``v``
+    is kept in ``smoothed_gradient`` (replicated, in checkpoints); the exchange strategy's
+    per-rank state is in :meth:`local_state_dict`.
+
+    Args:
+        optimizer: the inner optimizer, a ``torch.optim.Optimizer`` of the model's parameters.
+        comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
+        block_size: global samples per block (``H`` inner steps = ``block_size`` / global minibatch);
+            ``"auto"``: :func:`~dtrain.learners.block_momentum.auto_block_size` of the run's facts.
+        outer_learning_rate: the outer SGD learning rate (> 0); DiLoCo's 0.7.
+        outer_momentum: the outer SGD momentum ``mu`` in [0, 1); DiLoCo's 0.9.
+        outer_nesterov: Nesterov momentum in the outer step (DiLoCo: on).
+        distributed_after: global samples of local-only training on the full stream before the
+            first block (>= 0); ``"auto"``: a warm start relative to the run, as block momentum's.
+        exchange: the :class:`~dtrain.exchange.Exchange` strategy that sums the model deltas
+            (None: fp32 all-reduce; e.g. ``Quantized(num_bits=4)`` for 4-bit outer gradients).
+
+    Raises:
+        ValueError: a value is out of range or of the wrong kind, or ``block_size // N`` is 0.
+        TypeError: the optimizer is not a ``torch.optim.Optimizer``, or ``exchange`` not an ``Exchange``.
+    """
+
+    kind = "diloco"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
+                 outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None):
+        checks.positive_number("outer_learning_rate", outer_learning_rate)
+        checks.number_in_range("outer_momentum", outer_momentum, 0.0, 1.0, include_high=False)
+        checks.boolean("outer_nesterov", outer_nesterov)
+        super().__init__(optimizer, comm, block_size=block_size, use_nesterov_momentum=outer_nesterov,
+                         reset_sgd_momentum_after_aggregation=False, distributed_after=distributed_after,
+                         exchange=exchange)
+        self.outer_learning_rate = float(outer_learning_rate)
+        self.outer_momentum = float(outer_momentum)
+        self.outer_nesterov = outer_nesterov
+
+    def plan(self, facts: RunFacts) -> None:
+        """Derives ``block_size="auto"``; block momentum's bound on the block size (its time
+        constant) does not apply to DiLoCo's constant outer momentum, so nothing is warned."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # BMUF's time-constant bound
+            super().plan(facts)
+
+    def describe(self) -> str:
+        """Block size, inner steps per worker between syncs and the outer optimizer."""
+        self._require_block_size()
+        auto = " (auto)" if self.block_size_is_auto else ""
+        warm_start = super(BlockMomentumLearner, self).describe()
+        return (f"{warm_start}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
+                f"syncs, outer SGD lr {self.outer_learning_rate:g} momentum {self.outer_momentum:g} Nesterov "
+                f"{'on' if self.outer_nesterov else 'off'}, inner optimizer {type(self.optimizer).__name__} "
+                f"(state kept across syncs), exchange {describe_exchange(self.exchange)}")
+
+    # -- the outer step ---------------------------------------------------------------------------
+    def _sync_keeps_model(self) -> bool:
+        """Never: DiLoCo's outer step moves the model even with one worker (a look-ahead)."""
+        return False
+
+    def _outer_update(self, total_delta: torch.Tensor) -> None:
+        """``torch.optim.SGD``'s step on ``W_prev`` with gradient ``D / N`` (steps 1-3 above), in
+        torch's own operations and order, so the result is the same to the last bit."""
+        outer_gradient = total_delta.div_(self.comm.size)  # g = mean_i (W_prev - W_i)
+        velocity = self.smoothed_gradient
+        velocity.mul_(self.outer_momentum).add_(outer_gradient)  # v = mu v + g (dampening 0)
+        if self.outer_nesterov:
+            outer_gradient = outer_gradient.add_(velocity, alpha=self.outer_momentum)  # g + mu v
+        else:
+            outer_gradient = velocity
+        self.prev_parameters.add_(outer_gradient, alpha=-self.outer_learning_rate)
+
+
+__all__ = ["DiLoCoLearner"]
