@@ -69,9 +69,10 @@ class ProgressPrinter:
 
     def progress(self, samples_seen: int, loss: float, error: float, samples_per_second: float,
                  learning_rate: float, elapsed: float, note: str = "", metric_name: str = "error",
-                 percent: bool = True) -> None:
+                 percent: bool = True, time_split: dict[str, float] | None = None) -> None:
         """One progress line: samples, loss, the metric (``error``: its average, named ``metric_name``,
-        in percent when ``percent``), throughput, learning rate and ETA."""
+        in percent when ``percent``), throughput with the period's time split (``PhaseTimer.take``'s
+        dict, when given), learning rate and ETA."""
         if self.total_samples:
             remaining = (self.total_samples - samples_seen) / samples_per_second if samples_per_second > 0 else float("inf")
             where = f"{samples_seen:>{len(str(self.total_samples))}}/{self.total_samples} ({100 * samples_seen / self.total_samples:5.1f}%)"
@@ -81,8 +82,23 @@ class ProgressPrinter:
         metric = f"{metric_name} {100 * error:6.2f}%" if percent else f"{metric_name} {error:.4g}"
         self.line(
             f"samples {where} | loss {loss:.4f} | {metric} | {samples_per_second:,.0f} samples/s"
+            f"{format_time_split(time_split)}"
             f" | lr {learning_rate:.4g} | {format_duration(elapsed)}{eta}" + (f" | {note}" if note else "")
         )
+
+
+#: the phases a progress line shows, in the order the loop runs them
+_SHOWN_PHASES = ("data", "compute", "exchange", "optimizer")
+
+
+def format_time_split(split: dict[str, float] | None) -> str:
+    """`` (data 2%, compute 81%, exchange 6%, optimizer 9%)``: each phase's share of the period; ``""``
+    without a split (or a period of no length)."""
+    period = (split or {}).get("period_s") or 0.0
+    if period <= 0:
+        return ""
+    shares = ", ".join(f"{phase} {100 * split.get(f'{phase}_s', 0.0) / period:.0f}%" for phase in _SHOWN_PHASES)
+    return f" ({shares})"
 
 
 class Throughput:
