@@ -29,6 +29,7 @@ from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
 from dtrain.help import config_directories, help_text, version
 from dtrain.schedules import Schedule
+from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.checkpoint import CheckpointError
 
@@ -244,9 +245,8 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         differing = [rank for rank, value in enumerate(hashes) if value != hashes[0]]
         raise UserError(f"ranks {differing} resolved a different config than rank 0; start every rank with the same "
                         f"command line, environment and files")
-    threads = cfg.session.num_threads or (max(1, (os.cpu_count() or 1) // comm.local_size) if comm.size > 1 else None)
-    if threads:
-        torch.set_num_threads(threads)
+    threads = choose_threads(cfg.session.num_threads, comm.local_size if comm.size > 1 else 1, torch.get_num_threads())
+    torch.set_num_threads(threads.threads)
 
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     model = _instantiate(cfg.model, "model")
@@ -294,6 +294,7 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
     if comm.is_main:
         saved = _save_config(cfg, run_dir)
         print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
+        print(f"dtrain: {threads.describe(per_process=comm.size > 1)}", flush=True)
     result = trainer.train()
     if result.preempted:
         exit_preempted(comm, cfg, result)

@@ -60,7 +60,7 @@ class TrainingResult:
 
     samples_seen: int
     minibatches: int
-    seconds: float
+    seconds: float  # wall time of training and evaluation (without writing model.safetensors and report.png)
     stopped_early: bool
     test: Evaluation | None
     last_cross_validation: Evaluation | None
@@ -413,6 +413,7 @@ class TrainingSession:
                     f"training collapsed: test accuracy {100 * test.accuracy:.2f}% is chance for "
                     f"{self._collapse.num_classes} classes after the training loss had fallen; {COLLAPSE_ADVICE}")
         self.learner.finalize()
+        seconds = throughput.elapsed()  # training and evaluation; the one-off outputs below are not training
         metrics.close()
         # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
         # resumed run writes both at its end, from every record)
@@ -420,7 +421,7 @@ class TrainingSession:
             self._export_weights(seen)
             self._write_report(printer, metrics)
         result = TrainingResult(
-            samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
+            samples_seen=seen, minibatches=self.minibatches, seconds=seconds, stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
             metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
             last_training_error=self._last_training_error,
