@@ -27,7 +27,7 @@ from dtrain.comm import create_communicator, detect_launcher, install_fail_fast,
 from dtrain.comm.base import first_line, format_rank_message
 from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
-from dtrain.help import config_directories, help_text, version
+from dtrain.help import config_dir, config_directories, quick_answer
 from dtrain.schedules import Schedule
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
@@ -45,15 +45,6 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, Checkp
 
 class UserError(Exception):
     """A problem with what the user asked for; printed as one line."""
-
-
-def config_dir() -> str:
-    """The shipped config tree: ``dtrain/conf`` in an installed wheel, ``conf/`` in a source checkout."""
-    package = Path(__file__).resolve().parent
-    for candidate in (package / "conf", package.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return str(candidate)
-    raise RuntimeError(f"dtrain's config tree is missing (looked in {package / 'conf'} and {package.parent / 'conf'})")
 
 
 def fingerprint(cfg: DictConfig) -> str:
@@ -496,11 +487,9 @@ def main() -> None:
     """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
     warnings.formatwarning = _one_line_warning
     argv = sys.argv[1:]
-    if "--help" in argv or "-h" in argv:  # dtrain's own help; Hydra's stays at --hydra-help
-        print(help_text(config_dir(), argv), end="")
-        sys.exit(0)
-    if "--version" in argv:
-        print(f"dtrain {version()}")
+    answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help) and --version
+    if answer is not None:
+        print(answer, end="")
         sys.exit(0)
     register_schemas()
     problem = check_recipe_argument(argv) or check_overrides(argv) or check_sweep_arguments(argv)

@@ -1,12 +1,21 @@
-"""Progress on the console: a rich progress bar on a terminal, plain lines otherwise."""
+"""Progress on the console: a rich progress bar on a terminal, plain lines otherwise.
+
+``rich`` is imported only when a live bar is shown: plain lines (a file, a pipe, every rank but 0)
+need nothing from it, and its import is a noticeable part of start-up (``benchmarks/startup_time.py``).
+"""
 from __future__ import annotations
 
 import sys
 import time
 from datetime import timedelta
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+def _is_terminal(stream) -> bool:
+    """Whether ``stream`` is an interactive terminal (a closed or odd stream is not)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def format_duration(seconds: float) -> str:
@@ -32,17 +41,22 @@ class ProgressPrinter:
     def __init__(self, total_samples: int | None, enabled: bool = True, stream=None, live_bar: bool | None = None):
         self.total_samples = total_samples
         self.enabled = enabled
-        self.console = Console(file=stream or sys.stdout, highlight=False, soft_wrap=True)
-        self.interactive = enabled and (self.console.is_terminal if live_bar is None else live_bar)
-        self._bar: Progress | None = None
+        self.stream = stream or sys.stdout
+        self.interactive = enabled and (_is_terminal(self.stream) if live_bar is None else bool(live_bar))
+        self._bar = None  # a rich.progress.Progress while the live bar shows
         self._task = None
 
     def __enter__(self) -> ProgressPrinter:
         if self.interactive:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            console = Console(file=self.stream, highlight=False, soft_wrap=True)
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
                 TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=self.console, transient=True,
+                console=console, transient=True,
             )
             self._bar.__enter__()
             self._task = self._bar.add_task("train", total=self.total_samples, rate="")
@@ -63,9 +77,9 @@ class ProgressPrinter:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.console.print(text)
+            self._bar.console.print(text, markup=False)
         else:
-            self.console.print(text, markup=False)
+            print(text, file=self.stream, flush=True)
 
     def progress(self, samples_seen: int, loss: float, error: float, samples_per_second: float,
                  learning_rate: float, elapsed: float, note: str = "", metric_name: str = "error",
