@@ -110,3 +110,28 @@ def test_report_draws_exchange_and_optimizer_and_reads_records_of_older_runs(tmp
     assert set(report._PHASE_COLORS) == {"data_s", "compute_s", "exchange_s", "optimizer_s", "other_s"}
     path = report.write_report([old, {**new, "samples": 200, "time": 1002.0}], tmp_path / "report.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_training_clock_stops_before_the_weights_and_the_report_are_written(tmp_path, monkeypatch):
+    from dtrain.session import session as session_module
+
+    drawn = []
+
+    def slow_report(*args, **kwargs):  # drawing report.png is a one-off output, not training
+        time.sleep(1.0)
+        drawn.append(True)
+        return tmp_path / "report.png"
+
+    monkeypatch.setattr(session_module, "write_report", slow_report)
+    generator = np.random.default_rng(0)
+    features = generator.normal(size=(64, 6)).astype(np.float32)
+    labels = (features[:, 0] > 0).astype(np.int64)
+    model = nn.Linear(6, 2)
+    session = training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                               MinibatchSource(ArrayDeserializer(features, labels, num_classes=2)), 16, max_samples=64,
+                               progress_frequency=32, run_dir=tmp_path, tensorboard=False, stream=io.StringIO())
+    start = time.perf_counter()
+    result = session.train()
+    whole = time.perf_counter() - start
+    assert drawn and whole >= 1.0
+    assert result.seconds < whole - 0.9
