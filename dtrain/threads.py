@@ -48,7 +48,7 @@ def busy_cpus() -> float:
 
 
 def choose_threads(requested: int | None, local_ranks: int, torch_default: int, *, environment=None,
-                   cpus: int | None = None, load: float | None = None) -> ThreadChoice:
+                   cpus: int | None = None, load: float | None = None, node_cpus: int | None = None) -> ThreadChoice:
     """The torch thread count for one process of a job with ``local_ranks`` processes on this node.
 
     Args:
@@ -57,7 +57,8 @@ def choose_threads(requested: int | None, local_ranks: int, torch_default: int, 
         torch_default: ``torch.get_num_threads()`` before any change (torch's one per physical core,
             or what ``OMP_NUM_THREADS`` set).
         environment: the environment to look for ``OMP_NUM_THREADS`` in (default: ``os.environ``).
-        cpus, load: usable CPUs and the load average (default: measured now); for tests.
+        cpus, load, node_cpus: CPUs this process may use, the load average and the node's CPUs
+            (default: measured now); for tests.
     """
     environment = os.environ if environment is None else environment
     if requested:
@@ -66,16 +67,25 @@ def choose_threads(requested: int | None, local_ranks: int, torch_default: int, 
         return ThreadChoice(int(environment["OMP_NUM_THREADS"]), "OMP_NUM_THREADS")
     cpus = usable_cpus() if cpus is None else cpus
     if local_ranks > 1:
-        return ThreadChoice(max(1, cpus // local_ranks), f"{cpus} CPUs / {local_ranks} processes on this node")
+        # a launcher that binds each rank to its cores (Open MPI binds 2 ranks to a core each) already
+        # gave it its share: never more than the CPUs it may run on, nor than the node's CPUs / ranks
+        node_cpus = max(cpus, os.cpu_count() or 1) if node_cpus is None else node_cpus
+        threads = max(1, min(cpus, node_cpus // local_ranks))
+        return ThreadChoice(threads, f"{node_cpus} CPUs / {local_ranks} processes on this node"
+                            + (f", bound to {_cpus(cpus)}" if cpus < node_cpus else ""))
     load = busy_cpus() if load is None else load
     busy = min(cpus, int(load + 0.5))
     threads = max(1, min(cpus - busy, torch_default))
     if busy == 0:
-        reason = f"{cpus} CPUs, idle" + (f"; torch's default is {torch_default}" if threads < cpus else "")
+        reason = f"{_cpus(cpus)}, idle" + (f"; torch's default is {torch_default}" if threads < cpus else "")
     else:
-        reason = (f"{cpus} CPUs, {busy} kept busy by other processes (load {load:.1f}): more threads would wait "
+        reason = (f"{_cpus(cpus)}, {busy} kept busy by other processes (load {load:.1f}): more threads would wait "
                   f"for each other; session.num_threads=N to choose")
     return ThreadChoice(threads, reason)
+
+
+def _cpus(count: int) -> str:
+    return f"{count} CPU{'' if count == 1 else 's'}"
 
 
 __all__ = ["ThreadChoice", "busy_cpus", "choose_threads", "usable_cpus"]

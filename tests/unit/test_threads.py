@@ -21,8 +21,10 @@ def test_one_process_on_an_idle_machine_takes_torchs_default():
 
 
 def test_several_ranks_divide_the_cpus_and_an_explicit_setting_wins():
-    assert choose_threads(None, 4, torch_default=8, environment={}, cpus=16, load=9.0).threads == 4
-    assert choose_threads(None, 3, torch_default=2, environment={}, cpus=2, load=0.0).threads == 1
+    assert choose_threads(None, 4, torch_default=8, environment={}, cpus=16, load=9.0, node_cpus=16).threads == 4
+    assert choose_threads(None, 3, torch_default=2, environment={}, cpus=2, load=0.0, node_cpus=2).threads == 1
+    bound = choose_threads(None, 2, torch_default=8, environment={}, cpus=1, load=0.0, node_cpus=16)  # mpiexec -n 2
+    assert bound.threads == 1 and bound.reason == "16 CPUs / 2 processes on this node, bound to 1 CPU"
     assert choose_threads(3, 1, torch_default=2, environment={}, cpus=2, load=5.0).threads == 3
     assert choose_threads(None, 1, torch_default=2, environment={"OMP_NUM_THREADS": "4"}, cpus=2, load=5.0).threads == 4
 
