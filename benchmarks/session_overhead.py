@@ -9,8 +9,9 @@ what a user would write: index a tensor with a permutation, forward, backward, s
 the loss for logging. The session runs as the CLI does (progress lines, metrics JSONL and
 TensorBoard); only checkpoints are off. Rounds alternate between the two so machine noise hits
 both; the table gives the median of each and their ratio, for the training loop (the session's
-own clock) and for the whole ``train()`` call including its one-off set-up (TensorBoard writer,
-metrics file, restore check).
+own clock, ``TrainingResult.seconds``) and for the whole ``train()`` call including its one-off
+set-up (TensorBoard writer, metrics file, restore check) and end (``model.safetensors``,
+``report.png``).
 """
 from __future__ import annotations
 

@@ -27,8 +27,9 @@ from dtrain.comm import create_communicator, detect_launcher, install_fail_fast,
 from dtrain.comm.base import first_line, format_rank_message
 from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
-from dtrain.help import config_directories, help_text, version
+from dtrain.help import config_dir, config_directories, quick_answer
 from dtrain.schedules import Schedule
+from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.checkpoint import CheckpointError
 
@@ -44,15 +45,6 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, Checkp
 
 class UserError(Exception):
     """A problem with what the user asked for; printed as one line."""
-
-
-def config_dir() -> str:
-    """The shipped config tree: ``dtrain/conf`` in an installed wheel, ``conf/`` in a source checkout."""
-    package = Path(__file__).resolve().parent
-    for candidate in (package / "conf", package.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return str(candidate)
-    raise RuntimeError(f"dtrain's config tree is missing (looked in {package / 'conf'} and {package.parent / 'conf'})")
 
 
 def fingerprint(cfg: DictConfig) -> str:
@@ -244,9 +236,8 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         differing = [rank for rank, value in enumerate(hashes) if value != hashes[0]]
         raise UserError(f"ranks {differing} resolved a different config than rank 0; start every rank with the same "
                         f"command line, environment and files")
-    threads = cfg.session.num_threads or (max(1, (os.cpu_count() or 1) // comm.local_size) if comm.size > 1 else None)
-    if threads:
-        torch.set_num_threads(threads)
+    threads = choose_threads(cfg.session.num_threads, comm.local_size if comm.size > 1 else 1, torch.get_num_threads())
+    torch.set_num_threads(threads.threads)
 
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     model = _instantiate(cfg.model, "model")
@@ -294,6 +285,7 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
     if comm.is_main:
         saved = _save_config(cfg, run_dir)
         print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
+        print(f"dtrain: {threads.describe(per_process=comm.size > 1)}", flush=True)
     result = trainer.train()
     if result.preempted:
         exit_preempted(comm, cfg, result)
@@ -495,11 +487,9 @@ def main() -> None:
     """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
     warnings.formatwarning = _one_line_warning
     argv = sys.argv[1:]
-    if "--help" in argv or "-h" in argv:  # dtrain's own help; Hydra's stays at --hydra-help
-        print(help_text(config_dir(), argv), end="")
-        sys.exit(0)
-    if "--version" in argv:
-        print(f"dtrain {version()}")
+    answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help) and --version
+    if answer is not None:
+        print(answer, end="")
         sys.exit(0)
     register_schemas()
     problem = check_recipe_argument(argv) or check_overrides(argv) or check_sweep_arguments(argv)

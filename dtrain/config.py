@@ -294,7 +294,7 @@ class SessionConfig:
     test: TestSettings = field(default_factory=TestSettings)
     tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
-    num_threads: Optional[int] = None   # torch intra-op threads per process; null = cores / local ranks
+    num_threads: Optional[int] = None   # torch intra-op threads per process; null = chosen (dtrain/threads.py)
     micro_batch_size: Optional[int] = None  # samples per rank per forward/backward pass; null = no cap
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
     precision: Any = "32"               # 32 | bf16 | fp16 (autocast forward; fp16 with a loss scale)

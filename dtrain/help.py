@@ -48,6 +48,25 @@ _MORE = """\
   python -m dtrain +recipe=NAME --cfg job    every key of a composed config and its value"""
 
 
+def config_dir() -> str:
+    """The shipped config tree: ``dtrain/conf`` in an installed wheel, ``conf/`` in a source checkout."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise RuntimeError(f"dtrain's config tree is missing (looked in {package / 'conf'} and {package.parent / 'conf'})")
+
+
+def quick_answer(argv: list[str]) -> str | None:
+    """The text for ``--help``/``-h`` (dtrain's help; Hydra's stays at ``--hydra-help``) or ``--version``,
+    ending in a newline; ``None`` for any other command line."""
+    if "--help" in argv or "-h" in argv:
+        return help_text(config_dir(), argv)
+    if "--version" in argv:
+        return f"dtrain {version()}\n"
+    return None
+
+
 def version() -> str:
     """dtrain's version: the installed distribution's, else the source tree's ``pyproject.toml``.
 

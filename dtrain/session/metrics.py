@@ -36,7 +36,8 @@ def resolve_tensorboard(requested: bool | None) -> bool:
 
 #: the CSV's leading columns, in this order; any other key of a record follows in first-seen order
 CSV_COLUMNS = ("kind", "samples", "time", "loss", "error", "accuracy", "num_samples", "samples_per_second", "lr",
-               "period_s", "data_s", "compute_s", "update_s", "other_s", "bytes_sent_per_step")
+               "period_s", "data_s", "compute_s", "update_s", "exchange_s", "optimizer_s", "other_s",
+               "bytes_sent_per_step")
 
 
 class MetricsWriteError(RuntimeError):
@@ -168,14 +169,16 @@ def _read_records(path: Path) -> list[dict]:
 class PhaseTimer:
     """Wall time of the training loop's phases over one progress period (``time.perf_counter``).
 
-    The loop calls ``mark()`` at the top of a step and ``lap(phase)`` at the end of each phase:
-    ``data`` (waiting for the next minibatch), ``compute`` (forward and backward) and ``update``
-    (the learner's step: the gradient exchange it waits for, and the optimizer). On a GPU,
-    ``synchronize`` (e.g. ``torch.cuda.synchronize``) runs before a ``compute`` or ``update`` lap,
-    so queued kernels count where they were issued; on the CPU nothing extra runs.
+    The loop calls ``mark()`` at the top of a step, ``lap("data")`` when the minibatch is read,
+    ``lap("compute")`` after forward and backward, and ``lap_update(exchange_seconds)`` after the
+    learner's step, whose time is split into ``exchange`` (what the learner reports as spent on the
+    gradient exchange that did not overlap backward, ``Learner.exchange_seconds_last_step``) and
+    ``optimizer`` (the rest of the step). On a GPU, ``synchronize`` (e.g. ``torch.cuda.synchronize``)
+    runs before a ``compute`` or update lap, so queued kernels count where they were issued; on the
+    CPU nothing extra runs.
     """
 
-    PHASES = ("data", "compute", "update")
+    PHASES = ("data", "compute", "exchange", "optimizer")
 
     def __init__(self, synchronize: Callable[[], None] | None = None):
         self._synchronize = synchronize
@@ -194,10 +197,29 @@ class PhaseTimer:
         self.seconds[phase] += now - self._last
         self._last = now
 
+    def lap_update(self, exchange_seconds: float = 0.0) -> None:
+        """Adds the time since the last lap, the learner's step, as ``exchange_seconds`` of exchange (at
+        most the whole step; a value that is not a finite number counts as 0) and the rest as optimizer."""
+        if self._synchronize is not None:
+            self._synchronize()
+        now = time.perf_counter()
+        step = now - self._last
+        self._last = now
+        if not isinstance(exchange_seconds, (int, float)) or not exchange_seconds > 0:  # also NaN
+            exchange_seconds = 0.0
+        exchange = min(float(exchange_seconds), step)
+        self.seconds["exchange"] += exchange
+        self.seconds["optimizer"] += step - exchange
+
     def take(self, period_seconds: float) -> dict[str, float]:
-        """``period_s``, ``data_s``, ``compute_s``, ``update_s`` and ``other_s`` (the rest of the
-        period: progress, evaluation, checkpoints), rounded to microseconds; starts a new period."""
-        split = {f"{phase}_s": self.seconds[phase] for phase in self.PHASES}
+        """``period_s``, ``data_s``, ``compute_s``, ``update_s`` (= ``exchange_s`` + ``optimizer_s``),
+        ``exchange_s``, ``optimizer_s`` and ``other_s`` (the rest of the period: progress, evaluation,
+        checkpoints), rounded to microseconds; starts a new period."""
+        seconds = self.seconds
+        split = {"data_s": seconds["data"], "compute_s": seconds["compute"],
+                 "update_s": seconds["exchange"] + seconds["optimizer"]}
         split["other_s"] = max(0.0, period_seconds - sum(split.values()))
+        split["exchange_s"] = seconds["exchange"]
+        split["optimizer_s"] = seconds["optimizer"]
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         return {key: round(value, 6) for key, value in {"period_s": period_seconds, **split}.items()}

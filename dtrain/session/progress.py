@@ -1,12 +1,21 @@
-"""Progress on the console: a rich progress bar on a terminal, plain lines otherwise."""
+"""Progress on the console: a rich progress bar on a terminal, plain lines otherwise.
+
+``rich`` is imported only when a live bar is shown: plain lines (a file, a pipe, every rank but 0)
+need nothing from it, and its import is a noticeable part of start-up (``benchmarks/startup_time.py``).
+"""
 from __future__ import annotations
 
 import sys
 import time
 from datetime import timedelta
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+def _is_terminal(stream) -> bool:
+    """Whether ``stream`` is an interactive terminal (a closed or odd stream is not)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def format_duration(seconds: float) -> str:
@@ -32,17 +41,22 @@ class ProgressPrinter:
     def __init__(self, total_samples: int | None, enabled: bool = True, stream=None, live_bar: bool | None = None):
         self.total_samples = total_samples
         self.enabled = enabled
-        self.console = Console(file=stream or sys.stdout, highlight=False, soft_wrap=True)
-        self.interactive = enabled and (self.console.is_terminal if live_bar is None else live_bar)
-        self._bar: Progress | None = None
+        self.stream = stream or sys.stdout
+        self.interactive = enabled and (_is_terminal(self.stream) if live_bar is None else bool(live_bar))
+        self._bar = None  # a rich.progress.Progress while the live bar shows
         self._task = None
 
     def __enter__(self) -> ProgressPrinter:
         if self.interactive:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            console = Console(file=self.stream, highlight=False, soft_wrap=True)
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
                 TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=self.console, transient=True,
+                console=console, transient=True,
             )
             self._bar.__enter__()
             self._task = self._bar.add_task("train", total=self.total_samples, rate="")
@@ -63,15 +77,16 @@ class ProgressPrinter:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.console.print(text)
+            self._bar.console.print(text, markup=False)
         else:
-            self.console.print(text, markup=False)
+            print(text, file=self.stream, flush=True)
 
     def progress(self, samples_seen: int, loss: float, error: float, samples_per_second: float,
                  learning_rate: float, elapsed: float, note: str = "", metric_name: str = "error",
-                 percent: bool = True) -> None:
+                 percent: bool = True, time_split: dict[str, float] | None = None) -> None:
         """One progress line: samples, loss, the metric (``error``: its average, named ``metric_name``,
-        in percent when ``percent``), throughput, learning rate and ETA."""
+        in percent when ``percent``), throughput with the period's time split (``PhaseTimer.take``'s
+        dict, when given), learning rate and ETA."""
         if self.total_samples:
             remaining = (self.total_samples - samples_seen) / samples_per_second if samples_per_second > 0 else float("inf")
             where = f"{samples_seen:>{len(str(self.total_samples))}}/{self.total_samples} ({100 * samples_seen / self.total_samples:5.1f}%)"
@@ -81,8 +96,23 @@ class ProgressPrinter:
         metric = f"{metric_name} {100 * error:6.2f}%" if percent else f"{metric_name} {error:.4g}"
         self.line(
             f"samples {where} | loss {loss:.4f} | {metric} | {samples_per_second:,.0f} samples/s"
+            f"{format_time_split(time_split)}"
             f" | lr {learning_rate:.4g} | {format_duration(elapsed)}{eta}" + (f" | {note}" if note else "")
         )
+
+
+#: the phases a progress line shows, in the order the loop runs them
+_SHOWN_PHASES = ("data", "compute", "exchange", "optimizer")
+
+
+def format_time_split(split: dict[str, float] | None) -> str:
+    """`` (data 2%, compute 81%, exchange 6%, optimizer 9%)``: each phase's share of the period; ``""``
+    without a split (or a period of no length)."""
+    period = (split or {}).get("period_s") or 0.0
+    if period <= 0:
+        return ""
+    shares = ", ".join(f"{phase} {100 * split.get(f'{phase}_s', 0.0) / period:.0f}%" for phase in _SHOWN_PHASES)
+    return f" ({shares})"
 
 
 class Throughput:

@@ -13,7 +13,8 @@ _KIND_STYLE = {"train": dict(color="tab:blue", marker="o", label="train"),
                "cv": dict(color="tab:orange", marker="s", label="cross-validation"),
                "test": dict(color="tab:red", marker="*", markersize=12, linestyle="none", label="test")}
 _PHASE_COLORS = {"data_s": ("waiting for data", "tab:gray"), "compute_s": ("compute (forward, backward)", "tab:green"),
-                 "update_s": ("update (exchange, optimizer)", "tab:purple"),
+                 "exchange_s": ("exchange (gradient communication)", "tab:red"),
+                 "optimizer_s": ("optimizer (rest of the update)", "tab:purple"),
                  "other_s": ("other (progress, evaluation, checkpoints)", "tab:olive")}
 
 
@@ -23,7 +24,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
 
     Panels: loss and the metric against samples and against wall time (train, cross-validation,
     test), training throughput, the split of each progress period between waiting for data,
-    computing, the learner's update and the rest, and, when the learner reports it, bytes sent per
+    computing, the gradient exchange, the optimizer and the rest, and, when the learner reports it, bytes sent per
     step.
 
     Raises:
@@ -84,12 +85,12 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
         positions = list(range(len(timed)))
         bottom = [0.0] * len(timed)
         for key, (label, color) in _PHASE_COLORS.items():
-            shares = [100 * (r.get(key) or 0.0) / r["period_s"] for r in timed]
+            shares = [100 * (_phase_seconds(r, key) or 0.0) / r["period_s"] for r in timed]
             axis.bar(positions, shares, bottom=bottom, color=color, label=label, width=0.8)
             bottom = [b + s for b, s in zip(bottom, shares)]
         axis.set_xticks(positions, [_short(r["samples"]) for r in timed], rotation=45 if len(timed) > 8 else 0,
                         fontsize="small")
-        axis.set_ylim(0, 128)  # the legend sits above the bars
+        axis.set_ylim(0, 140)  # the legend (three rows) sits above the bars
         axis.set_yticks(range(0, 101, 20))
         axis.legend(fontsize="small", loc="upper center", ncol=2, framealpha=0.9)
     else:
@@ -116,6 +117,14 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
     figure.savefig(temporary, format="png")
     os.replace(temporary, path)
     return path
+
+
+def _phase_seconds(record: dict, key: str) -> float | None:
+    """One phase's seconds in a training record; records written before the update was split into
+    exchange and optimizer count their whole ``update_s`` as optimizer."""
+    if key == "optimizer_s" and "optimizer_s" not in record:
+        return _number(record.get("update_s"))
+    return _number(record.get(key))
 
 
 def _summary(axis, records: list[dict], metric_name: str, percent: bool) -> None:

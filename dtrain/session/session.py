@@ -30,7 +30,8 @@ from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, Tes
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
-from dtrain.session.precision import LossScaler, autocast
+from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
+from dtrain.session.precision import LossScaler
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 from dtrain.session.report import write_report
 from dtrain.session.rundir import RunDirectoryLock
@@ -59,7 +60,7 @@ class TrainingResult:
 
     samples_seen: int
     minibatches: int
-    seconds: float
+    seconds: float  # wall time of training and evaluation (without writing model.safetensors and report.png)
     stopped_early: bool
     test: Evaluation | None
     last_cross_validation: Evaluation | None
@@ -77,29 +78,6 @@ class TrainingResult:
             if evaluation is not None:
                 return evaluation.error
         return self.last_training_error
-
-
-class _PeriodSums:
-    """Loss and metric sums of one progress period, kept on the device (no sync per step)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.metric = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.samples = 0
-
-    def add(self, loss_sum: torch.Tensor, metric_sum: torch.Tensor, samples: int) -> None:
-        self.loss += loss_sum
-        self.metric += metric_sum
-        self.samples += samples
-
-    def as_tensor(self) -> torch.Tensor:
-        """``[loss sum, metric sum, samples]`` in float64, ready to all-reduce."""
-        return torch.stack([self.loss, self.metric, torch.tensor(float(self.samples), dtype=torch.float64,
-                                                                  device=self.device)])
 
 
 class _Periodic:
@@ -225,7 +203,6 @@ class TrainingSession:
         self.clip_grad_norm = checks.positive_number("clip_grad_norm", clip_grad_norm, allow_none=True)
         self.precision = checks.precision("precision", precision)
         self.loss_scaler = LossScaler(learner.comm.device) if self.precision == "fp16" else None
-        self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
             else Schedule(checks.sample_count("minibatch_size", minibatch_size))
         if momentum_time_constant_schedule is not None \
@@ -251,7 +228,6 @@ class TrainingSession:
         self.model = model
         # what the training forward calls: the compiled module (sharing model's parameters) or the model
         self.forward_model = compiled if compiled is not None else (torch.compile(model) if self.compile else model)
-        self._forward_checked = not self.compile
         self.loss = loss
         self.metric = metric
         # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary
@@ -312,9 +288,17 @@ class TrainingSession:
         self._report_path: Path | None = None
         self._weights_path: Path | None = None
         self._collapse = CollapseWatch(self.device)
+        self._step = MinibatchStep(model=self.model, forward_model=self.forward_model, loss=loss, metric=metric,
+                                   learner=learner, micro_batch_size=self.micro_batch_size, precision=self.precision,
+                                   loss_scaler=self.loss_scaler, collapse=self._collapse, check_compile=self.compile)
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16: optimizer steps skipped for an inf/NaN gradient so far (the same on every rank)."""
+        return self._step.skipped_steps
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainingResult:
@@ -362,7 +346,7 @@ class TrainingSession:
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
         throughput = Throughput()
         timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
-        sums = _PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
+        sums = PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
         stopped_early = preempted = False
@@ -374,13 +358,11 @@ class TrainingSession:
                 size = int(self.minibatch_size(seen))
                 if self.max_samples is not None:
                     size = min(size, self.max_samples - seen)
-                timer.mark()
-                batch = self.source.next_minibatch(size, *self.learner.data_partition())
-                timer.lap("data")
+                batch = self._step.read(self.source, size, timer)
                 if batch is None:
                     break
                 self._apply_schedules(seen, size)
-                self._train_minibatch(batch, sums, timer)
+                self._step.train(batch, sums, timer)
                 self.minibatches += 1
                 seen = self.learner.samples_seen
                 throughput.add(batch.global_num_samples)
@@ -431,6 +413,7 @@ class TrainingSession:
                     f"training collapsed: test accuracy {100 * test.accuracy:.2f}% is chance for "
                     f"{self._collapse.num_classes} classes after the training loss had fallen; {COLLAPSE_ADVICE}")
         self.learner.finalize()
+        seconds = throughput.elapsed()  # training and evaluation; the one-off outputs below are not training
         metrics.close()
         # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
         # resumed run writes both at its end, from every record)
@@ -438,7 +421,7 @@ class TrainingSession:
             self._export_weights(seen)
             self._write_report(printer, metrics)
         result = TrainingResult(
-            samples_seen=seen, minibatches=self.minibatches, seconds=throughput.elapsed(), stopped_early=stopped_early,
+            samples_seen=seen, minibatches=self.minibatches, seconds=seconds, stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
             metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
             last_training_error=self._last_training_error,
@@ -446,88 +429,7 @@ class TrainingSession:
         self._print_summary(printer, result, metrics)
         return result
 
-    # -- one minibatch --------------------------------------------------------------------------
-    def _train_minibatch(self, batch, sums: _PeriodSums, timer: PhaseTimer) -> None:
-        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
-        and the compute and update times to ``timer``.
-
-        With ``micro_batch_size`` the rank's share is computed in passes of at most that many
-        samples; pass ``i`` back-propagates its mean loss times ``n_i / n`` (``n``: the rank's
-        samples), so the accumulated gradient is the gradient of the mean over all ``n``. Every
-        pass but the last runs under ``learner.no_sync()``: the exchange happens once.
-        """
-        local_samples = batch.num_samples
-        if self.loss_scaler is not None:
-            self.learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
-        self.learner.begin_minibatch(local_samples, batch.global_num_samples)
-        if local_samples > 0:
-            features, labels = batch.features.to(self.device), batch.labels.to(self.device)
-            pass_size = min(self.micro_batch_size or local_samples, local_samples)
-            for start in range(0, local_samples, pass_size):
-                stop = min(start + pass_size, local_samples)
-                if pass_size == local_samples:  # one pass: the tensors as read
-                    pass_features, pass_labels = features, labels
-                else:
-                    pass_features, pass_labels = features[start:stop], labels[start:stop]
-                with contextlib.nullcontext() if stop == local_samples else self.learner.no_sync():
-                    self._forward_backward(pass_features, pass_labels, stop - start, local_samples, sums)
-        timer.lap("compute")
-        self.learner.step()
-        if self.loss_scaler is not None:
-            self._update_loss_scale()
-        timer.lap("update")
-
-    def _update_loss_scale(self) -> None:
-        """fp16: one overflow verdict for all ranks (a collective when several run), then the new scale.
-
-        Synchronous learners already reach the same verdict on every rank; local steps (block
-        momentum, warm start) may not, and the scale must stay the same everywhere.
-        """
-        found_inf = self.learner.found_inf
-        if self.comm.size > 1:
-            flag = torch.tensor([1.0 if found_inf else 0.0], device=self.comm.device)
-            found_inf = bool(self.comm.allreduce(flag, op="max").item())
-        self.skipped_steps += int(found_inf)
-        self.loss_scaler.update(found_inf)
-
-    def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, samples: int, local_samples: int,
-                          sums: _PeriodSums) -> None:
-        """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16),
-        backward on the pass's mean loss weighted by its share, loss and metric sums into ``sums``."""
-        with self._autocast():
-            output = self._forward(features)
-            loss = self.loss(output, labels)
-        weighted = loss if samples == local_samples else loss * (samples / local_samples)
-        if self.loss_scaler is not None:
-            weighted = weighted * self.learner.loss_scale
-        weighted.backward()
-        with torch.no_grad():
-            output = output.detach()
-            if output.is_floating_point() and output.dtype != torch.float32 and self.precision != "32":
-                output = output.float()  # the metric sees float32, as without autocast
-            self._collapse.observe(output, labels, loss, self.loss)
-            sums.add(loss.detach().double() * samples, self.metric(output, labels), samples)
-
-    def _forward(self, features: torch.Tensor) -> torch.Tensor:
-        """The model's training forward; the first compiled one turns a compiler failure into one clear line."""
-        if self._forward_checked:
-            return self.forward_model(features)
-        try:
-            output = self.forward_model(features)
-        except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
-            if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
-                raise
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise ValueError(f"compile=True: torch.compile (inductor) could not compile {type(self.model).__name__} "
-                             f"({type(error).__name__}: {first_line[:300]}); train without it (session.compile=false)"
-                             ) from error
-        self._forward_checked = True
-        return output
-
-    def _autocast(self):
-        """``torch.autocast`` for ``precision=bf16`` or ``fp16``; nothing for float32."""
-        return autocast(self.precision, self.device)
-
+    # -- the learner's seams --------------------------------------------------------------------
     def _require_learner_seam(self, optimizer, args, kwargs) -> None:
         """Optimizer step pre-hook: refuses a step that bypassed ``Learner._step_optimizer``."""
         if not self.learner.in_optimizer_step:
@@ -559,7 +461,7 @@ class TrainingSession:
                     group["dampening"] = momentum
 
     # -- actions --------------------------------------------------------------------------------
-    def _report_progress(self, printer, metrics, sums: _PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
+    def _report_progress(self, printer, metrics, sums: PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
         totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
@@ -578,9 +480,10 @@ class TrainingSession:
                 f"samples after having fallen; {COLLAPSE_ADVICE}")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
-        printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
-                         note=self.learner.progress_note(), metric_name=self.metric_name, percent=self.metric_percent)
         extra = timer.take(throughput.period_elapsed())
+        printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
+                         note=self.learner.progress_note(), metric_name=self.metric_name, percent=self.metric_percent,
+                         time_split=extra)
         bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
         if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
             extra["bytes_sent_per_step"] = bytes_sent

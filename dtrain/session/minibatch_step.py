@@ -1,0 +1,201 @@
+"""One training minibatch: read it, forward and backward (in micro-batch passes, under the chosen
+precision), the learner's step, and the time each phase took.
+
+The training loop (``dtrain.session.session``) decides *when* things happen (progress,
+cross-validation, checkpoints, the end); this module is *what* happens for every minibatch, the
+hot path whose Python cost ``benchmarks/session_overhead.py`` measures against a hand-written loop.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from dtrain.learners.base import Learner
+from dtrain.session.collapse import CollapseWatch
+from dtrain.session.metrics import PhaseTimer
+from dtrain.session.precision import LossScaler, autocast
+
+
+class PeriodSums:
+    """Loss and metric sums of one progress period, kept on the device (no host sync per step).
+
+    Each step's mean loss and metric sum are kept as tensors and folded into the float64 totals
+    every ``fold_every`` steps with one ``stack`` and one ``sum`` each, instead of several tiny
+    tensor operations per step (their fixed cost is most of the loop's own time on small models).
+    """
+
+    def __init__(self, device: torch.device, fold_every: int = 64):
+        self.device = device
+        self.fold_every = fold_every
+        self.reset()
+
+    def reset(self) -> None:
+        """Starts a new period: zero sums, zero samples."""
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.metric = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.samples = 0
+        self._losses: list[torch.Tensor] = []   # detached mean losses of the passes not yet folded
+        self._weights: list[int] = []           # their sample counts
+        self._metrics: list[torch.Tensor] = []  # their metric sums
+
+    def add(self, mean_loss: torch.Tensor, metric_sum: torch.Tensor | float, samples: int) -> None:
+        """Adds one pass: its mean loss (a detached tensor), its metric SUM, and its sample count."""
+        self._losses.append(mean_loss)
+        self._weights.append(samples)
+        self._metrics.append(metric_sum)
+        self.samples += samples
+        if len(self._losses) >= self.fold_every:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Adds the kept per-pass values into the float64 totals (losses weighted by their samples)."""
+        if not self._losses:
+            return
+        losses = _stack_float64(self._losses, self.device)
+        weights = torch.tensor(self._weights, dtype=torch.float64, device=losses.device)
+        self.loss += (losses * weights).sum()
+        self.metric += _stack_float64(self._metrics, self.device).sum()
+        self._losses, self._weights, self._metrics = [], [], []
+
+    def as_tensor(self) -> torch.Tensor:
+        """``[loss sum, metric sum, samples]`` in float64, ready to all-reduce."""
+        self._fold()
+        return torch.stack([self.loss, self.metric, torch.tensor(float(self.samples), dtype=torch.float64,
+                                                                  device=self.device)])
+
+
+def _stack_float64(values: list, device: torch.device) -> torch.Tensor:
+    """One float64 vector of scalar tensors (or numbers a user's metric returned)."""
+    if all(isinstance(value, torch.Tensor) for value in values) and len({value.dtype for value in values}) == 1:
+        return torch.stack(values).reshape(len(values)).to(torch.float64)
+    return torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(()) for value in values])
+
+
+class MinibatchStep:
+    """Trains the model on one minibatch at a time: the per-minibatch path of ``TrainingSession``.
+
+    Args:
+        model: the plain model (named in messages).
+        forward_model: what the training forward calls: ``model`` or its ``torch.compile`` wrapper.
+        loss: ``loss(output, labels)``, the MEAN over the pass's samples.
+        metric: ``metric(output, labels)``, a SUM over the pass's samples.
+        learner: the session's learner (its step, ``no_sync`` and loss-scale seams).
+        micro_batch_size: samples per rank per forward/backward pass (``None``: one pass).
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (see ``dtrain.session.precision``).
+        loss_scaler: fp16's dynamic loss scale (``None`` otherwise).
+        collapse: the session's collapse watch, fed every pass's loss.
+        check_compile: the first forward turns a ``torch.compile`` failure into one clear ValueError.
+    """
+
+    def __init__(self, *, model: torch.nn.Module, forward_model: Callable[[torch.Tensor], torch.Tensor],
+                 loss: Callable, metric: Callable, learner: Learner, micro_batch_size: int | None,
+                 precision: str, loss_scaler: LossScaler | None, collapse: CollapseWatch, check_compile: bool):
+        self.model = model
+        self.forward_model = forward_model
+        self.loss = loss
+        self.metric = metric
+        self.learner = learner
+        self.comm = learner.comm
+        self.device = learner.comm.device
+        self.micro_batch_size = micro_batch_size
+        self.precision = precision
+        self.loss_scaler = loss_scaler
+        self.collapse = collapse
+        self._forward_checked = not check_compile
+        self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
+
+    def read(self, source, size: int, timer: PhaseTimer):
+        """The next minibatch of ``size`` global samples (this rank's share), or ``None`` at the end of
+        the data; the wait counts as ``data`` time."""
+        timer.mark()
+        batch = source.next_minibatch(size, *self.learner.data_partition())
+        timer.lap("data")
+        return batch
+
+    def train(self, batch, sums: PeriodSums, timer: PhaseTimer) -> None:
+        """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
+        and the compute and update (exchange, optimizer) times to ``timer``.
+
+        With ``micro_batch_size`` the rank's share is computed in passes of at most that many
+        samples; pass ``i`` back-propagates its mean loss times ``n_i / n`` (``n``: the rank's
+        samples), so the accumulated gradient is the gradient of the mean over all ``n``. Every
+        pass but the last runs under ``learner.no_sync()``: the exchange happens once.
+        """
+        learner = self.learner
+        local_samples = batch.num_samples
+        if self.loss_scaler is not None:
+            learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
+        learner.begin_minibatch(local_samples, batch.global_num_samples)
+        if local_samples > 0:
+            features, labels = batch.features.to(self.device), batch.labels.to(self.device)
+            pass_size = min(self.micro_batch_size or local_samples, local_samples)
+            if pass_size == local_samples:  # one pass: the tensors as read
+                self._forward_backward(features, labels, local_samples, local_samples, sums)
+            else:
+                for start in range(0, local_samples, pass_size):
+                    stop = min(start + pass_size, local_samples)
+                    with contextlib.nullcontext() if stop == local_samples else learner.no_sync():
+                        self._forward_backward(features[start:stop], labels[start:stop], stop - start,
+                                               local_samples, sums)
+        timer.lap("compute")
+        learner.step()
+        if self.loss_scaler is not None:
+            self._update_loss_scale()
+        timer.lap_update(getattr(learner, "exchange_seconds_last_step", 0.0))
+
+    def _update_loss_scale(self) -> None:
+        """fp16: one overflow verdict for all ranks (a collective when several run), then the new scale.
+
+        Synchronous learners already reach the same verdict on every rank; local steps (block
+        momentum, warm start) may not, and the scale must stay the same everywhere.
+        """
+        found_inf = self.learner.found_inf
+        if self.comm.size > 1:
+            flag = torch.tensor([1.0 if found_inf else 0.0], device=self.comm.device)
+            found_inf = bool(self.comm.allreduce(flag, op="max").item())
+        self.skipped_steps += int(found_inf)
+        self.loss_scaler.update(found_inf)
+
+    def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, samples: int, local_samples: int,
+                          sums: PeriodSums) -> None:
+        """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16/fp16),
+        backward on the pass's mean loss weighted by its share, loss and metric sums into ``sums``."""
+        if self.precision == "32":
+            output = self._forward(features)
+            loss = self.loss(output, labels)
+        else:
+            with autocast(self.precision, self.device):
+                output = self._forward(features)
+                loss = self.loss(output, labels)
+        weighted = loss if samples == local_samples else loss * (samples / local_samples)
+        if self.loss_scaler is not None:
+            weighted = weighted * self.learner.loss_scale
+        weighted.backward()
+        with torch.no_grad():
+            output = output.detach()
+            if output.is_floating_point() and output.dtype != torch.float32 and self.precision != "32":
+                output = output.float()  # the metric sees float32, as without autocast
+            loss = loss.detach()
+            self.collapse.observe(output, labels, loss, self.loss)
+            sums.add(loss, self.metric(output, labels), samples)
+
+    def _forward(self, features: torch.Tensor) -> torch.Tensor:
+        """The model's training forward; the first compiled one turns a compiler failure into one clear line."""
+        if self._forward_checked:
+            return self.forward_model(features)
+        try:
+            output = self.forward_model(features)
+        except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
+            if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(f"compile=True: torch.compile (inductor) could not compile {type(self.model).__name__} "
+                             f"({type(error).__name__}: {first_line[:300]}); train without it (session.compile=false)"
+                             ) from error
+        self._forward_checked = True
+        return output
+
+
+__all__ = ["MinibatchStep", "PeriodSums"]
