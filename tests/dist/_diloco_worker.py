@@ -6,7 +6,7 @@ Cases (each rank trains a toy model on its share of every global minibatch):
   feedback (``dtrain.exchange.Quantized``); ``diloco``: DiLoCo with fp32 deltas; ``diloco_q4``:
   DiLoCo with 4-bit deltas. After every sync the ranks all-gather their parameters and rank 0
   prints ``SYNC <case> <index> <max difference>`` (must be exactly 0), and the bytes sent.
-* ``diloco`` is also replayed by the single-process reference (tests/_diloco_reference.py:
+* ``diloco`` is also replayed by the single-process reference (tests/helpers/diloco_reference.py:
   torch's SGD with Nesterov on ``W_prev - mean W_i``) and must agree to 1e-5 (float32).
 * ``resume``: for ``bmuf_q4`` and ``diloco_q4`` a learner restored mid-run from
   ``state_dict`` + ``local_state_dict`` (the residuals) continues bit for bit; restored without
@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import io
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared references
-from _bmuf_reference import flat, train_learner_shares  # noqa: E402
-from _diloco_reference import simulate_diloco  # noqa: E402
+from tests.helpers.bmuf_reference import flat, train_learner_shares
+from tests.helpers.diloco_reference import simulate_diloco
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.exchange import Quantized

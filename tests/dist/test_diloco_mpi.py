@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import run_mpi
+from tests.helpers.mpi import run_mpi
 
 from dtrain.session import checkpoint
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import run_mpi
+from tests.helpers.mpi import run_mpi
 
 WORKER = str(Path(__file__).with_name("_exchange_strategies_worker.py"))
 STRATEGIES = ["allreduce", "bf16", "fp16", "quantized1", "quantized4", "powersgd1", "powersgd2"]

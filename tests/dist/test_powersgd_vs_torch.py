@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import run_mpi
+from tests.helpers.mpi import run_mpi
 
 WORKER = str(Path(__file__).with_name("_powersgd_torch_worker.py"))
 

@@ -1,7 +1,7 @@
 """DiLoCo's outer step against an independent reference: torch's own SGD with Nesterov momentum.
 
 N workers run as threads (``FakeWorld``), each with its own model copy, AdamW inner optimizer
-and ``DiLoCoLearner``. The reference (``tests/_diloco_reference.py``) trains N model copies in one
+and ``DiLoCoLearner``. The reference (``tests/helpers/diloco_reference.py``) trains N model copies in one
 process and makes every outer step with ``torch.optim.SGD(lr, momentum, nesterov=True)`` on
 ``p.grad = W_prev - mean_i W_i``, parameter by parameter: DiLoCo's definition
 (arXiv 2311.08105, Algorithm 1), not the learner's code.
@@ -9,17 +9,14 @@ process and makes every outer step with ``torch.optim.SGD(lr, momentum, nesterov
 from __future__ import annotations
 
 import io
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared block reference
-from _bmuf_reference import flat, simulate_bmuf, train_learner_shares  # noqa: E402
-from _diloco_reference import simulate_diloco  # noqa: E402
-from _thread_world import FakeWorld  # noqa: E402
+from tests.helpers.bmuf_reference import flat, simulate_bmuf, train_learner_shares
+from tests.helpers.diloco_reference import simulate_diloco
+from tests.helpers.thread_world import FakeWorld
 
 from dtrain.comm.local import LocalCommunicator
 from dtrain.learners import BlockMomentumLearner, DiLoCoLearner
@@ -44,7 +41,7 @@ def local_loss(model: nn.Module, start: int, stop: int) -> torch.Tensor:
 
 
 def simulate(size: int, global_sizes: list[int], **options):
-    """The reference (tests/_diloco_reference.py) on this file's model, optimizer and data."""
+    """The reference (tests/helpers/diloco_reference.py) on this file's model, optimizer and data."""
     models = [make_model() for _ in range(size)]
     return simulate_diloco(models, [adamw(model.parameters()) for model in models], local_loss, global_sizes,
                            **options)

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from _thread_world import FakeWorld
+from tests.helpers.thread_world import FakeWorld
 from dtrain.cli import config_dir
 from dtrain.comm import LocalCommunicator
 from dtrain.config import register_schemas, validate
