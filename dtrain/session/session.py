@@ -2,7 +2,9 @@
 
 ``training_session(...)`` has CNTK's meanings: every frequency and ``max_samples`` counts global
 samples; an action fires whenever ``samples_seen // frequency`` changes, and once more at the end
-for a partial period. The loop only talks to the learner interface, so the same loop runs a
+for a partial period. Cross-validation and checkpoints need one model on every rank, so with a
+learner whose ranks meet only at block ends (block momentum, DiLoCo) they wait for the next
+block end: they never force an outer step on a partial block, which would change the training. The loop only talks to the learner interface, so the same loop runs a
 single process or any distributed learner.
 """
 from __future__ import annotations
@@ -97,11 +99,12 @@ class _Periodic:
         """Whether samples were seen since it last fired (the end-of-training partial period)."""
         return bool(self.frequency) and samples_seen != self.fired_at
 
-    def due(self, samples_seen: int) -> bool:
+    def due(self, samples_seen: int, ready: bool = True) -> bool:
+        """Whether to fire now: a new period began and ``ready`` (else it stays due until ready)."""
         if not self.frequency:
             return False
         index = samples_seen // self.frequency
-        if index != self.last_index:
+        if index != self.last_index and ready:
             self.last_index = index
             self.fired_at = samples_seen
             return True
@@ -370,16 +373,17 @@ class TrainingSession:
 
                 # preemption is agreed only where the ranks meet anyway (block momentum: once a block)
                 ranks_meet = self.learner.is_sync_point()
+                one_model = ranks_meet  # synchronize() adds no outer step here (see the module docstring)
                 if self.progress_period.due(seen):
                     ranks_meet = True
                     self._report_progress(printer, metrics, sums, throughput, timer)
-                if self.cv_period.due(seen):
+                if self.cv_period.due(seen, ready=one_model):
                     ranks_meet = True
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
                         stopped_early = True
                         break
-                if self.checkpoint_period.due(seen):
+                if self.checkpoint_period.due(seen, ready=one_model):
                     ranks_meet = True
                     last_checkpoint = self._save_checkpoint(printer)
                 if (ranks_meet or self.comm.size == 1) and self._preemption_requested():
