@@ -4,8 +4,8 @@ Cases (each rank trains a toy model on its share of every global minibatch):
 
 * ``bmuf_q8``, ``bmuf_q4``: block momentum whose block deltas travel 8-bit / 4-bit with error
   feedback (``dtrain.exchange.Quantized``); ``diloco``: DiLoCo with fp32 deltas; ``diloco_q4``:
-  DiLoCo with 4-bit deltas. After every sync the ranks all-gather their parameters and rank 0
-  prints ``SYNC <case> <index> <max difference>`` (must be exactly 0), and the bytes sent.
+  DiLoCo with 4-bit deltas. After every sync the ranks all-gather their parameters (the difference must be exactly 0);
+  each case is a named check returning every sync's difference, bytes and compression ratio.
 * ``diloco`` is also replayed by the single-process reference (tests/helpers/diloco_reference.py:
   torch's SGD with Nesterov on ``W_prev - mean W_i``) and must agree to 1e-5 (float32).
 * ``resume``: for ``bmuf_q4`` and ``diloco_q4`` a learner restored mid-run from
@@ -16,6 +16,7 @@ Prints ``PASS <case> rank r/size`` per case.
 """
 from __future__ import annotations
 
+import functools
 import io
 import sys
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from tests.helpers.bmuf_reference import flat, train_learner_shares
+from tests.helpers.checks import run_checks
 from tests.helpers.diloco_reference import simulate_diloco
 
 from dtrain.comm import create_communicator, install_fail_fast
@@ -68,30 +70,31 @@ def build(comm, case: str, seed: int):
     return model, learner
 
 
-def check_one_model(comm, case: str, model, learner, snapshots: list) -> None:
+def check_one_model(comm, case: str, model, learner, snapshots: list, syncs: list) -> None:
     mine = flat(model.parameters())
     difference = max(float((theirs - mine).abs().max()) for theirs in comm.allgather(mine))
     buffers = flat(model.buffers()) if list(model.buffers()) else torch.zeros(0)
     buffer_difference = max(float((theirs - buffers).abs().max()) for theirs in comm.allgather(buffers.float()))
-    if comm.is_main:
-        print(f"SYNC {case} {learner.syncs} {difference:.3g} bytes {learner.bytes_sent_last_step} "
-              f"ratio {learner.compression_ratio:.2f}", flush=True)
     assert difference == 0.0 and buffer_difference == 0.0, (case, learner.syncs, difference, buffer_difference)
     snapshots.append(mine)
+    syncs.append({"sync": learner.syncs, "difference": difference, "bytes": learner.bytes_sent_last_step,
+                  "ratio": learner.compression_ratio})
 
 
-def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+def train(comm, case: str) -> tuple[list[torch.Tensor], torch.Tensor, list[dict]]:
+    """Trains ``case``; returns the model after every sync, the final one, and each sync's figures."""
     model, learner = build(comm, case, seed=comm.rank)  # different on every rank: prepare() broadcasts rank 0's
     learner.prepare(model)
     snapshots: list[torch.Tensor] = []
+    syncs: list[dict] = []
     train_learner_shares(learner, model, local_loss, GLOBAL_SIZES,
-                         on_sync=lambda: check_one_model(comm, case, model, learner, snapshots))
+                         on_sync=lambda: check_one_model(comm, case, model, learner, snapshots, syncs))
     if learner.global_samples_in_block:
         learner.synchronize()
-        check_one_model(comm, case, model, learner, snapshots)
+        check_one_model(comm, case, model, learner, snapshots, syncs)
     assert learner.syncs >= 4, learner.syncs
     assert learner.exchange_seconds_last_step >= 0.0
-    return snapshots, flat(model.parameters())
+    return snapshots, flat(model.parameters()), syncs
 
 
 def simulate(size: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -145,25 +148,27 @@ def check_resume(comm, case: str) -> None:
     residuals = state["local"]["exchange"]["per_key"]["model"]["worker_residual"]
     assert residuals is not None and float(residuals.abs().sum()) > 0
     comm.barrier()
-    print(f"PASS resume_{case} rank {comm.rank}/{comm.size}", flush=True)
+
+
+def check_case(comm, case: str) -> list[dict]:
+    """One model on every rank after every sync; DiLoCo equal to the reference. Returns the syncs' figures."""
+    snapshots, final, syncs = train(comm, case)
+    if case == "diloco":
+        expected_snapshots, expected_final = simulate(comm.size, case)
+        assert len(snapshots) == len(expected_snapshots), (len(snapshots), len(expected_snapshots))
+        for index, (got, want) in enumerate(zip(snapshots + [final], expected_snapshots + [expected_final])):
+            difference = float((got - want).abs().max())
+            assert difference <= TOLERANCE, f"{case}: outer step {index} differs from the reference by {difference}"
+    comm.barrier()
+    return syncs
 
 
 def main() -> None:
     comm = create_communicator(backend="gloo", timeout_s=60)
     install_fail_fast(comm)
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
-    for case in CASES:
-        snapshots, final = train(comm, case)
-        if case == "diloco":
-            expected_snapshots, expected_final = simulate(comm.size, case)
-            assert len(snapshots) == len(expected_snapshots), (len(snapshots), len(expected_snapshots))
-            for index, (got, want) in enumerate(zip(snapshots + [final], expected_snapshots + [expected_final])):
-                difference = float((got - want).abs().max())
-                assert difference <= TOLERANCE, f"{case}: outer step {index} differs from the reference by {difference}"
-        comm.barrier()
-        print(f"PASS {case} rank {comm.rank}/{comm.size}", flush=True)
-    for case in ("bmuf_q4", "diloco_q4"):
-        check_resume(comm, case)
+    run_checks(comm, {**{case: functools.partial(check_case, case=case) for case in CASES},
+                      **{f"resume_{case}": functools.partial(check_resume, case=case) for case in ("bmuf_q4", "diloco_q4")}})
     comm.finalize()
 
 

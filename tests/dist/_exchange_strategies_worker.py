@@ -14,20 +14,23 @@ gradient:
 * a replicated state saved at another world size resets the strategy's state, with a line;
 * ``Communicator.all_to_all`` (native and the allgather fallback) with per-pair lengths.
 
-Prints ``RESULT name key=value ...`` lines on rank 0 and ``PASS rank r/N`` on every rank.
+Each strategy and ``all_to_all`` is a named check (``tests.helpers.checks``); a strategy's check
+returns its bytes per step (``sent``, ``full``) and whether it has state.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
-import sys
 
 import torch
 
 from dtrain.comm import Communicator, create_communicator
 from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
 from dtrain.learners import DataParallelLearner
+
+from tests.helpers.checks import run_checks
 
 STRATEGIES = {
     "allreduce": lambda: AllReduce(),
@@ -90,7 +93,7 @@ def parameters(model) -> torch.Tensor:
     return torch.cat([parameter.detach().reshape(-1) for parameter in model.parameters()])
 
 
-def check_strategy(comm, strategy: str) -> None:
+def check_strategy(comm, strategy: str) -> dict[str, int]:
     model, learner = build(comm, strategy)
     run_steps(comm, model, learner, 0, 3)
     saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(learner.state_dict()),
@@ -134,8 +137,7 @@ def check_strategy(comm, strategy: str) -> None:
         if comm.is_main and "starting it afresh" not in printed.getvalue():
             raise AssertionError(f"{strategy}: no line about the reset: {printed.getvalue()!r}")
     learner.finalize()
-    if comm.is_main:
-        print(f"RESULT {strategy} sent={sent} full={full} stateful={int(stateful)}", flush=True)
+    return {"sent": sent, "full": full, "stateful": int(stateful)}
 
 
 def check_all_to_all(comm) -> None:
@@ -154,10 +156,8 @@ def check_all_to_all(comm) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     comm = create_communicator(timeout_s=60)
-    check_all_to_all(comm)
-    for strategy in sys.argv[1].split(",") if len(sys.argv) > 1 else STRATEGIES:
-        check_strategy(comm, strategy)
-    print(f"PASS rank {comm.rank}/{comm.size}", flush=True)
+    run_checks(comm, {"all_to_all": check_all_to_all,
+                      **{name: functools.partial(check_strategy, strategy=name) for name in STRATEGIES}})
     comm.finalize()
 
 

@@ -1,31 +1,44 @@
 """Every exchange strategy of the data-parallel learner under ``mpiexec -n 2`` and ``-n 4``:
 identical parameters on all ranks after every step, exact "has a gradient" flags, bit-exact
-resume at the same world size, state reset at another, bytes below float32's where compressed."""
+resume at the same world size, state reset at another, bytes below float32's where compressed.
+
+One launch per world size runs every check of ``_exchange_strategies_worker.py``; each strategy
+is its own test.
+"""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.mpi import run_mpi
+from tests.helpers.checks import CheckLaunch, launch_checks
 
-WORKER = str(Path(__file__).with_name("_exchange_strategies_worker.py"))
+WORKER = Path(__file__).with_name("_exchange_strategies_worker.py")
 STRATEGIES = ["allreduce", "bf16", "fp16", "quantized1", "quantized4", "powersgd1", "powersgd2"]
 
+pytestmark = pytest.mark.timeout(420)
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_every_strategy_keeps_ranks_identical_and_resumes_exactly(nprocs: int) -> None:
-    result = run_mpi(nprocs, [WORKER, ",".join(STRATEGIES)], timeout=400)
-    assert result.returncode == 0, result.report()
-    passes = sorted(re.findall(rf"^PASS rank (\d+)/{nprocs}$", result.stdout, re.MULTILINE))
-    assert passes == [str(rank) for rank in range(nprocs)], result.report()
-    rows = {name: {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", rest)}
-            for name, rest in re.findall(r"^RESULT (\w+) (.*)$", result.stdout, re.MULTILINE)}
-    assert sorted(rows) == sorted(STRATEGIES), result.report()
-    assert rows["allreduce"]["sent"] == rows["allreduce"]["full"], rows
-    for name in ("bf16", "fp16"):
-        assert rows[name]["sent"] * 2 == pytest.approx(rows[name]["full"], abs=len(rows)), rows
-    for name in ("quantized1", "quantized4", "powersgd1", "powersgd2"):
-        assert 0 < rows[name]["sent"] < rows[name]["full"] and rows[name]["stateful"] == 1, rows
+
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
+def launch(request, tmp_path_factory) -> CheckLaunch:
+    """One run of every check of the worker on ``request.param`` ranks."""
+    return launch_checks(request.param, [WORKER], tmp_path_factory.mktemp(f"exchange{request.param}"), timeout=400)
+
+
+def test_all_to_all_delivers_per_pair_lengths(launch: CheckLaunch) -> None:
+    launch.results("all_to_all")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_keeps_ranks_identical_and_resumes_exactly(launch: CheckLaunch, strategy: str) -> None:
+    row = launch.result(strategy)
+    if strategy == "allreduce":
+        assert row["sent"] == row["full"], row
+    elif strategy in ("bf16", "fp16"):
+        assert row["sent"] * 2 == pytest.approx(row["full"], abs=len(STRATEGIES)), row
+    else:
+        assert 0 < row["sent"] < row["full"] and row["stateful"] == 1, row
+
+
+def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
+    assert launch.returncode == 0, launch.output
