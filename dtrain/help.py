@@ -98,14 +98,15 @@ def config_directories(shipped: str | Path, argv: list[str]) -> list[Path]:
 
 def config_groups(directories: list[Path]) -> dict[str, dict[str, str]]:
     """``{group: {option: description}}`` of every user-facing group in ``directories`` (later ones
-    add options; ``hydra`` and ``schema`` groups are left out)."""
+    add options; ``hydra`` and ``schema`` groups are left out). A group nested in another
+    (``learner/exchange``) is chosen on the command line as ``learner/exchange=NAME``."""
     groups: dict[str, dict[str, str]] = {}
     for directory in directories:
         if not directory.is_dir():
             continue
-        for path in sorted(directory.glob("*/*.yaml")):
-            group = path.parent.name
-            if group in _HIDDEN_GROUPS:
+        for path in sorted([*directory.glob("*/*.yaml"), *directory.glob("*/*/*.yaml")]):
+            group = path.parent.relative_to(directory).as_posix()  # nested: "learner/exchange"
+            if group.split("/")[0] in _HIDDEN_GROUPS:
                 continue
             groups.setdefault(group, {})[path.stem] = describe_option(path)
     return {group: dict(sorted(options.items())) for group, options in sorted(groups.items())}
@@ -129,7 +130,7 @@ def describe_option(path: Path) -> str:
                   or re.match(r"(python|mpiexec|torchrun|srun|dtrain)\b", text)):
             paragraphs[-1].append(text)
     prose = " ".join(next((p for p in reversed(paragraphs) if p), []))
-    prose = re.sub(rf"^{re.escape(path.parent.name)}={re.escape(path.stem)}:\s*", "", prose)
+    prose = re.sub(rf"^(?:\w+/)?{re.escape(path.parent.name)}={re.escape(path.stem)}:\s*", "", prose)
     return _first_sentence(prose)
 
 
@@ -146,9 +147,20 @@ def _first_sentence(text: str) -> str:
 
 
 def default_choices(shipped: str | Path) -> dict[str, str]:
-    """The option each group defaults to in the root ``config.yaml`` (``{"learner": "data_parallel", ...}``)."""
+    """The option each group defaults to in the root ``config.yaml`` (``{"learner": "data_parallel", ...}``),
+    and each nested group's in its parent's default option (``{"learner/exchange": "allreduce"}``)."""
+    choices = _defaults_list(Path(shipped) / "config.yaml")
+    for group, option in list(choices.items()):
+        option_file = Path(shipped) / group / f"{option}.yaml"
+        if option_file.is_file():
+            choices.update({f"{group}/{nested}": choice for nested, choice in _defaults_list(option_file).items()})
+    return choices
+
+
+def _defaults_list(path: Path) -> dict[str, str]:
+    """``group: option`` entries of a config file's defaults list."""
     choices = {}
-    for line in (Path(shipped) / "config.yaml").read_text().splitlines():
+    for line in path.read_text().splitlines():
         match = re.match(r"\s*-\s*([a-z_]+):\s*([A-Za-z0-9_]+)", line)
         if match:
             choices[match.group(1)] = match.group(2)

@@ -36,6 +36,9 @@ def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, t
     for group in ("model=", "optimizer=adam|adamw|sgd", "session=default", "source=cifar10|digits|imagenet"):
         assert f"\n  {group}" in text
     assert "1-bit SGD with error feedback" in text  # each option says what it is
+    # a nested group, chosen as learner/exchange=NAME, with the default its parent's default option picks
+    assert "learner/exchange=allreduce|bf16|fp16|powersgd|quantized   (default: allreduce)" in text
+    assert "\n    allreduce  * full-precision (float32) SUM all-reduce" in text
     for example in ("mpiexec -n 4 python -m dtrain", "python -m dtrain -m ", "run_dir=", "--config-dir"):
         assert example in text
     assert "docs/semantics.md" in text and "README.md" in text
