@@ -608,7 +608,7 @@ class TrainingSession:
         if not same_world and self.comm.is_main:
             print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
-                  f"quantization residuals) reset", file=self.stream or sys.stdout, flush=True)
+                  f"the exchange strategy's residuals and factors) reset", file=self.stream or sys.stdout, flush=True)
         self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])  # a checkpoint of a float32/bf16 run: a fresh scale

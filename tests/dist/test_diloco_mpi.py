@@ -96,6 +96,6 @@ def test_diloco_at_another_world_size_resets_the_residuals_and_says_so(tmp_path:
     second = dtrain_job(1, tmp_path, *LEARNERS["diloco_4bit"], "session.max_samples=1280")
     assert second.returncode == 0, second.report()
     assert "restoring a checkpoint of 2 workers on 1" in second.stdout
-    assert "quantization residuals) reset" in second.stdout
+    assert "the exchange strategy's residuals and factors) reset" in second.stdout
     state = checkpoint.load(tmp_path / "checkpoint-1280.pt")
     assert state["world_size"] == 1 and state["samples_seen"] == 1280

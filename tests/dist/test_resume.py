@@ -65,7 +65,7 @@ def test_restoring_at_another_world_size_continues_and_says_so(tmp_path):
     second = dtrain_job(1, tmp_path, "learner=quantized", "session.max_samples=1280")
     assert second.returncode == 0, second.report()
     assert "restoring a checkpoint of 2 workers on 1" in second.stdout
-    assert "per-rank state (random numbers, quantization residuals) reset" in second.stdout
+    assert "per-rank state (random numbers, the exchange strategy's residuals and factors) reset" in second.stdout
     state = checkpoint.load(tmp_path / "checkpoint-1280.pt")
     assert state["world_size"] == 1 and state["samples_seen"] == 1280
     assert state["source"]["position"] == 1280  # the global position carried over
