@@ -24,6 +24,12 @@ minibatch. Rows:
 The strategies run through the same interface the data-parallel learner uses
 (``exchange.start(key, flat, shapes).wait()``).
 
+A second table is the outer step of the block learners: a real ``DiLoCoLearner`` (AdamW inner
+steps, ``--block-minibatches`` minibatches of 32 samples per rank per block) whose block delta
+travels float32 or k-bit with error feedback (``learner/exchange=quantized``); bytes are what the
+learner reports for its last sync, and "per minibatch" divides them by the minibatches of a block,
+to compare with the data-parallel rows above, which pay their bytes every minibatch.
+
 Time: the slowest rank's wall-clock seconds per exchange (quantize, pack, both phases, unpack,
 decode), median over ``--repeats`` after 2 warm-up exchanges. Error: ``|sum - exact| / |exact|``
 of the first exchange (no residual yet), the error that error feedback then carries forward.
@@ -39,7 +45,8 @@ import torch
 
 from dtrain.comm import create_communicator
 from dtrain.compress import QuantizedExchange, full_precision_allreduce_bytes
-from dtrain.exchange import CompressedAllReduce, PowerSGD
+from dtrain.exchange import CompressedAllReduce, PowerSGD, Quantized
+from dtrain.learners import DiLoCoLearner
 from dtrain.models import ConvNetCIFAR10, DigitsCNN
 
 MODELS = {
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2, 1])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="PowerSGD ranks")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--block-minibatches", type=int, default=16, help="DiLoCo: minibatches per block")
     args = parser.parse_args()
 
     comm = create_communicator(backend="gloo")
@@ -145,7 +153,39 @@ def main() -> None:
         print("-" * 84)
         for label, sent, seconds, error in rows:
             print(f"{label:>20} | {sent:>20,} | {full_bytes / sent:>8.1f}x | {1e3 * seconds:>11.2f} | {error:>10.2e}")
+    outer_rows = [diloco_sync(comm, args.model, bits, args.block_minibatches) for bits in (32, 8, 4)]
+    if comm.is_main:
+        print(f"\nDiLoCo outer step (block delta of the {numel:,} parameters; a block = {args.block_minibatches} "
+              f"minibatches of 32 per rank):")
+        header = ("outer exchange", "bytes sent/sync/rank", "vs 32-bit", "bytes/minibatch", "vs data-parallel 32")
+        print(f"{header[0]:>20} | {header[1]:>20} | {header[2]:>9} | {header[3]:>15} | {header[4]:>19}")
+        print("-" * 96)
+        for label, sent in outer_rows:
+            per_minibatch = sent / args.block_minibatches
+            print(f"{label:>20} | {sent:>20,} | {outer_rows[0][1] / sent:>8.1f}x | {per_minibatch:>15,.0f} | "
+                  f"{full_bytes / per_minibatch:>18.1f}x")
     comm.finalize()
+
+
+def diloco_sync(comm, name: str, bits: int, block_minibatches: int) -> tuple[str, int]:
+    """Trains one DiLoCo block on random data; returns (label, bytes this rank sent in its sync)."""
+    factory, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    exchange = Quantized(num_bits=bits) if bits < 32 else None
+    local, global_size = 32, 32 * comm.size
+    learner = DiLoCoLearner(torch.optim.AdamW(model.parameters(), lr=1e-3), comm,
+                            block_size=global_size * block_minibatches, distributed_after=0, exchange=exchange)
+    learner.prepare(model)
+    generator = torch.Generator().manual_seed(comm.rank + 1)
+    while learner.syncs < 1:
+        learner.begin_minibatch(local, global_size)
+        images = torch.randn(local, *shape, generator=generator)
+        labels = torch.randint(0, 10, (local,), generator=generator)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        learner.step()
+    label = "float32 all-reduce" if bits == 32 else f"{bits}-bit quantized"
+    return label, learner.bytes_sent_last_step
 
 
 if __name__ == "__main__":
