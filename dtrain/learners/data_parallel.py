@@ -29,10 +29,10 @@ class DataParallelLearner(ReplicatedLearner):
     included). N ranks with global minibatch B therefore make the update one process makes with B.
 
     Communication: gradients are packed into buckets of about ``bucket_size_mb`` MiB (the first at
-    most 1 MiB, as DDP's), planned in reverse parameter order (the order backward produces them). A post-accumulate-grad hook on
-    every parameter fills its bucket; a bucket's all-reduce starts as soon as it and all earlier
-    buckets are full, so reduction overlaps the rest of backward and every rank issues the same
-    collectives in the same order. ``step()`` launches whatever is left (zeros for parameters
+    most 1 MiB, as DDP's), planned in reverse parameter order (the order backward produces them).
+    A post-accumulate-grad hook on every parameter fills its bucket; a bucket's all-reduce starts
+    as soon as it and all earlier buckets are full, so reduction overlaps the rest of backward and
+    every rank issues the same collectives in the same order. ``step()`` launches whatever is left (zeros for parameters
     that got no gradient), waits, sets each ``.grad`` to its reduced gradient (a view into the
     bucket, valid until the next minibatch's backward) and calls the wrapped optimizer.
 
