@@ -136,14 +136,23 @@ class StripeLayout:
         return [2 * _BYTES_PER_SCALE * (columns[1] - columns[0]) + bitpack.packed_size(values[1] - values[0], bits)
                 for columns, values in zip(self.stripe_columns, self.stripe_values)]
 
-    def flatten(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy ``tensors`` (shaped like ``shapes``) into a stripe-major 1-D buffer (``out``, or a new one)."""
+    def flatten(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+        """Copy ``tensors`` (shaped like ``shapes``), times ``scale``, into a stripe-major 1-D buffer.
+
+        ``out``: the buffer to write (``numel`` values of the tensors' dtype); a new one when None.
+        """
         self._check(tensors)
         views = [_column_view(tensor, shape) for tensor, shape in zip(tensors, self.column_shapes)]
         parts = [views[piece.tensor_index][piece.first_column:piece.end_column].reshape(-1) for piece in self.pieces]
         if not parts:
             return torch.zeros(0) if out is None else out
-        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+        if out is None or scale == 1.0:
+            flat = torch.cat(parts) if out is None else torch.cat(parts, out=out)
+            return flat.mul_(scale) if scale != 1.0 else flat
+        for piece, part in zip(self.pieces, parts):  # one pass: scale while copying
+            torch.mul(part, scale, out=out[piece.offset:piece.offset + part.numel()])
+        return out
 
     def unflatten_(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the stripe-major buffer ``flat`` back into ``tensors`` (in place)."""
@@ -316,9 +325,7 @@ class QuantizedExchange:
         flat = None
         if len(dtypes) == 1 and tensors:  # the usual case: one reused buffer, written in place by the exchange
             flat = self._workspace.take("flat", layout.numel, dtypes.pop(), tensors[0].device)
-        flat = layout.flatten(tensors, out=flat)
-        if scale != 1.0:
-            flat.mul_(scale)
+        flat = layout.flatten(tensors, out=flat, scale=scale)
         layout.unflatten_(self._exchange_into(flat, flat, started), tensors)
         self.seconds_last_step = time.perf_counter() - started
         return tensors
