@@ -27,7 +27,9 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     ``quantized`` (num_quantization_bits=1) and ``block_momentum`` (block_size ``--block-size``).
     Model: minibatches x compute step + communication (data_parallel: every minibatch T(P*4);
     quantized: the bytes the learner reports sending per step / B, plus latency; block momentum:
-    one T(P*4) per block). A learner that cannot be imported is skipped with a note.
+    one T(P*4) per block). A learner that cannot be imported is skipped with a note. For the
+    quantized learner the table is followed by its exchange's compute and transport time (last
+    step) and the ratio of its epoch time to data_parallel's.
 """
 from __future__ import annotations
 
@@ -203,8 +205,12 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
                                    independent_processes=kind == "local")  # the no-communication baseline
         comm.barrier()
         result = session.train()
+    exchange = getattr(learner, "exchange", None)  # the quantized learner's: compute vs wire of its last step
+    split = {"exchange_compute_s": getattr(exchange, "compute_seconds_last_step", None),
+             "exchange_transport_s": getattr(exchange, "transport_seconds_last_step", None)}
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,
-            "bytes_sent_per_step": getattr(learner, "bytes_sent_last_step", None)}
+            "bytes_sent_per_step": getattr(learner, "bytes_sent_last_step", None),
+            **{key: max(comm.allgather_object(value)) for key, value in split.items() if value is not None}}
 
 
 def worker_epoch(comm, samples: int, block_size: int, learners: list[str]) -> None:
@@ -232,7 +238,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if "step" in parts:
         worker_step(comm, args.steps)
     if "epoch" in parts:
-        worker_epoch(comm, args.samples, args.block_size, ["data_parallel", "quantized", "block_momentum"])
+        worker_epoch(comm, args.samples, args.block_size, args.learners.split(","))
     comm.finalize()
 
 
@@ -244,7 +250,7 @@ def run_on_cluster(rate: str, args: argparse.Namespace) -> list[dict]:
 
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--parts", args.parts, "--sizes", args.sizes,
               "--repeats", str(args.repeats), "--steps", str(args.steps), "--samples", str(args.samples),
-              "--block-size", str(args.block_size)]
+              "--block-size", str(args.block_size), "--learners", args.learners]
     env = {"PYTHONPATH": str(REPO)}
     with NamespaceCluster(num_hosts=2, rate=rate) as cluster:
         result = cluster.run(cluster.mpiexec_args(npernode=1, export=list(env)) + worker, timeout=args.timeout, env=env)
@@ -328,6 +334,15 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
         model_text = f"{model:8.2f} {row['seconds'] / model:>10.2f}" if model else f"{'':>8} {'':>10}"
         print(f"{name:<16} {row['minibatches']:>11} {row['local_seconds']:8.2f} {row['seconds']:8.2f} "
               f"{args.samples / row['seconds']:9.0f} {model_text} {sent}")
+    for row in rows:
+        if "exchange_compute_s" in row:
+            print(f"quantized exchange, last step (slowest rank): compute {1e3 * row['exchange_compute_s']:.1f} ms "
+                  f"(quantize, pack, unpack, dequantize), transport {1e3 * row['exchange_transport_s']:.1f} ms "
+                  f"(the two collectives, waiting for the peer included)")
+    by_learner = {row["learner"]: row for row in rows if "skipped" not in row}
+    if "quantized" in by_learner and "data_parallel" in by_learner:
+        ratio = by_learner["quantized"]["seconds"] / by_learner["data_parallel"]["seconds"]
+        print(f"quantized 1-bit / data_parallel epoch time at {rate}: {ratio:.2f}")
 
 
 def driver_main(args: argparse.Namespace) -> None:
@@ -359,6 +374,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed training steps in (b)")
     parser.add_argument("--samples", type=int, default=6400, help="global samples per epoch in (c)")
     parser.add_argument("--block-size", type=int, default=6400, help="block momentum's block size in samples")
+    parser.add_argument("--learners", default="data_parallel,quantized,block_momentum",
+                        help="comma-separated learners timed in (c), default data_parallel,quantized,block_momentum")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
