@@ -115,6 +115,9 @@ class ColumnLayout:
             if block.offset != offset or block.num_columns < 0 or block.column_length < 0:
                 raise ValueError(f"column blocks must tile the buffer in order; {block} does not start at {offset}")
             offset += block.numel
+        # the sizes are read on every pass; a frozen dataclass caches them through object.__setattr__
+        object.__setattr__(self, "_numel", offset)
+        object.__setattr__(self, "_num_columns", sum(block.num_columns for block in self.blocks))
 
     @classmethod
     def for_shapes(cls, shapes: Sequence[Sequence[int]]) -> ColumnLayout:
@@ -130,12 +133,12 @@ class ColumnLayout:
     @property
     def numel(self) -> int:
         """Values in the buffer."""
-        return sum(block.numel for block in self.blocks)
+        return self._numel
 
     @property
     def num_columns(self) -> int:
         """Columns in the buffer (the number of lower/upper pairs)."""
-        return sum(block.num_columns for block in self.blocks)
+        return self._num_columns
 
 
 @dataclass(frozen=True)
