@@ -271,7 +271,7 @@ def _quantize_1bit(values: torch.Tensor, layout: ColumnLayout, workspace: Worksp
     codes = _scratch(workspace, "codes", layout.numel, torch.uint8, values.device)
     _non_negative(values, codes)  # the codes themselves (0/1 bytes)
     # clamp keeps exactly the values of one side (the other side becomes 0 and adds nothing)
-    side = _scratch(workspace, "side", layout.numel, values.dtype, values.device)
+    side = _scratch(workspace, "decoded", layout.numel, values.dtype, values.device)  # free until a dequantize
     num_columns = layout.num_columns
     count1 = torch.empty(num_columns, dtype=torch.int32, device=values.device)  # int32: exact, 2x faster to sum
     sums = torch.empty(2, num_columns, dtype=torch.float32, device=values.device)  # sum0, sum1
