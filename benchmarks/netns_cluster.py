@@ -29,7 +29,10 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     quantized: the bytes the learner reports sending per step / B, plus latency; block momentum:
     one T(P*4) per block). A learner that cannot be imported is skipped with a note. For the
     quantized learner the table is followed by its exchange's compute and transport time (last
-    step) and the ratio of its epoch time to data_parallel's.
+    step) and the ratio of its epoch time to data_parallel's. ``quantized`` has the learner's
+    default warm start (``distributed_after="auto"``: the first quarter of the samples trained
+    locally, each rank computing the whole global minibatch); ``--learners ...,quantized_no_warm_start``
+    adds the 1-bit learner with ``distributed_after=0``, every minibatch through the exchange.
 """
 from __future__ import annotations
 
@@ -168,11 +171,16 @@ def worker_step(comm, steps: int) -> None:
 
 
 def _make_learner(kind: str, optimizer, comm, block_size: int):
-    """The learner of ``kind`` (``local``, ``data_parallel``, ``quantized``, ``block_momentum``)."""
+    """The learner of ``kind`` (``local``, ``data_parallel``, ``quantized``, ``quantized_no_warm_start``,
+    ``block_momentum``)."""
     if kind == "local":
         from dtrain.learners import LocalLearner
 
         return LocalLearner(optimizer)  # a size-1 communicator: no communication at all
+    if kind == "quantized_no_warm_start":  # every minibatch through the 1-bit exchange: its steady-state cost
+        from dtrain.learners import data_parallel_distributed_learner
+
+        return data_parallel_distributed_learner(optimizer, comm, num_quantization_bits=1, distributed_after=0)
     if kind in ("data_parallel", "quantized"):
         from dtrain.learners import data_parallel_distributed_learner
 
@@ -303,7 +311,7 @@ def epoch_model_seconds(row: dict, step: dict, bits_per_s: float, alpha: float, 
     gradient_bytes = step["parameters"] * 4
     if row["learner"] == "data_parallel":
         communication = row["minibatches"] * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
-    elif row["learner"] == "quantized" and row.get("bytes_sent_per_step"):
+    elif row["learner"].startswith("quantized") and row.get("bytes_sent_per_step"):
         # two phases (reduce-scatter, then all-gather of packed bits): 2(N-1) messages per step
         communication = row["minibatches"] * (transfer_seconds(row["bytes_sent_per_step"], bits_per_s) + 2 * alpha)
     elif row["learner"] == "block_momentum":
@@ -328,21 +336,22 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
             print(f"{row['learner']:<16} skipped: {row['skipped']}")
             continue
         model = epoch_model_seconds(row, step, bits_per_s, alpha, args.block_size, args.samples) if step else None
-        name = {"quantized": "quantized 1-bit", "block_momentum": f"block_mom {args.block_size}"}.get(
-            row["learner"], row["learner"])
+        name = {"quantized": "quantized 1-bit", "quantized_no_warm_start": "1-bit, no warm",
+                "block_momentum": f"block_mom {args.block_size}"}.get(row["learner"], row["learner"])
         sent = f"{row['bytes_sent_per_step'] / 1e3:8.1f}kB" if row.get("bytes_sent_per_step") else f"{'':>10}"
         model_text = f"{model:8.2f} {row['seconds'] / model:>10.2f}" if model else f"{'':>8} {'':>10}"
         print(f"{name:<16} {row['minibatches']:>11} {row['local_seconds']:8.2f} {row['seconds']:8.2f} "
               f"{args.samples / row['seconds']:9.0f} {model_text} {sent}")
     for row in rows:
         if "exchange_compute_s" in row:
-            print(f"quantized exchange, last step (slowest rank): compute {1e3 * row['exchange_compute_s']:.1f} ms "
-                  f"(quantize, pack, unpack, dequantize), transport {1e3 * row['exchange_transport_s']:.1f} ms "
+            print(f"{row['learner']} exchange, last step (slowest rank): compute {1e3 * row['exchange_compute_s']:.1f} "
+                  f"ms (quantize, pack, unpack, dequantize), transport {1e3 * row['exchange_transport_s']:.1f} ms "
                   f"(the two collectives, waiting for the peer included)")
     by_learner = {row["learner"]: row for row in rows if "skipped" not in row}
-    if "quantized" in by_learner and "data_parallel" in by_learner:
-        ratio = by_learner["quantized"]["seconds"] / by_learner["data_parallel"]["seconds"]
-        print(f"quantized 1-bit / data_parallel epoch time at {rate}: {ratio:.2f}")
+    for kind in ("quantized", "quantized_no_warm_start"):
+        if kind in by_learner and "data_parallel" in by_learner:
+            ratio = by_learner[kind]["seconds"] / by_learner["data_parallel"]["seconds"]
+            print(f"{kind} / data_parallel epoch time at {rate}: {ratio:.2f}")
 
 
 def driver_main(args: argparse.Namespace) -> None:
