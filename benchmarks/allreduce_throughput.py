@@ -124,8 +124,9 @@ def main() -> None:
         ]
         print(f"{comm.size} ranks ({comm.backend}), {len(parameters)} parameters, {num_bytes / 1e6:.1f} MB of "
               f"gradients, buckets of {args.bucket_mb:g} MiB, {args.threads} thread(s) per rank, median of {args.repeats}")
-        print(f"(learner backward+step {1e3 * learner_seconds:.1f} ms; local backward+step {1e3 * local_seconds:.1f} ms; "
-              f"of the learner's, copying the gradients into the buckets {1e3 * seconds['packing']:.1f} ms)")
+        print(f"(learner backward+step {1e3 * learner_seconds:.1f} ms; local backward+step "
+              f"{1e3 * local_seconds:.1f} ms; of the learner's, copying the gradients into the buckets "
+              f"{1e3 * seconds['packing']:.1f} ms)")
         print(f"{'path':<34}{'ms':>9}{'GB/s':>9}{'ratio':>8}")
         for name, row_seconds in rows:
             print(f"{name:<34}{1e3 * row_seconds:>9.1f}{num_bytes / row_seconds / 1e9:>9.2f}{raw_seconds / row_seconds:>8.2f}")
