@@ -32,8 +32,8 @@ class DataParallelLearner(ReplicatedLearner):
     most 1 MiB, as DDP's), planned in reverse parameter order (the order backward produces them).
     A post-accumulate-grad hook on every parameter fills its bucket; a bucket's all-reduce starts
     as soon as it and all earlier buckets are full, so reduction overlaps the rest of backward and
-    every rank issues the same collectives in the same order. ``step()`` launches whatever is left (zeros for parameters
-    that got no gradient), waits, sets each ``.grad`` to its reduced gradient (a view into the
+    every rank issues the same collectives in the same order. ``step()`` launches whatever is
+    left (zeros for parameters that got no gradient), waits, sets each ``.grad`` to its reduced gradient (a view into the
     bucket, valid until the next minibatch's backward) and calls the wrapped optimizer.
 
     Start and warm start: ``prepare`` broadcasts rank 0's parameters and buffers. While
