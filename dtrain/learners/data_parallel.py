@@ -33,8 +33,9 @@ class DataParallelLearner(ReplicatedLearner):
     A post-accumulate-grad hook on every parameter fills its bucket; a bucket's all-reduce starts
     as soon as it and all earlier buckets are full, so reduction overlaps the rest of backward and
     every rank issues the same collectives in the same order. ``step()`` launches whatever is
-    left (zeros for parameters that got no gradient), waits, sets each ``.grad`` to its reduced gradient (a view into the
-    bucket, valid until the next minibatch's backward) and calls the wrapped optimizer.
+    left (zeros for parameters that got no gradient), waits, sets each ``.grad`` to its reduced
+    gradient (a view into the bucket, valid until the next minibatch's backward) and calls the
+    wrapped optimizer.
 
     Start and warm start: ``prepare`` broadcasts rank 0's parameters and buffers. While
     ``samples_seen < distributed_after`` each rank steps on its own gradient with no
