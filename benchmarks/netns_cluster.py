@@ -27,7 +27,12 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     ``quantized`` (num_quantization_bits=1) and ``block_momentum`` (block_size ``--block-size``).
     Model: minibatches x compute step + communication (data_parallel: every minibatch T(P*4);
     quantized: the bytes the learner reports sending per step / B, plus latency; block momentum:
-    one T(P*4) per block). A learner that cannot be imported is skipped with a note.
+    one T(P*4) per block). A learner that cannot be imported is skipped with a note. For the
+    quantized learner the table is followed by its exchange's compute and transport time (last
+    step) and the ratio of its epoch time to data_parallel's. ``quantized`` has the learner's
+    default warm start (``distributed_after="auto"``: the first quarter of the samples trained
+    locally, each rank computing the whole global minibatch); ``--learners ...,quantized_no_warm_start``
+    adds the 1-bit learner with ``distributed_after=0``, every minibatch through the exchange.
 """
 from __future__ import annotations
 
@@ -166,11 +171,16 @@ def worker_step(comm, steps: int) -> None:
 
 
 def _make_learner(kind: str, optimizer, comm, block_size: int):
-    """The learner of ``kind`` (``local``, ``data_parallel``, ``quantized``, ``block_momentum``)."""
+    """The learner of ``kind`` (``local``, ``data_parallel``, ``quantized``, ``quantized_no_warm_start``,
+    ``block_momentum``)."""
     if kind == "local":
         from dtrain.learners import LocalLearner
 
         return LocalLearner(optimizer)  # a size-1 communicator: no communication at all
+    if kind == "quantized_no_warm_start":  # every minibatch through the 1-bit exchange: its steady-state cost
+        from dtrain.learners import data_parallel_distributed_learner
+
+        return data_parallel_distributed_learner(optimizer, comm, num_quantization_bits=1, distributed_after=0)
     if kind in ("data_parallel", "quantized"):
         from dtrain.learners import data_parallel_distributed_learner
 
@@ -203,8 +213,12 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
                                    independent_processes=kind == "local")  # the no-communication baseline
         comm.barrier()
         result = session.train()
+    exchange = getattr(learner, "exchange", None)  # the quantized learner's: compute vs wire of its last step
+    split = {"exchange_compute_s": getattr(exchange, "compute_seconds_last_step", None),
+             "exchange_transport_s": getattr(exchange, "transport_seconds_last_step", None)}
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,
-            "bytes_sent_per_step": getattr(learner, "bytes_sent_last_step", None)}
+            "bytes_sent_per_step": getattr(learner, "bytes_sent_last_step", None),
+            **{key: max(comm.allgather_object(value)) for key, value in split.items() if value is not None}}
 
 
 def worker_epoch(comm, samples: int, block_size: int, learners: list[str]) -> None:
@@ -232,7 +246,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if "step" in parts:
         worker_step(comm, args.steps)
     if "epoch" in parts:
-        worker_epoch(comm, args.samples, args.block_size, ["data_parallel", "quantized", "block_momentum"])
+        worker_epoch(comm, args.samples, args.block_size, args.learners.split(","))
     comm.finalize()
 
 
@@ -244,7 +258,7 @@ def run_on_cluster(rate: str, args: argparse.Namespace) -> list[dict]:
 
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--parts", args.parts, "--sizes", args.sizes,
               "--repeats", str(args.repeats), "--steps", str(args.steps), "--samples", str(args.samples),
-              "--block-size", str(args.block_size)]
+              "--block-size", str(args.block_size), "--learners", args.learners]
     env = {"PYTHONPATH": str(REPO)}
     with NamespaceCluster(num_hosts=2, rate=rate) as cluster:
         result = cluster.run(cluster.mpiexec_args(npernode=1, export=list(env)) + worker, timeout=args.timeout, env=env)
@@ -297,7 +311,7 @@ def epoch_model_seconds(row: dict, step: dict, bits_per_s: float, alpha: float, 
     gradient_bytes = step["parameters"] * 4
     if row["learner"] == "data_parallel":
         communication = row["minibatches"] * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
-    elif row["learner"] == "quantized" and row.get("bytes_sent_per_step"):
+    elif row["learner"].startswith("quantized") and row.get("bytes_sent_per_step"):
         # two phases (reduce-scatter, then all-gather of packed bits): 2(N-1) messages per step
         communication = row["minibatches"] * (transfer_seconds(row["bytes_sent_per_step"], bits_per_s) + 2 * alpha)
     elif row["learner"] == "block_momentum":
@@ -322,12 +336,22 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
             print(f"{row['learner']:<16} skipped: {row['skipped']}")
             continue
         model = epoch_model_seconds(row, step, bits_per_s, alpha, args.block_size, args.samples) if step else None
-        name = {"quantized": "quantized 1-bit", "block_momentum": f"block_mom {args.block_size}"}.get(
-            row["learner"], row["learner"])
+        name = {"quantized": "quantized 1-bit", "quantized_no_warm_start": "1-bit, no warm",
+                "block_momentum": f"block_mom {args.block_size}"}.get(row["learner"], row["learner"])
         sent = f"{row['bytes_sent_per_step'] / 1e3:8.1f}kB" if row.get("bytes_sent_per_step") else f"{'':>10}"
         model_text = f"{model:8.2f} {row['seconds'] / model:>10.2f}" if model else f"{'':>8} {'':>10}"
         print(f"{name:<16} {row['minibatches']:>11} {row['local_seconds']:8.2f} {row['seconds']:8.2f} "
               f"{args.samples / row['seconds']:9.0f} {model_text} {sent}")
+    for row in rows:
+        if "exchange_compute_s" in row:
+            print(f"{row['learner']} exchange, last step (slowest rank): compute {1e3 * row['exchange_compute_s']:.1f} "
+                  f"ms (quantize, pack, unpack, dequantize), transport {1e3 * row['exchange_transport_s']:.1f} ms "
+                  f"(the two collectives, waiting for the peer included)")
+    by_learner = {row["learner"]: row for row in rows if "skipped" not in row}
+    for kind in ("quantized", "quantized_no_warm_start"):
+        if kind in by_learner and "data_parallel" in by_learner:
+            ratio = by_learner[kind]["seconds"] / by_learner["data_parallel"]["seconds"]
+            print(f"{kind} / data_parallel epoch time at {rate}: {ratio:.2f}")
 
 
 def driver_main(args: argparse.Namespace) -> None:
@@ -359,6 +383,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed training steps in (b)")
     parser.add_argument("--samples", type=int, default=6400, help="global samples per epoch in (c)")
     parser.add_argument("--block-size", type=int, default=6400, help="block momentum's block size in samples")
+    parser.add_argument("--learners", default="data_parallel,quantized,block_momentum",
+                        help="comma-separated learners timed in (c), default data_parallel,quantized,block_momentum")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -20,6 +20,7 @@ from dtrain.compress.quantizer import (
     ColumnBlock,
     ColumnLayout,
     QuantizedColumns,
+    Workspace,
     column_shape,
     dequantize,
     quantize,
@@ -29,5 +30,5 @@ from dtrain.compress.quantizer import (
 __all__ = [
     "MIN_COLUMN_LENGTH", "STDDEVS", "ColumnBlock", "ColumnLayout", "QuantizedColumns", "QuantizedExchange",
     "StripeLayout", "code_dtype", "column_shape", "dequantize", "full_precision_allreduce_bytes", "pack",
-    "packed_size", "quantize", "quantize_with_feedback", "stripe_bounds", "unpack",
+    "packed_size", "quantize", "quantize_with_feedback", "stripe_bounds", "unpack", "Workspace",
 ]

@@ -5,21 +5,30 @@ Codes are laid out as one little-endian bit stream, least significant bit first 
 ``[i*k, (i+1)*k)`` and byte ``b`` holds stream bits ``[8b, 8b+8)``. ``n`` codes therefore take
 exactly ``ceil(n*k/8)`` bytes, with no per-code or per-column padding.
 
-Both directions are vectorised: codes are processed in groups that fill whole bytes (8 codes of
-1 bit make 1 byte, 8 of 3 bits 3 bytes, 1 of 16 bits 2 bytes), viewed as a ``[groups, codes]``
-tensor, and the work is a fixed set of at most ``8 * (ceil(k/8) + 1)`` shift-and-or operations
-on whole columns of it, whatever the number of codes.
+Both directions are vectorised, with no loop over codes:
+
+* 1 bit on CPU: NumPy's ``packbits``/``unpackbits`` (``bitorder="little"``), one C pass;
+* 8, 16, 24 or 32 bits: each code is its low ``k/8`` bytes (little-endian), a byte view;
+* every other case: codes are processed in groups that fill whole bytes (8 codes of 3 bits make
+  3 bytes), viewed as a ``[groups, codes]`` tensor, and the work is a fixed set of at most
+  ``8 * (ceil(k/8) + 1)`` shift-and-or operations on whole columns of it.
+
+All paths produce the same stream.
 """
 from __future__ import annotations
 
 import math
+import sys
 
+import numpy as np
 import torch
 
 from dtrain import checks
 
 MAX_BITS = 32
 """The widest code :func:`pack` accepts (a float32's bit pattern, CNTK's no-quantization case)."""
+
+_LITTLE_ENDIAN = sys.byteorder == "little"  # the byte-view paths read an int64's low bytes first
 
 def code_dtype(bits: int) -> torch.dtype:
     """Return the integer dtype that holds ``bits``-bit codes: ``uint8`` up to 8 bits, else ``int64``.
@@ -73,6 +82,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     low, high = int(flat.min()), int(flat.max())
     if low < 0 or high >= 1 << bits:
         raise ValueError(f"codes must lie in [0, 2**{bits}) for {bits}-bit packing, got values in [{low}, {high}]")
+    if bits == 1 and flat.device.type == "cpu":
+        return torch.from_numpy(np.packbits(flat.to(torch.uint8).numpy(), bitorder="little"))
+    if bits == 8:
+        return flat.to(torch.uint8, copy=True)
+    if bits % 8 == 0 and _LITTLE_ENDIAN:  # whole bytes: each code's low bits/8 bytes, in order
+        return flat.to(torch.int64).view(torch.uint8).view(count, 8)[:, :bits // 8].reshape(-1)
     codes_per_group, bytes_per_group = _group(bits)
     groups = math.ceil(count / codes_per_group)
     work = _work_dtype(bits)
@@ -106,10 +121,18 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         raise ValueError(f"{count} codes of {bits} bits take {expected} bytes, got {packed.numel()}")
     if count == 0:
         return torch.empty(0, dtype=code_dtype(bits), device=packed.device)
+    stream = packed.reshape(-1)
+    if bits == 1 and stream.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(stream.numpy(), count=count, bitorder="little"))
+    if bits % 8 == 0 and _LITTLE_ENDIAN:
+        if bits == 8:
+            return stream.clone()
+        wide = torch.zeros(count, 8, dtype=torch.uint8, device=packed.device)
+        wide[:, :bits // 8] = stream.view(count, bits // 8)
+        return wide.view(torch.int64).view(-1)
     codes_per_group, bytes_per_group = _group(bits)
     groups = math.ceil(count / codes_per_group)
     work = _work_dtype(bits)
-    stream = packed.reshape(-1)
     if expected != groups * bytes_per_group or work != torch.uint8:
         padded = torch.zeros(groups * bytes_per_group, dtype=work, device=packed.device)
         padded[:expected] = stream

@@ -38,6 +38,7 @@ from dtrain.compress.quantizer import (
     ColumnBlock,
     ColumnLayout,
     QuantizedColumns,
+    Workspace,
     column_shape,
     dequantize,
     quantize_with_feedback,
@@ -135,14 +136,23 @@ class StripeLayout:
         return [2 * _BYTES_PER_SCALE * (columns[1] - columns[0]) + bitpack.packed_size(values[1] - values[0], bits)
                 for columns, values in zip(self.stripe_columns, self.stripe_values)]
 
-    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Copy ``tensors`` (shaped like ``shapes``) into a new stripe-major 1-D buffer."""
+    def flatten(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+        """Copy ``tensors`` (shaped like ``shapes``), times ``scale``, into a stripe-major 1-D buffer.
+
+        ``out``: the buffer to write (``numel`` values of the tensors' dtype); a new one when None.
+        """
         self._check(tensors)
         views = [_column_view(tensor, shape) for tensor, shape in zip(tensors, self.column_shapes)]
         parts = [views[piece.tensor_index][piece.first_column:piece.end_column].reshape(-1) for piece in self.pieces]
         if not parts:
-            return torch.zeros(0)
-        return torch.cat(parts)
+            return torch.zeros(0) if out is None else out
+        if out is None or scale == 1.0:
+            flat = torch.cat(parts) if out is None else torch.cat(parts, out=out)
+            return flat.mul_(scale) if scale != 1.0 else flat
+        for piece, part in zip(self.pieces, parts):  # one pass: scale while copying
+            torch.mul(part, scale, out=out[piece.offset:piece.offset + part.numel()])
+        return out
 
     def unflatten_(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the stripe-major buffer ``flat`` back into ``tensors`` (in place)."""
@@ -280,8 +290,15 @@ class QuantizedExchange:
         self.bytes_sent_last_step = 0                # bytes this rank handed to the transport (both phases)
         self.full_precision_bytes_last_step = 0      # a float32 ring all-reduce's bytes per rank: 2(N-1)/N * 4 * numel
         self.seconds_last_step = 0.0                 # wall-clock seconds of the last exchange
+        self.transport_seconds_last_step = 0.0       # ... of which in the two collectives (waiting for peers included)
+        self._workspace = Workspace()                # scratch buffers reused every step (no per-step allocation)
 
     # -- the public operation ----------------------------------------------------------------------
+    @property
+    def compute_seconds_last_step(self) -> float:
+        """Seconds of the last exchange outside the collectives: flatten, quantize, pack, unpack, dequantize."""
+        return self.seconds_last_step - self.transport_seconds_last_step
+
     @property
     def compression_ratio(self) -> float:
         """Full-precision all-reduce bytes / bytes actually sent, for the last step (nan before any)."""
@@ -300,11 +317,15 @@ class QuantizedExchange:
                 for tensor in tensors:
                     tensor.mul_(scale)
             return tensors
+        started = time.perf_counter()
         layout = self._layout_for([tuple(tensor.shape) for tensor in tensors])
-        flat = layout.flatten(tensors)
-        if scale != 1.0:
-            flat.mul_(scale)
-        layout.unflatten_(self.exchange(flat), tensors)
+        dtypes = {tensor.dtype for tensor in tensors}
+        flat = None
+        if len(dtypes) == 1 and tensors:  # the usual case: one reused buffer, written in place by the exchange
+            flat = self._workspace.take("flat", layout.numel, dtypes.pop(), tensors[0].device)
+        flat = layout.flatten(tensors, out=flat, scale=scale)
+        layout.unflatten_(self._exchange_into(flat, flat, started), tensors)
+        self.seconds_last_step = time.perf_counter() - started
         return tensors
 
     def exchange(self, flat: torch.Tensor) -> torch.Tensor:
@@ -312,9 +333,13 @@ class QuantizedExchange:
 
         A collective. Raises RuntimeError when called before the layout is known.
         """
+        return self._exchange_into(flat, torch.empty_like(flat), time.perf_counter())
+
+    def _exchange_into(self, flat: torch.Tensor, result: torch.Tensor, started: float) -> torch.Tensor:
+        """:meth:`exchange` writing the sum into ``result`` (which may be ``flat`` itself: it is read first)."""
         if self.layout is None:
             raise RuntimeError("call allreduce_ (or load_state_dict) first, so the exchange knows the tensors' layout")
-        started = time.perf_counter()
+        workspace = self._workspace
         layout, bits, rank, size = self.layout, self.num_bits, self.comm.rank, self.comm.size
         sizes = layout.message_sizes(bits)
         if self.worker_residual is None:
@@ -323,23 +348,26 @@ class QuantizedExchange:
             self.reset()
 
         # phase 1: quantize everything with the worker residual; stripe j goes to its owner j
-        quantized = quantize_with_feedback(flat, self.worker_residual, layout.columns, bits)
+        quantized = quantize_with_feedback(flat, self.worker_residual, layout.columns, bits, workspace)
         sends = [encode_message(_stripe_of(quantized, layout, stripe)) for stripe in range(size)]
+        transport_started = time.perf_counter()
         if self.all_to_all == "torch":
             received, sent_phase1 = _all_to_all_native(self.comm, sends, [sizes[rank]] * size)
         else:
             received, sent_phase1 = _all_to_all_allgather(self.comm, sends, [sizes] * size)
+        transport = time.perf_counter() - transport_started
 
         # the owner: sum the N quantized copies of its stripe, re-quantize with the owner residual
         own = layout.stripe(rank)
-        total = torch.zeros(own.numel, dtype=flat.dtype, device=flat.device)
+        total = workspace.take("total", own.numel, flat.dtype, flat.device).zero_()
         for message in received:
-            total += dequantize(decode_message(message, own, bits), own, dtype=flat.dtype)
-        summed = encode_message(quantize_with_feedback(total, self.owner_residual, own, bits))
+            total += dequantize(decode_message(message, own, bits), own, dtype=flat.dtype, workspace=workspace)
+        summed = encode_message(quantize_with_feedback(total, self.owner_residual, own, bits, workspace))
 
         # phase 2: every owner's summed stripe to everyone; all ranks decode the same bytes
+        transport_started = time.perf_counter()
         gathered, sent_phase2 = _all_gather_padded(self.comm, summed, sizes)
-        result = torch.empty_like(flat)
+        transport += time.perf_counter() - transport_started
         for stripe, message in enumerate(gathered):
             start, end = layout.stripe_values[stripe]
             part = layout.stripe(stripe)
@@ -347,6 +375,7 @@ class QuantizedExchange:
 
         self.bytes_sent_last_step = sent_phase1 + sent_phase2
         self.full_precision_bytes_last_step = full_precision_allreduce_bytes(layout.numel, size)
+        self.transport_seconds_last_step = transport
         self.seconds_last_step = time.perf_counter() - started
         return result
 

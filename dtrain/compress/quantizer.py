@@ -38,14 +38,16 @@ Quantizers (``bits`` = k)
 Error feedback: :func:`quantize_with_feedback` quantizes ``v = values + residual`` and leaves
 ``residual = v - dequantize(q)``, so nothing is lost, only delayed.
 
-Every function loops in Python over *blocks* (runs of equally long columns: one per tensor, or
-per tensor slice), never over columns; each block is one vectorised 2-D operation.
+Element-wise passes run once over the whole buffer; only per-column reductions and scale
+broadcasts loop in Python over *blocks* (runs of equally long columns: one per tensor, or per
+tensor slice), never over columns; each block is one vectorised 2-D operation.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dtrain.compress.bitpack import check_bits, code_dtype
@@ -113,6 +115,9 @@ class ColumnLayout:
             if block.offset != offset or block.num_columns < 0 or block.column_length < 0:
                 raise ValueError(f"column blocks must tile the buffer in order; {block} does not start at {offset}")
             offset += block.numel
+        # the sizes are read on every pass; a frozen dataclass caches them through object.__setattr__
+        object.__setattr__(self, "_numel", offset)
+        object.__setattr__(self, "_num_columns", sum(block.num_columns for block in self.blocks))
 
     @classmethod
     def for_shapes(cls, shapes: Sequence[Sequence[int]]) -> ColumnLayout:
@@ -128,12 +133,12 @@ class ColumnLayout:
     @property
     def numel(self) -> int:
         """Values in the buffer."""
-        return sum(block.numel for block in self.blocks)
+        return self._numel
 
     @property
     def num_columns(self) -> int:
         """Columns in the buffer (the number of lower/upper pairs)."""
-        return sum(block.num_columns for block in self.blocks)
+        return self._num_columns
 
 
 @dataclass(frozen=True)
@@ -150,31 +155,54 @@ class QuantizedColumns:
     bits: int
 
 
+class Workspace:
+    """Scratch buffers kept between calls, so a repeated quantization of the same size allocates nothing.
+
+    A fresh multi-MB tensor costs more than the arithmetic on it: the allocator returns large
+    blocks to the system and every page faults again when touched. Pass one ``Workspace`` to
+    :func:`quantize`, :func:`quantize_with_feedback` and :func:`dequantize` to reuse their
+    temporaries. What a call returns may then live in the workspace (``QuantizedColumns.codes``,
+    a ``dequantize`` result without ``out``) and is valid only until the next call that uses it.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements (contents undefined), the same storage on every call for ``name``."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != torch.device(device):
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel]
+
+
+def _scratch(workspace: Workspace | None, name: str, numel: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    if workspace is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return workspace.take(name, numel, dtype, device)
+
+
 # -- quantize / dequantize --------------------------------------------------------------------------
 
 
-def quantize(values: torch.Tensor, layout: ColumnLayout, bits: int) -> QuantizedColumns:
+def quantize(values: torch.Tensor, layout: ColumnLayout, bits: int,
+             workspace: Workspace | None = None) -> QuantizedColumns:
     """Quantize the 1-D floating-point buffer ``values`` column by column to ``bits`` bits.
 
+    ``workspace``: reuse its buffers for the temporaries and the codes (see :class:`Workspace`).
     Raises ValueError for ``bits`` outside 1..32 or a buffer whose size differs from
     ``layout.numel``; TypeError for a non-floating-point buffer.
     """
     _check_buffer(values, layout, bits)
-    codes = torch.empty(layout.numel, dtype=code_dtype(bits), device=values.device)
-    lower = torch.zeros(layout.num_columns, dtype=torch.float32, device=values.device)
-    upper = torch.zeros_like(lower)
-    column = 0
-    for block in layout.blocks:
-        columns = slice(column, column + block.num_columns)
-        lower[columns], upper[columns] = _quantize_block(block.view(values), bits, block.view(codes))
-        column += block.num_columns
-    return QuantizedColumns(codes, lower, upper, bits)
+    return _quantize(values, layout, bits, workspace)
 
 
 def dequantize(quantized: QuantizedColumns, layout: ColumnLayout, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, workspace: Workspace | None = None) -> torch.Tensor:
     """Return the values ``quantized`` stands for, as a 1-D tensor of ``dtype`` (written into ``out`` if given).
 
+    ``workspace``: without ``out``, the result is the workspace's ``"decoded"`` buffer (see :class:`Workspace`).
     Raises ValueError when the codes or scales do not match ``layout``.
     """
     bits = check_bits(quantized.bits)
@@ -182,65 +210,131 @@ def dequantize(quantized: QuantizedColumns, layout: ColumnLayout, dtype: torch.d
         raise ValueError(f"quantized buffer has {quantized.codes.numel()} codes and {quantized.lower.numel()} "
                          f"columns; the layout has {layout.numel} values in {layout.num_columns} columns")
     if out is None:
-        out = torch.empty(layout.numel, dtype=dtype, device=quantized.codes.device)
-    column = 0
-    for block in layout.blocks:
-        columns = slice(column, column + block.num_columns)
-        _dequantize_block(block.view(quantized.codes), quantized.lower[columns], quantized.upper[columns], bits,
-                          block.view(out))
-        column += block.num_columns
+        out = _scratch(workspace, "decoded", layout.numel, dtype, quantized.codes.device)
+    if bits == 32:
+        _dequantize_bit_patterns(quantized.codes, out)
+    else:
+        _dequantize_linear(quantized, layout, bits, out, workspace)
     return out
 
 
 def quantize_with_feedback(values: torch.Tensor, residual: torch.Tensor, layout: ColumnLayout,
-                           bits: int) -> QuantizedColumns:
+                           bits: int, workspace: Workspace | None = None) -> QuantizedColumns:
     """Quantize ``values + residual`` and set ``residual`` (in place) to what the quantization lost.
 
     After the call ``values_before + residual_before == dequantize(result) + residual`` up to float
     rounding: the error is fed back into the next step instead of being dropped (1-bit SGD).
+    ``workspace``: reuse its buffers (see :class:`Workspace`).
     Raises ValueError when ``residual`` is not shaped like ``values``.
     """
     if residual.shape != values.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from values shape {tuple(values.shape)}")
-    corrected = values + residual
-    quantized = quantize(corrected, layout, bits)
-    torch.sub(corrected, dequantize(quantized, layout, dtype=corrected.dtype), out=residual)
+    dtype = torch.promote_types(values.dtype, residual.dtype)
+    corrected = torch.add(values, residual, out=_scratch(workspace, "corrected", values.numel(), dtype, values.device))
+    _check_buffer(corrected, layout, bits)
+    quantized = _quantize(corrected, layout, bits, workspace)
+    if residual.dtype == corrected.dtype:
+        dequantize(quantized, layout, out=residual)  # the decoded values, then what they missed, in place
+        torch.sub(corrected, residual, out=residual)
+    else:
+        torch.sub(corrected, dequantize(quantized, layout, dtype=corrected.dtype, workspace=workspace), out=residual)
     return quantized
 
 
-# -- one block of equally long columns --------------------------------------------------------------
-# Each function reads a [num_columns, length] view and writes a view of the same shape, so the
-# whole buffer is touched a few times per call, never copied block by block.
+# -- the passes --------------------------------------------------------------------------------------
+# Element-wise work runs once over the whole buffer; only the per-column reductions (and the
+# per-column broadcasts of the scales) run per block, on views. Every value goes through the
+# same float operations, in the same order, as the per-block formulation in the module
+# docstring, so the results are bit for bit those of quantizing each block on its own.
 
 
-def _quantize_block(columns: torch.Tensor, bits: int, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the codes of ``columns`` into ``codes``; return the float32 (lower, upper) per column."""
+def _quantize(values: torch.Tensor, layout: ColumnLayout, bits: int, workspace: Workspace | None) -> QuantizedColumns:
     if bits == 32:
-        codes.copy_(columns.to(torch.float32).contiguous().view(torch.int32))
+        codes = values.to(torch.float32).view(torch.int32).to(torch.int64)
         codes &= 0xFFFFFFFF  # the bit pattern as an unsigned 32-bit code
-        zeros = torch.zeros(columns.shape[0], dtype=torch.float32, device=columns.device)
-        return zeros, zeros
+        zeros = torch.zeros(layout.num_columns, dtype=torch.float32, device=values.device)
+        return QuantizedColumns(codes, zeros, zeros, bits)
     if bits == 1:
-        return _quantize_block_1bit(columns, codes)
-    return _quantize_block_linear(columns, bits, codes)
+        return _quantize_1bit(values, layout, workspace)
+    codes = _scratch(workspace, "codes", layout.numel, code_dtype(bits), values.device)
+    lower = torch.zeros(layout.num_columns, dtype=torch.float32, device=values.device)
+    upper = torch.zeros_like(lower)
+    column = 0
+    for block in layout.blocks:
+        columns = slice(column, column + block.num_columns)
+        lower[columns], upper[columns] = _quantize_block_linear(block.view(values), bits, block.view(codes))
+        column += block.num_columns
+    return QuantizedColumns(codes, lower, upper, bits)
 
 
-def _quantize_block_1bit(columns: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    non_negative = torch.ge(columns, 0, out=codes.view(torch.bool))  # the codes themselves (0/1 bytes)
-    count1 = non_negative.sum(dim=1)
-    count0 = columns.shape[1] - count1
+def _quantize_1bit(values: torch.Tensor, layout: ColumnLayout, workspace: Workspace | None) -> QuantizedColumns:
+    codes = _scratch(workspace, "codes", layout.numel, torch.uint8, values.device)
+    _non_negative(values, codes)  # the codes themselves (0/1 bytes)
     # clamp keeps exactly the values of one side (the other side becomes 0 and adds nothing)
-    sum0 = columns.clamp(max=0).sum(dim=1, dtype=torch.float32)
-    sum1 = columns.clamp(min=0).sum(dim=1, dtype=torch.float32)
+    side = _scratch(workspace, "decoded", layout.numel, values.dtype, values.device)  # free until a dequantize
+    num_columns = layout.num_columns
+    count1 = torch.empty(num_columns, dtype=torch.int32, device=values.device)  # int32: exact, 2x faster to sum
+    sums = torch.empty(2, num_columns, dtype=torch.float32, device=values.device)  # sum0, sum1
+    lengths = torch.empty(num_columns, dtype=torch.int32, device=values.device)
+    column = 0
+    for block in layout.blocks:
+        end = column + block.num_columns
+        torch.sum(block.view(codes), dim=1, dtype=torch.int32, out=count1[column:end])
+        lengths[column:end] = block.column_length
+        column = end
+    for which, bound in ((0, {"max": 0}), (1, {"min": 0})):  # sum0 from the negative part, sum1 the positive
+        torch.clamp(values, **bound, out=side)
+        column = 0
+        for block in layout.blocks:
+            end = column + block.num_columns
+            torch.sum(block.view(side), dim=1, dtype=torch.float32, out=sums[which, column:end])
+            column = end
     # CNTK: "happens for all-zero columns which do exist (mean0 is 0 in that case)"
-    mean0 = sum0 / count0.clamp(min=1)
-    mean1 = sum1 / count1.clamp(min=1)
+    mean0 = sums[0] / (lengths - count1).clamp(min=1)
+    mean1 = sums[1] / count1.clamp(min=1)
     mid = 0.5 * (mean0 + mean1)
     radius = 2.0 * (mean1 - mid)
-    return mid - radius, mid + radius
+    return QuantizedColumns(codes, mid - radius, mid + radius, 1)
+
+
+_NUMPY_COMPARABLE = (torch.float16, torch.float32, torch.float64)
+
+
+def _non_negative(values: torch.Tensor, codes: torch.Tensor) -> None:
+    """Write ``values >= 0`` as uint8 0/1 (NaN: 0) into ``codes``; on CPU through NumPy, several times faster."""
+    if values.device.type == "cpu" and values.dtype in _NUMPY_COMPARABLE and not values.requires_grad:
+        np.greater_equal(values.numpy(), 0, out=codes.numpy().view(np.bool_))
+    else:
+        torch.ge(values, 0, out=codes.view(torch.bool))
+
+
+def _dequantize_bit_patterns(codes: torch.Tensor, out: torch.Tensor) -> None:
+    signed = torch.where(codes >= 1 << 31, codes - (1 << 32), codes)
+    out.copy_(signed.to(torch.int32).view(torch.float32))
+
+
+def _dequantize_linear(quantized: QuantizedColumns, layout: ColumnLayout, bits: int, out: torch.Tensor,
+                       workspace: Workspace | None) -> None:
+    """``(code + 0.5) * step + lower`` per value, one rounding per operation (for 1 bit this is bit for bit
+    CNTK's Unquantize(0) = 0.5*step + lower = mean0 and Unquantize(1) = 1.5*step + lower = mean1)."""
+    work = _work_dtype(bits)
+    levels = 2 if bits == 1 else (1 << bits) - 1  # CNTK: usedrangeend = 2**k - (k > 1)
+    span = quantized.upper.to(work) - quantized.lower.to(work)
+    step = torch.where(span < _TINY_RANGE, torch.zeros_like(span), span / levels)
+    lower = quantized.lower.to(work)
+    decoded = out if out.dtype == work else _scratch(workspace, "decoded_work", layout.numel, work, out.device)
+    decoded.copy_(quantized.codes).add_(0.5)  # exact: work has room for a k-bit code plus a half
+    column = 0
+    for block in layout.blocks:
+        end = column + block.num_columns
+        block.view(decoded).mul_(step[column:end, None]).add_(lower[column:end, None])
+        column = end
+    if decoded is not out:
+        out.copy_(decoded)
 
 
 def _quantize_block_linear(columns: torch.Tensor, bits: int, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the codes of ``columns`` (k = 2..31) into ``codes``; return the float32 (lower, upper) per column."""
     work = _work_dtype(bits)
     values = columns.to(work)
     mean = values.mean(dim=1)
@@ -255,23 +349,6 @@ def _quantize_block_linear(columns: torch.Tensor, bits: int, codes: torch.Tensor
     scaled = (values - lower.to(work)[:, None]).mul_(factor[:, None])
     codes.copy_(scaled.floor_().clamp_(0, levels))  # CNTK: u <= lower -> 0, u >= upper -> 2**k - 1
     return lower, upper
-
-
-def _dequantize_block(codes: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, bits: int,
-                      out: torch.Tensor) -> None:
-    """Write the values of ``codes`` (float32 scales per column) into ``out``."""
-    if bits == 32:
-        signed = torch.where(codes >= 1 << 31, codes - (1 << 32), codes)
-        out.copy_(signed.to(torch.int32).view(torch.float32))
-        return
-    work = _work_dtype(bits)
-    levels = 2 if bits == 1 else (1 << bits) - 1  # CNTK: usedrangeend = 2**k - (k > 1)
-    span = upper.to(work) - lower.to(work)
-    step = torch.where(span < _TINY_RANGE, torch.zeros_like(span), span / levels)
-    # (q + 0.5) * step + lower, per column, one rounding per operation: for 1 bit this is bit for bit
-    # CNTK's Unquantize(0) = 0.5*step + lower = mean0 and Unquantize(1) = 1.5*step + lower = mean1
-    decoded = codes.to(work).add_(0.5).mul_(step[:, None]).add_(lower.to(work)[:, None])
-    out.copy_(decoded)
 
 
 def _work_dtype(bits: int) -> torch.dtype:
@@ -289,6 +366,6 @@ def _check_buffer(values: torch.Tensor, layout: ColumnLayout, bits: int) -> None
 
 
 __all__ = [
-    "MIN_COLUMN_LENGTH", "STDDEVS", "ColumnBlock", "ColumnLayout", "QuantizedColumns", "column_shape", "dequantize",
-    "quantize", "quantize_with_feedback",
+    "MIN_COLUMN_LENGTH", "STDDEVS", "ColumnBlock", "ColumnLayout", "QuantizedColumns", "Workspace", "column_shape",
+    "dequantize", "quantize", "quantize_with_feedback",
 ]

@@ -16,7 +16,24 @@ BYTES_PER_MB = 2 ** 20
 """``bucket_size_mb`` counts MiB, as ``torch.nn.parallel.DistributedDataParallel``'s ``bucket_cap_mb`` does."""
 
 
-def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: float) -> list[list[int]]:
+FIRST_BUCKET_BYTES = 2 ** 20
+"""The first gradient bucket's limit, 1 MiB: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, as DDP."""
+
+
+def plan_gradient_buckets(ready_order: Sequence[torch.Tensor], bucket_bytes: float) -> list[list[int]]:
+    """Buckets for gradients listed in the order backward produces them, with DDP's small first bucket.
+
+    The first bucket is limited to ``min(bucket_bytes, FIRST_BUCKET_BYTES)``, the rest to
+    ``bucket_bytes`` (see ``plan_buckets``). The last layers' gradients, ready first, then start
+    their all-reduce while backward still computes the others, even when the whole model would
+    fit into one ``bucket_bytes`` bucket (a small model would otherwise communicate nothing
+    until backward ends). Raises ValueError when ``bucket_bytes`` is not positive.
+    """
+    return plan_buckets(ready_order, bucket_bytes, first_bucket_bytes=min(bucket_bytes, FIRST_BUCKET_BYTES))
+
+
+def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: float,
+                 first_bucket_bytes: float | None = None) -> list[list[int]]:
     """Groups ``tensors`` (by position) into buckets of at most ``bucket_bytes`` bytes each.
 
     Tensors keep their given order inside and across buckets; a bucket holds one dtype and one
@@ -29,6 +46,8 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: float) -> list[l
     Args:
         tensors: the tensors to group (e.g. parameters in reverse order).
         bucket_bytes: the size limit in bytes (> 0).
+        first_bucket_bytes: the limit of the first bucket of each dtype and device instead
+            (DDP's small first bucket); ``None``: ``bucket_bytes``.
 
     Returns:
         Lists of indices into ``tensors``; every index appears exactly once.
@@ -38,16 +57,21 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: float) -> list[l
     """
     if not bucket_bytes > 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes!r}")
+    if first_bucket_bytes is not None and not first_bucket_bytes > 0:
+        raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes!r}")
     closed: list[list[int]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[int]]] = {}  # kind -> (indices, [bytes])
+    kinds_closed: set[tuple[torch.dtype, torch.device]] = set()  # kinds past their first bucket
     for index, tensor in enumerate(tensors):
         kind = (tensor.dtype, tensor.device)
         size = tensor.numel() * tensor.element_size()
         if kind in open_buckets:
             indices, used = open_buckets[kind]
-            if used[0] + size > bucket_bytes:
+            limit = bucket_bytes if kind in kinds_closed or first_bucket_bytes is None else first_bucket_bytes
+            if used[0] + size > limit:
                 closed.append(indices)
                 del open_buckets[kind]
+                kinds_closed.add(kind)
         if kind not in open_buckets:
             open_buckets[kind] = ([], [0])
         indices, used = open_buckets[kind]

@@ -18,7 +18,7 @@ import torch
 from dtrain import checks
 from dtrain.compress.bitpack import check_bits
 from dtrain.exchange import AllReduce, Exchange, Quantized
-from dtrain.learners._buckets import GradientBucket, plan_buckets
+from dtrain.learners._buckets import GradientBucket, plan_gradient_buckets
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
@@ -31,8 +31,8 @@ class DataParallelLearner(ReplicatedLearner):
     gradient of the mean loss over all ``global_samples`` (uneven shares and ranks with 0 samples
     included). N ranks with global minibatch B therefore make the update one process makes with B.
 
-    Communication: gradients are packed into buckets of about ``bucket_size_mb`` MiB, planned in
-    reverse parameter order (the order backward produces them). A post-accumulate-grad hook on
+    Communication: gradients are packed into buckets of about ``bucket_size_mb`` MiB (the first at
+    most 1 MiB, as DDP's), planned in reverse parameter order (the order backward produces them). A post-accumulate-grad hook on
     every parameter fills its bucket; a bucket's exchange starts (``exchange.start(bucket_index,
     flat, shapes)``) as soon as it and all earlier buckets are full, so reduction overlaps the
     rest of backward and every rank issues the same collectives in the same order. ``step()``
@@ -107,7 +107,7 @@ class DataParallelLearner(ReplicatedLearner):
         trainable = [parameter for parameter in unique_tensors(self.parameters) if parameter.requires_grad]
         ready_order = trainable[::-1]  # backward produces the last layer's gradients first
         self.buckets = [GradientBucket([ready_order[index] for index in indices])
-                        for indices in plan_buckets(ready_order, self.bucket_bytes)]
+                        for indices in plan_gradient_buckets(ready_order, self.bucket_bytes)]
         for bucket_index, bucket in enumerate(self.buckets):
             for slot, parameter in enumerate(bucket.parameters):
                 hook = functools.partial(self._on_gradient_ready, bucket_index, slot)

@@ -13,7 +13,7 @@ from torch import nn
 from dtrain import comm as dcomm
 from dtrain.comm.base import CompletedHandle
 from dtrain.learners import DataParallelLearner, LocalLearner, data_parallel_distributed_learner
-from dtrain.learners._buckets import BYTES_PER_MB, plan_buckets
+from dtrain.learners._buckets import BYTES_PER_MB, FIRST_BUCKET_BYTES, plan_buckets, plan_gradient_buckets
 
 
 def make_model() -> nn.Module:
@@ -50,6 +50,37 @@ def test_learner_buckets_are_in_reverse_parameter_order():
     assert [id(p) for p in flat] == [id(p) for p in reversed(list(model.parameters()))]
     assert len(learner.buckets) > 2
     assert all(bucket.num_bytes <= 2000 or len(bucket.parameters) == 1 for bucket in learner.buckets)
+    learner.finalize()
+
+
+def test_first_gradient_bucket_is_small_as_in_ddp():
+    # 1 KiB, 12 KiB, 2 MiB, 4 KiB, 1 MiB tensors: a 25 MiB limit alone would make one bucket
+    tensors = [torch.zeros(256), torch.zeros(3072), torch.zeros(512, 1024), torch.zeros(1024), torch.zeros(256, 1024)]
+    buckets = plan_gradient_buckets(tensors, 25 * BYTES_PER_MB)
+    assert buckets == [[0, 1], [2, 3, 4]]
+    assert FIRST_BUCKET_BYTES == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+    # a limit below 1 MiB applies to the first bucket too
+    assert plan_gradient_buckets(tensors, 8000) == plan_buckets(tensors, 8000)
+    with pytest.raises(ValueError, match="first_bucket_bytes"):
+        plan_buckets(tensors, 100, first_bucket_bytes=0)
+
+
+def test_the_last_layers_gradients_are_reduced_while_backward_still_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
+    comm = _RecordingComm()
+    learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm)  # 25 MiB buckets
+    learner.prepare(model)
+    comm.calls.clear()
+    learner.begin_minibatch(4, 8)
+    first_layer_output = model[0](torch.randn(4, 256))
+    launched_before_first_layer = []  # all-reduces issued when backward reaches layer 0
+    first_layer_output.register_hook(lambda _: launched_before_first_layer.append(len(comm.calls)))
+    model[1:](first_layer_output).sum().backward()
+    learner.step()
+    last_layers = 512 * 10 + 10 + 512  # the first bucket: Linear(512, 10) and the bias of Linear(1024, 512)
+    assert [numel for _, numel in comm.calls] == [last_layers + 3, 1024 * 512 + 1024 + 256 * 1024 + 3]
+    assert launched_before_first_layer == [1]
     learner.finalize()
 
 
