@@ -41,13 +41,16 @@ REFERENCE = "ddp_powersgd"
 def ddp_worker(args: argparse.Namespace) -> None:
     """Trains the digits recipe with torch DDP + ``powerSGD_hook``; rank 0 writes a metrics.jsonl."""
     import torch
-    import torch.distributed as dist
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+    from omegaconf import OmegaConf
+
+    from dtrain import Schedule
     from dtrain.comm import create_communicator
     from dtrain.config import register_schemas
+    from dtrain.learners.base import RunFacts
 
     torch.set_num_threads(1)
     comm = create_communicator(backend="gloo", timeout_s=600)  # initialises torch.distributed too
@@ -58,14 +61,13 @@ def ddp_worker(args: argparse.Namespace) -> None:
     model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    hook_settings = {key: cfg.learner.exchange[key] for key in
-                     ("matrix_approximation_rank", "start_powersgd_iter", "min_compression_rate")
-                     if key in cfg.learner.exchange}
+    settings = instantiate(cfg.learner.exchange)  # learner=powersgd's own strategy, for its settings
+    settings.plan(RunFacts(max_samples=cfg.session.max_samples, minibatch_size=cfg.session.minibatch_size))
     state = powersgd.PowerSGDState(
-        process_group=None,
-        matrix_approximation_rank=hook_settings.get("matrix_approximation_rank", 1),
-        start_powerSGD_iter=hook_settings.get("start_powersgd_iter", 2),
-        min_compression_rate=hook_settings.get("min_compression_rate", 2))
+        process_group=None, matrix_approximation_rank=settings.matrix_approximation_rank,
+        start_powerSGD_iter=settings.start_powersgd_iter, min_compression_rate=settings.min_compression_rate,
+        use_error_feedback=settings.use_error_feedback, warm_start=settings.warm_start,
+        orthogonalization_epsilon=settings.orthogonalization_epsilon, random_seed=settings.random_seed)
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     train = instantiate(cfg.source.train.deserializer)
     test = instantiate(cfg.source.test.deserializer)
@@ -74,7 +76,8 @@ def ddp_worker(args: argparse.Namespace) -> None:
     torch.manual_seed(cfg.seed + 1 + comm.rank)
     minibatch, max_samples = cfg.session.minibatch_size, cfg.session.max_samples
     sweep = features.shape[0]
-    schedule = [(count * cfg.session.lr_schedule.epoch_size, value) for count, value in cfg.session.lr_schedule.values]
+    node = cfg.session.lr_schedule  # the recipe's multipliers of optimizer.lr, as the session applies them
+    schedule = Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size, node.warmup_samples)
     base_lr = cfg.optimizer.lr
     generator = torch.Generator().manual_seed(cfg.seed)
     records, samples, next_eval = [], 0, args.eval_every
@@ -85,16 +88,17 @@ def ddp_worker(args: argparse.Namespace) -> None:
     while samples < max_samples:
         if position + minibatch > sweep:
             order, position = torch.randperm(sweep, generator=generator), 0
-        batch = order[position:position + minibatch]
-        position += minibatch
+        size = min(minibatch, max_samples - samples)  # the last minibatch stops at max_samples, as the session's
+        batch = order[position:position + size]
+        position += size
         share = batch[comm.rank::comm.size]
         for group in optimizer.param_groups:
-            group["lr"] = base_lr * _schedule_value(schedule, samples)
+            group["lr"] = base_lr * schedule(samples)
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(ddp(features[share]), labels[share])
         loss.backward()
         optimizer.step()
-        samples += minibatch
+        samples += size
         if samples >= next_eval or samples >= max_samples:
             next_eval += args.eval_every
             with torch.no_grad():
@@ -112,15 +116,6 @@ def _arrays(deserializer):
     import numpy as np
 
     return deserializer.get(np.arange(deserializer.num_samples))
-
-
-def _schedule_value(schedule: list[tuple[int, float]], samples: int) -> float:
-    """The lr multiplier at ``samples``: each (samples, value) pair lasts its samples, the last value stays."""
-    for length, value in schedule:
-        if samples < length:
-            return value
-        samples -= length
-    return schedule[-1][1]
 
 
 # -- driver ---------------------------------------------------------------------------------------
