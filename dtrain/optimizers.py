@@ -17,7 +17,31 @@ from dtrain import checks
 __all__ = ["Adam", "AdamW"]
 
 
-class Adam(torch.optim.Adam):
+class _MomentumAsBeta1:
+    """Mixin for torch's Adam family: ``momentum`` is beta1 and ``variance_momentum`` beta2, and each
+    parameter group's ``momentum`` is read again at every step (so momentum schedules apply)."""
+
+    def _set_up(self, base: type, params: Iterable[Any], lr: float, momentum: float, variance_momentum: float,
+                eps: float, weight_decay: float) -> None:
+        checks.positive_number("lr", lr)
+        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
+        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
+        checks.positive_number("eps", eps)
+        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
+        base.__init__(self, params, lr=lr, betas=(momentum, variance_momentum), eps=eps, weight_decay=weight_decay)
+        self.defaults["momentum"] = momentum
+        for group in self.param_groups:
+            group.setdefault("momentum", momentum)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of the wrapped optimizer, with each group's ``momentum`` as its beta1."""
+        for group in self.param_groups:
+            group["betas"] = (float(group["momentum"]), group["betas"][1])
+        return super().step(closure)
+
+
+class Adam(_MomentumAsBeta1, torch.optim.Adam):
     """``torch.optim.Adam`` with ``momentum`` (beta1) and ``variance_momentum`` (beta2) as parameters.
 
     Each parameter group keeps a ``momentum`` entry; ``step`` copies it into ``betas[0]``
@@ -27,25 +51,10 @@ class Adam(torch.optim.Adam):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.9,
                  variance_momentum: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        checks.positive_number("lr", lr)
-        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
-        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
-        checks.positive_number("eps", eps)
-        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
-        super().__init__(params, lr=lr, betas=(momentum, variance_momentum), eps=eps, weight_decay=weight_decay)
-        self.defaults["momentum"] = momentum
-        for group in self.param_groups:
-            group.setdefault("momentum", momentum)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One Adam step, with each group's ``momentum`` as its beta1."""
-        for group in self.param_groups:
-            group["betas"] = (float(group["momentum"]), group["betas"][1])
-        return super().step(closure)
+        self._set_up(torch.optim.Adam, params, lr, momentum, variance_momentum, eps, weight_decay)
 
 
-class AdamW(torch.optim.AdamW):
+class AdamW(_MomentumAsBeta1, torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay) with ``momentum`` (beta1) and
     ``variance_momentum`` (beta2) as parameters, as :class:`Adam`; DiLoCo's inner optimizer.
 
@@ -55,19 +64,4 @@ class AdamW(torch.optim.AdamW):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.9,
                  variance_momentum: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01) -> None:
-        checks.positive_number("lr", lr)
-        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
-        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
-        checks.positive_number("eps", eps)
-        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
-        super().__init__(params, lr=lr, betas=(momentum, variance_momentum), eps=eps, weight_decay=weight_decay)
-        self.defaults["momentum"] = momentum
-        for group in self.param_groups:
-            group.setdefault("momentum", momentum)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step, with each group's ``momentum`` as its beta1."""
-        for group in self.param_groups:
-            group["betas"] = (float(group["momentum"]), group["betas"][1])
-        return super().step(closure)
+        self._set_up(torch.optim.AdamW, params, lr, momentum, variance_momentum, eps, weight_decay)
