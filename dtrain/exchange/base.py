@@ -33,6 +33,7 @@ Contract, for anyone writing a strategy:
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -164,18 +165,10 @@ class ThreadedExchange(Exchange):
         self._worker.close()
 
 
-def numel_of(shape: Sequence[int]) -> int:
-    """The number of values of a tensor of ``shape`` (1 for a scalar)."""
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
-
-
 def split_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Views of ``flat`` holding tensors of ``shapes`` back to back (a bucket's layout)."""
-    sizes = [numel_of(shape) for shape in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
     return [part.view(tuple(shape)) for part, shape in zip(flat[:sum(sizes)].split(sizes), shapes)]
 
 
-__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "numel_of", "split_views"]
+__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "split_views"]

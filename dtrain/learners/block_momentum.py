@@ -88,7 +88,7 @@ class BlockMomentumLearner(Learner):
        optimizer's momentum buffers are zeroed (see ``MOMENTUM_STATE_KEYS``).
 
     The deltas ``d_i`` travel as ONE flat buffer through the ``exchange`` strategy (one exchange
-    per sync, key ``"model"``). With the default fp32 :class:`~dtrain.exchange.AllReduce` the
+    per sync, key ``"model"``). With a lossless strategy (the default fp32 :class:`~dtrain.exchange.AllReduce`) the
     floating-point buffers of the model (BatchNorm running statistics) ride in the same buffer,
     one all-reduce as always; with a lossy strategy (e.g. :class:`~dtrain.exchange.Quantized`,
     k-bit with error feedback) only the parameter deltas are compressed and the buffers take a
@@ -237,7 +237,7 @@ class BlockMomentumLearner(Learner):
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
                 f"syncs, time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
                 f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}, "
-                f"exchange {describe_exchange(self.exchange)}")
+                f"exchange {self.exchange.describe()}")
 
     # -- statistics of the last sync --------------------------------------------------------------
     @property
@@ -415,14 +415,13 @@ class BlockMomentumLearner(Learner):
         buffers = scratch[parameter_count:]
         _pack(self._float_buffers, buffers)
         self.exchange.begin_step()
-        if isinstance(self.exchange, AllReduce):
-            # lossless: the buffers ride along, one all-reduce per sync as before strategies existed
+        extra_bytes = 0
+        if self.exchange.lossless:
+            # the buffers ride along: one all-reduce per sync, as before strategies existed
             self.exchange.allreduce_("model", scratch, [torch.Size([parameter_count]), torch.Size([buffers.numel()])])
-            extra_bytes = 0
         else:
             # a lossy strategy compresses only the parameter deltas; BatchNorm statistics stay exact
             self.exchange.allreduce_("model", scratch[:parameter_count], [p.shape for p in self.parameters])
-            extra_bytes = 0
             if buffers.numel():
                 self.comm.allreduce(buffers, op="sum")
                 extra_bytes = full_precision_allreduce_bytes(buffers.numel(), num_workers) * buffers.element_size() // 4
@@ -568,12 +567,6 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def describe_exchange(exchange: Exchange) -> str:
-    """The strategy's name and settings for the start-up line, e.g. ``quantized (num_bits=4)``."""
-    settings = ", ".join(f"{key}={value}" for key, value in exchange.identity().items() if key != "name")
-    return f"{exchange.name} ({settings})" if settings else exchange.name
-
-
 def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().cpu().clone()
 

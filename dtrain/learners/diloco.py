@@ -18,7 +18,7 @@ import torch
 from dtrain import checks
 from dtrain.exchange import Exchange
 from dtrain.learners.base import AUTO, RunFacts
-from dtrain.learners.block_momentum import BlockMomentumLearner, describe_exchange
+from dtrain.learners.block_momentum import BlockMomentumLearner
 
 
 class DiLoCoLearner(BlockMomentumLearner):
@@ -88,7 +88,7 @@ class DiLoCoLearner(BlockMomentumLearner):
         return (f"{warm_start}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
                 f"syncs, outer SGD lr {self.outer_learning_rate:g} momentum {self.outer_momentum:g} Nesterov "
                 f"{'on' if self.outer_nesterov else 'off'}, inner optimizer {type(self.optimizer).__name__} "
-                f"(state kept across syncs), exchange {describe_exchange(self.exchange)}")
+                f"(state kept across syncs), exchange {self.exchange.describe()}")
 
     # -- the outer step ---------------------------------------------------------------------------
     def _sync_keeps_model(self) -> bool:
