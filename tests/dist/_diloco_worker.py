@@ -104,29 +104,16 @@ def simulate(size: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor]:
                            GLOBAL_SIZES, **options)
 
 
-def steps(learner, model, sizes: list[int], position: int) -> int:
-    """Trains this rank's shares of ``sizes`` global minibatches from timeline ``position``."""
-    from dtrain.data.partition import partition_slice
-    for global_size in sizes:
-        start, stop = partition_slice(position, global_size, *learner.data_partition())
-        position += global_size
-        learner.begin_minibatch(stop - start, global_size)
-        if stop > start:
-            local_loss(model, start, stop).backward()
-        learner.step()
-    return position
-
-
 def check_resume(comm, case: str) -> None:
     """Restored mid-run (replicated + per-rank state), the learner continues bit for bit."""
     model, learner = build(comm, case, seed=0)
     learner.prepare(model)
-    position = steps(learner, model, [16] * 6, 0)
+    position = train_learner_shares(learner, model, local_loss, [16] * 6)
     learner.synchronize()
     saved = io.BytesIO()
     torch.save({"learner": learner.state_dict(), "local": learner.local_state_dict(),
                 "model": model.state_dict()}, saved)
-    steps(learner, model, [16] * 6, position)
+    train_learner_shares(learner, model, local_loss, [16] * 6, position=position)
     learner.synchronize()
     expected = flat(model.parameters())
 
@@ -140,7 +127,7 @@ def check_resume(comm, case: str) -> None:
         if with_residuals:
             restored.load_local_state_dict(state["local"])
         restored.prepare(model2)
-        steps(restored, model2, [16] * 6, position)
+        train_learner_shares(restored, model2, local_loss, [16] * 6, position=position)
         restored.synchronize()
         outcomes[with_residuals] = flat(model2.parameters())
     assert torch.equal(outcomes[True], expected), (case, float((outcomes[True] - expected).abs().max()))

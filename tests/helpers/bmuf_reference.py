@@ -90,13 +90,14 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
 
 def train_learner_shares(learner, model: torch.nn.Module,
                          local_loss: Callable[[torch.nn.Module, int, int], torch.Tensor],
-                         global_sizes: Sequence[int], on_sync: Callable[[], None]) -> None:
-    """Steps ``learner`` through ``global_sizes`` on this rank's share of each global minibatch.
+                         global_sizes: Sequence[int], on_sync: Callable[[], None] | None = None,
+                         position: int = 0) -> int:
+    """Steps ``learner`` through ``global_sizes`` on this rank's share of each global minibatch,
+    starting at timeline ``position``; returns the position after the last one.
 
-    Calls ``on_sync()`` after every step that made a block sync; the final ``synchronize()``
-    is left to the caller.
+    Calls ``on_sync()`` (when given) after every step that made a block sync; the final
+    ``synchronize()`` is left to the caller.
     """
-    position = 0
     for global_size in global_sizes:
         start, stop = partition_slice(position, global_size, *learner.data_partition())
         position += global_size
@@ -105,5 +106,6 @@ def train_learner_shares(learner, model: torch.nn.Module,
             local_loss(model, start, stop).backward()
         syncs = learner.syncs
         learner.step()
-        if learner.syncs != syncs:
+        if learner.syncs != syncs and on_sync is not None:
             on_sync()
+    return position
