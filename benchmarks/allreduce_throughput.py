@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,26 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="learner bucket size in MiB, default 25")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per row (median), default 15")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, default 1")
+    parser.add_argument("--netns", metavar="RATE", help="run on 2 simulated hosts linked at RATE (e.g. 1gbit; needs "
+                        "root; see netns_cluster.py) instead of the ranks of this mpiexec")
     return parser.parse_args()
+
+
+def run_on_cluster(args: argparse.Namespace) -> None:
+    """Runs this benchmark (without ``--netns``) on a 2-host ``NamespaceCluster`` at ``args.netns`` and prints its table."""
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo))  # the repository root: the tests' namespace cluster
+    from tests.helpers.netns import NamespaceCluster
+
+    worker = [sys.executable, str(Path(__file__).resolve()), "--megabytes", str(args.megabytes), "--bucket-mb",
+              str(args.bucket_mb), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    env = {"PYTHONPATH": str(repo)}
+    with NamespaceCluster(num_hosts=2, rate=args.netns) as cluster:
+        result = cluster.run(cluster.mpiexec_args(npernode=1, export=list(env)) + worker, timeout=1800, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"the benchmark failed on the cluster:\n{result.report()}")
+    print(f"2 hosts (network namespaces) linked at {args.netns}, one rank each")
+    print(result.stdout, end="")
 
 
 def make_parameters(megabytes: float) -> list[torch.nn.Parameter]:
@@ -69,6 +90,9 @@ def median_seconds(runs: dict[str, Callable[[], None]], repeats: int, comm) -> d
 
 def main() -> None:
     args = parse_args()
+    if args.netns:
+        run_on_cluster(args)
+        return
     torch.set_num_threads(args.threads)
     comm = create_communicator()
     if comm.size < 2:
@@ -85,13 +109,17 @@ def main() -> None:
     learner = DataParallelLearner(optimizer, comm, bucket_size_mb=args.bucket_mb)
     learner.prepare(torch.nn.ParameterList(parameters))
 
+    scaled_ones = [one / comm.size for one in ones]
+
     def learner_round() -> None:
         learner.begin_minibatch(1, comm.size)
-        backward()
+        # as training_session does: the 1/N scale rides in backward (the loss), not in a pass over the gradients
+        assert learner.fold_gradient_scale() == 1 / comm.size
+        torch.autograd.backward(parameters, grad_tensors=scaled_ones)
         learner.step()
 
     flat = torch.zeros(num_bytes // 4)
-    bucket_buffers = [torch.zeros_like(bucket.buffer) for bucket in learner.buckets]
+    bucket_buffers = [torch.zeros(sum(shape.numel() for shape in bucket.shapes_with_flags)) for bucket in learner.buckets]
 
     def raw_bucketed() -> None:
         for work in [dist.all_reduce(buffer, async_op=True) for buffer in bucket_buffers]:
@@ -99,9 +127,9 @@ def main() -> None:
 
     def packing() -> None:
         # what the hooks copy: every gradient, scaled, into its bucket slot (no communication)
-        for bucket in learner.buckets:
-            for gradient, source in zip(bucket.gradients, ones[:len(bucket.gradients)]):
-                torch.mul(source, 0.5, out=gradient)
+        for bucket in learner.buckets:  # large gradients are reduced in place: nothing to copy
+            for gradient, source in zip(getattr(bucket, "gradients", []), ones):
+                gradient.copy_(source)
 
     def local_round() -> None:
         # the same work without the learner: hooks stay registered but are not armed

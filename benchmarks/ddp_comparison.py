@@ -97,7 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     def dtrain_step() -> None:
         batch = sources["dtrain"].next_minibatch(global_minibatch, comm.size, comm.rank)
         learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
-        torch.nn.functional.cross_entropy(model(batch.features), batch.labels).backward()
+        scale = learner.fold_gradient_scale()  # as training_session does: the 1/N rides in backward
+        (torch.nn.functional.cross_entropy(model(batch.features), batch.labels) * scale).backward()
         learner.step()
 
     def timed(step, count: int) -> float:

@@ -20,16 +20,64 @@ FIRST_BUCKET_BYTES = 2 ** 20
 """The first gradient bucket's limit, 1 MiB: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, as DDP."""
 
 
-def plan_gradient_buckets(ready_order: Sequence[torch.Tensor], bucket_bytes: float) -> list[list[int]]:
+IN_PLACE_GRADIENT_BYTES = 8 * 2 ** 20
+"""A gradient of at least 8 MiB (or of at least the bucket limit, which would be a bucket alone
+anyway) is all-reduced in place, in a bucket of its own: copying it into a packed buffer costs
+about 1 ms per 8 MiB on one CPU core, which is what one more Gloo collective costs on a loopback
+(``benchmarks/allreduce_throughput.py``); smaller ones are cheaper to copy than to send alone."""
+
+
+def plan_gradient_buckets(ready_order: Sequence[torch.Tensor], bucket_bytes: float,
+                          in_place_bytes: float | None = None) -> list[list[int]]:
     """Buckets for gradients listed in the order backward produces them, with DDP's small first bucket.
 
     The first bucket is limited to ``min(bucket_bytes, FIRST_BUCKET_BYTES)``, the rest to
     ``bucket_bytes`` (see ``plan_buckets``). The last layers' gradients, ready first, then start
     their all-reduce while backward still computes the others, even when the whole model would
     fit into one ``bucket_bytes`` bucket (a small model would otherwise communicate nothing
-    until backward ends). Raises ValueError when ``bucket_bytes`` is not positive.
+    until backward ends).
+
+    With ``in_place_bytes``, every tensor of at least that many bytes gets a bucket of its own
+    (reduced in place, :class:`InPlaceBucket`), the tensors between two of them are packed as
+    above, and the last bucket is always a packed one, which carries the "has a gradient" flags
+    of the in-place buckets: when the plan would end with an in-place bucket, the last packed
+    bucket moves to the end (it only waits for the rest of backward), or an empty one is added
+    when there is none. Raises ValueError when ``bucket_bytes`` is not positive.
     """
-    return plan_buckets(ready_order, bucket_bytes, first_bucket_bytes=min(bucket_bytes, FIRST_BUCKET_BYTES))
+    first_bucket_bytes = min(bucket_bytes, FIRST_BUCKET_BYTES)
+    if in_place_bytes is None:
+        return plan_buckets(ready_order, bucket_bytes, first_bucket_bytes=first_bucket_bytes)
+    buckets: list[list[int]] = []
+    run: list[int] = []  # indices of the packed tensors since the last in-place one
+
+    def pack_run() -> None:
+        first = first_bucket_bytes if not buckets else None
+        buckets.extend([run[position] for position in indices]
+                       for indices in plan_buckets([ready_order[index] for index in run], bucket_bytes, first))
+        run.clear()
+
+    for index, tensor in enumerate(ready_order):
+        if tensor.numel() * tensor.element_size() >= in_place_bytes:
+            pack_run()
+            buckets.append([index])
+        else:
+            run.append(index)
+    pack_run()
+    packed = [position for position, indices in enumerate(buckets) if not is_in_place(ready_order, indices, in_place_bytes)]
+    if len(packed) < len(buckets):  # some in-place bucket: a packed one must come last
+        if not packed:
+            buckets.append([])
+        elif packed[-1] != len(buckets) - 1:
+            buckets.append(buckets.pop(packed[-1]))
+    return buckets
+
+
+def is_in_place(ready_order: Sequence[torch.Tensor], indices: Sequence[int], in_place_bytes: float | None) -> bool:
+    """Whether ``plan_gradient_buckets(ready_order, ..., in_place_bytes)`` made ``indices`` an in-place bucket."""
+    if in_place_bytes is None or len(indices) != 1:
+        return False
+    tensor = ready_order[indices[0]]
+    return tensor.numel() * tensor.element_size() >= in_place_bytes
 
 
 def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: float,
@@ -101,25 +149,29 @@ def coalesced(tensors: Sequence[torch.Tensor], bucket_bytes: float, operation: C
 class GradientBucket:
     """One flat buffer for the gradients of some parameters, plus one "has a gradient" flag each.
 
-    The buffer is ``[grad_0 | grad_1 | ... | flag_0 | flag_1 | ...]``: with an exact (float32)
-    exchange the flags travel in the same all-reduce as the gradients, so after a SUM every rank
-    knows whether ANY rank had a gradient for a parameter (flag > 0) and can leave ``.grad`` at
-    None otherwise, as a single process would; a lossy exchange is given ``payload`` (the
-    gradients alone) and the learner sums the flags separately.
+    The buffer is ``[grad_0 | grad_1 | ... | flag_0 | flag_1 | ... | carried flags]``: with an
+    exact (float32) exchange the flags travel in the same all-reduce as the gradients, so after a
+    SUM every rank knows whether ANY rank had a gradient for a parameter (flag > 0) and can leave
+    ``.grad`` at None otherwise, as a single process would; a lossy exchange is given ``payload``
+    (the gradients alone) and the learner sums the flags separately. The last bucket also carries
+    the flags of the in-place buckets (``carried_flags``, one each); it may hold no parameters.
     """
 
-    def __init__(self, parameters: Sequence[torch.Tensor]):
+    def __init__(self, parameters: Sequence[torch.Tensor], carried_flags: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.parameters = list(parameters)
         numels = [parameter.numel() for parameter in self.parameters]
         total = sum(numels)
-        first = self.parameters[0]
-        self.buffer = torch.empty(total + len(numels), dtype=first.dtype, device=first.device)
+        if self.parameters:
+            dtype, device = self.parameters[0].dtype, self.parameters[0].device
+        self.buffer = torch.empty(total + len(numels) + carried_flags, dtype=dtype, device=device)
         self.gradients = [part.view(parameter.shape)
                           for part, parameter in zip(self.buffer[:total].split(numels), self.parameters)]
-        self.flags = self.buffer[total:]
+        self.flags = self.buffer[total:total + len(numels)]
+        self.carried_flags = self.buffer[total + len(numels):]
         self.payload = self.buffer[:total]  # the gradients alone, for exchanges that are not exact sums
         self.shapes = [parameter.shape for parameter in self.parameters]
-        self.shapes_with_flags = [*self.shapes, torch.Size([len(numels)])]  # what ``buffer`` holds
+        self.shapes_with_flags = [*self.shapes, torch.Size([len(numels) + carried_flags])]  # what ``buffer`` holds
         self.filled = [False] * len(self.parameters)  # state: which slots this minibatch's backward wrote
         self.missing = len(self.parameters)           # state: slots still to be written before launch
         self.handle = None                           # state: the in-flight all-reduce, if launched
@@ -135,8 +187,8 @@ class GradientBucket:
         self.missing = len(self.parameters)
         self.handle = None
 
-    def fill(self, slot: int, gradient: torch.Tensor, scale: float) -> None:
-        """Writes ``gradient * scale`` into the slot of parameter ``slot``; raises on a second write."""
+    def _claim(self, slot: int, gradient: torch.Tensor) -> None:
+        """Marks ``slot`` written; raises on a second gradient in one minibatch or a sparse one."""
         if self.filled[slot]:
             raise RuntimeError(
                 "a parameter received a second gradient in one minibatch; the data-parallel learner "
@@ -146,10 +198,17 @@ class GradientBucket:
         if gradient.is_sparse:
             raise TypeError("sparse gradients are not supported by the data-parallel learner; "
                             "use dense embeddings (sparse=False)")
-        torch.mul(gradient, scale, out=self.gradients[slot])
-        self.flags[slot] = 1
         self.filled[slot] = True
         self.missing -= 1
+
+    def fill(self, slot: int, gradient: torch.Tensor, scale: float) -> None:
+        """Writes ``gradient * scale`` into the slot of parameter ``slot``; raises on a second write."""
+        self._claim(slot, gradient)
+        if scale == 1.0:
+            self.gradients[slot].copy_(gradient)
+        else:
+            torch.mul(gradient, scale, out=self.gradients[slot])
+        self.flags[slot] = 1
 
     def fill_missing_with_zeros(self) -> None:
         """Zeros the slots no gradient arrived for (unused parameters, or a rank with 0 samples)."""
@@ -170,3 +229,68 @@ class GradientBucket:
         has_gradient = (self.flags > 0).tolist()
         for parameter, gradient, present in zip(self.parameters, self.gradients, has_gradient):
             parameter.grad = gradient if present else None
+
+
+class InPlaceBucket:
+    """A bucket of one large parameter whose ``.grad`` is exchanged in place: no copy in, none out.
+
+    Its "has a gradient" flag is a slot of the last (packed) bucket, ``flag``, written when the
+    gradient arrives (or is found missing) and summed with that bucket, which is launched after
+    this one. A rank without a gradient for the parameter contributes zeros.
+    """
+
+    def __init__(self, parameter: torch.Tensor, flag: torch.Tensor):
+        self.parameters = [parameter]
+        self.shapes = [parameter.shape]
+        self.shapes_with_flags = self.shapes
+        self.flag = flag
+        self.gradient: torch.Tensor | None = None  # state: this minibatch's gradient (the parameter's .grad)
+        self.filled = [False]
+        self.missing = 1
+        self.handle = None
+
+    _claim = GradientBucket._claim
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of gradient payload."""
+        parameter = self.parameters[0]
+        return parameter.numel() * parameter.element_size()
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The gradient, flat: what the exchange reduces in place."""
+        return self.gradient.view(-1)
+
+    payload = buffer
+
+    def reset(self) -> None:
+        """Forgets the previous minibatch (called before backward)."""
+        self.filled = [False]
+        self.missing = 1
+        self.handle = None
+        self.gradient = None
+
+    def fill(self, slot: int, gradient: torch.Tensor, scale: float) -> None:
+        """Takes the parameter's ``.grad`` itself (made contiguous if it is not), scaled in place."""
+        self._claim(slot, gradient)
+        parameter = self.parameters[0]
+        if not gradient.is_contiguous():
+            gradient = gradient.contiguous()
+            parameter.grad = gradient
+        if scale != 1.0:
+            gradient.mul_(scale)
+        self.gradient = gradient
+        self.flag.fill_(1)
+
+    def fill_missing_with_zeros(self) -> None:
+        """Zeros for a parameter no gradient arrived for on this rank."""
+        if not self.filled[0]:
+            self.gradient = torch.zeros_like(self.parameters[0], memory_format=torch.contiguous_format)
+            self.flag.fill_(0)
+            self.filled[0] = True
+        self.missing = 0
+
+    def assign_grads(self) -> None:
+        """Sets ``.grad`` to the reduced gradient, or None where no rank had one (after the last bucket's sum)."""
+        self.parameters[0].grad = self.gradient if float(self.flag) > 0 else None

@@ -196,6 +196,14 @@ class Learner(abc.ABC):
         self.local_samples = local_samples
         self.global_samples = global_samples
 
+    def fold_gradient_scale(self) -> float:
+        """The factor by which the caller multiplies this minibatch's loss before backward, taking over
+        a scaling the learner would otherwise apply to every gradient (the data-parallel learner's
+        ``local_samples / global_samples``); 1.0 when there is none. Called once per minibatch,
+        after :meth:`begin_minibatch` and before the first backward; a caller that does not call it
+        gets the same update (the learner then scales the gradients itself)."""
+        return 1.0
+
     # -- micro-batches: several backward passes, one exchange ----------------------------------------
     @property
     def accumulating(self) -> bool:

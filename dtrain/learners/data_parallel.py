@@ -18,7 +18,8 @@ import torch
 from dtrain import checks
 from dtrain.compress.bitpack import check_bits
 from dtrain.exchange import AllReduce, Exchange, Quantized
-from dtrain.learners._buckets import GradientBucket, plan_gradient_buckets
+from dtrain.learners._buckets import (IN_PLACE_GRADIENT_BYTES, GradientBucket, InPlaceBucket, is_in_place,
+                                      plan_gradient_buckets)
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
@@ -38,7 +39,11 @@ class DataParallelLearner(ReplicatedLearner):
     rest of backward and every rank issues the same collectives in the same order. ``step()``
     launches whatever is left (zeros for parameters that got no gradient), waits, sets each
     ``.grad`` to its reduced gradient (a view into the bucket, valid until the next minibatch's
-    backward) and calls the wrapped optimizer.
+    backward) and calls the wrapped optimizer. With the float32 all-reduce, a gradient of at least
+    8 MiB (``IN_PLACE_GRADIENT_BYTES``) is not copied: it is all-reduced in place as a bucket of
+    its own, its flag riding in the last bucket. The caller may fold the ``local_samples /
+    global_samples`` scale into the loss (:meth:`fold_gradient_scale`, as ``training_session``
+    does), which leaves such gradients untouched by the learner until the all-reduce.
 
     The exchange strategy (``exchange``; :class:`~dtrain.exchange.AllReduce`, float32, when
     None) does the transport. Each parameter's "has a gradient" flag stays exact whatever the
@@ -88,7 +93,7 @@ class DataParallelLearner(ReplicatedLearner):
             raise TypeError(f"exchange must be a dtrain.exchange.Exchange, got {type(exchange).__name__}")
         self.exchange = exchange
         self.exchange.bind(self.comm)
-        self.buckets: list[GradientBucket] = []
+        self.buckets: list[GradientBucket | InPlaceBucket] = []
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
         self._reducing = False         # state: this minibatch is a distributed one (hooks are live)
@@ -106,12 +111,28 @@ class DataParallelLearner(ReplicatedLearner):
             return
         trainable = [parameter for parameter in unique_tensors(self.parameters) if parameter.requires_grad]
         ready_order = trainable[::-1]  # backward produces the last layer's gradients first
-        self.buckets = [GradientBucket([ready_order[index] for index in indices])
-                        for indices in plan_gradient_buckets(ready_order, self.bucket_bytes)]
+        self.buckets = self._make_buckets(ready_order)
         for bucket_index, bucket in enumerate(self.buckets):
             for slot, parameter in enumerate(bucket.parameters):
                 hook = functools.partial(self._on_gradient_ready, bucket_index, slot)
                 self._hook_handles.append(parameter.register_post_accumulate_grad_hook(hook))
+
+    def _make_buckets(self, ready_order: list[torch.Tensor]) -> list[GradientBucket | InPlaceBucket]:
+        """The planned buckets; with a lossless exchange, large gradients are reduced in place and their
+        flags ride in the last (packed) bucket."""
+        if not ready_order:
+            return []
+        in_place_bytes = min(IN_PLACE_GRADIENT_BYTES, self.bucket_bytes) if self.exchange.lossless else None
+        plan = plan_gradient_buckets(ready_order, self.bucket_bytes, in_place_bytes)
+        in_place = [is_in_place(ready_order, indices, in_place_bytes) for indices in plan]
+        carrier = GradientBucket([ready_order[index] for index in plan[-1]], carried_flags=sum(in_place),
+                                 device=ready_order[0].device)
+        flags = iter(carrier.carried_flags.split(1))  # one slot of the last bucket per in-place bucket
+        buckets: list[GradientBucket | InPlaceBucket] = [
+            InPlaceBucket(ready_order[indices[0]], next(flags)) if alone
+            else GradientBucket([ready_order[index] for index in indices])
+            for indices, alone in zip(plan[:-1], in_place)]
+        return [*buckets, carrier]
 
     def finalize(self) -> None:
         """Removes the gradient hooks and stops the exchange's thread (the model can then be used alone)."""
@@ -173,6 +194,16 @@ class DataParallelLearner(ReplicatedLearner):
             bucket.reset()
         self.exchange.begin_step()
         self.exchange.loss_scaled = self.loss_scale != 1.0
+
+    def fold_gradient_scale(self) -> float:
+        """Hands this minibatch's gradient scale (``local_samples / global_samples``) to the caller, who
+        multiplies the loss by it before backward; the hooks then take gradients as they are, and
+        large ones are exchanged without a single pass over them. 1.0 when there is nothing to hand
+        over (local steps, or fp16, whose loss scale is undone after backward)."""
+        if not self._reducing or self.loss_scale != 1.0 or self._scale == 1.0:
+            return 1.0
+        scale, self._scale = self._scale, 1.0
+        return scale
 
     def _on_gradient_ready(self, bucket_index: int, slot: int, parameter: torch.Tensor) -> None:
         """Post-accumulate-grad hook: packs this gradient and launches every bucket now ready, in order."""

@@ -128,17 +128,18 @@ class MinibatchStep:
         if self.loss_scaler is not None:
             learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
         learner.begin_minibatch(local_samples, batch.global_num_samples)
+        gradient_scale = learner.fold_gradient_scale()  # saves the learner a pass over every gradient
         if local_samples > 0:
             features, labels = batch.features.to(self.device), batch.labels.to(self.device)
             pass_size = min(self.micro_batch_size or local_samples, local_samples)
             if pass_size == local_samples:  # one pass: the tensors as read
-                self._forward_backward(features, labels, local_samples, local_samples, sums)
+                self._forward_backward(features, labels, local_samples, local_samples, gradient_scale, sums)
             else:
                 for start in range(0, local_samples, pass_size):
                     stop = min(start + pass_size, local_samples)
                     with contextlib.nullcontext() if stop == local_samples else learner.no_sync():
                         self._forward_backward(features[start:stop], labels[start:stop], stop - start,
-                                               local_samples, sums)
+                                               local_samples, gradient_scale, sums)
         timer.lap("compute")
         learner.step()
         if self.loss_scaler is not None:
@@ -159,9 +160,10 @@ class MinibatchStep:
         self.loss_scaler.update(found_inf)
 
     def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, samples: int, local_samples: int,
-                          sums: PeriodSums) -> None:
+                          gradient_scale: float, sums: PeriodSums) -> None:
         """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16/fp16),
-        backward on the pass's mean loss weighted by its share, loss and metric sums into ``sums``."""
+        backward on the pass's mean loss weighted by its share and by the learner's ``gradient_scale``
+        (``Learner.fold_gradient_scale``), loss and metric sums into ``sums``."""
         if self.precision == "32":
             output = self._forward(features)
             loss = self.loss(output, labels)
@@ -169,7 +171,8 @@ class MinibatchStep:
             with autocast(self.precision, self.device):
                 output = self._forward(features)
                 loss = self.loss(output, labels)
-        weighted = loss if samples == local_samples else loss * (samples / local_samples)
+        weight = gradient_scale if samples == local_samples else samples / local_samples * gradient_scale
+        weighted = loss if weight == 1.0 else loss * weight
         if self.loss_scaler is not None:
             weighted = weighted * self.learner.loss_scale
         weighted.backward()

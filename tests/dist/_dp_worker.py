@@ -60,6 +60,7 @@ def check_equivalence(comm, run_dir: Path) -> dict:
     learner = data_parallel_distributed_learner(optimizer_of(model), comm, bucket_size_mb=0.002)
     train(model, learner, run_dir / "distributed", MINIBATCH_SCHEDULE, MAX_SAMPLES)
     num_buckets = len(getattr(learner, "buckets", []))
+    num_in_place = sum(type(bucket).__name__ == "InPlaceBucket" for bucket in getattr(learner, "buckets", []))
 
     # the reference: one process, the same global minibatches (every rank computes it for itself)
     reference = make_model("plain")
@@ -75,6 +76,7 @@ def check_equivalence(comm, run_dir: Path) -> dict:
         "size": comm.size,
         "samples_seen": learner.samples_seen,
         "num_buckets": num_buckets,
+        "num_in_place_buckets": num_in_place,
         "max_difference_to_one_process": difference_to_one_process,
         "parameters_moved_by": moved,
         "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters())),

@@ -36,6 +36,7 @@ def test_ranks_equal_one_process_with_the_same_global_minibatches(launch: CheckL
     assert equivalence["parameters_moved_by"] > 0.1, equivalence  # the comparison is not vacuous
     if launch.nprocs > 1:
         assert equivalence["num_buckets"] >= 3, equivalence  # several buckets, launched in order
+        assert equivalence["num_in_place_buckets"] >= 1, equivalence  # and gradients reduced in place
 
 
 def test_ranks_that_drifted_while_local_are_identical_after_distributed_after(launch: CheckLaunch) -> None:

@@ -6,6 +6,8 @@ without starting processes; real ranks are in tests/dist/test_data_parallel_mpi.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -118,9 +120,11 @@ def test_gradients_are_weighted_by_local_share_and_summed():
     learner.prepare(model)
     learner.comm.calls.clear()  # forget prepare's broadcasts
     features, labels = torch.randn(3, 5), torch.tensor([0, 2, 1])
+    alone = copy.deepcopy(model)
+    nn.functional.cross_entropy(alone(features), labels).backward()
+    local_grads = [p.grad for p in alone.parameters()]
     learner.begin_minibatch(3, 7)  # this rank has 3 of 7 samples; the fake peer sends zeros
     nn.functional.cross_entropy(model(features), labels).backward()
-    local_grads = [p.grad.clone() for p in model.parameters()]
     reductions_during_backward = len(learner.comm.calls)
     learner.step()
     assert reductions_during_backward == len(learner.buckets)  # every bucket launched by the hooks
@@ -132,9 +136,13 @@ def test_gradients_are_weighted_by_local_share_and_summed():
 def test_a_rank_without_samples_still_reduces_every_bucket_in_order():
     model = make_model()
     peer_grad = 0.5
-    comm = _RecordingComm(peer=lambda t: torch.cat([torch.full((t.numel() - 1,), peer_grad), torch.ones(1)]))
+    comm = _RecordingComm()
     learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.0), comm, bucket_size_mb=1e-20)
     learner.prepare(model)
+    # every parameter is a bucket of its own, reduced in place; the last bucket carries only their flags
+    carrier = learner.buckets[-1]
+    assert not carrier.parameters and len(learner.buckets) == len(list(model.parameters())) + 1
+    comm.peer = lambda t: torch.ones_like(t) if t.data_ptr() == carrier.buffer.data_ptr() else torch.full_like(t, peer_grad)
     comm.calls.clear()
     learner.begin_minibatch(0, 5)  # no backward on this rank
     learner.step()
