@@ -55,10 +55,14 @@ class DataParallelLearner(ReplicatedLearner):
     full-precision warm start with ``distributed_after="auto"``.
 
     Start and warm start: ``prepare`` broadcasts rank 0's parameters and buffers. While
-    ``samples_seen < distributed_after`` each rank steps on its own gradient with no
-    communication (every rank reads the full stream then); at the first distributed minibatch,
-    and at any ``synchronize()`` in between, rank 0's parameters, buffers and optimizer state are
-    broadcast so all ranks continue from one model.
+    ``samples_seen < distributed_after``, with the float32 all-reduce, each rank steps on its own
+    gradient with no communication (every rank reads the full stream then: CNTK's warm start); at
+    the first distributed minibatch, and at any ``synchronize()`` in between, rank 0's parameters,
+    buffers and optimizer state are broadcast so all ranks continue from one model. With a
+    compressing strategy (k-bit, bf16/fp16, PowerSGD) the warm start instead all-reduces float32
+    gradients (each rank reads its partition): the same exact update of the global minibatch that
+    a single worker on the full stream makes, for 1/N of the compute per rank; the strategy
+    takes over at ``distributed_after``.
 
     Buffers (e.g. BatchNorm running statistics): each rank updates them from its own share during
     training; ``synchronize()`` (called by the session before cross-validation, checkpoints and
@@ -93,6 +97,11 @@ class DataParallelLearner(ReplicatedLearner):
             raise TypeError(f"exchange must be a dtrain.exchange.Exchange, got {type(exchange).__name__}")
         self.exchange = exchange
         self.exchange.bind(self.comm)
+        # a compressing strategy's warm start: float32 all-reduce steps until ``distributed_after``
+        self.warm_start_exchange = None if exchange.lossless else AllReduce()
+        if self.warm_start_exchange is not None:
+            self.warm_start_exchange.bind(self.comm)
+        self._active = self.exchange     # state: the strategy of this minibatch (the warm start's, or the strategy)
         self.buckets: list[GradientBucket | InPlaceBucket] = []
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
@@ -141,6 +150,8 @@ class DataParallelLearner(ReplicatedLearner):
         self._hook_handles = []
         self._reducing = False
         self.exchange.close()
+        if self.warm_start_exchange is not None:
+            self.warm_start_exchange.close()
 
     def plan(self, facts: RunFacts) -> None:
         """The base's plan, then the exchange's (a strategy may derive ``"auto"`` settings from the run)."""
@@ -152,9 +163,25 @@ class DataParallelLearner(ReplicatedLearner):
         one (k-bit quantization), else none; 0 with one process."""
         return auto_warm_start(facts) if self.exchange.needs_warm_start and self.comm.size > 1 else 0
 
+    def is_distributed(self) -> bool:
+        """Whether gradients are exchanged this minibatch: past ``distributed_after``, or throughout with a
+        compressing strategy (its warm start exchanges float32 gradients)."""
+        if self.warm_start_exchange is not None:
+            return self.comm.size > 1
+        return super().is_distributed()
+
+    def in_full_precision_warm_start(self) -> bool:
+        """Whether this minibatch is a compressing strategy's float32 warm start (before ``distributed_after``)."""
+        return self.warm_start_exchange is not None and self.samples_seen < self.distributed_after
+
     def describe(self) -> str:
-        """The base line plus the exchange strategy when it is not the float32 all-reduce."""
-        line = super().describe()
+        """The learner, its warm start, and the exchange strategy when it is not the float32 all-reduce."""
+        if self.warm_start_exchange is None or self.comm.size == 1 or not self.distributed_after:
+            line = super().describe()
+        else:
+            auto = " (auto)" if self.distributed_after_is_auto else ""
+            line = (f"learner {self.kind}, float32 all-reduce for the first {self.distributed_after:,} samples{auto} "
+                    f"(warm start)")
         if self.comm.size > 1 and not isinstance(self.exchange, AllReduce):
             line += f", gradients exchanged by {self.exchange.describe()}"
         return line
@@ -163,17 +190,20 @@ class DataParallelLearner(ReplicatedLearner):
     @property
     def bytes_sent_last_step(self) -> int:
         """Bytes this rank sent in the last distributed step's gradient exchange (0 before any)."""
-        return int(self.exchange.bytes_sent_last_step)
+        return int(self._active.bytes_sent_last_step)
 
     @property
     def compression_ratio(self) -> float:
         """A float32 all-reduce's bytes over the bytes actually sent, last step (nan before any)."""
-        return self.exchange.compression_ratio
+        return self._active.compression_ratio
 
     def progress_note(self) -> str:
-        """For a compressing strategy: bytes this rank sent in the last exchange and the saving against float32."""
+        """For a compressing strategy: bytes this rank sent in the last exchange and the saving against float32
+        (or that the float32 warm start is on)."""
         if not self.bytes_sent_last_step or self.exchange.lossless:
             return ""
+        if self._active is not self.exchange:
+            return f"float32 warm start until {self.distributed_after:,} samples"
         return (f"{self.exchange.describe()}: {self.bytes_sent_last_step / 1e3:,.0f} kB sent/step "
                 f"({self.compression_ratio:.1f}x less than 32-bit)")
 
@@ -192,8 +222,9 @@ class DataParallelLearner(ReplicatedLearner):
         self._next_bucket = 0
         for bucket in self.buckets:
             bucket.reset()
-        self.exchange.begin_step()
-        self.exchange.loss_scaled = self.loss_scale != 1.0
+        self._active = self.warm_start_exchange if self.in_full_precision_warm_start() else self.exchange
+        self._active.begin_step()
+        self._active.loss_scaled = self.loss_scale != 1.0
 
     def fold_gradient_scale(self) -> float:
         """Hands this minibatch's gradient scale (``local_samples / global_samples``) to the caller, who
@@ -217,10 +248,10 @@ class DataParallelLearner(ReplicatedLearner):
         # strictly in index order: a full bucket waits for earlier ones, so ranks never disagree
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].missing == 0:
             bucket = self.buckets[self._next_bucket]
-            if self.exchange.lossless:  # the flags ride along: one collective per bucket
-                bucket.handle = self.exchange.start(self._next_bucket, bucket.buffer, bucket.shapes_with_flags)
+            if self._active.lossless:  # the flags ride along: one collective per bucket
+                bucket.handle = self._active.start(self._next_bucket, bucket.buffer, bucket.shapes_with_flags)
             else:
-                bucket.handle = self.exchange.start(self._next_bucket, bucket.payload, bucket.shapes)
+                bucket.handle = self._active.start(self._next_bucket, bucket.payload, bucket.shapes)
             self._next_bucket += 1
 
     def distributed_update(self) -> None:
@@ -239,7 +270,7 @@ class DataParallelLearner(ReplicatedLearner):
         self._launch_ready_buckets()
         for bucket in self.buckets:
             bucket.handle.wait()
-        if not self.exchange.lossless and self.buckets:  # every exchange is done: the flags, exactly
+        if not self._active.lossless and self.buckets:  # every exchange is done: the flags, exactly
             flags = self.comm.allreduce(torch.cat([bucket.flags for bucket in self.buckets]), op="sum")
             for bucket, summed in zip(self.buckets, flags.split([len(bucket.flags) for bucket in self.buckets])):
                 bucket.flags.copy_(summed)
@@ -300,16 +331,15 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     two-phase k-bit exchange on a background thread while backward goes on. All ranks decode the
     same bytes, so their parameters stay bit-identical.
 
-    Warm start: while ``samples_seen < distributed_after`` every rank steps on its own gradient
-    without communication (CNTK reads the full stream on every rank then). At the first
-    distributed minibatch (and at a ``synchronize()`` in between) rank 0's parameters, buffers
-    and optimizer state are broadcast, so training continues from one model. The residuals start
-    at zero when distributed steps begin.
+    Warm start: while ``samples_seen < distributed_after`` the gradients are all-reduced in
+    float32 (each rank reading its partition): the exact update of the global minibatch, which
+    CNTK's warm start computes on every rank from the full stream, at 1/N of the compute per
+    rank. The residuals start at zero when the k-bit exchange begins.
 
     Args:
         optimizer: the torch optimizer of the model's parameters.
         comm: the job's communicator; with one rank this is the local learner.
-        distributed_after: global samples of local-only training before quantized exchange begins;
+        distributed_after: global samples of float32 all-reduce steps before the k-bit exchange begins;
             ``"auto"`` (the default) = :func:`auto_warm_start` of the run's facts (set by ``plan``).
         num_quantization_bits: bits per gradient value on the wire, 1 to 32 (32 is lossless and
             only useful for comparison: ``data_parallel_distributed_learner`` uses a plain

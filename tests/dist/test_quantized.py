@@ -38,7 +38,7 @@ def test_learner_keeps_ranks_identical_and_sends_fewer_bytes_with_fewer_bits(lau
     assert per_bits[1]["ratio"] > 10, per_bits
 
 
-def test_ranks_drift_while_local_and_are_identical_after_the_switch(launch: CheckLaunch) -> None:
+def test_the_warm_start_all_reduces_float32_and_the_ranks_stay_identical_through_the_switch(launch: CheckLaunch) -> None:
     launch.results("warm_start")
 
 

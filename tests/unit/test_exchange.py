@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from dtrain.compress import (
     stripe_bounds,
 )
 from dtrain.compress.exchange import decode_message, encode_message
-from dtrain.learners import QuantizedDataParallelLearner
+from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner
 
 from tests.helpers.quantized_reference import ReferenceExchange
 from tests.helpers.thread_world import FakeWorld
@@ -269,15 +271,33 @@ def test_learner_keeps_ranks_identical_and_reports_bytes():
     assert learner.state_dict()["num_quantization_bits"] == 1
 
 
-def test_learner_warm_start_steps_locally_then_broadcasts_rank_zero():
-    def work(comm):
-        snapshots, learner, _ = train_steps(comm, bits=2, steps=5, distributed_after=32)
-        return snapshots, learner.optimizer.state_dict()["state"]
+def test_learner_warm_start_all_reduces_float32_then_quantizes():
+    def work(comm):  # the 2-bit learner (warm start: 32 samples) and the float32 one, side by side
+        model = make_model(seed=comm.rank)  # different on purpose: prepare must broadcast rank 0's
+        reference = copy.deepcopy(model)
+        learners = [QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+                                                 distributed_after=32, num_quantization_bits=2),
+                    DataParallelLearner(torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), comm)]
+        for learner, net in zip(learners, (model, reference)):
+            learner.prepare(net)
+        generator, local_sizes, snapshots = torch.Generator().manual_seed(comm.rank), (8, 5), []
+        for _ in range(5):  # 13 samples a step: steps 1-3 are the warm start
+            features = torch.randn(local_sizes[comm.rank], 20, generator=generator)
+            labels = torch.randint(0, 3, (local_sizes[comm.rank],), generator=generator)
+            for learner, net in zip(learners, (model, reference)):
+                learner.begin_minibatch(local_sizes[comm.rank], sum(local_sizes))
+                torch.nn.functional.cross_entropy(net(features), labels).backward()
+                learner.step()
+            snapshots.append([torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+                              for net in (model, reference)])
+        return snapshots, learners[0].optimizer.state_dict()["state"]
 
-    per_rank = FakeWorld(2).run(work)  # 13 samples a step: steps 1-3 local, then distributed
-    (first, state0), (second, state1) = per_rank
-    assert not torch.equal(first[2], second[2])  # local steps on different data drift apart
-    assert torch.equal(first[3], second[3]) and torch.equal(first[4], second[4])
+    (first, state0), (second, state1) = FakeWorld(2).run(work)
+    for step in range(5):
+        assert torch.equal(first[step][0], second[step][0])  # one model on both ranks throughout
+    for step in range(3):
+        assert torch.equal(first[step][0], first[step][1])  # the warm start is the float32 update, exactly
+    assert not torch.equal(first[3][0], first[3][1])  # then the 2-bit exchange takes over
     for key in state0:
         assert torch.equal(state0[key]["momentum_buffer"], state1[key]["momentum_buffer"])
 
