@@ -30,9 +30,11 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     one T(P*4) per block). A learner that cannot be imported is skipped with a note. For the
     quantized learner the table is followed by its exchange's compute and transport time (last
     step) and the ratio of its epoch time to data_parallel's. ``quantized`` has the learner's
-    default warm start (``distributed_after="auto"``: the first quarter of the samples trained
-    locally, each rank computing the whole global minibatch); ``--learners ...,quantized_no_warm_start``
-    adds the 1-bit learner with ``distributed_after=0``, every minibatch through the exchange.
+    default warm start (``distributed_after="auto"``: float32 all-reduce for the first quarter of
+    the samples, then 1-bit); ``--learners ...,quantized_no_warm_start`` adds the 1-bit learner
+    with ``distributed_after=0``, every minibatch through the 1-bit exchange: the cost of an
+    epoch after the warm start (where a long run spends nearly all its time: the warm start is
+    capped at 5 sweeps).
 """
 from __future__ import annotations
 
@@ -216,7 +218,9 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
     exchange = getattr(learner, "exchange", None)  # the quantized learner's: compute vs wire of its last step
     split = {"exchange_compute_s": getattr(exchange, "compute_seconds_last_step", None),
              "exchange_transport_s": getattr(exchange, "transport_seconds_last_step", None)}
+    warm = getattr(learner, "distributed_after", 0) if getattr(learner, "warm_start_exchange", None) else 0
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,
+            "warm_start_minibatches": -(-warm // GLOBAL_MINIBATCH),
             "bytes_sent_per_step": getattr(learner, "bytes_sent_last_step", None),
             **{key: max(comm.allgather_object(value)) for key, value in split.items() if value is not None}}
 
@@ -312,8 +316,11 @@ def epoch_model_seconds(row: dict, step: dict, bits_per_s: float, alpha: float, 
     if row["learner"] == "data_parallel":
         communication = row["minibatches"] * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
     elif row["learner"].startswith("quantized") and row.get("bytes_sent_per_step"):
-        # two phases (reduce-scatter, then all-gather of packed bits): 2(N-1) messages per step
-        communication = row["minibatches"] * (transfer_seconds(row["bytes_sent_per_step"], bits_per_s) + 2 * alpha)
+        # the float32 warm start's all-reduces, then two phases per step (reduce-scatter, then
+        # all-gather of packed bits): 2(N-1) messages
+        warm = min(row.get("warm_start_minibatches", 0), row["minibatches"])
+        communication = (warm * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha) + (row["minibatches"] - warm)
+                         * (transfer_seconds(row["bytes_sent_per_step"], bits_per_s) + 2 * alpha))
     elif row["learner"] == "block_momentum":
         communication = samples // block_size * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
     else:

@@ -56,8 +56,9 @@ def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
 
 def check_equivalence(comm, run_dir: Path) -> dict:
     model = make_model("plain")
-    # a tiny bucket size, so the model spans several buckets and the in-order launch is exercised
-    learner = data_parallel_distributed_learner(optimizer_of(model), comm, bucket_size_mb=0.002)
+    # a tiny bucket size (1,572 bytes), so the model spans several buckets, the in-order launch is
+    # exercised, and the 2,048-byte weight is reduced in place (a gradient of at least the bucket limit)
+    learner = data_parallel_distributed_learner(optimizer_of(model), comm, bucket_size_mb=0.0015)
     train(model, learner, run_dir / "distributed", MINIBATCH_SCHEDULE, MAX_SAMPLES)
     num_buckets = len(getattr(learner, "buckets", []))
     num_in_place = sum(type(bucket).__name__ == "InPlaceBucket" for bucket in getattr(learner, "buckets", []))
