@@ -225,16 +225,23 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
             **{key: max(comm.allgather_object(value)) for key, value in split.items() if value is not None}}
 
 
-def worker_epoch(comm, samples: int, block_size: int, learners: list[str]) -> None:
-    """Each learner's epoch right after a local (no communication) epoch, so both see the same machine load."""
-    for kind in learners:
-        try:
-            baseline = _train_epoch(comm, "local", samples, block_size)
-            measured = _train_epoch(comm, kind, samples, block_size)
-        except (ImportError, AttributeError) as error:  # a learner still being written
-            _emit(comm, "epoch", learner=kind, skipped=f"{type(error).__name__}: {error}")
-            continue
-        _emit(comm, "epoch", learner=kind, local_seconds=baseline["seconds"], **measured)
+def worker_epoch(comm, samples: int, block_size: int, learners: list[str], rounds: int = 1) -> None:
+    """Each learner's epoch right after a local (no communication) epoch, so both see the same machine load;
+    ``rounds`` times, the learners' order rotating every round (the driver takes medians)."""
+    skipped: set[str] = set()
+    for round_index in range(rounds):
+        shift = round_index % len(learners)
+        for kind in learners[shift:] + learners[:shift]:
+            if kind in skipped:
+                continue
+            try:
+                baseline = _train_epoch(comm, "local", samples, block_size)
+                measured = _train_epoch(comm, kind, samples, block_size)
+            except (ImportError, AttributeError) as error:  # a learner still being written
+                skipped.add(kind)
+                _emit(comm, "epoch", learner=kind, skipped=f"{type(error).__name__}: {error}")
+                continue
+            _emit(comm, "epoch", learner=kind, round=round_index, local_seconds=baseline["seconds"], **measured)
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -250,7 +257,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if "step" in parts:
         worker_step(comm, args.steps)
     if "epoch" in parts:
-        worker_epoch(comm, args.samples, args.block_size, args.learners.split(","))
+        worker_epoch(comm, args.samples, args.block_size, args.learners.split(","), args.epoch_rounds)
     comm.finalize()
 
 
@@ -262,7 +269,7 @@ def run_on_cluster(rate: str, args: argparse.Namespace) -> list[dict]:
 
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--parts", args.parts, "--sizes", args.sizes,
               "--repeats", str(args.repeats), "--steps", str(args.steps), "--samples", str(args.samples),
-              "--block-size", str(args.block_size), "--learners", args.learners]
+              "--block-size", str(args.block_size), "--learners", args.learners, "--epoch-rounds", str(args.epoch_rounds)]
     env = {"PYTHONPATH": str(REPO)}
     with NamespaceCluster(num_hosts=2, rate=rate) as cluster:
         result = cluster.run(cluster.mpiexec_args(npernode=1, export=list(env)) + worker, timeout=args.timeout, env=env)
@@ -328,16 +335,33 @@ def epoch_model_seconds(row: dict, step: dict, bits_per_s: float, alpha: float, 
     return row["local_seconds"] + communication
 
 
+def _median_rows(rows: list[dict]) -> list[dict]:
+    """One row per learner, in first-seen order: the median of each timing over its rounds, plus ``rounds``."""
+    by_learner: dict[str, list[dict]] = {}
+    for row in rows:
+        by_learner.setdefault(row["learner"], []).append(row)
+    merged = []
+    for learner, runs in by_learner.items():
+        row = dict(runs[-1])
+        if "skipped" not in row:
+            for key in ("seconds", "local_seconds", "exchange_compute_s", "exchange_transport_s"):
+                if key in row:
+                    row[key] = statistics.median(run[key] for run in runs)
+            row["rounds"] = [run["seconds"] for run in runs]
+        merged.append(row)
+    return merged
+
+
 def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, results: list[dict],
                 args: argparse.Namespace) -> None:
-    """Table (c)."""
-    rows = [r for r in results if r["part"] == "epoch"]
+    """Table (c): one row per learner, the medians over ``--epoch-rounds`` (every round's seconds listed)."""
+    rows = _median_rows([r for r in results if r["part"] == "epoch"])
     if not rows:
         return
     print(f"\n(c) time per {args.samples:,} samples (training_session.train(), no start-up), 2 hosts at {rate}; "
           f"'local' = the same work with no communication, run just before")
     print(f"{'learner':<16} {'minibatches':>11} {'local s':>8} {'seconds':>8} {'samples/s':>9} {'model s':>8} "
-          f"{'meas/model':>10} {'sent/step':>10}")
+          f"{'meas/model':>10} {'sent/step':>10}" + ("  every round (s)" if args.epoch_rounds > 1 else ""))
     for row in rows:
         if "skipped" in row:
             print(f"{row['learner']:<16} skipped: {row['skipped']}")
@@ -347,8 +371,9 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
                 "block_momentum": f"block_mom {args.block_size}"}.get(row["learner"], row["learner"])
         sent = f"{row['bytes_sent_per_step'] / 1e3:8.1f}kB" if row.get("bytes_sent_per_step") else f"{'':>10}"
         model_text = f"{model:8.2f} {row['seconds'] / model:>10.2f}" if model else f"{'':>8} {'':>10}"
+        rounds = "  " + "/".join(f"{seconds:.2f}" for seconds in row["rounds"]) if len(row["rounds"]) > 1 else ""
         print(f"{name:<16} {row['minibatches']:>11} {row['local_seconds']:8.2f} {row['seconds']:8.2f} "
-              f"{args.samples / row['seconds']:9.0f} {model_text} {sent}")
+              f"{args.samples / row['seconds']:9.0f} {model_text} {sent}{rounds}")
     for row in rows:
         if "exchange_compute_s" in row:
             print(f"{row['learner']} exchange, last step (slowest rank): compute {1e3 * row['exchange_compute_s']:.1f} "
@@ -358,7 +383,10 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
     for kind in ("quantized", "quantized_no_warm_start"):
         if kind in by_learner and "data_parallel" in by_learner:
             ratio = by_learner[kind]["seconds"] / by_learner["data_parallel"]["seconds"]
-            print(f"{kind} / data_parallel epoch time at {rate}: {ratio:.2f}")
+            pairs = list(zip(by_learner[kind]["rounds"], by_learner["data_parallel"]["rounds"]))
+            paired = (f" (median of the {len(pairs)} rounds' ratios: "
+                      f"{statistics.median(ours / theirs for ours, theirs in pairs):.2f})" if len(pairs) > 1 else "")
+            print(f"{kind} / data_parallel epoch time at {rate}: {ratio:.2f}{paired}")
 
 
 def driver_main(args: argparse.Namespace) -> None:
@@ -392,6 +420,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=6400, help="block momentum's block size in samples")
     parser.add_argument("--learners", default="data_parallel,quantized,block_momentum",
                         help="comma-separated learners timed in (c), default data_parallel,quantized,block_momentum")
+    parser.add_argument("--epoch-rounds", type=int, default=1,
+                        help="rounds of (c), the learners' order rotating; the table gives medians (default 1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
