@@ -176,12 +176,11 @@ class DataParallelLearner(ReplicatedLearner):
 
     def describe(self) -> str:
         """The learner, its warm start, and the exchange strategy when it is not the float32 all-reduce."""
-        if self.warm_start_exchange is None or self.comm.size == 1 or not self.distributed_after:
-            line = super().describe()
-        else:
+        if self.warm_start_exchange is not None and self.comm.size > 1 and self.distributed_after:
             auto = " (auto)" if self.distributed_after_is_auto else ""
-            line = (f"learner {self.kind}, float32 all-reduce for the first {self.distributed_after:,} samples{auto} "
-                    f"(warm start)")
+            return (f"learner {self.kind}, warm start of {self.distributed_after:,} samples{auto} with float32 "
+                    f"all-reduce, then gradients exchanged by {self.exchange.describe()}")
+        line = super().describe()
         if self.comm.size > 1 and not isinstance(self.exchange, AllReduce):
             line += f", gradients exchanged by {self.exchange.describe()}"
         return line

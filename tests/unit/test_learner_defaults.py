@@ -55,7 +55,8 @@ def test_quantized_and_block_momentum_plan_their_warm_start_data_parallel_needs_
     assert isinstance(quantized, QuantizedDataParallelLearner) and quantized.distributed_after == 0
     quantized.plan(DIGITS)
     assert quantized.distributed_after == 7520
-    assert "first 7,520 samples (auto)" in quantized.describe()
+    assert "warm start of 7,520 samples (auto) with float32 all-reduce, then gradients exchanged by 1-bit" \
+        in quantized.describe(), quantized.describe()
     full = data_parallel_distributed_learner(sgd(), _Comm(2))
     full.plan(DIGITS)
     assert full.distributed_after == 0
