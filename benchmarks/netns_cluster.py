@@ -34,7 +34,8 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     the samples, then 1-bit); ``--learners ...,quantized_no_warm_start`` adds the 1-bit learner
     with ``distributed_after=0``, every minibatch through the 1-bit exchange: the cost of an
     epoch after the warm start (where a long run spends nearly all its time: the warm start is
-    capped at 5 sweeps).
+    capped at 5 sweeps); ``quantized_local_warm_start`` the learner with ``warm_start="local"``
+    (CNTK's: every rank trains the full stream alone during the warm start).
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def worker_step(comm, steps: int) -> None:
 
 def _make_learner(kind: str, optimizer, comm, block_size: int):
     """The learner of ``kind`` (``local``, ``data_parallel``, ``quantized``, ``quantized_no_warm_start``,
-    ``block_momentum``)."""
+    ``quantized_local_warm_start``, ``block_momentum``)."""
     if kind == "local":
         from dtrain.learners import LocalLearner
 
@@ -183,6 +184,10 @@ def _make_learner(kind: str, optimizer, comm, block_size: int):
         from dtrain.learners import data_parallel_distributed_learner
 
         return data_parallel_distributed_learner(optimizer, comm, num_quantization_bits=1, distributed_after=0)
+    if kind == "quantized_local_warm_start":  # CNTK's warm start: every rank on the full stream, no communication
+        from dtrain.learners import data_parallel_distributed_learner
+
+        return data_parallel_distributed_learner(optimizer, comm, num_quantization_bits=1, warm_start="local")
     if kind in ("data_parallel", "quantized"):
         from dtrain.learners import data_parallel_distributed_learner
 
@@ -218,9 +223,10 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
     exchange = getattr(learner, "exchange", None)  # the quantized learner's: compute vs wire of its last step
     split = {"exchange_compute_s": getattr(exchange, "compute_seconds_last_step", None),
              "exchange_transport_s": getattr(exchange, "transport_seconds_last_step", None)}
-    warm = getattr(learner, "distributed_after", 0) if getattr(learner, "warm_start_exchange", None) else 0
+    warm = -(-getattr(learner, "distributed_after", 0) // GLOBAL_MINIBATCH)
+    float32_warm = getattr(learner, "warm_start_exchange", None) is not None
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,
-            "warm_start_minibatches": -(-warm // GLOBAL_MINIBATCH),
+            "warm_start_minibatches": warm if float32_warm else 0, "local_warm_start_minibatches": 0 if float32_warm else warm,
             "bytes_sent_per_step": getattr(learner, "bytes_sent_last_step", None),
             **{key: max(comm.allgather_object(value)) for key, value in split.items() if value is not None}}
 
@@ -326,7 +332,10 @@ def epoch_model_seconds(row: dict, step: dict, bits_per_s: float, alpha: float, 
         # the float32 warm start's all-reduces, then two phases per step (reduce-scatter, then
         # all-gather of packed bits): 2(N-1) messages
         warm = min(row.get("warm_start_minibatches", 0), row["minibatches"])
-        communication = (warm * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha) + (row["minibatches"] - warm)
+        local = min(row.get("local_warm_start_minibatches", 0), row["minibatches"])  # each rank computes 2 shares
+        communication = (warm * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
+                         + local * row["local_seconds"] / row["minibatches"]
+                         + (row["minibatches"] - warm - local)
                          * (transfer_seconds(row["bytes_sent_per_step"], bits_per_s) + 2 * alpha))
     elif row["learner"] == "block_momentum":
         communication = samples // block_size * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
@@ -368,6 +377,7 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
             continue
         model = epoch_model_seconds(row, step, bits_per_s, alpha, args.block_size, args.samples) if step else None
         name = {"quantized": "quantized 1-bit", "quantized_no_warm_start": "1-bit, no warm",
+                "quantized_local_warm_start": "1-bit, local warm",
                 "block_momentum": f"block_mom {args.block_size}"}.get(row["learner"], row["learner"])
         sent = f"{row['bytes_sent_per_step'] / 1e3:8.1f}kB" if row.get("bytes_sent_per_step") else f"{'':>10}"
         model_text = f"{model:8.2f} {row['seconds'] / model:>10.2f}" if model else f"{'':>8} {'':>10}"
@@ -380,7 +390,7 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
                   f"ms (quantize, pack, unpack, dequantize), transport {1e3 * row['exchange_transport_s']:.1f} ms "
                   f"(the two collectives, waiting for the peer included)")
     by_learner = {row["learner"]: row for row in rows if "skipped" not in row}
-    for kind in ("quantized", "quantized_no_warm_start"):
+    for kind in ("quantized", "quantized_local_warm_start", "quantized_no_warm_start"):
         if kind in by_learner and "data_parallel" in by_learner:
             ratio = by_learner[kind]["seconds"] / by_learner["data_parallel"]["seconds"]
             pairs = list(zip(by_learner[kind]["rounds"], by_learner["data_parallel"]["rounds"]))

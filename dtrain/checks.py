@@ -20,6 +20,10 @@ __all__ = [
 #: the training precisions a session accepts (``session.precision``)
 PRECISIONS = ("32", "bf16", "fp16")
 
+#: how a compressing exchange's warm start trains (``learner.warm_start``): float32 all-reduce steps
+#: on each rank's share, or CNTK's local steps on the full stream on every rank
+WARM_STARTS = ("allreduce", "local")
+
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"{name}={value!r}: expected {expected}")
@@ -114,6 +118,13 @@ def _range_words(kind: str, low: int | None, high: int | None, unit: str) -> str
     if high is not None:
         return f"{kind}{unit_words} of at most {high}"
     return kind + unit_words
+
+
+def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (strings, compared exactly)."""
+    if not isinstance(value, str) or value not in choices:
+        raise _fail(name, value, "one of " + ", ".join(choices))
+    return value
 
 
 def precision(name: str, value: Any) -> str:

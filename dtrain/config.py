@@ -51,6 +51,7 @@ class DataParallelLearnerConfig:
     bucket_size_mb: float = 25.0
     error_feedback: bool = True         # quantized only; false drops the quantization error (ablation)
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
+    warm_start: str = "allreduce"       # a compressing exchange's warm start: allreduce (float32) or local (CNTK's)
 
 
 @dataclass
@@ -487,6 +488,7 @@ def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
         ("num_quantization_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
         ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
         ("error_feedback", checks.boolean, {}),
+        ("warm_start", checks.choice, {"choices": checks.WARM_STARTS}),
     ) + _exchange_choice_problems(node, name)
 
 

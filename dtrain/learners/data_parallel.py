@@ -60,9 +60,11 @@ class DataParallelLearner(ReplicatedLearner):
     the first distributed minibatch, and at any ``synchronize()`` in between, rank 0's parameters,
     buffers and optimizer state are broadcast so all ranks continue from one model. With a
     compressing strategy (k-bit, bf16/fp16, PowerSGD) the warm start instead all-reduces float32
-    gradients (each rank reads its partition): the same exact update of the global minibatch that
-    a single worker on the full stream makes, for 1/N of the compute per rank; the strategy
-    takes over at ``distributed_after``.
+    gradients (each rank reads its partition; ``warm_start="allreduce"``, the default): the same
+    exact update of the global minibatch that a single worker on the full stream makes, for 1/N
+    of the compute per rank; the strategy takes over at ``distributed_after``.
+    ``warm_start="local"`` keeps CNTK's local warm start, faster where one float32 all-reduce
+    costs more than N - 1 ranks' share of the compute (e.g. a 100 Mbit/s link).
 
     Buffers (e.g. BatchNorm running statistics): each rank updates them from its own share during
     training; ``synchronize()`` (called by the session before cross-validation, checkpoints and
@@ -76,11 +78,14 @@ class DataParallelLearner(ReplicatedLearner):
         distributed_after: global samples of local-only training before synchronous steps begin.
         bucket_size_mb: bucket size limit in MiB (> 0); a parameter larger than it gets its own bucket.
         exchange: how buckets are summed over ranks (:mod:`dtrain.exchange`); None: float32 all-reduce.
+        warm_start: with a compressing exchange, how the steps before ``distributed_after`` train:
+            ``"allreduce"`` (float32 gradients, each rank on its share) or ``"local"`` (CNTK's).
         overlap_backward: start each bucket's exchange during backward (the default); ``False``
             starts them all after backward, only to measure what the overlap saves.
 
     Raises:
-        ValueError: ``bucket_size_mb`` is not a positive number, or ``distributed_after`` < 0.
+        ValueError: ``bucket_size_mb`` is not a positive number, ``distributed_after`` < 0, or
+            ``warm_start`` is not one of ``checks.WARM_STARTS``.
         TypeError: ``exchange`` is not a :class:`dtrain.exchange.Exchange`.
         RuntimeError: a parameter gets two gradients in one minibatch (more than one backward).
     """
@@ -88,8 +93,10 @@ class DataParallelLearner(ReplicatedLearner):
     kind = "data_parallel"
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = 0,
-                 bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True):
+                 bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
+                 warm_start: str = "allreduce"):
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
+        self.warm_start = checks.choice("warm_start", warm_start, checks.WARM_STARTS)
         self.overlap_backward = checks.boolean("overlap_backward", overlap_backward)
         if exchange is None:
             exchange = AllReduce()
@@ -98,7 +105,7 @@ class DataParallelLearner(ReplicatedLearner):
         self.exchange = exchange
         self.exchange.bind(self.comm)
         # a compressing strategy's warm start: float32 all-reduce steps until ``distributed_after``
-        self.warm_start_exchange = None if exchange.lossless else AllReduce()
+        self.warm_start_exchange = None if exchange.lossless or self.warm_start == "local" else AllReduce()
         if self.warm_start_exchange is not None:
             self.warm_start_exchange.bind(self.comm)
         self._active = self.exchange     # state: the strategy of this minibatch (the warm start's, or the strategy)
@@ -333,7 +340,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     Warm start: while ``samples_seen < distributed_after`` the gradients are all-reduced in
     float32 (each rank reading its partition): the exact update of the global minibatch, which
     CNTK's warm start computes on every rank from the full stream, at 1/N of the compute per
-    rank. The residuals start at zero when the k-bit exchange begins.
+    rank; ``warm_start="local"`` trains CNTK's way (see :class:`DataParallelLearner`). The
+    residuals start at zero when the k-bit exchange begins.
 
     Args:
         optimizer: the torch optimizer of the model's parameters.
@@ -345,6 +353,7 @@ class QuantizedDataParallelLearner(DataParallelLearner):
             all-reduce for 32).
         error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
         bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
+        warm_start: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
 
     Raises:
         ValueError: ``num_quantization_bits`` outside 1..32 or a negative ``distributed_after``.
@@ -354,10 +363,11 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     kind = "quantized"
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
-                 num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0):
+                 num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0,
+                 warm_start: str = "allreduce"):
         self.num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb,
-                         exchange=Quantized(self.num_quantization_bits, error_feedback))
+                         exchange=Quantized(self.num_quantization_bits, error_feedback), warm_start=warm_start)
 
     def checkpoint_identity(self) -> dict:
         """The kind and the bits per value: a checkpoint restores only into the same quantization."""
@@ -370,7 +380,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
 
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
                                       num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
-                                      error_feedback: bool = True, exchange: Exchange | None = None) -> Learner:
+                                      error_feedback: bool = True, exchange: Exchange | None = None,
+                                      warm_start: str = "allreduce") -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
@@ -388,6 +399,10 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
             (``False`` is an ablation); must stay True with 32 bits, where nothing is quantized.
         exchange: the exchange strategy (:mod:`dtrain.exchange`, ``learner/exchange=...`` in a
             config); None: float32 all-reduce, or k-bit with ``num_quantization_bits`` below 32.
+        warm_start: with a compressing exchange, how the steps before ``distributed_after`` train:
+            ``"allreduce"`` (float32 all-reduce on each rank's share, the default) or ``"local"``
+            (CNTK's: every rank on the full stream, no communication); the float32 all-reduce's
+            own warm start is always local (all-reducing it would be no warm start at all).
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
@@ -403,6 +418,7 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     if distributed_after != AUTO:
         distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
     error_feedback = checks.boolean("error_feedback", error_feedback)
+    warm_start = checks.choice("warm_start", warm_start, checks.WARM_STARTS)
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
                          "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")
@@ -413,9 +429,10 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     if num_quantization_bits < 32:
         return QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
                                             num_quantization_bits=int(num_quantization_bits),
-                                            error_feedback=error_feedback, bucket_size_mb=bucket_size_mb)
+                                            error_feedback=error_feedback, bucket_size_mb=bucket_size_mb,
+                                            warm_start=warm_start)
     return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb,
-                               exchange=exchange)
+                               exchange=exchange, warm_start=warm_start)
 
 
 __all__ = ["DataParallelLearner", "QuantizedDataParallelLearner", "data_parallel_distributed_learner"]

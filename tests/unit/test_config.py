@@ -1,30 +1,20 @@
 """The shipped config tree: every recipe composes and instantiates with every learner; typos fail early."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
+from tests.helpers.config import CONF, compose_config
 from tests.helpers.cifar_files import write_cifar10_binary
 from tests.helpers.image_files import write_image_map_files
-from dtrain.cli import config_dir
 from dtrain.comm import LocalCommunicator
-from dtrain.config import register_schemas, validate
+from dtrain.config import validate
 
-CONF = Path(config_dir())
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 LEARNERS = sorted(p.stem for p in (CONF / "learner").glob("*.yaml"))
-
-
-def compose_config(*overrides: str):
-    register_schemas()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def test_the_tree_ships_the_documented_recipes_and_learners():

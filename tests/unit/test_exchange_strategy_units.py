@@ -5,28 +5,19 @@ ranks, resume) is in tests/dist/test_exchange_strategies.py."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from tests.helpers.config import compose_config
 from tests.helpers.thread_world import FakeWorld
-from dtrain.cli import config_dir
 from dtrain.comm import LocalCommunicator
-from dtrain.config import register_schemas, validate
+from dtrain.config import validate
 from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
 from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner, data_parallel_distributed_learner
 from dtrain.learners.base import Learner, RunFacts
 
-CONF = Path(config_dir())
-
-
-def compose_config(*overrides: str):
-    register_schemas()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def sgd() -> torch.optim.Optimizer:
