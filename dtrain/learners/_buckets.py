@@ -57,7 +57,7 @@ def plan_gradient_buckets(ready_order: Sequence[torch.Tensor], bucket_bytes: flo
         run.clear()
 
     for index, tensor in enumerate(ready_order):
-        if tensor.numel() * tensor.element_size() >= in_place_bytes:
+        if _num_bytes(tensor) >= in_place_bytes:
             pack_run()
             buckets.append([index])
         else:
@@ -74,10 +74,11 @@ def plan_gradient_buckets(ready_order: Sequence[torch.Tensor], bucket_bytes: flo
 
 def is_in_place(ready_order: Sequence[torch.Tensor], indices: Sequence[int], in_place_bytes: float | None) -> bool:
     """Whether ``plan_gradient_buckets(ready_order, ..., in_place_bytes)`` made ``indices`` an in-place bucket."""
-    if in_place_bytes is None or len(indices) != 1:
-        return False
-    tensor = ready_order[indices[0]]
-    return tensor.numel() * tensor.element_size() >= in_place_bytes
+    return in_place_bytes is not None and len(indices) == 1 and _num_bytes(ready_order[indices[0]]) >= in_place_bytes
+
+
+def _num_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: float,
@@ -112,7 +113,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: float,
     kinds_closed: set[tuple[torch.dtype, torch.device]] = set()  # kinds past their first bucket
     for index, tensor in enumerate(tensors):
         kind = (tensor.dtype, tensor.device)
-        size = tensor.numel() * tensor.element_size()
+        size = _num_bytes(tensor)
         if kind in open_buckets:
             indices, used = open_buckets[kind]
             limit = bucket_bytes if kind in kinds_closed or first_bucket_bytes is None else first_bucket_bytes
@@ -146,46 +147,19 @@ def coalesced(tensors: Sequence[torch.Tensor], bucket_bytes: float, operation: C
                 member.copy_(part.view_as(member))
 
 
-class GradientBucket:
-    """One flat buffer for the gradients of some parameters, plus one "has a gradient" flag each.
+class _Slots:
+    """What every bucket tracks per minibatch: which parameters' gradients arrived, how many are
+    still missing before it can be launched, and its in-flight exchange."""
 
-    The buffer is ``[grad_0 | grad_1 | ... | flag_0 | flag_1 | ... | carried flags]``: with an
-    exact (float32) exchange the flags travel in the same all-reduce as the gradients, so after a
-    SUM every rank knows whether ANY rank had a gradient for a parameter (flag > 0) and can leave
-    ``.grad`` at None otherwise, as a single process would; a lossy exchange is given ``payload``
-    (the gradients alone) and the learner sums the flags separately. The last bucket also carries
-    the flags of the in-place buckets (``carried_flags``, one each); it may hold no parameters.
-    """
-
-    def __init__(self, parameters: Sequence[torch.Tensor], carried_flags: int = 0,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, parameters: Sequence[torch.Tensor]):
         self.parameters = list(parameters)
-        numels = [parameter.numel() for parameter in self.parameters]
-        total = sum(numels)
-        if self.parameters:
-            dtype, device = self.parameters[0].dtype, self.parameters[0].device
-        self.buffer = torch.empty(total + len(numels) + carried_flags, dtype=dtype, device=device)
-        self.gradients = [part.view(parameter.shape)
-                          for part, parameter in zip(self.buffer[:total].split(numels), self.parameters)]
-        self.flags = self.buffer[total:total + len(numels)]
-        self.carried_flags = self.buffer[total + len(numels):]
-        self.payload = self.buffer[:total]  # the gradients alone, for exchanges that are not exact sums
-        self.shapes = [parameter.shape for parameter in self.parameters]
-        self.shapes_with_flags = [*self.shapes, torch.Size([len(numels) + carried_flags])]  # what ``buffer`` holds
-        self.filled = [False] * len(self.parameters)  # state: which slots this minibatch's backward wrote
-        self.missing = len(self.parameters)           # state: slots still to be written before launch
-        self.handle = None                           # state: the in-flight all-reduce, if launched
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of gradient payload (without the flags)."""
-        return sum(gradient.numel() for gradient in self.gradients) * self.buffer.element_size()
+        self.reset()
 
     def reset(self) -> None:
         """Forgets the previous minibatch (called before backward)."""
-        self.filled = [False] * len(self.parameters)
-        self.missing = len(self.parameters)
-        self.handle = None
+        self.filled = [False] * len(self.parameters)  # state: which slots this minibatch's backward wrote
+        self.missing = len(self.parameters)           # state: slots still to be written before launch
+        self.handle = None                           # state: the in-flight exchange, if launched
 
     def _claim(self, slot: int, gradient: torch.Tensor) -> None:
         """Marks ``slot`` written; raises on a second gradient in one minibatch or a sparse one."""
@@ -200,6 +174,39 @@ class GradientBucket:
                             "use dense embeddings (sparse=False)")
         self.filled[slot] = True
         self.missing -= 1
+
+
+class GradientBucket(_Slots):
+    """One flat buffer for the gradients of some parameters, plus one "has a gradient" flag each.
+
+    The buffer is ``[grad_0 | grad_1 | ... | flag_0 | flag_1 | ... | carried flags]``: with an
+    exact (float32) exchange the flags travel in the same all-reduce as the gradients, so after a
+    SUM every rank knows whether ANY rank had a gradient for a parameter (flag > 0) and can leave
+    ``.grad`` at None otherwise, as a single process would; a lossy exchange is given ``payload``
+    (the gradients alone) and the learner sums the flags separately. The last bucket also carries
+    the flags of the in-place buckets (``carried_flags``, one each); it may hold no parameters.
+    """
+
+    def __init__(self, parameters: Sequence[torch.Tensor], carried_flags: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(parameters)
+        numels = [parameter.numel() for parameter in self.parameters]
+        total = sum(numels)
+        if self.parameters:
+            dtype, device = self.parameters[0].dtype, self.parameters[0].device
+        self.buffer = torch.empty(total + len(numels) + carried_flags, dtype=dtype, device=device)
+        self.gradients = [part.view(parameter.shape)
+                          for part, parameter in zip(self.buffer[:total].split(numels), self.parameters)]
+        self.flags = self.buffer[total:total + len(numels)]
+        self.carried_flags = self.buffer[total + len(numels):]
+        self.payload = self.buffer[:total]  # the gradients alone, for exchanges that are not exact sums
+        self.shapes = [parameter.shape for parameter in self.parameters]
+        self.shapes_with_flags = [*self.shapes, torch.Size([len(numels) + carried_flags])]  # what ``buffer`` holds
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of gradient payload (without the flags)."""
+        return sum(gradient.numel() for gradient in self.gradients) * self.buffer.element_size()
 
     def fill(self, slot: int, gradient: torch.Tensor, scale: float) -> None:
         """Writes ``gradient * scale`` into the slot of parameter ``slot``; raises on a second write."""
@@ -231,7 +238,7 @@ class GradientBucket:
             parameter.grad = gradient if present else None
 
 
-class InPlaceBucket:
+class InPlaceBucket(_Slots):
     """A bucket of one large parameter whose ``.grad`` is exchanged in place: no copy in, none out.
 
     Its "has a gradient" flag is a slot of the last (packed) bucket, ``flag``, written when the
@@ -240,22 +247,15 @@ class InPlaceBucket:
     """
 
     def __init__(self, parameter: torch.Tensor, flag: torch.Tensor):
-        self.parameters = [parameter]
+        super().__init__([parameter])
         self.shapes = [parameter.shape]
         self.shapes_with_flags = self.shapes
         self.flag = flag
-        self.gradient: torch.Tensor | None = None  # state: this minibatch's gradient (the parameter's .grad)
-        self.filled = [False]
-        self.missing = 1
-        self.handle = None
-
-    _claim = GradientBucket._claim
 
     @property
     def num_bytes(self) -> int:
         """Bytes of gradient payload."""
-        parameter = self.parameters[0]
-        return parameter.numel() * parameter.element_size()
+        return _num_bytes(self.parameters[0])
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -265,11 +265,9 @@ class InPlaceBucket:
     payload = buffer
 
     def reset(self) -> None:
-        """Forgets the previous minibatch (called before backward)."""
-        self.filled = [False]
-        self.missing = 1
-        self.handle = None
-        self.gradient = None
+        """Forgets the previous minibatch, its gradient included."""
+        super().reset()
+        self.gradient: torch.Tensor | None = None  # state: this minibatch's gradient (the parameter's .grad)
 
     def fill(self, slot: int, gradient: torch.Tensor, scale: float) -> None:
         """Takes the parameter's ``.grad`` itself (made contiguous if it is not), scaled in place."""
