@@ -158,16 +158,11 @@ class AdamConfig:
 
 
 @dataclass
-class AdamWConfig:
+class AdamWConfig(AdamConfig):
     """``dtrain.optimizers.AdamW`` (``torch.optim.AdamW``, decoupled weight decay, with CNTK's names
     for its two averages as :class:`AdamConfig`); DiLoCo's inner optimizer."""
 
     _target_: str = "dtrain.optimizers.AdamW"
-    _partial_: bool = True
-    lr: float = 1e-3
-    momentum: float = 0.9
-    variance_momentum: float = 0.999
-    eps: float = 1e-8
     weight_decay: float = 0.01
 
 
