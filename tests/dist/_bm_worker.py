@@ -22,6 +22,7 @@ from dtrain.learners import BlockMomentumLearner
 
 from tests.helpers.bmuf_reference import flat, simulate_bmuf, train_learner_shares
 from tests.helpers.checks import run_checks
+from tests.helpers.compare import assert_syncs_match
 
 TOLERANCE = 1e-5
 
@@ -95,10 +96,7 @@ def check_case(comm, case: str) -> dict:
     """Train ``case`` on every rank and compare each sync with the simulation; returns the differences between ranks."""
     snapshots, final, differences = train(comm, case)
     expected_snapshots, expected_final = simulate(comm.size, case)
-    assert len(snapshots) == len(expected_snapshots), (len(snapshots), len(expected_snapshots))
-    for index, (got, want) in enumerate(zip(snapshots + [final], expected_snapshots + [expected_final])):
-        difference = float((got - want).abs().max())
-        assert difference <= TOLERANCE, f"{case}: sync {index} differs from the simulation by {difference}"
+    assert_syncs_match(f"{case}: sync", snapshots + [final], expected_snapshots + [expected_final], TOLERANCE)
     comm.barrier()
     return {"differences_between_ranks": differences}
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from tests.helpers.bmuf_reference import flat, train_learner_shares
 from tests.helpers.checks import run_checks
+from tests.helpers.compare import assert_syncs_match
 from tests.helpers.diloco_reference import simulate_diloco
 
 from dtrain.comm import create_communicator, install_fail_fast
@@ -142,10 +143,8 @@ def check_case(comm, case: str) -> list[dict]:
     snapshots, final, syncs = train(comm, case)
     if case == "diloco":
         expected_snapshots, expected_final = simulate(comm.size, case)
-        assert len(snapshots) == len(expected_snapshots), (len(snapshots), len(expected_snapshots))
-        for index, (got, want) in enumerate(zip(snapshots + [final], expected_snapshots + [expected_final])):
-            difference = float((got - want).abs().max())
-            assert difference <= TOLERANCE, f"{case}: outer step {index} differs from the reference by {difference}"
+        assert_syncs_match(f"{case}: outer step", snapshots + [final], expected_snapshots + [expected_final],
+                           TOLERANCE)
     comm.barrier()
     return syncs
 

@@ -12,6 +12,14 @@ def max_difference(model_a: nn.Module, model_b: nn.Module) -> float:
     return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters()))
 
 
+def assert_syncs_match(label: str, got: list[torch.Tensor], expected: list[torch.Tensor], tolerance: float) -> None:
+    """Each flat model of ``got`` (one per sync, then the final one) within ``tolerance`` of ``expected``'s."""
+    assert len(got) == len(expected), (label, len(got), len(expected))
+    for index, (mine, want) in enumerate(zip(got, expected)):
+        difference = float((mine - want).abs().max())
+        assert difference <= tolerance, f"{label} {index} differs from the reference by {difference}"
+
+
 def differing_on_ranks(comm, tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of the tensors some rank holds differently from rank 0 (bitwise), sorted; a collective.
 
