@@ -11,6 +11,7 @@ import datetime
 import os
 import shutil
 import subprocess
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,19 +25,20 @@ from dtrain.comm.local import LocalCommunicator
 from dtrain.comm.torch_dist import TorchDistCommunicator
 
 BACKENDS = ("auto", "gloo", "nccl", "local")
-"""Values accepted for ``backend``: ``auto`` is ``nccl`` when CUDA is available, else ``gloo``."""
+"""Values accepted for ``backend``: ``auto`` is ``nccl`` when CUDA gives each rank of a node a GPU, else ``gloo``."""
 
 
-def resolve_backend(backend: str, cuda_available: bool) -> str:
+def resolve_backend(backend: str, cuda_available: bool, ranks_on_node: int | None = None, gpus: int = 0) -> str:
     """Return the concrete backend (``gloo``, ``nccl`` or ``local``) for a requested one.
 
-    Raises ValueError for a name not in :data:`BACKENDS`, RuntimeError for ``nccl``
-    without CUDA.
+    ``auto`` is ``nccl`` when CUDA is available and each of the ``ranks_on_node`` ranks of this node
+    can have one of its ``gpus`` GPUs (NCCL needs one GPU per rank; None: not known, assumed so), else
+    ``gloo``. Raises ValueError for a name not in :data:`BACKENDS`, RuntimeError for ``nccl`` without CUDA.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "nccl" if cuda_available else "gloo"
+        return "nccl" if cuda_available and (ranks_on_node is None or ranks_on_node <= gpus) else "gloo"
     if backend == "nccl" and not cuda_available:
         raise RuntimeError("backend='nccl' needs CUDA but torch.cuda.is_available() is False; "
                            "use backend='gloo' or 'auto'")
@@ -59,10 +61,16 @@ def create_communicator(backend: str = "auto", timeout_s: float = 60.0) -> Commu
     MPI has started aborts the whole job with that rank's message instead of raising,
     because a raise on one rank would leave the others waiting for it.
     """
-    resolved = resolve_backend(backend, torch.cuda.is_available())
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s} must be a positive number of seconds")
     info = detect_launcher(os.environ)
+    cuda_available = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda_available else 0
+    resolved = resolve_backend(backend, cuda_available, info.local_size, gpus)
+    if backend == "auto" and cuda_available and resolved == "gloo" and info.rank == 0:
+        warnings.warn(f"comm.backend=auto chose gloo on the CPU: {info.local_size} ranks share this node's "
+                      f"{gpus} GPU{'s' if gpus != 1 else ''}, and NCCL needs one GPU per rank; start at most "
+                      f"{gpus} ranks per node to train on the GPUs", stacklevel=2)
     if info.size == 1:
         return LocalCommunicator(device="cuda:0" if resolved == "nccl" else "cpu", launcher=info.kind)
     if resolved == "local":

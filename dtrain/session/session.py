@@ -648,8 +648,8 @@ class TrainingSession:
     def _print_start(self, printer, restored_from: Path | None) -> None:
         size = self.comm.size
         mb = int(self.minibatch_size(self.learner.samples_seen))
-        parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters",
-                 f"{size} worker{'s' if size > 1 else ''}",
+        parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {_device_name(self.device)}",
+                 f"{size} worker{'s' if size > 1 else ''}" + (f" ({self.comm.backend})" if size > 1 else ""),
                  f"global minibatch {mb} ({mb // size}-{-(-mb // size)} per worker)"]
         if self.max_samples is not None:
             sweeps = self.max_samples / self.source.samples_per_sweep
@@ -709,3 +709,11 @@ def _dtrain_version() -> str:
 
 
 __all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
+
+
+def _device_name(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``the CPU``: where the model trains, for the start-up line."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return "the CPU" if device.type == "cpu" else str(device)

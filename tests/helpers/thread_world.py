@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +19,11 @@ from dtrain.comm.base import CompletedHandle
 class FakeWorld:
     """N communicators for N threads; every collective is an all-gather through shared slots."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, devices: Sequence[str | torch.device] = ("cpu",)):
         self.size = size
+        # where each rank's tensors live (the last one for the ranks past the list); the GPU tests put one
+        # rank on CUDA, since autograd runs every CUDA backward of a process in one shared device thread
+        self.devices = [torch.device(devices[min(rank, len(devices) - 1)]) for rank in range(size)]
         self.barrier = threading.Barrier(size, timeout=60)
         self.slots: list[Any] = [None] * size
 
@@ -56,10 +59,9 @@ class FakeWorld:
 class FakeComm:
     """The part of the Communicator interface the learners use; counts its all-reduces."""
 
-    device = torch.device("cpu")
-
     def __init__(self, world: FakeWorld, rank: int):
         self.world, self.rank, self.size = world, rank, world.size
+        self.device = world.devices[rank]
         self.allreduce_calls = 0
 
     @property
@@ -67,7 +69,7 @@ class FakeComm:
         return self.rank == 0
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [item.clone() for item in self.world.gather(self.rank, tensor.clone())]
+        return [item.to(self.device, copy=True) for item in self.world.gather(self.rank, tensor.clone())]
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.allreduce_calls += 1

@@ -155,6 +155,10 @@ def test_outward_address_is_never_loopback_when_a_route_exists() -> None:
 def test_resolve_backend() -> None:
     assert resolve_backend("auto", cuda_available=True) == "nccl"
     assert resolve_backend("auto", cuda_available=False) == "gloo"
+    # NCCL needs one GPU per rank: auto keeps to gloo when a node has more ranks than GPUs
+    assert resolve_backend("auto", cuda_available=True, ranks_on_node=2, gpus=2) == "nccl"
+    assert resolve_backend("auto", cuda_available=True, ranks_on_node=3, gpus=2) == "gloo"
+    assert resolve_backend("nccl", cuda_available=True, ranks_on_node=3, gpus=2) == "nccl"  # asked for: its own error
     assert resolve_backend("gloo", cuda_available=True) == "gloo"
     assert resolve_backend("local", cuda_available=False) == "local"
     with pytest.raises(ValueError, match=r"backend='mpi' is unknown; use one of auto, gloo, nccl, local"):
