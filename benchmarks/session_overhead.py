@@ -2,6 +2,7 @@
 
     python benchmarks/session_overhead.py                      # both models, 3 alternating rounds
     python benchmarks/session_overhead.py --model cifar --samples 20000 --rounds 5
+    python benchmarks/session_overhead.py --model linear --threads 1 --rounds 9  # the fixed cost per step
 
 Both sides train the same network from the same initial weights, with the same optimizer and
 minibatch size, on the same in-memory data (random order each sweep). The hand-written loop is
@@ -33,6 +34,8 @@ MODELS = {
     # name: (network factory, feature shape, minibatch size)
     "digits": (lambda: DigitsCNN(), (1, 8, 8), 32),
     "cifar": (lambda: ConvNetCIFAR10(dropout=0.0), (3, 32, 32), 64),
+    # a step of almost no compute: the session's own cost per minibatch shows as "µs/step over hand"
+    "linear": (lambda: torch.nn.Linear(64, 10), (64,), 32),
 }
 
 
@@ -97,9 +100,9 @@ def main() -> None:
     names = list(MODELS) if args.model == "all" else [args.model]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} alternating rounds")
     print(f"{'model':<8} {'samples':>8} {'hand loop /s':>13} {'session /s':>11} {'session/hand':>13} "
-          f"{'per round':>10} {'with set-up':>12}")
+          f"{'per round':>10} {'with set-up':>12} {'µs/step over hand':>18}")
     for name in names:
-        samples = args.samples or {"digits": 60000, "cifar": 12800}[name]
+        samples = args.samples or {"digits": 60000, "cifar": 12800, "linear": 320000}[name]
         features, labels = make_data(MODELS[name][1], 10000)
         hand_written_loop(name, features, labels, MODELS[name][2] * 5)  # warm-up: allocator, kernels
         hand, session, whole = [], [], []
@@ -110,8 +113,10 @@ def main() -> None:
             whole.append(whole_rate)
         hand_rate, session_rate = statistics.median(hand), statistics.median(session)
         paired = statistics.median(ours / theirs for ours, theirs in zip(session, hand))
+        minibatch = MODELS[name][2]
+        extra_us = 1e6 * minibatch * (1 / session_rate - 1 / hand_rate)  # the session's own time per step
         print(f"{name:<8} {samples:>8} {hand_rate:>13,.0f} {session_rate:>11,.0f} {session_rate / hand_rate:>13.3f} "
-              f"{paired:>10.3f} {statistics.median(whole) / hand_rate:>12.3f}")
+              f"{paired:>10.3f} {statistics.median(whole) / hand_rate:>12.3f} {extra_us:>18.1f}")
 
 
 if __name__ == "__main__":

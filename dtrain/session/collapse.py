@@ -38,16 +38,21 @@ class CollapseWatch:
     """The running loss of a classifier, kept on the device, and the chance level it is judged against.
 
     ``chance_loss`` is ``ln C`` once a classification minibatch was seen (``None`` before or when
-    the task is not classification).
+    the task is not classification). Each minibatch's loss is only kept; every ``fold_every``
+    minibatches (and before a judgement) the kept losses advance the running average in one
+    matrix product, which costs a training step far less than a few tensor operations each.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fold_every: int = 64):
         self.device = device
+        self.fold_every = fold_every
         self.chance_loss: float | None = None
         self.num_classes = 0
         self._judged = False  # the task was inspected (first non-empty minibatch)
         self._average: torch.Tensor | None = None
         self._lowest = torch.tensor(math.inf, dtype=torch.float64, device=device)
+        self._pending: list[torch.Tensor] = []  # detached losses not yet in the average
+        self._operators: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
         """Adds one minibatch's mean loss (a tensor; nothing is read back to the host after the first).
@@ -65,15 +70,43 @@ class CollapseWatch:
                 self.chance_loss = math.log(self.num_classes)
         if self.chance_loss is None:
             return
-        value = loss.detach().to(torch.float64)
+        self._pending.append(loss.detach())
+        if len(self._pending) >= self.fold_every:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Advances the running average ``a <- (1 - w) a + w x`` over the kept losses, all at once,
+        and the lowest average with every intermediate value (the first loss starts the average)."""
+        if not self._pending:
+            return
+        values = torch.stack(self._pending).reshape(-1).to(torch.float64)
+        self._pending = []
         if self._average is None:
-            self._average = value.clone()
-        else:
-            self._average.mul_(1.0 - AVERAGE_WEIGHT).add_(value, alpha=AVERAGE_WEIGHT)
-        torch.minimum(self._lowest, self._average, out=self._lowest)
+            self._average = values[0].clone()
+            torch.minimum(self._lowest, self._average, out=self._lowest)
+            values = values[1:]
+        if values.numel() == 0:
+            return
+        decay, weights = self._ema_operators(values.numel())
+        averages = decay * self._average + weights @ values  # averages[t]: after values[0..t]
+        self._average = averages[-1].clone()
+        torch.minimum(self._lowest, averages.min(), out=self._lowest)
+
+    def _ema_operators(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decay[t] = (1 - w)^(t + 1)`` and ``weights[t, s] = w (1 - w)^(t - s)`` for ``s <= t``, cached."""
+        if count not in self._operators:
+            steps = torch.arange(count, dtype=torch.float64, device=self.device)
+            keep = 1.0 - AVERAGE_WEIGHT
+            decay = keep ** (steps + 1)
+            lag = steps[:, None] - steps[None, :]
+            weights = torch.where(lag >= 0, AVERAGE_WEIGHT * keep ** lag.clamp(min=0), torch.zeros((), dtype=torch.float64,
+                                                                                                device=self.device))
+            self._operators[count] = (decay, weights)
+        return self._operators[count]
 
     def lowest_average(self, comm) -> float:
         """The lowest running loss so far, the largest over ranks (a collective when several run)."""
+        self._fold()
         lowest = self._lowest.clone()
         if comm.size > 1:
             lowest = comm.allreduce(lowest.to(comm.device), op="max")

@@ -59,6 +59,8 @@ class FakeWorld:
 class FakeComm:
     """The part of the Communicator interface the learners use; counts its all-reduces."""
 
+    backend = "threads"  # the start-up line names it, as it names gloo or nccl
+
     def __init__(self, world: FakeWorld, rank: int):
         self.world, self.rank, self.size = world, rank, world.size
         self.device = world.devices[rank]

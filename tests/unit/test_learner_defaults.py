@@ -272,6 +272,23 @@ def test_no_false_alarm(tmp_path, case):
         _session(tmp_path, collapse_at=None, learnable=False).train()  # at chance all along: nothing fell, no alarm
 
 
+@pytest.mark.parametrize("fold_every", [1, 7, 64])
+def test_the_running_loss_folded_in_blocks_is_the_step_by_step_average(fold_every):
+    """The watch keeps each minibatch's loss and folds a block at a time in one matrix product: the lowest
+    running average is the one ``a <- 0.95 a + 0.05 x`` gives minibatch by minibatch (to float64 rounding)."""
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session.collapse import AVERAGE_WEIGHT, CollapseWatch
+
+    losses = torch.rand(300, generator=torch.Generator().manual_seed(0)) * 3
+    watch = CollapseWatch(torch.device("cpu"), fold_every=fold_every)
+    average, lowest = None, math.inf
+    for loss in losses:
+        watch.observe(torch.zeros(4, 10), torch.zeros(4, dtype=torch.int64), loss, nn.functional.cross_entropy)
+        average = float(loss) if average is None else (1 - AVERAGE_WEIGHT) * average + AVERAGE_WEIGHT * float(loss)
+        lowest = min(lowest, average)
+    assert watch.lowest_average(LocalCommunicator()) == pytest.approx(lowest, rel=1e-12)
+    assert lowest > float(losses.min()) + 0.5  # an average, well above the smallest single loss
+
 def test_a_resumed_run_keeps_the_warm_start_it_was_planned_with():
     first = QuantizedDataParallelLearner(sgd(), _Comm(2))
     first.plan(DIGITS)
