@@ -110,7 +110,7 @@ def check_distributed_after(comm, run_dir: Path) -> dict:
 def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)  # several ranks share two cores
-    comm = create_communicator(timeout_s=60)
+    comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
     run_checks(comm, {"equivalence": partial(check_equivalence, run_dir=run_dir),
                       "distributed_after": partial(check_distributed_after, run_dir=run_dir)})
     comm.finalize()

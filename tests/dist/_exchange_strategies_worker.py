@@ -155,7 +155,7 @@ def check_all_to_all(comm) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    comm = create_communicator(timeout_s=60)
+    comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
     run_checks(comm, {"all_to_all": check_all_to_all,
                       **{name: functools.partial(check_strategy, strategy=name) for name in STRATEGIES}})
     comm.finalize()

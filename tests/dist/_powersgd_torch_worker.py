@@ -89,7 +89,7 @@ def compare(comm, rank_r: int) -> int:
 
 def main() -> None:
     torch.set_num_threads(1)
-    comm = create_communicator(timeout_s=60)
+    comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
     assert dist.is_initialized()
     compared = {rank_r: compare(comm, rank_r) for rank_r in (1, 3)}  # 3: torch orthogonalises by QR
     print(f"PASS rank {comm.rank}/{comm.size} compared={compared}", flush=True)

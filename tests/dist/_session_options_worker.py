@@ -155,7 +155,7 @@ def check_fp16(comm, run_dir: Path) -> dict:
 def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
-    comm = create_communicator(timeout_s=60)
+    comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
     run_checks(comm, {name: partial(check, run_dir=run_dir) for name, check in (
         ("micro_batches", check_micro_batches), ("clipping", check_clipping), ("fp16", check_fp16))})
     comm.finalize()
