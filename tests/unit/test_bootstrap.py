@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import warnings
 
 import pytest
 import torch
@@ -174,6 +175,30 @@ def test_single_process_gets_local_communicator(plain_env) -> None:
     plain_env.setenv("OMPI_COMM_WORLD_SIZE", "1")  # mpiexec -n 1: still no MPI
     assert create_communicator().launcher == "mpi"
 
+
+@pytest.mark.parametrize("gpus, chosen", [(1, "gloo"), (2, "nccl")])
+def test_auto_backend_gives_nccl_only_when_each_rank_of_the_node_has_a_gpu(plain_env, gpus, chosen) -> None:
+    """Two torchrun ranks on a node with ``gpus`` GPUs (CUDA simulated): one GPU for two ranks is Gloo on
+    the CPU, with a warning from rank 0 that says why; two GPUs are NCCL."""
+    import dtrain.comm.bootstrap as bootstrap
+
+    plain_env.setattr(torch.cuda, "is_available", lambda: True)
+    plain_env.setattr(torch.cuda, "device_count", lambda: gpus)
+    chosen_backends = []
+    plain_env.setattr(bootstrap, "_torch_dist", lambda info, backend, timeout_s, **kwargs: chosen_backends.append(backend))
+    for name, value in {"TORCHELASTIC_RUN_ID": "job", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        plain_env.setenv(name, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        create_communicator()
+    assert chosen_backends == [chosen]
+    messages = [str(warning.message) for warning in caught]
+    if chosen == "gloo":
+        assert messages == ["comm.backend=auto chose gloo on the CPU: 2 ranks share this node's 1 GPU, and NCCL "
+                            "needs one GPU per rank; start at most 1 ranks per node to train on the GPUs"]
+    else:
+        assert messages == []
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"backend": "mpi"}, ValueError, "backend='mpi' is unknown"),
