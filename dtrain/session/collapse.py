@@ -99,8 +99,7 @@ class CollapseWatch:
             keep = 1.0 - AVERAGE_WEIGHT
             decay = keep ** (steps + 1)
             lag = steps[:, None] - steps[None, :]
-            weights = torch.where(lag >= 0, AVERAGE_WEIGHT * keep ** lag.clamp(min=0), torch.zeros((), dtype=torch.float64,
-                                                                                                device=self.device))
+            weights = AVERAGE_WEIGHT * keep ** lag.clamp(min=0) * (lag >= 0)  # zero above the diagonal
             self._operators[count] = (decay, weights)
         return self._operators[count]
 

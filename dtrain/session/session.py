@@ -708,12 +708,12 @@ def _dtrain_version() -> str:
         return "unknown"
 
 
-__all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
-
-
 def _device_name(device: torch.device) -> str:
     """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``the CPU``: where the model trains, for the start-up line."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return "the CPU" if device.type == "cpu" else str(device)
+
+
+__all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
