@@ -16,13 +16,10 @@ def check_int(name: str, value: object, minimum: int | None = None) -> int:
         TypeError: ``value`` is not an integer (bools are refused: ``True`` is not a size).
         ValueError: ``value`` is below ``minimum``.
     """
-    if type(value) is int:  # the common case, without the slower abstract-class check below (per minibatch)
-        if minimum is not None and value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    value = int(value)
+    if type(value) is not int:  # a plain int skips the slower abstract-class check (it runs per minibatch)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value

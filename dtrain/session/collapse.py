@@ -52,7 +52,7 @@ class CollapseWatch:
         self._average: torch.Tensor | None = None
         self._lowest = torch.tensor(math.inf, dtype=torch.float64, device=device)
         self._pending: list[torch.Tensor] = []  # detached losses not yet in the average
-        self._operators: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._operators: tuple[torch.Tensor, torch.Tensor] | None = None  # for fold_every losses; fewer take a slice
 
     def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
         """Adds one minibatch's mean loss (a tensor; nothing is read back to the host after the first).
@@ -93,15 +93,15 @@ class CollapseWatch:
         torch.minimum(self._lowest, averages.min(), out=self._lowest)
 
     def _ema_operators(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decay[t] = (1 - w)^(t + 1)`` and ``weights[t, s] = w (1 - w)^(t - s)`` for ``s <= t``, cached."""
-        if count not in self._operators:
-            steps = torch.arange(count, dtype=torch.float64, device=self.device)
+        """``decay[t] = (1 - w)^(t + 1)`` and ``weights[t, s] = w (1 - w)^(t - s)`` for ``s <= t < count``
+        (``count`` at most ``fold_every``): the leading part of the operators made once for ``fold_every``."""
+        if self._operators is None:
+            steps = torch.arange(self.fold_every, dtype=torch.float64, device=self.device)
             keep = 1.0 - AVERAGE_WEIGHT
-            decay = keep ** (steps + 1)
             lag = steps[:, None] - steps[None, :]
-            weights = AVERAGE_WEIGHT * keep ** lag.clamp(min=0) * (lag >= 0)  # zero above the diagonal
-            self._operators[count] = (decay, weights)
-        return self._operators[count]
+            self._operators = (keep ** (steps + 1), AVERAGE_WEIGHT * keep ** lag.clamp(min=0) * (lag >= 0))
+        decay, weights = self._operators
+        return decay[:count], weights[:count, :count]
 
     def lowest_average(self, comm) -> float:
         """The lowest running loss so far, the largest over ranks (a collective when several run)."""

@@ -19,7 +19,6 @@ from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner, d
 from dtrain.learners.base import Learner, RunFacts
 
 
-
 def sgd() -> torch.optim.Optimizer:
     return torch.optim.SGD(torch.nn.Linear(4, 3).parameters(), lr=0.1)
 
