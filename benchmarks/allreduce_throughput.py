@@ -8,7 +8,8 @@
 The "model" is a stack of square float32 weight matrices holding about ``--megabytes`` MB (10^6
 bytes) of parameters. Rows of the table, each the median over ``--repeats`` timed rounds:
 
-* raw all_reduce, one tensor: ``torch.distributed.all_reduce`` of one flat tensor of the same bytes;
+* raw all_reduce, one tensor: the communicator's all-reduce of one flat tensor of the same bytes
+  (``torch.distributed.all_reduce`` with Gloo, ``MPI_Allreduce`` with ``--backend mpi``);
 * raw all_reduce, same buckets: the learner's buckets reduced back to back (async, then wait all);
 * learner reduction path: (backward + ``learner.step()``) minus (backward + ``optimizer.step()``)
   without the learner, i.e. the time the learner adds: packing gradients into buckets, the
@@ -30,7 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dtrain.comm import create_communicator
 from dtrain.learners import DataParallelLearner
@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="learner bucket size in MiB, default 25")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per row (median), default 15")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank, default 1")
+    parser.add_argument("--backend", choices=("gloo", "mpi"), default="gloo",
+                        help="comm.backend: how tensors travel between the ranks, default gloo")
     parser.add_argument("--netns", metavar="RATE", help="run on 2 simulated hosts linked at RATE (e.g. 1gbit; needs "
                         "root; see netns_cluster.py) instead of the ranks of this mpiexec")
     return parser.parse_args()
@@ -54,7 +56,7 @@ def run_on_cluster(args: argparse.Namespace) -> None:
     from tests.helpers.netns import NamespaceCluster
 
     worker = [sys.executable, str(Path(__file__).resolve()), "--megabytes", str(args.megabytes), "--bucket-mb",
-              str(args.bucket_mb), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+              str(args.bucket_mb), "--repeats", str(args.repeats), "--threads", str(args.threads), "--backend", args.backend]
     env = {"PYTHONPATH": str(repo)}
     with NamespaceCluster(num_hosts=2, rate=args.netns) as cluster:
         result = cluster.run(cluster.mpiexec_args(npernode=1, export=list(env)) + worker, timeout=1800, env=env)
@@ -94,7 +96,7 @@ def main() -> None:
         run_on_cluster(args)
         return
     torch.set_num_threads(args.threads)
-    comm = create_communicator()
+    comm = create_communicator(backend=args.backend)  # CPU tensors, also on a GPU machine
     if comm.size < 2:
         raise SystemExit("run under mpiexec with at least 2 ranks: mpiexec -n 2 python benchmarks/allreduce_throughput.py")
     parameters = make_parameters(args.megabytes)
@@ -122,8 +124,8 @@ def main() -> None:
     bucket_buffers = [torch.zeros(sum(shape.numel() for shape in bucket.shapes_with_flags)) for bucket in learner.buckets]
 
     def raw_bucketed() -> None:
-        for work in [dist.all_reduce(buffer, async_op=True) for buffer in bucket_buffers]:
-            work.wait()
+        for handle in [comm.allreduce_async(buffer) for buffer in bucket_buffers]:
+            handle.wait()
 
     def packing() -> None:
         # what the hooks copy: every gradient, scaled, into its bucket slot (no communication)
@@ -137,7 +139,7 @@ def main() -> None:
         backward()
         optimizer.step()
 
-    seconds = median_seconds({"raw": lambda: dist.all_reduce(flat), "bucketed": raw_bucketed,
+    seconds = median_seconds({"raw": lambda: comm.allreduce(flat), "bucketed": raw_bucketed,
                               "learner": learner_round, "local": local_round, "packing": packing}, args.repeats, comm)
     raw_seconds, bucketed_seconds = seconds["raw"], seconds["bucketed"]
     learner_seconds, local_seconds = seconds["learner"], seconds["local"]

@@ -43,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per trainer per round, default 20")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each trainer first, default 3")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (median), default 5")
+    parser.add_argument("--backend", choices=("gloo", "mpi"), default="gloo",
+                        help="dtrain's comm.backend (DDP always runs on Gloo: torch's MPI backend needs a source "
+                             "build); default gloo")
     parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -73,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     from dtrain.data import ArrayDeserializer
     from dtrain.learners import data_parallel_distributed_learner
 
-    comm = create_communicator("gloo")
+    comm = create_communicator(args.backend)  # "mpi": dtrain's tensors through MPI, DDP's through its Gloo group
     torch.manual_seed(0)
     model, shape, per_rank = build(args.model)
     ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
@@ -132,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver ----------------------------------------------------------------------------------------
 def run(model_name: str, args: argparse.Namespace) -> dict:
     arguments = ["--worker", "--model", model_name, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                 "--rounds", str(args.rounds)]
+                 "--rounds", str(args.rounds), "--backend", args.backend]
     done = subprocess.run(mpiexec_command(args.ranks, [__file__, *arguments]), capture_output=True, text=True,
                           env=mpi_environment(OMP_NUM_THREADS="1"), timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -146,7 +149,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    print(f"{args.ranks} ranks, Gloo, 1 torch thread per rank, {args.steps} timed steps per trainer per round, "
+    print(f"{args.ranks} ranks, DDP on Gloo, dtrain on {args.backend}, 1 torch thread per rank, {args.steps} timed steps per trainer per round, "
           f"median of {args.rounds} alternating rounds")
     print(f"{'model':<7}{'parameters':>12}{'per rank':>10}{'DDP ms/step':>13}{'dtrain ms/step':>16}{'dtrain/DDP':>12}"
           f"{'per round':>11}{'max |dparam|':>14}  every round (DDP | dtrain)")

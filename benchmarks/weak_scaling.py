@@ -37,6 +37,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, default 5")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three runs (median), default 3")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="learner bucket size in MiB, default 25")
+    parser.add_argument("--backends", nargs="+", choices=("gloo", "mpi"), default=["gloo", "mpi"],
+                        help="how the ranks' tensors travel (comm.backend), one 2-process row each; default both")
+    parser.add_argument("--backend", default="gloo", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--independent", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -52,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     from dtrain.learners import data_parallel_distributed_learner
     from dtrain.models import ConvNetCIFAR10, DigitsCNN
 
-    comm = create_communicator()
+    comm = create_communicator(backend=args.backend)  # CPU tensors, also on a GPU machine
     torch.manual_seed(0)
     if args.model == "cifar":
         model, shape = ConvNetCIFAR10(), (3, 32, 32)
@@ -93,9 +96,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # -- the driver ------------------------------------------------------------------------------------
-def run(nprocs: int, args: argparse.Namespace, independent: bool = False) -> dict:
+def run(nprocs: int, args: argparse.Namespace, independent: bool = False, backend: str = "gloo") -> dict:
     arguments = ["--worker", *(["--independent"] if independent else []), "--model", args.model, "--per-rank-minibatch", str(args.per_rank_minibatch),
-                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb)]
+                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb), "--backend", backend]
     done = subprocess.run(mpiexec_command(nprocs, [__file__, *arguments]), capture_output=True, text=True,
                           env=mpi_environment(OMP_NUM_THREADS="1"), timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -115,24 +118,30 @@ def main() -> None:
         worker(args)
         return
     # the three runs alternate, so load from other work on the machine hits all of them alike
-    runs = {"one": (1, False), "two": (2, False), "ceiling": (2, True)}
+    runs = {"one": (1, False, "gloo"), **{backend: (2, False, backend) for backend in args.backends},
+            "ceiling": (2, True, "gloo")}
     rounds = {name: [] for name in runs}
     for _ in range(args.rounds):
-        for name, (nprocs, independent) in runs.items():
-            rounds[name].append(run(nprocs, args, independent))
-    one, two, ceiling = (_median_run(rounds[name]) for name in runs)
-    efficiency = two["samples_per_second"] / (2 * one["samples_per_second"])
+        for name, (nprocs, independent, backend) in runs.items():
+            rounds[name].append(run(nprocs, args, independent, backend))
+    medians = {name: _median_run(rounds[name]) for name in runs}
+    one, ceiling = medians["one"], medians["ceiling"]
     print(f"model {args.model} ({one['parameters']:,} parameters), {args.per_rank_minibatch} samples per rank per "
           f"step, 1 torch thread per rank, {args.steps} timed steps, buckets of {args.bucket_mb:g} MiB, "
           f"median of {args.rounds} rounds")
     print(f"{'run':<30}{'processes':>9}{'global mb':>11}{'step ms':>10}{'samples/s':>11}{'efficiency':>12}  every round")
-    for name, key, result in (("data-parallel", "one", one), ("data-parallel", "two", two),
-                              ("independent (no communication)", "ceiling", ceiling)):
+    rows = [("data-parallel", "one"), *((f"data-parallel, {backend}", backend) for backend in args.backends),
+            ("independent (no communication)", "ceiling")]
+    for name, key in rows:
+        result = medians[key]
         every_round = "/".join(f"{r['samples_per_second']:.0f}" for r in rounds[key])
         print(f"{name:<30}{result['size']:>9}{result['size'] * args.per_rank_minibatch:>11}{result['step_ms']:>10.1f}"
               f"{result['samples_per_second']:>11.0f}"
               f"{result['samples_per_second'] / (result['size'] * one['samples_per_second']):>12.2f}  {every_round}")
-    print(f"weak-scaling efficiency rate2 / (2 * rate1) = {efficiency:.2f}")
+    for backend in args.backends:
+        efficiency = medians[backend]["samples_per_second"] / (2 * one["samples_per_second"])
+        of_ceiling = medians[backend]["samples_per_second"] / ceiling["samples_per_second"]
+        print(f"{backend}: weak-scaling efficiency rate2 / (2 * rate1) = {efficiency:.2f}, {of_ceiling:.2f} of the ceiling")
 
 
 if __name__ == "__main__":

@@ -299,7 +299,7 @@ class SessionConfig:
 
 @dataclass
 class CommConfig:
-    backend: str = "auto"               # auto | gloo | nccl | local
+    backend: str = "auto"               # auto | gloo | mpi | nccl | local
     timeout_s: float = 300.0            # a collective waiting longer than this ends the job
     heartbeat_timeout_s: float = 60.0   # a rank silent this long (stopped, swapped out) ends the job
 
@@ -728,7 +728,7 @@ def _comm_problems(comm: DictConfig) -> list[str]:
             raise ValueError(f"{name}={value!r}: expected at least 1 second")
     problems = _check(comm, "comm", ("timeout_s", checks.positive_number, {"unit": "seconds"}),
                       ("heartbeat_timeout_s", at_least_a_second, {}))
-    backends = ("auto", "gloo", "nccl", "local")
+    backends = ("auto", "gloo", "mpi", "nccl", "local")
     if comm.backend not in backends:
         problems.append(f"comm.backend={comm.backend!r}: expected one of {', '.join(backends)}")
     elif comm.backend == "nccl":

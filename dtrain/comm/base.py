@@ -51,6 +51,13 @@ class Communicator(abc.ABC):
     launcher: str = "local"
     """What started this process: ``local``, ``mpi``, ``torchrun`` or ``slurm``."""
 
+    reduce_alone_bytes: int = 8 * 2 ** 20
+    """A tensor of at least this many bytes costs less to all-reduce in a collective of its own than
+    to copy into a shared buffer with others: the transport's fixed cost per collective, counted in
+    bytes of copying. The data-parallel learner reduces such gradients in place. 8 MiB: Gloo on a
+    loopback spends about 1 ms per extra collective, what copying 8 MiB costs on one CPU core
+    (``benchmarks/allreduce_throughput.py``)."""
+
     # -- identity ---------------------------------------------------------------------------
     @property
     @abc.abstractmethod
@@ -75,7 +82,7 @@ class Communicator(abc.ABC):
     @property
     @abc.abstractmethod
     def backend(self) -> str:
-        """The tensor transport: ``local``, ``gloo`` or ``nccl``."""
+        """The tensor transport: ``local``, ``gloo``, ``mpi`` or ``nccl``."""
 
     @property
     @abc.abstractmethod

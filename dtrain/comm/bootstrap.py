@@ -1,8 +1,8 @@
 """create_communicator: find out how this process was launched and connect it to its peers.
 
-mpi4py is used only to bootstrap (rank, size, node-local rank, and rank 0's broadcast
-of the rendezvous endpoint); tensors then travel through torch.distributed. A single
-process never imports mpi4py.
+Under ``mpiexec``, mpi4py bootstraps (rank, size, node-local rank, and rank 0's broadcast of the
+rendezvous endpoint); tensors then travel through torch.distributed, or with ``backend="mpi"``
+through MPI itself (:mod:`dtrain.comm.mpi_tensors`). A single process never imports mpi4py.
 """
 from __future__ import annotations
 
@@ -22,23 +22,32 @@ from dtrain.comm._address import LOOPBACK, choose_master_addr
 from dtrain.comm.base import Communicator, first_line, format_rank_message, terminate
 from dtrain.comm.launcher import LaunchInfo, detect_launcher, master_override
 from dtrain.comm.local import LocalCommunicator
+from dtrain.comm.mpi_tensors import MPICommunicator
 from dtrain.comm.torch_dist import TorchDistCommunicator
 
-BACKENDS = ("auto", "gloo", "nccl", "local")
-"""Values accepted for ``backend``: ``auto`` is ``nccl`` when CUDA gives each rank of a node a GPU, else ``gloo``."""
+BACKENDS = ("auto", "gloo", "mpi", "nccl", "local")
+"""Values accepted for ``backend``: ``auto`` is ``nccl`` when CUDA gives each rank of a node a GPU, else
+``mpi`` for an ``mpiexec`` job on one node, else ``gloo``; ``mpi`` (CPU tensors through MPI) needs a job
+started by ``mpiexec``."""
 
 
-def resolve_backend(backend: str, cuda_available: bool, ranks_on_node: int | None = None, gpus: int = 0) -> str:
-    """Return the concrete backend (``gloo``, ``nccl`` or ``local``) for a requested one.
+def resolve_backend(backend: str, cuda_available: bool, ranks_on_node: int | None = None, gpus: int = 0,
+                    mpi_on_one_node: bool = False) -> str:
+    """Return the concrete backend (``gloo``, ``mpi``, ``nccl`` or ``local``) for a requested one.
 
     ``auto`` is ``nccl`` when CUDA is available and each of the ``ranks_on_node`` ranks of this node
-    can have one of its ``gpus`` GPUs (NCCL needs one GPU per rank; None: not known, assumed so), else
-    ``gloo``. Raises ValueError for a name not in :data:`BACKENDS`, RuntimeError for ``nccl`` without CUDA.
+    can have one of its ``gpus`` GPUs (NCCL needs one GPU per rank; None: not known, assumed so).
+    Otherwise it is ``mpi`` when ``mpi_on_one_node`` (``mpiexec`` started every rank of the job on this
+    node: MPI's shared memory moves a gradient bucket about 10 times faster than Gloo's loopback TCP,
+    ``benchmarks/allreduce_throughput.py``), else ``gloo``. Raises ValueError for a name not in
+    :data:`BACKENDS`, RuntimeError for ``nccl`` without CUDA.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "nccl" if cuda_available and (ranks_on_node is None or ranks_on_node <= gpus) else "gloo"
+        if cuda_available and (ranks_on_node is None or ranks_on_node <= gpus):
+            return "nccl"
+        return "mpi" if mpi_on_one_node else "gloo"
     if backend == "nccl" and not cuda_available:
         raise RuntimeError("backend='nccl' needs CUDA but torch.cuda.is_available() is False; "
                            "use backend='gloo' or 'auto'")
@@ -66,9 +75,10 @@ def create_communicator(backend: str = "auto", timeout_s: float = 60.0) -> Commu
     info = detect_launcher(os.environ)
     cuda_available = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda_available else 0
-    resolved = resolve_backend(backend, cuda_available, info.local_size, gpus)
-    if backend == "auto" and cuda_available and resolved == "gloo" and info.rank == 0:
-        warnings.warn(f"comm.backend=auto chose gloo on the CPU: {info.local_size} ranks share this node's "
+    resolved = resolve_backend(backend, cuda_available, info.local_size, gpus,
+                               mpi_on_one_node=info.kind == "mpi" and info.local_size == info.size)
+    if backend == "auto" and cuda_available and resolved != "nccl" and info.rank == 0:
+        warnings.warn(f"comm.backend=auto chose {resolved} on the CPU: {info.local_size} ranks share this node's "
                       f"{gpus} GPU{'s' if gpus != 1 else ''}, and NCCL needs one GPU per rank; start at most "
                       f"{gpus} ranks per node to train on the GPUs", stacklevel=2)
     if info.size == 1:
@@ -76,6 +86,9 @@ def create_communicator(backend: str = "auto", timeout_s: float = 60.0) -> Commu
     if resolved == "local":
         raise ValueError(f"backend='local' runs one process but {info.kind} started {info.size}; "
                          "use backend='auto', 'gloo' or 'nccl'")
+    if resolved == "mpi" and info.kind != "mpi":
+        raise ValueError(f"backend='mpi' sends tensors through the MPI of mpiexec, but {info.kind} started this "
+                         "job; launch it with mpiexec, or use backend='gloo'")
     if info.kind == "mpi":
         return _create_mpi(info, resolved, timeout_s)
     if info.kind == "torchrun":
@@ -160,8 +173,11 @@ def _create_mpi(info: LaunchInfo, backend: str, timeout_s: float) -> Communicato
         endpoint = world.bcast(endpoint, root=0)
         if rank != 0:
             store = dist.TCPStore(endpoint[0], endpoint[1], size, is_master=False, timeout=store_timeout)
-        return _torch_dist(LaunchInfo("mpi", rank, size, local_rank, local_size, *endpoint), backend, timeout_s,
-                           store=store, mpi_comm=world)
+        launch = LaunchInfo("mpi", rank, size, local_rank, local_size, *endpoint)
+        if backend == "mpi":
+            return MPICommunicator(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+                                   timeout_s=timeout_s, store=store, mpi_comm=world)
+        return _torch_dist(launch, backend, timeout_s, store=store, mpi_comm=world)
 
 
 @contextlib.contextmanager

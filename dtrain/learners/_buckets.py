@@ -20,13 +20,6 @@ FIRST_BUCKET_BYTES = 2 ** 20
 """The first gradient bucket's limit, 1 MiB: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, as DDP."""
 
 
-IN_PLACE_GRADIENT_BYTES = 8 * 2 ** 20
-"""A gradient of at least 8 MiB (or of at least the bucket limit, which would be a bucket alone
-anyway) is all-reduced in place, in a bucket of its own: copying it into a packed buffer costs
-about 1 ms per 8 MiB on one CPU core, which is what one more Gloo collective costs on a loopback
-(``benchmarks/allreduce_throughput.py``); smaller ones are cheaper to copy than to send alone."""
-
-
 def plan_gradient_buckets(ready_order: Sequence[torch.Tensor], bucket_bytes: float,
                           in_place_bytes: float | None = None) -> list[list[int]]:
     """Buckets for gradients listed in the order backward produces them, with DDP's small first bucket.

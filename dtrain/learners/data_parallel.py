@@ -18,8 +18,7 @@ import torch
 from dtrain import checks
 from dtrain.compress.bitpack import check_bits
 from dtrain.exchange import AllReduce, Exchange, Quantized
-from dtrain.learners._buckets import (IN_PLACE_GRADIENT_BYTES, GradientBucket, InPlaceBucket, is_in_place,
-                                      plan_gradient_buckets)
+from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
@@ -40,8 +39,8 @@ class DataParallelLearner(ReplicatedLearner):
     launches whatever is left (zeros for parameters that got no gradient), waits, sets each
     ``.grad`` to its reduced gradient (a view into the bucket, valid until the next minibatch's
     backward) and calls the wrapped optimizer. With the float32 all-reduce, a gradient of at least
-    8 MiB (``IN_PLACE_GRADIENT_BYTES``) is not copied: it is all-reduced in place as a bucket of
-    its own, its flag riding in the last bucket. The caller may fold the ``local_samples /
+    ``comm.reduce_alone_bytes`` (8 MiB with Gloo, 1 MiB with MPI) is not copied: it is all-reduced
+    in place as a bucket of its own, its flag riding in the last bucket. The caller may fold the ``local_samples /
     global_samples`` scale into the loss (:meth:`fold_gradient_scale`, as ``training_session``
     does), which leaves such gradients untouched by the learner until the all-reduce.
 
@@ -138,7 +137,7 @@ class DataParallelLearner(ReplicatedLearner):
         flags ride in the last (packed) bucket."""
         if not ready_order:
             return []
-        in_place_bytes = min(IN_PLACE_GRADIENT_BYTES, self.bucket_bytes) if self.exchange.lossless else None
+        in_place_bytes = min(self.comm.reduce_alone_bytes, self.bucket_bytes) if self.exchange.lossless else None
         plan = plan_gradient_buckets(ready_order, self.bucket_bytes, in_place_bytes)
         in_place = [is_in_place(ready_order, indices, in_place_bytes) for indices in plan]
         carrier = GradientBucket([ready_order[index] for index in plan[-1]], carried_flags=sum(in_place),

@@ -14,6 +14,7 @@ Checks:
 from __future__ import annotations
 
 import io
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -110,7 +111,8 @@ def check_distributed_after(comm, run_dir: Path) -> dict:
 def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)  # several ranks share two cores
-    comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
+    # CPU tensors, also on a GPU machine
+    comm = create_communicator(backend=os.environ.get("WORKER_BACKEND", "gloo"), timeout_s=60)
     run_checks(comm, {"equivalence": partial(check_equivalence, run_dir=run_dir),
                       "distributed_after": partial(check_distributed_after, run_dir=run_dir)})
     comm.finalize()

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import functools
 import io
+import os
 
 import torch
 
@@ -155,7 +156,8 @@ def check_all_to_all(comm) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
+    # CPU tensors, also on a GPU machine
+    comm = create_communicator(backend=os.environ.get("WORKER_BACKEND", "gloo"), timeout_s=60)
     run_checks(comm, {"all_to_all": check_all_to_all,
                       **{name: functools.partial(check_strategy, strategy=name) for name in STRATEGIES}})
     comm.finalize()

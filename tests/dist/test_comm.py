@@ -75,13 +75,16 @@ def _ops_under_emulated_srun(results_dir: Path) -> CheckLaunch:
     return CheckLaunch.read(results_dir, 2, returncode, report)
 
 
-@pytest.fixture(scope="module", params=["mpiexec-1", "mpiexec-2", "mpiexec-4", "torchrun-2", "srun-2"])
+@pytest.fixture(scope="module", params=["mpiexec-1", "mpiexec-2", "mpiexec-4", "mpiexec-2-mpi",
+                                        pytest.param("mpiexec-4-mpi", marks=pytest.mark.slow), "torchrun-2", "srun-2"])
 def ops_launch(request, tmp_path_factory) -> CheckLaunch:
-    """One run of ``_comm_worker.py ops`` under a launcher and world size (``LAUNCHER-N``)."""
-    launcher, nprocs = request.param.split("-")
+    """One run of ``_comm_worker.py ops`` under a launcher and world size (``LAUNCHER-N[-BACKEND]``,
+    Gloo unless named)."""
+    launcher, nprocs, *backend = request.param.split("-")
     results_dir = tmp_path_factory.mktemp(f"ops-{request.param}")
     if launcher == "mpiexec":
-        return launch_checks(int(nprocs), [WORKER, "ops"], results_dir, timeout=100, env=_clean_env())
+        return launch_checks(int(nprocs), [WORKER, "ops"], results_dir, timeout=100,
+                             env=_clean_env(WORKER_BACKEND=backend[0] if backend else "gloo"))
     return _ops_under_torchrun(results_dir) if launcher == "torchrun" else _ops_under_emulated_srun(results_dir)
 
 
@@ -100,16 +103,25 @@ def test_the_ops_launch_ends_cleanly(ops_launch: CheckLaunch) -> None:
     assert ops_launch.returncode == 0, ops_launch.output
 
 
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", "mpi"])  # where rank 0's tensors wait
+
+
+FAILURES = [("raise", 1, "[rank 1/2] ValueError: boom from rank 1"),
+            ("thread_raise", 1, "[rank 1/2] ZeroDivisionError: division by zero (in thread"),
+            ("sigterm", 143, "[rank 1/2] received SIGTERM; ending the job")]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("scenario, exit_code, message", [
-    ("raise", 1, "[rank 1/2] ValueError: boom from rank 1"),
-    ("thread_raise", 1, "[rank 1/2] ZeroDivisionError: division by zero (in thread"),
-    ("sigterm", 143, "[rank 1/2] received SIGTERM; ending the job"),
+@pytest.mark.parametrize("scenario, exit_code, message, backend", [
+    *((*failure, "gloo") for failure in FAILURES),
+    # rank 0 blocked inside MPI instead of Gloo; an exception in a thread ends the job the same way
+    *(pytest.param(*failure, "mpi", marks=[pytest.mark.slow] if failure[0] == "thread_raise" else [])
+      for failure in FAILURES),
 ])
-def test_failure_on_one_rank_ends_the_job(scenario: str, exit_code: int, message: str) -> None:
+def test_failure_on_one_rank_ends_the_job(scenario: str, exit_code: int, message: str, backend: str) -> None:
     """An exception (main or other thread) or SIGTERM on rank 1, while rank 0 waits in an
     allreduce, ends the whole job at once with rank 1's one-line message and exit code."""
-    result = run_mpi(2, [WORKER, scenario], timeout=FAIL_FAST_LIMIT_S + 20, env=_clean_env())
+    result = run_mpi(2, [WORKER, scenario], timeout=FAIL_FAST_LIMIT_S + 20, env=_clean_env(WORKER_BACKEND=backend))
     delay = _seconds_after_event(result, time.time())
     assert result.returncode == exit_code, result.report()
     assert message in result.stderr, result.report()
@@ -118,19 +130,22 @@ def test_failure_on_one_rank_ends_the_job(scenario: str, exit_code: int, message
 
 
 @pytest.mark.timeout(60)
-def test_sigkilled_rank_ends_the_job() -> None:
+@BACKENDS
+def test_sigkilled_rank_ends_the_job(backend: str) -> None:
     """Rank 1 is SIGKILLed while rank 0 waits in an allreduce: the job ends, non-zero, well within 30 s."""
-    result = run_mpi(2, [WORKER, "sigkill"], timeout=FAIL_FAST_LIMIT_S + 20, env=_clean_env())
+    result = run_mpi(2, [WORKER, "sigkill"], timeout=FAIL_FAST_LIMIT_S + 20, env=_clean_env(WORKER_BACKEND=backend))
     delay = _seconds_after_event(result, time.time())
     assert result.returncode != 0, result.report()
     assert delay < FAIL_FAST_LIMIT_S, f"job ended {delay:.1f} s after the kill\n" + result.report()
 
 
 @pytest.mark.timeout(60)
-def test_stalled_peer_times_out_instead_of_hanging() -> None:
-    """Rank 1 stays alive but never joins: rank 0's allreduce times out (3 s here) and aborts the job."""
+@BACKENDS
+def test_stalled_peer_times_out_instead_of_hanging(backend: str) -> None:
+    """Rank 1 stays alive but never joins: rank 0's allreduce times out (3 s here) and aborts the job
+    (Gloo's own timeout; MPI has none, the communicator's wait watch ends the job)."""
     result = run_mpi(2, [WORKER, "stall"], timeout=FAIL_FAST_LIMIT_S + 20,
-                     env=_clean_env(WORKER_TIMEOUT_S="3"))
+                     env=_clean_env(WORKER_TIMEOUT_S="3", WORKER_BACKEND=backend))
     delay = _seconds_after_event(result, time.time())
     assert result.returncode != 0, result.report()
     assert "[rank 0/2] RuntimeError:" in result.stderr, result.report()

@@ -18,11 +18,15 @@ WORKER = Path(__file__).with_name("_dp_worker.py")
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.fixture(scope="module", params=[1, 2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
+@pytest.fixture(scope="module", params=[(1, "gloo"), (2, "gloo"), (2, "mpi"), pytest.param((4, "gloo"), marks=pytest.mark.slow),
+                                        pytest.param((4, "mpi"), marks=pytest.mark.slow)],
+                ids=lambda param: f"nprocs={param[0]}-{param[1]}")
 def launch(request, tmp_path_factory) -> CheckLaunch:
-    """One run of every check of ``_dp_worker.py`` on ``request.param`` ranks."""
-    run_dir = tmp_path_factory.mktemp(f"dp{request.param}")
-    return launch_checks(request.param, [WORKER, run_dir / "runs"], run_dir / "checks", timeout=140)
+    """One run of every check of ``_dp_worker.py`` on ``nprocs`` ranks whose tensors travel by ``backend``."""
+    nprocs, backend = request.param
+    run_dir = tmp_path_factory.mktemp(f"dp{nprocs}{backend}")
+    return launch_checks(nprocs, [WORKER, run_dir / "runs"], run_dir / "checks", timeout=140,
+                         env={"WORKER_BACKEND": backend})
 
 
 def test_ranks_equal_one_process_with_the_same_global_minibatches(launch: CheckLaunch) -> None:

@@ -19,10 +19,14 @@ STRATEGIES = ["allreduce", "bf16", "fp16", "quantized1", "quantized4", "powersgd
 pytestmark = pytest.mark.timeout(420)
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
+@pytest.fixture(scope="module", params=[(2, "gloo"), pytest.param((2, "mpi"), marks=pytest.mark.slow),
+                                        pytest.param((4, "gloo"), marks=pytest.mark.slow)],
+                ids=lambda param: f"nprocs={param[0]}-{param[1]}")
 def launch(request, tmp_path_factory) -> CheckLaunch:
-    """One run of every check of the worker on ``request.param`` ranks."""
-    return launch_checks(request.param, [WORKER], tmp_path_factory.mktemp(f"exchange{request.param}"), timeout=400)
+    """One run of every check of the worker on ``nprocs`` ranks whose tensors travel by ``backend``."""
+    nprocs, backend = request.param
+    return launch_checks(nprocs, [WORKER], tmp_path_factory.mktemp(f"exchange{nprocs}{backend}"), timeout=400,
+                         env={"WORKER_BACKEND": backend})
 
 
 def test_all_to_all_delivers_per_pair_lengths(launch: CheckLaunch) -> None:

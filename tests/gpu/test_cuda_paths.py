@@ -145,4 +145,4 @@ def test_more_ranks_than_gpus_on_a_node(tmp_path):
     result = run_mpi(ranks, ["-m", "dtrain", "+recipe=digits", f"run_dir={tmp_path / 'run'}",
                              "session.max_samples=2000"], timeout=240)
     assert result.returncode == 0, result.report()
-    assert f"parameters on the CPU, {ranks} workers (gloo)" in result.stdout, result.stdout
+    assert f"parameters on the CPU, {ranks} workers (mpi)" in result.stdout, result.stdout  # one node: MPI

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dtrain.comm.base import CompletedHandle
+from dtrain.comm.base import Communicator, CompletedHandle
 
 
 class FakeWorld:
@@ -60,6 +60,7 @@ class FakeComm:
     """The part of the Communicator interface the learners use; counts its all-reduces."""
 
     backend = "threads"  # the start-up line names it, as it names gloo or nccl
+    reduce_alone_bytes = Communicator.reduce_alone_bytes  # the in-place threshold of Gloo and NCCL
 
     def __init__(self, world: FakeWorld, rank: int):
         self.world, self.rank, self.size = world, rank, world.size

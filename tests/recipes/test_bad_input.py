@@ -77,7 +77,7 @@ CASES = [
     ("dropout-nan", ["model.dropout=nan"], ["model.dropout=nan: expected"]),
     ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model: Error locating target 'dtrain.models.Nope'; expected an importable class"]),
     # communication
-    ("backend-unknown", ["comm.backend=mpi"], ["comm.backend='mpi': expected one of auto, gloo, nccl, local"]),
+    ("backend-unknown", ["comm.backend=tcp"], ["comm.backend='tcp': expected one of auto, gloo, mpi, nccl, local"]),
     ("timeout-nan", ["comm.timeout_s=nan"], ["comm.timeout_s=nan: expected"]),
     ("timeout-0", ["comm.timeout_s=0"], ["comm.timeout_s=0.0: expected"]),
     ("heartbeat-negative", ["comm.heartbeat_timeout_s=-1"], ["comm.heartbeat_timeout_s=-1.0: expected"]),

@@ -162,8 +162,13 @@ def test_resolve_backend() -> None:
     assert resolve_backend("nccl", cuda_available=True, ranks_on_node=3, gpus=2) == "nccl"  # asked for: its own error
     assert resolve_backend("gloo", cuda_available=True) == "gloo"
     assert resolve_backend("local", cuda_available=False) == "local"
-    with pytest.raises(ValueError, match=r"backend='mpi' is unknown; use one of auto, gloo, nccl, local"):
-        resolve_backend("mpi", cuda_available=False)
+    # an mpiexec job on one node: MPI's shared memory, unless every rank has a GPU of its own
+    assert resolve_backend("auto", cuda_available=False, mpi_on_one_node=True) == "mpi"
+    assert resolve_backend("auto", cuda_available=True, ranks_on_node=3, gpus=2, mpi_on_one_node=True) == "mpi"
+    assert resolve_backend("auto", cuda_available=True, ranks_on_node=2, gpus=2, mpi_on_one_node=True) == "nccl"
+    assert resolve_backend("mpi", cuda_available=True) == "mpi"
+    with pytest.raises(ValueError, match=r"backend='tcp' is unknown; use one of auto, gloo, mpi, nccl, local"):
+        resolve_backend("tcp", cuda_available=False)
     with pytest.raises(RuntimeError, match="backend='nccl' needs CUDA"):
         resolve_backend("nccl", cuda_available=False)
 
@@ -201,7 +206,7 @@ def test_auto_backend_gives_nccl_only_when_each_rank_of_the_node_has_a_gpu(plain
         assert messages == []
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"backend": "mpi"}, ValueError, "backend='mpi' is unknown"),
+    ({"backend": "tcp"}, ValueError, "backend='tcp' is unknown"),
     ({"timeout_s": 0}, ValueError, "timeout_s=0 must be a positive number of seconds"),
 ])
 def test_create_communicator_rejects_bad_arguments(plain_env, kwargs: dict, error: type, match: str) -> None:
@@ -213,6 +218,30 @@ def test_create_communicator_rejects_bad_arguments(plain_env, kwargs: dict, erro
 def test_nccl_without_cuda_is_a_clear_error(plain_env) -> None:
     with pytest.raises(RuntimeError, match="backend='nccl' needs CUDA"):
         create_communicator(backend="nccl")
+
+
+@pytest.mark.parametrize("local_size, chosen", [("2", "mpi"), ("1", "gloo")])
+def test_auto_backend_under_mpiexec_is_mpi_on_one_node(plain_env, local_size, chosen) -> None:
+    """Two mpiexec ranks without GPUs: MPI's shared memory when both are on this node, Gloo across nodes."""
+    import dtrain.comm.bootstrap as bootstrap
+
+    plain_env.setattr(torch.cuda, "is_available", lambda: False)
+    chosen_backends = []
+    plain_env.setattr(bootstrap, "_create_mpi", lambda info, backend, timeout_s: chosen_backends.append(backend))
+    for name, value in {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE": local_size}.items():
+        plain_env.setenv(name, value)
+    create_communicator()
+    assert chosen_backends == [chosen]
+
+
+def test_mpi_backend_needs_mpiexec(plain_env) -> None:
+    for name, value in {"TORCHELASTIC_RUN_ID": "job", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        plain_env.setenv(name, value)
+    with pytest.raises(ValueError, match="backend='mpi' sends tensors through the MPI of mpiexec, but torchrun "
+                                         "started this job; launch it with mpiexec, or use backend='gloo'"):
+        create_communicator(backend="mpi")
 
 
 def test_local_backend_with_several_processes_is_rejected(plain_env) -> None:

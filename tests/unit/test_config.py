@@ -82,7 +82,7 @@ def test_unknown_recipe_lists_the_available_ones():
     (("+recipe=digits", "learner=block_momentum", "learner.block_momentum_as_time_constant=-3"), "time_constant=-3.0"),
     (("+recipe=digits", "learner=block_momentum", "+learner.num_quantization_bits=1"),
      "learner.num_quantization_bits: unknown key (BlockMomentumLearnerConfig has no such setting)"),
-    (("+recipe=digits", "comm.backend=mpi"), "comm.backend='mpi'"),
+    (("+recipe=digits", "comm.backend=tcp"), "comm.backend='tcp'"),
     (("+recipe=digits", "learner=quantized", "learner.distributed_after=-1"),
      "learner.distributed_after=-1: expected a non-negative whole number of samples"),
     # block_size and distributed_after also take "auto", so a word other than that is refused here
