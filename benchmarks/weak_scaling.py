@@ -11,9 +11,11 @@ samples per step (global minibatch = size * that) from in-memory random data thr
 Rate = global samples / wall seconds over ``--steps`` steps after ``--warmup`` steps, the median
 over ``--rounds`` rounds in which the runs alternate; efficiency = rate(2) / (2 * rate(1)).
 
-A third row runs 2 processes that do not communicate (each its own local learner on its share):
-the machine's own ceiling for 2 processes, e.g. when other work shares the cores, so the
-learner's cost is the gap between that row and the data-parallel one.
+The 2-process data-parallel run has one row per ``--backends`` entry: ``gloo`` (tensors through
+Gloo's TCP) and ``mpi`` (through MPI's shared memory, what ``comm.backend=auto`` picks for an
+``mpiexec`` job on one node). A last row runs 2 processes that do not communicate (each its own
+local learner on its share): the machine's own ceiling for 2 processes, e.g. when other work
+shares the cores, so the learner's cost is the gap between that row and a data-parallel one.
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    # the three runs alternate, so load from other work on the machine hits all of them alike
+    # the runs alternate, so load from other work on the machine hits all of them alike
     runs = {"one": (1, False, "gloo"), **{backend: (2, False, backend) for backend in args.backends},
             "ceiling": (2, True, "gloo")}
     rounds = {name: [] for name in runs}

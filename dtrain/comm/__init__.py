@@ -4,7 +4,7 @@ Typical use, identical for one process and for ``mpiexec``/``torchrun``/``srun``
 
     from dtrain.comm import create_communicator, install_fail_fast
 
-    comm = create_communicator()          # backend="auto": NCCL with CUDA, else Gloo
+    comm = create_communicator()          # "auto": NCCL with a GPU per rank, MPI for mpiexec on one node, else Gloo
     install_fail_fast(comm)               # an exception on any rank ends the whole job
     start_heartbeat(comm, timeout_s=60)   # so does a rank that stops (SIGSTOP, swapped out)
     comm.allreduce(grad, op="mean")
@@ -23,11 +23,12 @@ from dtrain.comm.failfast import (
 from dtrain.comm.heartbeat import Heartbeat, start_heartbeat
 from dtrain.comm.launcher import LaunchInfo, detect_launcher, job_id_from_env
 from dtrain.comm.local import LocalCommunicator
+from dtrain.comm.mpi_tensors import MPICommunicator
 from dtrain.comm.torch_dist import TorchDistCommunicator
 
 __all__ = [
     "BACKENDS", "REDUCE_OPS", "AsyncHandle", "Communicator", "Heartbeat", "LaunchInfo", "LocalCommunicator",
-    "TorchDistCommunicator", "add_signal_callback", "create_communicator", "detect_launcher",
+    "MPICommunicator", "TorchDistCommunicator", "add_signal_callback", "create_communicator", "detect_launcher",
     "install_fail_fast", "install_signal_handlers", "job_id_from_env", "remove_signal_callback",
     "resolve_backend", "start_heartbeat", "uninstall_fail_fast",
 ]

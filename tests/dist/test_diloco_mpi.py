@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("_diloco_worker.py")
 SYNCED = ("bmuf_q8", "bmuf_q4", "diloco", "diloco_q4")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"nprocs={n}")
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
 def launch(request, tmp_path_factory) -> CheckLaunch:
     """One run of every check of ``_diloco_worker.py`` on ``request.param`` ranks."""
     return launch_checks(request.param, [WORKER], tmp_path_factory.mktemp(f"diloco{request.param}"), timeout=180)
