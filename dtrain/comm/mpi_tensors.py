@@ -100,6 +100,11 @@ class MPICommunicator(TorchDistCommunicator):
     bounds every collective of both transports: an MPI wait longer than that ends the job.
     """
 
+    reduce_alone_bytes = 2 ** 20
+    """1 MiB: an MPI collective through shared memory costs tens of microseconds, so a gradient of 1 MiB
+    or more is reduced in place rather than copied into a bucket (with 4.2 MB gradients the learner's
+    path took 12.2 ms in place against 17.8 ms packed, ``benchmarks/allreduce_throughput.py``)."""
+
     def __init__(self, *, mpi_comm: Any, timeout_s: float = 60.0, **kwargs: Any) -> None:
         super().__init__(backend="gloo", mpi_comm=mpi_comm, timeout_s=timeout_s, **kwargs)
         from mpi4py import MPI  # initialised already: the launcher's bootstrap imported it
@@ -107,11 +112,6 @@ class MPICommunicator(TorchDistCommunicator):
         self._mpi = MPI
         self._ops = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self._watch = _WaitWatch(timeout_s, self.abort)
-
-    reduce_alone_bytes = 2 ** 20
-    """1 MiB: an MPI collective through shared memory costs tens of microseconds, so a gradient of 1 MiB
-    or more is reduced in place rather than copied into a bucket (with 4.2 MB gradients the learner's
-    path took 12.2 ms in place against 17.8 ms packed, ``benchmarks/allreduce_throughput.py``)."""
 
     @property
     def backend(self) -> str:

@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("_bm_worker.py")
 CASES = ("defaults", "variants")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"nprocs={n}")
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
 def launch(request, tmp_path_factory) -> CheckLaunch:
     """One run of ``_bm_worker.py`` (both configurations) on ``request.param`` ranks."""
     return launch_checks(request.param, [WORKER], tmp_path_factory.mktemp(f"bm{request.param}"), timeout=120)

@@ -38,7 +38,7 @@ def assert_no_traceback(result) -> None:
     assert "Traceback" not in result.stdout + result.stderr, result.report()
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_an_exception_on_one_rank_ends_every_rank_within_10_s_with_its_line_first(tmp_path, nprocs):
     rank = nprocs - 1
     result, seconds = run_failing(tmp_path, nprocs, "raise", rank=rank)
@@ -51,7 +51,7 @@ def test_an_exception_on_one_rank_ends_every_rank_within_10_s_with_its_line_firs
     assert seconds < 10, f"the job outlived the failure by {seconds:.1f} s\n{result.report()}"
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_killed_rank_ends_every_rank_within_10_s(tmp_path, nprocs):
     result, seconds = run_failing(tmp_path, nprocs, "kill", rank=nprocs - 1)
     assert result.returncode != 0, result.report()
