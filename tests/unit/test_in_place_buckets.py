@@ -60,6 +60,21 @@ def make_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 3))  # 32 KiB and 1.5 KiB weights
 
 
+@pytest.mark.parametrize("reduce_alone_bytes, in_place", [(8 * 2 ** 20, []), (16 * KIB, ["0.weight"]),
+                                                          (1 * KIB, ["0.weight", "2.weight"])])
+def test_the_in_place_limit_is_the_communicators(reduce_alone_bytes, in_place):
+    """The learner reduces in place what the transport says is cheaper alone (``Communicator.reduce_alone_bytes``:
+    8 MiB for Gloo, 1 MiB for MPI), with buckets of the default 25 MiB."""
+    model = make_model()
+    comm = _PeerComm()
+    comm.reduce_alone_bytes = reduce_alone_bytes
+    learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.0), comm)
+    learner.prepare(model)
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    assert sorted(names[id(bucket.parameters[0])] for bucket in learner.buckets
+                  if isinstance(bucket, InPlaceBucket)) == in_place
+
+
 def test_a_large_gradient_is_reduced_in_place_without_a_copy():
     model = make_model()
     comm = _PeerComm()
