@@ -103,9 +103,13 @@ def create_communicator(backend: str = "auto", timeout_s: float = 60.0) -> Commu
 
 
 def _torch_dist(info: LaunchInfo, backend: str, timeout_s: float, **rendezvous: Any) -> Communicator:
-    return TorchDistCommunicator(backend=backend, rank=info.rank, size=info.size, local_rank=info.local_rank,
-                                 local_size=info.local_size, timeout_s=timeout_s, launcher=info.kind,
-                                 **rendezvous)
+    """The torch.distributed communicator of ``info``'s rank; ``mpi`` (its tensors through MPI, the rest
+    through Gloo) needs ``mpi_comm`` among ``rendezvous``."""
+    where = dict(rank=info.rank, size=info.size, local_rank=info.local_rank, local_size=info.local_size,
+                 timeout_s=timeout_s, launcher=info.kind, **rendezvous)
+    if backend == "mpi":
+        return MPICommunicator(**where)
+    return TorchDistCommunicator(backend=backend, **where)
 
 
 def _slurm_master_addr(info: LaunchInfo) -> str:
@@ -173,11 +177,8 @@ def _create_mpi(info: LaunchInfo, backend: str, timeout_s: float) -> Communicato
         endpoint = world.bcast(endpoint, root=0)
         if rank != 0:
             store = dist.TCPStore(endpoint[0], endpoint[1], size, is_master=False, timeout=store_timeout)
-        launch = LaunchInfo("mpi", rank, size, local_rank, local_size, *endpoint)
-        if backend == "mpi":
-            return MPICommunicator(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                                   timeout_s=timeout_s, store=store, mpi_comm=world)
-        return _torch_dist(launch, backend, timeout_s, store=store, mpi_comm=world)
+        return _torch_dist(LaunchInfo("mpi", rank, size, local_rank, local_size, *endpoint), backend, timeout_s,
+                           store=store, mpi_comm=world)
 
 
 @contextlib.contextmanager
