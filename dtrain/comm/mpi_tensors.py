@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dtrain.comm.base import AsyncHandle
-from dtrain.comm.torch_dist import TorchDistCommunicator
+from dtrain.comm.torch_dist import TorchDistCommunicator, _PendingReduce
 
 _MPI_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.int8)
 """CPU dtypes sent through MPI; numpy (and so mpi4py) has them all, with MPI reductions for each."""
@@ -74,22 +74,17 @@ class _WaitWatch:
                 return
 
 
-class _PendingMPIReduce(AsyncHandle):
-    """An in-flight ``MPI_Iallreduce``; ``mean`` is finished (divided) on ``wait``."""
+class _WatchedRequest:
+    """An MPI request whose ``wait()`` is watched (:class:`_WaitWatch`): what ``_PendingReduce`` waits on."""
 
-    def __init__(self, request: Any, tensor: torch.Tensor, divisor: int | None, watch: _WaitWatch) -> None:
-        self._request, self._tensor, self._divisor, self._watch = request, tensor, divisor, watch
+    def __init__(self, request: Any, watch: _WaitWatch) -> None:
+        self._request, self._watch = request, watch
 
-    def wait(self) -> torch.Tensor:
-        """Block until the reduction is done and return the reduced tensor."""
-        if self._request is not None:
-            self._watch.begin("all-reduce")
-            self._request.Wait()
-            self._watch.end()
-            self._request = None
-            if self._divisor is not None:
-                self._tensor.div_(self._divisor)
-        return self._tensor
+    def wait(self) -> None:
+        """Block until the request completes."""
+        self._watch.begin("all-reduce")
+        self._request.Wait()
+        self._watch.end()
 
 
 class MPICommunicator(TorchDistCommunicator):
@@ -140,7 +135,7 @@ class MPICommunicator(TorchDistCommunicator):
         if not self._through_mpi(tensor):
             return super().allreduce_async(tensor, op)
         request = self._mpi_comm.Iallreduce(self._mpi.IN_PLACE, tensor.detach().numpy(), op=self._ops[op])
-        return _PendingMPIReduce(request, tensor, self._size if op == "mean" else None, self._watch)
+        return _PendingReduce(_WatchedRequest(request, self._watch), tensor, self._size if op == "mean" else None)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``root``'s values on every rank; return it."""

@@ -27,7 +27,8 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
 
 
 class _PendingReduce(AsyncHandle):
-    """An in-flight ``all_reduce``; ``mean`` is finished (divided) on ``wait``."""
+    """An in-flight all-reduce; ``mean`` is finished (divided) on ``wait``. ``work`` is anything whose
+    ``wait()`` blocks until the reduction is done: torch.distributed's ``Work``, or an MPI request."""
 
     def __init__(self, work: Any, tensor: torch.Tensor, divisor: int | None) -> None:
         self._work, self._tensor, self._divisor = work, tensor, divisor
