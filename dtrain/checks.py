@@ -24,6 +24,9 @@ PRECISIONS = ("32", "bf16", "fp16")
 #: on each rank's share, or CNTK's local steps on the full stream on every rank
 WARM_STARTS = ("allreduce", "local")
 
+#: how tensors travel between ranks (``comm.backend``; see ``dtrain.comm.resolve_backend``)
+COMM_BACKENDS = ("auto", "gloo", "mpi", "nccl", "local")
+
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"{name}={value!r}: expected {expected}")

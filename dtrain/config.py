@@ -728,9 +728,8 @@ def _comm_problems(comm: DictConfig) -> list[str]:
             raise ValueError(f"{name}={value!r}: expected at least 1 second")
     problems = _check(comm, "comm", ("timeout_s", checks.positive_number, {"unit": "seconds"}),
                       ("heartbeat_timeout_s", at_least_a_second, {}))
-    backends = ("auto", "gloo", "mpi", "nccl", "local")
-    if comm.backend not in backends:
-        problems.append(f"comm.backend={comm.backend!r}: expected one of {', '.join(backends)}")
+    if comm.backend not in checks.COMM_BACKENDS:
+        problems.append(f"comm.backend={comm.backend!r}: expected one of {', '.join(checks.COMM_BACKENDS)}")
     elif comm.backend == "nccl":
         import torch
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import checks
 from dtrain.comm._address import LOOPBACK, choose_master_addr
 from dtrain.comm.base import Communicator, first_line, format_rank_message, terminate
 from dtrain.comm.launcher import LaunchInfo, detect_launcher, master_override
@@ -25,7 +26,7 @@ from dtrain.comm.local import LocalCommunicator
 from dtrain.comm.mpi_tensors import MPICommunicator
 from dtrain.comm.torch_dist import TorchDistCommunicator
 
-BACKENDS = ("auto", "gloo", "mpi", "nccl", "local")
+BACKENDS = checks.COMM_BACKENDS
 """Values accepted for ``backend``: ``auto`` is ``nccl`` when CUDA gives each rank of a node a GPU, else
 ``mpi`` for an ``mpiexec`` job on one node, else ``gloo``; ``mpi`` (CPU tensors through MPI) needs a job
 started by ``mpiexec``."""
