@@ -8,6 +8,7 @@ same global position. A checkpoint is just that position, so a run resumes on an
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -49,21 +50,28 @@ class Minibatch:
         features: float32 ``[n, *feature_shape]`` after the transform (``n`` may be 0).
         labels: ``[n]`` int64 class indices (any integer dtype is widened to int64), or the
             deserializer's floating-point targets ``[n, ...]`` in their own dtype (regression).
-        positions: int64 ``[n]`` global timeline positions of these samples.
         global_num_samples: samples in the whole global minibatch (all partitions together).
         sweep_end: True when this global minibatch contains the last sample of a sweep.
+        first_position: global timeline position of the first of these samples (the share is contiguous).
+        positions: int64 ``[n]`` global timeline positions of these samples (made when first asked
+            for: the training loop never needs them, and every array it makes per step costs time).
     """
 
     features: torch.Tensor
     labels: torch.Tensor
-    positions: np.ndarray
     global_num_samples: int
     sweep_end: bool
+    first_position: int
 
     @property
     def num_samples(self) -> int:
         """Samples in this partition's share (local ``n``)."""
         return int(self.labels.shape[0])
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """``[first_position, first_position + n)`` as int64."""
+        return np.arange(self.first_position, self.first_position + self.num_samples, dtype=np.int64)
 
 
 class MinibatchSource:
@@ -227,19 +235,14 @@ class MinibatchSource:
         local_start, local_stop = partition_slice(
             start_position, global_size, num_data_partitions, partition_index
         )
-        positions = np.arange(local_start, local_stop, dtype=np.int64)
         indices = range_to_indices(local_start, local_stop, self._samples_per_sweep, self._seed, self._randomize)
         features, labels = self._deserializer.get(indices)
-        features = self._apply_transform(features, positions)
         sweeps_done_before = start_position // self._samples_per_sweep
         sweeps_done_after = (start_position + global_size) // self._samples_per_sweep
-        return Minibatch(
-            features=features,
-            labels=_label_tensor(labels),
-            positions=positions,
-            global_num_samples=global_size,
-            sweep_end=sweeps_done_after > sweeps_done_before,
-        )
+        minibatch = Minibatch(features=features, labels=_label_tensor(labels), global_num_samples=global_size,
+                              sweep_end=sweeps_done_after > sweeps_done_before, first_position=local_start)
+        minibatch.features = self._apply_transform(features, minibatch)
+        return minibatch
 
     def _discard_read_ahead(self) -> None:
         """Drops the background read (after it finishes, so no read overlaps the next one)."""
@@ -260,9 +263,12 @@ class MinibatchSource:
         state["_pending"] = None
         return state
 
-    def _apply_transform(self, features: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+    def _apply_transform(self, features: torch.Tensor, minibatch: Minibatch) -> torch.Tensor:
+        """The transform's float32 features of ``minibatch`` (at its positions); without a transform,
+        ``features`` as float32 (no copy, and no call, when they already are)."""
         if self._transform is None:
-            return features.to(torch.float32)
+            return features if features.dtype is torch.float32 else features.to(torch.float32)
+        positions = minibatch.positions
         transformed = self._transform(features, positions, self._seed)
         if not isinstance(transformed, torch.Tensor) or transformed.dtype != torch.float32:
             raise TypeError(
@@ -341,6 +347,6 @@ def _wait_quietly(future: Future) -> None:
 def _label_tensor(labels: torch.Tensor) -> torch.Tensor:
     """Integer class labels as int64 (what torch's classification losses take); floating-point
     targets unchanged, so a regression target of 0.25 stays 0.25."""
-    if labels.dtype.is_floating_point or labels.dtype.is_complex:
+    if labels.dtype is torch.int64 or labels.dtype.is_floating_point or labels.dtype.is_complex:
         return labels
     return labels.to(torch.int64)

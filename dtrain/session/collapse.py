@@ -55,7 +55,8 @@ class CollapseWatch:
         self._operators: tuple[torch.Tensor, torch.Tensor] | None = None  # for fold_every losses; fewer take a slice
 
     def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
-        """Adds one minibatch's mean loss (a tensor; nothing is read back to the host after the first).
+        """Adds one minibatch's mean loss (a detached tensor, kept as it is; nothing is read back to the
+        host after the first).
 
         The first minibatch decides whether the task is watched: only a cross-entropy loss
         (``torch.nn.functional.cross_entropy`` or a ``torch.nn.CrossEntropyLoss``), whose uniform
@@ -70,7 +71,7 @@ class CollapseWatch:
                 self.chance_loss = math.log(self.num_classes)
         if self.chance_loss is None:
             return
-        self._pending.append(loss.detach())
+        self._pending.append(loss)
         if len(self._pending) >= self.fold_every:
             self._fold()
 

@@ -67,10 +67,11 @@ class ProgressPrinter:
             self._bar.__exit__(*exc)
             self._bar = None
 
-    def advance(self, samples_seen: int, samples_per_second: float) -> None:
-        """Moves the live bar (cheap; the bar redraws at most a few times a second)."""
+    def advance(self, samples_seen: int, throughput: Throughput) -> None:
+        """Moves the live bar to ``samples_seen`` at ``throughput``'s rate (cheap; the bar redraws at most
+        a few times a second); without a bar, nothing, not even the rate."""
         if self._bar is not None:
-            self._bar.update(self._task, completed=samples_seen, rate=f"{samples_per_second:,.0f}/s")
+            self._bar.update(self._task, completed=samples_seen, rate=f"{throughput.rate():,.0f}/s")
 
     def line(self, text: str) -> None:
         """Prints one line (above the live bar on a terminal)."""

@@ -369,7 +369,7 @@ class TrainingSession:
                 self.minibatches += 1
                 seen = self.learner.samples_seen
                 throughput.add(batch.global_num_samples)
-                printer.advance(seen, throughput.rate())
+                printer.advance(seen, throughput)
 
                 # preemption is agreed only where the ranks meet anyway (block momentum: once a block)
                 ranks_meet = self.learner.is_sync_point()
