@@ -220,15 +220,16 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
                                    independent_processes=kind == "local")  # the no-communication baseline
         comm.barrier()
         result = session.train()
-    exchange = getattr(learner, "exchange", None)  # the quantized learner's: compute vs wire of its last step
-    split = {"exchange_compute_s": getattr(exchange, "compute_seconds_last_step", None),
-             "exchange_transport_s": getattr(exchange, "transport_seconds_last_step", None)}
+    split = {}
+    if kind.startswith("quantized"):  # the 1-bit exchange's compute vs wire of its last step
+        split = {"exchange_compute_s": learner.exchange.compute_seconds_last_step,
+                 "exchange_transport_s": learner.exchange.transport_seconds_last_step}
     warm = -(-getattr(learner, "distributed_after", 0) // GLOBAL_MINIBATCH)
     float32_warm = getattr(learner, "warm_start_exchange", None) is not None
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,
             "warm_start_minibatches": warm if float32_warm else 0, "local_warm_start_minibatches": 0 if float32_warm else warm,
             "bytes_sent_per_step": getattr(learner, "bytes_sent_last_step", None),
-            **{key: max(comm.allgather_object(value)) for key, value in split.items() if value is not None}}
+            **{key: max(comm.allgather_object(value)) for key, value in split.items()}}
 
 
 def worker_epoch(comm, samples: int, block_size: int, learners: list[str], rounds: int = 1) -> None:
