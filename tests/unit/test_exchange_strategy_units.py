@@ -156,9 +156,12 @@ def test_the_learner_reports_exchange_seconds_for_the_session():
         model(torch.randn(4, 8)).sum().backward()
         learner.step()
         learner.finalize()
-        return learner.exchange_seconds_last_step, learner.bytes_sent_last_step, learner.progress_note()
-    for seconds, sent, note in FakeWorld(2).run(work):
+        strategy = learner.exchange  # its buckets' time split, which benchmarks/netns_cluster.py prints
+        split = (strategy.seconds_last_step, strategy.transport_seconds_last_step, strategy.compute_seconds_last_step)
+        return learner.exchange_seconds_last_step, learner.bytes_sent_last_step, learner.progress_note(), split
+    for seconds, sent, note, (total, transport, compute) in FakeWorld(2).run(work):
         assert seconds > 0 and sent > 0 and note.startswith("2-bit: ")
+        assert transport > 0 and 0 <= compute < total and abs(compute + transport - total) < 1e-9
 
 
 def test_powersgd_state_survives_a_weights_only_checkpoint_round_trip():

@@ -50,25 +50,3 @@ def test_exchange_splits_its_time_into_compute_and_transport():
         assert transport >= 2 * _SlowWorld.delay  # two phases, each one collective here
         assert 0 <= compute < total and abs(compute + transport - total) < 1e-9
 
-
-def test_the_learners_quantized_strategy_splits_a_step_into_compute_and_transport():
-    """What ``benchmarks/netns_cluster.py`` prints for the quantized learner: the step's exchanges
-    (every bucket) split into CPU work and time in the collectives."""
-    from dtrain.exchange import Quantized
-    from dtrain.learners import DataParallelLearner
-
-    def work(comm):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
-        learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, exchange=Quantized(1))
-        learner.prepare(model)
-        learner.begin_minibatch(4, 8)
-        model(torch.randn(4, 16)).sum().backward()
-        learner.step()
-        learner.finalize()
-        strategy = learner.exchange
-        return strategy.seconds_last_step, strategy.transport_seconds_last_step, strategy.compute_seconds_last_step
-
-    for total, transport, compute in _SlowWorld(2).run(work):
-        assert transport >= 2 * _SlowWorld.delay  # at least one bucket's two phases
-        assert 0 <= compute < total and abs(compute + transport - total) < 1e-9
