@@ -49,4 +49,3 @@ def test_exchange_splits_its_time_into_compute_and_transport():
     for total, transport, compute in _SlowWorld(2).run(work):
         assert transport >= 2 * _SlowWorld.delay  # two phases, each one collective here
         assert 0 <= compute < total and abs(compute + transport - total) < 1e-9
-
