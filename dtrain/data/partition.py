@@ -133,18 +133,25 @@ def range_to_indices(start: int, stop: int, num_samples: int, seed: int, randomi
 
     The same as ``timeline_to_indices(np.arange(start, stop), ...)``, but by slicing each
     sweep's cached order instead of masking, which keeps the per-minibatch cost negligible
-    next to a training step. Arguments are trusted (the source has checked them).
+    next to a training step. Arguments are trusted (the source has checked them). A range over
+    several sweeps fills one array allocated first, so a range too large for memory fails at
+    once (``MemoryError``) instead of growing a list sweep by sweep.
     """
-    pieces = []
-    position = start
-    while position < stop:
-        sweep, offset = divmod(position, num_samples)
-        take = min(stop - position, num_samples - offset)
+    count = max(stop - start, 0)
+    sweep, offset = divmod(start, num_samples)
+    if offset + count <= num_samples:  # within one sweep: the usual minibatch
+        if randomize:  # a copy: never hand out the shared cached array
+            return _cached_sweep_order(num_samples, seed, sweep)[offset:offset + count].copy()
+        return np.arange(offset, offset + count, dtype=np.int64)
+    indices = np.empty(count, dtype=np.int64)
+    filled = 0
+    while filled < count:
+        sweep, offset = divmod(start + filled, num_samples)
+        take = min(count - filled, num_samples - offset)
+        piece = indices[filled:filled + take]
         if randomize:
-            pieces.append(_cached_sweep_order(num_samples, seed, sweep)[offset:offset + take])
+            piece[:] = _cached_sweep_order(num_samples, seed, sweep)[offset:offset + take]
         else:
-            pieces.append(np.arange(offset, offset + take, dtype=np.int64))
-        position += take
-    if len(pieces) == 1:
-        return pieces[0].copy() if randomize else pieces[0]  # never hand out the shared cached array
-    return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+            piece[:] = np.arange(offset, offset + take, dtype=np.int64)
+        filled += take
+    return indices

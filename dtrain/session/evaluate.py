@@ -12,6 +12,9 @@ def classification_errors(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return (logits.argmax(dim=1) != labels).sum()
 
 
+classification_errors.additive = True  # a sum over samples: the training loop may run it over many minibatches at once
+
+
 @dataclass
 class Evaluation:
     """Sample-weighted averages over an evaluated source."""

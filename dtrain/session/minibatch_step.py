@@ -18,17 +18,28 @@ from dtrain.session.metrics import PhaseTimer
 from dtrain.session.precision import LossScaler, autocast
 
 
+#: outputs and labels a deferred metric keeps before it runs over them (a larger pass is measured at once)
+DEFERRED_OUTPUT_BYTES = 4 << 20
+
+
 class PeriodSums:
     """Loss and metric sums of one progress period, kept on the device (no host sync per step).
 
-    Each step's mean loss and metric sum are kept as tensors and folded into the float64 totals
-    every ``fold_every`` steps with one ``stack`` and one ``sum`` each, instead of several tiny
-    tensor operations per step (their fixed cost is most of the loop's own time on small models).
+    Each pass's mean loss is kept as a tensor and folded into the float64 totals every
+    ``fold_every`` passes with one ``stack`` and one ``sum``, instead of several tiny tensor
+    operations per step: run right after a backward pass, each costs several microseconds
+    (``benchmarks/README.md``). An *additive* metric (``metric.additive``: its value over several
+    passes' outputs together is the sum of its values over each, as for the classification error)
+    runs at the fold too, once over copies of the kept passes' outputs and labels
+    (:meth:`add_outputs`); any other metric's sum is computed by the caller for every pass (:meth:`add`).
     """
 
-    def __init__(self, device: torch.device, fold_every: int = 64):
+    def __init__(self, device: torch.device, metric: Callable | None = None, fold_every: int = 64,
+                 deferred_output_bytes: int = DEFERRED_OUTPUT_BYTES):
         self.device = device
+        self.metric_function = metric
         self.fold_every = fold_every
+        self.deferred_output_bytes = deferred_output_bytes
         self.reset()
 
     def reset(self) -> None:
@@ -38,25 +49,61 @@ class PeriodSums:
         self.samples = 0
         self._losses: list[torch.Tensor] = []   # detached mean losses of the passes not yet folded
         self._weights: list[int] = []           # their sample counts
-        self._metrics: list[torch.Tensor] = []  # their metric sums
+        self._metrics: list[torch.Tensor] = []  # their metric sums (where already computed)
+        self._outputs: list[torch.Tensor] = []  # copies of the outputs whose metric is deferred ...
+        self._labels: list[torch.Tensor] = []   # ... and of their labels
+        self._kept_shapes: tuple | None = None  # the per-sample shapes of both (passes concatenate along dim 0)
+        self._kept_bytes = 0
 
     def add(self, mean_loss: torch.Tensor, metric_sum: torch.Tensor | float, samples: int) -> None:
         """Adds one pass: its mean loss (a detached tensor), its metric SUM, and its sample count."""
+        self._metrics.append(metric_sum)
+        self._add_loss(mean_loss, samples)
+
+    def add_outputs(self, mean_loss: torch.Tensor, output: torch.Tensor, labels: torch.Tensor, samples: int) -> None:
+        """Adds one pass whose (additive) metric runs later, over many passes at once: its mean loss
+        (a detached tensor), its detached output and its labels (both copied: a source may reuse its
+        buffers) and its sample count. A pass too large to keep is measured at once; one whose
+        per-sample shapes differ from the kept passes' first has those measured."""
+        size = output.numel() * output.element_size() + labels.numel() * labels.element_size()
+        if size > self.deferred_output_bytes:
+            self.add(mean_loss, self.metric_function(output, labels), samples)
+            return
+        shapes = (output.shape[1:], labels.shape[1:])
+        if shapes != self._kept_shapes:
+            self._measure_kept_outputs()
+            self._kept_shapes = shapes
+        self._outputs.append(output.clone())
+        self._labels.append(labels.clone())
+        self._kept_bytes += size
+        self._add_loss(mean_loss, samples)
+        if self._kept_bytes > self.deferred_output_bytes:
+            self._fold()
+
+    def _add_loss(self, mean_loss: torch.Tensor, samples: int) -> None:
         self._losses.append(mean_loss)
         self._weights.append(samples)
-        self._metrics.append(metric_sum)
         self.samples += samples
         if len(self._losses) >= self.fold_every:
             self._fold()
 
+    def _measure_kept_outputs(self) -> None:
+        """Runs the deferred metric once over the kept passes' outputs and labels."""
+        if self._outputs:
+            outputs = self._outputs[0] if len(self._outputs) == 1 else torch.cat(self._outputs)
+            labels = self._labels[0] if len(self._labels) == 1 else torch.cat(self._labels)
+            self._metrics.append(self.metric_function(outputs, labels))
+        self._outputs, self._labels, self._kept_bytes = [], [], 0
+
     def _fold(self) -> None:
         """Adds the kept per-pass values into the float64 totals (losses weighted by their samples)."""
-        if not self._losses:
-            return
-        losses = _stack_float64(self._losses, self.device)
-        weights = torch.tensor(self._weights, dtype=torch.float64, device=losses.device)
-        self.loss += (losses * weights).sum()
-        self.metric += _stack_float64(self._metrics, self.device).sum()
+        self._measure_kept_outputs()
+        if self._losses:
+            losses = _stack_float64(self._losses, self.device)
+            weights = torch.tensor(self._weights, dtype=torch.float64, device=losses.device)
+            self.loss += (losses * weights).sum()
+        if self._metrics:
+            self.metric += _stack_float64(self._metrics, self.device).sum()
         self._losses, self._weights, self._metrics = [], [], []
 
     def as_tensor(self) -> torch.Tensor:
@@ -111,6 +158,9 @@ class MinibatchStep:
         self.collapse = collapse
         self._forward_checked = not check_compile
         self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
+        # an additive metric runs once over many passes (PeriodSums.add_outputs), after a first pass at once
+        self._metric_is_additive = bool(getattr(metric, "additive", False))
+        self._defer_metric = False
 
     def read(self, source, size: int, timer: PhaseTimer):
         """The next minibatch of ``size`` global samples (this rank's share), or ``None`` at the end of
@@ -188,7 +238,11 @@ class MinibatchStep:
                 output = output.float()  # the metric sees float32, as without autocast
             loss = loss.detach()
             self.collapse.observe(output, labels, loss, self.loss)
-            sums.add(loss, self.metric(output, labels), samples)
+            if self._defer_metric:
+                sums.add_outputs(loss, output, labels, samples)
+            else:  # every pass; an additive metric only the first (a metric that cannot run fails at once)
+                sums.add(loss, self.metric(output, labels), samples)
+                self._defer_metric = self._metric_is_additive
 
     def _forward(self, features: torch.Tensor) -> torch.Tensor:
         """The model's training forward; the first compiled one turns a compiler failure into one clear line."""

@@ -4,7 +4,10 @@ A loss is ``loss(output, labels)`` returning the MEAN over the minibatch (any ``
 module qualifies). A metric is ``metric(output, labels)`` returning the SUM over the minibatch
 (so the loop can average it over samples and ranks exactly); its optional attributes ``name``
 (the key in progress lines, ``metrics.jsonl``/``metrics.csv`` and the summary) and ``percent``
-(shown as a percentage) say how it is reported.
+(shown as a percentage) say how it is reported. ``additive = True`` says that its value over
+several minibatches' outputs together (concatenated along the first dimension) is the sum of its
+values over each; the training loop then runs it once for up to 64 minibatches instead of after
+every one (``dtrain.session.minibatch_step.PeriodSums``).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ class ClassificationError:
 
     name = "error"
     percent = True
+    additive = True
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return classification_errors(output, labels)
@@ -36,6 +40,7 @@ class TopKError:
     """
 
     percent = True
+    additive = True
 
     def __init__(self, k: int = 5) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -80,6 +85,7 @@ class MeanAbsoluteError:
 
     name = "mean_abs_error"
     percent = False
+    additive = True
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         output, labels = _regression_pair(output, labels, "metric mean_abs_error")

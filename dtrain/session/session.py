@@ -349,7 +349,7 @@ class TrainingSession:
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
         throughput = Throughput()
         timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
-        sums = PeriodSums(self.device)  # loss and metric sums over this rank's samples of the period
+        sums = PeriodSums(self.device, self.metric)  # loss and metric sums over this rank's samples of the period
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
         stopped_early = preempted = False

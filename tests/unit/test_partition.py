@@ -127,3 +127,18 @@ def test_range_to_indices_equals_the_general_mapping(start, stop, randomize):
     if randomize and got.size:
         got[0] = -1  # a private copy: the cached sweep order must stay intact
         assert timeline_to_indices(np.array([start]), 20, 7, True)[0] != -1
+
+
+def test_a_range_too_large_for_memory_fails_at_once():
+    """A minibatch of 10**12 samples over a 1,437-sample set: the indices are allocated first, so the
+    read stops with numpy's MemoryError for the whole array, instead of building 7 * 10**8 pieces
+    until the machine swaps (a 4 GiB address-space limit keeps a regression from taking it down)."""
+    import subprocess
+    import sys
+
+    code = ("import resource\n"
+            "from dtrain.data.partition import range_to_indices\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "range_to_indices(0, 10**12, 1437, 0, True)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "MemoryError" in result.stderr and "7.28 TiB" in result.stderr, result.stderr[-500:]
