@@ -9,9 +9,11 @@ dozens of bad inputs stays quick while each case still runs in its own process.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -25,6 +27,17 @@ import dtrain.models  # noqa: F401
 # what the digits recipe loads lazily (scikit-learn's loader and split), warmed once for every child
 dtrain.data.Digits("train")
 dtrain.data.Digits("test")
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent ends (``prctl(PR_SET_PDEATHSIG)``), so a runner
+    whose pytest was stopped, or a command whose runner was, cannot run on alone."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        return
+    if os.getppid() == 1:  # the parent ended before the request took effect
+        os._exit(1)
 
 
 def snapshot(paths: list[str]) -> dict[str, str]:
@@ -42,6 +55,7 @@ def run_one(argv: list[str], cwd: str) -> tuple[int, str, str]:
         if pid == 0:  # the child: python -m dtrain ARGV
             code = 0
             try:
+                die_with_parent()
                 os.chdir(cwd)
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
@@ -64,6 +78,7 @@ def run_one(argv: list[str], cwd: str) -> tuple[int, str, str]:
 
 
 def main() -> None:
+    die_with_parent()
     for line in sys.stdin:
         request = json.loads(line)
         before = snapshot(request.get("watch", []))
