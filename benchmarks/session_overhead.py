@@ -3,6 +3,7 @@
     python benchmarks/session_overhead.py                      # both models, 3 alternating rounds
     python benchmarks/session_overhead.py --model cifar --samples 20000 --rounds 5
     python benchmarks/session_overhead.py --model linear --threads 1 --rounds 9  # the fixed cost per step
+    python benchmarks/session_overhead.py --model digits --threads 1 --metric-deferral --rounds 21 --samples 6400
 
 Both sides train the same network from the same initial weights, with the same optimizer and
 minibatch size, on the same in-memory data (random order each sweep). The hand-written loop is
@@ -14,6 +15,10 @@ ratio, the two runs of a round being back to back), for the training loop (the s
 own clock, ``TrainingResult.seconds``) and for the whole ``train()`` call including its one-off
 set-up (TensorBoard writer, metrics file, restore check) and end (``model.safetensors``,
 ``report.png``).
+
+``--metric-deferral`` compares two sessions instead: the classification error as dtrain runs it
+(marked ``additive``: once over 64 minibatches' kept outputs) against the same count in a function
+without the mark (computed after every minibatch), alternating, with the paired ratio.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import torch
 from dtrain import LocalLearner, MinibatchSource, training_session
 from dtrain.data import ArrayDeserializer
 from dtrain.models import ConvNetCIFAR10, DigitsCNN
+from dtrain.session import classification_errors
 
 MODELS = {
     # name: (network factory, feature shape, minibatch size)
@@ -71,7 +77,13 @@ def hand_written_loop(name: str, features: torch.Tensor, labels: torch.Tensor, s
     return seen / (time.perf_counter() - start)
 
 
-def dtrain_session(name: str, features: torch.Tensor, labels: torch.Tensor, samples: int) -> tuple[float, float]:
+def errors_every_minibatch(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``classification_errors`` without the ``additive`` mark: the session computes it after every minibatch."""
+    return classification_errors(output, labels)
+
+
+def dtrain_session(name: str, features: torch.Tensor, labels: torch.Tensor, samples: int,
+                   metric=classification_errors) -> tuple[float, float]:
     """(samples/s of the training loop, samples/s of the whole ``train()`` call with its set-up)."""
     factory, _, minibatch = MODELS[name]
     torch.manual_seed(0)
@@ -81,7 +93,7 @@ def dtrain_session(name: str, features: torch.Tensor, labels: torch.Tensor, samp
     with tempfile.TemporaryDirectory() as run_dir:
         session = training_session(model, torch.nn.functional.cross_entropy, learner, source, minibatch,
                                    max_samples=samples, progress_frequency=len(features), run_dir=run_dir,
-                                   tensorboard=True, stream=io.StringIO())
+                                   tensorboard=True, stream=io.StringIO(), metric=metric)
         start = time.perf_counter()
         result = session.train()
         whole = time.perf_counter() - start
@@ -94,10 +106,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=None, help="samples per measurement (default: per model)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurements of each side")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--metric-deferral", action="store_true",
+                        help="the error once per 64 minibatches (dtrain's) against after every minibatch, in sessions")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     names = list(MODELS) if args.model == "all" else [args.model]
+    if args.metric_deferral:
+        compare_metric_deferral(names, args)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} alternating rounds")
     print(f"{'model':<8} {'samples':>8} {'hand loop /s':>13} {'session /s':>11} {'session/hand':>13} "
           f"{'per round':>10} {'with set-up':>12} {'µs/step over hand':>18}")
@@ -117,6 +134,27 @@ def main() -> None:
         extra_us = 1e6 * minibatch * (1 / session_rate - 1 / hand_rate)  # the session's own time per step
         print(f"{name:<8} {samples:>8} {hand_rate:>13,.0f} {session_rate:>11,.0f} {session_rate / hand_rate:>13.3f} "
               f"{paired:>10.3f} {statistics.median(whole) / hand_rate:>12.3f} {extra_us:>18.1f}")
+
+
+def compare_metric_deferral(names: list[str], args: argparse.Namespace) -> None:
+    """Sessions with the error deferred and computed every minibatch, alternating; medians and paired ratio."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} alternating rounds")
+    print(f"{'model':<8} {'samples':>8} {'every minibatch /s':>19} {'deferred /s':>12} {'deferred/every':>15} "
+          f"{'per round':>10} {'µs/step saved':>14}")
+    for name in names:
+        samples = args.samples or {"digits": 60000, "cifar": 12800, "linear": 320000}[name]
+        features, labels = make_data(MODELS[name][1], 10000)
+        dtrain_session(name, features, labels, MODELS[name][2] * 5)  # warm-up
+        deferred, every = [], []
+        for index in range(args.rounds):
+            order = [(deferred, classification_errors), (every, errors_every_minibatch)]
+            for rates, metric in order if index % 2 else reversed(order):
+                rates.append(dtrain_session(name, features, labels, samples, metric)[0])
+        deferred_rate, every_rate = statistics.median(deferred), statistics.median(every)
+        paired = statistics.median(ours / theirs for ours, theirs in zip(deferred, every))
+        saved_us = 1e6 * MODELS[name][2] * (1 / every_rate - 1 / deferred_rate)
+        print(f"{name:<8} {samples:>8} {every_rate:>19,.0f} {deferred_rate:>12,.0f} {deferred_rate / every_rate:>15.3f} "
+              f"{paired:>10.3f} {saved_us:>14.1f}")
 
 
 if __name__ == "__main__":
