@@ -100,6 +100,12 @@ def dtrain_session(name: str, features: torch.Tensor, labels: torch.Tensor, samp
         return result.samples_seen / result.seconds, result.samples_seen / whole
 
 
+def measurement(name: str, args: argparse.Namespace) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Samples per measurement (``--samples`` or the model's default) and the in-memory data set."""
+    features, labels = make_data(MODELS[name][1], 10000)
+    return args.samples or {"digits": 60000, "cifar": 12800, "linear": 320000}[name], features, labels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
@@ -119,8 +125,7 @@ def main() -> None:
     print(f"{'model':<8} {'samples':>8} {'hand loop /s':>13} {'session /s':>11} {'session/hand':>13} "
           f"{'per round':>10} {'with set-up':>12} {'µs/step over hand':>18}")
     for name in names:
-        samples = args.samples or {"digits": 60000, "cifar": 12800, "linear": 320000}[name]
-        features, labels = make_data(MODELS[name][1], 10000)
+        samples, features, labels = measurement(name, args)
         hand_written_loop(name, features, labels, MODELS[name][2] * 5)  # warm-up: allocator, kernels
         hand, session, whole = [], [], []
         for _ in range(args.rounds):
@@ -142,8 +147,7 @@ def compare_metric_deferral(names: list[str], args: argparse.Namespace) -> None:
     print(f"{'model':<8} {'samples':>8} {'every minibatch /s':>19} {'deferred /s':>12} {'deferred/every':>15} "
           f"{'per round':>10} {'µs/step saved':>14}")
     for name in names:
-        samples = args.samples or {"digits": 60000, "cifar": 12800, "linear": 320000}[name]
-        features, labels = make_data(MODELS[name][1], 10000)
+        samples, features, labels = measurement(name, args)
         dtrain_session(name, features, labels, MODELS[name][2] * 5)  # warm-up
         deferred, every = [], []
         for index in range(args.rounds):
