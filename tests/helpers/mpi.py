@@ -125,7 +125,8 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping
     ``timeout``, mpiexec and every rank are killed and
     ``subprocess.TimeoutExpired`` is raised with the output so far. ``check=True`` raises
     AssertionError with :meth:`MpiResult.report` on a non-zero exit. Skips the calling
-    test when no ``mpiexec`` is found.
+    test when no ``mpiexec`` is found. A launch that fails before any rank starts
+    (:data:`LAUNCHER_FAILURES`) is run once more.
     """
     mpiexec = mpiexec_path()
     if mpiexec is None:
@@ -138,9 +139,24 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping
     # A new session holds mpiexec and its ranks, so a timeout can end all of them
     # without touching pytest.
     result = run_in_new_session(command, full_env, timeout, kill=lambda process: kill_session(process.pid))
+    if failed_before_any_rank_started(result):
+        print(f"mpiexec failed before starting any rank (exit {result.returncode}); launching once more:\n"
+              f"{result.stderr.strip()}", file=sys.stderr)
+        result = run_in_new_session(command, full_env, timeout, kill=lambda process: kill_session(process.pid))
     if check and result.returncode != 0:
         raise AssertionError(result.report())
     return result
+
+
+# What Open MPI's launcher prints when it fails intermittently before starting any rank
+# (open-mpi/ompi#1986); the run did nothing, so launching it again is safe.
+LAUNCHER_FAILURES = ("The PMIx server's listener thread failed to start",)
+
+
+def failed_before_any_rank_started(result: MpiResult) -> bool:
+    """Whether ``mpiexec`` ended with one of the launcher's own intermittent start-up failures."""
+    return result.returncode != 0 and any(message in result.stdout + result.stderr
+                                               for message in LAUNCHER_FAILURES)
 
 
 def run_in_new_session(command: Sequence[str], env: Mapping[str, str], timeout: float,
