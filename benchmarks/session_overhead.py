@@ -14,7 +14,8 @@ both; the table gives the median of each and their ratio ("per round": the media
 ratio, the two runs of a round being back to back), for the training loop (the session's
 own clock, ``TrainingResult.seconds``) and for the whole ``train()`` call including its one-off
 set-up (TensorBoard writer, metrics file, restore check) and end (``model.safetensors``,
-``report.png``).
+``report.png``). glibc malloc's thresholds are fixed for the whole process first, as ``python -m
+dtrain`` does (``--glibc-malloc`` leaves them; ``benchmarks/host_memory.py`` compares the two).
 
 ``--metric-deferral`` compares two sessions instead: the classification error as dtrain runs it
 (marked ``additive``: once over 64 minibatches' kept outputs) against the same count in a function
@@ -33,6 +34,7 @@ import torch
 
 from dtrain import LocalLearner, MinibatchSource, training_session
 from dtrain.data import ArrayDeserializer
+from dtrain.host_memory import keep_freed_host_memory
 from dtrain.models import ConvNetCIFAR10, DigitsCNN
 from dtrain.session import classification_errors
 
@@ -112,27 +114,34 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=None, help="samples per measurement (default: per model)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurements of each side")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--glibc-malloc", action="store_true",
+                        help="leave glibc malloc's adaptive thresholds (default: fixed, as python -m dtrain does)")
     parser.add_argument("--metric-deferral", action="store_true",
                         help="the error once per 64 minibatches (dtrain's) against after every minibatch, in sessions")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    host_memory = keep_freed_host_memory(not args.glibc_malloc)  # for both sides: they share the process
     names = list(MODELS) if args.model == "all" else [args.model]
     if args.metric_deferral:
         compare_metric_deferral(names, args)
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} alternating rounds")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} alternating rounds; "
+          f"{host_memory.describe()}")
     print(f"{'model':<8} {'samples':>8} {'hand loop /s':>13} {'session /s':>11} {'session/hand':>13} "
           f"{'per round':>10} {'with set-up':>12} {'µs/step over hand':>18}")
     for name in names:
         samples, features, labels = measurement(name, args)
         hand_written_loop(name, features, labels, MODELS[name][2] * 5)  # warm-up: allocator, kernels
         hand, session, whole = [], [], []
-        for _ in range(args.rounds):
-            hand.append(hand_written_loop(name, features, labels, samples))
+        for index in range(args.rounds):
+            if index % 2:  # which side runs first alternates too, so neither always follows the other
+                hand.append(hand_written_loop(name, features, labels, samples))
             loop_rate, whole_rate = dtrain_session(name, features, labels, samples)
             session.append(loop_rate)
             whole.append(whole_rate)
+            if not index % 2:
+                hand.append(hand_written_loop(name, features, labels, samples))
         hand_rate, session_rate = statistics.median(hand), statistics.median(session)
         paired = statistics.median(ours / theirs for ours, theirs in zip(session, hand))
         minibatch = MODELS[name][2]

@@ -24,6 +24,7 @@ _EXPORTS = {
     "ReplicatedLearner": ("dtrain.learners", "ReplicatedLearner"),
     "block_momentum_distributed_learner": ("dtrain.learners", "block_momentum_distributed_learner"),
     "data_parallel_distributed_learner": ("dtrain.learners", "data_parallel_distributed_learner"),
+    "keep_freed_host_memory": ("dtrain.host_memory", "keep_freed_host_memory"),
     "Schedule": ("dtrain.schedules", "Schedule"),
     "CheckpointError": ("dtrain.session.checkpoint", "CheckpointError"),
     "load_checkpoint": ("dtrain.session.checkpoint", "load"),

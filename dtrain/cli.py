@@ -29,6 +29,7 @@ from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
 from dtrain.help import config_dir, config_directories, quick_answer
 from dtrain.schedules import Schedule
+from dtrain.host_memory import keep_freed_host_memory
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.checkpoint import CheckpointError
@@ -238,6 +239,7 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
                         f"command line, environment and files")
     threads = choose_threads(cfg.session.num_threads, comm.local_size if comm.size > 1 else 1, torch.get_num_threads())
     torch.set_num_threads(threads.threads)
+    host_memory = keep_freed_host_memory(cfg.session.keep_host_memory)
 
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     model = _instantiate(cfg.model, "model")
@@ -286,6 +288,7 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         saved = _save_config(cfg, run_dir)
         print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
         print(f"dtrain: {threads.describe(per_process=comm.size > 1)}", flush=True)
+        print(f"dtrain: {host_memory.describe()}", flush=True)
     result = trainer.train()
     if result.preempted:
         exit_preempted(comm, cfg, result)

@@ -291,6 +291,7 @@ class SessionConfig:
     tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
     progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = chosen (dtrain/threads.py)
+    keep_host_memory: bool = True       # fix glibc malloc's thresholds so freed CPU memory serves the next step (dtrain/host_memory.py)
     micro_batch_size: Optional[int] = None  # samples per rank per forward/backward pass; null = no cap
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
     precision: Any = "32"               # 32 | bf16 | fp16 (autocast forward; fp16 with a loss scale)
@@ -682,6 +683,7 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("max_samples", checks.sample_count, {"allow_none": True}),
         ("progress_frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
         ("num_threads", checks.whole_number, {"low": 1, "allow_none": True, "unit": "threads"}),
+        ("keep_host_memory", checks.boolean, {}),
         ("unit_gain_momentum", checks.boolean, {}),
         ("tensorboard", checks.boolean, {"allow_none": True}),
         ("micro_batch_size", checks.sample_count, {"allow_none": True}),

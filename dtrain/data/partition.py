@@ -48,9 +48,13 @@ def partition_slice(
         raise ValueError(
             f"partition_index must be < num_partitions ({num_partitions}), got {partition_index}"
         )
-    start = global_start + partition_index * global_size // num_partitions
-    stop = global_start + (partition_index + 1) * global_size // num_partitions
-    return start, stop
+    return partition_bounds(global_start, global_size, num_partitions, partition_index)
+
+
+def partition_bounds(global_start: int, global_size: int, num_partitions: int, partition_index: int) -> tuple[int, int]:
+    """:func:`partition_slice` for arguments already checked (the source's read, once per minibatch)."""
+    return (global_start + partition_index * global_size // num_partitions,
+            global_start + (partition_index + 1) * global_size // num_partitions)
 
 
 @functools.lru_cache(maxsize=8)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dtrain.data._checks import check_bool, check_int
-from dtrain.data.partition import partition_slice, range_to_indices
+from dtrain.data.partition import partition_bounds, range_to_indices
 
 __all__ = ["Deserializer", "Minibatch", "MinibatchSource"]
 
@@ -193,14 +193,18 @@ class MinibatchSource:
         Raises:
             TypeError / ValueError: an argument is not an int in its range.
         """
-        global_size = check_int("minibatch_size_in_samples", minibatch_size_in_samples, 1)
-        num_data_partitions = check_int("num_data_partitions", num_data_partitions, 1)
-        partition_index = check_int("partition_index", partition_index, 0)
-        if partition_index >= num_data_partitions:
-            raise ValueError(
-                f"partition_index must be < num_data_partitions ({num_data_partitions}), "
-                f"got {partition_index}"
-            )
+        global_size = minibatch_size_in_samples
+        # plain ints in range (every call of a training loop) pass without a call; anything else is checked
+        if not (type(global_size) is type(num_data_partitions) is type(partition_index) is int
+                and global_size >= 1 and 0 <= partition_index < num_data_partitions):
+            global_size = check_int("minibatch_size_in_samples", global_size, 1)
+            num_data_partitions = check_int("num_data_partitions", num_data_partitions, 1)
+            partition_index = check_int("partition_index", partition_index, 0)
+            if partition_index >= num_data_partitions:
+                raise ValueError(
+                    f"partition_index must be < num_data_partitions ({num_data_partitions}), "
+                    f"got {partition_index}"
+                )
         request = self._request(self._position, global_size, num_data_partitions, partition_index)
         if request is None:
             self._discard_read_ahead()
@@ -232,9 +236,7 @@ class MinibatchSource:
 
     def _read(self, start_position: int, global_size: int, num_data_partitions: int, partition_index: int) -> Minibatch:
         """The minibatch of one request: a pure function of it (no state of the source changes)."""
-        local_start, local_stop = partition_slice(
-            start_position, global_size, num_data_partitions, partition_index
-        )
+        local_start, local_stop = partition_bounds(start_position, global_size, num_data_partitions, partition_index)
         indices = range_to_indices(local_start, local_stop, self._samples_per_sweep, self._seed, self._randomize)
         features, labels = self._deserializer.get(indices)
         sweeps_done_before = start_position // self._samples_per_sweep

@@ -353,6 +353,7 @@ class TrainingSession:
         last_cv: Evaluation | None = None
         last_checkpoint: Path | None = None
         stopped_early = preempted = False
+        alone = self.comm.size == 1  # a single process checks for preemption after every minibatch
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
                 self._preemption_handler():
             self._print_start(printer, restored_from)
@@ -386,7 +387,7 @@ class TrainingSession:
                 if self.checkpoint_period.due(seen, ready=one_model):
                     ranks_meet = True
                     last_checkpoint = self._save_checkpoint(printer)
-                if (ranks_meet or self.comm.size == 1) and self._preemption_requested():
+                if (ranks_meet or alone) and self._preemption_requested():
                     preempted = stopped_early = True
                     break
 

@@ -44,6 +44,7 @@ CASES = [
     ("test-minibatch-0", ["session.test.minibatch_size=0"], ["session.test.minibatch_size=0: expected"]),
     ("threads-0", ["session.num_threads=0"], ["session.num_threads=0: expected a whole number of threads"]),
     ("threads-negative", ["session.num_threads=-2"], ["session.num_threads=-2: expected"]),
+    ("keep-host-memory-word", ["session.keep_host_memory=maybe"], ["keep_host_memory", "maybe"]),
     ("two-problems-at-once", ["session.minibatch_size=0", "session.checkpoint.filename=sub/"],
      ["session.minibatch_size=0: expected", "session.checkpoint.filename='sub/': expected"]),
     # schedules

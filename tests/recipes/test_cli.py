@@ -28,6 +28,8 @@ def test_digits_recipe_reaches_97_percent_and_says_where_outputs_went(tmp_path):
     accuracy = float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1))
     assert accuracy >= 97.0, result.stdout
     assert re.search(r"training 151,306 parameters on (the CPU|cuda:0 \(.+\)), 1 worker, global minibatch 32", result.stdout)
+    if (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc") and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        assert "dtrain: host memory: freed blocks kept for the next step (glibc malloc" in result.stdout
     run = tmp_path / "run"
     assert f"checkpoint: {run / 'checkpoint-30000.pt'}" in result.stdout
     assert f"metrics: {run / 'metrics.jsonl'}" in result.stdout
