@@ -86,8 +86,9 @@ def main() -> None:
             print(f"{model:<7} {setting:<6} {median['hand']:>13,.0f} {median['session']:>11,.0f} "
                   f"{median['hand_faults']:>17,.1f} {median['session_faults']:>8,.1f} {median['max_rss_mb']:>11,.0f}")
         kept, glibc = medians["kept"], medians["glibc"]
-        print(f"{model:<7} {'kept/glibc':<10} {kept['hand'] / glibc['hand']:>9.3f} {kept['session'] / glibc['session']:>11.3f}"
-              f" {'':>17} {'':>8} {kept['max_rss_mb'] / glibc['max_rss_mb']:>11.3f}")
+        print(f"{model:<7} {'kept/glibc':<10} {kept['hand'] / glibc['hand']:>9.3f} "
+              f"{kept['session'] / glibc['session']:>11.3f} {'':>17} {'':>8} "
+              f"{kept['max_rss_mb'] / glibc['max_rss_mb']:>11.3f}")
 
 
 if __name__ == "__main__":

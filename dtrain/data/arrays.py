@@ -101,8 +101,12 @@ class ArrayDeserializer:
     def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Features ``[len(indices), *feature_shape]`` (stored dtype) and the labels of ``indices``
         (int64 classes, or the float targets in their dtype)."""
-        index_tensor = torch.from_numpy(np.asarray(indices, dtype=np.int64))
-        return self._features[index_tensor], self._labels[index_tensor]
+        return self.take(torch.from_numpy(np.asarray(indices, dtype=np.int64)))
+
+    def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`get` for an int64 index tensor: the source hands it a slice of its cached sweep order
+        (one call instead of building an array and converting it, per minibatch)."""
+        return self._features[index], self._labels[index]
 
     def mean_image(self) -> torch.Tensor:
         """float32 per-element mean ``[*feature_shape]``: ``training_mean`` if given, else of ``features``."""

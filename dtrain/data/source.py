@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dtrain.data._checks import check_bool, check_int
-from dtrain.data.partition import partition_bounds, range_to_indices
+from dtrain.data.partition import partition_bounds, range_to_indices, sweep_order
 
 __all__ = ["Deserializer", "Minibatch", "MinibatchSource"]
 
@@ -29,7 +29,9 @@ class Deserializer(Protocol):
     """What a MinibatchSource reads from.
 
     Optionally also ``mean_image() -> torch.Tensor``: float32 per-pixel mean over the training
-    split, shape ``feature_shape`` (used by ``ImageTransform(mean="dataset")``).
+    split, shape ``feature_shape`` (used by ``ImageTransform(mean="dataset")``), and
+    ``take(index: torch.Tensor)``: ``get`` for an int64 index tensor, which the source then calls
+    with a slice of its cached sweep order (in-memory data, whose read is a few tensor calls).
     """
 
     num_samples: int  # samples in one sweep
@@ -140,6 +142,7 @@ class MinibatchSource:
                 f"{type(transform).__name__}"
             )
         self._deserializer = deserializer
+        self._take = getattr(deserializer, "take", None)  # reads by index tensor (see Deserializer)
         self._transform = transform
         if transform is not None and hasattr(transform, "setup"):
             transform.setup(deserializer)
@@ -237,14 +240,24 @@ class MinibatchSource:
     def _read(self, start_position: int, global_size: int, num_data_partitions: int, partition_index: int) -> Minibatch:
         """The minibatch of one request: a pure function of it (no state of the source changes)."""
         local_start, local_stop = partition_bounds(start_position, global_size, num_data_partitions, partition_index)
-        indices = range_to_indices(local_start, local_stop, self._samples_per_sweep, self._seed, self._randomize)
-        features, labels = self._deserializer.get(indices)
+        features, labels = self._get(local_start, local_stop)
         sweeps_done_before = start_position // self._samples_per_sweep
         sweeps_done_after = (start_position + global_size) // self._samples_per_sweep
         minibatch = Minibatch(features=features, labels=_label_tensor(labels), global_num_samples=global_size,
                               sweep_end=sweeps_done_after > sweeps_done_before, first_position=local_start)
         minibatch.features = self._apply_transform(features, minibatch)
         return minibatch
+
+    def _get(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deserializer's features and labels of timeline positions ``[start, stop)``: through
+        ``take`` with a slice of the sweep's order where it has one and the range lies in one sweep."""
+        if self._take is not None and self._randomize:
+            sweep, offset = divmod(start, self._samples_per_sweep)
+            if offset + stop - start <= self._samples_per_sweep:
+                order = _sweep_order_tensor(self._samples_per_sweep, self._seed, sweep)
+                return self._take(order[offset:offset + stop - start])
+        indices = range_to_indices(start, stop, self._samples_per_sweep, self._seed, self._randomize)
+        return self._deserializer.get(indices)
 
     def _discard_read_ahead(self) -> None:
         """Drops the background read (after it finishes, so no read overlaps the next one)."""
@@ -336,6 +349,12 @@ class MinibatchSource:
             )
         self._discard_read_ahead()
         self._position = position
+
+
+@functools.lru_cache(maxsize=4)
+def _sweep_order_tensor(num_samples: int, seed: int, sweep: int) -> torch.Tensor:
+    """``sweep_order`` of a randomized sweep as an int64 tensor (cached: a minibatch reads a slice of it)."""
+    return torch.from_numpy(sweep_order(num_samples, seed, sweep, True).copy())
 
 
 def _wait_quietly(future: Future) -> None:

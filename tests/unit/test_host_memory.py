@@ -56,7 +56,8 @@ def test_glibc_defaults_map_a_large_block_and_return_it():
 
 @pytest.mark.parametrize("environment, reason", [
     ({"MALLOC_TRIM_THRESHOLD_": "1000000"}, "MALLOC_TRIM_THRESHOLD_ set in the environment"),
-    ({"MALLOC_MMAP_THRESHOLD_": "1", "MALLOC_TOP_PAD_": "1"}, "MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_ set in the environment"),
+    ({"MALLOC_MMAP_THRESHOLD_": "1", "MALLOC_TOP_PAD_": "1"},
+     "MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_ set in the environment"),
     ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "GLIBC_TUNABLES set in the environment"),
     ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "jemalloc in LD_PRELOAD"),
 ])

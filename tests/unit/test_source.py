@@ -351,3 +351,28 @@ def test_float_labels_keep_their_values_and_dtype_through_the_source():
     assert MinibatchSource(two_outputs, randomize=False).next_minibatch(2).labels.dtype == torch.float64
     classes = MinibatchSource(ArrayDeserializer(np.zeros((3, 2)), np.array([0, 2, 1], dtype=np.int32)))
     assert classes.next_minibatch(3).labels.dtype == torch.int64  # class indices: int64, as the losses want
+
+
+class _GetOnly:
+    """The same data with ``get`` alone, so the source builds index arrays instead of calling ``take``."""
+
+    def __init__(self, deserializer: ArrayDeserializer):
+        self.inner, self.num_samples = deserializer, deserializer.num_samples
+        self.feature_shape, self.num_classes = deserializer.feature_shape, deserializer.num_classes
+
+    def get(self, indices):
+        return self.inner.get(indices)
+
+
+@pytest.mark.parametrize("randomize", [True, False])
+def test_reading_by_index_tensor_gives_the_stream_of_index_arrays(randomize):
+    # minibatches of 7 over sweeps of 23 on 3 partitions: inside sweeps, across their ends, and empty shares
+    kinds = [make_deserializer(23), _GetOnly(make_deserializer(23))]
+    sources = [[MinibatchSource(kind, randomize=randomize, randomization_seed=5, max_sweeps=4)
+                for _ in range(3)] for kind in kinds]
+    by_tensor, by_array = (read_in_lock_step(partitions, 7) for partitions in sources)
+    assert len(by_tensor) == len(by_array) == 14
+    assert [[sample_ids(minibatch) for minibatch in call] for call in by_tensor] == \
+        [[sample_ids(minibatch) for minibatch in call] for call in by_array]
+    assert [[minibatch.labels.tolist() for minibatch in call] for call in by_tensor] == \
+        [[minibatch.labels.tolist() for minibatch in call] for call in by_array]
