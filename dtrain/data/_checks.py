@@ -6,7 +6,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["check_bool", "check_int"]
+__all__ = ["check_bool", "check_int", "check_partition"]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -23,6 +23,16 @@ def check_int(name: str, value: object, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_partition(count_name: str, count: object, index_name: str, index: object) -> tuple[int, int]:
+    """Return ``(count, index)`` as Python ints for partition ``index`` of ``count``, or raise if they
+    are not integers with ``count >= 1`` and ``0 <= index < count``."""
+    count = check_int(count_name, count, 1)
+    index = check_int(index_name, index, 0)
+    if index >= count:
+        raise ValueError(f"{index_name} must be < {count_name} ({count}), got {index}")
+    return count, index
 
 
 def check_bool(name: str, value: object) -> bool:

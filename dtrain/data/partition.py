@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-from dtrain.data._checks import check_bool, check_int
+from dtrain.data._checks import check_bool, check_int, check_partition
 
 __all__ = ["partition_slice", "sweep_order", "timeline_to_indices"]
 
@@ -42,12 +42,7 @@ def partition_slice(
     """
     global_start = check_int("global_start", global_start, 0)
     global_size = check_int("global_size", global_size, 0)
-    num_partitions = check_int("num_partitions", num_partitions, 1)
-    partition_index = check_int("partition_index", partition_index, 0)
-    if partition_index >= num_partitions:
-        raise ValueError(
-            f"partition_index must be < num_partitions ({num_partitions}), got {partition_index}"
-        )
+    num_partitions, partition_index = check_partition("num_partitions", num_partitions, "partition_index", partition_index)
     return partition_bounds(global_start, global_size, num_partitions, partition_index)
 
 

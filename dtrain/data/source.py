@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_bool, check_int
+from dtrain.data._checks import check_bool, check_int, check_partition
 from dtrain.data.partition import partition_bounds, range_to_indices, sweep_order
 
 __all__ = ["Deserializer", "Minibatch", "MinibatchSource"]
@@ -201,13 +201,8 @@ class MinibatchSource:
         if not (type(global_size) is type(num_data_partitions) is type(partition_index) is int
                 and global_size >= 1 and 0 <= partition_index < num_data_partitions):
             global_size = check_int("minibatch_size_in_samples", global_size, 1)
-            num_data_partitions = check_int("num_data_partitions", num_data_partitions, 1)
-            partition_index = check_int("partition_index", partition_index, 0)
-            if partition_index >= num_data_partitions:
-                raise ValueError(
-                    f"partition_index must be < num_data_partitions ({num_data_partitions}), "
-                    f"got {partition_index}"
-                )
+            num_data_partitions, partition_index = check_partition(
+                "num_data_partitions", num_data_partitions, "partition_index", partition_index)
         request = self._request(self._position, global_size, num_data_partitions, partition_index)
         if request is None:
             self._discard_read_ahead()
