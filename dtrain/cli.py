@@ -28,8 +28,8 @@ from dtrain.comm.base import first_line, format_rank_message
 from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
 from dtrain.help import config_dir, config_directories, quick_answer
-from dtrain.schedules import Schedule
 from dtrain.host_memory import keep_freed_host_memory
+from dtrain.schedules import Schedule
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.checkpoint import CheckpointError

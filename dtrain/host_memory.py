@@ -4,7 +4,7 @@ A training step allocates and frees the same large CPU tensors every time (activ
 gradients). glibc's malloc serves a block above its *mmap threshold* with fresh pages from the
 kernel and hands the top of its heap back when more than the *trim threshold* is free; its
 thresholds adapt to what it sees, but not to a training loop. Every step then faults its memory in
-again, page by page: the CIFAR-10 ConvNet on the CPU took 20,000 to 33,000 page faults per step and
+again, page by page: the CIFAR-10 ConvNet on the CPU took 20,000 to 35,000 page faults per step and
 trained about a quarter slower than with fixed thresholds (``benchmarks/host_memory.py``).
 
 So a training process fixes both thresholds (``mallopt``): blocks up to 32 MiB (glibc's highest
