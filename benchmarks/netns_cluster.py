@@ -36,6 +36,9 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     epoch after the warm start (where a long run spends nearly all its time: the warm start is
     capped at 5 sweeps); ``quantized_local_warm_start`` the learner with ``warm_start="local"``
     (CNTK's: every rank trains the full stream alone during the warm start).
+
+Each rank fixes glibc malloc's thresholds first, as ``python -m dtrain`` does
+(``dtrain/host_memory.py``); ``--glibc-malloc`` leaves them.
 """
 from __future__ import annotations
 
@@ -255,8 +258,10 @@ def worker_main(args: argparse.Namespace) -> None:
     import torch
 
     from dtrain.comm import create_communicator
+    from dtrain.host_memory import keep_freed_host_memory
 
     torch.set_num_threads(1)  # 2 ranks on a 2-core machine: one core each
+    keep_freed_host_memory(not args.glibc_malloc)  # as python -m dtrain does
     comm = create_communicator(backend="gloo", timeout_s=600)
     parts = args.parts.split(",")
     if "allreduce" in parts:
@@ -276,7 +281,8 @@ def run_on_cluster(rate: str, args: argparse.Namespace) -> list[dict]:
 
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--parts", args.parts, "--sizes", args.sizes,
               "--repeats", str(args.repeats), "--steps", str(args.steps), "--samples", str(args.samples),
-              "--block-size", str(args.block_size), "--learners", args.learners, "--epoch-rounds", str(args.epoch_rounds)]
+              "--block-size", str(args.block_size), "--learners", args.learners, "--epoch-rounds", str(args.epoch_rounds),
+              *(["--glibc-malloc"] if args.glibc_malloc else [])]
     env = {"PYTHONPATH": str(REPO)}
     with NamespaceCluster(num_hosts=2, rate=rate) as cluster:
         result = cluster.run(cluster.mpiexec_args(npernode=1, export=list(env)) + worker, timeout=args.timeout, env=env)
@@ -434,6 +440,8 @@ def main() -> None:
     parser.add_argument("--epoch-rounds", type=int, default=1,
                         help="rounds of (c), the learners' order rotating; the table gives medians (default 1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per rate")
+    parser.add_argument("--glibc-malloc", action="store_true",
+                        help="leave glibc malloc's adaptive thresholds (default: fixed, as python -m dtrain does)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
