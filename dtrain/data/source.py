@@ -346,9 +346,10 @@ class MinibatchSource:
         self._position = position
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=4)  # the sweeps being read by a few streams at once (train, cross-validation, ...)
 def _sweep_order_tensor(num_samples: int, seed: int, sweep: int) -> torch.Tensor:
-    """``sweep_order`` of a randomized sweep as an int64 tensor (cached: a minibatch reads a slice of it)."""
+    """``sweep_order`` of a randomized sweep as an int64 tensor (cached: a minibatch reads a slice of it;
+    a copy, because the shared order is read-only and torch tensors cannot be)."""
     return torch.from_numpy(sweep_order(num_samples, seed, sweep, True).copy())
 
 
