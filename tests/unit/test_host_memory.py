@@ -1,5 +1,6 @@
 """Freed host memory kept for the next step (``dtrain.host_memory``): glibc's thresholds fixed, or left
 alone where the user chose, and the start-up line naming which."""
+import ctypes
 import json
 import os
 import subprocess
@@ -40,7 +41,8 @@ def _probe(setting: str) -> dict:
     return json.loads(done.stdout)
 
 
-glibc_only = pytest.mark.skipif(not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="needs glibc")
+glibc_only = pytest.mark.skipif(not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+                                or not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc 2.33 or later")
 
 
 @glibc_only
