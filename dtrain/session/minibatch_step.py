@@ -67,9 +67,7 @@ class PeriodSums:
         per-sample shapes differ from the kept passes' first has those measured."""
         size = output.numel() * output.element_size() + labels.numel() * labels.element_size()
         if size > self.deferred_output_bytes:
-            with torch.no_grad():
-                metric_sum = self.metric_function(output, labels)
-            self.add(mean_loss, metric_sum, samples)
+            self.add(mean_loss, _measured(self.metric_function, output, labels), samples)
             return
         shapes = (output.shape[1:], labels.shape[1:])
         if shapes != self._kept_shapes:
@@ -94,8 +92,7 @@ class PeriodSums:
         if self._outputs:
             outputs = self._outputs[0] if len(self._outputs) == 1 else torch.cat(self._outputs)
             labels = self._labels[0] if len(self._labels) == 1 else torch.cat(self._labels)
-            with torch.no_grad():
-                self._metrics.append(self.metric_function(outputs, labels))
+            self._metrics.append(_measured(self.metric_function, outputs, labels))
         self._outputs, self._labels, self._kept_bytes = [], [], 0
 
     def _fold(self) -> None:
@@ -114,6 +111,12 @@ class PeriodSums:
         self._fold()
         return torch.stack([self.loss, self.metric, torch.tensor(float(self.samples), dtype=torch.float64,
                                                                   device=self.device)])
+
+
+def _measured(metric: Callable, output: torch.Tensor, labels: torch.Tensor):
+    """``metric(output, labels)`` recording no autograd graph (a metric may use tensors that require grad)."""
+    with torch.no_grad():
+        return metric(output, labels)
 
 
 def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -244,9 +247,7 @@ class MinibatchStep:
         if self._defer_metric:
             sums.add_outputs(loss, output, labels, samples)
         else:  # every pass; an additive metric only the first (a metric that cannot run fails at once)
-            with torch.no_grad():
-                metric_sum = self.metric(output, labels)
-            sums.add(loss, metric_sum, samples)
+            sums.add(loss, _measured(self.metric, output, labels), samples)
             self._defer_metric = self._metric_is_additive
 
     def _forward(self, features: torch.Tensor) -> torch.Tensor:
