@@ -48,7 +48,23 @@ class HostMemoryChoice:
 
 def keep_freed_host_memory(enabled: bool = True, environment: Mapping[str, str] | None = None,
                            libc_version: str | None = None) -> HostMemoryChoice:
-    """Fixes glibc malloc's thresholds for this process so a step's freed memory serves the next one.
+    """Fixes glibc malloc's thresholds for this process so a step's freed memory serves the next one,
+    unless :func:`reason_to_leave_allocator` gives a reason not to (the arguments are its own)."""
+    reason = reason_to_leave_allocator(enabled, environment, libc_version)
+    if reason is not None:
+        return HostMemoryChoice(False, reason)
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # the mmap threshold first: setting either one stops glibc adapting both
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)):
+        return HostMemoryChoice(False, "glibc refused the thresholds")
+    return HostMemoryChoice(True, f"glibc malloc: blocks up to {MMAP_THRESHOLD_BYTES >> 20} MiB from the heap, "
+                                  f"up to {TRIM_THRESHOLD_BYTES >> 30} GiB of it kept free")
+
+
+def reason_to_leave_allocator(enabled: bool = True, environment: Mapping[str, str] | None = None,
+                              libc_version: str | None = None) -> str | None:
+    """Why the allocator is left as it is, in words, or ``None`` when its thresholds are to be fixed.
 
     Args:
         enabled: ``session.keep_host_memory``; ``False`` leaves the allocator as it is.
@@ -57,26 +73,18 @@ def keep_freed_host_memory(enabled: bool = True, environment: Mapping[str, str] 
     """
     environment = os.environ if environment is None else environment
     if not enabled:
-        return HostMemoryChoice(False, "session.keep_host_memory=false")
+        return "session.keep_host_memory=false"
     libc_version = _libc_version() if libc_version is None else libc_version
     if not libc_version.startswith("glibc"):
-        return HostMemoryChoice(False, f"C library {libc_version or 'unknown'}, not glibc")
+        return f"C library {libc_version or 'unknown'}, not glibc"
     preloaded = environment.get("LD_PRELOAD", "")
     for allocator in _OTHER_ALLOCATORS:
         if allocator in preloaded:
-            return HostMemoryChoice(False, f"{allocator} in LD_PRELOAD")
+            return f"{allocator} in LD_PRELOAD"
     chosen = [name for name in _GLIBC_MALLOC_VARIABLES if name in environment]
     if "glibc.malloc." in environment.get("GLIBC_TUNABLES", ""):
         chosen.append("GLIBC_TUNABLES")
-    if chosen:
-        return HostMemoryChoice(False, f"{', '.join(chosen)} set in the environment")
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # the mmap threshold first: setting either one stops glibc adapting both
-    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)):
-        return HostMemoryChoice(False, "glibc refused the thresholds")
-    return HostMemoryChoice(True, f"glibc malloc: blocks up to {MMAP_THRESHOLD_BYTES >> 20} MiB from the heap, "
-                                  f"up to {TRIM_THRESHOLD_BYTES >> 30} GiB of it kept free")
+    return f"{', '.join(chosen)} set in the environment" if chosen else None
 
 
 def _libc_version() -> str:
@@ -87,4 +95,4 @@ def _libc_version() -> str:
         return ""
 
 
-__all__ = ["HostMemoryChoice", "keep_freed_host_memory"]
+__all__ = ["HostMemoryChoice", "keep_freed_host_memory", "reason_to_leave_allocator"]

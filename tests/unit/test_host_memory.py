@@ -2,20 +2,19 @@
 alone where the user chose, and the start-up line naming which."""
 import ctypes
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from dtrain.host_memory import keep_freed_host_memory
+from dtrain.host_memory import keep_freed_host_memory, reason_to_leave_allocator
 from tests.helpers.mpi import plain_environment, with_repository_on_path
 
 # allocates and frees 24 MiB through malloc and prints where it came from (glibc's mallinfo2)
 _PROBE = textwrap.dedent("""
     import ctypes, json, sys
-    from dtrain.host_memory import keep_freed_host_memory
+    from dtrain.host_memory import keep_freed_host_memory, reason_to_leave_allocator
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
                     "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
@@ -41,8 +40,8 @@ def _probe(setting: str) -> dict:
     return json.loads(done.stdout)
 
 
-glibc_only = pytest.mark.skipif(not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
-                                or not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc 2.33 or later")
+glibc_only = pytest.mark.skipif(reason_to_leave_allocator() is not None or not hasattr(ctypes.CDLL(None), "mallinfo2"),
+                                reason="needs glibc 2.33 or later, without the user's own allocator settings")
 
 
 @glibc_only
