@@ -35,7 +35,11 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     with ``distributed_after=0``, every minibatch through the 1-bit exchange: the cost of an
     epoch after the warm start (where a long run spends nearly all its time: the warm start is
     capped at 5 sweeps); ``quantized_local_warm_start`` the learner with ``warm_start="local"``
-    (CNTK's: every rank trains the full stream alone during the warm start).
+    (CNTK's: every rank trains the full stream alone during the warm start). With both
+    ``data_parallel`` and ``quantized_no_warm_start`` timed, a last line projects the whole
+    ``recipes/cifar10.yaml`` run with quantized's defaults from the two: its warm start (the learners'
+    own rule on the recipe's figures: 5 of its 160 epochs) at data_parallel's speed, the rest at
+    the 1-bit epoch's.
 
 Each rank fixes glibc malloc's thresholds first, as ``python -m dtrain`` does
 (``dtrain/host_memory.py``); ``--glibc-malloc`` leaves them.
@@ -404,6 +408,26 @@ def print_epoch(rate: str, bits_per_s: float, alpha: float, step: dict | None, r
             paired = (f" (median of the {len(pairs)} rounds' ratios: "
                       f"{statistics.median(ours / theirs for ours, theirs in pairs):.2f})" if len(pairs) > 1 else "")
             print(f"{kind} / data_parallel epoch time at {rate}: {ratio:.2f}{paired}")
+    if "quantized_no_warm_start" in by_learner and "data_parallel" in by_learner:
+        one_bit = by_learner["quantized_no_warm_start"]["seconds"] / by_learner["data_parallel"]["seconds"]
+        warm, total = recipe_warm_start()
+        projected = (warm + (total - warm) * one_bit) / total
+        print(f"the cifar10 recipe with quantized's defaults ({total:,} samples, the first {warm:,} of them the "
+              f"float32 warm start at data_parallel's speed, the rest 1-bit at {one_bit:.2f}): "
+              f"quantized / data_parallel {projected:.2f} for the whole run, projected at {rate}")
+
+
+def recipe_warm_start(recipe: Path = REPO / "recipes" / "cifar10.yaml") -> tuple[int, int]:
+    """(warm-start samples, samples) of a run of ``recipe`` as written: the learners' own rule
+    (``auto_warm_start``) on the recipe's samples, minibatch size and epoch (its schedules' epoch_size)."""
+    from omegaconf import OmegaConf
+
+    from dtrain.learners.base import RunFacts, auto_warm_start
+
+    session = OmegaConf.load(recipe).session
+    facts = RunFacts(samples_per_sweep=session.lr_schedule.epoch_size, max_samples=session.max_samples,
+                     minibatch_size=session.minibatch_size)
+    return auto_warm_start(facts), facts.max_samples
 
 
 def driver_main(args: argparse.Namespace) -> None:

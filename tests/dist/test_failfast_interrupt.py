@@ -15,12 +15,13 @@ import re
 import select
 import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.mpi import OPEN_MPI_ENV, kill_session, mpi_command, mpiexec_path, run_mpi
+from tests.helpers.mpi import OPEN_MPI_ENV, is_launcher_failure, kill_session, mpi_command, mpiexec_path, run_mpi
 
 STOPPED = re.compile(r"dtrain: stopped by (\w+): checkpoint saved at (\d+) samples \((\S+)\); continue with: (.+?)\r?$",
                      re.MULTILINE)
@@ -36,7 +37,18 @@ def _run_on_terminal(command: list[str], run_dir: Path, signum: int, timeout: fl
                      wait_for_exit: bool = False) -> tuple[str, int | None]:
     """Runs ``command`` on a pseudo-terminal, sends ``signum`` to it once training has written a
     checkpoint, and returns (everything written to the terminal until the stop line, and with
-    ``wait_for_exit`` until ``command`` ended; its exit status, None if it was still running)."""
+    ``wait_for_exit`` until ``command`` ended; its exit status, None if it was still running).
+    After Open MPI's intermittent failure to start (``is_launcher_failure``) it runs once more."""
+    text, status = _run_on_terminal_once(command, run_dir, signum, timeout, wait_for_exit)
+    if status is not None and status != 0 and is_launcher_failure(text):
+        print(f"mpiexec failed before starting any rank (exit {status}); launching once more:\n{text}", file=sys.stderr)
+        text, status = _run_on_terminal_once(command, run_dir, signum, timeout, wait_for_exit)
+    return text, status
+
+
+def _run_on_terminal_once(command: list[str], run_dir: Path, signum: int, timeout: float,
+                          wait_for_exit: bool) -> tuple[str, int | None]:
+    """One run of :func:`_run_on_terminal`; it returns as soon as ``command`` ends before the signal."""
     env = {**os.environ, **OPEN_MPI_ENV, "PYTHONUNBUFFERED": "1"}
     pid, terminal = pty.fork()
     if pid == 0:  # the child: mpiexec on the terminal, in its own session (as from a shell)
@@ -62,12 +74,29 @@ def _run_on_terminal(command: list[str], run_dir: Path, signum: int, timeout: fl
             if signalled and STOPPED.search(output.decode(errors="replace")) \
                     and (status is not None or not wait_for_exit):
                 break
+            if status is not None and not signalled:  # it ended before training got under way
+                output += _rest_of(terminal)
+                break
     finally:
         kill_session(pid)
         if status is None:
             os.waitpid(pid, 0)
         os.close(terminal)
     return output.decode(errors="replace"), status
+
+
+def _rest_of(terminal: int) -> bytes:
+    """What is still buffered on the terminal of a command that has ended."""
+    rest = b""
+    while select.select([terminal], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(terminal, 65536)
+        except OSError:  # closed: everything was read
+            break
+        if not chunk:
+            break
+        rest += chunk
+    return rest
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.mpi import mpi_command, mpiexec_path, run_mpi
+from tests.helpers.mpi import mpi_command, mpiexec_path, run_mpi, start_ranks
 
 from dtrain.session import checkpoint
 
@@ -71,27 +70,6 @@ def test_restoring_at_another_world_size_continues_and_says_so(tmp_path):
     assert state["source"]["position"] == 1280  # the global position carried over
 
 
-def _rank_pids(parent: int, timeout: float = 60) -> list[int]:
-    """PIDs of the Python ranks below ``parent`` (mpiexec), once they exist."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text().split()
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if int(stat[3]) == parent and b"dtrain" in b" ".join(cmdline):
-                found.append(int(entry.name))
-        if len(found) >= 2:
-            return sorted(found)
-        time.sleep(0.2)
-    raise AssertionError("ranks did not start")
-
-
 @pytest.mark.parametrize("learner", ["data_parallel", "block_momentum"])
 def test_sigterm_on_one_rank_checkpoints_all_and_exits_75_then_resumes(tmp_path, learner):
     """Block momentum (its defaults: a warm start, then blocks) agrees on the signal only where
@@ -100,10 +78,9 @@ def test_sigterm_on_one_rank_checkpoints_all_and_exits_75_then_resumes(tmp_path,
         pytest.skip("mpiexec not found")
     command = mpi_command(2, [*COMMON, f"run_dir={tmp_path}", f"learner={learner}", "session.max_samples=200000"])
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          start_new_session=True) as job:
+    job, ranks = start_ranks(command, env)
+    with job:
         try:
-            ranks = _rank_pids(job.pid)
             deadline = time.monotonic() + 120
             while not list(tmp_path.glob("checkpoint-*.pt")) and time.monotonic() < deadline:
                 time.sleep(0.2)  # training is under way once the first periodic checkpoint exists

@@ -155,8 +155,61 @@ LAUNCHER_FAILURES = ("The PMIx server's listener thread failed to start",)
 
 def failed_before_any_rank_started(result: MpiResult) -> bool:
     """Whether ``mpiexec`` ended with one of the launcher's own intermittent start-up failures."""
-    return result.returncode != 0 and any(message in result.stdout + result.stderr
-                                               for message in LAUNCHER_FAILURES)
+    return result.returncode != 0 and is_launcher_failure(result.stdout + result.stderr)
+
+
+def is_launcher_failure(output: str) -> bool:
+    """Whether ``output`` of an ended ``mpiexec`` names one of :data:`LAUNCHER_FAILURES` (tests that run
+    ``mpiexec`` themselves, on a terminal or to signal its ranks, launch once more on it too)."""
+    return any(message in output for message in LAUNCHER_FAILURES)
+
+
+def rank_pids(job: subprocess.Popen, timeout: float = 60) -> list[int]:
+    """PIDs of the Python ranks below ``job`` (mpiexec) whose command line names dtrain, once two exist;
+    ``[]`` if ``job`` ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.poll() is None:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().split()
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat[3]) == job.pid and b"dtrain" in b" ".join(cmdline):
+                found.append(int(entry.name))
+        if len(found) >= 2:
+            return sorted(found)
+        time.sleep(0.2)
+    if job.poll() is not None:
+        return []
+    raise AssertionError("ranks did not start")
+
+
+def start_ranks(command: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, list[int]]:
+    """``command`` (an ``mpiexec`` line) started in a new session with its output piped, and its
+    ranks' PIDs, for tests that signal a rank; launched once more after the launcher's
+    intermittent failure to start (:func:`is_launcher_failure`). The caller ends the job."""
+    output = ""
+    for attempt in (1, 2):
+        job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+        try:
+            ranks = rank_pids(job)
+        except BaseException:
+            kill_session(job.pid)
+            raise
+        if ranks:
+            return job, ranks
+        output = "".join(job.communicate())
+        if not is_launcher_failure(output):
+            break
+        if attempt == 1:
+            print(f"mpiexec failed before starting any rank (exit {job.returncode}); launching once more:\n{output}",
+                  file=sys.stderr)
+    raise AssertionError(f"mpiexec ended (exit {job.returncode}) before its ranks started:\n{output}")
 
 
 def run_in_new_session(command: Sequence[str], env: Mapping[str, str], timeout: float,
