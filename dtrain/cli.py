@@ -27,7 +27,7 @@ from dtrain.comm import create_communicator, detect_launcher, install_fail_fast,
 from dtrain.comm.base import first_line, format_rank_message
 from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
-from dtrain.help import config_dir, config_directories, quick_answer
+from dtrain.help import config_dir, config_directories, nested_group_hint, quick_answer
 from dtrain.host_memory import keep_freed_host_memory
 from dtrain.schedules import Schedule
 from dtrain.threads import choose_threads
@@ -447,6 +447,9 @@ def check_overrides(argv: list[str]) -> str | None:
     except (HydraException, OmegaConfBaseException) as error:
         lines = str(error).strip().splitlines()
         parts = [lines[0]]
+        hint = nested_group_hint(config_dir(), lines[0], argv)
+        if hint:
+            parts.append(hint)
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
         if "Available options" in str(error) and options:
             parts.append(f"(available: {', '.join(options)})")
@@ -456,7 +459,7 @@ def check_overrides(argv: list[str]) -> str | None:
             full_key = re.search(r"full_key: (\S+)", str(cause))
             if full_key and full_key.group(1) not in " ".join(parts):
                 parts.append(f"(key {full_key.group(1)})")
-        if len(parts) == 1 or "Available options" not in str(error):
+        if not hint and (len(parts) == 1 or "Available options" not in str(error)):
             parts.append("(python -m dtrain +recipe=NAME --cfg job lists every key)")
         return " ".join(parts)
     except Exception as error:  # noqa: BLE001 -- Hydra lets some malformed overrides through as raw errors

@@ -167,6 +167,23 @@ def _defaults_list(path: Path) -> dict[str, str]:
     return choices
 
 
+def nested_group_hint(shipped: str | Path, hydra_message: str, argv: list[str]) -> str | None:
+    """For Hydra's "Could not override 'learner/exchange'. No match in the defaults list.": which
+    options of the parent group (``learner``) have that nested group, in words; else ``None``."""
+    found = re.match(r"Could not override '([\w/]+)/(\w+)'\. No match in the defaults list", hydra_message)
+    if not found:
+        return None
+    parent, nested = found.groups()
+    having = sorted(path.stem for path in (Path(shipped) / parent).glob("*.yaml") if nested in _defaults_list(path))
+    if not having:
+        return None
+    chosen = [argument.split("=", 1)[1] for argument in argv if argument.split("=", 1)[0] == parent]
+    which = f"{parent}={chosen[-1]}" if chosen else f"the {parent} chosen"
+    return (f"({which} has no {parent}/{nested}; {parent}/{nested}=NAME goes with "
+            f"{parent}={', '.join(having[:-1])} or {having[-1]})" if len(having) > 1 else
+            f"({which} has no {parent}/{nested}; {parent}/{nested}=NAME goes with {parent}={having[0]})")
+
+
 def help_text(shipped: str | Path, argv: list[str]) -> str:
     """The whole ``--help`` text for a command line ``argv`` (its ``--config-dir`` options count)."""
     directories = config_directories(shipped, argv)
@@ -198,4 +215,5 @@ def _options(options: dict[str, str], default: str | None, indent: int = 2) -> s
     return "\n".join(lines)
 
 
-__all__ = ["config_directories", "config_groups", "default_choices", "describe_option", "help_text", "version"]
+__all__ = ["config_directories", "config_groups", "default_choices", "describe_option", "help_text",
+           "nested_group_hint", "version"]

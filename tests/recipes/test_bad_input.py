@@ -94,6 +94,9 @@ CASES = [
     ("block-time-constant", ["learner=block_momentum", "learner.block_momentum_as_time_constant=-3"],
      ["learner.block_momentum_as_time_constant=-3.0: expected"]),
     ("learner-unknown", ["learner=nope"], ["learner/nope", "available:"]),
+    ("exchange-on-local", ["learner=local", "learner/exchange=bf16"],
+     ["learner=local has no learner/exchange; learner/exchange=NAME goes with learner=block_momentum, data_parallel, "
+      "diloco, powersgd or quantized"]),
     # unknown keys, with and without +
     ("plus-misspelt-session", ["+session.max_sample=640"], ["session.max_sample: unknown key", "did you mean session.max_samples?"]),
     ("plus-misspelt-optimizer", ["+optimizer.momentun=0.9"], ["optimizer.momentun: unknown key", "did you mean optimizer.momentum?"]),
