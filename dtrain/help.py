@@ -179,9 +179,8 @@ def nested_group_hint(shipped: str | Path, hydra_message: str, argv: list[str]) 
         return None
     chosen = [argument.split("=", 1)[1] for argument in argv if argument.split("=", 1)[0] == parent]
     which = f"{parent}={chosen[-1]}" if chosen else f"the {parent} chosen"
-    return (f"({which} has no {parent}/{nested}; {parent}/{nested}=NAME goes with "
-            f"{parent}={', '.join(having[:-1])} or {having[-1]})" if len(having) > 1 else
-            f"({which} has no {parent}/{nested}; {parent}/{nested}=NAME goes with {parent}={having[0]})")
+    options = f"{', '.join(having[:-1])} or {having[-1]}" if len(having) > 1 else having[0]
+    return f"({which} has no {parent}/{nested}; {parent}/{nested}=NAME goes with {parent}={options})"
 
 
 def help_text(shipped: str | Path, argv: list[str]) -> str:

@@ -71,3 +71,17 @@ def test_version_prints_dtrains_version_and_exits_0(command, tmp_path):
     assert result.returncode == 0, result.stderr
     expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert result.stdout == f"dtrain {expected}\n"
+
+
+def test_the_hint_for_a_nested_group_names_the_parent_options_that_have_it(tmp_path):
+    from dtrain.help import nested_group_hint
+
+    (tmp_path / "learner").mkdir()
+    (tmp_path / "learner" / "plain.yaml").write_text("defaults:\n  - _self_\n")
+    (tmp_path / "learner" / "talks.yaml").write_text("defaults:\n  - exchange: allreduce\n  - _self_\n")
+    message = "Could not override 'learner/exchange'. No match in the defaults list."
+    assert nested_group_hint(tmp_path, message, ["learner=plain", "learner/exchange=bf16"]) == \
+        "(learner=plain has no learner/exchange; learner/exchange=NAME goes with learner=talks)"
+    assert nested_group_hint(tmp_path, message, ["learner/exchange=bf16"]).startswith("(the learner chosen has no")
+    assert nested_group_hint(tmp_path, message.replace("exchange", "schedule"), []) is None  # no option has one
+    assert nested_group_hint(tmp_path, "Could not find 'learner/nope'", ["learner=nope"]) is None
