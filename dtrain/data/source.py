@@ -31,7 +31,8 @@ class Deserializer(Protocol):
     Optionally also ``mean_image() -> torch.Tensor``: float32 per-pixel mean over the training
     split, shape ``feature_shape`` (used by ``ImageTransform(mean="dataset")``), and
     ``take(index: torch.Tensor)``: ``get`` for an int64 index tensor, which the source then calls
-    with a slice of its cached sweep order (in-memory data, whose read is a few tensor calls).
+    with a slice of its cached sweep order (in-memory data, whose read is a few tensor calls); the
+    slice is a view of that cache, to be read, never written to.
     """
 
     num_samples: int  # samples in one sweep

@@ -15,13 +15,13 @@ import re
 import select
 import shlex
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.mpi import OPEN_MPI_ENV, is_launcher_failure, kill_session, mpi_command, mpiexec_path, run_mpi
+from tests.helpers.mpi import (OPEN_MPI_ENV, failed_to_launch, kill_session, mpi_command, mpiexec_path, run_mpi,
+                               say_launching_once_more)
 
 STOPPED = re.compile(r"dtrain: stopped by (\w+): checkpoint saved at (\d+) samples \((\S+)\); continue with: (.+?)\r?$",
                      re.MULTILINE)
@@ -38,10 +38,10 @@ def _run_on_terminal(command: list[str], run_dir: Path, signum: int, timeout: fl
     """Runs ``command`` on a pseudo-terminal, sends ``signum`` to it once training has written a
     checkpoint, and returns (everything written to the terminal until the stop line, and with
     ``wait_for_exit`` until ``command`` ended; its exit status, None if it was still running).
-    After Open MPI's intermittent failure to start (``is_launcher_failure``) it runs once more."""
+    After Open MPI's intermittent failure to start (``failed_to_launch``) it runs once more."""
     text, status = _run_on_terminal_once(command, run_dir, signum, timeout, wait_for_exit)
-    if status is not None and status != 0 and is_launcher_failure(text):
-        print(f"mpiexec failed before starting any rank (exit {status}); launching once more:\n{text}", file=sys.stderr)
+    if failed_to_launch(status, text):
+        say_launching_once_more(status, text)
         text, status = _run_on_terminal_once(command, run_dir, signum, timeout, wait_for_exit)
     return text, status
 
@@ -53,7 +53,7 @@ def _run_on_terminal_once(command: list[str], run_dir: Path, signum: int, timeou
     pid, terminal = pty.fork()
     if pid == 0:  # the child: mpiexec on the terminal, in its own session (as from a shell)
         os.execvpe(command[0], command, env)
-    output, status, signalled = b"", None, False
+    output, status, signalled, closed = b"", None, False, False
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -67,6 +67,7 @@ def _run_on_terminal_once(command: list[str], run_dir: Path, signum: int, timeou
                 except OSError:  # the terminal closed: every process on it has ended
                     chunk = b""
                 output += chunk
+                closed = not chunk  # all of it read
             if status is None:
                 done, raw = os.waitpid(pid, os.WNOHANG)
                 if done:
@@ -74,8 +75,7 @@ def _run_on_terminal_once(command: list[str], run_dir: Path, signum: int, timeou
             if signalled and STOPPED.search(output.decode(errors="replace")) \
                     and (status is not None or not wait_for_exit):
                 break
-            if status is not None and not signalled:  # it ended before training got under way
-                output += _rest_of(terminal)
+            if status is not None and closed and not signalled:  # it ended before training got under way
                 break
     finally:
         kill_session(pid)
@@ -83,20 +83,6 @@ def _run_on_terminal_once(command: list[str], run_dir: Path, signum: int, timeou
             os.waitpid(pid, 0)
         os.close(terminal)
     return output.decode(errors="replace"), status
-
-
-def _rest_of(terminal: int) -> bytes:
-    """What is still buffered on the terminal of a command that has ended."""
-    rest = b""
-    while select.select([terminal], [], [], 0.2)[0]:
-        try:
-            chunk = os.read(terminal, 65536)
-        except OSError:  # closed: everything was read
-            break
-        if not chunk:
-            break
-        rest += chunk
-    return rest
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

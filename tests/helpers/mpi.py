@@ -139,9 +139,8 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping
     # A new session holds mpiexec and its ranks, so a timeout can end all of them
     # without touching pytest.
     result = run_in_new_session(command, full_env, timeout, kill=lambda process: kill_session(process.pid))
-    if failed_before_any_rank_started(result):
-        print(f"mpiexec failed before starting any rank (exit {result.returncode}); launching once more:\n"
-              f"{result.stderr.strip()}", file=sys.stderr)
+    if failed_to_launch(result.returncode, result.stdout + result.stderr):
+        say_launching_once_more(result.returncode, result.stderr)
         result = run_in_new_session(command, full_env, timeout, kill=lambda process: kill_session(process.pid))
     if check and result.returncode != 0:
         raise AssertionError(result.report())
@@ -153,15 +152,16 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120, env: Mapping
 LAUNCHER_FAILURES = ("The PMIx server's listener thread failed to start",)
 
 
-def failed_before_any_rank_started(result: MpiResult) -> bool:
-    """Whether ``mpiexec`` ended with one of the launcher's own intermittent start-up failures."""
-    return result.returncode != 0 and is_launcher_failure(result.stdout + result.stderr)
+def failed_to_launch(returncode: int | None, output: str) -> bool:
+    """Whether ``mpiexec`` ended (non-zero) with one of the launcher's own intermittent start-up
+    failures (:data:`LAUNCHER_FAILURES`) in ``output``; every test that launches it runs it once more."""
+    return returncode not in (None, 0) and any(message in output for message in LAUNCHER_FAILURES)
 
 
-def is_launcher_failure(output: str) -> bool:
-    """Whether ``output`` of an ended ``mpiexec`` names one of :data:`LAUNCHER_FAILURES` (tests that run
-    ``mpiexec`` themselves, on a terminal or to signal its ranks, launch once more on it too)."""
-    return any(message in output for message in LAUNCHER_FAILURES)
+def say_launching_once_more(returncode: int, output: str) -> None:
+    """Tells the test's stderr that the launch is repeated, and why."""
+    print(f"mpiexec failed before starting any rank (exit {returncode}); launching once more:\n{output.strip()}",
+          file=sys.stderr)
 
 
 def rank_pids(job: subprocess.Popen, timeout: float = 60) -> list[int]:
@@ -191,7 +191,7 @@ def rank_pids(job: subprocess.Popen, timeout: float = 60) -> list[int]:
 def start_ranks(command: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, list[int]]:
     """``command`` (an ``mpiexec`` line) started in a new session with its output piped, and its
     ranks' PIDs, for tests that signal a rank; launched once more after the launcher's
-    intermittent failure to start (:func:`is_launcher_failure`). The caller ends the job."""
+    intermittent failure to start (:func:`failed_to_launch`). The caller ends the job."""
     output = ""
     for attempt in (1, 2):
         job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -204,11 +204,10 @@ def start_ranks(command: list[str], env: dict[str, str]) -> tuple[subprocess.Pop
         if ranks:
             return job, ranks
         output = "".join(job.communicate())
-        if not is_launcher_failure(output):
+        if not failed_to_launch(job.returncode, output):
             break
         if attempt == 1:
-            print(f"mpiexec failed before starting any rank (exit {job.returncode}); launching once more:\n{output}",
-                  file=sys.stderr)
+            say_launching_once_more(job.returncode, output)
     raise AssertionError(f"mpiexec ended (exit {job.returncode}) before its ranks started:\n{output}")
 
 
