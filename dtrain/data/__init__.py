@@ -13,7 +13,11 @@ from dtrain.data.errors import DataError
 from dtrain.data.images import ImageFolderDeserializer, image_deserializer, image_transform
 from dtrain.data.mapfile import MapFile, read_map_file
 from dtrain.data.partition import partition_slice, sweep_order, timeline_to_indices
-from dtrain.data.source import Deserializer, Minibatch, MinibatchSource
+from dtrain.data.deserializer import Deserializer, FeaturesAndLabels, StreamDeserializer
+from dtrain.data.minibatch import Minibatch
+from dtrain.data.source import MinibatchSource
+from dtrain.data.stream_arrays import StreamArrays
+from dtrain.data.streams import Sequences, StreamInfo, StreamReference
 from dtrain.data.transform import ImageTransform
 
 __all__ = [
@@ -22,6 +26,7 @@ __all__ = [
     "Cifar10",
     "DataError",
     "Deserializer",
+    "FeaturesAndLabels",
     "Digits",
     "ImageAugmentation",
     "ImageFolderDeserializer",
@@ -29,6 +34,11 @@ __all__ = [
     "MapFile",
     "Minibatch",
     "MinibatchSource",
+    "Sequences",
+    "StreamArrays",
+    "StreamDeserializer",
+    "StreamInfo",
+    "StreamReference",
     "crop_geometry",
     "image_deserializer",
     "image_transform",

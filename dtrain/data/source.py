@@ -1,129 +1,96 @@
 """MinibatchSource: CNTK-style reading of a deserializer along an infinite, partitioned timeline.
 
-Semantics (``docs/semantics.md#minibatch-source``): sizes are global and counted in samples. Every
-worker builds the same source (same deserializer, seed, limits) and asks for the same global
-minibatch size; each gets its contiguous share of the global minibatch, and all advance the
-same global position. A checkpoint is just that position, so a run resumes on any world size.
+Semantics (``docs/semantics.md#minibatch-source``, ``docs/data.md``): sizes are global and counted
+in samples, and a sample of sequence data is one step of the defining stream. Every worker builds
+the same source (same deserializer, seed, limits) and asks for the same global minibatch size;
+each gets its contiguous share of the global minibatch (whole sequences, balanced by steps), and
+all advance the same global position. A checkpoint is just that position, so a run resumes on
+any world size.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from dtrain.data._checks import check_bool, check_int, check_partition
-from dtrain.data.partition import partition_bounds, range_to_indices, sweep_order
+from dtrain.data.deserializer import Deserializer, FeaturesAndLabels, StreamDeserializer, as_stream_deserializer
+from dtrain.data.errors import DataError
+from dtrain.data.minibatch import Minibatch
+from dtrain.data.streams import Sequences, StreamInfo, StreamReference
+from dtrain.data.timeline import SampleTimeline, SequenceTimeline, Span
 
-__all__ = ["Deserializer", "Minibatch", "MinibatchSource"]
+__all__ = ["Deserializer", "Minibatch", "MinibatchSource", "StreamDeserializer"]
 
-# The keys of get_checkpoint_state(); restore requires exactly these.
+#: the keys of get_checkpoint_state() without sequences; restore requires exactly these
 _STATE_KEYS = ("position", "seed", "samples_per_sweep", "randomize")
-
-
-class Deserializer(Protocol):
-    """What a MinibatchSource reads from.
-
-    Optionally also ``mean_image() -> torch.Tensor``: float32 per-pixel mean over the training
-    split, shape ``feature_shape`` (used by ``ImageTransform(mean="dataset")``), and
-    ``take(index: torch.Tensor)``: ``get`` for an int64 index tensor, which the source then calls
-    with a slice of its cached sweep order (in-memory data, whose read is a few tensor calls); the
-    slice is a view of that cache, to be read, never written to.
-    """
-
-    num_samples: int  # samples in one sweep
-    feature_shape: tuple  # shape of one sample's features
-    num_classes: int
-
-    def get(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw features ``[len(indices), *feature_shape]`` and labels ``[len(indices), ...]``: int64 class
-        indices, or floating-point targets (regression), whose dtype the source keeps."""
-        ...
-
-
-@dataclass
-class Minibatch:
-    """One partition's share of a global minibatch.
-
-    Attributes:
-        features: float32 ``[n, *feature_shape]`` after the transform (``n`` may be 0).
-        labels: ``[n]`` int64 class indices (any integer dtype is widened to int64), or the
-            deserializer's floating-point targets ``[n, ...]`` in their own dtype (regression).
-        global_num_samples: samples in the whole global minibatch (all partitions together).
-        sweep_end: True when this global minibatch contains the last sample of a sweep.
-        first_position: global timeline position of the first of these samples (the share is contiguous).
-        positions: int64 ``[n]`` global timeline positions of these samples (made when first asked
-            for: the training loop never needs them, and every array it makes per step costs time).
-    """
-
-    features: torch.Tensor
-    labels: torch.Tensor
-    global_num_samples: int
-    sweep_end: bool
-    first_position: int
-
-    @property
-    def num_samples(self) -> int:
-        """Samples in this partition's share (local ``n``)."""
-        return int(self.labels.shape[0])
-
-    @functools.cached_property
-    def positions(self) -> np.ndarray:
-        """``[first_position, first_position + n)`` as int64."""
-        return np.arange(self.first_position, self.first_position + self.num_samples, dtype=np.int64)
+#: ... and with sequence streams
+_SEQUENCE_STATE_KEYS = _STATE_KEYS + ("sequences_per_sweep", "defining_stream", "length_bucketing")
 
 
 class MinibatchSource:
     """Read a deserializer as an infinite sequence of sweeps, in global minibatches.
 
-    Sweep ``s`` covers timeline positions ``[s*M, (s+1)*M)`` (``M = samples_per_sweep``) and,
-    with ``randomize``, visits the data in a permutation that is a pure function of
-    ``(randomization_seed, s)``; without it, in order. Reading stops at ``max_samples`` samples or
-    at the end of sweep ``max_sweeps`` (at most one of them may be given); with neither, it
-    never stops and minibatches may span a sweep boundary.
+    Sweep ``s`` covers timeline positions ``[s*M, (s+1)*M)`` (``M`` sequences; a sample of data
+    without sequences is a sequence of one step) and, with ``randomize``, visits the data in a
+    permutation that is a pure function of ``(randomization_seed, s)``; without it, in order.
+    Reading stops at ``max_samples`` samples or at the end of sweep ``max_sweeps`` (at most one of
+    them may be given); with neither, it never stops and minibatches may span a sweep boundary.
+
+    Samples are counted in steps of the *defining stream* (CNTK's samples): a global minibatch of
+    ``B`` samples holds whole sequences whose defining steps add up to at most ``B`` (at least one
+    sequence), and each partition gets contiguous sequences balanced by steps.
 
     Args:
-        deserializer: has ``num_samples``, ``feature_shape``, ``num_classes`` and
-            ``get(indices) -> (features, labels)``; see ``Deserializer``.
+        deserializer: a stream deserializer (``streams``, ``num_sequences``, ``sequence_lengths``,
+            ``read``), a two-stream one (``num_samples``, ``feature_shape``, ``num_classes``,
+            ``get``), or any map-style ``torch.utils.data.Dataset``; see ``dtrain.data.deserializer``.
         randomize: shuffle each sweep (True) or read in data-set order (False).
         randomization_seed: seed of the per-sweep permutations and of random augmentation (>= 0).
         max_samples: total samples to read across all sweeps and partitions, or None.
         max_sweeps: number of sweeps to read, or None.
         transform: callable ``transform(features, positions, seed) -> float32 tensor`` applied to
-            each local minibatch; if it has ``setup(deserializer)``, that is called once here.
-            Without a transform, features are only converted to float32 (values unchanged).
+            each local minibatch's ``features`` stream; if it has ``setup(deserializer)``, that is
+            called once here. Without a transform, two-stream features are only converted to float32.
         read_ahead: after returning a minibatch, read (decode and transform) the next one in a
             background thread, assuming the same size and partitions; a request that differs
             (another size, partition or position, after a restore) discards it and reads anew, so
             the stream is the same with or without. ``None``: on when the deserializer says reads
             are slow (``benefits_from_read_ahead``, e.g. decoding image files).
+        defining_stream: the stream whose steps count samples, optionally a step slice of it
+            (``text[1:]``, the steps a language model predicts). ``None``: the deserializer's own
+            ``defining_stream``, else its only sequence stream; ``training_session`` sets it to the
+            loss's target when it was not given, so that the data-parallel weighting by samples is
+            the loss's own (``docs/data.md#samples-are-steps``).
+        length_bucketing: sequences per bucket (0: off): each sweep is read in pools of 32 buckets
+            sorted by length and read bucket by bucket in a random order, so a minibatch holds
+            sequences of similar length (less padding; ``dtrain.data.timeline``).
 
     Raises:
-        TypeError: an argument has the wrong type (e.g. a deserializer without ``get``).
+        TypeError: an argument has the wrong type (e.g. an ``IterableDataset``).
         ValueError: a value is out of range, or both ``max_samples`` and ``max_sweeps`` are given.
+        DataError: a sequence stream has an empty sequence.
     """
 
     def __init__(
         self,
-        deserializer: Deserializer,
+        deserializer: StreamDeserializer | Deserializer | torch.utils.data.Dataset,
         randomize: bool = True,
         randomization_seed: int = 0,
         max_samples: int | None = None,
         max_sweeps: int | None = None,
         transform: Callable[[torch.Tensor, np.ndarray, int], torch.Tensor] | None = None,
         read_ahead: bool | None = None,
+        defining_stream: str | None = None,
+        length_bucketing: int = 0,
     ) -> None:
-        for attribute in ("num_samples", "feature_shape", "num_classes", "get"):
-            if not hasattr(deserializer, attribute):
-                raise TypeError(
-                    f"deserializer must have num_samples, feature_shape, num_classes and get(); "
-                    f"{type(deserializer).__name__} has no {attribute!r}"
-                )
-        self._samples_per_sweep = check_int("deserializer.num_samples", deserializer.num_samples, 1)
+        self._data = as_stream_deserializer(deserializer)
+        self._deserializer = getattr(self._data, "deserializer", deserializer) \
+            if isinstance(self._data, FeaturesAndLabels) else self._data
         self._randomize = check_bool("randomize", randomize)
         self._seed = check_int("randomization_seed", randomization_seed, 0)
         if max_samples is not None and max_sweeps is not None:
@@ -131,60 +98,181 @@ class MinibatchSource:
                 f"max_samples ({max_samples}) and max_sweeps ({max_sweeps}) are mutually exclusive; "
                 "give at most one of them"
             )
-        # _end_position: first timeline position that is never read (None: read forever).
-        self._end_position: int | None = None
-        if max_samples is not None:
-            self._end_position = check_int("max_samples", max_samples, 0)
-        if max_sweeps is not None:
-            self._end_position = check_int("max_sweeps", max_sweeps, 0) * self._samples_per_sweep
+        self._max_samples = None if max_samples is None else check_int("max_samples", max_samples, 0)
+        self._max_sweeps = None if max_sweeps is None else check_int("max_sweeps", max_sweeps, 0)
+        self._streams: dict[str, StreamInfo] = dict(self._data.streams)
+        if not self._streams:
+            raise ValueError(f"{type(self._deserializer).__name__} declares no streams; a deserializer serves at "
+                             f"least one")
+        self._sequences_per_sweep = check_int(f"{type(self._deserializer).__name__}.num_sequences",
+                                              self._data.num_sequences, 1)
+        self._lengths = {name: self._checked_lengths(name) for name, info in self._streams.items() if info.is_sequence}
+        self._length_bucketing = check_int("length_bucketing", length_bucketing, 0)
+        if self._length_bucketing and not self._lengths:
+            raise ValueError(f"length_bucketing={self._length_bucketing}: the data has no sequence stream (streams "
+                             f"{', '.join(self._streams)}); leave it at 0")
+        self._defining: StreamReference | None = None
+        self._defining_is_explicit = defining_stream is not None
+        if defining_stream is not None:
+            self._set_defining(defining_stream, "defining_stream")
+        elif self._lengths:
+            own = getattr(self._data, "defining_stream", None)
+            if own is None and len(self._lengths) == 1:
+                own = next(iter(self._lengths))
+            if own is not None:
+                self._set_defining(own, f"{type(self._deserializer).__name__}.defining_stream")
+        self._timeline: SampleTimeline | SequenceTimeline | None = None
+        if not self._lengths:
+            self._timeline = SampleTimeline(self._sequences_per_sweep, self._seed, self._randomize)
         if transform is not None and not callable(transform):
             raise TypeError(
                 f"transform must be callable as transform(features, positions, seed), got "
                 f"{type(transform).__name__}"
             )
-        self._deserializer = deserializer
-        self._take = getattr(deserializer, "take", None)  # reads by index tensor (see Deserializer)
+        if transform is not None:
+            features = self._streams.get("features")
+            if features is None or features.is_sequence:
+                raise TypeError(f"transform applies to a 'features' stream with one value per sample; this data has "
+                                f"streams {', '.join(self._streams)}")
         self._transform = transform
         if transform is not None and hasattr(transform, "setup"):
-            transform.setup(deserializer)
+            transform.setup(self._deserializer)
+        self._take = self._data.take if isinstance(self._data, FeaturesAndLabels) and self._data.has_take else None
+        self._float_features = isinstance(self._data, FeaturesAndLabels)  # two-stream features are served as float32
         self._position = 0
         if read_ahead is None:
-            read_ahead = bool(getattr(deserializer, "benefits_from_read_ahead", False))
+            read_ahead = bool(getattr(self._deserializer, "benefits_from_read_ahead", False)
+                              or getattr(self._data, "benefits_from_read_ahead", False))
         self._read_ahead = check_bool("read_ahead", read_ahead)
         self._executor: ThreadPoolExecutor | None = None
         # the minibatch being read in the background: (request key, future)
-        self._pending: tuple[tuple[int, int, int, int], Future] | None = None
+        self._pending: tuple[tuple, Future] | None = None
 
+    def _checked_lengths(self, name: str) -> np.ndarray:
+        """The sequence stream ``name``'s lengths, checked: one per sequence, each at least one step."""
+        lengths = np.asarray(self._data.sequence_lengths(name))
+        if lengths.shape != (self._sequences_per_sweep,) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"{type(self._deserializer).__name__}.sequence_lengths({name!r}) must be an integer array "
+                             f"of {self._sequences_per_sweep} lengths (num_sequences), got shape {lengths.shape} "
+                             f"({lengths.dtype})")
+        lengths = lengths.astype(np.int64, copy=False)
+        if len(lengths) and lengths.min() < 1:
+            empty = int(np.argmin(lengths))
+            raise DataError(f"stream {name!r}: sequence {empty} of {type(self._deserializer).__name__} is empty "
+                            f"({int(lengths[empty])} steps); every sequence needs at least one step")
+        return lengths
+
+    def _set_defining(self, text: str, what: str) -> None:
+        reference = StreamReference.parse(text, what)
+        if reference.part is not None:
+            raise ValueError(f"{what}={text!r}: samples are counted in steps of a stream (or a step slice of it), "
+                             f"not of its {reference.part}")
+        reference.check_against(self._streams.get(reference.name), list(self._streams), what)
+        self._defining = reference
+
+    # -- what the data is ------------------------------------------------------------------------------
     @property
     def read_ahead(self) -> bool:
         """Whether the next minibatch is read in the background (see the class docstring)."""
         return self._read_ahead
 
     @property
-    def deserializer(self) -> Deserializer:
-        """The deserializer this source reads."""
+    def deserializer(self):
+        """The deserializer this source reads (as given; a torch Dataset is wrapped in a DatasetDeserializer)."""
         return self._deserializer
 
     @property
+    def streams(self) -> dict[str, StreamInfo]:
+        """The streams every minibatch has, by name."""
+        return dict(self._streams)
+
+    @property
+    def has_sequences(self) -> bool:
+        """Whether any stream holds sequences (samples are then steps of the defining stream)."""
+        return bool(self._lengths)
+
+    @property
+    def defining_stream(self) -> str | None:
+        """The stream (or step slice) whose steps count samples; None without sequences or before it is known."""
+        return self._defining.text if self._defining is not None else None
+
+    @property
+    def defining_stream_is_explicit(self) -> bool:
+        """Whether ``defining_stream`` was given to this source (else a session may choose it)."""
+        return self._defining_is_explicit
+
+    def use_defining_stream(self, text: str, what: str = "defining_stream") -> None:
+        """Counts samples in steps of ``text`` from now on (``training_session`` calls it with the loss's
+        target when the source was given none). Only before anything is read.
+
+        Raises:
+            ValueError: the stream does not exist, or this source has read already with another one.
+        """
+        previous = self._defining
+        self._set_defining(text, what)
+        if previous != self._defining and self._timeline is not None and self._lengths and self._position:
+            self._defining = previous
+            raise ValueError(f"{what}={text!r}: this source has read {self._position} sequences counted in steps of "
+                             f"{previous.text!r}; choose the defining stream before reading")
+        if previous != self._defining and self._lengths:
+            self._timeline = None
+
+    def sequence_lengths(self, reference: str) -> np.ndarray | None:
+        """Steps of every sequence of a sequence stream or step slice (``text[:-1]``); None for a stream
+        with one value per sample."""
+        parsed = StreamReference.parse(reference)
+        lengths = self._lengths.get(parsed.name)
+        return None if lengths is None else parsed.step_counts(lengths)
+
+    def _timeline_now(self) -> SampleTimeline | SequenceTimeline:
+        """The timeline (built on first use, once the defining stream is known)."""
+        if self._timeline is None:
+            if self._defining is None:
+                names = ", ".join(repr(name) for name in self._lengths)
+                raise ValueError(f"the data has several sequence streams ({names}); say which one counts samples with "
+                                 f"defining_stream=NAME (training_session uses the loss's target)")
+            lengths = self._lengths.get(self._defining.name)
+            counts = self._defining.step_counts(lengths) if lengths is not None \
+                else np.ones(self._sequences_per_sweep, dtype=np.int64)
+            sort_lengths = None
+            if self._length_bucketing:  # by the defining steps, then by all sequence streams' steps together
+                total = np.sum(list(self._lengths.values()), axis=0)
+                sort_lengths = counts * (int(total.max()) + 1) + total
+            self._timeline = SequenceTimeline(counts, self._seed, self._randomize, self._length_bucketing, sort_lengths)
+        return self._timeline
+
+    @property
     def samples_per_sweep(self) -> int:
-        """Samples in one sweep (the deserializer's ``num_samples``)."""
-        return self._samples_per_sweep
+        """Samples in one sweep: steps of the defining stream over every sequence (sequences, without any)."""
+        return self._timeline_now().samples_per_sweep
+
+    @property
+    def sequences_per_sweep(self) -> int:
+        """Sequences in one sweep (samples, for data without sequences)."""
+        return self._sequences_per_sweep
 
     @property
     def current_position(self) -> int:
-        """Global timeline position: samples read so far by all partitions together."""
+        """Global timeline position: sequences (samples, without sequences) read so far by all partitions together."""
         return self._position
 
+    @property
+    def samples_read(self) -> int:
+        """Samples (defining steps) read so far by all partitions together."""
+        return self._timeline_now().steps_before(self._position)
+
+    # -- reading ---------------------------------------------------------------------------------------
     def next_minibatch(
         self, minibatch_size_in_samples: int, num_data_partitions: int = 1, partition_index: int = 0
     ) -> Minibatch | None:
         """Read this partition's share of the next global minibatch and advance the position.
 
-        The global minibatch is positions ``[p, p + B)``, clipped at the reading limit; partition
-        ``k`` of ``N`` gets the slice ``partition_slice(p, size, N, k)``. Every partition must
-        make the same calls: each returns a Minibatch (possibly with 0 local samples) for the
-        same number of calls, then None on the same call, and all advance ``p`` by the global
-        size.
+        The global minibatch holds the sequences from the position on whose samples fit
+        ``minibatch_size_in_samples`` (at least one sequence; without sequences exactly that many
+        samples), clipped at the reading limit; partition ``k`` of ``N`` gets its contiguous share
+        (``dtrain.data.timeline``). Every partition must make the same calls: each returns a
+        Minibatch (possibly with 0 local samples) for the same number of calls, then None on the
+        same call, and all advance the position alike.
 
         Args:
             minibatch_size_in_samples: global minibatch size ``B`` (samples, >= 1).
@@ -215,7 +303,7 @@ class MinibatchSource:
             if pending is not None:
                 _wait_quietly(pending[1])  # never two reads at once: deserializers need not be thread-safe
             minibatch = self._read(*request)
-        self._position = request[0] + request[1]
+        self._position = request[0].stop
         if self._read_ahead:
             following = self._request(self._position, global_size, num_data_partitions, partition_index)
             if following is not None:
@@ -224,36 +312,65 @@ class MinibatchSource:
                 self._pending = (following, self._executor.submit(self._read, *following))
         return minibatch
 
-    def _request(self, start_position: int, global_size: int, num_data_partitions: int,
-                 partition_index: int) -> tuple[int, int, int, int] | None:
-        """``(start, global size clipped at the reading limit, partitions, index)``; None past the limit."""
-        if self._end_position is not None:
-            if start_position >= self._end_position:
-                return None
-            global_size = min(global_size, self._end_position - start_position)
-        return start_position, global_size, num_data_partitions, partition_index
+    def _request(self, position: int, budget: int, num_data_partitions: int,
+                 partition_index: int) -> tuple[Span, int, int] | None:
+        """``(global span, partitions, index)`` of the minibatch at ``position``; None past the reading limit."""
+        timeline = self._timeline if self._timeline is not None else self._timeline_now()
+        end_position = None
+        if self._max_sweeps is not None:
+            end_position = self._max_sweeps * self._sequences_per_sweep
+        elif self._max_samples is not None:
+            if self._lengths:
+                remaining = self._max_samples - timeline.steps_before(position)
+                if remaining <= 0:
+                    return None
+                budget = min(budget, remaining)
+            else:
+                end_position = self._max_samples
+        span = timeline.span(position, budget, end_position)
+        return None if span is None else (span, num_data_partitions, partition_index)
 
-    def _read(self, start_position: int, global_size: int, num_data_partitions: int, partition_index: int) -> Minibatch:
+    def _read(self, span: Span, num_data_partitions: int, partition_index: int) -> Minibatch:
         """The minibatch of one request: a pure function of it (no state of the source changes)."""
-        local_start, local_stop = partition_bounds(start_position, global_size, num_data_partitions, partition_index)
-        features, labels = self._get(local_start, local_stop)
-        sweeps_done_before = start_position // self._samples_per_sweep
-        sweeps_done_after = (start_position + global_size) // self._samples_per_sweep
-        minibatch = Minibatch(features=features, labels=_label_tensor(labels), global_num_samples=global_size,
-                              sweep_end=sweeps_done_after > sweeps_done_before, first_position=local_start)
-        minibatch.features = self._apply_transform(features, minibatch)
+        timeline = self._timeline
+        start, stop, samples = timeline.share(span, num_data_partitions, partition_index)
+        index = timeline.index_tensor(start, stop) if self._take is not None else None
+        if index is not None:
+            streams = self._take(index)
+        else:
+            streams = self._checked_read(timeline.indices(start, stop), stop - start)
+        if self._float_features:
+            features = streams["features"]
+            if features.dtype is not torch.float32 and self._transform is None:
+                streams["features"] = features.to(torch.float32)
+        per_sweep = self._sequences_per_sweep
+        minibatch = Minibatch(streams, global_num_samples=span.steps, sweep_end=span.stop // per_sweep > span.start // per_sweep,
+                              first_position=start, num_samples=samples, num_sequences=stop - start,
+                              global_num_sequences=span.stop - span.start)
+        if self._transform is not None:
+            minibatch.features = self._apply_transform(minibatch.features, minibatch)
         return minibatch
 
-    def _get(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The deserializer's features and labels of timeline positions ``[start, stop)``: through
-        ``take`` with a slice of the sweep's order where it has one and the range lies in one sweep."""
-        if self._take is not None and self._randomize:
-            sweep, offset = divmod(start, self._samples_per_sweep)
-            if offset + stop - start <= self._samples_per_sweep:
-                order = _sweep_order_tensor(self._samples_per_sweep, self._seed, sweep)
-                return self._take(order[offset:offset + stop - start])
-        indices = range_to_indices(start, stop, self._samples_per_sweep, self._seed, self._randomize)
-        return self._deserializer.get(indices)
+    def _checked_read(self, indices: np.ndarray, count: int) -> dict:
+        """The deserializer's streams of ``indices``, with sequence streams as Sequences, checked against
+        what it declared (one line naming the stream when they differ)."""
+        streams = self._data.read(indices)
+        if not isinstance(streams, Mapping) or set(streams) != set(self._streams):
+            got = sorted(streams) if isinstance(streams, Mapping) else type(streams).__name__
+            raise DataError(f"{type(self._deserializer).__name__}.read returned {got}; expected the declared streams "
+                            f"{sorted(self._streams)}")
+        streams = dict(streams)
+        for name, info in self._streams.items():
+            value = streams[name]
+            if info.is_sequence and not isinstance(value, Sequences):
+                value = streams[name] = Sequences.from_list(value, dtype=info.dtype)
+            elif not info.is_sequence and not isinstance(value, torch.Tensor):
+                value = streams[name] = torch.as_tensor(value)
+            size = len(value) if isinstance(value, Sequences) else (value.shape[0] if value.dim() else -1)
+            if size != count:
+                raise DataError(f"{type(self._deserializer).__name__}.read returned {size} values of stream {name!r} "
+                                f"for {count} sequences; expected one per sequence")
+        return streams
 
     def _discard_read_ahead(self) -> None:
         """Drops the background read (after it finishes, so no read overlaps the next one)."""
@@ -275,10 +392,7 @@ class MinibatchSource:
         return state
 
     def _apply_transform(self, features: torch.Tensor, minibatch: Minibatch) -> torch.Tensor:
-        """The transform's float32 features of ``minibatch`` (at its positions); without a transform,
-        ``features`` as float32 (no copy, and no call, when they already are)."""
-        if self._transform is None:
-            return features if features.dtype is torch.float32 else features.to(torch.float32)
+        """The transform's float32 features of ``minibatch`` (at its positions)."""
         positions = minibatch.positions
         transformed = self._transform(features, positions, self._seed)
         if not isinstance(transformed, torch.Tensor) or transformed.dtype != torch.float32:
@@ -292,18 +406,24 @@ class MinibatchSource:
             )
         return transformed
 
+    # -- checkpoints -------------------------------------------------------------------------------------
     def get_checkpoint_state(self) -> dict[str, Any]:
-        """Small dict of plain ints/bools that ``restore_from_checkpoint`` replays from.
+        """Small dict of plain values that ``restore_from_checkpoint`` replays from.
 
         Keys: ``position`` (global timeline position), ``seed``, ``samples_per_sweep`` and
-        ``randomize`` (the last three guard against restoring into a different stream).
+        ``randomize``; with sequence streams also ``sequences_per_sweep``, ``defining_stream`` and
+        ``length_bucketing`` (all but the position guard against restoring into a different stream).
         """
-        return {
+        state = {
             "position": self._position,
             "seed": self._seed,
-            "samples_per_sweep": self._samples_per_sweep,
+            "samples_per_sweep": self.samples_per_sweep,
             "randomize": self._randomize,
         }
+        if self._lengths:
+            state.update(sequences_per_sweep=self._sequences_per_sweep, defining_stream=self.defining_stream,
+                         length_bucketing=self._length_bucketing)
+        return state
 
     def restore_from_checkpoint(self, state: dict[str, Any]) -> None:
         """Continue reading from a state saved by ``get_checkpoint_state``.
@@ -313,16 +433,17 @@ class MinibatchSource:
 
         Raises:
             TypeError: ``state`` is not a dict or a value has the wrong type.
-            ValueError: a key is missing or unknown, or the state's seed, sweep size or
-                randomize flag differs from this source's (it would replay another stream).
+            ValueError: a key is missing or unknown, or the state's seed, sweep size, randomize flag,
+                defining stream or bucketing differs from this source's (it would replay another stream).
         """
         if not isinstance(state, dict):
             raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
-        missing = [key for key in _STATE_KEYS if key not in state]
-        unknown = sorted(set(state) - set(_STATE_KEYS))
+        keys = _SEQUENCE_STATE_KEYS if self._lengths else _STATE_KEYS
+        missing = [key for key in keys if key not in state]
+        unknown = sorted(set(state) - set(keys))
         if missing or unknown:
             raise ValueError(
-                f"checkpoint state must have keys {list(_STATE_KEYS)}; missing {missing}, unknown {unknown}"
+                f"checkpoint state must have keys {list(keys)}; missing {missing}, unknown {unknown}"
             )
         position = check_int("state['position']", state["position"], 0)
         seed = check_int("state['seed']", state["seed"], 0)
@@ -333,10 +454,12 @@ class MinibatchSource:
                 f"checkpoint state has seed {seed} but this source has randomization_seed "
                 f"{self._seed}; build the source with randomization_seed={seed}"
             )
-        if samples_per_sweep != self._samples_per_sweep:
+        if self._lengths:
+            self._check_sequence_state(state)
+        if samples_per_sweep != self.samples_per_sweep:
             raise ValueError(
                 f"checkpoint state has samples_per_sweep {samples_per_sweep} but this source's "
-                f"deserializer has {self._samples_per_sweep} samples; restore onto the same data set"
+                f"deserializer has {self.samples_per_sweep} samples; restore onto the same data set"
             )
         if randomize != self._randomize:
             raise ValueError(
@@ -346,12 +469,19 @@ class MinibatchSource:
         self._discard_read_ahead()
         self._position = position
 
-
-@functools.lru_cache(maxsize=4)  # the sweeps being read by a few streams at once (train, cross-validation, ...)
-def _sweep_order_tensor(num_samples: int, seed: int, sweep: int) -> torch.Tensor:
-    """``sweep_order`` of a randomized sweep as an int64 tensor (cached: a minibatch reads a slice of it;
-    a copy, because the shared order is read-only and torch tensors cannot be)."""
-    return torch.from_numpy(sweep_order(num_samples, seed, sweep, True).copy())
+    def _check_sequence_state(self, state: dict[str, Any]) -> None:
+        sequences = check_int("state['sequences_per_sweep']", state["sequences_per_sweep"], 1)
+        if sequences != self._sequences_per_sweep:
+            raise ValueError(f"checkpoint state has {sequences} sequences per sweep but this source's deserializer has "
+                             f"{self._sequences_per_sweep}; restore onto the same data set")
+        if state["defining_stream"] != self.defining_stream:
+            raise ValueError(f"checkpoint state counts samples in steps of {state['defining_stream']!r} but this source "
+                             f"counts steps of {self.defining_stream!r}; restore with defining_stream="
+                             f"{state['defining_stream']}")
+        if state["length_bucketing"] != self._length_bucketing:
+            raise ValueError(f"checkpoint state has length_bucketing={state['length_bucketing']} but this source has "
+                             f"{self._length_bucketing}; build the source with length_bucketing="
+                             f"{state['length_bucketing']}")
 
 
 def _wait_quietly(future: Future) -> None:
@@ -360,11 +490,3 @@ def _wait_quietly(future: Future) -> None:
         future.result()
     except Exception:  # noqa: BLE001 - a read that was not asked for cannot fail the one that was
         pass
-
-
-def _label_tensor(labels: torch.Tensor) -> torch.Tensor:
-    """Integer class labels as int64 (what torch's classification losses take); floating-point
-    targets unchanged, so a regression target of 0.25 stays 0.25."""
-    if labels.dtype is torch.int64 or labels.dtype.is_floating_point or labels.dtype.is_complex:
-        return labels
-    return labels.to(torch.int64)

@@ -1,0 +1,148 @@
+"""A stream deserializer over in-memory data: named arrays, and sequences as lists of arrays."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence as SequenceType
+
+import numpy as np
+import torch
+
+from dtrain.data._checks import check_int
+from dtrain.data.errors import DataError
+from dtrain.data.streams import PADDING_VALUE, Sequences, StreamInfo
+
+__all__ = ["StreamArrays"]
+
+
+class _PackedSequences:
+    """Variable-length sequences stored back to back (``values``) with their ``offsets``: a minibatch of
+    them is gathered with one index computation instead of a Python loop over sequences."""
+
+    def __init__(self, name: str, sequences: SequenceType):
+        tensors = []
+        for index, sequence in enumerate(sequences):
+            tensor = _as_tensor(f"{name}[{index}]", sequence)
+            if tensor.dim() == 0:
+                raise DataError(f"stream {name!r}: sequence {index} is a single number; a sequence is an array of "
+                                f"steps [length, ...]")
+            if len(tensor) == 0:
+                raise DataError(f"stream {name!r}: sequence {index} is empty; every sequence needs at least one step")
+            tensors.append(tensor)
+        if not tensors:
+            raise DataError(f"stream {name!r} has no sequences")
+        shapes = {tuple(t.shape[1:]) for t in tensors}
+        dtypes = {t.dtype for t in tensors}
+        if len(shapes) > 1:
+            raise DataError(f"stream {name!r}: the steps of its sequences have different shapes {sorted(shapes)}; "
+                            f"every step must have one shape")
+        if len(dtypes) > 1:
+            raise DataError(f"stream {name!r}: its sequences have different dtypes {sorted(map(str, dtypes))}")
+        self.lengths = np.array([len(t) for t in tensors], dtype=np.int64)
+        self.offsets = np.zeros(len(tensors) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+        self.values = torch.cat(tensors)
+        self.step_shape = tuple(tensors[0].shape[1:])
+
+    def gather(self, indices: np.ndarray) -> Sequences:
+        lengths = self.lengths[indices]
+        longest = int(lengths.max()) if len(lengths) else 0
+        data = torch.full((len(indices), longest, *self.step_shape), PADDING_VALUE, dtype=self.values.dtype)
+        if len(indices):
+            steps = np.arange(longest)
+            valid = steps[None, :] < lengths[:, None]
+            source = (self.offsets[indices][:, None] + steps[None, :])[valid]
+            data[torch.from_numpy(valid)] = self.values[torch.from_numpy(source)]
+        return Sequences(data, torch.from_numpy(lengths), _checked=True)
+
+
+class StreamArrays:
+    """Named streams held in memory: an array ``[n, ...]`` per stream with one value per sequence, a
+    list of ``n`` arrays ``[L_i, ...]`` per sequence stream.
+
+    ``StreamArrays({"text": token_lists})`` is a language model's corpus;
+    ``StreamArrays({"graphemes": words, "phonemes": pronunciations})`` a sequence-to-sequence pair
+    (the two streams of one sequence may differ in length).
+
+    Args:
+        streams: name -> a numpy array or tensor (one value per sequence) or a list of them (a
+            sequence stream). Every stream has the same number of sequences.
+        num_classes: name -> the number of classes or the vocabulary of an integer stream (its
+            values must lie in ``[0, num_classes)``); other integer streams are not checked.
+        defining_stream: the stream whose steps count samples, when the source is not told.
+
+    Raises:
+        DataError: streams of different sizes, an empty sequence, steps of different shapes, or an
+            id outside its stream's ``num_classes``.
+        TypeError / ValueError: bad arguments.
+    """
+
+    def __init__(self, streams: Mapping[str, object], num_classes: Mapping[str, int] | None = None,
+                 defining_stream: str | None = None):
+        if not isinstance(streams, Mapping) or not streams:
+            raise TypeError(f"streams must be a non-empty mapping name -> array or list of arrays, got "
+                            f"{type(streams).__name__}")
+        num_classes = dict(num_classes or {})
+        unknown = sorted(set(num_classes) - set(streams))
+        if unknown:
+            raise ValueError(f"num_classes names streams {unknown} that are not in streams {sorted(streams)}")
+        self._fixed: dict[str, torch.Tensor] = {}
+        self._sequences: dict[str, _PackedSequences] = {}
+        self.streams: dict[str, StreamInfo] = {}
+        sizes = {}
+        for name, value in streams.items():
+            name = str(name)
+            classes = None if name not in num_classes else check_int(f"num_classes[{name!r}]", num_classes[name], 1)
+            if isinstance(value, (list, tuple)):
+                packed = self._sequences[name] = _PackedSequences(name, value)
+                sizes[name] = len(packed.lengths)
+                dtype, shape, values = packed.values.dtype, packed.step_shape, packed.values
+            else:
+                tensor = self._fixed[name] = _as_tensor(name, value)
+                if tensor.dim() == 0:
+                    raise DataError(f"stream {name!r} is a single number; expected one value per sequence [n, ...]")
+                sizes[name] = len(tensor)
+                dtype, shape, values = tensor.dtype, tuple(tensor.shape[1:]), tensor
+            if classes is not None:
+                _check_ids(name, values, classes)
+            self.streams[name] = StreamInfo(name, shape, dtype, is_sequence=name in self._sequences,
+                                            num_classes=classes)
+        if len(set(sizes.values())) > 1:
+            raise DataError(f"streams hold different numbers of sequences: "
+                            f"{', '.join(f'{name} {size}' for name, size in sizes.items())}; every stream needs one "
+                            f"entry per sequence")
+        self.num_sequences = next(iter(sizes.values()))
+        if defining_stream is not None and defining_stream not in self.streams:
+            raise ValueError(f"defining_stream={defining_stream!r} is not a stream; streams are {sorted(self.streams)}")
+        self.defining_stream = defining_stream
+
+    def sequence_lengths(self, name: str) -> np.ndarray:
+        """Steps of every sequence of the sequence stream ``name``."""
+        return self._sequences[name].lengths
+
+    def read(self, indices: np.ndarray) -> dict[str, torch.Tensor | Sequences]:
+        """The streams of sequences ``indices``: tensors, and Sequences for sequence streams."""
+        indices = np.asarray(indices, dtype=np.int64)
+        index = torch.from_numpy(indices)
+        out: dict[str, torch.Tensor | Sequences] = {name: tensor[index] for name, tensor in self._fixed.items()}
+        out.update((name, packed.gather(indices)) for name, packed in self._sequences.items())
+        return out
+
+
+def _as_tensor(name: str, value: object) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    array = np.asarray(value)
+    if array.dtype == object:
+        raise DataError(f"stream {name!r} could not be read as one array (its entries differ in shape); a sequence "
+                        f"stream is a list of arrays")
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _check_ids(name: str, values: torch.Tensor, num_classes: int) -> None:
+    if values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise DataError(f"stream {name!r} has num_classes={num_classes} but holds {values.dtype} values; class ids "
+                        f"and token ids are integers")
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_classes):
+        raise DataError(f"stream {name!r} holds ids in [{int(values.min())}, {int(values.max())}], outside its "
+                        f"vocabulary [0, {num_classes})")
