@@ -21,7 +21,7 @@ import hydra
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dtrain.comm import create_communicator, detect_launcher, install_fail_fast, start_heartbeat
 from dtrain.comm.base import first_line, format_rank_message
@@ -32,6 +32,7 @@ from dtrain.host_memory import keep_freed_host_memory
 from dtrain.schedules import Schedule
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
+from dtrain.session.binding import StreamBinding
 from dtrain.session.checkpoint import CheckpointError
 
 #: exit code for a bad config, data set or checkpoint (the user's input, not a crash)
@@ -248,7 +249,9 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
     train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
     test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
     cv_source = _instantiate(cfg.source.cv, "source.cv") if cfg.source.cv is not None else None
-    check_model_outputs(model, train_source, cfg.model.get("num_classes"))
+    inputs = OmegaConf.to_container(cfg.session.inputs, resolve=True) \
+        if isinstance(cfg.session.inputs, (DictConfig, ListConfig)) else cfg.session.inputs
+    check_model_outputs(model, train_source, cfg.model.get("num_classes"), StreamBinding(inputs, cfg.session.target))
     torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
 
     session = cfg.session
@@ -279,6 +282,8 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         clip_grad_norm=session.clip_grad_norm,
         precision=session.precision,
         compile=session.compile,
+        inputs=inputs,
+        target=cfg.session.target,
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
         run_config=run_config(cfg),
@@ -364,26 +369,55 @@ def _submitit_local_copies(tasks: str) -> str:
     os._exit(EXIT_PREEMPTED)
 
 
-def check_model_outputs(model: torch.nn.Module, source, num_classes=None) -> None:
-    """Raises :class:`UserError` when the model's output size differs from the data's class count.
+def check_model_outputs(model: torch.nn.Module, source, num_classes=None, binding: StreamBinding | None = None) -> None:
+    """Raises :class:`UserError` when the model's output size differs from the target's class count.
 
-    One forward pass of a zero input of the data's feature shape, in eval mode and without
-    gradients (no parameter, buffer or random state changes), before any training.
+    Two-stream data: one forward pass of a zero input of the data's feature shape. Named streams:
+    one forward pass of the first sequence, read through the source's deserializer (its position
+    does not move), when the target is an integer stream that declares ``num_classes``. Both in
+    eval mode and without gradients (no parameter, buffer or random state changes), before any
+    training; a model that fails on that input is left to fail in training with its own message.
     """
     deserializer = getattr(source, "deserializer", None)
     classes, shape = getattr(deserializer, "num_classes", None), getattr(deserializer, "feature_shape", None)
-    if classes is None or shape is None:
+    streams = getattr(source, "streams", None)
+    binding = binding or StreamBinding()
+    if classes is not None and shape is not None:
+        inputs, target_name = (torch.zeros(1, *shape),), "labels"
+
+        def forward():
+            return model(*inputs)
+    elif streams is not None and binding.target is not None and binding.target.name in streams \
+            and streams[binding.target.name].num_classes is not None \
+            and not streams[binding.target.name].dtype.is_floating_point:
+        classes, target_name = streams[binding.target.name].num_classes, binding.target.name
+        try:
+            first = source.first_minibatch()
+        except Exception:  # noqa: BLE001 - a read problem is reported by training itself, with its own line
+            return
+
+        def forward():
+            return binding.forward(model, first)
+    else:
         return
     was_training = model.training
     try:
+        model.eval()
         with torch.no_grad():
-            outputs = model.eval()(torch.zeros(1, *shape)).shape[-1]
+            output = forward()
+    except Exception:  # noqa: BLE001 - see the docstring
+        if classes is not None and shape is not None:
+            raise
+        return
     finally:
         model.train(was_training)
-    if outputs != classes:
+    outputs = output.shape[-1] if isinstance(output, torch.Tensor) and output.dim() else None
+    if outputs is not None and outputs != classes:
         setting = f"model.num_classes={num_classes}" if num_classes is not None else "the model"
-        raise UserError(f"{setting}: the model has {outputs} outputs but the training data "
-                        f"({type(deserializer).__name__}) has {classes} classes; expected model.num_classes={classes}")
+        what = f"the training data ({type(deserializer).__name__})" if target_name == "labels" and shape is not None \
+            else f"the target stream {target_name!r}"
+        raise UserError(f"{setting}: the model has {outputs} outputs but {what} has {classes} classes; expected "
+                        f"model.num_classes={classes}")
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
@@ -492,6 +526,10 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def main() -> None:
     """Entry point of ``python -m dtrain`` and the ``dtrain`` command."""
     warnings.formatwarning = _one_line_warning
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # the installed `dtrain` command imports your modules (model: {_target_: mymodels.MLP}) from the working
+        # directory, as `python -m dtrain` does
+        sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:]
     answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help) and --version
     if answer is not None:

@@ -220,6 +220,8 @@ class MinibatchSourceConfig:
     max_sweeps: Optional[int] = None
     transform: Any = None
     read_ahead: Optional[bool] = None   # read the next minibatch in the background; null = when reads are slow (images)
+    defining_stream: Optional[str] = None  # whose steps count samples (sequences); null = the loss's target
+    length_bucketing: int = 0           # sequences per length bucket (less padding); 0 = off
 
 
 @dataclass
@@ -296,6 +298,8 @@ class SessionConfig:
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
     precision: Any = "32"               # 32 | bf16 | fp16 (autocast forward; fp16 with a loss scale)
     compile: bool = False               # train through torch.compile(model) (inductor)
+    inputs: Any = field(default_factory=lambda: ["features"])  # streams model.forward takes: a list, {arg: stream}, or minibatch
+    target: str = "labels"              # the stream the loss and the metric take (text[1:]: a step slice), or minibatch
 
 
 @dataclass
@@ -354,6 +358,21 @@ class MSELossConfig:
 
 
 @dataclass
+class SequenceCrossEntropyConfig:
+    """``dtrain.session.SequenceCrossEntropy``: cross-entropy over the real steps of a sequence target (token mean)."""
+
+    _target_: str = "dtrain.session.SequenceCrossEntropy"
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class SequenceErrorConfig:
+    """``dtrain.session.SequenceError``: sequences with any wrong step, averaged over sequences."""
+
+    _target_: str = "dtrain.session.SequenceError"
+
+
+@dataclass
 class ClassificationErrorConfig:
     """``dtrain.session.ClassificationError``: the fraction misclassified, reported as ``error``."""
 
@@ -398,6 +417,8 @@ _SCHEMAS = {
     ("schema/session", "session"): SessionConfig,
     ("schema/loss", "cross_entropy"): CrossEntropyLossConfig,
     ("schema/loss", "mse"): MSELossConfig,
+    ("schema/loss", "sequence_cross_entropy"): SequenceCrossEntropyConfig,
+    ("schema/metric", "sequence_error"): SequenceErrorConfig,
     ("schema/metric", "classification_error"): ClassificationErrorConfig,
     ("schema/metric", "top5_error"): TopKErrorConfig,
     ("schema/metric", "mean_abs_error"): MeanAbsoluteErrorConfig,
@@ -634,23 +655,51 @@ def _minibatch_source_rules(node: DictConfig, name: str) -> list[str]:
         ("randomization_seed", checks.whole_number, {"low": 0}),
         ("max_samples", checks.sample_count, {"allow_none": True}),
         ("max_sweeps", checks.whole_number, {"low": 1, "allow_none": True, "unit": "sweeps"}),
-    )
+        ("length_bucketing", checks.whole_number, {"low": 0, "unit": "sequences"}),
+    ) + _stream_reference_problems(node, name, "defining_stream", allow_none=True)
 
 
-def _side_ratio(name: str, value: Any) -> None:
-    """A crop side as a fraction of the image side: in (0, 1], or null for no crop."""
-    if value is not None and not (checks.positive_number(name, value) <= 1.0):
-        raise ValueError(f"{name}={value!r}: expected a number in (0, 1] or null")
+def _stream_reference_problems(node: DictConfig, name: str, key: str, allow_none: bool = False) -> list[str]:
+    """A stream reference (``text``, ``text[1:]``, ``src.mask``) that parses, or ``minibatch``."""
+    from dtrain.data.streams import StreamReference
+
+    if key not in node or OmegaConf.is_missing(node, key):
+        return []
+    value = node[key]
+    if value is None and allow_none:
+        return []
+    if value == "minibatch" and not allow_none:
+        return []
+    try:
+        StreamReference.parse(value, f"{name}.{key}")
+    except ValueError as error:
+        return [str(error)]
+    return []
 
 
-@register_rule("dtrain.data.ImageTransform")
-def _image_transform_rules(node: DictConfig, name: str) -> list[str]:
-    return _check(
-        node, name,
-        ("crop_side_ratio", _side_ratio, {}),
-        ("flip", checks.boolean, {}),
-        ("scale", checks.positive_number, {}),
-    )
+def _session_streams_problems(session: DictConfig) -> list[str]:
+    """``session.inputs`` (a list of references, a mapping argument -> reference, or minibatch) and ``session.target``."""
+    from dtrain.data.streams import StreamReference
+
+    problems = _stream_reference_problems(session, "session", "target")
+    inputs = session.get("inputs")
+    if inputs == "minibatch":
+        return problems
+    if isinstance(inputs, str):
+        entries = {"inputs": inputs}
+    elif isinstance(inputs, ListConfig) and len(inputs):
+        entries = {f"inputs[{index}]": value for index, value in enumerate(inputs)}
+    elif isinstance(inputs, DictConfig) and len(inputs):
+        entries = {f"inputs.{key}": value for key, value in inputs.items()}
+    else:
+        return problems + [f"session.inputs={_plain(inputs)!r}: expected a non-empty list of streams, a mapping "
+                           f"argument -> stream, or minibatch"]
+    for key, value in entries.items():
+        try:
+            StreamReference.parse(value, f"session.{key}")
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
 
 
 # -- the sections that are not components: session, comm, seed, run directory
@@ -712,6 +761,7 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("max_samples", checks.sample_count, {"allow_none": True}),
     )
     problems += _check(session.test, "session.test", ("minibatch_size", checks.sample_count, {}))
+    problems += _session_streams_problems(session)
     value_checks = {
         "minibatch_size_schedule": checks.sample_count,
         "lr_schedule": lambda key, value: checks.positive_number(key, value, allow_zero=True),

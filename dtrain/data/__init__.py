@@ -16,7 +16,7 @@ from dtrain.data.partition import partition_slice, sweep_order, timeline_to_indi
 from dtrain.data.deserializer import Deserializer, FeaturesAndLabels, StreamDeserializer
 from dtrain.data.minibatch import Minibatch
 from dtrain.data.source import MinibatchSource
-from dtrain.data.stream_arrays import StreamArrays
+from dtrain.data.stream_arrays import NpzStreams, StreamArrays
 from dtrain.data.streams import Sequences, StreamInfo, StreamReference
 from dtrain.data.transform import ImageTransform
 
@@ -34,6 +34,7 @@ __all__ = [
     "MapFile",
     "Minibatch",
     "MinibatchSource",
+    "NpzStreams",
     "Sequences",
     "StreamArrays",
     "StreamDeserializer",

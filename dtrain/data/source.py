@@ -312,6 +312,13 @@ class MinibatchSource:
                 self._pending = (following, self._executor.submit(self._read, *following))
         return minibatch
 
+    def first_minibatch(self) -> Minibatch:
+        """The timeline's first sequence as a minibatch of one, read without moving the position (a check
+        of the model against the data before training)."""
+        timeline = self._timeline_now()
+        span = timeline.span(0, 1, None)
+        return self._read(Span(0, 1, timeline.steps_before(1)), 1, 0) if span is not None else None
+
     def _request(self, position: int, budget: int, num_data_partitions: int,
                  partition_index: int) -> tuple[Span, int, int] | None:
         """``(global span, partitions, index)`` of the minibatch at ``position``; None past the reading limit."""

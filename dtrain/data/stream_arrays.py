@@ -146,3 +146,49 @@ def _check_ids(name: str, values: torch.Tensor, num_classes: int) -> None:
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_classes):
         raise DataError(f"stream {name!r} holds ids in [{int(values.min())}, {int(values.max())}], outside its "
                         f"vocabulary [0, {num_classes})")
+
+
+class NpzStreams(StreamArrays):
+    """Named streams from a NumPy ``.npz`` file (``numpy.savez``): each array is a stream with one value per
+    sequence, except the streams named in ``sequences``, stored flat (all steps back to back) beside an
+    int array ``<name>_lengths`` of the steps of each sequence.
+
+    ``np.savez("train.npz", features=x, labels=y)`` is data without sequences that trains with the
+    defaults (``inputs: [features]``, ``target: labels``); ``np.savez("corpus.npz",
+    text=np.concatenate(token_lists), text_lengths=[len(t) for t in token_lists])`` with
+    ``sequences=[text]`` is a corpus of variable-length token sequences. Loaded without pickle.
+
+    Args:
+        path: the ``.npz`` file.
+        sequences: names of the sequence streams.
+        num_classes, defining_stream: as :class:`StreamArrays`.
+
+    Raises:
+        DataError: the file is missing or not an ``.npz``, a sequence stream without its lengths, or
+            lengths that do not add up to its steps (plus every check of :class:`StreamArrays`).
+    """
+
+    def __init__(self, path: str, sequences: SequenceType[str] = (), num_classes: Mapping[str, int] | None = None,
+                 defining_stream: str | None = None):
+        self.path = str(path)
+        try:
+            with np.load(self.path, allow_pickle=False) as archive:
+                arrays = {name: archive[name] for name in archive.files}
+        except FileNotFoundError:
+            raise DataError(f"{self.path}: no such file; expected an .npz file written by numpy.savez") from None
+        except (OSError, ValueError) as error:
+            raise DataError(f"{self.path}: not a readable .npz file ({error}); expected one written by numpy.savez "
+                            f"(arrays only, no pickled objects)") from None
+        streams: dict[str, object] = {}
+        for name in sequences:
+            lengths_name = f"{name}_lengths"
+            if name not in arrays or lengths_name not in arrays:
+                raise DataError(f"{self.path}: sequence stream {name!r} needs the arrays {name!r} (all steps back to "
+                                f"back) and {lengths_name!r} (steps per sequence); the file has {sorted(arrays)}")
+            values, lengths = arrays.pop(name), arrays.pop(lengths_name).astype(np.int64)
+            if lengths.ndim != 1 or int(lengths.sum()) != len(values):
+                raise DataError(f"{self.path}: {lengths_name} adds up to {int(lengths.sum())} steps but {name!r} has "
+                                f"{len(values)}; expected one length per sequence, summing to the steps")
+            streams[name] = np.split(values, np.cumsum(lengths)[:-1])
+        streams.update(arrays)
+        super().__init__(streams, num_classes=num_classes, defining_stream=defining_stream)

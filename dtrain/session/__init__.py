@@ -1,11 +1,14 @@
 """The training loop (``training_session``) and what it needs: configs, checkpoints, evaluation, output."""
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
-from dtrain.session.objectives import ClassificationError, MeanAbsoluteError, MSELoss, TopKError
+from dtrain.session.binding import StreamBinding
+from dtrain.session.objectives import (ClassificationError, MeanAbsoluteError, MSELoss, SequenceCrossEntropy,
+                                      SequenceError, TopKError)
 from dtrain.session.session import TrainingCollapsed, TrainingDiverged, TrainingResult, TrainingSession, training_session
 
 __all__ = [
-    "ClassificationError", "MSELoss", "MeanAbsoluteError", "TopKError",
+    "ClassificationError", "MSELoss", "MeanAbsoluteError", "SequenceCrossEntropy", "SequenceError", "StreamBinding",
+    "TopKError",
     "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingCollapsed", "TrainingDiverged",
     "TrainingResult", "TrainingSession", "classification_errors", "evaluate", "training_session",
 ]

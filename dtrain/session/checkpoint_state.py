@@ -48,14 +48,22 @@ def learner_identity(learner) -> dict[str, Any]:
 
 def source_identity(source) -> dict[str, Any]:
     """What a training source's checkpoint must match: ``source.checkpoint_identity()`` when it has
-    one, else the deserializer's type, size, feature shape and classes (where the files lie may change)."""
+    one, else the deserializer's type, size, feature shape and classes (two-stream data) or its type,
+    sequences and streams (named streams); where the files lie may change."""
     if hasattr(source, "checkpoint_identity"):
         return source.checkpoint_identity()
     data = getattr(source, "deserializer", None)
     if data is None:
         return {"source": _qualified_name(source)}
-    return {"deserializer": _qualified_name(data), "num_samples": _plain(data.num_samples),
-            "feature_shape": _plain(data.feature_shape), "num_classes": _plain(data.num_classes)}
+    if hasattr(data, "checkpoint_identity"):
+        return {"deserializer": _qualified_name(data), **data.checkpoint_identity()}
+    if hasattr(data, "feature_shape"):
+        return {"deserializer": _qualified_name(data), "num_samples": _plain(data.num_samples),
+                "feature_shape": _plain(data.feature_shape), "num_classes": _plain(data.num_classes)}
+    streams = getattr(source, "streams", {})
+    return {"deserializer": _qualified_name(data), "num_sequences": _plain(getattr(data, "num_sequences", None)),
+            "streams": {name: [_plain(info.shape), str(info.dtype), bool(info.is_sequence), _plain(info.num_classes)]
+                        for name, info in streams.items()}}
 
 
 def _plain(value: Any) -> Any:

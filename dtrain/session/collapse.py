@@ -65,7 +65,8 @@ class CollapseWatch:
         """
         if not self._judged:
             self._judged = True
-            if (_is_cross_entropy(loss_function) and output.dim() == 2 and output.shape[1] >= 2
+            if (_is_cross_entropy(loss_function) and isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
+                    and output.dim() == 2 and output.shape[1] >= 2
                     and labels.dim() == 1 and not labels.is_floating_point() and not labels.is_complex()):
                 self.num_classes = int(output.shape[1])
                 self.chance_loss = math.log(self.num_classes)

@@ -6,13 +6,32 @@ from dataclasses import dataclass
 
 import torch
 
+from dtrain.data.streams import Sequences
+from dtrain.session.binding import StreamBinding, count_steps
 
-def classification_errors(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Number of samples whose arg-max logit is not the label (CNTK's classification_error, summed)."""
+
+def classification_errors(logits: torch.Tensor, labels) -> torch.Tensor:
+    """Number of samples whose arg-max logit is not the label (CNTK's classification_error, summed).
+
+    With a sequence target (:class:`~dtrain.data.Sequences` of class ids), ``logits`` are
+    ``[n, T, C]`` (at least the target's ``T`` steps) and every real step is a sample."""
+    if isinstance(labels, Sequences):
+        mask = labels.mask
+        return (logits[:, :mask.shape[1]].argmax(dim=-1)[mask] != labels.data[mask]).sum()
     return (logits.argmax(dim=1) != labels).sum()
 
 
 classification_errors.additive = True  # a sum over samples: the training loop may run it over many minibatches at once
+
+
+def metric_counts_sequences(metric) -> bool:
+    """Whether ``metric`` is averaged over sequences (``metric.per == "sequence"``, e.g. a sequence error
+    rate) rather than over samples (steps of a sequence target: the default)."""
+    per = getattr(metric, "per", "step")
+    if per not in ("step", "sample", "sequence"):
+        raise ValueError(f"metric.per={per!r}: expected 'step' (averaged over samples, steps of a sequence target) "
+                         f"or 'sequence'")
+    return per == "sequence"
 
 
 @dataclass
@@ -38,18 +57,24 @@ def evaluate(
     comm,
     device: torch.device,
     max_samples: int | None = None,
+    binding=None,
 ) -> Evaluation:
     """Reads ``source`` to its end (or ``max_samples``), partitioned over the workers of ``comm``.
 
     Each worker evaluates its share; sums of loss, metric and samples are all-reduced once, so
     every sample counts exactly once and the result is the same on every rank. The source's
     position is restored afterwards, so the next evaluation reads the same samples again.
-    ``loss_fn`` returns a mean over the minibatch, ``metric_fn`` a sum.
+    ``loss_fn`` returns a mean over the minibatch's samples (steps of a sequence target), weighted
+    here by them; ``metric_fn`` a sum, averaged over samples, or over sequences when
+    ``metric_fn.per == "sequence"``. ``binding`` (a ``StreamBinding``) says which streams feed the
+    model and which is the target (default: features -> labels).
     """
+    binding = binding if binding is not None else StreamBinding()
+    per_sequence = metric_counts_sequences(metric_fn)
     position = source.get_checkpoint_state()
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, metric sum, samples
+    totals = torch.zeros(4, dtype=torch.float64)  # loss sum, metric sum, samples, what the metric averages over
     minibatches = 0
     read = 0
     try:
@@ -61,13 +86,18 @@ def evaluate(
                     break
                 read += batch.global_num_samples
                 minibatches += 1
-                if batch.num_samples == 0:
+                if batch.num_sequences == 0:
                     continue
-                features, labels = batch.features.to(device), batch.labels.to(device)
-                output = model(features)
-                totals[0] += float(loss_fn(output, labels)) * batch.num_samples
-                totals[1] += float(metric_fn(output, labels))
-                totals[2] += batch.num_samples
+                batch = batch.to(device)
+                target = binding.target_of(batch)
+                samples, sequences = count_steps(target)
+                if samples == 0:
+                    continue
+                output = binding.forward(model, batch)
+                totals[0] += float(loss_fn(output, target)) * samples
+                totals[1] += float(metric_fn(output, target))
+                totals[2] += samples
+                totals[3] += sequences if per_sequence else samples
     finally:
         source.restore_from_checkpoint(position)
         model.train(was_training)
@@ -75,4 +105,4 @@ def evaluate(
     samples = int(totals[2])
     if samples == 0:
         return Evaluation(float("nan"), float("nan"), 0, minibatches)
-    return Evaluation(float(totals[0]) / samples, float(totals[1]) / samples, samples, minibatches)
+    return Evaluation(float(totals[0]) / samples, float(totals[1]) / float(totals[3]), samples, minibatches)

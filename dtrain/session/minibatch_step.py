@@ -12,8 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from dtrain.data.minibatch import Minibatch
+from dtrain.data.streams import Sequences
 from dtrain.learners.base import Learner
+from dtrain.session.binding import StreamBinding, count_steps
 from dtrain.session.collapse import CollapseWatch
+from dtrain.session.evaluate import metric_counts_sequences
 from dtrain.session.metrics import PhaseTimer
 from dtrain.session.precision import LossScaler, autocast
 
@@ -47,6 +51,9 @@ class PeriodSums:
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.metric = torch.zeros((), dtype=torch.float64, device=self.device)
         self.samples = 0
+        self.metric_samples = 0  # what the metric is averaged over: samples (steps), or sequences (``metric.per``)
+        self.padded_positions = 0  # of the sequence streams read this period, for the padding fraction
+        self.positions = 0
         self._losses: list[torch.Tensor] = []   # detached mean losses of the passes not yet folded
         self._weights: list[int] = []           # their sample counts
         self._metrics: list[torch.Tensor] = []  # their metric sums (where already computed)
@@ -55,10 +62,18 @@ class PeriodSums:
         self._kept_shapes: tuple | None = None  # the per-sample shapes of both (passes concatenate along dim 0)
         self._kept_bytes = 0
 
-    def add(self, mean_loss: torch.Tensor, metric_sum: torch.Tensor | float, samples: int) -> None:
-        """Adds one pass: its mean loss (a detached tensor), its metric SUM, and its sample count."""
+    def add(self, mean_loss: torch.Tensor, metric_sum: torch.Tensor | float, samples: int,
+            metric_samples: int | None = None) -> None:
+        """Adds one pass: its mean loss (a detached tensor), its metric SUM, its sample count (steps of the
+        target) and what its metric averages over (``samples`` unless a sequence-level metric counts sequences)."""
         self._metrics.append(metric_sum)
+        self.metric_samples += samples if metric_samples is None else metric_samples
         self._add_loss(mean_loss, samples)
+
+    def add_padding(self, padded: int, positions: int) -> None:
+        """Adds a minibatch's padded positions and all positions of its sequence streams."""
+        self.padded_positions += padded
+        self.positions += positions
 
     def add_outputs(self, mean_loss: torch.Tensor, output: torch.Tensor, labels: torch.Tensor, samples: int) -> None:
         """Adds one pass whose (additive) metric runs later, over many passes at once: its mean loss
@@ -76,6 +91,7 @@ class PeriodSums:
         self._outputs.append(output.clone())
         self._labels.append(labels.clone())
         self._kept_bytes += size
+        self.metric_samples += samples
         self._add_loss(mean_loss, samples)
         if self._kept_bytes > self.deferred_output_bytes:
             self._fold()
@@ -107,22 +123,18 @@ class PeriodSums:
         self._losses, self._weights, self._metrics = [], [], []
 
     def as_tensor(self) -> torch.Tensor:
-        """``[loss sum, metric sum, samples]`` in float64, ready to all-reduce."""
+        """``[loss sum, metric sum, samples, metric samples, padded positions, positions]`` in float64,
+        ready to all-reduce."""
         self._fold()
-        return torch.stack([self.loss, self.metric, torch.tensor(float(self.samples), dtype=torch.float64,
-                                                                  device=self.device)])
+        counts = torch.tensor([float(self.samples), float(self.metric_samples), float(self.padded_positions),
+                               float(self.positions)], dtype=torch.float64, device=self.device)
+        return torch.cat([torch.stack([self.loss, self.metric]), counts])
 
 
 def _measured(metric: Callable, output: torch.Tensor, labels: torch.Tensor):
     """``metric(output, labels)`` recording no autograd graph (a metric may use tensors that require grad)."""
     with torch.no_grad():
         return metric(output, labels)
-
-
-def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; the tensor itself, without a call into torch, when it is there already
-    (every call into torch costs microseconds in a loop whose own time is measured against a bare one)."""
-    return tensor if tensor.device == device else tensor.to(device)
 
 
 def _stack_float64(values: list, device: torch.device) -> torch.Tensor:
@@ -138,19 +150,25 @@ class MinibatchStep:
     Args:
         model: the plain model (named in messages).
         forward_model: what the training forward calls: ``model`` or its ``torch.compile`` wrapper.
-        loss: ``loss(output, labels)``, the MEAN over the pass's samples.
-        metric: ``metric(output, labels)``, a SUM over the pass's samples.
+        loss: ``loss(output, target)``, the MEAN over the pass's samples (steps of a sequence target).
+        metric: ``metric(output, target)``, a SUM over the pass's samples (or sequences: ``metric.per``).
         learner: the session's learner (its step, ``no_sync`` and loss-scale seams).
         micro_batch_size: samples per rank per forward/backward pass (``None``: one pass).
         precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (see ``dtrain.session.precision``).
         loss_scaler: fp16's dynamic loss scale (``None`` otherwise).
         collapse: the session's collapse watch, fed every pass's loss.
         check_compile: the first forward turns a ``torch.compile`` failure into one clear ValueError.
+        binding: which streams feed the model, and which is the target (default: features -> labels).
+        check_first: called with the first non-empty minibatch before its forward (the session checks
+            token ids against their vocabularies there).
+        count_padding: add each minibatch's padded positions to the period's sums (sequence data).
     """
 
     def __init__(self, *, model: torch.nn.Module, forward_model: Callable[[torch.Tensor], torch.Tensor],
                  loss: Callable, metric: Callable, learner: Learner, micro_batch_size: int | None,
-                 precision: str, loss_scaler: LossScaler | None, collapse: CollapseWatch, check_compile: bool):
+                 precision: str, loss_scaler: LossScaler | None, collapse: CollapseWatch, check_compile: bool,
+                 binding: StreamBinding | None = None, check_first: Callable | None = None,
+                 count_padding: bool = False):
         self.model = model
         self.forward_model = forward_model
         self.loss = loss
@@ -162,10 +180,14 @@ class MinibatchStep:
         self.precision = precision
         self.loss_scaler = loss_scaler
         self.collapse = collapse
+        self.binding = binding if binding is not None else StreamBinding()
+        self._check_first = check_first
+        self.count_padding = count_padding
         self._forward_checked = not check_compile
         self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
         # an additive metric runs once over many passes (PeriodSums.add_outputs), after a first pass at once
         self._metric_is_additive = bool(getattr(metric, "additive", False))
+        self._metric_per_sequence = metric_counts_sequences(metric)
         self._defer_metric = False
 
     def read(self, source, size: int, timer: PhaseTimer):
@@ -176,37 +198,69 @@ class MinibatchStep:
         timer.lap("data")
         return batch
 
-    def train(self, batch, sums: PeriodSums, timer: PhaseTimer) -> None:
+    def train(self, batch: Minibatch, sums: PeriodSums, timer: PhaseTimer) -> None:
         """Forward, backward on the local mean loss, learner step; adds the loss and metric to ``sums``
         and the compute and update (exchange, optimizer) times to ``timer``.
 
-        With ``micro_batch_size`` the rank's share is computed in passes of at most that many
-        samples; pass ``i`` back-propagates its mean loss times ``n_i / n`` (``n``: the rank's
-        samples), so the accumulated gradient is the gradient of the mean over all ``n``. Every
-        pass but the last runs under ``learner.no_sync()``: the exchange happens once.
+        The learner weights this rank by ``batch.num_samples`` of ``batch.global_num_samples`` (steps of
+        the defining stream). With ``micro_batch_size`` the rank's share is computed in passes of whole
+        sequences of at most that many samples (one sequence at least); pass ``i`` back-propagates its
+        mean loss times ``n_i / n`` (``n_i``, ``n``: the target's samples in the pass and in the share),
+        so the accumulated gradient is the gradient of the mean over all ``n``. Every pass but the last
+        runs under ``learner.no_sync()``: the exchange happens once.
         """
         learner = self.learner
-        local_samples = batch.num_samples
         if self.loss_scaler is not None:
             learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
-        learner.begin_minibatch(local_samples, batch.global_num_samples)
+        learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         gradient_scale = learner.fold_gradient_scale()  # saves the learner a pass over every gradient
-        if local_samples > 0:
-            features, labels = _on_device(batch.features, self.device), _on_device(batch.labels, self.device)
-            pass_size = min(self.micro_batch_size or local_samples, local_samples)
-            if pass_size == local_samples:  # one pass: the tensors as read
-                self._forward_backward(features, labels, local_samples, local_samples, gradient_scale, sums)
+        if batch.num_samples > 0:
+            batch = batch.to(self.device)
+            if self._check_first is not None:
+                check, self._check_first = self._check_first, None
+                check(batch)
+            if self.count_padding:
+                sums.add_padding(*batch.padding)
+            target = self.binding.target_of(batch)
+            steps, sequences = count_steps(target)
+            if self.micro_batch_size is None or steps <= self.micro_batch_size:  # one pass: the streams as read
+                self._forward_backward(batch, target, steps, sequences, steps, gradient_scale, sums)
             else:
-                for start in range(0, local_samples, pass_size):
-                    stop = min(start + pass_size, local_samples)
-                    with contextlib.nullcontext() if stop == local_samples else learner.no_sync():
-                        self._forward_backward(features[start:stop], labels[start:stop], stop - start,
-                                               local_samples, gradient_scale, sums)
+                passes = self._passes(batch, target)
+                local_steps = sum(pass_steps for _, _, pass_steps, _ in passes)
+                for index, (part, part_target, pass_steps, pass_sequences) in enumerate(passes):
+                    with contextlib.nullcontext() if index == len(passes) - 1 else learner.no_sync():
+                        self._forward_backward(part, part_target, pass_steps, pass_sequences, local_steps,
+                                               gradient_scale, sums)
         timer.lap("compute")
         learner.step()
         if self.loss_scaler is not None:
             self._update_loss_scale()
         timer.lap_update(getattr(learner, "exchange_seconds_last_step", 0.0))
+
+    def _passes(self, batch: Minibatch, target) -> list[tuple[Minibatch, object, int, int]]:
+        """``micro_batch_size``'s passes over ``batch``: ``(part, its target, samples, sequences)`` of whole
+        sequences, at most ``micro_batch_size`` target samples each (one sequence at least)."""
+        if isinstance(target, Sequences):
+            counts = target.lengths.tolist()
+        elif isinstance(target, torch.Tensor):
+            counts = [1] * batch.num_sequences
+        else:
+            raise ValueError("micro_batch_size with target=minibatch: the passes are cut by the target's samples; "
+                             "name the target stream (session.target) or drop micro_batch_size")
+        passes, start, filled = [], 0, 0
+        for index, count in enumerate(counts):
+            if index > start and filled + count > self.micro_batch_size:
+                passes.append((start, index, filled))
+                start, filled = index, 0
+            filled += count
+        passes.append((start, len(counts), filled))
+        parts = []
+        for start, stop, steps in passes:
+            part = batch.select(start, stop, steps)
+            part_target = self.binding.target_of(part)
+            parts.append((part, part_target, *count_steps(part_target)))
+        return parts
 
     def _update_loss_scale(self) -> None:
         """fp16: one overflow verdict for all ranks (a collective when several run), then the new scale.
@@ -221,41 +275,43 @@ class MinibatchStep:
         self.skipped_steps += int(found_inf)
         self.loss_scaler.update(found_inf)
 
-    def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, samples: int, local_samples: int,
+    def _forward_backward(self, batch: Minibatch, target, samples: int, sequences: int, local_samples: int,
                           gradient_scale: float, sums: PeriodSums) -> None:
         """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16/fp16),
         backward on the pass's mean loss weighted by its share and by the learner's ``gradient_scale``
         (``Learner.fold_gradient_scale``), loss and metric sums into ``sums``."""
+        forward = self.forward_model if self._forward_checked else self._checked_forward
         if self.precision == "32":
-            output = self._forward(features)
-            loss = self.loss(output, labels)
+            output = self.binding.forward(forward, batch)
+            loss = self.loss(output, target)
         else:
             with autocast(self.precision, self.device):
-                output = self._forward(features)
-                loss = self.loss(output, labels)
+                output = self.binding.forward(forward, batch)
+                loss = self.loss(output, target)
         weight = gradient_scale if samples == local_samples else samples / local_samples * gradient_scale
         weighted = loss if weight == 1.0 else loss * weight
         if self.loss_scaler is not None:
             weighted = weighted * self.learner.loss_scale
         weighted.backward()
         # detached tensors record no graph, so only the metric itself runs under no_grad (at a few µs a call)
-        output = output.detach()
-        if self.precision != "32" and output.is_floating_point() and output.dtype != torch.float32:
-            output = output.float()  # the metric sees float32, as without autocast
+        if isinstance(output, torch.Tensor):
+            output = output.detach()
+            if self.precision != "32" and output.is_floating_point() and output.dtype != torch.float32:
+                output = output.float()  # the metric sees float32, as without autocast
         loss = loss.detach()
-        self.collapse.observe(output, labels, loss, self.loss)
+        self.collapse.observe(output, target, loss, self.loss)
         if self._defer_metric:
-            sums.add_outputs(loss, output, labels, samples)
+            sums.add_outputs(loss, output, target, samples)
         else:  # every pass; an additive metric only the first (a metric that cannot run fails at once)
-            sums.add(loss, _measured(self.metric, output, labels), samples)
-            self._defer_metric = self._metric_is_additive
+            sums.add(loss, _measured(self.metric, output, target), samples,
+                     sequences if self._metric_per_sequence else samples)
+            self._defer_metric = (self._metric_is_additive and isinstance(output, torch.Tensor)
+                                  and isinstance(target, torch.Tensor))
 
-    def _forward(self, features: torch.Tensor) -> torch.Tensor:
+    def _checked_forward(self, *args, **kwargs):
         """The model's training forward; the first compiled one turns a compiler failure into one clear line."""
-        if self._forward_checked:
-            return self.forward_model(features)
         try:
-            output = self.forward_model(features)
+            output = self.forward_model(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
             if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise

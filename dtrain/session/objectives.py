@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from dtrain.data.streams import Sequences
 from dtrain.session.evaluate import classification_errors
 
-__all__ = ["ClassificationError", "MSELoss", "MeanAbsoluteError", "TopKError", "metric_name", "metric_in_percent"]
+__all__ = ["ClassificationError", "MSELoss", "MeanAbsoluteError", "SequenceCrossEntropy", "SequenceError", "TopKError",
+           "metric_name", "metric_in_percent"]
 
 
 class ClassificationError:
@@ -30,6 +32,65 @@ class ClassificationError:
 
     def __repr__(self) -> str:
         return "ClassificationError()"
+
+
+class SequenceCrossEntropy:
+    """Cross-entropy over the real steps of a sequence target: the mean over every step of every
+    sequence (token-weighted), so a long sequence counts by its length, as the data-parallel learner
+    weights ranks by their steps.
+
+    ``output`` is ``[n, T', C]`` logits with ``T' >= T`` (the target's padded length); a tensor target
+    ``[n]`` (one class per sample) with ``[n, C]`` logits is plain cross-entropy. A share with no real
+    step gives 0 (its weight in the global mean is 0 too).
+
+    Args:
+        label_smoothing: as ``torch.nn.functional.cross_entropy`` (in [0, 1)).
+
+    Raises:
+        ValueError: ``label_smoothing`` outside [0, 1); when called, logits shorter than the target.
+    """
+
+    def __init__(self, label_smoothing: float = 0.0) -> None:
+        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+                or not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"loss.label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
+        self.label_smoothing = float(label_smoothing)
+
+    def __call__(self, output: torch.Tensor, target) -> torch.Tensor:
+        if not isinstance(target, Sequences):
+            return torch.nn.functional.cross_entropy(output, target, label_smoothing=self.label_smoothing)
+        steps = target.data.shape[1]
+        if output.dim() < 3 or output.shape[1] < steps:
+            raise ValueError(f"loss sequence_cross_entropy: the model outputs shape {tuple(output.shape)} for a target "
+                             f"of {steps} steps; expected logits [n, >= {steps}, classes]")
+        mask = target.mask
+        logits = output[:, :steps][mask]
+        if logits.shape[0] == 0:
+            return output.sum() * 0.0
+        return torch.nn.functional.cross_entropy(logits, target.data[mask], label_smoothing=self.label_smoothing)
+
+    def __repr__(self) -> str:
+        return f"SequenceCrossEntropy(label_smoothing={self.label_smoothing})"
+
+
+class SequenceError:
+    """Sequences with at least one wrong step (arg-max logit against the target), summed; averaged over
+    sequences (``per = "sequence"``) and reported as ``sequence_error``: a word error rate for
+    one-word sequences, an exact-match error for any other."""
+
+    name = "sequence_error"
+    percent = True
+    per = "sequence"
+
+    def __call__(self, output: torch.Tensor, target) -> torch.Tensor:
+        if not isinstance(target, Sequences):
+            return classification_errors(output, target)
+        mask = target.mask
+        wrong = (output[:, :mask.shape[1]].argmax(dim=-1) != target.data) & mask
+        return wrong.any(dim=1).sum()
+
+    def __repr__(self) -> str:
+        return "SequenceError()"
 
 
 class TopKError:

@@ -29,7 +29,10 @@ from dtrain.session import checkpoint, checkpoint_state
 from dtrain.session.collapse import COLLAPSE_ADVICE, CollapseWatch
 from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
                                    signal_from_name)
+from dtrain.session.binding import StreamBinding
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
+from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
+                                          first_minibatch_check)
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
@@ -119,7 +122,8 @@ class TrainingSession:
 
     Args:
         model: the ``torch.nn.Module`` to train.
-        loss: ``loss(output, labels)`` returning the MEAN loss over the local minibatch.
+        loss: ``loss(output, target)`` returning the MEAN loss over the local minibatch's samples (the
+            target's steps, for a sequence target).
         learner: a dtrain ``Learner`` wrapping the optimizer of ``model``'s parameters; its
             communicator decides how many processes train (see ``dtrain.create_communicator``).
         minibatch_source: a ``MinibatchSource`` for training.
@@ -164,6 +168,13 @@ class TrainingSession:
             (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
             each process would train its own copy.
         stream: where progress goes (default: standard output).
+        inputs: the streams ``model.forward`` takes (CNTK's ``model_inputs_to_streams``): a list passed
+            positionally (default ``["features"]``), a mapping ``argument -> stream`` passed by keyword,
+            or ``"minibatch"`` for the whole minibatch; a stream may be a step slice (``text[:-1]``) or a
+            part (``src.mask``, ``src.lengths``). See ``dtrain.session.binding``.
+        target: the stream the loss and the metric take as their second argument (default ``"labels"``;
+            ``text[1:]``; ``"minibatch"``). Samples are counted in its steps unless the source names a
+            ``defining_stream`` (``docs/data.md#samples-are-steps``).
 
     Raises:
         ValueError, TypeError: a bad argument (the message names it).
@@ -198,6 +209,8 @@ class TrainingSession:
         clip_grad_norm: float | None = None,
         precision: str | int = "32",
         compile: bool = False,  # noqa: A002 - the config's name (session.compile)
+        inputs=("features",),
+        target: str = "labels",
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
@@ -242,6 +255,13 @@ class TrainingSession:
         self.learner = learner
         self.comm = learner.comm
         self.source = minibatch_source
+        self.binding = StreamBinding(inputs, target)
+        self.sources = {"source": minibatch_source, "cv_config.minibatch_source": cv_config.minibatch_source
+                        if cv_config else None, "test_config.minibatch_source": test_config.minibatch_source
+                        if test_config else None}
+        self._defining_stream_note = bind_sources(self.binding, self.sources)
+        check_model_against_data(model, self.binding, self.sources)
+        check_loss_takes_target(loss, metric, self.binding, minibatch_source)
         self.max_samples = max_samples
         self.checkpoint_config = checkpoint_config
         self.cv_config = cv_config
@@ -293,7 +313,9 @@ class TrainingSession:
         self._collapse = CollapseWatch(self.device)
         self._step = MinibatchStep(model=self.model, forward_model=self.forward_model, loss=loss, metric=metric,
                                    learner=learner, micro_batch_size=self.micro_batch_size, precision=self.precision,
-                                   loss_scaler=self.loss_scaler, collapse=self._collapse, check_compile=self.compile)
+                                   loss_scaler=self.loss_scaler, collapse=self._collapse, check_compile=self.compile,
+                                   binding=self.binding, check_first=first_minibatch_check(minibatch_source),
+                                   count_padding=bool(getattr(minibatch_source, "has_sequences", False)))
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
@@ -409,7 +431,7 @@ class TrainingSession:
         test = None  # the model was synchronised above
         if self.test_config is not None and not preempted:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
-                            self.loss, self.metric, self.comm, self.device)
+                            self.loss, self.metric, self.comm, self.device, binding=self.binding)
             accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
             metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy,
                           num_samples=test.num_samples)
@@ -470,7 +492,8 @@ class TrainingSession:
         totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
-        error = float(totals[1]) / samples if samples else float("nan")
+        error = float(totals[1]) / float(totals[3]) if float(totals[3]) else float("nan")
+        padding = float(totals[4]) / float(totals[5]) if float(totals[5]) else None
         if samples and not math.isfinite(loss):
             # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
             raise TrainingDiverged(
@@ -486,8 +509,12 @@ class TrainingSession:
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         extra = timer.take(throughput.period_elapsed())
+        note = self.learner.progress_note()
+        if padding is not None:
+            note = f"padding {100 * padding:.0f}%" + (f" | {note}" if note else "")
+            extra["padding"] = padding
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
-                         note=self.learner.progress_note(), metric_name=self.metric_name, percent=self.metric_percent,
+                         note=note, metric_name=self.metric_name, percent=self.metric_percent,
                          time_split=extra)
         bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
         if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
@@ -503,7 +530,7 @@ class TrainingSession:
         if config.minibatch_source is not None:
             self.learner.synchronize()  # evaluate the one model every worker agrees on
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
-                              self.comm, self.device, max_samples=config.max_samples)
+                              self.comm, self.device, max_samples=config.max_samples, binding=self.binding)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
                          f"loss {result.loss:.4f} | {self._format_metric(result.error)} over {result.num_samples} samples")
             metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
@@ -656,6 +683,9 @@ class TrainingSession:
             sweeps = self.max_samples / self.source.samples_per_sweep
             parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
         printer.line("dtrain: " + ", ".join(parts))
+        if getattr(self.source, "has_sequences", False) or self.binding.describe() != StreamBinding().describe():
+            printer.line(f"dtrain: {self.binding.describe()}" + (f"; {self._defining_stream_note}"
+                                                                  if self._defining_stream_note else ""))
         printer.line("dtrain: " + self.learner.describe())
         options = [f"precision {self.precision}" if self.precision != "32" else "",
                    "torch.compile (inductor backend)" if self.compile else "",

@@ -1,0 +1,132 @@
+"""Checks of the streams a session uses against its data and its model, made before training:
+every stream named exists, samples are counted in the target's steps, no sequence is longer
+than the model's context, and the first minibatch's ids lie within their vocabularies.
+
+Each problem is one line naming the setting (``session.inputs[0]``, ``session.target``) or the
+stream, and what was expected (``docs/data.md#checks``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from dtrain.data.errors import DataError
+from dtrain.data.streams import Sequences
+from dtrain.session.binding import StreamBinding
+
+__all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "first_minibatch_check"]
+
+
+def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
+    """Checks ``binding`` against every source's streams, and counts samples in the target's steps in
+    each source with sequences that names no defining stream of its own (``use_defining_stream``).
+
+    ``sources``: ``what -> source or None`` (``what`` names it in messages). Sources without
+    ``streams`` (your own objects) are not checked. Returns the start-up note on how the training
+    source (``sources["source"]``) counts samples ("" without sequences).
+
+    Raises:
+        ValueError: a stream that does not exist (the message lists those that do), a slice of a stream
+            without steps, or sequence data whose samples cannot be counted (several sequence streams
+            and a whole-minibatch target).
+    """
+    for what, source in sources.items():
+        streams = getattr(source, "streams", None) if source is not None else None
+        if streams is None:
+            continue
+        binding.check(streams, what)
+        if getattr(source, "has_sequences", False) and not source.defining_stream_is_explicit \
+                and binding.target is not None:
+            source.use_defining_stream(binding.target.text, "session.target")
+        if getattr(source, "has_sequences", False):
+            source.samples_per_sweep  # noqa: B018 - raises now when the samples cannot be counted
+    train = sources.get("source")
+    if not getattr(train, "has_sequences", False):
+        return ""
+    note = (f"samples are steps of {train.defining_stream} ({train.sequences_per_sweep:,} sequences, "
+            f"{train.samples_per_sweep:,} samples per sweep)")
+    if binding.target is not None and binding.target.text != train.defining_stream:
+        note += (f"; the loss averages over {binding.target.text}, so with several ranks each is weighted by its "
+                 f"steps of {train.defining_stream}, not by the loss's (set defining_stream to the target for "
+                 f"an exact data-parallel mean)")
+    return note
+
+
+def check_model_against_data(model: torch.nn.Module, binding: StreamBinding, sources: Mapping[str, object]) -> None:
+    """Refuses sequences longer than the model's ``context_length`` and input vocabularies larger than
+    its ``vocab_size``, where the model declares them (dtrain's language models do).
+
+    Raises:
+        ValueError: one line naming the stream, the longest sequence (or the vocabulary) and the model's limit.
+    """
+    context = getattr(model, "context_length", None)
+    vocabulary = getattr(model, "vocab_size", None)
+    for what, source in sources.items():
+        streams = getattr(source, "streams", None) if source is not None else None
+        if streams is None:
+            continue
+        for reference in binding.input_references:
+            info = streams.get(reference.name)
+            if context is not None and info is not None and info.is_sequence:
+                lengths = source.sequence_lengths(reference.text)
+                longest = int(np.argmax(lengths))
+                if int(lengths[longest]) > int(context):
+                    raise ValueError(
+                        f"session.inputs={reference.text!r} of {what}: sequence {longest} has {int(lengths[longest])} "
+                        f"steps but the model's context_length is {int(context)}; expected sequences of at most "
+                        f"{int(context)} steps (cut the data shorter, or give the model a longer context)")
+            if vocabulary is not None and info is not None and info.num_classes is not None \
+                    and not info.dtype.is_floating_point and info.num_classes > int(vocabulary):
+                raise ValueError(
+                    f"session.inputs={reference.text!r} of {what}: stream {reference.name!r} has a vocabulary of "
+                    f"{info.num_classes} ids but the model's vocab_size is {int(vocabulary)}; expected a model with "
+                    f"vocab_size >= {info.num_classes}")
+
+
+def first_minibatch_check(source) -> Callable | None:
+    """A check of the first training minibatch: every integer stream with a declared ``num_classes`` holds
+    ids in ``[0, num_classes)`` (a token outside the vocabulary fails here, with its stream named, instead
+    of deep inside an embedding). None when the source declares no such stream."""
+    streams = getattr(source, "streams", None) or {}
+    bounded = {name: info.num_classes for name, info in streams.items()
+               if info.num_classes is not None and not info.dtype.is_floating_point}
+    if not bounded:
+        return None
+
+    def check(minibatch) -> None:
+        for name, classes in bounded.items():
+            value = minibatch.streams.get(name)
+            if value is None:
+                continue
+            values = value.data[value.mask] if isinstance(value, Sequences) else value
+            if values.numel() == 0:
+                continue
+            low, high = int(values.min()), int(values.max())
+            if low < 0 or high >= classes:
+                bad = low if low < 0 else high
+                raise DataError(f"stream {name!r} has the id {bad} in the first minibatch, outside its vocabulary "
+                                f"[0, {classes}); expected ids below num_classes={classes} (the data and the vocabulary "
+                                f"it was encoded with disagree)")
+    return check
+
+
+def check_loss_takes_target(loss, metric, binding: StreamBinding, source) -> None:
+    """Refuses one of torch's own losses (or metrics) with a sequence target: they take tensors, and
+    would fail at the first step with a message about a ``Sequences`` argument.
+
+    Raises:
+        ValueError: naming the loss, the target and the loss to use instead.
+    """
+    streams = getattr(source, "streams", None) or {}
+    if binding.target is None or binding.target.name not in streams or not streams[binding.target.name].is_sequence:
+        return
+    for what, function in (("loss", loss), ("metric", metric)):
+        module = getattr(function, "__module__", None) or type(function).__module__
+        if isinstance(function, torch.nn.modules.loss._Loss) or module == "torch.nn.functional":
+            name = type(function).__name__ if isinstance(function, torch.nn.Module) else function.__name__
+            raise ValueError(
+                f"{what} {name}: torch's {what}es take tensors, but the target {binding.target.text!r} is a sequence "
+                f"stream (dtrain.data.Sequences: padded data and lengths); use loss=sequence_cross_entropy "
+                f"(dtrain.session.SequenceCrossEntropy) or a {what} of your own that reads target.data and target.mask")
