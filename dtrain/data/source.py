@@ -366,7 +366,7 @@ class MinibatchSource:
             got = sorted(streams) if isinstance(streams, Mapping) else type(streams).__name__
             raise DataError(f"{type(self._deserializer).__name__}.read returned {got}; expected the declared streams "
                             f"{sorted(self._streams)}")
-        streams = dict(streams)
+        streams = {name: streams[name] for name in self._streams}  # in the declared order
         for name, info in self._streams.items():
             value = streams[name]
             if info.is_sequence and not isinstance(value, Sequences):

@@ -136,6 +136,8 @@ def _as_tensor(name: str, value: object) -> torch.Tensor:
                         f"stream is a list of arrays")
     if array.dtype == np.float64:
         array = array.astype(np.float32)
+    if array.ndim == 0:  # np.ascontiguousarray would make it one-dimensional
+        return torch.from_numpy(array.copy())
     return torch.from_numpy(np.ascontiguousarray(array))
 
 

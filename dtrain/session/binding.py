@@ -54,17 +54,17 @@ class StreamBinding:
                 inputs = [inputs]
             if isinstance(inputs, Mapping):
                 if not inputs:
-                    raise ValueError("inputs={}: expected at least one stream for the model")
-                self.keyword = {str(key): StreamReference.parse(value, f"inputs.{key}") for key, value in inputs.items()}
+                    raise ValueError("session.inputs={}: expected at least one stream for the model")
+                self.keyword = {str(key): StreamReference.parse(value, f"session.inputs.{key}") for key, value in inputs.items()}
             elif isinstance(inputs, Sequence):
                 if not inputs:
-                    raise ValueError("inputs=[]: expected at least one stream for the model")
-                self.positional = [StreamReference.parse(value, f"inputs[{index}]") for index, value in enumerate(inputs)]
+                    raise ValueError("session.inputs=[]: expected at least one stream for the model")
+                self.positional = [StreamReference.parse(value, f"session.inputs[{index}]") for index, value in enumerate(inputs)]
             else:
-                raise TypeError(f"inputs must be a list of streams, a mapping argument -> stream, or "
+                raise TypeError(f"session.inputs must be a list of streams, a mapping argument -> stream, or "
                                 f"{WHOLE_MINIBATCH!r}; got {type(inputs).__name__}")
         self.whole_minibatch_target = target == WHOLE_MINIBATCH
-        self.target = None if self.whole_minibatch_target else StreamReference.parse(target, "target")
+        self.target = None if self.whole_minibatch_target else StreamReference.parse(target, "session.target")
         # the usual case reads two dict entries and nothing else (the training loop's hot path)
         self._plain_single_input = (len(self.positional) == 1 and not self.keyword and not self.positional[0].is_view
                                     and self.positional[0].part is None)

@@ -1,0 +1,139 @@
+"""training_session over named streams in one process: which streams feed the model and the loss,
+samples counted in the target's steps, evaluation averaged over steps or sequences, and the checks
+made before training (missing streams, context length, vocabularies, torch losses with sequences)."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import dtrain
+from dtrain.data import DataError, MinibatchSource, Sequences, StreamArrays, StreamInfo
+from dtrain.session import SequenceCrossEntropy, SequenceError, StreamBinding, evaluate
+from dtrain.comm import LocalCommunicator
+
+from tests.helpers.sequence_data import VOCABULARY, TinyCausalLM, token_sequences
+
+
+def session(model, source, tmp_path, **options):
+    options.setdefault("inputs", ["text[:-1]"])
+    options.setdefault("target", "text[1:]")
+    return dtrain.training_session(model, options.pop("loss", SequenceCrossEntropy()),
+                                   dtrain.LocalLearner(torch.optim.SGD(model.parameters(), lr=0.3)), source,
+                                   options.pop("minibatch_size", 40), run_dir=tmp_path, tensorboard=False,
+                                   **{"stream": io.StringIO(), **options})
+
+
+def test_a_language_model_trains_on_token_steps_and_reports_padding(tmp_path):
+    output = io.StringIO()
+    torch.manual_seed(0)
+    source = MinibatchSource(token_sequences(), randomization_seed=1)
+    result = session(TinyCausalLM(), source, tmp_path, max_samples=1500, progress_frequency=500, stream=output).train()
+    lines = output.getvalue().splitlines()
+    assert source.defining_stream == "text[1:]"  # set from the target: samples are the predicted tokens
+    assert any("samples are steps of text[1:] (60 sequences" in line for line in lines), lines
+    progress = [line for line in lines if line.startswith("samples ")]
+    assert len(progress) == 3 and all("padding " in line for line in progress), progress
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in progress]
+    assert losses[-1] < losses[0] - 0.3, losses  # it learns the counting sequences
+    assert 1500 <= result.samples_seen < 1500 + 15
+
+
+def test_an_explicit_defining_stream_is_kept_and_the_difference_is_said(tmp_path):
+    output = io.StringIO()
+    source = MinibatchSource(token_sequences(), defining_stream="text")
+    session(TinyCausalLM(), source, tmp_path, max_samples=100, stream=output).train()
+    assert source.defining_stream == "text"
+    assert "the loss averages over text[1:], so with several ranks each is weighted by its steps of text" \
+        in output.getvalue()
+
+
+def test_micro_batches_of_whole_sequences_give_the_one_pass_update(tmp_path):
+    models = []
+    for micro in (None, 7):
+        torch.manual_seed(0)
+        model = TinyCausalLM()
+        session(model, MinibatchSource(token_sequences(), randomization_seed=3), tmp_path / str(micro),
+                max_samples=200, micro_batch_size=micro).train()
+        models.append(model)
+    difference = max(float((a - b).detach().abs().max()) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert difference <= 1e-5
+
+
+class EchoModel(torch.nn.Module):
+    """Logits that predict each step's own token, except token ``wrong``, predicted as ``wrong + 1``."""
+
+    def __init__(self, wrong: int):
+        super().__init__()
+        self.wrong = wrong
+        self.scale = torch.nn.Parameter(torch.tensor(5.0))
+
+    def forward(self, tokens: Sequences) -> torch.Tensor:
+        predicted = torch.where(tokens.data == self.wrong, (tokens.data + 1) % VOCABULARY, tokens.data)
+        return self.scale * torch.nn.functional.one_hot(predicted, VOCABULARY).float()
+
+
+def test_evaluation_averages_the_loss_over_steps_and_a_sequence_metric_over_sequences():
+    data = token_sequences(num_sequences=31, seed=4)
+    tokens = [t for t in data.read(np.arange(31))["text"].unpadded()]
+    model, binding = EchoModel(wrong=5), StreamBinding(["text"], "text")
+    source = MinibatchSource(data, randomize=False, max_sweeps=1)
+    steps = sum(len(t) for t in tokens)
+    wrong_steps = sum(int((t == 5).sum()) for t in tokens)
+    wrong_sequences = sum(bool((t == 5).any()) for t in tokens)
+    token_result = evaluate(model, source, 23, SequenceCrossEntropy(), dtrain.session.ClassificationError(),
+                            LocalCommunicator(), torch.device("cpu"), binding=binding)
+    sequence_result = evaluate(model, source, 23, SequenceCrossEntropy(), SequenceError(), LocalCommunicator(),
+                               torch.device("cpu"), binding=binding)
+    assert token_result.num_samples == steps
+    assert token_result.error == pytest.approx(wrong_steps / steps)
+    assert sequence_result.error == pytest.approx(wrong_sequences / 31)
+    logits = torch.nn.functional.one_hot(torch.tensor(0), VOCABULARY).float() * 5
+    right, wrong = float(-torch.log_softmax(logits, 0)[0]), float(-torch.log_softmax(logits, 0)[1])
+    assert token_result.loss == pytest.approx((right * (steps - wrong_steps) + wrong * wrong_steps) / steps, rel=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"inputs": ["tokens"]}, r"session.inputs\[0\]='tokens': the data has no stream 'tokens'; it has 'text'"),
+    ({"target": "label"}, "session.target='label': the data has no stream 'label'; it has 'text'"),
+    ({"target": "text.mask"}, "the loss's target is a stream or a step slice of one, not its mask"),
+    ({"inputs": {"x": "text[2"}}, "session.inputs.x='text\\[2': expected a stream name"),
+    ({"loss": torch.nn.CrossEntropyLoss()}, "loss CrossEntropyLoss: torch's losses take tensors, but the target "
+                                            "'text\\[1:\\]' is a sequence stream"),
+])
+def test_streams_that_do_not_fit_the_data_are_refused_before_training(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message) as error:
+        session(TinyCausalLM(), MinibatchSource(token_sequences()), tmp_path, max_samples=10, **options)
+    assert "\n" not in str(error.value)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_sequence_longer_than_the_models_context_is_refused(tmp_path):
+    long = StreamArrays({"text": [np.arange(5) % VOCABULARY, np.arange(80) % VOCABULARY]},
+                        num_classes={"text": VOCABULARY})
+    with pytest.raises(ValueError, match=r"sequence 1 has 79 steps but the model's context_length is 64"):
+        session(TinyCausalLM(), MinibatchSource(long), tmp_path, max_samples=10)
+
+
+class _Lying:
+    """Declares a vocabulary of 13 but serves the id 40."""
+
+    streams = {"text": StreamInfo("text", (), torch.int64, is_sequence=True, num_classes=VOCABULARY)}
+    num_sequences = 4
+
+    def sequence_lengths(self, name):
+        return np.full(4, 3)
+
+    def read(self, indices):
+        return {"text": [torch.tensor([1, 40, 2]) for _ in indices]}
+
+
+def test_a_token_outside_the_vocabulary_is_refused_on_the_first_minibatch(tmp_path):
+    model = TinyCausalLM()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DataError, match=r"stream 'text' has the id 40 in the first minibatch, outside its vocabulary "
+                                        r"\[0, 13\)"):
+        session(model, MinibatchSource(_Lying()), tmp_path, max_samples=10).train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
