@@ -91,7 +91,8 @@ def _instantiate(node, what: str, **kwargs):
         cause = error.__cause__
         if cause is None or isinstance(cause, ImportError):  # a _target_ that does not exist
             message = first_line(error).split(", set env var HYDRA_FULL_ERROR")[0]
-            raise UserError(f"{what}: {message}; expected an importable class or function") from None
+            raise UserError(f"{what}: {message}; expected an importable class or function (modules of your own are "
+                            f"imported from the working directory, {os.getcwd()}, and PYTHONPATH)") from None
         if isinstance(cause, USER_ERRORS):
             raise UserError(f"{what}: {first_line(cause)}") from None
         raise cause from None

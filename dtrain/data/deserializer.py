@@ -108,7 +108,7 @@ class FeaturesAndLabels:
 
     def take(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         features, labels = self._take(index)
-        return {"features": features, "labels": _label_tensor(labels)}
+        return {"features": features, "labels": labels if labels.dtype is torch.int64 else _label_tensor(labels)}
 
 
 def _is_stream_deserializer(value: object) -> bool:

@@ -21,7 +21,7 @@ __all__ = ["Minibatch"]
 class Minibatch(Mapping):
     """One partition's share of a global minibatch.
 
-    ``minibatch[name]`` is a stream's data: a tensor ``[n, ...]`` for a stream with one value per
+    ``minibatch[name]`` is a stream's data (``streams``, a dict the minibatch keeps as given): a tensor ``[n, ...]`` for a stream with one value per
     sequence, or :class:`~dtrain.data.streams.Sequences` (padded data and lengths) for a sequence
     stream. Data without sequences has the two streams ``features`` and ``labels``, also readable
     (and replaceable) as attributes.
@@ -42,7 +42,7 @@ class Minibatch(Mapping):
                  labels: torch.Tensor | None = None, global_num_samples: int, sweep_end: bool, first_position: int,
                  num_samples: int | None = None, num_sequences: int | None = None,
                  global_num_sequences: int | None = None):
-        self.streams: dict = dict(streams) if streams is not None else {}
+        self.streams: dict = streams if type(streams) is dict else (dict(streams) if streams is not None else {})
         if features is not None:
             self.streams["features"] = features
         if labels is not None:
@@ -105,9 +105,12 @@ class Minibatch(Mapping):
 
     def to(self, device: torch.device) -> Minibatch:
         """A minibatch with every stream on ``device``; itself when all are there already."""
+        for value in self.streams.values():
+            if (value.data if type(value) is Sequences else value).device != device:
+                break
+        else:
+            return self  # the usual case on the CPU: a loop, no dict, no call into torch
         moved = {name: on_device(value, device) for name, value in self.streams.items()}
-        if all(moved[name] is value for name, value in self.streams.items()):
-            return self
         return self._with_streams(moved, self.num_samples, self.num_sequences)
 
     def select(self, start: int, stop: int, num_samples: int) -> Minibatch:

@@ -114,6 +114,16 @@ class StreamBinding:
         kwargs = {key: reference.resolve(streams[reference.name]) for key, reference in self.keyword.items()}
         return model(*args, **kwargs)
 
+    def target_and_counts(self, minibatch: Minibatch) -> tuple[object, int, int]:
+        """``(target, its samples, its sequences)`` in ``minibatch`` (:func:`count_steps` of the target)."""
+        if self._plain_target:
+            target = minibatch.streams[self.target.name]
+            if type(target) is torch.Tensor:  # one value per sequence: the minibatch's own count, no call
+                return target, minibatch.num_sequences, minibatch.num_sequences
+            return (target, *count_steps(target))
+        target = self.target_of(minibatch)
+        return (target, *count_steps(target))
+
     def target_of(self, minibatch: Minibatch):
         """The loss's and the metric's target in ``minibatch``."""
         if self._plain_target:

@@ -221,8 +221,7 @@ class MinibatchStep:
                 check(batch)
             if self.count_padding:
                 sums.add_padding(*batch.padding)
-            target = self.binding.target_of(batch)
-            steps, sequences = count_steps(target)
+            target, steps, sequences = self.binding.target_and_counts(batch)
             if self.micro_batch_size is None or steps <= self.micro_batch_size:  # one pass: the streams as read
                 self._forward_backward(batch, target, steps, sequences, steps, gradient_scale, sums)
             else:
