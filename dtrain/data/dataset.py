@@ -196,9 +196,10 @@ class DatasetDeserializer:
         return self._finish(merger.result(), indices)
 
     def checkpoint_identity(self) -> dict:
-        """What a checkpoint of a source over this must match: the dataset's type, size and streams."""
-        return {"deserializer": type(self).__name__, "dataset": _qualified_name(self.dataset),
-                "num_sequences": self.num_sequences, "streams": [info.describe() for info in self.streams.values()]}
+        """What a checkpoint of a source over this must match: the dataset's type, size and streams (the
+        session adds this class's name)."""
+        return {"dataset": _qualified_name(self.dataset), "num_sequences": self.num_sequences,
+                "streams": [info.describe() for info in self.streams.values()]}
 
     # -- workers ---------------------------------------------------------------------------------------
     def close(self) -> None:
