@@ -469,6 +469,12 @@ def check_overrides(argv: list[str]) -> str | None:
     try:
         overrides = OverridesParser.create().parse_overrides(argv)
     except HydraException as error:
+        sliced = next((argument for argument in argv if "=" in argument and "[" in argument.split("=", 1)[1]
+                       and not argument.split("=", 1)[1].startswith(("[", "'", '"'))), None)
+        if sliced is not None:  # session.target=text[1:]: Hydra reads [ as the start of a list
+            key, value = sliced.split("=", 1)
+            return (f"{sliced}: a value with brackets (a step slice) must be quoted on the command line; expected "
+                    f"'{key}=\"{value}\"' ({first_line(error)})")
         return f"{first_line(error)} (python -m dtrain +recipe=NAME --cfg job lists every key)"
     groups = config_groups()
     for override in overrides:

@@ -8,6 +8,7 @@ from dtrain.data.arrays import ArrayDeserializer
 from dtrain.data.augmentation import ImageAugmentation, crop_geometry
 from dtrain.data.cifar10 import Cifar10
 from dtrain.data.ctf import CTFDeserializer
+from dtrain.data.dataset import DatasetDeserializer
 from dtrain.data.digits import Digits
 from dtrain.data.errors import DataError
 from dtrain.data.images import ImageFolderDeserializer, image_deserializer, image_transform
@@ -25,6 +26,7 @@ __all__ = [
     "CTFDeserializer",
     "Cifar10",
     "DataError",
+    "DatasetDeserializer",
     "Deserializer",
     "FeaturesAndLabels",
     "Digits",

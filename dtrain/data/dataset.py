@@ -100,6 +100,7 @@ class DatasetDeserializer:
         streams: name -> :class:`~dtrain.data.streams.StreamInfo`.
         num_sequences: ``len(dataset)``.
         benefits_from_read_ahead: True with workers (the source then reads ahead by default).
+        read_ahead_minibatches: 2 with workers (the source keeps two reads in flight), else 1.
 
     Raises:
         TypeError: ``dataset`` is an ``IterableDataset`` or has no ``__getitem__``/``__len__``; an
@@ -156,6 +157,12 @@ class DatasetDeserializer:
     def benefits_from_read_ahead(self) -> bool:
         """Whether reads are worth doing in the background: True with workers."""
         return self.num_workers > 0
+
+    @property
+    def read_ahead_minibatches(self) -> int:
+        """How many minibatches a source reads ahead: two with workers, so that they start on the one after
+        next while the next is handed over, as ``DataLoader`` keeps batches in flight."""
+        return 2 if self.num_workers > 0 else 1
 
     def sequence_lengths(self, name: str) -> np.ndarray:
         """int64 ``[num_sequences]``: the steps of every sample of the sequence stream ``name``.

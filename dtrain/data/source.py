@@ -10,6 +10,7 @@ any world size.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -60,7 +61,9 @@ class MinibatchSource:
             background thread, assuming the same size and partitions; a request that differs
             (another size, partition or position, after a restore) discards it and reads anew, so
             the stream is the same with or without. ``None``: on when the deserializer says reads
-            are slow (``benefits_from_read_ahead``, e.g. decoding image files).
+            are slow (``benefits_from_read_ahead``, e.g. decoding image files). A deserializer that
+            reads with workers of its own may ask for more than one minibatch ahead
+            (``read_ahead_minibatches``), so its workers never wait for the next request.
         defining_stream: the stream whose steps count samples, optionally a step slice of it
             (``text[1:]``, the steps a language model predicts). ``None``: the deserializer's own
             ``defining_stream``, else its only sequence stream; ``training_session`` sets it to the
@@ -144,9 +147,10 @@ class MinibatchSource:
             read_ahead = bool(getattr(self._deserializer, "benefits_from_read_ahead", False)
                               or getattr(self._data, "benefits_from_read_ahead", False))
         self._read_ahead = check_bool("read_ahead", read_ahead)
+        self._read_ahead_depth = max(1, int(getattr(self._data, "read_ahead_minibatches", 1)))
         self._executor: ThreadPoolExecutor | None = None
-        # the minibatch being read in the background: (request key, future)
-        self._pending: tuple[tuple, Future] | None = None
+        # the minibatches being read in the background, in order: (request key, future)
+        self._pending: deque[tuple[tuple, Future]] = deque()
 
     def _checked_lengths(self, name: str) -> np.ndarray:
         """The sequence stream ``name``'s lengths, checked: one per sequence, each at least one step."""
@@ -296,28 +300,27 @@ class MinibatchSource:
         if request is None:
             self._discard_read_ahead()
             return None
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == request:
-            minibatch = pending[1].result()  # an error of the background read is raised here
+        if self._pending and self._pending[0][0] == request:
+            minibatch = self._pending.popleft()[1].result()  # an error of the background read is raised here
         else:
-            if pending is not None:
-                _wait_quietly(pending[1])  # never two reads at once: deserializers need not be thread-safe
+            self._discard_read_ahead()  # never two reads at once: deserializers need not be thread-safe
             minibatch = self._read(*request)
         self._position = request[0].stop
         if self._read_ahead:
-            following = self._request(self._position, global_size, num_data_partitions, partition_index)
-            if following is not None:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-read-ahead")
-                self._pending = (following, self._executor.submit(self._read, *following))
+            self._read_ahead_from(self._pending[-1][0][0].stop if self._pending else self._position, global_size,
+                                  num_data_partitions, partition_index)
         return minibatch
 
-    def first_minibatch(self) -> Minibatch:
-        """The timeline's first sequence as a minibatch of one, read without moving the position (a check
-        of the model against the data before training)."""
-        timeline = self._timeline_now()
-        span = timeline.span(0, 1, None)
-        return self._read(Span(0, 1, timeline.steps_before(1)), 1, 0) if span is not None else None
+    def _read_ahead_from(self, position: int, global_size: int, num_data_partitions: int, partition_index: int) -> None:
+        """Queues background reads of the minibatches that follow ``position``, up to the depth."""
+        while len(self._pending) < self._read_ahead_depth:
+            following = self._request(position, global_size, num_data_partitions, partition_index)
+            if following is None:
+                return
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-read-ahead")
+            self._pending.append((following, self._executor.submit(self._read, *following)))
+            position = following[0].stop
 
     def _request(self, position: int, budget: int, num_data_partitions: int,
                  partition_index: int) -> tuple[Span, int, int] | None:
@@ -380,10 +383,10 @@ class MinibatchSource:
         return streams
 
     def _discard_read_ahead(self) -> None:
-        """Drops the background read (after it finishes, so no read overlaps the next one)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            _wait_quietly(pending[1])
+        """Drops the background reads (after they finish, so no read overlaps the next one)."""
+        pending, self._pending = self._pending, deque()
+        for _, future in pending:
+            _wait_quietly(future)
 
     def close(self) -> None:
         """Stops the read-ahead thread (reading again starts a new one)."""
@@ -395,7 +398,7 @@ class MinibatchSource:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_executor"] = None  # threads and futures do not pickle; a copy reads ahead anew
-        state["_pending"] = None
+        state["_pending"] = deque()
         return state
 
     def _apply_transform(self, features: torch.Tensor, minibatch: Minibatch) -> torch.Tensor:

@@ -93,9 +93,10 @@ class SequenceTimeline:
         seed, randomize: the per-sweep order (a permutation seeded by ``(seed, sweep)``, as without sequences).
         bucket_size: length bucketing (0: off): each sweep's order is cut into pools of
             ``BUCKETS_PER_POOL * bucket_size`` sequences, each pool sorted by ``sort_lengths`` and cut
-            into buckets of ``bucket_size``, and a pool's buckets are read in a random order; so a
-            minibatch holds sequences of similar length (less padding) while every sweep still reads
-            every sequence once.
+            into buckets of ``bucket_size``, and a pool's buckets are read in a random order. A global
+            minibatch never spans two buckets (the last one of a bucket may hold fewer samples), so it
+            holds sequences of similar length (less padding), while every sweep still reads every
+            sequence once.
         sort_lengths: what bucketing sorts by (default ``counts``).
     """
 
@@ -108,18 +109,24 @@ class SequenceTimeline:
         self.randomize = randomize
         self.bucket_size = bucket_size
         self.sort_lengths = self.counts if sort_lengths is None else np.asarray(sort_lengths, dtype=np.int64)
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
 
     # -- one sweep --------------------------------------------------------------------------------
-    def _sweep(self, sweep: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(order, cumulative)``: the sweep's data-set indices in visiting order, and the steps before
-        each of its positions (``[M + 1]``, from 0 to the sweep's steps). A few sweeps are cached."""
+    def _sweep(self, sweep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(order, cumulative, bucket ends)``: the sweep's data-set indices in visiting order, the steps
+        before each of its positions (``[M + 1]``, from 0 to the sweep's steps), and with bucketing the
+        offsets where its buckets end (increasing, the last one ``M``). A few sweeps are cached."""
         cached = self._cache.get(sweep)
         if cached is None:
-            order = self.order(sweep)
+            ends = None
+            if self.bucket_size:
+                order, ends = bucketed_order(self.sort_lengths, self.seed, sweep, self.randomize, self.bucket_size,
+                                             with_bucket_ends=True)
+            else:
+                order = self.order(sweep)
             cumulative = np.zeros(self.sequences_per_sweep + 1, dtype=np.int64)
             np.cumsum(self.counts[order], out=cumulative[1:])
-            cached = (order, cumulative)
+            cached = (order, cumulative, ends)
             if len(self._cache) >= 4:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[sweep] = cached
@@ -151,11 +158,13 @@ class SequenceTimeline:
         stop = position
         while True:  # usually one step; a budget larger than a sweep walks on into the next sweep
             sweep, offset = divmod(stop, self.sequences_per_sweep)
-            cumulative = self._sweep(sweep)[1]
+            _, cumulative, bucket_ends = self._sweep(sweep)
             base = sweep * self.samples_per_sweep
             last = int(np.searchsorted(cumulative, target - base, side="right")) - 1  # positions that fit
+            if bucket_ends is not None:  # never past the end of the bucket the minibatch starts in
+                last = min(last, int(bucket_ends[np.searchsorted(bucket_ends, offset, side="right")]))
             stop = sweep * self.sequences_per_sweep + max(last, offset)
-            if last < self.sequences_per_sweep or self.samples_per_sweep == 0:
+            if last < self.sequences_per_sweep or self.samples_per_sweep == 0 or bucket_ends is not None:
                 break
         stop = max(stop, position + 1)
         if end_position is not None:
@@ -211,13 +220,15 @@ class SequenceTimeline:
         return None
 
 
-def bucketed_order(lengths: np.ndarray, seed: int, sweep: int, randomize: bool, bucket_size: int) -> np.ndarray:
+def bucketed_order(lengths: np.ndarray, seed: int, sweep: int, randomize: bool, bucket_size: int,
+                   with_bucket_ends: bool = False):
     """Length bucketing's visiting order for one sweep (see :class:`SequenceTimeline`).
 
     A pure function of its arguments: the sweep's permutation (the one without bucketing), cut into
     pools of ``BUCKETS_PER_POOL * bucket_size``; each pool stably sorted by ``lengths``, cut into
     buckets of ``bucket_size`` and, with ``randomize``, its buckets read in an order drawn from
-    ``SeedSequence([seed, sweep, 1])``. Every index appears exactly once.
+    ``SeedSequence([seed, sweep, 1])``. Every index appears exactly once. With ``with_bucket_ends``,
+    returns ``(order, ends)``: also the offsets where the buckets end, in reading order.
     """
     count = len(lengths)
     order = _cached_sweep_order(count, seed, sweep) if randomize else np.arange(count, dtype=np.int64)
@@ -233,7 +244,9 @@ def bucketed_order(lengths: np.ndarray, seed: int, sweep: int, randomize: bool, 
         pieces.extend(buckets)
     result = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
     result.setflags(write=False)
-    return result
+    if not with_bucket_ends:
+        return result
+    return result, np.cumsum([len(piece) for piece in pieces], dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=4)  # the sweeps being read by a few streams at once (train, cross-validation, ...)

@@ -77,6 +77,18 @@ CASES = [
     ("dropout-1", ["model.dropout=1.0"], ["model.dropout=1.0: expected"]),
     ("dropout-nan", ["model.dropout=nan"], ["model.dropout=nan: expected"]),
     ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model: Error locating target 'dtrain.models.Nope'; expected an importable class"]),
+    # streams: which feed the model and the loss, and how samples are counted
+    ("inputs-unknown-stream", ["session.inputs=[nope]"],
+     ["session.inputs[0]='nope': the data has no stream 'nope'; it has 'features', 'labels'"]),
+    ("target-unknown-stream", ["session.target=label"], ["session.target='label': the data has no stream 'label'"]),
+    ("target-unparsed", ["session.target=a.b"], ["session.target='a.b': expected a stream name"]),
+    ("target-slice-unquoted", ["session.target=labels[1:]"],
+     ["session.target=labels[1:]: a value with brackets", "expected 'session.target=\"labels[1:]\"'"]),
+    ("target-slice-no-steps", ['session.target="labels[1:]"'], ["'labels' is not a sequence stream"]),
+    ("defining-stream-unknown", ["source.train.defining_stream=nope"], ["defining_stream='nope': the data has no stream"]),
+    ("bucketing-without-sequences", ["source.train.length_bucketing=4"],
+     ["length_bucketing=4: the data has no sequence stream"]),
+    ("bucketing-negative", ["source.train.length_bucketing=-1"], ["source.train.length_bucketing=-1: expected"]),
     # communication
     ("backend-unknown", ["comm.backend=tcp"], ["comm.backend='tcp': expected one of auto, gloo, mpi, nccl, local"]),
     ("timeout-nan", ["comm.timeout_s=nan"], ["comm.timeout_s=nan: expected"]),

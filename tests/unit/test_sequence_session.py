@@ -20,8 +20,10 @@ from tests.helpers.sequence_data import VOCABULARY, TinyCausalLM, token_sequence
 def session(model, source, tmp_path, **options):
     options.setdefault("inputs", ["text[:-1]"])
     options.setdefault("target", "text[1:]")
+    momentum = 0.9 if options.pop("optimizer_momentum", False) else 0.0
     return dtrain.training_session(model, options.pop("loss", SequenceCrossEntropy()),
-                                   dtrain.LocalLearner(torch.optim.SGD(model.parameters(), lr=0.3)), source,
+                                   dtrain.LocalLearner(torch.optim.SGD(model.parameters(), lr=0.3, momentum=momentum)),
+                                   source,
                                    options.pop("minibatch_size", 40), run_dir=tmp_path, tensorboard=False,
                                    **{"stream": io.StringIO(), **options})
 
@@ -137,3 +139,25 @@ def test_a_token_outside_the_vocabulary_is_refused_on_the_first_minibatch(tmp_pa
                                         r"\[0, 13\)"):
         session(model, MinibatchSource(_Lying()), tmp_path, max_samples=10).train()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
+
+
+def test_a_run_resumed_mid_sweep_from_a_checkpoint_ends_bit_identical(tmp_path):
+    """Checkpoints every 300 tokens: the run restored from its second-to-last checkpoint ends with the
+    parameters of the uninterrupted run, bit for bit (data position, optimizer and RNG restored)."""
+    def run(run_dir, model) -> None:
+        source = MinibatchSource(token_sequences(), randomization_seed=6, length_bucketing=4)
+        session(model, source, run_dir, max_samples=1200, optimizer_momentum=True,
+                checkpoint_config=dtrain.CheckpointConfig("ckpt.pt", frequency=300, preserve_all=True)).train()
+
+    torch.manual_seed(0)
+    straight = TinyCausalLM()
+    run(tmp_path / "a", straight)
+    checkpoints = sorted((tmp_path / "a").glob("ckpt-*.pt"), key=lambda path: int(path.stem.split("-")[1]))
+    assert len(checkpoints) >= 4
+    assert dtrain.load_checkpoint(checkpoints[1])["source"]["position"] % 60 != 0  # mid-sweep (60 sequences a sweep)
+    for later in checkpoints[2:]:
+        later.unlink()
+    torch.manual_seed(123)  # another initial model: everything must come from the checkpoint
+    resumed = TinyCausalLM()
+    run(tmp_path / "a", resumed)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))

@@ -211,3 +211,16 @@ def test_an_empty_sequence_and_a_read_that_breaks_its_declaration_are_refused_in
         source.next_minibatch(3)
     with pytest.raises(ValueError, match="length_bucketing=2: the data has no sequence stream"):
         MinibatchSource(StreamArrays({"x": np.zeros((3, 2))}), length_bucketing=2)
+
+
+def test_with_bucketing_a_minibatch_never_spans_two_buckets_and_fills_its_own():
+    source = MinibatchSource(corpus(), randomization_seed=8, max_sweeps=2, length_bucketing=5)
+    timeline = source._timeline_now()
+    while (minibatch := source.next_minibatch(40)) is not None:
+        sweep, offset = divmod(minibatch.first_position, len(LENGTHS))
+        ends = timeline._sweep(sweep)[2]
+        bucket_end = int(ends[np.searchsorted(ends, offset, side="right")])
+        assert offset + minibatch.num_sequences <= bucket_end  # within the bucket it starts in
+        if offset + minibatch.num_sequences < bucket_end:  # ended by the budget: the next sequence did not fit
+            following = int(LENGTHS[timeline._sweep(sweep)[0][offset + minibatch.num_sequences]])
+            assert minibatch.num_samples + following > 40
