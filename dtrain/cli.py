@@ -417,8 +417,9 @@ def check_model_outputs(model: torch.nn.Module, source, num_classes=None, bindin
         setting = f"model.num_classes={num_classes}" if num_classes is not None else "the model"
         what = f"the training data ({type(deserializer).__name__})" if target_name == "labels" and shape is not None \
             else f"the target stream {target_name!r}"
+        expected = f"model.num_classes={classes}" if num_classes is not None else f"a model with {classes} outputs"
         raise UserError(f"{setting}: the model has {outputs} outputs but {what} has {classes} classes; expected "
-                        f"model.num_classes={classes}")
+                        f"{expected}")
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")

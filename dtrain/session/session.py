@@ -256,9 +256,9 @@ class TrainingSession:
         self.comm = learner.comm
         self.source = minibatch_source
         self.binding = StreamBinding(inputs, target)
-        self.sources = {"source": minibatch_source, "cv_config.minibatch_source": cv_config.minibatch_source
-                        if cv_config else None, "test_config.minibatch_source": test_config.minibatch_source
-                        if test_config else None}
+        self.sources = {"the training data": minibatch_source,
+                        "the cross-validation data": cv_config.minibatch_source if cv_config else None,
+                        "the test data": test_config.minibatch_source if test_config else None}
         self._defining_stream_note = bind_sources(self.binding, self.sources)
         check_model_against_data(model, self.binding, self.sources)
         check_loss_takes_target(loss, metric, self.binding, minibatch_source)

@@ -23,9 +23,9 @@ def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
     """Checks ``binding`` against every source's streams, and counts samples in the target's steps in
     each source with sequences that names no defining stream of its own (``use_defining_stream``).
 
-    ``sources``: ``what -> source or None`` (``what`` names it in messages). Sources without
-    ``streams`` (your own objects) are not checked. Returns the start-up note on how the training
-    source (``sources["source"]``) counts samples ("" without sequences).
+    ``sources``: ``what -> source or None`` (``what`` names it in messages, e.g. "the training data";
+    the first is the training source). Sources without ``streams`` (your own objects) are not checked.
+    Returns the start-up note on how the training source counts samples ("" without sequences).
 
     Raises:
         ValueError: a stream that does not exist (the message lists those that do), a slice of a stream
@@ -42,7 +42,7 @@ def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
             source.use_defining_stream(binding.target.text, "session.target")
         if getattr(source, "has_sequences", False):
             source.samples_per_sweep  # noqa: B018 - raises now when the samples cannot be counted
-    train = sources.get("source")
+    train = next(iter(sources.values()), None)
     if not getattr(train, "has_sequences", False):
         return ""
     note = (f"samples are steps of {train.defining_stream} ({train.sequences_per_sweep:,} sequences, "
@@ -74,13 +74,13 @@ def check_model_against_data(model: torch.nn.Module, binding: StreamBinding, sou
                 longest = int(np.argmax(lengths))
                 if int(lengths[longest]) > int(context):
                     raise ValueError(
-                        f"session.inputs={reference.text!r} of {what}: sequence {longest} has {int(lengths[longest])} "
+                        f"session.inputs={reference.text!r}: sequence {longest} of {what} has {int(lengths[longest])} "
                         f"steps but the model's context_length is {int(context)}; expected sequences of at most "
                         f"{int(context)} steps (cut the data shorter, or give the model a longer context)")
             if vocabulary is not None and info is not None and info.num_classes is not None \
                     and not info.dtype.is_floating_point and info.num_classes > int(vocabulary):
                 raise ValueError(
-                    f"session.inputs={reference.text!r} of {what}: stream {reference.name!r} has a vocabulary of "
+                    f"session.inputs={reference.text!r}: stream {reference.name!r} of {what} has a vocabulary of "
                     f"{info.num_classes} ids but the model's vocab_size is {int(vocabulary)}; expected a model with "
                     f"vocab_size >= {info.num_classes}")
 

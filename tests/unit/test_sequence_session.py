@@ -115,7 +115,7 @@ def test_streams_that_do_not_fit_the_data_are_refused_before_training(tmp_path, 
 def test_a_sequence_longer_than_the_models_context_is_refused(tmp_path):
     long = StreamArrays({"text": [np.arange(5) % VOCABULARY, np.arange(80) % VOCABULARY]},
                         num_classes={"text": VOCABULARY})
-    with pytest.raises(ValueError, match=r"sequence 1 has 79 steps but the model's context_length is 64"):
+    with pytest.raises(ValueError, match=r"sequence 1 of the training data has 79 steps but the model's context_length is 64"):
         session(TinyCausalLM(), MinibatchSource(long), tmp_path, max_samples=10)
 
 
