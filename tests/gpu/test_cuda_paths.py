@@ -146,3 +146,32 @@ def test_more_ranks_than_gpus_on_a_node(tmp_path):
                              "session.max_samples=2000"], timeout=240)
     assert result.returncode == 0, result.report()
     assert f"parameters on the CPU, {ranks} workers (mpi)" in result.stdout, result.stdout  # one node: MPI
+
+
+def test_a_sequence_model_trains_on_the_gpu_as_on_the_cpu(tmp_path):
+    """Sequences on CUDA: the padded data and the mask move to the GPU, the lengths stay on the CPU (where
+    pack_padded_sequence wants them), and a causal attention LM ends where the CPU run ends."""
+    import io
+
+    import dtrain
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session import SequenceCrossEntropy
+
+    from tests.helpers.sequence_data import TinyCausalLM, token_sequences
+
+    batch = dtrain.MinibatchSource(token_sequences()).next_minibatch(40).to(torch.device("cuda"))
+    text = batch["text"]
+    assert text.data.is_cuda and text.mask.is_cuda and text.lengths.device.type == "cpu"
+    finals = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = TinyCausalLM()
+        learner = dtrain.LocalLearner(torch.optim.SGD(model.parameters(), lr=0.3),
+                                      LocalCommunicator(device=torch.device(device)))
+        dtrain.training_session(model, SequenceCrossEntropy(), learner, dtrain.MinibatchSource(token_sequences()),
+                                40, max_samples=400, inputs=["text[:-1]"], target="text[1:]",
+                                run_dir=tmp_path / device, tensorboard=False, stream=io.StringIO()).train()
+        finals.append([p.detach().cpu() for p in model.parameters()])
+    torch.manual_seed(0)
+    moved = _largest_difference(finals[0], [p.detach() for p in TinyCausalLM().parameters()])
+    assert _largest_difference(*finals) <= 1e-3 * max(moved, 1.0)

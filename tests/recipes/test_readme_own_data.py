@@ -16,7 +16,7 @@ from tests.helpers.cli import plain_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # about 30 s of training runs; .ci/run runs it
 
 
 def section(title: str) -> str:
