@@ -22,7 +22,7 @@ import torch
 
 from dtrain.data.streams import Sequences, StreamInfo
 
-__all__ = ["Deserializer", "FeaturesAndLabels", "StreamDeserializer", "as_stream_deserializer"]
+__all__ = ["Deserializer", "FeaturesAndLabels", "StreamDeserializer", "as_stream_deserializer", "label_tensor"]
 
 
 class Deserializer(Protocol):
@@ -68,7 +68,7 @@ class StreamDeserializer(Protocol):
         ...
 
 
-def _label_tensor(labels: torch.Tensor) -> torch.Tensor:
+def label_tensor(labels: torch.Tensor) -> torch.Tensor:
     """Integer class labels as int64 (what torch's classification losses take); floating-point
     targets unchanged, so a regression target of 0.25 stays 0.25."""
     if labels.dtype is torch.int64 or labels.dtype.is_floating_point or labels.dtype.is_complex:
@@ -104,11 +104,11 @@ class FeaturesAndLabels:
 
     def read(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         features, labels = self.deserializer.get(indices)
-        return {"features": features, "labels": _label_tensor(labels)}
+        return {"features": features, "labels": label_tensor(labels)}
 
     def take(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         features, labels = self._take(index)
-        return {"features": features, "labels": labels if labels.dtype is torch.int64 else _label_tensor(labels)}
+        return {"features": features, "labels": labels if labels.dtype is torch.int64 else label_tensor(labels)}
 
 
 def _is_stream_deserializer(value: object) -> bool:
