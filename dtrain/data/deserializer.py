@@ -50,7 +50,10 @@ class StreamDeserializer(Protocol):
 
     Optionally also ``defining_stream`` (the stream whose steps count samples when the source is
     not told), ``benefits_from_read_ahead`` (reads are slow: the source reads the next minibatch in
-    the background) and ``checkpoint_identity() -> dict`` (what a checkpoint of it must match).
+    the background), ``read_ahead_minibatches`` (how many reads the source keeps in flight, default
+    1), ``prefetch(indices)`` (a hint, given when the source queues a read: ``read`` of the same
+    indices follows, in the order of the hints, so workers of its own may start on them now) and
+    ``checkpoint_identity() -> dict`` (what a checkpoint of it must match).
     """
 
     streams: Mapping[str, StreamInfo]

@@ -152,6 +152,9 @@ class MinibatchSource:
                               or getattr(self._data, "benefits_from_read_ahead", False))
         self._read_ahead = check_bool("read_ahead", read_ahead)
         self._read_ahead_depth = max(1, int(getattr(self._data, "read_ahead_minibatches", 1)))
+        # a deserializer with workers of its own may be told what comes next (``prefetch(indices)``, then
+        # ``read`` of the same indices in the same order), so that its workers never wait between reads
+        self._prefetch = getattr(self._data, "prefetch", None) if self._take is None else None
         self._executor: ThreadPoolExecutor | None = None
         # the minibatches being read in the background, in order: (request key, future)
         self._pending: deque[tuple[tuple, Future]] = deque()
@@ -324,6 +327,11 @@ class MinibatchSource:
                 return
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-read-ahead")
+            if self._prefetch is not None:  # the deserializer's workers start on it now, not when the thread gets to it
+                span, partitions, index = following
+                start, stop, _ = self._timeline.share(span, partitions, index)
+                if stop > start:
+                    self._prefetch(self._timeline.indices(start, stop))
             self._pending.append((following, self._executor.submit(self._read, *following)))
             position = following[0].stop
 
