@@ -501,7 +501,7 @@ class MinibatchSource:
         if state["defining_stream"] != self.defining_stream:
             raise ValueError(f"checkpoint state counts samples in steps of {state['defining_stream']!r} but this source "
                              f"counts steps of {self.defining_stream!r}; restore with defining_stream="
-                             f"{state['defining_stream']}")
+                             f"{state['defining_stream']} (a session's target sets it when the source names none)")
         if state["length_bucketing"] != self._length_bucketing:
             raise ValueError(f"checkpoint state has length_bucketing={state['length_bucketing']} but this source has "
                              f"{self._length_bucketing}; build the source with length_bucketing="

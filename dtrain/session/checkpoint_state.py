@@ -281,4 +281,10 @@ def restore_latest(files: CheckpointFiles | None, restore: bool, model: torch.nn
     if outcome is None:
         return None
     path, state = outcome
-    return path, state, apply(state, model, learner, source, comm)
+    try:
+        return path, state, apply(state, model, learner, source, comm)
+    except (ValueError, TypeError) as error:  # the same on every rank: they all apply the same state
+        # e.g. the data counted differently (another target, defining stream or length bucketing)
+        raise CheckpointError(f"checkpoint {path} does not fit this run's training data: {str(error).splitlines()[0]}; "
+                              f"keep the data settings the checkpoint was written with, or use a new run "
+                              f"directory") from error

@@ -161,3 +161,16 @@ def test_a_run_resumed_mid_sweep_from_a_checkpoint_ends_bit_identical(tmp_path):
     resumed = TinyCausalLM()
     run(tmp_path / "a", resumed)
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+
+
+def test_resuming_with_samples_counted_differently_is_refused_naming_the_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    session(TinyCausalLM(), MinibatchSource(token_sequences()), tmp_path, max_samples=200,
+            checkpoint_config=dtrain.CheckpointConfig("ckpt.pt")).train()
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    changed = session(TinyCausalLM(), MinibatchSource(token_sequences()), tmp_path, max_samples=400,
+                      inputs=["text"], target="text", checkpoint_config=dtrain.CheckpointConfig("ckpt.pt"))
+    with pytest.raises(dtrain.CheckpointError, match=r"checkpoint .*ckpt-\d+\.pt does not fit this run's training data: "
+                                                     r"checkpoint state counts samples in steps of 'text\[1:\]'"):
+        changed.train()
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
