@@ -24,7 +24,8 @@ dtrain: declarative, distributed data-parallel training for PyTorch.
 A run is composed from a recipe (the model, the data and the settings of a known example) and
 config groups you can swap on the command line. The same command trains one process or, under
 mpiexec/torchrun/srun, N processes with a distributed learner; sizes and frequencies count
-global samples (all processes together), so the result does not depend on the process count.
+global samples (all processes together; for sequences a sample is one step of the loss's target),
+so the result does not depend on the process count.
 
 usage: python -m dtrain +recipe=NAME [group=option ...] [key=value ...]
        dtrain +recipe=NAME ...            (the same, installed as a command)
@@ -44,6 +45,8 @@ _MORE = """\
   README.md                 installation, the Python API, recipes, outputs and resuming
   docs/semantics.md         what dtrain computes: global sample counts, the learners' formulas,
                             minibatch sources, checkpoints (with links to CNTK and ChainerMN)
+  docs/data.md              your own data: streams (session.inputs, session.target), sequences counted
+                            in steps, CNTK text format, any torch Dataset, the deserializer protocol
   docs/writing-a-learner.md write a distributed learner of your own and plug it in with --config-dir
   python -m dtrain +recipe=NAME --cfg job    every key of a composed config and its value"""
 
