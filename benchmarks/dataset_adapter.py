@@ -10,7 +10,8 @@ is a function of the index (random-looking, the same in both pipelines) and retu
 minibatches of ``--batch``) through
 
   * dtrain:     ``MinibatchSource(DatasetDeserializer(ds, num_workers=k))``, its read-ahead on (the
-                default with workers), shuffled sweeps;
+                default with workers: two minibatches ahead, each handed to the workers as it is
+                queued, ``DatasetDeserializer.prefetch``), shuffled sweeps;
   * DataLoader: ``DataLoader(ds, batch_size, shuffle=True, num_workers=k, persistent_workers=k > 0)``.
 
 Both start their workers and read one minibatch before the clock starts, and are shut down after it

@@ -10,7 +10,10 @@ read is split into ``k`` contiguous chunks, one per worker, each worker collates
 chunks are put back together in index order, so the stream is bit-identical with and without workers.
 A worker process writes its large tensors into a shared-memory arena of its own, made once and reused
 read after read; the reading process copies them out of it into the minibatch (one copy, no files or
-file descriptors passed per read).
+file descriptors passed per read). A source that reads ahead announces its next reads
+(:meth:`DatasetDeserializer.prefetch`), so the workers start on them at once instead of waiting, between
+two reads, for the reading thread to take in the last one, as ``DataLoader`` keeps batches queued at
+its workers.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence as SequenceType
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -87,10 +91,13 @@ class DatasetDeserializer:
             Its values for sequence streams are ignored: dtrain pads those itself. The streams'
             shapes and dtypes come from ``collate_fn([sample 0])``.
         num_workers: parallel readers (0: read in the calling thread). With workers a
-            ``MinibatchSource`` reads the next minibatch in the background by default.
+            ``MinibatchSource`` reads the next two minibatches in the background by default and
+            announces each to :meth:`prefetch` when it queues it, so the workers hold the next read's
+            chunks while the current one is taken in (they never wait between reads).
         worker_type: ``"process"``: persistent worker processes (forked where the platform can; the
             dataset reaches each worker once, when it starts; a worker collates its chunk into shared
-            memory), for a ``__getitem__`` that holds the GIL (PIL, Python code);
+            memory, and holds the chunks of two reads: the one being taken in and the next), for a
+            ``__getitem__`` that holds the GIL (PIL, Python code);
             ``"thread"``: a thread pool, for a ``__getitem__`` that releases the GIL (file reads, decoders
             in native code).
         defining_stream: the stream (or step slice, ``text[1:]``) whose steps count samples, when the
@@ -144,8 +151,13 @@ class DatasetDeserializer:
                 raise ValueError(f"defining_stream={defining_stream!r} is not a stream; the streams are "
                                  f"{', '.join(map(repr, self.streams))}")
             self.defining_stream = defining_stream
+        # _read_lock: one read (or close) at a time; _lock: the workers and the prefetched reads, held briefly,
+        # so that prefetch (the caller's thread) never waits for a read in progress (the read-ahead thread)
+        self._read_lock = threading.Lock()
         self._lock = threading.Lock()
         self._workers: _ThreadWorkers | _ProcessWorkers | None = None
+        # the reads announced by prefetch and not yet read, oldest first: (indices, workers, job, merger)
+        self._prefetched: deque[tuple] = deque()
         try:
             self._lengths = self._sequence_lengths(dict(lengths or {}))
         except BaseException:
@@ -179,8 +191,9 @@ class DatasetDeserializer:
         """The samples ``indices`` (in this order), collated: a tensor ``[n, *shape]`` per stream with one
         value per sample, a :class:`Sequences` per sequence stream.
 
-        With workers the indices are split into contiguous chunks, one task of a worker each; the result
-        is the same as without.
+        With workers the indices are split into contiguous chunks, one task of a worker each (sent by
+        :meth:`prefetch` when that announced this read: the read then collects them); the result is the
+        same as without.
 
         Raises:
             DataError: ``dataset[i]`` raised (``"{Dataset}[{i}] raised {Error}: {message}"``), a sample
@@ -188,19 +201,40 @@ class DatasetDeserializer:
                 outside ``num_classes``), or a worker process died.
             ValueError: ``indices`` is not a 1-d array of indices in ``[0, num_sequences)``.
         """
-        indices = np.asarray(indices)
-        if indices.ndim != 1 or not (np.issubdtype(indices.dtype, np.integer) or indices.size == 0):
-            raise ValueError(f"indices must be a 1-d integer array, got shape {indices.shape} ({indices.dtype})")
-        indices = indices.astype(np.int64, copy=False)
-        if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= self.num_sequences):
-            raise ValueError(f"indices must lie in [0, {self.num_sequences}), got [{int(indices.min())}, "
-                             f"{int(indices.max())}]")
+        indices = self._checked_indices(indices)
         if not len(indices):
             return self._plan.empty()
-        chunks = self._chunks(indices)
-        merger = _Merger(self.streams, chunks)
-        self._run("read_chunk", chunks, (), merger.add)
+        if self.num_workers == 0:
+            chunks = self._chunks(indices)
+            merger = _Merger(self.streams, chunks)
+            self._run("read_chunk", chunks, (), merger.add)
+        else:
+            merger = self._collect(lambda workers: self._claim(workers, indices) or self._start_read(workers, indices))
         return self._finish(merger.result(), indices)
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Starts the workers on a coming ``read(indices)`` now, so that they do not idle between reads while
+        the reading thread takes in the last one; that read collects their work (the same result).
+
+        Each prefetch is to be followed by one read of the same indices, in the order of the prefetches,
+        possibly in another thread while a read runs; a read of other indices drops the prefetched work
+        before it. Without workers, or for indices a read would refuse, it does nothing (the read raises).
+        """
+        if self.num_workers == 0:
+            return
+        try:
+            indices = np.array(self._checked_indices(indices), dtype=np.int64)  # a copy: sent later, maybe
+        except ValueError:
+            return
+        if not len(indices):
+            return
+        with self._lock:
+            try:
+                workers = self._started()
+                job, merger = self._start_read(workers, indices)
+            except Exception:  # noqa: BLE001 - e.g. no worker process could start: the read tries again and says so
+                return
+            self._prefetched.append((indices, workers, job, merger))
 
     def checkpoint_identity(self) -> dict:
         """What a checkpoint of a source over this must match: the dataset's type, size and streams (the
@@ -212,13 +246,15 @@ class DatasetDeserializer:
     def close(self) -> None:
         """Ends the worker processes or threads (after the read in progress, if any); a later read starts
         new ones."""
-        lock = self.__dict__.get("_lock")
-        if lock is None:
+        read_lock, lock = self.__dict__.get("_read_lock"), self.__dict__.get("_lock")
+        if read_lock is None or lock is None:
             return
-        with lock:
-            workers, self._workers = self._workers, None
-        if workers is not None:
-            workers.close()
+        with read_lock:
+            with lock:
+                workers, self._workers = self._workers, None
+                self._prefetched.clear()  # their work ends with the workers; a read of them reads anew
+            if workers is not None:
+                workers.close()
 
     def __enter__(self) -> DatasetDeserializer:
         return self
@@ -229,11 +265,13 @@ class DatasetDeserializer:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_workers"] = None  # processes, pipes and threads do not pickle; a copy starts its own
-        state["_lock"] = None
+        state["_lock"] = state["_read_lock"] = None
+        state["_prefetched"] = deque()  # work at this object's workers; a copy reads its indices anew
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._read_lock = threading.Lock()
         self._lock = threading.Lock()
 
     def _chunks(self, indices: np.ndarray) -> list[np.ndarray]:
@@ -242,6 +280,17 @@ class DatasetDeserializer:
             return [indices]
         return np.array_split(indices, min(len(indices), self.num_workers * _TASKS_PER_WORKER))
 
+    def _checked_indices(self, indices: np.ndarray) -> np.ndarray:
+        """``indices`` as int64, checked (ValueError: not a 1-d array of indices in ``[0, num_sequences)``)."""
+        indices = np.asarray(indices)
+        if indices.ndim != 1 or not (np.issubdtype(indices.dtype, np.integer) or indices.size == 0):
+            raise ValueError(f"indices must be a 1-d integer array, got shape {indices.shape} ({indices.dtype})")
+        indices = indices.astype(np.int64, copy=False)
+        if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= self.num_sequences):
+            raise ValueError(f"indices must lie in [0, {self.num_sequences}), got [{int(indices.min())}, "
+                             f"{int(indices.max())}]")
+        return indices
+
     def _run(self, method: str, chunks: list[np.ndarray], extra: tuple, on_part: Callable[[int, dict], None]) -> None:
         """``plan.method(dataset, chunk, *extra)`` for every chunk, each result handed to ``on_part(number,
         result)`` (whose tensors it must copy if it keeps them past the call)."""
@@ -249,17 +298,57 @@ class DatasetDeserializer:
             for number, chunk in enumerate(chunks):
                 on_part(number, getattr(self._plan, method)(self.dataset, chunk, *extra))
             return
-        with self._lock:
-            if self._workers is None:
-                kind = _ProcessWorkers if self.worker_type == "process" else _ThreadWorkers
-                self._workers = kind(self.num_workers, self.dataset, self._plan)
-            workers = self._workers
-            try:
-                workers.run(method, [(chunk, *extra) for chunk in chunks], on_part)
-            finally:
-                if workers.broken:  # a worker died: the next read starts a fresh pool
-                    self._workers = None
-                    workers.close()
+        tasks = [(chunk, *extra) for chunk in chunks]
+        self._collect(lambda workers: (workers.submit(method, tasks, on_part), None))
+
+    def _started(self) -> _ThreadWorkers | _ProcessWorkers:
+        """The workers, started if there are none (under ``_lock``)."""
+        if self._workers is None:
+            kind = _ProcessWorkers if self.worker_type == "process" else _ThreadWorkers
+            self._workers = kind(self.num_workers, self.dataset, self._plan)
+        return self._workers
+
+    def _start_read(self, workers, indices: np.ndarray) -> tuple[object, _Merger]:
+        """``(job, merger)``: the chunks of ``indices`` handed to ``workers``, their results to go into ``merger``."""
+        chunks = self._chunks(indices)
+        merger = _Merger(self.streams, chunks)
+        return workers.submit("read_chunk", [(chunk,) for chunk in chunks], merger.add), merger
+
+    def _claim(self, workers, indices: np.ndarray) -> tuple[object, _Merger] | None:
+        """The prefetched ``(job, merger)`` of ``indices`` (under ``_lock``), dropping the prefetched reads
+        before it (all of them when none matches: this read is not the one announced)."""
+        match = next((number for number, (prefetched, owner, _, _) in enumerate(self._prefetched)
+                      if owner is workers and np.array_equal(prefetched, indices)), None)
+        for _ in range(len(self._prefetched) if match is None else match):
+            _, owner, job, _ = self._prefetched.popleft()
+            if owner is workers:
+                workers.drop(job)
+        if match is None:
+            return None
+        _, _, job, merger = self._prefetched.popleft()
+        return job, merger
+
+    def _collect(self, start: Callable):
+        """``start(workers) -> (job, result)`` (under ``_lock``, on the workers, started if need be), then waits
+        for the job and returns ``result``. A worker that died takes its workers with it (the next read
+        starts fresh ones); when it died on another read's task, taking this job's tasks along, this
+        read runs again on fresh workers."""
+        with self._read_lock:
+            while True:
+                with self._lock:
+                    workers = self._started()
+                    job, result = start(workers)
+                try:
+                    complete = workers.collect(job)
+                finally:
+                    if workers.broken:
+                        with self._lock:
+                            if self._workers is workers:
+                                self._workers = None
+                                self._prefetched.clear()  # their work died with the workers
+                        workers.close()
+                if complete:
+                    return result
 
     def _finish(self, streams: dict, indices: np.ndarray) -> dict[str, torch.Tensor | Sequences]:
         """The merged streams with sequence streams padded, after checking their lengths against those
@@ -750,14 +839,29 @@ def _owned(value) -> torch.Tensor:
 #: fast or faster (benchmarks/dataset_adapter.py)
 _TASKS_PER_WORKER = 1
 #: tasks a worker process holds at once (with several, it starts the next while the reading process
-#: takes in the last; each has its own arena)
-_QUEUE_DEPTH = 1
+#: takes in the last; each has its own arena). Two: the chunk of the read being taken in and that of the
+#: next, prefetched one, the most a source reading two minibatches ahead has outstanding at a worker
+#: (it announces a read only once the one before last was taken in); more tasks wait for a free slot
+_QUEUE_DEPTH = 2
+#: a task whose indices take more bytes than this goes only to an idle worker (one that is reading its
+#: pipe): a busy worker's pipe then never fills up with tasks while it waits to send a reply
+_QUEUED_TASK_BYTES = 32 * 1024
 #: the arenas of this process when it is a worker process (None elsewhere)
 _ARENAS: _Arenas | None = None
 
 
+class _ThreadJob:
+    """The tasks of one read in a thread pool: their futures, and where their results go."""
+
+    __slots__ = ("futures", "on_part")
+
+    def __init__(self, futures: list, on_part: Callable[[int, dict], None]):
+        self.futures, self.on_part = futures, on_part
+
+
 class _ThreadWorkers:
-    """A thread pool: one task per chunk; the results are handed on in chunk order."""
+    """A thread pool: one task per chunk, run as soon as a thread is free (a prefetched read's tasks
+    queue behind those before them); the results are handed on in chunk order."""
 
     broken = False
 
@@ -765,33 +869,45 @@ class _ThreadWorkers:
         self._dataset, self._plan = dataset, plan
         self._executor = ThreadPoolExecutor(count, thread_name_prefix="dtrain-dataset")
 
-    def run(self, method: str, tasks: list[tuple], on_part: Callable[[int, dict], None]) -> None:
+    def submit(self, method: str, tasks: list[tuple], on_part: Callable[[int, dict], None]) -> _ThreadJob:
+        """Queues the tasks ``plan.method(dataset, *task)``; their results go to ``on_part`` in :meth:`collect`."""
         function = getattr(self._plan, method)
-        futures = [self._executor.submit(function, self._dataset, *task) for task in tasks]
-        wait(futures)  # all of them, so that no task of this read overlaps the next read
-        for number, future in enumerate(futures):
-            on_part(number, future.result())  # the first error in index order is raised
+        return _ThreadJob([self._executor.submit(function, self._dataset, *task) for task in tasks], on_part)
+
+    def collect(self, job: _ThreadJob) -> bool:
+        """Waits for the job's tasks and hands their results on in order (the first error in index order is
+        raised); True: a thread pool loses no task."""
+        wait(job.futures)
+        for number, future in enumerate(job.futures):
+            job.on_part(number, future.result())
+        return True
+
+    def drop(self, job: _ThreadJob) -> None:
+        """Forgets a job: its tasks that have not started never run."""
+        for future in job.futures:
+            future.cancel()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 class _Arenas:
-    """In a worker process: ``_QUEUE_DEPTH`` shared-memory byte buffers that its results are written into,
-    one per task in turn; the reading process maps each once and copies the results out before it sends
-    the task that reuses the buffer. A buffer grows (a new one, sent once) when a task needed more."""
+    """In a worker process: ``depth`` shared-memory byte buffers that its results are written into, one
+    per task in turn; the reading process maps each once and copies the results out before it sends the
+    task that reuses the buffer. A buffer grows (a new one, sent once) when a task needed more."""
 
-    def __init__(self):
-        self.buffers: list[torch.Tensor | None] = [None] * _QUEUE_DEPTH
-        self.generations = [0] * _QUEUE_DEPTH
-        self.needed = [0] * _QUEUE_DEPTH
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.buffers: list[torch.Tensor | None] = [None] * depth
+        self.generations = [0] * depth
+        self.needed = [0] * depth
         self.slot = -1
         self.offset = 0
 
     def start_task(self) -> tuple[int, int, torch.Tensor | None]:
         """Moves to the next buffer, replacing it when the last task in it needed more room; returns
         ``(slot, generation, new buffer or None)`` for the reply."""
-        self.slot = (self.slot + 1) % _QUEUE_DEPTH
+        self.slot = (self.slot + 1) % self.depth
         slot, fresh = self.slot, None
         buffer = self.buffers[slot]
         if self.needed[slot] > (0 if buffer is None else buffer.numel()):
@@ -843,11 +959,32 @@ class _InArena:
         self.offset, self.shape, self.dtype = state
 
 
+class _ProcessJob:
+    """The tasks of one read at the worker processes: sent in order as arena slots free up, their replies
+    handed to ``on_part`` (None once the read was dropped: replies are taken in and thrown away)."""
+
+    __slots__ = ("number", "method", "tasks", "on_part", "sent", "open", "failures", "lost")
+
+    def __init__(self, number: int, method: str, tasks: list[tuple], on_part: Callable[[int, dict], None]):
+        self.number, self.method, self.tasks, self.on_part = number, method, tasks, on_part
+        self.sent = 0  # tasks sent so far, in order
+        self.open = len(tasks)  # tasks neither answered nor given up
+        self.failures: dict[int, Exception] = {}  # task number -> its error
+        self.lost = False  # tasks went down with a worker that died on another job's task
+
+
 class _ProcessWorkers:
     """Persistent worker processes, each with a pipe. A task is ``(method, args)``; the reply is
     ``(status, payload, arena)``: ``("ok", result)`` with large tensors in the worker's arena and small
     ones inline, or ``("error", (type, module, message))``; ``arena`` is ``(slot, generation, buffer or
-    None)``. Tasks go to whichever worker is free, at most ``_QUEUE_DEPTH`` to one worker at a time."""
+    None)``. A worker answers its tasks in the order they were sent.
+
+    :meth:`submit` (any thread, under ``_lock`` with the rest of the bookkeeping) queues a read's tasks
+    and sends what the arena slots allow: at most ``_QUEUE_DEPTH`` tasks held by one worker at a time
+    (one, for a task of many indices), each to the worker holding fewest, jobs in the order they were
+    submitted. :meth:`collect` (one
+    thread at a time: the reader) takes in the replies up to the last of its job's, each copied out of
+    its arena before the slot is freed and the next task sent."""
 
     def __init__(self, count: int, dataset, plan: _Plan):
         import torch.multiprocessing  # noqa: F401 - registers the shared-memory reductions of tensors
@@ -856,59 +993,119 @@ class _ProcessWorkers:
         context = multiprocessing.get_context("fork" if "fork" in methods else None)
         self.type_name = plan.type_name
         self.broken = False
+        self._depth = _QUEUE_DEPTH
+        self._lock = threading.Lock()
+        self._jobs = 0  # jobs submitted so far: each one's number
+        self._unsent: deque[_ProcessJob] = deque()  # jobs with tasks still to send, oldest first
+        self._held: list[deque] = []  # per worker: (job, task number) sent and not yet taken in, oldest first
+        self._cause: _ProcessJob | None = None  # the job whose task a worker died on
         self._workers: list[tuple[multiprocessing.Process, multiprocessing.connection.Connection]] = []
         self._arenas: list[list] = []  # per worker, per slot: [generation, buffer]
         self._finalizer = weakref.finalize(self, _stop_processes, self._workers)
         for number in range(count):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_worker_main, args=(dataset, plan, theirs, ours, os.getpid()),
+            process = context.Process(target=_worker_main, args=(dataset, plan, theirs, ours, os.getpid(), self._depth),
                                       name=f"dtrain-dataset-{number}", daemon=True)
             process.start()
             theirs.close()
             self._workers.append((process, ours))
-            self._arenas.append([[0, None] for _ in range(_QUEUE_DEPTH)])
+            self._held.append(deque())
+            self._arenas.append([[0, None] for _ in range(self._depth)])
 
-    def run(self, method: str, tasks: list[tuple], on_part: Callable[[int, dict], None]) -> None:
-        queued: list[list[int]] = [[] for _ in self._workers]  # per worker: its task numbers, oldest first
-        following, failures = 0, {}
+    def submit(self, method: str, tasks: list[tuple], on_part: Callable[[int, dict], None]) -> _ProcessJob:
+        """Queues the tasks ``plan.method(dataset, *task)`` behind those submitted before, sending what the
+        slots allow now; the replies go to ``on_part(number, result)`` in :meth:`collect`."""
+        with self._lock:
+            job = _ProcessJob(self._jobs, method, tasks, on_part)
+            self._jobs += 1
+            self._unsent.append(job)
+            self._send()
+        return job
 
-        def send(worker: int) -> None:
-            nonlocal following
-            if following < len(tasks) and not failures:
-                try:
-                    self._workers[worker][1].send((method, tasks[following]))
-                except (OSError, ValueError):
-                    pass  # a dead worker: waiting for its reply says so
-                queued[worker].append(following)
-                following += 1
+    def drop(self, job: _ProcessJob) -> None:
+        """Forgets a job: its tasks not yet sent never are; the replies of the others are thrown away."""
+        with self._lock:
+            job.on_part = None
+            self._send()
 
-        for _ in range(_QUEUE_DEPTH):
-            for worker in range(len(self._workers)):
-                send(worker)
-        while any(queued):
-            waiting = {}
-            for worker, numbers in enumerate(queued):
-                if numbers:
-                    process, connection = self._workers[worker]
-                    waiting[connection] = waiting[process.sentinel] = worker
-            for ready in multiprocessing.connection.wait(list(waiting)):
-                worker = waiting[ready]
-                if not queued[worker]:
-                    continue  # both its pipe and its sentinel were ready
-                number = queued[worker].pop(0)
-                status, payload = self._receive(worker, tasks[number][0])
-                if status == "ok":
-                    on_part(number, payload)  # copies out of the arena before the worker reuses it
-                    send(worker)
-                else:
-                    failures[number] = payload
-                    if self.broken:  # its other tasks are lost with it
-                        failures.update((other, payload) for other in queued[worker])
-                        queued[worker].clear()
-        if failures:
-            raise failures[min(failures)]  # the lowest chunk's, as without workers
+    def collect(self, job: _ProcessJob) -> bool:
+        """Takes in the replies up to the last of ``job``'s (those of earlier jobs first), handing them to
+        their jobs; raises the job's lowest task's error, if any. False: some of its tasks were lost
+        with a worker that died on another job's task (run it again on fresh workers)."""
+        try:
+            while job.open:
+                waiting = {}
+                with self._lock:
+                    for worker, held in enumerate(self._held):
+                        if held and held[0][0].number <= job.number:
+                            process, connection = self._workers[worker]
+                            waiting[connection] = waiting[process.sentinel] = worker
+                if not waiting:  # none of its tasks can come any more (a worker died, the others were not sent)
+                    self.broken = True
+                    job.lost = job.lost or job is not self._cause
+                    break
+                for worker in sorted({waiting[ready] for ready in multiprocessing.connection.wait(list(waiting))}):
+                    self._take(worker)
+        except BaseException:
+            self.broken = True  # an interrupted reply leaves a pipe in an unknown state: the next read starts afresh
+            raise
+        if job.lost:
+            return False
+        if job.failures:
+            raise job.failures[min(job.failures)]  # the lowest chunk's, as without workers
+        return True
+
+    def _take(self, worker: int) -> None:
+        """Takes in the reply to ``worker``'s oldest task."""
+        with self._lock:
+            job, number = self._held[worker][0]
+        status, payload = self._receive(worker, job.tasks[number][0])
+        if status == "ok" and job.on_part is not None:
+            job.on_part(number, payload)  # copies out of the arena before the slot is freed below
+        with self._lock:
+            self._held[worker].popleft()
+            job.open -= 1
+            if status != "ok":
+                job.failures[number] = payload
+                if status == "dead":  # on this task; the tasks it held after it are lost with it
+                    self.broken, self._cause = True, job
+                    for other, other_number in self._held[worker]:
+                        other.open -= 1
+                        if other is job:
+                            job.failures[other_number] = payload
+                        else:
+                            other.lost = True
+                    self._held[worker].clear()
+            self._send()
+
+    def _send(self) -> None:
+        """Sends queued tasks while a worker has a free slot (under ``_lock``); gives up the unsent tasks of a
+        job that failed or was dropped, and all of them once a worker died."""
+        while self._unsent:
+            job = self._unsent[0]
+            if self.broken or job.failures or job.on_part is None:
+                job.open -= len(job.tasks) - job.sent
+                job.sent = len(job.tasks)
+                if self.broken and job is not self._cause and job.on_part is not None:
+                    job.lost = True
+                self._unsent.popleft()
+                continue
+            worker = min(range(len(self._held)), key=lambda each: len(self._held[each]))
+            room = 1 if job.tasks[job.sent][0].nbytes > _QUEUED_TASK_BYTES else self._depth
+            if len(self._held[worker]) >= room:
+                return
+            try:
+                self._workers[worker][1].send((job.method, job.tasks[job.sent]))
+            except (OSError, ValueError):
+                pass  # a dead worker: waiting for its reply says so
+            self._held[worker].append((job, job.sent))
+            job.sent += 1
+            if job.sent == len(job.tasks):
+                self._unsent.popleft()
 
     def _receive(self, worker: int, chunk: np.ndarray) -> tuple[str, object]:
+        """``("ok", result)``, ``("error", exception)`` or, when the worker died on the task or its reply was
+        lost, ``("dead", DataError)``."""
         process, connection = self._workers[worker]
         span = f"{self.type_name}[{int(chunk[0])}..{int(chunk[-1])}]"
         if connection.poll():
@@ -917,8 +1114,7 @@ class _ProcessWorkers:
             except (EOFError, OSError):
                 pass
             except Exception as error:  # noqa: BLE001 - e.g. no file descriptors left for shared memory
-                self.broken = True
-                return "error", DataError(
+                return "dead", DataError(
                     f"the reply of {self.type_name} worker {process.name} for {span} could not be received: "
                     f"{type(error).__name__}: {_one_line(error)} (too many open files? try "
                     f"torch.multiprocessing.set_sharing_strategy('file_system'))")
@@ -929,11 +1125,10 @@ class _ProcessWorkers:
                 if status == "ok":
                     return "ok", _unpack(payload, self._arenas[worker][slot])
                 return "error", _rebuilt_error(*payload)
-        self.broken = True
         process.join(1.0)
         code = process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        return "error", DataError(f"{self.type_name} worker process {process.name} (pid {process.pid}) {how} while "
+        return "dead", DataError(f"{self.type_name} worker process {process.name} (pid {process.pid}) {how} while "
                                   f"reading {span} (out of memory, or a crash in native code of __getitem__?)")
 
     def close(self) -> None:
@@ -956,10 +1151,11 @@ def _stop_processes(workers: list) -> None:
         connection.close()
 
 
-def _worker_main(dataset, plan: _Plan, connection, parent_end, parent_pid: int) -> None:
-    """A worker process: reads tasks until told to stop, the pipe closes, or its parent is gone."""
+def _worker_main(dataset, plan: _Plan, connection, parent_end, parent_pid: int, depth: int) -> None:
+    """A worker process: reads tasks until told to stop, the pipe closes, or its parent is gone; its
+    results go into ``depth`` arenas in turn (it never holds more tasks than that)."""
     global _ARENAS
-    arenas = _ARENAS = _Arenas()
+    arenas = _ARENAS = _Arenas(depth)
     parent_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)

@@ -1,11 +1,13 @@
 """DatasetDeserializer: any map-style torch Dataset as named streams, read with or without workers."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -35,20 +37,38 @@ class Tokens(Dataset):
 
 
 class Failing(Dataset):
-    """Like a TensorDataset of ``size`` samples, but ``__getitem__(bad)`` raises (or the worker exits)."""
+    """Like a TensorDataset of ``size`` samples, but ``__getitem__(bad)`` raises (or the worker exits); ``bad``
+    may be a set of indices."""
 
-    def __init__(self, bad: int, exit_code: int | None = None, size: int = 8):
-        self.bad, self.exit_code, self.size, self.creator = bad, exit_code, size, os.getpid()
+    def __init__(self, bad: int | set, exit_code: int | None = None, size: int = 8):
+        self.bad = {bad} if isinstance(bad, int) else set(bad)
+        self.exit_code, self.size, self.creator = exit_code, size, os.getpid()
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int):
-        if index == self.bad:
+        if index in self.bad:
             if self.exit_code is not None and os.getpid() != self.creator:
                 os._exit(self.exit_code)  # a worker process dies (a crash in native code, the OOM killer)
             raise FileNotFoundError(f"no file for\nsample {index}")
         return torch.full((2,), float(index)), index
+
+
+class Counted(Dataset):
+    """Sample ``i``: ``(an image of 40 kB keyed by i, i)``; counts the calls of ``__getitem__`` in every thread
+    and (forked) worker process."""
+
+    def __init__(self, size: int = 24):
+        self.size, self.calls = size, multiprocessing.Value("i", 0)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        with self.calls.get_lock():
+            self.calls.value += 1
+        return torch.from_numpy(np.random.default_rng(index).random((100, 100), dtype=np.float32)), index
 
 
 class Listed(Dataset):
@@ -160,6 +180,11 @@ def test_workers_give_the_identical_stream_across_a_checkpoint_and_restore(worke
         monkeypatch.setattr(dataset_module, "_TASKS_PER_WORKER", chunking[0])
         monkeypatch.setattr(dataset_module, "_QUEUE_DEPTH", chunking[1])
 
+    served = []  # per read with workers: whether it collected a prefetched read
+    claim = DatasetDeserializer._claim
+    monkeypatch.setattr(DatasetDeserializer, "_claim",
+                        lambda self, *args: served.append(claim(self, *args)) or served[-1])
+
     def stream(options: dict, partitions: int = 2) -> tuple[list, dict]:
         deserializer = DatasetDeserializer(Tokens(29), sequences=["text"], num_classes={"label": 3}, **options)
         assert deserializer.benefits_from_read_ahead == bool(options)
@@ -172,6 +197,7 @@ def test_workers_give_the_identical_stream_across_a_checkpoint_and_restore(worke
         after = [restored.next_minibatch(size) for size in (9, 25, 9, 9, 40, 9)]
         for source in [*sources, restored]:
             source.close()
+        assert not deserializer._prefetched  # every prefetch was followed by its read, even those discarded
         deserializer.close()
         return first + after, state
 
@@ -179,6 +205,36 @@ def test_workers_give_the_identical_stream_across_a_checkpoint_and_restore(worke
     parallel, parallel_state = stream(workers)
     assert parallel_state == plain_state
     assert_same_minibatches(parallel, plain)
+    assert any(claim is not None for claim in served)  # the read-ahead announced its reads (prefetch)
+
+
+@pytest.mark.parametrize("workers", WORKERS, ids=["threads", "processes"])
+def test_a_source_reading_ahead_has_its_reads_prefetched_and_the_stream_of_no_workers(workers, monkeypatch):
+    served = []  # per read with workers: whether it collected a prefetched read
+    claim = DatasetDeserializer._claim
+    monkeypatch.setattr(DatasetDeserializer, "_claim",
+                        lambda self, *args: served.append(claim(self, *args)) or served[-1])
+
+    def stream(options: dict) -> list:
+        deserializer = DatasetDeserializer(Tokens(29), sequences=["text"], **options)
+        source = MinibatchSource(deserializer, randomization_seed=6, max_sweeps=2)
+        assert source.read_ahead == bool(options)
+        minibatches = [source.next_minibatch(12) for _ in range(5)]
+        state = source.get_checkpoint_state()
+        minibatches += [source.next_minibatch(12) for _ in range(3)]
+        source.close()  # its two reads ahead are read (and dropped)
+        assert not deserializer._prefetched  # every prefetch was followed by its read
+        restored = MinibatchSource(deserializer, randomization_seed=6, max_sweeps=2)
+        restored.restore_from_checkpoint(state)
+        minibatches += read_sweeps(restored, 12, 1, 0)
+        restored.close()
+        deserializer.close()
+        return minibatches
+
+    plain = stream({})
+    assert_same_minibatches(stream(workers), plain)
+    assert len(plain) > 15 and len(served) == len(plain) + 2  # the two reads ahead of the first source's last
+    assert sum(claim is None for claim in served) == 2  # the first read of each source; every other was prefetched
     assert len({tuple(minibatch["label"].tolist()) for minibatch in plain}) > 3  # the test reads varied data
 
 
@@ -230,6 +286,124 @@ def test_a_pickled_source_reads_on_with_its_own_workers():
     for each in (source, copy):
         each.close()
         each.deserializer.close()
+
+
+def assert_same_reads(got: list, expected: list) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert set(a) == set(b) and all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.parametrize("workers", WORKERS, ids=["threads", "processes"])
+def test_prefetch_starts_the_workers_at_once_and_the_read_collects_their_work(workers):
+    dataset = Counted(24)
+    rng = np.random.default_rng(5)
+    orders = [rng.permutation(24)[:size] for size in (8, 5, 12, 1)]
+    plain = DatasetDeserializer(dataset)
+    expected = [plain.read(order) for order in orders]
+    calls = dataset.calls.value
+    plain.prefetch(orders[0])  # without workers: nothing to start
+    assert dataset.calls.value == calls and not plain._prefetched
+    deserializer = DatasetDeserializer(dataset, **workers)
+    dataset.calls.value = 0
+    for order in orders[:3]:
+        deserializer.prefetch(order)
+    # processes: a worker holds two tasks (_QUEUE_DEPTH, one arena slot each), the third read waits for a slot
+    started = 13 if workers["worker_type"] == "process" else 25
+    deadline = time.monotonic() + 20
+    while dataset.calls.value < started and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert dataset.calls.value == started  # prefetched reads are read before anyone reads them
+    got = [deserializer.read(order) for order in orders[:3]]  # three prefetches, then three reads in order
+    deserializer.prefetch(orders[3])
+    got.append(deserializer.read(orders[3]))
+    assert dataset.calls.value == 26  # each sample once: the reads collected the prefetched chunks, sent none again
+    assert_same_reads(got, expected)
+    assert not deserializer._prefetched
+    deserializer.close()
+
+
+@pytest.mark.parametrize("workers", WORKERS, ids=["threads", "processes"])
+def test_a_read_of_other_indices_than_those_prefetched_drops_them_and_reads_right(workers):
+    features = torch.randn(30, 20_000)  # 80 kB a sample: through the arenas, whose slots the dropped work holds
+    with DatasetDeserializer(TensorDataset(features, torch.arange(30)), **workers) as deserializer:
+        first, second, other = np.arange(10), np.arange(19, 9, -1), np.array([25, 3, 17])
+
+        def read(order: np.ndarray) -> torch.Tensor:
+            out = deserializer.read(order)
+            assert torch.equal(out["features"], features[order]) and out["labels"].tolist() == order.tolist()
+
+        deserializer.prefetch(first)
+        deserializer.prefetch(second)
+        read(second)  # served; the prefetched read before it is dropped
+        assert not deserializer._prefetched
+        deserializer.prefetch(first)
+        deserializer.prefetch(second)
+        read(other)  # none matches: both dropped
+        assert not deserializer._prefetched
+        for order in (first, second, other, first):
+            read(order)
+        deserializer.prefetch(first)
+        deserializer.prefetch(np.array([30]))  # a read would refuse it: ignored
+        deserializer.read(np.array([], dtype=np.int64))
+        with pytest.raises(ValueError, match=r"indices must lie in \[0, 30\)"):
+            deserializer.read(np.array([30]))
+        assert len(deserializer._prefetched) == 1
+        read(first)  # still served after an empty and a refused read
+
+
+@pytest.mark.parametrize("workers", WORKERS, ids=["threads", "processes"])
+def test_an_error_in_a_prefetched_chunk_is_raised_by_its_read(workers, monkeypatch):
+    monkeypatch.setattr(dataset_module, "_TASKS_PER_WORKER", 2)  # four chunks a read: 0..2, 3..5, 6..8, 9..11
+    deserializer = DatasetDeserializer(Failing(bad={4, 7, 10}, size=14), **workers)
+    deserializer.prefetch(np.array([1, 2]))
+    deserializer.prefetch(np.arange(12))  # prefetch raises nothing: the read does
+    deserializer.prefetch(np.array([12, 13]))
+    assert deserializer.read(np.array([1, 2]))["labels"].tolist() == [1, 2]
+    with pytest.raises(DataError) as error:
+        deserializer.read(np.arange(12))
+    assert one_line(error) == "Failing[4] raised FileNotFoundError: no file for sample 4"  # the lowest chunk's
+    assert deserializer.read(np.array([12, 13]))["labels"].tolist() == [12, 13]
+    deserializer.close()
+
+
+def test_a_worker_that_dies_with_reads_prefetched_fails_the_read_it_died_in_and_new_workers_read_on():
+    deserializer = DatasetDeserializer(Failing(bad=6, exit_code=3, size=12), num_workers=2)
+    deserializer.prefetch(np.arange(4))
+    deserializer.prefetch(np.arange(8))
+    deserializer.prefetch(np.array([9, 10]))  # waits for a free slot, then goes to both workers
+    assert deserializer.read(np.arange(4))["labels"].tolist() == list(range(4))
+    with pytest.raises(DataError, match=r"Failing worker process .* exited with code 3 while reading "
+                                        r"Failing\[4\.\.7\]") as error:
+        deserializer.read(np.arange(8))
+    one_line(error)
+    assert deserializer.read(np.array([9, 10]))["labels"].tolist() == [9, 10]  # on fresh workers
+    deserializer.prefetch(np.arange(8))  # worker 1 dies on it, holding the second chunk of the next read too
+    assert deserializer.read(np.array([0, 1]))["labels"].tolist() == [0, 1]  # read again on fresh workers
+    assert deserializer.read(np.array([11]))["labels"].tolist() == [11]
+    deserializer.close()
+
+
+@pytest.mark.parametrize("workers", WORKERS, ids=["threads", "processes"])
+def test_close_and_pickling_with_reads_prefetched_neither_hang_nor_leak(workers):
+    features = torch.randn(16, 20_000)
+    deserializer = DatasetDeserializer(TensorDataset(features, torch.arange(16)), **workers)
+    deserializer.prefetch(np.arange(8))
+    deserializer.prefetch(np.arange(8, 16))
+    copy = pickle.loads(pickle.dumps(deserializer))
+    assert copy._workers is None and not copy._prefetched
+    assert torch.equal(copy.read(np.arange(8, 16))["features"], features[8:])
+    pool = deserializer._workers
+    deserializer.close()
+    assert deserializer._workers is None and not deserializer._prefetched
+    if workers["worker_type"] == "process":
+        assert not any(process.is_alive() for process, _ in pool._workers)
+    else:
+        assert pool._executor._shutdown
+    assert torch.equal(deserializer.read(np.arange(8, 16))["features"], features[8:])  # new workers
+    for each in (deserializer, copy):
+        each.close()
 
 
 def test_process_workers_end_at_interpreter_exit_without_close():
