@@ -95,12 +95,6 @@ class FeaturesAndLabels:
                                  num_classes=num_classes),
         }
         self.num_sequences = int(deserializer.num_samples)
-        self._take = getattr(deserializer, "take", None)
-
-    @property
-    def has_take(self) -> bool:
-        """Whether the deserializer reads by an index tensor (``take``)."""
-        return self._take is not None
 
     def sequence_lengths(self, name: str) -> np.ndarray:
         raise KeyError(f"{name!r} is not a sequence stream")
@@ -108,10 +102,6 @@ class FeaturesAndLabels:
     def read(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         features, labels = self.deserializer.get(indices)
         return {"features": features, "labels": label_tensor(labels)}
-
-    def take(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        features, labels = self._take(index)
-        return {"features": features, "labels": labels if labels.dtype is torch.int64 else label_tensor(labels)}
 
 
 def _is_stream_deserializer(value: object) -> bool:

@@ -143,8 +143,7 @@ class MinibatchSource:
             transform.setup(self._deserializer)
         # in-memory two-stream data is read by index tensor, straight from the deserializer (a call per
         # minibatch saved: the loop's own cost is measured against a bare one)
-        self._take = self._deserializer.take if isinstance(self._data, FeaturesAndLabels) and self._data.has_take \
-            else None
+        self._take = getattr(self._deserializer, "take", None) if isinstance(self._data, FeaturesAndLabels) else None
         self._float_features = isinstance(self._data, FeaturesAndLabels)  # two-stream features are served as float32
         self._position = 0
         if read_ahead is None:
