@@ -253,11 +253,12 @@ class StreamReference:
         """Steps of this view for sequences of ``lengths`` (the stream's own lengths when not sliced)."""
         return step_counts(lengths, self.start, self.stop) if self.is_view else np.asarray(lengths, dtype=np.int64)
 
-    def check_against(self, info: StreamInfo | None, streams: SequenceType[str], what: str) -> None:
-        """Raises ValueError when the stream does not exist (listing those that do) or a slice or part
-        is asked of a stream that has no steps."""
+    def check_against(self, info: StreamInfo | None, streams: SequenceType[str], what: str,
+                      data: str = "the data") -> None:
+        """Raises ValueError when the stream does not exist in ``data`` (listing those that do) or a slice or
+        part is asked of a stream that has no steps."""
         if info is None:
-            raise ValueError(f"{what}={self.text!r}: the data has no stream {self.name!r}; it has "
+            raise ValueError(f"{what}={self.text!r}: {data} has no stream {self.name!r}; it has "
                              f"{', '.join(repr(name) for name in streams)}")
         if (self.sliced or self.part is not None) and not info.is_sequence:
             raise ValueError(f"{what}={self.text!r}: {self.name!r} is not a sequence stream (one value per sample), "

@@ -84,11 +84,17 @@ class StreamBinding:
         """The references the model's ``forward`` takes (none for a whole-minibatch input)."""
         return [*self.positional, *self.keyword.values()]
 
-    def check(self, streams: Mapping, where: str = "") -> None:
+    @property
+    def is_default(self) -> bool:
+        """Whether this is the two-stream default: ``model(features)``, loss and metric against ``labels``."""
+        return ([reference.text for reference in self.positional] == ["features"] and not self.keyword
+                and self.target is not None and self.target.text == "labels")
+
+    def check(self, streams: Mapping, data: str = "the data") -> None:
         """Raises ValueError when a reference names no stream of ``streams`` (name -> StreamInfo; the
-        message lists those that exist) or slices a stream without steps. ``where`` names the source."""
+        message names the ``data`` and lists the streams it has) or slices a stream without steps."""
         for what, reference in self.references:
-            reference.check_against(streams.get(reference.name), list(streams), f"session.{what}")
+            reference.check_against(streams.get(reference.name), list(streams), f"session.{what}", data)
         if self.target is not None and self.target.part is not None:
             raise ValueError(f"session.target={self.target.text!r}: the loss's target is a stream or a step slice of "
                              f"one, not its {self.target.part}")

@@ -10,14 +10,20 @@ from dtrain.data.streams import Sequences
 from dtrain.session.binding import StreamBinding, count_steps
 
 
+def wrong_steps(logits: torch.Tensor, target: Sequences) -> torch.Tensor:
+    """bool ``[n, T]``: the real steps of a sequence target whose arg-max logit is not the target's id
+    (``logits`` ``[n, T', C]`` with ``T' >= T``); padding is never wrong."""
+    mask = target.mask
+    return (logits[:, :mask.shape[1]].argmax(dim=-1) != target.data) & mask
+
+
 def classification_errors(logits: torch.Tensor, labels) -> torch.Tensor:
     """Number of samples whose arg-max logit is not the label (CNTK's classification_error, summed).
 
     With a sequence target (:class:`~dtrain.data.Sequences` of class ids), ``logits`` are
     ``[n, T, C]`` (at least the target's ``T`` steps) and every real step is a sample."""
     if isinstance(labels, Sequences):
-        mask = labels.mask
-        return (logits[:, :mask.shape[1]].argmax(dim=-1)[mask] != labels.data[mask]).sum()
+        return wrong_steps(logits, labels).sum()
     return (logits.argmax(dim=1) != labels).sum()
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dtrain.data.streams import Sequences
-from dtrain.session.evaluate import classification_errors
+from dtrain.session.evaluate import classification_errors, wrong_steps
 
 __all__ = ["ClassificationError", "MSELoss", "MeanAbsoluteError", "SequenceCrossEntropy", "SequenceError", "TopKError",
            "metric_name", "metric_in_percent"]
@@ -85,9 +85,7 @@ class SequenceError:
     def __call__(self, output: torch.Tensor, target) -> torch.Tensor:
         if not isinstance(target, Sequences):
             return classification_errors(output, target)
-        mask = target.mask
-        wrong = (output[:, :mask.shape[1]].argmax(dim=-1) != target.data) & mask
-        return wrong.any(dim=1).sum()
+        return wrong_steps(output, target).any(dim=1).sum()
 
     def __repr__(self) -> str:
         return "SequenceError()"

@@ -683,7 +683,7 @@ class TrainingSession:
             sweeps = self.max_samples / self.source.samples_per_sweep
             parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
         printer.line("dtrain: " + ", ".join(parts))
-        if getattr(self.source, "has_sequences", False) or self.binding.describe() != StreamBinding().describe():
+        if getattr(self.source, "has_sequences", False) or not self.binding.is_default:
             printer.line(f"dtrain: {self.binding.describe()}" + (f"; {self._defining_stream_note}"
                                                                   if self._defining_stream_note else ""))
         printer.line("dtrain: " + self.learner.describe())

@@ -79,8 +79,8 @@ CASES = [
     ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model: Error locating target 'dtrain.models.Nope'; expected an importable class"]),
     # streams: which feed the model and the loss, and how samples are counted
     ("inputs-unknown-stream", ["session.inputs=[nope]"],
-     ["session.inputs[0]='nope': the data has no stream 'nope'; it has 'features', 'labels'"]),
-    ("target-unknown-stream", ["session.target=label"], ["session.target='label': the data has no stream 'label'"]),
+     ["session.inputs[0]='nope': the training data has no stream 'nope'; it has 'features', 'labels'"]),
+    ("target-unknown-stream", ["session.target=label"], ["session.target='label': the training data has no stream 'label'"]),
     ("target-unparsed", ["session.target=a.b"], ["session.target='a.b': expected a stream name"]),
     ("target-slice-unquoted", ["session.target=labels[1:]"],
      ["session.target=labels[1:]: a value with brackets", "expected 'session.target=\"labels[1:]\"'"]),

@@ -98,8 +98,8 @@ def test_evaluation_averages_the_loss_over_steps_and_a_sequence_metric_over_sequ
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"inputs": ["tokens"]}, r"session.inputs\[0\]='tokens': the data has no stream 'tokens'; it has 'text'"),
-    ({"target": "label"}, "session.target='label': the data has no stream 'label'; it has 'text'"),
+    ({"inputs": ["tokens"]}, r"session.inputs\[0\]='tokens': the training data has no stream 'tokens'; it has 'text'"),
+    ({"target": "label"}, "session.target='label': the training data has no stream 'label'; it has 'text'"),
     ({"target": "text.mask"}, "the loss's target is a stream or a step slice of one, not its mask"),
     ({"inputs": {"x": "text[2"}}, "session.inputs.x='text\\[2': expected a stream name"),
     ({"loss": torch.nn.CrossEntropyLoss()}, "loss CrossEntropyLoss: torch's losses take tensors, but the target "
@@ -174,3 +174,11 @@ def test_resuming_with_samples_counted_differently_is_refused_naming_the_checkpo
                                                      r"checkpoint state counts samples in steps of 'text\[1:\]'"):
         changed.train()
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
+
+
+def test_a_stream_missing_from_the_test_data_names_that_data(tmp_path):
+    test = MinibatchSource(StreamArrays({"words": [np.arange(3) % VOCABULARY]}), randomize=False, max_sweeps=1)
+    with pytest.raises(ValueError, match=r"session.inputs\[0\]='text\[:-1\]': the test data has no stream 'text'; "
+                                         r"it has 'words'"):
+        session(TinyCausalLM(), MinibatchSource(token_sequences()), tmp_path, max_samples=10,
+                test_config=dtrain.TestConfig(test))
