@@ -194,6 +194,37 @@ class ResNet50Config:
     zero_init_residual: bool = False
 
 
+@dataclass
+class CharTransformerConfig:
+    """``dtrain.models.CharTransformer``: a GPT-style character language model."""
+
+    _target_: str = "dtrain.models.CharTransformer"
+    vocab_size: int = MISSING
+    context_length: int = 128
+    layers: int = 4
+    heads: int = 4
+    width: int = 128
+    dropout: float = 0.0
+
+
+@dataclass
+class Seq2SeqTransformerConfig:
+    """``dtrain.models.Seq2SeqTransformer``: a transformer encoder-decoder (grapheme-to-phoneme)."""
+
+    _target_: str = "dtrain.models.Seq2SeqTransformer"
+    source_vocab_size: int = MISSING
+    target_vocab_size: int = MISSING
+    width: int = 256
+    heads: int = 4
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    feedforward: int = 1024
+    dropout: float = 0.1
+    context_length: int = 64
+    begin: int = 1
+    end: int = 2
+
+
 # -- data sources ---------------------------------------------------------------------------------
 
 
@@ -380,6 +411,26 @@ class ClassificationErrorConfig:
 
 
 @dataclass
+class PerplexityConfig:
+    """``dtrain.session.Perplexity``: exp of the mean cross-entropy per step (nats), reported as ``perplexity``."""
+
+    _target_: str = "dtrain.session.Perplexity"
+
+
+@dataclass
+class GreedyDecodingErrorsConfig:
+    """``dtrain.session.GreedyDecodingErrors``: word and token error rates of greedy decoding (``wer``, ``per``)."""
+
+    _target_: str = "dtrain.session.GreedyDecodingErrors"
+    source: str = MISSING
+    references: Any = None
+    name: str = "wer"
+    token_name: str = "per"
+    max_steps: Optional[int] = None
+    end: Optional[int] = None
+
+
+@dataclass
 class TopKErrorConfig:
     """``dtrain.session.TopKError``: label not among the ``k`` largest outputs, reported as ``top<k>_error``."""
 
@@ -410,6 +461,8 @@ _SCHEMAS = {
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
     ("schema/model", "cifar10_convnet"): ConvNetCIFAR10Config,
     ("schema/model", "resnet50"): ResNet50Config,
+    ("schema/model", "char_transformer"): CharTransformerConfig,
+    ("schema/model", "seq2seq_transformer"): Seq2SeqTransformerConfig,
     ("schema/source", "source"): SourceConfig,
     ("schema/source", "image_source"): ImageSourceConfig,
     ("schema/source", "minibatch_source"): MinibatchSourceConfig,
@@ -422,6 +475,8 @@ _SCHEMAS = {
     ("schema/metric", "classification_error"): ClassificationErrorConfig,
     ("schema/metric", "top5_error"): TopKErrorConfig,
     ("schema/metric", "mean_abs_error"): MeanAbsoluteErrorConfig,
+    ("schema/metric", "perplexity"): PerplexityConfig,
+    ("schema/metric", "wer"): GreedyDecodingErrorsConfig,
 }
 
 

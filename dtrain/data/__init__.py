@@ -6,7 +6,9 @@ Sizes are global and counted in samples; each worker reads its share of every gl
 
 from dtrain.data.arrays import ArrayDeserializer
 from dtrain.data.augmentation import ImageAugmentation, crop_geometry
+from dtrain.data.char_corpus import CharCorpus
 from dtrain.data.cifar10 import Cifar10
+from dtrain.data.cmudict import CMUDict
 from dtrain.data.ctf import CTFDeserializer
 from dtrain.data.dataset import DatasetDeserializer
 from dtrain.data.digits import Digits
@@ -23,7 +25,9 @@ from dtrain.data.transform import ImageTransform
 
 __all__ = [
     "ArrayDeserializer",
+    "CMUDict",
     "CTFDeserializer",
+    "CharCorpus",
     "Cifar10",
     "DataError",
     "DatasetDeserializer",

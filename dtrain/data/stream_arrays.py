@@ -42,6 +42,16 @@ class _PackedSequences:
         self.values = torch.cat(tensors)
         self.step_shape = tuple(tensors[0].shape[1:])
 
+    @classmethod
+    def from_flat(cls, values: torch.Tensor, lengths: np.ndarray) -> "_PackedSequences":
+        """Sequences already stored back to back (``values``), ``lengths`` steps each (all >= 1)."""
+        packed = cls.__new__(cls)
+        packed.lengths = np.asarray(lengths, dtype=np.int64)
+        packed.offsets = np.zeros(len(packed.lengths) + 1, dtype=np.int64)
+        np.cumsum(packed.lengths, out=packed.offsets[1:])
+        packed.values, packed.step_shape = values, tuple(values.shape[1:])
+        return packed
+
     def gather(self, indices: np.ndarray) -> Sequences:
         lengths = self.lengths[indices]
         longest = int(lengths.max()) if len(lengths) else 0

@@ -2,12 +2,13 @@
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.binding import StreamBinding
-from dtrain.session.objectives import (ClassificationError, MeanAbsoluteError, MSELoss, SequenceCrossEntropy,
-                                      SequenceError, TopKError)
+from dtrain.session.decoding import GreedyDecodingErrors
+from dtrain.session.objectives import (ClassificationError, MeanAbsoluteError, MSELoss, Perplexity,
+                                      SequenceCrossEntropy, SequenceError, TopKError)
 from dtrain.session.session import TrainingCollapsed, TrainingDiverged, TrainingResult, TrainingSession, training_session
 
 __all__ = [
-    "ClassificationError", "MSELoss", "MeanAbsoluteError", "SequenceCrossEntropy", "SequenceError", "StreamBinding",
+    "ClassificationError", "GreedyDecodingErrors", "MSELoss", "MeanAbsoluteError", "Perplexity", "SequenceCrossEntropy", "SequenceError", "StreamBinding",
     "TopKError",
     "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingCollapsed", "TrainingDiverged",
     "TrainingResult", "TrainingSession", "classification_errors", "evaluate", "training_session",

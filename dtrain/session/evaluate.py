@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,7 @@ class Evaluation:
     error: float          # fraction of samples misclassified (or the metric's average)
     num_samples: int
     num_minibatches: int
+    details: dict[str, float] = field(default_factory=dict)  # a decoding metric's other rates (e.g. ``per``)
 
     @property
     def accuracy(self) -> float:
@@ -77,6 +78,9 @@ def evaluate(
     """
     binding = binding if binding is not None else StreamBinding()
     per_sequence = metric_counts_sequences(metric_fn)
+    decoded_counts = getattr(metric_fn, "decoded_counts", None)
+    names = tuple(getattr(metric_fn, "names", ())) if decoded_counts is not None else ()
+    decoded = torch.zeros(len(names), 2, dtype=torch.float64)
     position = source.get_checkpoint_state()
     was_training = model.training
     model.eval()
@@ -101,14 +105,30 @@ def evaluate(
                     continue
                 output = binding.forward(model, batch)
                 totals[0] += float(loss_fn(output, target)) * samples
-                totals[1] += float(metric_fn(output, target))
+                if decoded_counts is None:
+                    totals[1] += float(metric_fn(output, target))
+                else:
+                    decoded += decoded_counts(model, batch, target)
                 totals[2] += samples
                 totals[3] += sequences if per_sequence else samples
     finally:
         source.restore_from_checkpoint(position)
         model.train(was_training)
-    totals = comm.allreduce(totals.to(comm.device), op="sum").cpu()
+    totals = comm.allreduce(torch.cat([totals, decoded.flatten()]).to(comm.device), op="sum").cpu()
+    decoded = totals[4:].reshape(-1, 2)
     samples = int(totals[2])
     if samples == 0:
         return Evaluation(float("nan"), float("nan"), 0, minibatches)
-    return Evaluation(float(totals[0]) / samples, float(totals[1]) / float(totals[3]), samples, minibatches)
+    rates = {name: float(errors) / float(count) if float(count) else float("nan") for name, (errors, count)
+             in zip(names, decoded)}
+    if names:
+        return Evaluation(float(totals[0]) / samples, rates.pop(names[0]), samples, minibatches, rates)
+    return Evaluation(float(totals[0]) / samples, metric_average(metric_fn, float(totals[1]) / float(totals[3])),
+                      samples, minibatches)
+
+
+def metric_average(metric, mean: float) -> float:
+    """The reported value of a metric whose sums averaged to ``mean``: ``metric.from_mean(mean)`` where it
+    has one (a perplexity is ``exp`` of the mean log-loss), else ``mean``."""
+    from_mean = getattr(metric, "from_mean", None)
+    return float(from_mean(mean)) if from_mean is not None else mean

@@ -11,12 +11,15 @@ every one (``dtrain.session.minibatch_step.PeriodSums``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dtrain.data.streams import Sequences
 from dtrain.session.evaluate import classification_errors, wrong_steps
 
-__all__ = ["ClassificationError", "MSELoss", "MeanAbsoluteError", "SequenceCrossEntropy", "SequenceError", "TopKError",
+__all__ = ["ClassificationError", "MSELoss", "MeanAbsoluteError", "Perplexity", "SequenceCrossEntropy", "SequenceError",
+           "TopKError",
            "metric_name", "metric_in_percent"]
 
 
@@ -89,6 +92,30 @@ class SequenceError:
 
     def __repr__(self) -> str:
         return "SequenceError()"
+
+
+class Perplexity:
+    """``exp`` of the mean cross-entropy (nats per step) of the real steps of a sequence target, or per
+    sample of class labels: a language model's perplexity. Its sums are log-losses, so it averages over
+    steps and ranks exactly and is reported as ``exp`` of that mean (``from_mean``)."""
+
+    name = "perplexity"
+    percent = False
+    additive = True
+
+    def __call__(self, output: torch.Tensor, target) -> torch.Tensor:
+        if not isinstance(target, Sequences):
+            return torch.nn.functional.cross_entropy(output.float(), target, reduction="sum")
+        mask = target.mask
+        logits = output[:, :mask.shape[1]][mask]
+        return torch.nn.functional.cross_entropy(logits.float(), target.data[mask], reduction="sum")
+
+    @staticmethod
+    def from_mean(mean_log_loss: float) -> float:
+        return math.exp(mean_log_loss) if mean_log_loss < 700 else float("inf")
+
+    def __repr__(self) -> str:
+        return "Perplexity()"
 
 
 class TopKError:

@@ -30,7 +30,7 @@ from dtrain.session.collapse import COLLAPSE_ADVICE, CollapseWatch
 from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
                                    signal_from_name)
 from dtrain.session.binding import StreamBinding
-from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
+from dtrain.session.evaluate import Evaluation, classification_errors, evaluate, metric_average
 from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
                                           first_minibatch_check)
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
@@ -433,7 +433,7 @@ class TrainingSession:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device, binding=self.binding)
             accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
-            metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy,
+            metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy, **test.details,
                           num_samples=test.num_samples)
             if self.metric_name == "error" and self._collapse.evaluation_collapsed(test.loss, test.accuracy, self.comm):
                 raise TrainingCollapsed(
@@ -492,7 +492,7 @@ class TrainingSession:
         totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
-        error = float(totals[1]) / float(totals[3]) if float(totals[3]) else float("nan")
+        error = metric_average(self.metric, float(totals[1]) / float(totals[3])) if float(totals[3]) else float("nan")
         padding = float(totals[4]) / float(totals[5]) if float(totals[5]) else None
         if samples and not math.isfinite(loss):
             # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
@@ -532,9 +532,10 @@ class TrainingSession:
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples, binding=self.binding)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
-                         f"loss {result.loss:.4f} | {self._format_metric(result.error)} over {result.num_samples} samples")
+                         f"loss {result.loss:.4f} | {self._format_metric(result.error, result.details)} over "
+                         f"{result.num_samples} samples")
             metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
-                          num_samples=result.num_samples)
+                          **result.details, num_samples=result.num_samples)
         keep_going = True
         if config.callback is not None:
             answer = config.callback(self.cv_index, result.error if result else float("nan"),
@@ -669,9 +670,11 @@ class TrainingSession:
                                           metadata={"samples_seen": str(samples_seen)})
 
     # -- printing -------------------------------------------------------------------------------
-    def _format_metric(self, value: float) -> str:
-        """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name."""
-        return f"{self.metric_name} {100 * value:.2f}%" if self.metric_percent else f"{self.metric_name} {value:.4g}"
+    def _format_metric(self, value: float, details: dict[str, float] | None = None) -> str:
+        """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name, then a decoding
+        metric's other rates (``wer 28.10%, per 6.90%``)."""
+        pairs = [(self.metric_name, value), *(details or {}).items()]
+        return ", ".join(f"{name} {100 * v:.2f}%" if self.metric_percent else f"{name} {v:.4g}" for name, v in pairs)
 
     def _print_start(self, printer, restored_from: Path | None) -> None:
         size = self.comm.size
@@ -709,8 +712,8 @@ class TrainingSession:
             lines.append(f"test: accuracy {100 * result.test.accuracy:.2f}% (error {100 * result.test.error:.2f}%, "
                          f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
         elif result.test is not None:
-            lines.append(f"test: {self._format_metric(result.test.error)} (loss {result.test.loss:.4f}) "
-                         f"on {result.test.num_samples:,} samples")
+            lines.append(f"test: {self._format_metric(result.test.error, result.test.details)} (loss "
+                         f"{result.test.loss:.4f}) on {result.test.num_samples:,} samples")
         if self.loss_scaler is not None:
             lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "
                          f"loss scale now {self.loss_scaler.scale:g}")

@@ -1,0 +1,102 @@
+"""Text from a finished run's ``model.safetensors``: samples of a language model, or pronunciations.
+
+    python -m dtrain.generate outputs/shakespeare_char/2026-11-25_12-00-00 --prompt "ROMEO." --tokens 300
+    python -m dtrain.generate outputs/cmudict_g2p/2026-11-25_12-00-00 --words dtrain hello
+
+The run directory's ``config.yaml`` rebuilds the model and the training data (for its vocabulary);
+the weights come from ``model.safetensors``. A language model (a model with ``generate``) samples
+``--tokens`` characters after ``--prompt``; a model with ``greedy_decode`` over CMUDict's letters
+prints each ``--words`` word's phonemes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_run", "main"]
+
+
+def load_run(run_dir: str | Path):
+    """``(model, training deserializer)`` of a finished run, the model in eval mode with its final weights.
+
+    Raises:
+        FileNotFoundError / ValueError: no such run, no weights, or weights that do not fit the model.
+    """
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_model
+
+    run_dir = Path(run_dir)
+    config_path, weights_path = run_dir / "config.yaml", run_dir / "model.safetensors"
+    for path, what in ((config_path, "the run's config"), (weights_path, "the trained weights (written when the run ends)")):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; expected {what} in a finished run directory")
+    config = OmegaConf.load(config_path)
+    model = instantiate(config.model)
+    try:
+        load_model(model, str(weights_path))
+    except (RuntimeError, KeyError) as error:
+        raise ValueError(f"{weights_path} does not fit the model of {config_path}: {str(error).splitlines()[0]}") from None
+    data = instantiate(config.source.train.deserializer)
+    return model.eval(), data
+
+
+def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
+    if not hasattr(data, "encode"):
+        raise ValueError(f"the run's data ({type(data).__name__}) has no character vocabulary to sample text with")
+    start = data.encode(prompt or "\n")[None]
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(start, tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return data.decode(out[0].tolist())
+
+
+def _pronounce(model, words: list[str]) -> str:
+    from dtrain.data.cmudict import GRAPHEMES, PHONEMES
+    from dtrain.data.streams import Sequences
+
+    lines = []
+    for word in words:
+        spelled = word.lower()
+        unknown = sorted(set(spelled) - set(GRAPHEMES))
+        if unknown:
+            raise ValueError(f"word {word!r} has letters {''.join(unknown)!r} outside CMUDict's {GRAPHEMES!r}")
+        ids = torch.tensor([[GRAPHEMES.index(c) + 1 for c in spelled]])
+        output = model.greedy_decode(Sequences(ids, torch.tensor([len(spelled)])))[0]
+        lines.append(f"{word}\t{' '.join(PHONEMES[i - 3] if 3 <= i < 3 + len(PHONEMES) else '?' for i in output)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtrain.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="a finished run's directory (config.yaml and model.safetensors)")
+    parser.add_argument("--prompt", default="\n", help="text the sample starts from (language models)")
+    parser.add_argument("--tokens", type=int, default=500, help="characters to sample (language models)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest character")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest characters only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--words", nargs="+", help="words to pronounce (grapheme-to-phoneme models)")
+    args = parser.parse_args(argv)
+    try:
+        if args.tokens < 1:
+            raise ValueError(f"--tokens {args.tokens}: expected a positive number of characters")
+        model, data = load_run(args.run_dir)
+        if args.words:
+            if not hasattr(model, "greedy_decode"):
+                raise ValueError(f"--words: the run's model {type(model).__name__} does not decode words")
+            print(_pronounce(model, args.words))
+        else:
+            if not hasattr(model, "generate"):
+                raise ValueError(f"the run's model {type(model).__name__} does not sample text; --words pronounces "
+                                 f"words with a grapheme-to-phoneme model")
+            print(_sample_text(model, data, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    except (OSError, ValueError) as error:
+        print(f"dtrain.generate: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

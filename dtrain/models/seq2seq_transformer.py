@@ -1,0 +1,112 @@
+"""A small transformer encoder-decoder for short sequence-to-sequence tasks (grapheme-to-phoneme).
+
+Pre-norm ``torch.nn.TransformerEncoder``/``TransformerDecoder`` layers over learned token and
+position embeddings; the decoder's read-out is tied to its token embedding. ``forward(source,
+decoder_input)`` is teacher forcing (logits for every step of ``decoder_input``); ``greedy_decode``
+generates from ``<s>`` until ``</s>``, one step at a time, for the test pass's error rates.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dtrain.data.streams import Sequences
+
+__all__ = ["Seq2SeqTransformer"]
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Logits ``[n, T, target_vocab_size]`` for ``decoder_input`` ``[n, T]`` given ``source`` ``[n, S]``.
+
+    Args:
+        source_vocab_size, target_vocab_size: token ids of each side (id 0 may pad).
+        width, heads, encoder_layers, decoder_layers, feedforward: the transformer's sizes.
+        dropout: on attention, feed-forward and embeddings.
+        context_length: the longest source or target sequence the learned positions cover.
+        begin, end: the target's ``<s>`` and ``</s>`` ids (what ``greedy_decode`` starts from and stops at).
+
+    Raises:
+        ValueError: a size that is not a positive whole number, ``width`` not divisible by ``heads``,
+            ``dropout`` outside [0, 1); when called, a sequence longer than ``context_length``.
+    """
+
+    def __init__(self, source_vocab_size: int, target_vocab_size: int, width: int = 256, heads: int = 4,
+                 encoder_layers: int = 3, decoder_layers: int = 3, feedforward: int = 1024, dropout: float = 0.1,
+                 context_length: int = 64, begin: int = 1, end: int = 2) -> None:
+        super().__init__()
+        for key, value in (("source_vocab_size", source_vocab_size), ("target_vocab_size", target_vocab_size),
+                           ("width", width), ("heads", heads), ("encoder_layers", encoder_layers),
+                           ("decoder_layers", decoder_layers), ("feedforward", feedforward),
+                           ("context_length", context_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{key}={value!r}: expected a positive whole number")
+        if width % heads:
+            raise ValueError(f"model.width={width} is not divisible by model.heads={heads}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"model.dropout={dropout!r}: expected a number in [0, 1)")
+        self.context_length, self.begin, self.end = context_length, begin, end
+        self.source_embedding = nn.Embedding(source_vocab_size, width)
+        self.target_embedding = nn.Embedding(target_vocab_size, width)
+        self.position_embedding = nn.Embedding(context_length, width)
+        self.dropout = nn.Dropout(dropout)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(width, heads, feedforward, dropout, batch_first=True, norm_first=True),
+            encoder_layers, norm=nn.LayerNorm(width), enable_nested_tensor=False)
+        self.decoder = nn.TransformerDecoder(
+            nn.TransformerDecoderLayer(width, heads, feedforward, dropout, batch_first=True, norm_first=True),
+            decoder_layers, norm=nn.LayerNorm(width))
+        self.read_out = nn.Linear(width, target_vocab_size, bias=False)
+        self.read_out.weight = self.target_embedding.weight
+        for embedding in (self.source_embedding, self.target_embedding, self.position_embedding):
+            nn.init.normal_(embedding.weight, mean=0.0, std=0.02)  # GPT-2's initialisation
+
+    def _embed(self, embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        steps = ids.shape[1]
+        if steps > self.context_length:
+            raise ValueError(f"a sequence of {steps} steps is longer than model.context_length={self.context_length}")
+        positions = self.position_embedding(torch.arange(steps, device=ids.device))
+        return self.dropout(embedding(ids) + positions)
+
+    def encode(self, source: Sequences) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's states ``[n, S, width]`` and the source's padding (True at padded steps)."""
+        padding = ~source.mask
+        return self.encoder(self._embed(self.source_embedding, source.data), src_key_padding_mask=padding), padding
+
+    def decode(self, memory: torch.Tensor, source_padding: torch.Tensor, decoder_input: torch.Tensor,
+               target_padding: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for every step of ``decoder_input`` ``[n, T]`` (causal: step t sees steps <= t)."""
+        steps = decoder_input.shape[1]
+        causal = torch.ones(steps, steps, dtype=torch.bool, device=decoder_input.device).triu(1)
+        hidden = self.decoder(self._embed(self.target_embedding, decoder_input), memory, tgt_mask=causal,
+                              tgt_key_padding_mask=target_padding, memory_key_padding_mask=source_padding)
+        return self.read_out(hidden)
+
+    def forward(self, source: Sequences, decoder_input: Sequences) -> torch.Tensor:
+        memory, source_padding = self.encode(source)
+        return self.decode(memory, source_padding, decoder_input.data, ~decoder_input.mask)
+
+    @torch.no_grad()
+    def greedy_decode(self, source: Sequences, max_steps: int | None = None) -> list[list[int]]:
+        """Each source's arg-max output, step by step from ``<s>`` to ``</s>`` (excluded), at most
+        ``max_steps`` (default: ``context_length - 1``) ids."""
+        was_training = self.training
+        self.eval()
+        try:
+            memory, source_padding = self.encode(source)
+            n = memory.shape[0]
+            limit = min(max_steps or self.context_length - 1, self.context_length - 1)
+            tokens = torch.full((n, 1), self.begin, dtype=torch.int64, device=memory.device)
+            finished = torch.zeros(n, dtype=torch.bool, device=memory.device)
+            for _ in range(limit):
+                chosen = self.decode(memory, source_padding, tokens)[:, -1].argmax(dim=-1)
+                chosen = chosen.masked_fill(finished, self.end)
+                tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+                finished |= chosen == self.end
+                if bool(finished.all()):
+                    break
+        finally:
+            self.train(was_training)
+        outputs = []
+        for row in tokens[:, 1:].tolist():
+            outputs.append(row[:row.index(self.end)] if self.end in row else row)
+        return outputs

