@@ -11,14 +11,18 @@ progress period's mean loss at 90% of ``ln C`` or more), or a test pass is at ch
 of ``ln C`` or more, accuracy at most ``2 / C``) after the loss had fallen.
 
 Only classification is watched: a 2-D output of C >= 2 columns, integer class labels and a loss
-that gives a uniform prediction ``ln C`` (cross-entropy); a regression loss, one-hot labels or
-any other shape is never judged.
+that gives a uniform prediction ``ln C`` (cross-entropy), or a sequence of class ids per step
+(``[n, T, C]`` logits, :class:`~dtrain.session.SequenceCrossEntropy`: a language model or a decoder);
+a regression loss, one-hot labels or any other shape is never judged.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from dtrain.data.streams import Sequences
+from dtrain.session.objectives import SequenceCrossEntropy
 
 #: the loss has "clearly fallen" once its running average is at most this fraction of ln C
 FALLEN_FRACTION = 0.5
@@ -69,6 +73,12 @@ class CollapseWatch:
                     and output.dim() == 2 and output.shape[1] >= 2
                     and labels.dim() == 1 and not labels.is_floating_point() and not labels.is_complex()):
                 self.num_classes = int(output.shape[1])
+                self.chance_loss = math.log(self.num_classes)
+            elif (isinstance(loss_function, SequenceCrossEntropy) and isinstance(labels, Sequences)
+                  and isinstance(output, torch.Tensor) and output.dim() == 3 and output.shape[-1] >= 2
+                  and labels.data.dim() == 2 and not labels.data.is_floating_point()):
+                # a sequence of class ids (next character, next phoneme): chance is ln C per step as well
+                self.num_classes = int(output.shape[-1])
                 self.chance_loss = math.log(self.num_classes)
         if self.chance_loss is None:
             return
@@ -128,15 +138,17 @@ class CollapseWatch:
         fell = self.lowest_average(comm) <= FALLEN_FRACTION * self.chance_loss
         return fell and period_loss >= CHANCE_FRACTION * self.chance_loss
 
-    def evaluation_collapsed(self, loss: float, accuracy: float, comm) -> bool:
+    def evaluation_collapsed(self, loss: float, accuracy: float | None, comm) -> bool:
         """Whether an evaluation (test or CV pass) is at chance after the training loss had clearly
         fallen: its mean loss at 90% of ``ln C`` or more and its accuracy at most ``2 / C`` (a
         collapsed model predicts one class, whose share of an unbalanced set can exceed ``1 / C``).
+        ``accuracy`` ``None`` (a sequence model reported by another metric): the loss alone decides.
         A collective when several ranks run."""
-        if not self.watching(comm) or not (math.isfinite(loss) and math.isfinite(accuracy)):
+        if not self.watching(comm) or not (math.isfinite(loss) and (accuracy is None or math.isfinite(accuracy))):
             return False
         fell = self.lowest_average(comm) <= FALLEN_FRACTION * self.chance_loss
-        return fell and loss >= CHANCE_FRACTION * self.chance_loss and accuracy <= 2.0 / self.num_classes
+        return fell and loss >= CHANCE_FRACTION * self.chance_loss and (accuracy is None
+                                                                          or accuracy <= 2.0 / self.num_classes)
 
 
 __all__ = ["COLLAPSE_ADVICE", "CollapseWatch"]

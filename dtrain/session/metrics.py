@@ -145,9 +145,12 @@ class MetricsWriter:
 
 
 def _leading_columns(metric_name: str) -> list[str]:
-    columns = list(CSV_COLUMNS)
-    if metric_name not in columns:
-        columns.insert(columns.index("loss") + 1, metric_name)
+    """The CSV's first columns: the run's own metric after ``loss``, in place of ``error`` and ``accuracy``
+    (which only classification error has)."""
+    if metric_name == "error":
+        return list(CSV_COLUMNS)
+    columns = [column for column in CSV_COLUMNS if column not in ("error", "accuracy")]
+    columns.insert(columns.index("loss") + 1, metric_name)
     return columns
 
 

