@@ -2,11 +2,15 @@
 
     python benchmarks/ddp_comparison.py                      # conv net and a 25 MB MLP, 2 ranks
     python benchmarks/ddp_comparison.py --models mlp --steps 30 --rounds 7
+    python benchmarks/ddp_comparison.py --models transformer   # the shakespeare_char recipe's model
 
 The script starts ``mpiexec -n <ranks>`` of itself (``--worker``). In every rank both trainers
 exist side by side, built from the same seed (identical initial parameters), reading the same
 global minibatches of in-memory random data through ``MinibatchSource`` (each rank its share),
-with ``torch.optim.SGD`` (lr 0.01, momentum 0.9), Gloo, and one torch thread per rank. A round
+with ``torch.optim.SGD`` (lr 0.01, momentum 0.9), Gloo, and one torch thread per rank. The
+``transformer`` is the ``shakespeare_char`` recipe's character model (4 layers, 128 wide, context 128)
+reading that recipe's windows of the shipped corpus (stream ``text``: input ``text[:-1]``, target
+``text[1:]``, 8 windows = 1,024 characters per rank) with the token-mean cross-entropy. A round
 times ``--steps`` steps of one trainer and then of the other (the order alternates between
 rounds, so load from other work on the machine hits both alike); the figure is the median step
 time over ``--rounds`` rounds. After the last round both have taken the same steps on the same
@@ -32,13 +36,14 @@ import numpy as np
 import torch
 from _mpiexec import mpi_environment, mpiexec_command
 
-MODELS = ("conv", "mlp")
+MODELS = ("conv", "mlp", "transformer")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
-                        help="conv: CNTK's CIFAR-10 ConvNet, 32 per rank; mlp: 1024-2048-2048-10, 64 per rank")
+                        help="conv: CNTK's CIFAR-10 ConvNet, 32 per rank; mlp: 1024-2048-2048-10, 64 per rank; "
+                             "transformer: the character language model, 1,024 characters per rank")
     parser.add_argument("--ranks", type=int, default=2, help="processes, default 2")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per trainer per round, default 20")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each trainer first, default 3")
@@ -65,15 +70,40 @@ def build(model_name: str) -> tuple[torch.nn.Module, tuple[int, ...], int]:
 
     if model_name == "conv":
         return ConvNetCIFAR10(dropout=0.0), (3, 32, 32), 32
+    if model_name == "transformer":
+        from dtrain.models import CharTransformer
+
+        return CharTransformer(73, context_length=128), (), 1024  # 1,024 predicted characters per rank
     return MLP(), (1024,), 64
+
+
+def make_source(model_name: str, shape: tuple[int, ...]):
+    """The benchmark's data: random features and labels in memory, or the language model's windows."""
+    from dtrain import MinibatchSource
+    from dtrain.data import ArrayDeserializer, CharCorpus
+
+    if model_name == "transformer":
+        return MinibatchSource(CharCorpus("train", context_length=128), randomization_seed=1, defining_stream="text[1:]")
+    generator = np.random.default_rng(0)
+    features = generator.normal(size=(4096, *shape)).astype(np.float32)
+    labels = generator.integers(0, 10, size=4096)
+    return MinibatchSource(ArrayDeserializer(features, labels, num_classes=10), randomization_seed=1)
+
+
+def loss_of(model: torch.nn.Module, batch, model_name: str) -> torch.Tensor:
+    """The minibatch's mean loss: over samples, or over predicted characters (the recipe's token mean)."""
+    if model_name == "transformer":
+        from dtrain.session import SequenceCrossEntropy
+
+        text = batch["text"]
+        return SequenceCrossEntropy()(model(text.steps(0, -1)), text.steps(1, None))
+    return torch.nn.functional.cross_entropy(model(batch.features), batch.labels)
 
 
 # -- one rank ----------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    from dtrain import MinibatchSource
     from dtrain.comm import create_communicator
-    from dtrain.data import ArrayDeserializer
     from dtrain.learners import data_parallel_distributed_learner
 
     comm = create_communicator(args.backend)  # "mpi": dtrain's tensors through MPI, DDP's through its Gloo group
@@ -84,24 +114,20 @@ def worker(args: argparse.Namespace) -> None:
     learner = data_parallel_distributed_learner(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), comm)
     learner.prepare(model)
 
-    generator = np.random.default_rng(0)
-    features = generator.normal(size=(4096, *shape)).astype(np.float32)
-    labels = generator.integers(0, 10, size=4096)
-    sources = {name: MinibatchSource(ArrayDeserializer(features, labels, num_classes=10), randomization_seed=1)
-               for name in ("ddp", "dtrain")}
+    sources = {name: make_source(args.model, shape) for name in ("ddp", "dtrain")}
     global_minibatch = per_rank * comm.size
 
     def ddp_step() -> None:
         batch = sources["ddp"].next_minibatch(global_minibatch, comm.size, comm.rank)
         ddp_optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(ddp_model(batch.features), batch.labels).backward()
+        loss_of(ddp_model, batch, args.model).backward()
         ddp_optimizer.step()
 
     def dtrain_step() -> None:
         batch = sources["dtrain"].next_minibatch(global_minibatch, comm.size, comm.rank)
         learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         scale = learner.fold_gradient_scale()  # as training_session does: the 1/N rides in backward
-        (torch.nn.functional.cross_entropy(model(batch.features), batch.labels) * scale).backward()
+        (loss_of(model, batch, args.model) * scale).backward()
         learner.step()
 
     def timed(step, count: int) -> float:

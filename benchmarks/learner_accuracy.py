@@ -2,6 +2,8 @@
 
     python benchmarks/learner_accuracy.py                          # the README table: 2 and 4 ranks, seeds 0 1 2
     python benchmarks/learner_accuracy.py --ranks 2 --seeds 0 --only data_parallel quantized
+    python benchmarks/learner_accuracy.py --recipe shakespeare_char --only defaults   # validation loss, nats/char
+    python benchmarks/learner_accuracy.py --recipe cmudict_g2p --only defaults        # word error rate %
 
 Every row trains the `digits` recipe (30,000 samples = 20 sweeps) with the same global minibatch,
 learning-rate schedule and number of samples; only the learner (and the one setting named in
@@ -11,6 +13,11 @@ the run (docs/semantics.md#warm-start). The other rows switch one default off to
 buys. Each cell is the MEDIAN test accuracy over the seeds (297 test images: one image is 0.34
 point), with the gap to data_parallel's median at the same number of ranks; a run that ends with
 "training collapsed" or "training diverged" is counted as such, never as an accuracy.
+
+``--recipe shakespeare_char`` and ``--recipe cmudict_g2p`` run the sequence recipes with their own
+defaults (``--samples`` default: the recipe's ``session.max_samples``): the figure is the test pass's
+validation loss in nats per character (lower is better) or its word error rate in % (lower is
+better), and the gap is to data_parallel's median in those units.
 """
 from __future__ import annotations
 
@@ -43,54 +50,73 @@ CONFIGS = {
     "diloco, 4-bit outer": ["learner=diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
 }
 DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum", "powersgd", "diloco"]
+#: the sequence recipes' default rows also hold the block learners with 4-bit outer exchange
+SEQUENCE_DEFAULTS = [*DEFAULTS, "block_momentum, 4-bit outer", "diloco, 4-bit outer"]
 
 
-def run(ranks: int, overrides: list[str], seed: int, samples: int) -> tuple[float | str, float]:
-    """Trains once; returns (test accuracy in % or 'collapsed'/'diverged', wall seconds)."""
+#: recipe -> (what the figure is, the pattern that reads it from the run's summary, decimals)
+RECIPES = {
+    "digits": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
+    "shakespeare_char": ("validation loss, nats per character", r"test: perplexity [\d.]+ \(loss ([\d.]+)\)", 3),
+    "cmudict_g2p": ("word error rate %", r"test: wer ([\d.]+)%", 2),
+}
+
+
+def run(ranks: int, overrides: list[str], seed: int, samples: int | None,
+        recipe: str = "digits") -> tuple[float | str, float]:
+    """Trains once; returns (the recipe's figure, or 'collapsed'/'diverged', wall seconds)."""
+    length = [f"session.max_samples={samples}"] if samples else []
     with tempfile.TemporaryDirectory() as run_dir:
-        command = mpiexec_command(ranks, ["-m", "dtrain", "+recipe=digits", *overrides, f"seed={seed}",
-                                          f"session.max_samples={samples}", "session.checkpoint.frequency=0",
+        command = mpiexec_command(ranks, ["-m", "dtrain", f"+recipe={recipe}", *overrides, f"seed={seed}",
+                                          *length, "session.checkpoint.frequency=0",
                                           "session.tensorboard=false", f"run_dir={run_dir}"])
         started = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True, env=mpi_environment(OMP_NUM_THREADS="1"),
-                                timeout=1800)
+                                timeout=7200)
         seconds = time.perf_counter() - started
     output = result.stdout + result.stderr
     for outcome in ("collapsed", "diverged"):
         if f"training {outcome}" in output:
             return outcome, seconds
-    match = re.search(r"test: accuracy ([\d.]+)%", result.stdout)
+    match = re.search(RECIPES[recipe][1], result.stdout)
     if result.returncode != 0 or match is None:
         raise RuntimeError(f"{' '.join(overrides)} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     return float(match.group(1)), seconds
 
 
-def summarize(outcomes: list[float | str]) -> tuple[float | None, str]:
-    """(median accuracy or None, the cell's text: median, the seeds' values, failures)."""
-    accuracies = [outcome for outcome in outcomes if isinstance(outcome, float)]
+def summarize(outcomes: list[float | str], recipe: str = "digits") -> tuple[float | None, str]:
+    """(median figure or None, the cell's text: median, the seeds' values, failures)."""
+    figures = [outcome for outcome in outcomes if isinstance(outcome, float)]
     failures = [outcome for outcome in outcomes if isinstance(outcome, str)]
-    if len(failures) * 2 > len(outcomes) or not accuracies:
+    if len(failures) * 2 > len(outcomes) or not figures:
         return None, f"{failures[0]} ({len(failures)}/{len(outcomes)})"
-    median = statistics.median(accuracies + [0.0] * len(failures))  # a failed run counts as the worst
-    values = " ".join(f"{outcome:.2f}" if isinstance(outcome, float) else outcome for outcome in outcomes)
-    return median, f"{median:.2f} [{values}]"
+    worst = 0.0 if recipe == "digits" else float("inf")  # a failed run counts as the worst
+    median = statistics.median(figures + [worst] * len(failures))
+    decimals = RECIPES[recipe][2]
+    values = " ".join(f"{outcome:.{decimals}f}" if isinstance(outcome, float) else outcome for outcome in outcomes)
+    return median, f"{median:.{decimals}f} [{values}]"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--samples", type=int, default=30000, help="global samples per run (the recipe's 20 sweeps)")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="digits")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="global samples per run (default: digits 30,000 = 20 sweeps; the sequence recipes' own)")
     parser.add_argument("--only", nargs="*", default=None, help="row names to run (default: all; 'defaults': the "
                                                                  "three default rows)")
     args = parser.parse_args()
     names = args.only or list(CONFIGS)
     if names == ["defaults"]:
-        names = DEFAULTS
+        names = DEFAULTS if args.recipe == "digits" else SEQUENCE_DEFAULTS
     if "data_parallel" not in names:
         names = ["data_parallel", *names]  # the reference every gap is measured against
-    print(f"digits recipe, {args.samples:,} samples, median test accuracy % over seeds {args.seeds} "
-          f"[each seed], gap to data_parallel in points")
+    if args.recipe == "digits" and args.samples is None:
+        args.samples = 30000
+    length = f"{args.samples:,} samples" if args.samples else "the recipe's samples"
+    print(f"{args.recipe} recipe, {length}, median {RECIPES[args.recipe][0]} over seeds {args.seeds} "
+          f"[each seed], gap to data_parallel")
     header = f"| {'learner':<30} |" + "".join(f" {f'{n} ranks':<34} | {'gap':>6} |" for n in args.ranks)
     print(header)
     print("|" + "---|" * (1 + 2 * len(args.ranks)))
@@ -98,11 +124,13 @@ def main() -> None:
     for name in names:
         cells = []
         for ranks in args.ranks:
-            outcomes = [run(ranks, CONFIGS[name], seed, args.samples)[0] for seed in args.seeds]
-            median, text = summarize(outcomes)
+            outcomes = [run(ranks, CONFIGS[name], seed, args.samples, args.recipe)[0] for seed in args.seeds]
+            median, text = summarize(outcomes, args.recipe)
             if name == "data_parallel" and median is not None:
                 reference[ranks] = median
-            gap = f"{median - reference[ranks]:+.2f}" if median is not None and ranks in reference else "-"
+            decimals = RECIPES[args.recipe][2]
+            gap = (f"{median - reference[ranks]:+.{decimals}f}" if median is not None and ranks in reference
+                   else "-")
             cells.append(f" {text:<34} | {gap:>6} |")
         print(f"| {name:<30} |" + "".join(cells), flush=True)
 
