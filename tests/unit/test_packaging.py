@@ -30,6 +30,7 @@ def test_wheel_holds_every_package_and_the_config_tree(wheel):
     for config in (ROOT / "conf").rglob("*.yaml"):
         assert f"dtrain/conf/{config.relative_to(ROOT / 'conf')}" in names
     assert {"dtrain/data/digits.npz", "dtrain/data/digits.README.md"} <= names  # the data set and its licence
+    assert {"dtrain/data/shakespeare.txt.gz", "dtrain/data/shakespeare.README.md"} <= names  # the corpus and its source
 
 
 def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_path):
