@@ -77,6 +77,12 @@ CASES = [
     ("dropout-1", ["model.dropout=1.0"], ["model.dropout=1.0: expected"]),
     ("dropout-nan", ["model.dropout=nan"], ["model.dropout=nan: expected"]),
     ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model: Error locating target 'dtrain.models.Nope'; expected an importable class"]),
+    # losses and switches: ranges torch documents, and true or false written as such
+    ("label-smoothing-negative", ["loss.label_smoothing=-0.1"],
+     ["loss.label_smoothing=-0.1: expected a number in [0.0, 1.0]"]),
+    ("compile-2", ["session.compile=2"], ["session.compile=2: expected true or false"]),
+    ("warm-start-yes", ["learner=powersgd", "learner.exchange.warm_start=yes"],
+     ["learner.exchange.warm_start='yes': expected true or false"]),
     # streams: which feed the model and the loss, and how samples are counted
     ("inputs-unknown-stream", ["session.inputs=[nope]"],
      ["session.inputs[0]='nope': the training data has no stream 'nope'; it has 'features', 'labels'"]),
