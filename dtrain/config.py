@@ -282,6 +282,17 @@ class TestSettings:
 
 
 @dataclass
+class ProfileSettings:
+    """``session.profile``: a ``torch.profiler`` trace of a few training minibatches in ``run_dir/profile/``."""
+
+    enabled: StrictBool = False
+    wait: int = 1                       # minibatches before the trace (start-up, the compile check)
+    warmup: int = 1                     # minibatches traced and discarded (the profiler's own warm-up)
+    active: int = 3                     # minibatches recorded
+    ranks: str = "main"                 # main: rank 0 only; all: every rank writes its own trace
+
+
+@dataclass
 class SessionConfig:
     """``training_session`` settings; every size and frequency counts global samples."""
 
@@ -305,6 +316,9 @@ class SessionConfig:
     compile: StrictBool = False         # train through torch.compile(model) (inductor)
     inputs: Any = field(default_factory=lambda: ["features"])  # streams model.forward takes: a list, {arg: stream}, or minibatch
     target: str = "labels"              # the stream the loss and the metric take (text[1:]: a step slice), or minibatch
+    epoch_size: Optional[int] = None    # samples per epoch (CNTK's -e): what ${session.epoch_size} and ${epochs:N} count in
+    device: str = "auto"                # auto | cpu | cuda | cuda:N (auto: the local rank's GPU with CUDA, else the CPU)
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
 
 
 @dataclass
@@ -431,10 +445,26 @@ _SCHEMAS = {
 
 
 def register_schemas() -> None:
-    """Registers every schema in Hydra's ConfigStore (idempotent)."""
+    """Registers every schema in Hydra's ConfigStore, and the ``epochs`` resolver (idempotent)."""
     store = ConfigStore.instance()
     for (group, name), node in _SCHEMAS.items():
         store.store(group=group, name=name, node=node)
+    if not OmegaConf.has_resolver("epochs"):
+        OmegaConf.register_new_resolver("epochs", epochs_in_samples)
+
+
+def epochs_in_samples(count: Any, *, _root_: DictConfig) -> int:
+    """``${epochs:N}``: N epochs of ``session.epoch_size`` samples, for a recipe's ``max_samples``,
+    frequencies and schedules (CNTK's ``-n`` and ``-e``: ``docs/porting-from-cntk.md``)."""
+    epoch_size = _root_.session.epoch_size
+    if epoch_size is None:
+        raise ValueError(f"${{epochs:{count}}} needs session.epoch_size; expected session.epoch_size=SAMPLES")
+    checks.sample_count("session.epoch_size", epoch_size)
+    samples = checks.positive_number(f"${{epochs:{count}}}", count, unit="epochs") * epoch_size
+    if samples != int(samples):
+        raise ValueError(f"${{epochs:{count}}} is {samples:g} samples of session.epoch_size={epoch_size}; expected "
+                         f"a whole number of samples")
+    return int(samples)
 
 
 def register_schema(group: str, name: str, node: type) -> None:
@@ -769,6 +799,16 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("clip_grad_norm", checks.positive_number, {"allow_none": True}),
         ("precision", checks.precision, {}),
         ("compile", checks.boolean, {}),
+        ("epoch_size", checks.sample_count, {"allow_none": True}),
+    )
+    problems += _device_problems(session.device)
+    problems += _check(
+        session.profile, "session.profile",
+        ("enabled", checks.boolean, {}),
+        ("wait", checks.whole_number, {"low": 0, "unit": "minibatches"}),
+        ("warmup", checks.whole_number, {"low": 0, "unit": "minibatches"}),
+        ("active", checks.whole_number, {"low": 1, "unit": "minibatches"}),
+        ("ranks", checks.choice, {"choices": checks.PROFILE_RANKS}),
     )
     problems += _check(
         session.checkpoint, "session.checkpoint",
@@ -802,6 +842,38 @@ def _session_problems(session: DictConfig) -> list[str]:
         if session[key] is not None:
             problems += _schedule_problems(f"session.{key}", session[key], value_check)
     return problems
+
+
+def _device_problems(device: Any) -> list[str]:
+    """``session.device``: a device word this machine has (the communicator's needs are checked once it exists)."""
+    from dtrain.session.device import machine_problem
+
+    try:
+        setting = checks.device("session.device", device)
+    except ValueError as error:
+        return [str(error)]
+    problem = machine_problem("session.device", setting)
+    return [problem] if problem else []
+
+
+def _epoch_size_problems(cfg: DictConfig) -> list[str]:
+    """``session.epoch_size`` set while no value refers to it would change nothing: refused, not ignored."""
+    epoch_size = cfg.session.epoch_size
+    if epoch_size is None:
+        return []
+    written = OmegaConf.to_container(cfg, resolve=False)
+
+    def refers(value: Any) -> bool:
+        if isinstance(value, dict):
+            return any(refers(item) for item in value.values())
+        if isinstance(value, list):
+            return any(refers(item) for item in value)
+        return isinstance(value, str) and ("session.epoch_size" in value or "${epochs:" in value)
+    if refers(written):
+        return []
+    return [f"session.epoch_size={epoch_size!r}: no setting of this config refers to it, so it would change nothing; "
+            f"expected max_samples, frequencies or schedules written as ${{epochs:N}} or ${{session.epoch_size}} "
+            f"(docs/porting-from-cntk.md)"]
 
 
 def _comm_problems(comm: DictConfig) -> list[str]:
@@ -921,6 +993,7 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
         if target in RULES:
             run(lambda: RULES[target](node, path), path)
     run(lambda: _session_problems(cfg.session), "session")
+    run(lambda: _epoch_size_problems(cfg), "session.epoch_size")
     run(lambda: _comm_problems(cfg.comm), "comm")
     run(lambda: _check(cfg, "", ("seed", checks.whole_number, {"low": 0})), "seed")
     if check_run_dir:
@@ -932,4 +1005,12 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
         return [f"{path}={value!r}: expected a finite number" for path, _, _, value in _walk(cfg, "")
                 if isinstance(value, float) and not math.isfinite(value) and path not in mentioned]
     run(non_finite, "config")
-    return [problem.lstrip(".") for problem in problems]
+    return list(dict.fromkeys(_one_line(problem.lstrip(".")) for problem in problems))
+
+
+def _one_line(problem: str) -> str:
+    """A problem as one line: OmegaConf's multi-line errors (an interpolation that does not resolve) keep
+    their first line, prefixed with the key they name (``full_key: ...``)."""
+    first, _, rest = problem.partition("\n")
+    key = next((line.split("full_key:", 1)[1].strip() for line in rest.splitlines() if "full_key:" in line), "")
+    return f"{key}: {first}" if key and key not in first else first

@@ -35,6 +35,7 @@ SWITCHES = [
     ((), "session.progress_bar"),
     ((), "session.keep_host_memory"),
     ((), "session.compile"),
+    ((), "session.profile.enabled"),
 ]
 
 #: 0 and 1 are refused too: the Python API refuses them (checks.boolean), and one rule for both means a
