@@ -225,7 +225,8 @@ class TrainingSession:
         self.micro_batch_size = checks.sample_count("micro_batch_size", micro_batch_size, allow_none=True)
         self.clip_grad_norm = checks.positive_number("clip_grad_norm", clip_grad_norm, allow_none=True)
         self.precision = checks.precision("precision", precision)
-        self.loss_scaler = LossScaler(learner.comm.device) if self.precision == "fp16" else None
+        self.device = resolve_device(device, learner.comm)
+        self.loss_scaler = LossScaler(self.device) if self.precision == "fp16" else None
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
             else Schedule(checks.sample_count("minibatch_size", minibatch_size))
         if momentum_time_constant_schedule is not None \
@@ -301,7 +302,6 @@ class TrainingSession:
         # so the live bar is only automatic in a single process
         self.progress_bar = progress_bar if progress_bar is not None else (None if self.comm.size == 1 else False)
         self.stream = stream
-        self.device = resolve_device(device, self.comm)
         if profile is not None and not isinstance(profile, ProfileConfig):
             raise TypeError(f"profile must be a dtrain ProfileConfig or None, got {type(profile).__name__}")
         self.profile = profile

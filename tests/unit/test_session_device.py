@@ -92,3 +92,17 @@ def test_several_ranks_train_where_their_collectives_exchange(two_gpus):
                                          r"only; add comm.backend=gloo"):
         resolve_device("cpu", ranks(2, "cuda:0", "nccl"))
     assert resolve_device("cpu", ranks(2, "cpu", "mpi")) == torch.device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("setting, expected", [("cpu", "cpu"), ("cuda", "cuda"), ("auto", "cuda")])
+def test_one_process_on_a_gpu_machine_trains_where_it_is_told(tmp_path, setting, expected):
+    """The communicator of one process on a GPU machine is cuda:0 (auto); cpu keeps the model on the CPU."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1), LocalCommunicator("cuda:0"))
+    result = training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(four_class_data()), 20,
+                              max_samples=60, progress_frequency=20, run_dir=tmp_path, tensorboard=False,
+                              stream=io.StringIO(), device=setting).train()
+    assert result.samples_seen == 60 and {p.device.type for p in model.parameters()} == {expected}
