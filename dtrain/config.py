@@ -4,8 +4,9 @@ Each YAML option in ``conf/<group>/`` extends one of these schemas (``/schema/<g
 so a misspelt key or a value of the wrong type fails when the config is composed, naming the
 key. ``validate`` then checks everything else before anything is built or written and reports
 every problem at once: keys added with ``+`` that a schema does not have, the value rules each
-component registers under its ``_target_`` (:data:`RULES`, :func:`register_rule`), the session
-and comm sections, NaN or infinity in any number, and whether ``run_dir`` can be written.
+component registers under its ``_target_`` (:data:`RULES`, :func:`register_rule`), switches written
+as true or false (:data:`StrictBool`), the session and comm sections (a ``session.epoch_size`` that
+nothing refers to included), NaN or infinity in any number, and whether ``run_dir`` can be written.
 """
 from __future__ import annotations
 
