@@ -317,8 +317,8 @@ class SessionConfig:
     compile: StrictBool = False         # train through torch.compile(model) (inductor)
     inputs: Any = field(default_factory=lambda: ["features"])  # streams model.forward takes: a list, {arg: stream}, or minibatch
     target: str = "labels"              # the stream the loss and the metric take (text[1:]: a step slice), or minibatch
-    epoch_size: Optional[int] = None    # samples per epoch (CNTK's -e): what ${session.epoch_size} and ${epochs:N} count in
-    device: str = "auto"                # auto | cpu | cuda | cuda:N (auto: the local rank's GPU with CUDA, else the CPU)
+    epoch_size: Optional[int] = None    # samples per epoch (CNTK's -e), for ${session.epoch_size} and ${epochs:N}
+    device: str = "auto"                # auto (the local rank's GPU with CUDA, else the CPU) | cpu | cuda | cuda:N
     profile: ProfileSettings = field(default_factory=ProfileSettings)
 
 

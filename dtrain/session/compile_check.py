@@ -28,8 +28,9 @@ NOISE_FLOORS = {"32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
 _PRECISION_WORDS = {"32": "float32", "bf16": "bf16", "fp16": "fp16"}
 
 
-def relative_differences(model: torch.nn.Module, compiled_forward: Callable, compute_loss: Callable[[Callable], torch.Tensor],
-                         device: torch.device, precision: str = "32") -> tuple[list[str], torch.Tensor]:
+def relative_differences(model: torch.nn.Module, compiled_forward: Callable,
+                         compute_loss: Callable[[Callable], torch.Tensor], device: torch.device,
+                         precision: str = "32") -> tuple[list[str], torch.Tensor]:
     """``(names, differences)``: ``"loss"`` and every trainable parameter's name, with the relative
     difference between ``compute_loss(compiled_forward)`` and ``compute_loss(model)`` (the loss) and
     between their gradients (per parameter ``||compiled - eager||`` over the largest of ``||compiled||``,
@@ -51,7 +52,8 @@ def relative_differences(model: torch.nn.Module, compiled_forward: Callable, com
         with torch.no_grad():
             for buffer, saved in buffers:  # a training forward updates BatchNorm statistics
                 buffer.copy_(saved)
-        return loss.detach().double(), [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(parameters, gradients)]
+        gradients = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(parameters, gradients)]
+        return loss.detach().double(), gradients
 
     eager_loss, eager = loss_and_gradients(model)
     import torch._inductor.config as inductor_config  # noqa: PLC0415 - only where compile is on
@@ -99,7 +101,8 @@ def _relative(compiled: torch.Tensor, eager: torch.Tensor, difference: torch.Ten
     """
     difference = (compiled - eager).abs() if difference is None else difference
     scale = torch.maximum(torch.maximum(compiled.abs(), eager.abs()), torch.as_tensor(floor, dtype=eager.dtype))
-    relative = torch.where(scale > 0, difference / scale.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros_like(scale))
+    relative = torch.where(scale > 0, difference / scale.clamp(min=torch.finfo(torch.float64).tiny),
+                           torch.zeros_like(scale))
     relative = torch.where(torch.isfinite(compiled), relative, torch.full_like(relative, float("inf")))
     return torch.where(torch.isfinite(eager), relative, torch.zeros_like(relative))
 
