@@ -31,6 +31,7 @@ _EXPORTS = {
     "CheckpointConfig": ("dtrain.session", "CheckpointConfig"),
     "CrossValidationConfig": ("dtrain.session", "CrossValidationConfig"),
     "TestConfig": ("dtrain.session", "TestConfig"),
+    "ProfileConfig": ("dtrain.session.profiling", "ProfileConfig"),
     "TrainingSession": ("dtrain.session", "TrainingSession"),
     "training_session": ("dtrain.session", "training_session"),
 }
@@ -62,3 +63,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingSession, training_session
     from dtrain.session.checkpoint import CheckpointError
     from dtrain.session.checkpoint import load as load_checkpoint
+    from dtrain.session.profiling import ProfileConfig

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
-    "collect", "boolean", "finite_number", "number_in_range", "positive_number", "precision", "sample_count",
+    "collect", "boolean", "device", "finite_number", "number_in_range", "positive_number", "precision", "sample_count",
     "whole_number",
 ]
 
@@ -26,6 +26,12 @@ WARM_STARTS = ("allreduce", "local")
 
 #: how tensors travel between ranks (``comm.backend``; see ``dtrain.comm.resolve_backend``)
 COMM_BACKENDS = ("auto", "gloo", "mpi", "nccl", "local")
+
+#: which ranks ``session.profile`` traces: rank 0 only (``main``) or every rank (``all``)
+PROFILE_RANKS = ("main", "all")
+
+#: where a session trains (``session.device``): ``auto``, ``cpu``, ``cuda`` or ``cuda:N``
+DEVICE_WORDS = ("auto", "cpu", "cuda")
 
 
 def _fail(name: str, value: Any, expected: str) -> ValueError:
@@ -128,6 +134,18 @@ def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise _fail(name, value, "one of " + ", ".join(choices))
     return value
+
+
+def device(name: str, value: Any) -> str:
+    """A training device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (N a GPU index), returned as written.
+
+    Whether this machine has that device is the caller's question (``dtrain.session.device``).
+    """
+    text = str(value) if isinstance(value, str) or type(value).__name__ == "device" else None
+    kind, _, index = (text or "").partition(":")
+    if text not in DEVICE_WORDS and not (kind == "cuda" and index.isdigit() and str(int(index)) == index):
+        raise _fail(name, value, "auto, cpu, cuda or cuda:N (N the index of a GPU)")
+    return text
 
 
 def precision(name: str, value: Any) -> str:

@@ -34,6 +34,7 @@ from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.binding import StreamBinding
 from dtrain.session.checkpoint import CheckpointError
+from dtrain.session.configs import device_and_profile_options
 
 #: exit code for a bad config, data set or checkpoint (the user's input, not a crash)
 EXIT_BAD_INPUT = 2
@@ -283,6 +284,7 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         clip_grad_norm=session.clip_grad_norm,
         precision=session.precision,
         compile=session.compile,
+        **device_and_profile_options(session),
         inputs=inputs,
         target=cfg.session.target,
         config_fingerprint=config_hash,

@@ -4,8 +4,9 @@ Each YAML option in ``conf/<group>/`` extends one of these schemas (``/schema/<g
 so a misspelt key or a value of the wrong type fails when the config is composed, naming the
 key. ``validate`` then checks everything else before anything is built or written and reports
 every problem at once: keys added with ``+`` that a schema does not have, the value rules each
-component registers under its ``_target_`` (:data:`RULES`, :func:`register_rule`), the session
-and comm sections, NaN or infinity in any number, and whether ``run_dir`` can be written.
+component registers under its ``_target_`` (:data:`RULES`, :func:`register_rule`), switches written
+as true or false (:data:`StrictBool`), the session and comm sections (a ``session.epoch_size`` that
+nothing refers to included), NaN or infinity in any number, and whether ``run_dir`` can be written.
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from omegaconf.errors import OmegaConfBaseException
 from dtrain import checks
 
 from dtrain.session.configs import signal_from_name
+
+#: the type of every switch in the schemas: a boolean kept as written. OmegaConf's ``bool`` would turn
+#: ``2`` or ``"yes"`` into true without a word; ``validate`` asks for ``true`` or ``false`` instead
+#: (``checks.boolean``), and refuses ``0`` and ``1`` too, as the Python API does.
+StrictBool = Any
 
 # -- learners -------------------------------------------------------------------------------------
 
@@ -49,7 +55,7 @@ class DataParallelLearnerConfig:
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run for k-bit, else none
     num_quantization_bits: int = 32
     bucket_size_mb: float = 25.0
-    error_feedback: bool = True         # quantized only; false drops the quantization error (ablation)
+    error_feedback: StrictBool = True   # quantized only; false drops the quantization error (ablation)
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
     warm_start: str = "allreduce"       # a compressing exchange's warm start: allreduce (float32) or local (CNTK's)
 
@@ -61,8 +67,8 @@ class BlockMomentumLearnerConfig:
     _target_: str = "dtrain.learners.block_momentum_distributed_learner"
     block_size: Any = "auto"            # samples, or "auto": within CNTK's bound from the data set's size and N
     block_momentum_as_time_constant: Optional[float] = None
-    use_nesterov_momentum: bool = True
-    reset_sgd_momentum_after_aggregation: bool = True
+    use_nesterov_momentum: StrictBool = True
+    reset_sgd_momentum_after_aggregation: StrictBool = True
     block_learning_rate: float = 1.0
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas (fp32: allreduce)
@@ -76,7 +82,7 @@ class DiLoCoLearnerConfig:
     block_size: Any = "auto"            # samples per block (H inner steps x global minibatch), or "auto"
     outer_learning_rate: float = 0.7    # DiLoCo's outer SGD learning rate
     outer_momentum: float = 0.9         # DiLoCo's outer Nesterov momentum
-    outer_nesterov: bool = True
+    outer_nesterov: StrictBool = True
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
 
@@ -97,7 +103,7 @@ class QuantizedExchangeConfig:
 
     _target_: str = "dtrain.exchange.Quantized"
     num_bits: int = 1
-    error_feedback: bool = True
+    error_feedback: StrictBool = True
 
 
 @dataclass
@@ -117,8 +123,8 @@ class PowerSGDExchangeConfig:
     matrix_approximation_rank: int = 1
     start_powersgd_iter: Any = 1000     # steps of plain all-reduce first, or "auto": 10% of the run's steps
     min_compression_rate: float = 2.0
-    use_error_feedback: bool = True
-    warm_start: bool = True
+    use_error_feedback: StrictBool = True
+    warm_start: StrictBool = True
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
 
@@ -136,7 +142,7 @@ class SGDConfig:
     momentum: float = 0.0
     dampening: float = 0.0
     weight_decay: float = 0.0
-    nesterov: bool = False
+    nesterov: StrictBool = False
 
 
 @dataclass
@@ -191,7 +197,7 @@ class ResNet50Config:
     _target_: str = "dtrain.models.ResNet50"
     num_classes: int = 1000
     width: int = 64
-    zero_init_residual: bool = False
+    zero_init_residual: StrictBool = False
 
 
 @dataclass
@@ -234,7 +240,7 @@ class ImageTransformConfig:
 
     _target_: str = "dtrain.data.ImageTransform"
     crop_side_ratio: Optional[float] = None
-    flip: bool = False
+    flip: StrictBool = False
     mean: Optional[str] = None
     scale: float = 1.0
 
@@ -245,12 +251,12 @@ class MinibatchSourceConfig:
 
     _target_: str = "dtrain.data.MinibatchSource"
     deserializer: Any = MISSING
-    randomize: bool = True
+    randomize: StrictBool = True
     randomization_seed: int = 0
     max_samples: Optional[int] = None
     max_sweeps: Optional[int] = None
     transform: Any = None
-    read_ahead: Optional[bool] = None   # read the next minibatch in the background; null = when reads are slow (images)
+    read_ahead: Optional[StrictBool] = None  # read the next minibatch in the background; null = when reads are slow (images)
     defining_stream: Optional[str] = None  # whose steps count samples (sequences); null = the loss's target
     length_bucketing: int = 0           # sequences per length bucket (less padding); 0 = off
 
@@ -289,8 +295,8 @@ class ScheduleConfig:
 class CheckpointSettings:
     filename: str = "checkpoint.pt"     # relative to the run directory
     frequency: Optional[int] = None     # samples; null = at the end only; 0 = never
-    restore: bool = True
-    preserve_all: bool = False          # keep every checkpoint, not only the newest keep_last
+    restore: StrictBool = True
+    preserve_all: StrictBool = False    # keep every checkpoint, not only the newest keep_last
     keep_last: int = 2                  # >= 2: the newest and a fallback if it is damaged
     preemption_signal: Optional[str] = "SIGTERM"  # save at the next step and exit 75; null disables
 
@@ -308,6 +314,17 @@ class TestSettings:
 
 
 @dataclass
+class ProfileSettings:
+    """``session.profile``: a ``torch.profiler`` trace of a few training minibatches in ``run_dir/profile/``."""
+
+    enabled: StrictBool = False
+    wait: int = 1                       # minibatches before the trace (start-up, the compile check)
+    warmup: int = 1                     # minibatches traced and discarded (the profiler's own warm-up)
+    active: int = 3                     # minibatches recorded
+    ranks: str = "main"                 # main: rank 0 only; all: every rank writes its own trace
+
+
+@dataclass
 class SessionConfig:
     """``training_session`` settings; every size and frequency counts global samples."""
 
@@ -317,20 +334,23 @@ class SessionConfig:
     progress_frequency: Optional[int] = None
     lr_schedule: Optional[ScheduleConfig] = None                     # multipliers of optimizer.lr
     momentum_time_constant_schedule: Optional[ScheduleConfig] = None  # samples; momentum = exp(-mb/tc)
-    unit_gain_momentum: bool = False
+    unit_gain_momentum: StrictBool = False
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     cv: CrossValidationSettings = field(default_factory=CrossValidationSettings)
     test: TestSettings = field(default_factory=TestSettings)
-    tensorboard: Optional[bool] = None  # null: when the tensorboard package (extra) is installed
-    progress_bar: Optional[bool] = None  # live bar; null = on a terminal in a single process
+    tensorboard: Optional[StrictBool] = None  # null: when the tensorboard package (extra) is installed
+    progress_bar: Optional[StrictBool] = None  # live bar; null = on a terminal in a single process
     num_threads: Optional[int] = None   # torch intra-op threads per process; null = chosen (dtrain/threads.py)
-    keep_host_memory: bool = True       # fix glibc malloc's thresholds so freed CPU memory serves the next step (dtrain/host_memory.py)
+    keep_host_memory: StrictBool = True  # fix glibc malloc's thresholds so freed CPU memory serves the next step (dtrain/host_memory.py)
     micro_batch_size: Optional[int] = None  # samples per rank per forward/backward pass; null = no cap
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
     precision: Any = "32"               # 32 | bf16 | fp16 (autocast forward; fp16 with a loss scale)
-    compile: bool = False               # train through torch.compile(model) (inductor)
+    compile: StrictBool = False         # train through torch.compile(model) (inductor)
     inputs: Any = field(default_factory=lambda: ["features"])  # streams model.forward takes: a list, {arg: stream}, or minibatch
     target: str = "labels"              # the stream the loss and the metric take (text[1:]: a step slice), or minibatch
+    epoch_size: Optional[int] = None    # samples per epoch (CNTK's -e), for ${session.epoch_size} and ${epochs:N}
+    device: str = "auto"                # auto (the local rank's GPU with CUDA, else the CPU) | cpu | cuda | cuda:N
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
 
 
 @dataclass
@@ -481,10 +501,26 @@ _SCHEMAS = {
 
 
 def register_schemas() -> None:
-    """Registers every schema in Hydra's ConfigStore (idempotent)."""
+    """Registers every schema in Hydra's ConfigStore, and the ``epochs`` resolver (idempotent)."""
     store = ConfigStore.instance()
     for (group, name), node in _SCHEMAS.items():
         store.store(group=group, name=name, node=node)
+    if not OmegaConf.has_resolver("epochs"):
+        OmegaConf.register_new_resolver("epochs", epochs_in_samples)
+
+
+def epochs_in_samples(count: Any, *, _root_: DictConfig) -> int:
+    """``${epochs:N}``: N epochs of ``session.epoch_size`` samples, for a recipe's ``max_samples``,
+    frequencies and schedules (CNTK's ``-n`` and ``-e``: ``docs/porting-from-cntk.md``)."""
+    epoch_size = _root_.session.epoch_size
+    if epoch_size is None:
+        raise ValueError(f"${{epochs:{count}}} needs session.epoch_size; expected session.epoch_size=SAMPLES")
+    checks.sample_count("session.epoch_size", epoch_size)
+    samples = checks.positive_number(f"${{epochs:{count}}}", count, unit="epochs") * epoch_size
+    if samples != int(samples):
+        raise ValueError(f"${{epochs:{count}}} is {samples:g} samples of session.epoch_size={epoch_size}; expected "
+                         f"a whole number of samples")
+    return int(samples)
 
 
 def register_schema(group: str, name: str, node: type) -> None:
@@ -673,6 +709,22 @@ def _adam_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+# -- losses and metrics
+@register_rule("torch.nn.CrossEntropyLoss")
+def _cross_entropy_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("label_smoothing", _fraction(high_inclusive=True), {}))  # torch: [0.0, 1.0]
+
+
+@register_rule("dtrain.session.SequenceCrossEntropy")
+def _sequence_cross_entropy_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("label_smoothing", _fraction(), {}))  # as its constructor: [0, 1)
+
+
+@register_rule("dtrain.session.TopKError")
+def _top_k_error_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("k", checks.whole_number, {"low": 1, "unit": "classes"}))
+
+
 # -- models
 def _num_classes(node: DictConfig, name: str) -> list[str]:
     return _check(node, name, ("num_classes", checks.whole_number, {"low": 2, "unit": "classes"}))
@@ -707,11 +759,19 @@ def _minibatch_source_rules(node: DictConfig, name: str) -> list[str]:
     return _check(
         node, name,
         ("randomize", checks.boolean, {}),
+        ("read_ahead", checks.boolean, {"allow_none": True}),
         ("randomization_seed", checks.whole_number, {"low": 0}),
         ("max_samples", checks.sample_count, {"allow_none": True}),
         ("max_sweeps", checks.whole_number, {"low": 1, "allow_none": True, "unit": "sweeps"}),
         ("length_bucketing", checks.whole_number, {"low": 0, "unit": "sequences"}),
     ) + _stream_reference_problems(node, name, "defining_stream", allow_none=True)
+
+
+
+@register_rule("dtrain.data.ImageTransform")
+@register_rule("dtrain.data.image_transform")
+def _image_transform_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("flip", checks.boolean, {}))
 
 
 def _stream_reference_problems(node: DictConfig, name: str, key: str, allow_none: bool = False) -> list[str]:
@@ -790,10 +850,21 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("keep_host_memory", checks.boolean, {}),
         ("unit_gain_momentum", checks.boolean, {}),
         ("tensorboard", checks.boolean, {"allow_none": True}),
+        ("progress_bar", checks.boolean, {"allow_none": True}),
         ("micro_batch_size", checks.sample_count, {"allow_none": True}),
         ("clip_grad_norm", checks.positive_number, {"allow_none": True}),
         ("precision", checks.precision, {}),
         ("compile", checks.boolean, {}),
+        ("epoch_size", checks.sample_count, {"allow_none": True}),
+    )
+    problems += _device_problems(session.device)
+    problems += _check(
+        session.profile, "session.profile",
+        ("enabled", checks.boolean, {}),
+        ("wait", checks.whole_number, {"low": 0, "unit": "minibatches"}),
+        ("warmup", checks.whole_number, {"low": 0, "unit": "minibatches"}),
+        ("active", checks.whole_number, {"low": 1, "unit": "minibatches"}),
+        ("ranks", checks.choice, {"choices": checks.PROFILE_RANKS}),
     )
     problems += _check(
         session.checkpoint, "session.checkpoint",
@@ -827,6 +898,38 @@ def _session_problems(session: DictConfig) -> list[str]:
         if session[key] is not None:
             problems += _schedule_problems(f"session.{key}", session[key], value_check)
     return problems
+
+
+def _device_problems(device: Any) -> list[str]:
+    """``session.device``: a device word this machine has (the communicator's needs are checked once it exists)."""
+    from dtrain.session.device import machine_problem
+
+    try:
+        setting = checks.device("session.device", device)
+    except ValueError as error:
+        return [str(error)]
+    problem = machine_problem("session.device", setting)
+    return [problem] if problem else []
+
+
+def _epoch_size_problems(cfg: DictConfig) -> list[str]:
+    """``session.epoch_size`` set while no value refers to it would change nothing: refused, not ignored."""
+    epoch_size = cfg.session.epoch_size
+    if epoch_size is None:
+        return []
+    written = OmegaConf.to_container(cfg, resolve=False)
+
+    def refers(value: Any) -> bool:
+        if isinstance(value, dict):
+            return any(refers(item) for item in value.values())
+        if isinstance(value, list):
+            return any(refers(item) for item in value)
+        return isinstance(value, str) and ("session.epoch_size" in value or "${epochs:" in value)
+    if refers(written):
+        return []
+    return [f"session.epoch_size={epoch_size!r}: no setting of this config refers to it, so it would change nothing; "
+            f"expected max_samples, frequencies or schedules written as ${{epochs:N}} or ${{session.epoch_size}} "
+            f"(docs/porting-from-cntk.md)"]
 
 
 def _comm_problems(comm: DictConfig) -> list[str]:
@@ -946,6 +1049,7 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
         if target in RULES:
             run(lambda: RULES[target](node, path), path)
     run(lambda: _session_problems(cfg.session), "session")
+    run(lambda: _epoch_size_problems(cfg), "session.epoch_size")
     run(lambda: _comm_problems(cfg.comm), "comm")
     run(lambda: _check(cfg, "", ("seed", checks.whole_number, {"low": 0})), "seed")
     if check_run_dir:
@@ -957,4 +1061,12 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
         return [f"{path}={value!r}: expected a finite number" for path, _, _, value in _walk(cfg, "")
                 if isinstance(value, float) and not math.isfinite(value) and path not in mentioned]
     run(non_finite, "config")
-    return [problem.lstrip(".") for problem in problems]
+    return list(dict.fromkeys(_one_line(problem.lstrip(".")) for problem in problems))
+
+
+def _one_line(problem: str) -> str:
+    """A problem as one line: OmegaConf's multi-line errors (an interpolation that does not resolve) keep
+    their first line, prefixed with the key they name (``full_key: ...``)."""
+    first, _, rest = problem.partition("\n")
+    key = next((line.split("full_key:", 1)[1].strip() for line in rest.splitlines() if "full_key:" in line), "")
+    return f"{key}: {first}" if key and key not in first else first

@@ -48,6 +48,8 @@ _MORE = """\
   docs/data.md              your own data: streams (session.inputs, session.target), sequences counted
                             in steps, CNTK text format, any torch Dataset, the deserializer protocol
   docs/writing-a-learner.md write a distributed learner of your own and plug it in with --config-dir
+  docs/porting-from-cntk.md CNTK's CIFAR-10 example flags as overrides: session.epoch_size,
+                            session.device, session.profile
   python -m dtrain +recipe=NAME --cfg job    every key of a composed config and its value"""
 
 

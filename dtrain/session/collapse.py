@@ -32,10 +32,35 @@ CHANCE_FRACTION = 0.9
 AVERAGE_WEIGHT = 0.05
 
 
-#: the likely cause and the setting to change, for the one-line collapse message
-COLLAPSE_ADVICE = ("the likely cause is a learning rate too high for this learner, or 1-bit gradients started too early; "
-            "lower optimizer.lr, or with learner=quantized give a longer full-precision warm start "
-            "(learner.distributed_after=SAMPLES, 'auto' by default) or more bits (learner.num_quantization_bits=2)")
+def training_advice(learner, precision: str = "32") -> str:
+    """What to change when training diverged or collapsed, naming only what this run uses: the learning
+    rate always; a lossy exchange (its warm start, its bits) only when several ranks exchange that way;
+    local SGD's warm start only for block momentum or DiLoCo on several ranks; fp16 only in fp16."""
+    several = learner.comm.size > 1
+    exchange = getattr(learner, "exchange", None)
+    causes, changes = ["a learning rate too high for this learner"], ["lower optimizer.lr"]
+    if several and exchange is not None and getattr(exchange, "needs_warm_start", False):
+        bits = getattr(exchange, "num_bits", None)
+        what = f"{bits}-bit gradients" if bits is not None else f"gradients compressed by {exchange.describe()}"
+        causes.append(f"{what} started too early")
+        changes.append("give a longer full-precision warm start (learner.distributed_after=SAMPLES, 'auto' by default)")
+        if bits is not None and bits < 32:
+            changes.append(f"use more bits ({bits + 1} or more: learner.num_quantization_bits, or learner.exchange.num_bits "
+                           f"with learner/exchange=quantized)")
+    elif several and exchange is not None and not getattr(exchange, "lossless", True):
+        causes.append(f"gradients compressed by {exchange.describe()}")
+        changes.append("exchange them in float32 (learner/exchange=allreduce)")
+    elif several and learner.kind in ("block_momentum", "diloco"):
+        causes.append("local steps started from an untrained model")
+        changes.append("train longer on one model first (learner.distributed_after=SAMPLES)")
+    if precision == "fp16":
+        causes.append("float16 overflowing (its largest value is 65,504)")
+        changes.append("train in bf16 (session.precision=bf16)")
+    return (f"the likely cause is {_listed(causes)}; {_listed(changes)}")
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f", or {items[-1]}"
 
 
 class CollapseWatch:
@@ -151,7 +176,7 @@ class CollapseWatch:
                                                                           or accuracy <= 2.0 / self.num_classes)
 
 
-__all__ = ["COLLAPSE_ADVICE", "CollapseWatch"]
+__all__ = ["CollapseWatch", "training_advice"]
 
 
 def _is_cross_entropy(loss_function) -> bool:

@@ -30,6 +30,17 @@ def signal_from_name(name: str) -> signal.Signals:
     return found
 
 
+def device_and_profile_options(session) -> dict:
+    """``training_session``'s ``device`` and ``profile`` arguments from the command line's ``session``
+    config section (``session.device``; ``session.profile``, a ``ProfileConfig`` when ``enabled``)."""
+    from dtrain.session.profiling import ProfileConfig
+
+    profile = session.profile
+    return {"device": session.device,
+            "profile": ProfileConfig(profile.wait, profile.warmup, profile.active, profile.ranks)
+            if profile.enabled else None}
+
+
 @dataclass
 class CheckpointConfig:
     """Where and how often to save checkpoints.

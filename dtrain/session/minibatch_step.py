@@ -16,6 +16,7 @@ from dtrain.data.minibatch import Minibatch
 from dtrain.data.streams import Sequences
 from dtrain.learners.base import Learner
 from dtrain.session.binding import StreamBinding, count_steps
+from dtrain.session import compile_check
 from dtrain.session.collapse import CollapseWatch
 from dtrain.session.evaluate import metric_counts_sequences
 from dtrain.session.metrics import PhaseTimer
@@ -153,11 +154,14 @@ class MinibatchStep:
         loss: ``loss(output, target)``, the MEAN over the pass's samples (steps of a sequence target).
         metric: ``metric(output, target)``, a SUM over the pass's samples (or sequences: ``metric.per``).
         learner: the session's learner (its step, ``no_sync`` and loss-scale seams).
+        device: where the model trains (default: the learner's communicator's device).
         micro_batch_size: samples per rank per forward/backward pass (``None``: one pass).
         precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (see ``dtrain.session.precision``).
         loss_scaler: fp16's dynamic loss scale (``None`` otherwise).
         collapse: the session's collapse watch, fed every pass's loss.
-        check_compile: the first forward turns a ``torch.compile`` failure into one clear ValueError.
+        check_compile: ``forward_model`` is compiled: the first minibatch compares its loss and gradients
+            with eager PyTorch's (``dtrain.session.compile_check``) and a compiler failure or a difference
+            becomes one clear ValueError.
         binding: which streams feed the model, and which is the target (default: features -> labels).
         check_first: called with the first non-empty minibatch before its forward (the session checks
             token ids against their vocabularies there).
@@ -168,14 +172,14 @@ class MinibatchStep:
                  loss: Callable, metric: Callable, learner: Learner, micro_batch_size: int | None,
                  precision: str, loss_scaler: LossScaler | None, collapse: CollapseWatch, check_compile: bool,
                  binding: StreamBinding | None = None, check_first: Callable | None = None,
-                 count_padding: bool = False):
+                 count_padding: bool = False, device: torch.device | None = None):
         self.model = model
         self.forward_model = forward_model
         self.loss = loss
         self.metric = metric
         self.learner = learner
         self.comm = learner.comm
-        self.device = learner.comm.device
+        self.device = device if device is not None else learner.comm.device
         self.micro_batch_size = micro_batch_size
         self.precision = precision
         self.loss_scaler = loss_scaler
@@ -184,6 +188,7 @@ class MinibatchStep:
         self._check_first = check_first
         self.count_padding = count_padding
         self._forward_checked = not check_compile
+        self._compare_with_eager = check_compile
         self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
         # an additive metric runs once over many passes (PeriodSums.add_outputs), after a first pass at once
         self._metric_is_additive = bool(getattr(metric, "additive", False))
@@ -210,15 +215,19 @@ class MinibatchStep:
         runs under ``learner.no_sync()``: the exchange happens once.
         """
         learner = self.learner
-        if self.loss_scaler is not None:
-            learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
-        learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
-        gradient_scale = learner.fold_gradient_scale()  # saves the learner a pass over every gradient
         if batch.num_samples > 0:
             batch = batch.to(self.device)
             if self._check_first is not None:
                 check, self._check_first = self._check_first, None
                 check(batch)
+        if self._compare_with_eager:  # every rank, also one without samples: the verdict is a collective
+            self._compare_with_eager = False
+            self._refuse_a_compiled_model_that_differs(batch)
+        if self.loss_scaler is not None:
+            learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
+        learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
+        gradient_scale = learner.fold_gradient_scale()  # saves the learner a pass over every gradient
+        if batch.num_samples > 0:
             if self.count_padding:
                 sums.add_padding(*batch.padding)
             target, steps, sequences = self.binding.target_and_counts(batch)
@@ -306,6 +315,25 @@ class MinibatchStep:
                      sequences if self._metric_per_sequence else samples)
             self._defer_metric = (self._metric_is_additive and isinstance(output, torch.Tensor)
                                   and isinstance(target, torch.Tensor))
+
+    def _refuse_a_compiled_model_that_differs(self, batch: Minibatch) -> None:
+        """The compile check on this rank's share of the first minibatch (its first micro-batch pass);
+        raises ValueError on every rank when any rank's loss or gradients differ from eager PyTorch's."""
+        if batch.num_samples == 0:
+            names, differences = compile_check.no_differences(self.model, self.device)
+        else:
+            target, steps, _ = self.binding.target_and_counts(batch)
+            if self.micro_batch_size is not None and steps > self.micro_batch_size:
+                batch, target = self._passes(batch, target)[0][:2]
+
+            def compute_loss(forward):
+                with autocast(self.precision, self.device):
+                    return self.loss(self.binding.forward(forward, batch), target)
+            names, differences = compile_check.relative_differences(self.model, self._checked_forward, compute_loss,
+                                                                    self.device, self.precision)
+        problem = compile_check.verdict(names, differences, self.precision, self.comm)
+        if problem:
+            raise ValueError(problem)
 
     def _checked_forward(self, *args, **kwargs):
         """The model's training forward; the first compiled one turns a compiler failure into one clear line."""

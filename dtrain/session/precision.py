@@ -9,6 +9,8 @@ scale follows ``torch.amp.GradScaler``'s rule (halve on an overflow, double afte
 from __future__ import annotations
 
 import contextlib
+import platform
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +24,31 @@ def autocast(precision: str, device: torch.device):
     if precision in AUTOCAST_DTYPES:
         return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
     return contextlib.nullcontext()
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU multiplies bfloat16 matrices in hardware: AMX tiles on x86 (torch's own check;
+    AVX512-BF16 alone is not enough to beat float32), the BF16 extension on ARM; ``None`` when unknown."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return bool(amx()) if amx is not None else None
+    if machine in ("aarch64", "arm64"):
+        try:
+            features = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+        return any(line.startswith("Features") and "bf16" in line.split() for line in features.splitlines())
+    return None
+
+
+def bf16_cpu_note(precision: str, device: torch.device) -> str | None:
+    """The start-up line for ``precision=bf16`` on a CPU without native bfloat16 matrix units (``None``
+    otherwise): autocast there adds casts without faster products, so float32 is usually faster."""
+    if precision != "bf16" or device.type != "cpu" or cpu_has_native_bf16() is not False:
+        return None
+    return ("dtrain: note: precision bf16 on a CPU without native bfloat16 matrix units (AMX on x86, BF16 on ARM) "
+            "is usually slower than float32; session.precision=32 trains faster here")
 
 
 class LossScaler:
@@ -67,4 +94,4 @@ class LossScaler:
         self.grad_scaler.load_state_dict(state)
 
 
-__all__ = ["AUTOCAST_DTYPES", "LossScaler", "autocast"]
+__all__ = ["AUTOCAST_DTYPES", "LossScaler", "autocast", "bf16_cpu_note", "cpu_has_native_bf16"]

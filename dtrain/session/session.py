@@ -26,17 +26,19 @@ from dtrain.comm.launcher import detect_launcher
 from dtrain.learners.base import Learner, RunFacts
 from dtrain.schedules import Schedule, momentum_from_time_constant
 from dtrain.session import checkpoint, checkpoint_state
-from dtrain.session.collapse import COLLAPSE_ADVICE, CollapseWatch
+from dtrain.session.collapse import CollapseWatch, training_advice
 from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
                                    signal_from_name)
 from dtrain.session.binding import StreamBinding
+from dtrain.session.device import resolve_device
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate, metric_average
 from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
                                           first_minibatch_check)
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
-from dtrain.session.precision import LossScaler
+from dtrain.session.precision import LossScaler, bf16_cpu_note
+from dtrain.session.profiling import ProfileConfig, StepProfiler
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 from dtrain.session.report import write_report
 from dtrain.session.rundir import RunDirectoryLock
@@ -54,9 +56,6 @@ _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 class TrainingCollapsed(TrainingDiverged):
     """A classifier's training loss (or test accuracy) returned to chance after it had learned
     (``docs/semantics.md#collapse``); raised on every rank."""
-
-
-_DIVERGED_ADVICE = "lower optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)"
 
 
 @dataclass
@@ -163,7 +162,13 @@ class TrainingSession:
         compile: train through ``torch.compile(model)`` (inductor). The compiled module shares the
             model's parameters, so checkpoints and ``model.safetensors`` keep the plain parameter
             names (a model the caller already compiled is unwrapped the same way); a model that
-            cannot be compiled stops training at the first minibatch with a ValueError naming ``compile``.
+            cannot be compiled stops training at the first minibatch with a ValueError naming ``compile``,
+            and so does one whose compiled loss or gradients differ from eager PyTorch's on the first
+            minibatch (``dtrain.session.compile_check``).
+        device: where to train: ``"auto"`` (the communicator's device: the launcher's local rank's GPU
+            under NCCL, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (``dtrain.session.device``).
+        profile: trace a few minibatches with ``torch.profiler`` into ``run_dir/profile/``
+            (``dtrain.session.profiling``; ``None``: no profiling).
         independent_processes: allow a one-process session in a process that a launcher
             (``mpiexec``, ``torchrun``, ``srun``) started among several; refused by default, since
             each process would train its own copy.
@@ -211,6 +216,8 @@ class TrainingSession:
         compile: bool = False,  # noqa: A002 - the config's name (session.compile)
         inputs=("features",),
         target: str = "labels",
+        device: str | torch.device = "auto",
+        profile: ProfileConfig | None = None,
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
@@ -218,7 +225,8 @@ class TrainingSession:
         self.micro_batch_size = checks.sample_count("micro_batch_size", micro_batch_size, allow_none=True)
         self.clip_grad_norm = checks.positive_number("clip_grad_norm", clip_grad_norm, allow_none=True)
         self.precision = checks.precision("precision", precision)
-        self.loss_scaler = LossScaler(learner.comm.device) if self.precision == "fp16" else None
+        self.device = resolve_device(device, learner.comm)
+        self.loss_scaler = LossScaler(self.device) if self.precision == "fp16" else None
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
             else Schedule(checks.sample_count("minibatch_size", minibatch_size))
         if momentum_time_constant_schedule is not None \
@@ -294,7 +302,9 @@ class TrainingSession:
         # so the live bar is only automatic in a single process
         self.progress_bar = progress_bar if progress_bar is not None else (None if self.comm.size == 1 else False)
         self.stream = stream
-        self.device = self.comm.device
+        if profile is not None and not isinstance(profile, ProfileConfig):
+            raise TypeError(f"profile must be a dtrain ProfileConfig or None, got {type(profile).__name__}")
+        self.profile = profile
         # the configured learning rates; an lr schedule multiplies them
         self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
         self.progress_period = _Periodic(action_frequency("progress_frequency", progress_frequency))
@@ -310,10 +320,12 @@ class TrainingSession:
         self._preemption = threading.Event()
         self._report_path: Path | None = None
         self._weights_path: Path | None = None
+        self._profiler: StepProfiler | None = None
         self._collapse = CollapseWatch(self.device)
         self._step = MinibatchStep(model=self.model, forward_model=self.forward_model, loss=loss, metric=metric,
-                                   learner=learner, micro_batch_size=self.micro_batch_size, precision=self.precision,
-                                   loss_scaler=self.loss_scaler, collapse=self._collapse, check_compile=self.compile,
+                                   learner=learner, device=self.device, micro_batch_size=self.micro_batch_size,
+                                   precision=self.precision, loss_scaler=self.loss_scaler, collapse=self._collapse,
+                                   check_compile=self.forward_model is not self.model,
                                    binding=self.binding, check_first=first_minibatch_check(minibatch_source),
                                    count_padding=bool(getattr(minibatch_source, "has_sequences", False)))
         if checkpoint_config is not None:
@@ -377,7 +389,7 @@ class TrainingSession:
         stopped_early = preempted = False
         alone = self.comm.size == 1  # a single process checks for preemption after every minibatch
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
-                self._preemption_handler():
+                self._preemption_handler(), self._profiling() as profiler:
             self._print_start(printer, restored_from)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
@@ -390,6 +402,8 @@ class TrainingSession:
                 self._apply_schedules(seen, size)
                 self._step.train(batch, sums, timer)
                 self.minibatches += 1
+                if profiler is not None:
+                    profiler.step()
                 seen = self.learner.samples_seen
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput)
@@ -442,7 +456,7 @@ class TrainingSession:
                 raise TrainingCollapsed(
                     f"training collapsed: {measured} is chance for {self._collapse.num_classes} classes (ln "
                     f"{self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) after the training loss had "
-                    f"fallen; {COLLAPSE_ADVICE}")
+                    f"fallen; {self._advice()}")
         self.learner.finalize()
         seconds = throughput.elapsed()  # training and evaluation; the one-off outputs below are not training
         metrics.close()
@@ -459,6 +473,10 @@ class TrainingSession:
         )
         self._print_summary(printer, result, metrics)
         return result
+
+    def _advice(self) -> str:
+        """What to change after a divergence or a collapse, naming only what this run uses."""
+        return training_advice(self.learner, self.precision)
 
     # -- the learner's seams --------------------------------------------------------------------
     def _require_learner_seam(self, optimizer, args, kwargs) -> None:
@@ -502,14 +520,14 @@ class TrainingSession:
             # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
             raise TrainingDiverged(
                 f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
-                f"{self.learner.samples_seen} samples); {_DIVERGED_ADVICE}")
+                f"{self.learner.samples_seen} samples); {self._advice()}")
         if samples:
             self._last_training_error = error
         if samples and self._collapse.loss_collapsed(loss, self.comm):
             raise TrainingCollapsed(
                 f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is back at chance "
                 f"(ln {self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) at {self.learner.samples_seen} "
-                f"samples after having fallen; {COLLAPSE_ADVICE}")
+                f"samples after having fallen; {self._advice()}")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         extra = timer.take(throughput.period_elapsed())
@@ -550,6 +568,17 @@ class TrainingSession:
         self.cv_index += 1
         return result, keep_going
 
+    @contextlib.contextmanager
+    def _profiling(self):
+        """``profile``: a profiler over the training loop's first minibatches (``None`` without one)."""
+        self._profiler = StepProfiler(self.profile, self.run_dir / "profile", self.comm.rank, self.device) \
+            if self.profile is not None else None
+        try:
+            yield self._profiler
+        finally:
+            if self._profiler is not None:
+                self._profiler.close()
+
     # -- preemption ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _preemption_handler(self):
@@ -589,7 +618,7 @@ class TrainingSession:
         if not all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters()):
             raise TrainingDiverged(
                 f"training diverged: the model has NaN or infinite parameters at {self.learner.samples_seen} samples "
-                f"(not saved; the previous checkpoint is kept); {_DIVERGED_ADVICE}")
+                f"(not saved; the previous checkpoint is kept); {self._advice()}")
         state = checkpoint_state.assemble(
             samples_seen=self.learner.samples_seen, minibatches=self.minibatches, cv_index=self.cv_index,
             model=self.model, learner=self.learner, source=self.source, comm=self.comm,
@@ -698,14 +727,27 @@ class TrainingSession:
                    "torch.compile (inductor backend)" if self.compile else "",
                    f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
                    if self.micro_batch_size else "",
-                   f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else ""]
+                   f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else "",
+                   self._profiler.describe() if self._profiler is not None else ""]
         if any(options):
             printer.line("dtrain: " + ", ".join(option for option in options if option))
+        note = bf16_cpu_note(self.precision, self.device)
+        if note:
+            printer.line(note)
         if restored_from is not None:
             printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
             if self.changed_settings:
                 printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
                              f"{'; '.join(self.changed_settings)}")
+
+    def _profile_line(self) -> str:
+        """Where rank 0's trace went, or why there is none."""
+        traces = self._profiler.traces()
+        if traces:
+            return f"profile: {', '.join(str(path) for path in traces)} (chrome://tracing, ui.perfetto.dev, TensorBoard)"
+        first, _ = self.profile.window
+        return (f"profile: none written, the run ended after {self._profiler.steps} minibatches, before minibatch "
+                f"{first} (lower session.profile.wait or session.profile.warmup)")
 
     def _print_summary(self, printer, result: TrainingResult, metrics: MetricsWriter) -> None:
         if not self.comm.is_main:
@@ -727,6 +769,8 @@ class TrainingSession:
             lines.append(f"weights: {self._weights_path}")
         if self._report_path is not None:
             lines.append(f"report: {self._report_path}")
+        if self._profiler is not None:
+            lines.append(self._profile_line())
         lines.append(f"metrics: {metrics.jsonl_path}, {metrics.csv_path.name}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
                      + (" (no TensorBoard events: pip install 'dtrain[tensorboard]')" if self._tensorboard_hint else ""))
         for line in lines:

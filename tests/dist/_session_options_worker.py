@@ -13,6 +13,8 @@ Checks:
                  step; every learner ends with identical parameters on all ranks.
   fp16           an overflow on rank 1 alone skips that step on every rank (data_parallel,
                  quantized, block momentum), the loss scale halves everywhere, ranks stay identical.
+  compile_check  compile=True with a "compiled" model whose first layer gets no gradient on rank 1
+                 only: every rank refuses with the same line before any step, parameters unchanged.
 """
 from __future__ import annotations
 
@@ -152,12 +154,43 @@ def check_fp16(comm, run_dir: Path) -> dict:
     return results
 
 
+class FirstLayerWithoutGradientOnRank1(nn.Module):
+    """What ``torch.compile`` returns in ``check_compile_check``: the model, except that on rank 1 no
+    gradient reaches its first layer (a compiler bug seen by one rank only)."""
+
+    def __init__(self, model: nn.Module, rank: int):
+        super().__init__()
+        self.model, self.rank = model, rank
+
+    def forward(self, features):
+        hidden = self.model[0](features)
+        return self.model[1:](hidden.detach() if self.rank == 1 else hidden)
+
+
+def check_compile_check(comm, run_dir: Path) -> dict:
+    model = make_model()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    original = torch.compile
+    torch.compile = partial(FirstLayerWithoutGradientOnRank1, rank=comm.rank)
+    try:
+        train(model, data_parallel_distributed_learner(optimizer_of(model), comm), run_dir / "compile_check",
+              compile=True)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    finally:
+        torch.compile = original
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"refusals": comm.allgather_object(refusal), "unchanged": comm.allgather_object(unchanged)}
+
+
 def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
     comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
     run_checks(comm, {name: partial(check, run_dir=run_dir) for name, check in (
-        ("micro_batches", check_micro_batches), ("clipping", check_clipping), ("fp16", check_fp16))})
+        ("micro_batches", check_micro_batches), ("clipping", check_clipping), ("fp16", check_fp16),
+        ("compile_check", check_compile_check))})
     comm.finalize()
 
 

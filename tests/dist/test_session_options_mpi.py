@@ -1,5 +1,6 @@
 """Session settings under a real ``mpiexec -n 2``: micro-batches (one exchange per minibatch),
-gradient clipping on the global gradient and fp16 overflow skipping, for every learner.
+gradient clipping on the global gradient and fp16 overflow skipping, for every learner, and the
+compile check's one verdict for all ranks.
 
 One launch runs every check of ``_session_options_worker.py``; each is asserted in its own test.
 """
@@ -51,6 +52,14 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(launch: CheckLau
         record = fp16[learner]
         assert record["skipped_and_scale_per_rank"] == [[1, 32768.0], [1, 32768.0]], (learner, record)
         assert record["finite"] and record["differing_parameters"] == [], (learner, record)
+
+
+def test_a_compiled_model_that_differs_from_eager_on_one_rank_is_refused_on_every_rank(launch: CheckLaunch) -> None:
+    record = launch.result("compile_check")
+    first, second = record["refusals"]
+    assert first is not None and first == second, record  # the same line on both ranks
+    assert first.startswith("session.compile=true: torch.compile computes the gradient of 0.weight 100% away"), first
+    assert record["unchanged"] == [True, True], record
 
 
 def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:

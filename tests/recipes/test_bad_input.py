@@ -77,6 +77,16 @@ CASES = [
     ("dropout-1", ["model.dropout=1.0"], ["model.dropout=1.0: expected"]),
     ("dropout-nan", ["model.dropout=nan"], ["model.dropout=nan: expected"]),
     ("model-target-unknown", ["model._target_=dtrain.models.Nope"], ["model: Error locating target 'dtrain.models.Nope'; expected an importable class"]),
+    # losses and switches: ranges torch documents, and true or false written as such
+    ("label-smoothing-negative", ["loss.label_smoothing=-0.1"],
+     ["loss.label_smoothing=-0.1: expected a number in [0.0, 1.0]"]),
+    ("compile-2", ["session.compile=2"], ["session.compile=2: expected true or false"]),
+    ("warm-start-yes", ["learner=powersgd", "learner.exchange.warm_start=yes"],
+     ["learner.exchange.warm_start='yes': expected true or false"]),
+    # where and what a session trains and traces
+    ("device-malformed", ["session.device=gpu"], ["session.device='gpu': expected auto, cpu, cuda or cuda:N"]),
+    ("profile-active-0", ["session.profile.enabled=true", "session.profile.active=0"],
+     ["session.profile.active=0: expected a whole number of minibatches of at least 1"]),
     # streams: which feed the model and the loss, and how samples are counted
     ("inputs-unknown-stream", ["session.inputs=[nope]"],
      ["session.inputs[0]='nope': the training data has no stream 'nope'; it has 'features', 'labels'"]),
@@ -139,6 +149,7 @@ if torch.cuda.is_available():
     CASES.append(("backend-nccl-needs-gpus", ["comm.backend=nccl", "comm.timeout_s=-1"], ["comm.timeout_s=-1.0: expected"]))
 else:
     CASES.append(("backend-nccl-without-cuda", ["comm.backend=nccl"], ["comm.backend='nccl': expected a machine with CUDA"]))
+    CASES.append(("device-cuda-without-cuda", ["session.device=cuda"], ["session.device='cuda': expected a machine with CUDA"]))
 
 # every case without a recipe of its own uses the digits recipe
 _RECIPE_FREE = {"recipe-unknown", "recipe-missing"}

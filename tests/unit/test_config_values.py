@@ -1,0 +1,106 @@
+"""Values the schemas' types let through that a rule must refuse: switches written as anything but
+true or false, and the options of the torch losses and metrics outside the ranges torch documents."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+from dtrain import config
+from dtrain.config import validate
+
+from tests.helpers.config import compose_config
+
+# (overrides that bring the key into the config, the switch's dotted key); every switch of every schema
+SWITCHES = [
+    ((), "learner.error_feedback"),
+    (("learner=block_momentum",), "learner.use_nesterov_momentum"),
+    (("learner=block_momentum",), "learner.reset_sgd_momentum_after_aggregation"),
+    (("learner=diloco",), "learner.outer_nesterov"),
+    (("learner/exchange=quantized",), "learner.exchange.error_feedback"),
+    (("learner=powersgd",), "learner.exchange.use_error_feedback"),
+    (("learner=powersgd",), "learner.exchange.warm_start"),
+    ((), "optimizer.nesterov"),
+    (("model=resnet50",), "model.zero_init_residual"),
+    (("+recipe=cifar10",), "source.train.transform.flip"),
+    ((), "source.train.randomize"),
+    ((), "source.train.read_ahead"),
+    ((), "session.checkpoint.restore"),
+    ((), "session.checkpoint.preserve_all"),
+    ((), "session.unit_gain_momentum"),
+    ((), "session.tensorboard"),
+    ((), "session.progress_bar"),
+    ((), "session.keep_host_memory"),
+    ((), "session.compile"),
+    ((), "session.profile.enabled"),
+]
+
+#: 0 and 1 are refused too: the Python API refuses them (checks.boolean), and one rule for both means a
+#: value copied from a config into code (or back) means the same thing
+NOT_SWITCHES = [2, "yes", 1.0, 1, 0, "true"]
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]) -> DictConfig:
+    recipe = () if any(item.startswith("+recipe=") for item in overrides) else ("+recipe=digits",)
+    return compose_config(*recipe, *overrides)
+
+
+def _with(overrides: tuple[str, ...], key: str, value) -> DictConfig:
+    cfg = copy.deepcopy(_composed(overrides))
+    OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+@pytest.mark.parametrize("overrides, key", SWITCHES, ids=[key for _, key in SWITCHES])
+def test_a_switch_is_true_or_false_and_nothing_else(overrides, key):
+    for value in NOT_SWITCHES:
+        problems = validate(_with(overrides, key, value), check_run_dir=False)
+        assert problems == [f"{key}={value!r}: expected true or false" + (" or null" if _nullable(key) else "")]
+    for accepted in (True, False) + ((None,) if _nullable(key) else ()):
+        assert validate(_with(overrides, key, accepted), check_run_dir=False) == []
+
+
+def _nullable(key: str) -> bool:
+    return key.rsplit(".", 1)[1] in ("read_ahead", "tensorboard", "progress_bar")
+
+
+def test_every_switch_of_every_schema_is_kept_as_written_and_tested_above():
+    """A switch typed ``bool`` would be converted by OmegaConf (2 -> true) before any rule sees it."""
+    schemas = {*config._SCHEMAS.values(), *(value for value in vars(config).values()  # and the nested sections
+                                            if dataclasses.is_dataclass(value) and value.__module__ == config.__name__)}
+    switches = {(schema.__name__, item.name) for schema in schemas for item in dataclasses.fields(schema)
+                if item.name != "_partial_" and ("bool" in str(item.type).lower())}
+    assert all(item.type in ("StrictBool", "Optional[StrictBool]")
+               for schema in schemas for item in dataclasses.fields(schema)
+               if (schema.__name__, item.name) in switches), "a schema switch typed bool"
+    by_target = {item.default: schema.__name__ for schema in schemas for item in dataclasses.fields(schema)
+                 if item.name == "_target_"}
+    tested = set()
+    for overrides, key in SWITCHES:
+        parent_key, name = key.rsplit(".", 1)
+        parent = OmegaConf.select(_composed(overrides), parent_key)
+        schema = parent._metadata.object_type
+        tested.add((schema.__name__ if dataclasses.is_dataclass(schema) else by_target[parent._target_], name))
+    assert tested == switches
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (("loss.label_smoothing=-0.1",), "loss.label_smoothing=-0.1: expected a number in [0.0, 1.0]"),
+    (("loss.label_smoothing=1.5",), "loss.label_smoothing=1.5: expected a number in [0.0, 1.0]"),
+    (("loss=sequence_cross_entropy", "loss.label_smoothing=1.0"),
+     "loss.label_smoothing=1.0: expected a number in [0.0, 1.0)"),
+    (("loss=sequence_cross_entropy", "loss.label_smoothing=-0.5"),
+     "loss.label_smoothing=-0.5: expected a number in [0.0, 1.0)"),
+    (("metric=top5_error", "metric.k=0"), "metric.k=0: expected a whole number of classes of at least 1"),
+], ids=["smoothing-negative", "smoothing-above-1", "sequence-smoothing-1", "sequence-smoothing-negative", "top-k-0"])
+def test_loss_and_metric_options_outside_torchs_ranges_are_refused(overrides, problem):
+    assert validate(_composed(overrides), check_run_dir=False) == [problem]
+
+
+def test_the_ends_of_torchs_label_smoothing_range_are_accepted():
+    for value in ("0.0", "1.0"):
+        assert validate(_composed((f"loss.label_smoothing={value}",)), check_run_dir=False) == []
