@@ -88,25 +88,27 @@ class Seq2SeqTransformer(nn.Module):
     @torch.no_grad()
     def greedy_decode(self, source: Sequences, max_steps: int | None = None) -> list[list[int]]:
         """Each source's arg-max output, step by step from ``<s>`` to ``</s>`` (excluded), at most
-        ``max_steps`` (default: ``context_length - 1``) ids."""
+        ``max_steps`` (default: ``context_length - 1``) ids. A finished sequence leaves the batch, so
+        the steps after it cost only the unfinished ones."""
         was_training = self.training
         self.eval()
         try:
             memory, source_padding = self.encode(source)
             n = memory.shape[0]
             limit = min(max_steps or self.context_length - 1, self.context_length - 1)
+            outputs: list[list[int]] = [[] for _ in range(n)]
+            active = torch.arange(n, device=memory.device)  # rows still decoding
             tokens = torch.full((n, 1), self.begin, dtype=torch.int64, device=memory.device)
-            finished = torch.zeros(n, dtype=torch.bool, device=memory.device)
             for _ in range(limit):
                 chosen = self.decode(memory, source_padding, tokens)[:, -1].argmax(dim=-1)
-                chosen = chosen.masked_fill(finished, self.end)
-                tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-                finished |= chosen == self.end
-                if bool(finished.all()):
+                ended = chosen == self.end
+                for row, token in zip(active[~ended].tolist(), chosen[~ended].tolist()):
+                    outputs[row].append(token)
+                keep = ~ended
+                if not bool(keep.any()):
                     break
+                active, memory, source_padding = active[keep], memory[keep], source_padding[keep]
+                tokens = torch.cat([tokens[keep], chosen[keep, None]], dim=1)
         finally:
             self.train(was_training)
-        outputs = []
-        for row in tokens[:, 1:].tolist():
-            outputs.append(row[:row.index(self.end)] if self.end in row else row)
         return outputs
