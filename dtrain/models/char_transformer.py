@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional
 
 from dtrain.data.streams import Sequences
+from dtrain.models._sizes import check_transformer_sizes
 
 __all__ = ["CharTransformer"]
 
@@ -68,14 +69,8 @@ class CharTransformer(nn.Module):
     def __init__(self, vocab_size: int, context_length: int = 128, layers: int = 4, heads: int = 4,
                  width: int = 128, dropout: float = 0.0) -> None:
         super().__init__()
-        for key, value in (("vocab_size", vocab_size), ("context_length", context_length), ("layers", layers),
-                           ("heads", heads), ("width", width)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{key}={value!r}: expected a positive whole number")
-        if width % heads:
-            raise ValueError(f"model.width={width} is not divisible by model.heads={heads}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.dropout={dropout!r}: expected a number in [0, 1)")
+        check_transformer_sizes({"vocab_size": vocab_size, "context_length": context_length, "layers": layers},
+                                width, heads, dropout)
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.token_embedding = nn.Embedding(vocab_size, width)

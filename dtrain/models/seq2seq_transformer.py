@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dtrain.data.streams import Sequences
+from dtrain.models._sizes import check_transformer_sizes
 
 __all__ = ["Seq2SeqTransformer"]
 
@@ -34,16 +35,9 @@ class Seq2SeqTransformer(nn.Module):
                  encoder_layers: int = 3, decoder_layers: int = 3, feedforward: int = 1024, dropout: float = 0.1,
                  context_length: int = 64, begin: int = 1, end: int = 2) -> None:
         super().__init__()
-        for key, value in (("source_vocab_size", source_vocab_size), ("target_vocab_size", target_vocab_size),
-                           ("width", width), ("heads", heads), ("encoder_layers", encoder_layers),
-                           ("decoder_layers", decoder_layers), ("feedforward", feedforward),
-                           ("context_length", context_length)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{key}={value!r}: expected a positive whole number")
-        if width % heads:
-            raise ValueError(f"model.width={width} is not divisible by model.heads={heads}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.dropout={dropout!r}: expected a number in [0, 1)")
+        check_transformer_sizes({"source_vocab_size": source_vocab_size, "target_vocab_size": target_vocab_size,
+                                 "encoder_layers": encoder_layers, "decoder_layers": decoder_layers,
+                                 "feedforward": feedforward, "context_length": context_length}, width, heads, dropout)
         self.context_length, self.begin, self.end = context_length, begin, end
         self.source_embedding = nn.Embedding(source_vocab_size, width)
         self.target_embedding = nn.Embedding(target_vocab_size, width)
