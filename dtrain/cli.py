@@ -34,6 +34,7 @@ from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingDiverged, training_session
 from dtrain.session.binding import StreamBinding
 from dtrain.session.checkpoint import CheckpointError
+from dtrain.session.safe_files import create_new
 
 #: exit code for a bad config, data set or checkpoint (the user's input, not a crash)
 EXIT_BAD_INPUT = 2
@@ -98,16 +99,28 @@ def _instantiate(node, what: str, **kwargs):
         raise cause from None
 
 
-def _save_config(cfg: DictConfig, run_dir: Path) -> Path:
-    """Writes the resolved config into the run directory without replacing an earlier one."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    index = 1
-    while path.exists():
+def config_path(run_dir: Path) -> Path:
+    """Where this run's resolved config goes: ``config.yaml``, or for a resumed run the first free
+    ``config.<n>.yaml`` (an earlier run's is never replaced)."""
+    path, index = run_dir / "config.yaml", 1
+    while os.path.lexists(path):
         path = run_dir / f"config.{index}.yaml"
         index += 1
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return path
+
+
+def save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """Writes the resolved config into the run directory as a new file (never over an earlier one,
+    and never through a link planted at its name); returns where."""
+    text = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    while True:
+        path = config_path(run_dir)
+        try:
+            with create_new(path) as stream:
+                stream.write(text)
+            return path
+        except FileExistsError:  # appeared since config_path looked: take the next name
+            continue
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -290,9 +303,10 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         run_config=run_config(cfg),
     )
     trainer.restore()  # a bad checkpoint is reported before anything is written
+    trainer.when_checks_pass(lambda: save_config(cfg, run_dir))  # after the first minibatch's checks too
     if comm.is_main:
-        saved = _save_config(cfg, run_dir)
-        print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
+        print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {config_path(run_dir).name})",
+              flush=True)
         print(f"dtrain: {threads.describe(per_process=comm.size > 1)}", flush=True)
         print(f"dtrain: {host_memory.describe()}", flush=True)
     result = trainer.train()

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from dtrain.session.safe_files import current_umask
+
 MAGIC = b"DTRAIN-CHECKPOINT"
 FORMAT_VERSION = 3  # 3: the header records the samples seen; 2 (no samples= field) is still read
 
@@ -143,6 +145,11 @@ class CheckpointFiles:
             agreed.append((number, path))
         return agreed
 
+    def newest(self) -> Path | None:
+        """The newest checkpoint file by content (not verified beyond its header), ``None`` when there is none."""
+        agreed = self.by_content(warn=False)
+        return agreed[-1][1] if agreed else None
+
     def prune(self, keep_last: int) -> list[Path]:
         """Deletes all but the newest ``keep_last`` checkpoints by content (0 keeps every one).
 
@@ -170,19 +177,24 @@ class CheckpointFiles:
         return removed
 
 
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def kept_note(previous: Path | None) -> str:
+    """What a failed or refused checkpoint write leaves to fall back on, for its one-line message."""
+    return f"the previous checkpoint {previous} is kept" if previous is not None \
+        else "there is no earlier checkpoint to fall back on"
 
 
-def save_atomic(state: dict[str, Any], path: Path) -> None:
+#: ``save_atomic``'s default ``previous``: the caller did not say which checkpoint came before
+_UNKNOWN = object()
+
+
+def save_atomic(state: dict[str, Any], path: Path, previous: Path | None | object = _UNKNOWN) -> None:
     """Writes ``state`` to ``path`` so that a crash leaves either no new file or a complete one.
 
     The bytes go to a temporary file in the same directory, are flushed to disk (fsync), and the
     file is renamed to ``path``; the directory is fsynced so the rename itself is durable. The file
     gets the permissions of any other new file (``0666`` less the umask), so a team can share a run
-    directory. ``state["samples_seen"]`` (when present) is recorded in the header.
+    directory. ``state["samples_seen"]`` (when present) is recorded in the header. ``previous``
+    (the checkpoint before this one, or ``None``) lets a failure say what is left to fall back on.
 
     Raises:
         CheckpointError: the file could not be written (e.g. the disk is full); the temporary
@@ -198,7 +210,7 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.fchmod(handle, 0o666 & ~_current_umask())
+        os.fchmod(handle, 0o666 & ~current_umask())
         with os.fdopen(handle, "wb") as stream:
             stream.write(header)
             stream.write(data)
@@ -212,8 +224,8 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
         finally:
             os.close(directory)
     except OSError as error:
-        raise CheckpointError(f"checkpoint {path} could not be written ({error.strerror or error}); "
-                              f"the previous checkpoint is kept") from None
+        kept = "; " + kept_note(previous) if previous is not _UNKNOWN else ""
+        raise CheckpointError(f"checkpoint {path} could not be written ({error.strerror or error}){kept}") from None
     finally:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
