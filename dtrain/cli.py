@@ -67,9 +67,11 @@ def checkpoint_identity(cfg: DictConfig) -> dict:
 
 
 def run_config(cfg: DictConfig) -> dict:
-    """The resolved config as plain containers, without the run directory (which may move)."""
+    """The resolved config as plain containers, without where the run lives or started from (the run
+    directory, which may move, and ``session.checkpoint.restore_from``)."""
     content = OmegaConf.to_container(cfg, resolve=True)
     content.pop("run_dir", None)
+    content.get("session", {}).get("checkpoint", {}).pop("restore_from", None)
     return content
 
 

@@ -10,9 +10,9 @@ Files are numbered by the samples seen: ``checkpoint.pt`` in the config becomes
 ``checkpoint-<samples>.pt``. The number in the name is only a label: files are ordered, chosen
 and pruned by the samples recorded inside (the header, checked against the payload), and a file
 whose name and content disagree (a copy, a symlink, a rename) is skipped with a warning, never
-restored and never counted when old checkpoints are pruned. Restore takes the newest file that
-verifies, so a crash in the middle of a write, or a file damaged later, falls back to the
-previous good checkpoint.
+restored and never counted when old checkpoints are pruned (``restore_from`` names such a file to
+start a run from it). Restore takes the newest file that verifies, so a crash in the middle of a
+write, or a file damaged later, falls back to the previous good checkpoint.
 """
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ class CheckpointFiles:
             if samples is not None and samples != number:
                 if warn:
                     warnings.warn(f"checkpoint {path} holds the state at {samples} samples, not {number} as its name "
-                                  f"says (a copy or link of another checkpoint?); skipped: move it away",
-                                  RuntimeWarning, stacklevel=2)
+                                  f"says (a copy or link of another checkpoint?); skipped: move it away, or name it "
+                                  f"in session.checkpoint.restore_from to start from it", RuntimeWarning, stacklevel=2)
                 continue
             agreed.append((number, path))
         return agreed
@@ -161,6 +161,24 @@ class CheckpointFiles:
         for path in doomed:
             path.unlink(missing_ok=True)
         return doomed
+
+    def strays(self) -> list[Path]:
+        """Files beside the checkpoints that hold a dtrain checkpoint under another name (``best.pt``,
+        ``checkpoint.pt``): never restored by themselves, so the session names them in a warning."""
+        if not self.base.parent.is_dir():
+            return []
+        numbered = {path for _, path in self.existing()}
+        found = []
+        for path in sorted(self.base.parent.iterdir()):
+            if path in numbered or path.name.startswith(".") or not path.is_file():
+                continue
+            try:
+                with open(path, "rb") as stream:
+                    if stream.read(len(MAGIC) + 1) == MAGIC + b" ":
+                        found.append(path)
+            except OSError:
+                continue
+        return found
 
     def temporaries(self) -> list[Path]:
         """The temporary files that ``save_atomic`` leaves when it is killed before its rename."""

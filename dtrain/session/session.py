@@ -305,6 +305,7 @@ class TrainingSession:
         self.checkpoint_files: checkpoint.CheckpointFiles | None = None
         self._restore_attempted = False
         self._restored_from: Path | None = None
+        self._restore_note = ""  # which checkpoint the run starts from and why (or why none), for the start-up
         self._run_dir_lock: RunDirectoryLock | None = None
         self._last_training_error: float | None = None
         self._preemption = threading.Event()
@@ -665,12 +666,14 @@ class TrainingSession:
         def lock_run_dir() -> None:  # rank 0, before any checkpoint is read
             self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
 
-        found = checkpoint_state.restore_latest(
-            self.checkpoint_files, self.checkpoint_config.restore if self.checkpoint_config else False, self.model,
-            self.learner, self.source, self.comm, self.checkpoint_identity, prepare=lock_run_dir)
-        if found is None:
+        config = self.checkpoint_config
+        start, same_world = checkpoint_state.restore_latest(
+            self.checkpoint_files, config.restore if config else False, self.model, self.learner, self.source,
+            self.comm, self.checkpoint_identity, prepare=lock_run_dir, restore_from=config.restore_from if config else None)
+        self._restore_note = start.note
+        if start.state is None:
             return None
-        path, state, same_world = found
+        path, state = start.path, start.state
         if not same_world and self.comm.is_main:
             print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
@@ -732,8 +735,11 @@ class TrainingSession:
                    f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else ""]
         if any(options):
             printer.line("dtrain: " + ", ".join(option for option in options if option))
-        if restored_from is not None:
-            printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
+        if restored_from is None:
+            printer.line(f"dtrain: {self._restore_note}")
+        else:
+            printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples"
+                         + (f" ({self._restore_note})" if self._restore_note else ""))
             if self.changed_settings:
                 printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
                              f"{'; '.join(self.changed_settings)}")

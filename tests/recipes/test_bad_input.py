@@ -132,6 +132,13 @@ CASES = [
     ("run-dir-read-only", ["run_dir={readonly}/run"], ["run_dir={readonly}/run", "not writable", "expected a writable directory"]),
     # the run directory's own checkpoint and resources
     ("restore-off", ["session.checkpoint.restore=false"], ["already exists and restore is off"]),
+    ("restore-from-missing", ["session.checkpoint.restore_from=nope.pt"],
+     ["session.checkpoint.restore_from='nope.pt': no such file; expected a dtrain checkpoint file"]),
+    ("restore-from-restore-off", ["session.checkpoint.restore_from={finished}/checkpoint-64.pt",
+                                  "session.checkpoint.restore=false"],
+     ["session.checkpoint.restore_from=", "expected session.checkpoint.restore=true"]),
+    ("restore-from-other-model", ["run_dir={base}/fresh", "session.checkpoint.restore_from={finished}/checkpoint-64.pt",
+                                  "model.hidden=16"], ["checkpoint {finished}/checkpoint-64.pt does not fit this model"]),
     # refused at the first minibatch (training on) or at the test (nothing left to train): after the resume's checks
     ("metric-k-above-classes", ["metric=top5_error", "metric.k=20"], ["metric top20_error needs at least 20 classes"]),
     ("metric-k-nothing-to-train", ["metric=top5_error", "metric.k=20", "session.max_samples=64"],
