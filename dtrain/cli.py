@@ -543,6 +543,18 @@ def run_sweep_job(cfg: DictConfig, job: SweepJob) -> float | None:
     return objective
 
 
+def _sweeper_error(error: BaseException) -> str:
+    """One line for an error of Hydra or a sweeper (a bad sweep override, a study with no finished trial)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(error, (HydraException, OmegaConfBaseException)):
+        return describe_failure(error)[0]
+    cause = error.__cause__
+    return first_line(error) + (f" ({first_line(cause)})" if cause is not None and first_line(cause) else "") + \
+        " (python -m dtrain +recipe=NAME --cfg job lists every key)"
+
+
 def run_sweep(argv: list[str]) -> int:
     """``python -m dtrain -m ...``: runs Hydra's sweep, whose jobs fail alone (``run_sweep_job``), then
     prints its summary; returns the sweep's exit status (0: every job finished).
@@ -563,7 +575,7 @@ def run_sweep(argv: list[str]) -> int:
         pass  # a failed job the sweeper re-raised: it is in the outcomes already
     except Exception as error:  # noqa: BLE001 -- a sweeper or Hydra error: one line, not a traceback
         _debug_traceback()
-        stopped_by = describe_failure(error)[0]
+        stopped_by = _sweeper_error(error)
     finally:
         if previous is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -31,12 +31,10 @@ def test_a_sweep_under_mpiexec_trains_each_job_on_all_ranks_and_goes_on_past_fai
     assert [line for line in result.stdout.splitlines() if line.startswith("dtrain: job ")] == [
         "dtrain: job 0/4: optimizer.lr=0.02", "dtrain: job 1/4: optimizer.lr=-1",
         "dtrain: job 2/4: optimizer.lr=1000000000.0", "dtrain: job 3/4: optimizer.lr=0.05"]
-    failures = [line for line in result.stderr.splitlines() if "dtrain: error:" in line]
-    assert failures == ["dtrain: error: optimizer.lr=-1.0: expected a positive finite number",
-                        "dtrain: error: training diverged: the mean loss is nan over the last 320 samples (at 320 "
-                        "samples); lower optimizer.lr, or with 1-bit gradients start distributed training later "
-                        "(learner.distributed_after)",
-                        "dtrain: error: sweep: 2 of 4 jobs failed (jobs 1, 2)"], result.report()
+    bad_input, diverged, ending = [line for line in result.stderr.splitlines() if "dtrain: error:" in line]
+    assert bad_input == "dtrain: error: optimizer.lr=-1.0: expected a positive finite number", result.report()
+    assert diverged.startswith("dtrain: error: training diverged: the mean loss is "), result.report()
+    assert ending == "dtrain: error: sweep: 2 of 4 jobs failed (jobs 1, 2)", result.report()
     with open(sweep / "sweep_summary.csv", newline="") as table:
         assert [row["status"] for row in csv.DictReader(table)] == ["finished", "failed", "diverged", "finished"]
     assert sorted(p.name for p in Path(sweep).iterdir()) == [".dtrain-sweep-jobs.jsonl", "0", "1", "2", "3",

@@ -41,11 +41,10 @@ def test_a_sweep_trains_each_job_in_its_own_directory_and_goes_on_past_failing_a
     jobs = [line for line in result.stdout.splitlines() if line.startswith("dtrain: job ")]
     assert jobs == ["dtrain: job 0/4: optimizer.lr=0.02", "dtrain: job 1/4: optimizer.lr=-1",
                     "dtrain: job 2/4: optimizer.lr=1000000000.0", "dtrain: job 3/4: optimizer.lr=0.05"]
-    assert result.stderr.splitlines() == [
-        "dtrain: error: optimizer.lr=-1.0: expected a positive finite number",
-        "dtrain: error: training diverged: the mean loss is nan over the last 320 samples (at 320 samples); lower "
-        "optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)",
-        "dtrain: error: sweep: 2 of 4 jobs failed (jobs 1, 2)"]
+    bad_input, diverged, ending = result.stderr.splitlines()
+    assert bad_input == "dtrain: error: optimizer.lr=-1.0: expected a positive finite number"
+    assert diverged.startswith("dtrain: error: training diverged: the mean loss is ")
+    assert ending == "dtrain: error: sweep: 2 of 4 jobs failed (jobs 1, 2)"
     assert f"dtrain: sweep of 4 jobs: 2 finished, 2 failed (summary in {sweep / 'sweep_summary.csv'})" in result.stdout
     rows = summary(sweep)
     assert [(row["job"], row["overrides"], row["status"], row["exit_code"], row["run_dir"]) for row in rows] == [
@@ -75,11 +74,9 @@ def test_an_optuna_sweep_minimises_the_returned_test_error_and_goes_on_past_a_di
     errors = [final_test_error(sweep / str(job)) for job in (0, 2)]
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())  # the failed trial is left out
     assert best["best_value"] == pytest.approx(min(errors)) and best["best_params"]["optimizer.lr"] in (0.02, 0.05)
-    errors_printed = [line for line in result.stderr.splitlines() if "error" in line.lower()]
-    assert errors_printed == [
-        "dtrain: error: training diverged: the mean loss is nan over the last 320 samples (at 320 samples); lower "
-        "optimizer.lr, or with 1-bit gradients start distributed training later (learner.distributed_after)",
-        "dtrain: error: sweep: 1 of 3 jobs failed (job 1)"], result.stderr
+    diverged, ending = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert diverged.startswith("dtrain: error: training diverged: the mean loss is "), result.stderr
+    assert ending == "dtrain: error: sweep: 1 of 3 jobs failed (job 1)", result.stderr
 
 
 def test_a_sweep_through_submitit_trains_distinct_runs(tmp_path):
@@ -97,6 +94,7 @@ def test_a_sweep_through_submitit_trains_distinct_runs(tmp_path):
 @pytest.mark.parametrize("args, fragment", [
     (("run_dir=fixed",), "run_dir cannot be set in a sweep"),
     (("hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"), "starts 2 independent copies of each job"),
+    (("optimizer.lrr=0.1",), "Could not override 'optimizer.lrr'. (Key 'lrr' not in 'SGDConfig')"),  # Hydra's own error
 ])
 def test_a_sweep_that_would_share_or_copy_a_run_is_refused_in_one_line(tmp_path, args, fragment):
     result = run_dtrain("-m", *TINY, *args, "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
