@@ -35,6 +35,9 @@ from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, 
 from dtrain.session.binding import StreamBinding
 from dtrain.session.checkpoint import CheckpointError
 from dtrain.session.configs import device_and_profile_options
+from dtrain.session.safe_files import create_new
+from dtrain.sweep import (JobFailed, SweepJob, agree_on_failure, current_job, finish_sweep, record_outcome, start_sweep,
+                          sweep_outcomes)
 
 #: exit code for a bad config, data set or checkpoint (the user's input, not a crash)
 EXIT_BAD_INPUT = 2
@@ -67,9 +70,11 @@ def checkpoint_identity(cfg: DictConfig) -> dict:
 
 
 def run_config(cfg: DictConfig) -> dict:
-    """The resolved config as plain containers, without the run directory (which may move)."""
+    """The resolved config as plain containers, without where the run lives or started from (the run
+    directory, which may move, and ``session.checkpoint.restore_from``)."""
     content = OmegaConf.to_container(cfg, resolve=True)
     content.pop("run_dir", None)
+    content.get("session", {}).get("checkpoint", {}).pop("restore_from", None)
     return content
 
 
@@ -99,19 +104,31 @@ def _instantiate(node, what: str, **kwargs):
         raise cause from None
 
 
-def _save_config(cfg: DictConfig, run_dir: Path) -> Path:
-    """Writes the resolved config into the run directory without replacing an earlier one."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    index = 1
-    while path.exists():
+def config_path(run_dir: Path) -> Path:
+    """Where this run's resolved config goes: ``config.yaml``, or for a resumed run the first free
+    ``config.<n>.yaml`` (an earlier run's is never replaced)."""
+    path, index = run_dir / "config.yaml", 1
+    while os.path.lexists(path):
         path = run_dir / f"config.{index}.yaml"
         index += 1
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return path
 
 
-def run(cfg: DictConfig) -> float | None:
+def save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """Writes the resolved config into the run directory as a new file (never over an earlier one,
+    and never through a link planted at its name); returns where."""
+    text = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    while True:
+        path = config_path(run_dir)
+        try:
+            with create_new(path) as stream:
+                stream.write(text)
+            return path
+        except FileExistsError:  # appeared since config_path looked: take the next name
+            continue
+
+
+def run(cfg: DictConfig, job: SweepJob | None = None) -> float | None:
     """Builds everything from ``cfg``, trains, and returns the run's objective.
 
     The objective (``TrainingResult.objective``: test error, else the last cross-validation
@@ -122,29 +139,94 @@ def run(cfg: DictConfig) -> float | None:
     ``dtrain: error: ...`` and exit code 2, anything else with the exception's one line and
     exit code 1 (``DTRAIN_DEBUG=1`` adds the traceback). Exceptions never reach Hydra, whose
     traceback printer and ``sys.exit`` would leave the other ranks waiting in ``MPI_Finalize``.
+
+    In a sweep (``job``), a failure that every rank of the job meets ends the job alone: rank 0
+    prints its line and every rank raises :class:`JobFailed` (Hydra's failed job), so the sweep goes
+    on. A failure of some ranks only still ends the whole sweep as above, since the others are
+    inside a collective that will never complete.
     """
     # every rank looks (only rank 0 writes): a rank that went on into start-up alone would leave the
-    # launcher to tear down a half-started job
-    problems = validate(cfg, check_run_dir=True)
+    # launcher to tear down a half-started job. In a sweep, the file system is looked at once the
+    # ranks can agree on what they saw (a rank going on to the next job alone would pair jobs wrongly)
+    problems = validate(cfg, check_run_dir=job is None)
     if problems:
-        _exit_bad_input("; ".join(problems))
+        _fail_before_job("; ".join(problems), job=job)
     try:
         comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
     except Exception as error:  # noqa: BLE001 -- before the job exists; MPI start-up failures abort by themselves
         _debug_traceback()
         message, code = describe_failure(error, cfg)
-        _exit_bad_input(message, code)
+        _fail_before_job(message, code, job=job)
     install_fail_fast(comm)
     heartbeat = start_heartbeat(comm, cfg.comm.heartbeat_timeout_s)
+    failure = None
     try:
-        objective = _run_with(comm, cfg)
+        if job is not None:
+            _agree_on_the_file_system(comm, cfg)
+        objective = _run_with(comm, cfg, job)
     except Exception as error:  # noqa: BLE001 -- every failure ends the whole job, with one line
         _debug_traceback()
-        end_job(comm, *describe_failure(error, cfg), lost_peer=is_lost_peer(error))
+        message, code = describe_failure(error, cfg)
+        if job is None:
+            end_job(comm, message, code, lost_peer=is_lost_peer(error))
+        failure = (message, code, "diverged" if isinstance(error, TrainingDiverged) else "failed", is_lost_peer(error))
+    if failure is not None:  # outside the except block: the failed job's objects are freed before the next job
+        _end_failed_job(comm, heartbeat, cfg, *failure)
     if heartbeat is not None:
         heartbeat.stop()
     comm.finalize()
     return objective
+
+
+def _fail_before_job(message: str, code: int = EXIT_BAD_INPUT, *, job: SweepJob | None) -> NoReturn:
+    """A failure before the job's communicator exists: outside a sweep, ``_exit_bad_input``; in a sweep,
+    rank 0 prints the line and the job raises :class:`JobFailed` (every rank finds the same problem)."""
+    if job is None:
+        _exit_bad_input(message, code)
+    if launch_position()[0] == 0:
+        sys.stdout.flush()
+        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+    raise JobFailed(message, code)
+
+
+def _agree_on_the_file_system(comm, cfg: DictConfig) -> None:
+    """In a sweep: the run directory and restore_from checks on every rank, one verdict for all.
+
+    Raises:
+        UserError: on every rank, when any rank found a problem (the first such rank's).
+    """
+    problems = comm.allgather_object(validate(cfg, check_run_dir=True))
+    found = next((rank_problems for rank_problems in problems if rank_problems), None)
+    if found:
+        raise UserError("; ".join(found))
+
+
+#: seconds the ranks of a failed sweep job wait for each other's failure: ranks failing at the same
+#: point (a bad setting, a divergence found by an all-reduce) arrive within a step of each other
+AGREEMENT_TIMEOUT_S = 30.0
+
+
+def _end_failed_job(comm, heartbeat, cfg: DictConfig, message: str, code: int, kind: str, secondary: bool) -> NoReturn:
+    """A failed job of a sweep: once every rank agrees it failed, rank 0 prints its line and every rank
+    leaves the job (heartbeat stopped, communicator finalized) and raises :class:`JobFailed`.
+
+    Ranks that do not all report the failure within ``AGREEMENT_TIMEOUT_S`` (at most
+    ``comm.heartbeat_timeout_s`` and ``comm.timeout_s``) cannot go on together: the whole job ends
+    with ``end_job``, as outside a sweep.
+    """
+    if comm.size > 1:
+        agreed = agree_on_failure(comm, message, code, kind, secondary=secondary,
+                                  timeout_s=min(AGREEMENT_TIMEOUT_S, cfg.comm.timeout_s, cfg.comm.heartbeat_timeout_s))
+        if agreed is None:
+            end_job(comm, message, code, lost_peer=secondary)
+        message, code, kind = agreed
+    if comm.is_main:
+        sys.stdout.flush()
+        print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
+    if heartbeat is not None:
+        heartbeat.stop()
+    comm.finalize()
+    raise JobFailed(message, code, kind)
 
 
 def _debug_traceback() -> None:
@@ -231,7 +313,7 @@ def _exit_bad_input(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     os._exit(code)
 
 
-def _run_with(comm, cfg: DictConfig) -> float | None:
+def _run_with(comm, cfg: DictConfig, job: SweepJob | None = None) -> float | None:
     # one run directory and one config for all ranks
     cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
     config_hash = fingerprint(cfg)
@@ -292,14 +374,15 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
         run_config=run_config(cfg),
     )
     trainer.restore()  # a bad checkpoint is reported before anything is written
+    trainer.when_checks_pass(lambda: save_config(cfg, run_dir))  # after the first minibatch's checks too
     if comm.is_main:
-        saved = _save_config(cfg, run_dir)
-        print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {saved.name})", flush=True)
+        print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {config_path(run_dir).name})",
+              flush=True)
         print(f"dtrain: {threads.describe(per_process=comm.size > 1)}", flush=True)
         print(f"dtrain: {host_memory.describe()}", flush=True)
     result = trainer.train()
     if result.preempted:
-        exit_preempted(comm, cfg, result)
+        exit_preempted(comm, cfg, result, sweep_dir=job.sweep_dir if job is not None else None)
     return result.objective
 
 
@@ -308,17 +391,21 @@ def _run_with(comm, cfg: DictConfig) -> float | None:
 _LAUNCHER_ENDING_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
 
-def continue_command(comm, run_dir: str, argv: list[str] | None = None) -> str:
-    """The command that continues this run: the same arguments with ``run_dir`` pinned to this run's."""
-    args = [argument for argument in (sys.argv[1:] if argv is None else argv) if not argument.startswith("run_dir=")]
-    command = shlex.join(["python", "-m", "dtrain", *args, f"run_dir={run_dir}"])
+def continue_command(comm, run_dir: str, argv: list[str] | None = None, sweep_dir: str | None = None) -> str:
+    """The command that continues this run: the same arguments with ``run_dir`` pinned to this run's
+    (in a sweep, ``hydra.sweep.dir`` pinned to the sweep's: the sweep continues each job)."""
+    pinned = ("hydra.sweep.dir=", f"hydra.sweep.dir={sweep_dir}") if sweep_dir is not None \
+        else ("run_dir=", f"run_dir={run_dir}")
+    args = [argument for argument in (sys.argv[1:] if argv is None else argv) if not argument.startswith(pinned[0])]
+    command = shlex.join(["python", "-m", "dtrain", *args, pinned[1]])
     launcher = {"mpi": f"mpiexec -n {comm.size} ", "torchrun": "torchrun [the same options] ",
                 "slurm": "srun [the same options] "}
     return launcher.get(comm.launcher, "") + command if comm.size > 1 else command
 
 
-def exit_preempted(comm, cfg: DictConfig, result) -> NoReturn:
-    """After a preemption checkpoint: say where it is and how to continue, then exit with code 75.
+def exit_preempted(comm, cfg: DictConfig, result, sweep_dir: str | None = None) -> NoReturn:
+    """After a preemption checkpoint: say where it is and how to continue, then exit with code 75 (in a
+    sweep too: the sweep stops, and the command continues it).
 
     Rank 0 prints the line to stderr; when Open MPI's ``mpiexec`` itself got SIGTERM/SIGINT it has
     already exited (with code 1) and no longer forwards output, so the line also goes to the
@@ -327,7 +414,7 @@ def exit_preempted(comm, cfg: DictConfig, result) -> NoReturn:
     if comm.is_main:
         line = (f"dtrain: stopped by {cfg.session.checkpoint.preemption_signal}: checkpoint saved at "
                 f"{result.samples_seen} samples ({result.last_checkpoint}); continue with: "
-                f"{continue_command(comm, cfg.run_dir)}")
+                f"{continue_command(comm, cfg.run_dir, sweep_dir=sweep_dir)}")
         with contextlib.suppress(OSError):  # a launcher that has gone away closed our pipes
             sys.stdout.flush()
             print(line, file=sys.stderr, flush=True)
@@ -426,6 +513,9 @@ def check_model_outputs(model: torch.nn.Module, source, num_classes=None, bindin
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    job = current_job()
+    if job is not None:
+        return run_sweep_job(cfg, job)
     try:
         job_dir = sweep_run_dir(cfg)
     except UserError as error:
@@ -433,6 +523,72 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     if job_dir is not None:
         cfg.run_dir = job_dir
     return run(cfg)
+
+
+def run_sweep_job(cfg: DictConfig, job: SweepJob) -> float | None:
+    """One job of a sweep: rank 0 names it (``dtrain: job 1/3: optimizer.lr=-1``), then it runs in its own
+    directory; how it ended is recorded for the sweep's summary, and a failure is raised to Hydra as
+    :class:`JobFailed` (the sweep goes on)."""
+    is_main = launch_position()[0] == 0
+    if is_main:
+        print(f"dtrain: {job.describe()}", flush=True)
+    try:
+        try:
+            cfg.run_dir = sweep_run_dir(cfg)
+        except UserError as error:
+            _fail_before_job(str(error), job=job)
+        objective = run(cfg, job)
+    except JobFailed as failure:
+        record_outcome(job, failure.kind, code=failure.code, message=failure.message, write=is_main)
+        raise
+    record_outcome(job, "finished", objective=objective, write=is_main)
+    return objective
+
+
+def _sweeper_error(error: BaseException) -> str:
+    """One line for an error of Hydra or a sweeper (a bad sweep override, a study with no finished trial)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(error, (HydraException, OmegaConfBaseException)):
+        return describe_failure(error)[0]
+    cause = error.__cause__
+    return first_line(error) + (f" ({first_line(cause)})" if cause is not None and first_line(cause) else "") + \
+        " (python -m dtrain +recipe=NAME --cfg job lists every key)"
+
+
+def run_sweep(argv: list[str]) -> int:
+    """``python -m dtrain -m ...``: runs Hydra's sweep, whose jobs fail alone (``run_sweep_job``), then
+    prints its summary; returns the sweep's exit status (0: every job finished).
+
+    Hydra's sweepers re-raise a failed job (the basic sweeper once its batch has run) and Optuna's
+    stops at ``hydra.sweeper.max_failure_rate``, which is therefore 1.0 unless given. Their errors
+    come back here (``HYDRA_FULL_ERROR``) instead of as Hydra's traceback.
+    """
+    start_sweep(argv)
+    if "hydra/sweeper=optuna" in argv and not any(a.startswith("hydra.sweeper.max_failure_rate=") for a in argv):
+        sys.argv.append("hydra.sweeper.max_failure_rate=1.0")  # failed trials are told as failed; the study goes on
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    stopped_by = None
+    try:
+        _hydra_main()
+    except JobFailed:
+        pass  # a failed job the sweeper re-raised: it is in the outcomes already
+    except Exception as error:  # noqa: BLE001 -- a sweeper or Hydra error: one line, not a traceback
+        _debug_traceback()
+        stopped_by = _sweeper_error(error)
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+    is_main = launch_position()[0] == 0
+    if stopped_by is not None and not sweep_outcomes():
+        if is_main:
+            print(f"dtrain: error: {stopped_by}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return finish_sweep(is_main, stopped_by)
 
 
 def available_recipes(argv: list[str]) -> list[str]:
@@ -549,6 +705,8 @@ def main() -> None:
     problem = check_recipe_argument(argv) or check_overrides(argv) or check_sweep_arguments(argv)
     if problem:
         _exit_bad_input(problem)
+    if any(argument in ("-m", "--multirun") for argument in argv):
+        sys.exit(run_sweep(argv))
     _hydra_main()
 
 

@@ -299,6 +299,7 @@ class CheckpointSettings:
     preserve_all: StrictBool = False    # keep every checkpoint, not only the newest keep_last
     keep_last: int = 2                  # >= 2: the newest and a fallback if it is damaged
     preemption_signal: Optional[str] = "SIGTERM"  # save at the next step and exit 75; null disables
+    restore_from: Optional[str] = None  # a checkpoint file to start from while run_dir has none of its own
 
 
 @dataclass
@@ -949,6 +950,26 @@ def _comm_problems(comm: DictConfig) -> list[str]:
     return problems
 
 
+def restore_from_problems(checkpoint: DictConfig, *, look: bool = True) -> list[str]:
+    """``session.checkpoint.restore_from``: null, or (with restore on) a file that exists when ``look``.
+
+    Reads the file system only; whether the file is a checkpoint of this run is checked when it is restored.
+    """
+    value = checkpoint.restore_from
+    if value is None:
+        return []
+    key = f"session.checkpoint.restore_from={value!r}"
+    if not isinstance(value, str) or not value.strip():
+        return [f"{key}: expected the path of a dtrain checkpoint file, or null"]
+    if checkpoint.restore is False:
+        return [f"{key}: expected session.checkpoint.restore=true (restore_from names the checkpoint to restore)"]
+    if look and not os.path.isfile(value):
+        where = "is a directory" if os.path.isdir(value) else "no such file"
+        return [f"{key}: {where}; expected a dtrain checkpoint file (a relative path is from the working "
+                f"directory, {os.getcwd()})"]
+    return []
+
+
 def run_dir_problems(run_dir: Any) -> list[str]:
     """Whether ``run_dir`` can be the run directory: a writable directory, or creatable in one.
 
@@ -1054,6 +1075,7 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
     run(lambda: _check(cfg, "", ("seed", checks.whole_number, {"low": 0})), "seed")
     if check_run_dir:
         run(lambda: run_dir_problems(cfg.run_dir), "run_dir")
+    run(lambda: restore_from_problems(cfg.session.checkpoint, look=check_run_dir), "session.checkpoint.restore_from")
     # NaN or infinity in any number no rule above has already refused
     mentioned = {problem.split("=", 1)[0].split(":", 1)[0].lstrip(".") for problem in problems}
 

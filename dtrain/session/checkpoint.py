@@ -10,9 +10,9 @@ Files are numbered by the samples seen: ``checkpoint.pt`` in the config becomes
 ``checkpoint-<samples>.pt``. The number in the name is only a label: files are ordered, chosen
 and pruned by the samples recorded inside (the header, checked against the payload), and a file
 whose name and content disagree (a copy, a symlink, a rename) is skipped with a warning, never
-restored and never counted when old checkpoints are pruned. Restore takes the newest file that
-verifies, so a crash in the middle of a write, or a file damaged later, falls back to the
-previous good checkpoint.
+restored and never counted when old checkpoints are pruned (``restore_from`` names such a file to
+start a run from it). Restore takes the newest file that verifies, so a crash in the middle of a
+write, or a file damaged later, falls back to the previous good checkpoint.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dtrain.session.safe_files import current_umask
 
 MAGIC = b"DTRAIN-CHECKPOINT"
 FORMAT_VERSION = 3  # 3: the header records the samples seen; 2 (no samples= field) is still read
@@ -137,11 +139,16 @@ class CheckpointFiles:
             if samples is not None and samples != number:
                 if warn:
                     warnings.warn(f"checkpoint {path} holds the state at {samples} samples, not {number} as its name "
-                                  f"says (a copy or link of another checkpoint?); skipped: move it away",
-                                  RuntimeWarning, stacklevel=2)
+                                  f"says (a copy or link of another checkpoint?); skipped: move it away, or name it "
+                                  f"in session.checkpoint.restore_from to start from it", RuntimeWarning, stacklevel=2)
                 continue
             agreed.append((number, path))
         return agreed
+
+    def newest(self) -> Path | None:
+        """The newest checkpoint file by content (not verified beyond its header), ``None`` when there is none."""
+        agreed = self.by_content(warn=False)
+        return agreed[-1][1] if agreed else None
 
     def prune(self, keep_last: int) -> list[Path]:
         """Deletes all but the newest ``keep_last`` checkpoints by content (0 keeps every one).
@@ -154,6 +161,24 @@ class CheckpointFiles:
         for path in doomed:
             path.unlink(missing_ok=True)
         return doomed
+
+    def strays(self) -> list[Path]:
+        """Files beside the checkpoints that hold a dtrain checkpoint under another name (``best.pt``,
+        ``checkpoint.pt``): never restored by themselves, so the session names them in a warning."""
+        if not self.base.parent.is_dir():
+            return []
+        numbered = {path for _, path in self.existing()}
+        found = []
+        for path in sorted(self.base.parent.iterdir()):
+            if path in numbered or path.name.startswith(".") or not path.is_file():
+                continue
+            try:
+                with open(path, "rb") as stream:
+                    if stream.read(len(MAGIC) + 1) == MAGIC + b" ":
+                        found.append(path)
+            except OSError:
+                continue
+        return found
 
     def temporaries(self) -> list[Path]:
         """The temporary files that ``save_atomic`` leaves when it is killed before its rename."""
@@ -170,19 +195,24 @@ class CheckpointFiles:
         return removed
 
 
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def kept_note(previous: Path | None) -> str:
+    """What a failed or refused checkpoint write leaves to fall back on, for its one-line message."""
+    return f"the previous checkpoint {previous} is kept" if previous is not None \
+        else "there is no earlier checkpoint to fall back on"
 
 
-def save_atomic(state: dict[str, Any], path: Path) -> None:
+#: ``save_atomic``'s default ``previous``: the caller did not say which checkpoint came before
+_UNKNOWN = object()
+
+
+def save_atomic(state: dict[str, Any], path: Path, previous: Path | None | object = _UNKNOWN) -> None:
     """Writes ``state`` to ``path`` so that a crash leaves either no new file or a complete one.
 
     The bytes go to a temporary file in the same directory, are flushed to disk (fsync), and the
     file is renamed to ``path``; the directory is fsynced so the rename itself is durable. The file
     gets the permissions of any other new file (``0666`` less the umask), so a team can share a run
-    directory. ``state["samples_seen"]`` (when present) is recorded in the header.
+    directory. ``state["samples_seen"]`` (when present) is recorded in the header. ``previous``
+    (the checkpoint before this one, or ``None``) lets a failure say what is left to fall back on.
 
     Raises:
         CheckpointError: the file could not be written (e.g. the disk is full); the temporary
@@ -198,7 +228,7 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.fchmod(handle, 0o666 & ~_current_umask())
+        os.fchmod(handle, 0o666 & ~current_umask())
         with os.fdopen(handle, "wb") as stream:
             stream.write(header)
             stream.write(data)
@@ -212,8 +242,8 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
         finally:
             os.close(directory)
     except OSError as error:
-        raise CheckpointError(f"checkpoint {path} could not be written ({error.strerror or error}); "
-                              f"the previous checkpoint is kept") from None
+        kept = "; " + kept_note(previous) if previous is not _UNKNOWN else ""
+        raise CheckpointError(f"checkpoint {path} could not be written ({error.strerror or error}){kept}") from None
     finally:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)

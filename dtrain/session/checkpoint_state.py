@@ -22,12 +22,16 @@ buffers is kept.
 """
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from dtrain.session.checkpoint import CheckpointError, CheckpointFiles, load_latest_valid
+from dtrain.session.checkpoint import CheckpointError, CheckpointFiles, load, load_latest_valid
 
 #: entries a checkpoint must have to be restored
 REQUIRED_KEYS = ("model", "learner", "learner_kind", "source", "per_rank", "world_size", "samples_seen", "minibatches",
@@ -210,13 +214,28 @@ def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch
     return state
 
 
+@dataclass(frozen=True)
+class StartingPoint:
+    """What a run starts from: the checkpoint read (``path``, ``state``; both ``None`` when starting
+    fresh) and ``note``, the start-up line's words for why this file or why none."""
+
+    path: Path | None
+    state: dict[str, Any] | None
+    note: str
+
+
 def read_newest(files: CheckpointFiles, restore: bool, model: torch.nn.Module, learner,
-                expected_identity: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
-    """Rank 0: the newest readable checkpoint, checked against this run; ``None`` when there is none.
+                expected_identity: dict[str, Any], restore_from: str | Path | None = None) -> StartingPoint:
+    """Rank 0: the checkpoint this run starts from, checked against this run.
+
+    The run directory's newest readable checkpoint continues the run; with none there,
+    ``restore_from`` (any dtrain checkpoint file, whatever its name) starts it. So the same command
+    continues a run begun from ``restore_from`` after a preemption. Files in the directory that hold
+    a dtrain checkpoint under another name are named in a warning (they are never restored).
 
     Raises:
         CheckpointError: restore is off but a checkpoint exists (it would be overwritten), no
-            checkpoint is readable, or the newest belongs to another model, learner or configuration.
+            checkpoint is readable, or the chosen one belongs to another model, learner or configuration.
     """
     if not restore:
         existing = files.existing()
@@ -224,13 +243,35 @@ def read_newest(files: CheckpointFiles, restore: bool, model: torch.nn.Module, l
             raise CheckpointError(
                 f"checkpoint {existing[-1][1]} already exists and restore is off; set session.checkpoint.restore=true "
                 f"to continue it, or use a new run directory so it is not overwritten")
-        return None
+        return StartingPoint(None, None, "starting fresh: session.checkpoint.restore is off")
+    chosen = Path(restore_from) if restore_from is not None else None
+    for path in files.strays():
+        if chosen is None or not _same_file(path, chosen):
+            warnings.warn(f"{path} holds a dtrain checkpoint but is not named {files.base.stem}-<samples>"
+                          f"{files.base.suffix}, so it is not restored; to start from it, name it in "
+                          f"session.checkpoint.restore_from", RuntimeWarning, stacklevel=2)
     found = load_latest_valid(files)
-    if found is None:
-        return None
-    path, state = found
-    check_restorable(path, state, model, learner, expected_identity)
-    return path, state
+    if found is not None:
+        path, state = found
+        check_restorable(path, state, model, learner, expected_identity)
+        note = ""
+        if chosen is not None and not _same_file(path, chosen):
+            note = (f"session.checkpoint.restore_from={chosen} not used: {files.base.parent} has checkpoints of its own, "
+                    f"which continue the run; to start from {chosen.name}, use a new run_dir")
+        return StartingPoint(path, state, note)
+    if chosen is not None:
+        state = load(chosen)
+        check_restorable(chosen, state, model, learner, expected_identity)
+        return StartingPoint(chosen, state, f"session.checkpoint.restore_from: {files.base.parent} has no checkpoint "
+                                            f"of its own yet")
+    return StartingPoint(None, None, f"starting fresh: no checkpoint in {files.base.parent}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) -> bool:
@@ -256,35 +297,35 @@ def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) 
 
 def restore_latest(files: CheckpointFiles | None, restore: bool, model: torch.nn.Module, learner, source, comm,
                    expected_identity: dict[str, Any], prepare: Callable[[], None] | None = None,
-                   ) -> tuple[Any, dict[str, Any], bool] | None:
-    """Rank 0 calls ``prepare()`` (e.g. to lock the run directory) and reads the newest checkpoint;
-    every rank receives it and applies it (no shared file system needed, and one error for all).
+                   restore_from: str | Path | None = None) -> tuple[StartingPoint, bool]:
+    """Rank 0 calls ``prepare()`` (e.g. to lock the run directory) and chooses and reads the checkpoint
+    (``read_newest``); every rank receives it and applies it (no shared file system needed, and one
+    error for all).
 
-    Returns ``(path, state, same_world_size)``, or ``None`` when starting fresh.
+    Returns ``(starting_point, same_world_size)``; ``starting_point.path`` is ``None`` when starting fresh.
 
     Raises:
         CheckpointError: on every rank, with rank 0's one-line message.
     """
-    outcome = None
+    outcome: StartingPoint | str = StartingPoint(None, None, "starting fresh: checkpoints are off")
     if comm.is_main:
         try:
             if prepare is not None:
                 prepare()
             if files is not None:
                 files.remove_temporaries()  # of writes killed before their rename; the run is locked now
-                outcome = read_newest(files, restore, model, learner, expected_identity)
+                outcome = read_newest(files, restore, model, learner, expected_identity, restore_from)
         except CheckpointError as error:
             outcome = str(error)
     outcome = comm.broadcast_object(outcome, root=0)
     if isinstance(outcome, str):
         raise CheckpointError(outcome)
-    if outcome is None:
-        return None
-    path, state = outcome
+    if outcome.state is None:
+        return outcome, True
     try:
-        return path, state, apply(state, model, learner, source, comm)
+        return outcome, apply(outcome.state, model, learner, source, comm)
     except (ValueError, TypeError) as error:  # the same on every rank: they all apply the same state
         # e.g. the data counted differently (another target, defining stream or length bucketing)
-        raise CheckpointError(f"checkpoint {path} does not fit this run's training data: {str(error).splitlines()[0]}; "
-                              f"keep the data settings the checkpoint was written with, or use a new run "
-                              f"directory") from error
+        raise CheckpointError(f"checkpoint {outcome.path} does not fit this run's training data: "
+                              f"{str(error).splitlines()[0]}; keep the data settings the checkpoint was written "
+                              f"with, or use a new run directory") from error

@@ -55,6 +55,9 @@ class CheckpointConfig:
         preemption_signal: the signal (name, e.g. ``"SIGTERM"``) that makes every rank save a
             checkpoint where the ranks next meet (the next minibatch; block momentum: within one block)
             and stop with exit code 75; ``None`` disables.
+        restore_from: a checkpoint file (any name, any run) to start from when the run directory has
+            no checkpoint of its own yet; once it has, its newest continues the run, so the same
+            command resumes after a preemption. Verified as any restore (model, learner, data).
     """
 
     filename: str | Path = "checkpoint.pt"
@@ -63,6 +66,7 @@ class CheckpointConfig:
     preserve_all: bool = False
     keep_last: int = 2
     preemption_signal: str | None = "SIGTERM"
+    restore_from: str | Path | None = None
 
     def __post_init__(self):
         self.frequency = action_frequency("CheckpointConfig.frequency", self.frequency)
@@ -71,6 +75,9 @@ class CheckpointConfig:
         checks.whole_number("CheckpointConfig.keep_last", self.keep_last, 2, unit="checkpoints")  # the newest and a fallback
         if self.preemption_signal is not None:
             signal_from_name(self.preemption_signal)
+        if self.restore_from is not None and (not str(self.restore_from) or not self.restore):
+            raise ValueError(f"CheckpointConfig.restore_from={str(self.restore_from)!r}: expected the path of a "
+                             f"checkpoint file, with restore=True")
 
 
 @dataclass

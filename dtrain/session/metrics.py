@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import datetime
 import importlib.util
+import io
 import json
 import os
+import secrets
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+from dtrain.session.safe_files import (check_directory, check_regular, open_append, open_replacement, read_no_follow,
+                                       replace_file)
 
 #: the one line a run explicitly asking for TensorBoard events gets when the package is missing
 TENSORBOARD_MISSING = ("session.tensorboard=true needs the tensorboard package: pip install 'dtrain[tensorboard]' "
@@ -48,15 +55,24 @@ class MetricsWriter:
     """Appends one record per progress period, cross-validation and test to ``run_dir/metrics.jsonl``,
     the same rows to ``run_dir/metrics.csv``, and scalars to TensorBoard.
 
-    A resumed run appends to the JSON lines; the CSV is rewritten from them when this writer opens
-    (and whenever a record brings a new key), so its rows always match ``metrics.jsonl`` one for
-    one under one header. ``records`` holds every record, earlier runs' included.
+    Creating a writer only reads: ``records`` holds every record of earlier runs (a resumed run
+    directory), and the names are checked (a link or a directory named ``metrics.jsonl``, which is
+    appended to, or ``tensorboard`` is refused with one line; ``metrics.csv`` is replaced whole). Nothing in the run directory changes until ``open()`` (or the first ``write``), which
+    the session calls once the run's checks have passed, so a refused run leaves it as it was.
+    A resumed run then appends to the JSON lines; the CSV is rewritten from them (and whenever a
+    record brings a new key), so its rows always match ``metrics.jsonl`` one for one under one
+    header. A ``metrics.jsonl`` with lines that are not JSON objects (a damaged disk, a foreign
+    write) is only a log: ``open()`` moves it aside to ``metrics.jsonl.damaged-<time>`` with a
+    one-line warning and continues with a fresh file holding its readable records.
 
     Args:
         run_dir: the run directory (created if missing).
         tensorboard: also write TensorBoard events under ``run_dir/tensorboard``.
         enabled: whether this process writes (rank 0 only); a disabled writer does nothing.
         metric_name: the key the training metric is recorded under (a CSV column after ``loss``).
+
+    Raises:
+        RunFileError: ``metrics.jsonl`` is not a regular file, or ``tensorboard`` is not a directory.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, metric_name: str = "error"):
@@ -70,25 +86,47 @@ class MetricsWriter:
         self._csv = None
         self._csv_writer = None
         self._tensorboard = None
+        self._opened = False
+        self._damage: str | None = None  # why metrics.jsonl cannot be appended to as it is
         if not enabled:
             return
+        check_regular(self.jsonl_path, "metric records")  # appended to; metrics.csv is replaced whole
+        if self.tensorboard_dir is not None:
+            check_directory(self.tensorboard_dir, "TensorBoard events")
+        self.records, self._damage = read_records(self.jsonl_path)
+
+    def open(self) -> None:
+        """Starts writing (idempotent): sets a damaged ``metrics.jsonl`` aside, opens it to append,
+        rewrites ``metrics.csv`` from the records and starts TensorBoard's event file.
+
+        Raises:
+            MetricsWriteError: a file could not be written (one line naming it).
+        """
+        if not self.enabled or self._opened:
+            return
+        self._opened = True
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self.records = _read_records(self.jsonl_path)
-        # unbuffered appends: a resumed run keeps its history, and each record is one write that
-        # is taken back whole if the disk fills (no torn last line for the next run to append to)
-        self._jsonl = open(self.jsonl_path, "ab", buffering=0)
-        if self.jsonl_path.stat().st_size and not self.jsonl_path.read_bytes().endswith(b"\n"):
-            self._append_whole(b"\n")  # a run killed mid-line: start the next record on its own line
+        try:
+            if self._damage is not None:
+                self._set_damaged_aside()
+            # unbuffered appends: a resumed run keeps its history, and each record is one write that
+            # is taken back whole if the disk fills (no torn last line for the next run to append to)
+            self._jsonl = open_append(self.jsonl_path)
+        except OSError as error:
+            raise MetricsWriteError(f"{self.jsonl_path} could not be written ({error.strerror or error})") from None
         self._rewrite_csv()
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: it loads TensorBoard
 
-            self._tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir))
+            # an unguessable file name: nobody can plant a link where the events will go
+            self._tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir),
+                                              filename_suffix=f".{secrets.token_hex(4)}")
 
     def write(self, kind: str, samples_seen: int, **values: float) -> None:
         """Records ``values`` of one ``kind`` (train, cv, test) at ``samples_seen`` global samples."""
         if not self.enabled:
             return
+        self.open()
         record = {"kind": kind, "samples": samples_seen, "time": round(time.time(), 3), **values}
         self.records.append(record)
         self._append_whole((json.dumps(record) + "\n").encode("utf-8"))
@@ -106,6 +144,22 @@ class MetricsWriter:
                 if isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(f"{kind}/{name}", value, samples_seen)
 
+    def _set_damaged_aside(self) -> None:
+        """Renames the damaged ``metrics.jsonl`` to ``metrics.jsonl.damaged-<time>`` (never over another
+        file) and writes a fresh one with its readable records, saying so in one warning line."""
+        stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+        aside = self.jsonl_path.with_name(f"{self.jsonl_path.name}.damaged-{stamp}")
+        number = 1
+        while os.path.lexists(aside):
+            aside = self.jsonl_path.with_name(f"{self.jsonl_path.name}.damaged-{stamp}-{number}")
+            number += 1
+        os.rename(self.jsonl_path, aside)
+        replace_file(self.jsonl_path, b"".join((json.dumps(record) + "\n").encode("utf-8") for record in self.records))
+        warnings.warn(f"{self.jsonl_path} is damaged ({self._damage}); moved it aside to {aside.name} and continuing "
+                      f"with a fresh {self.jsonl_path.name} holding its {len(self.records)} readable records",
+                      RuntimeWarning, stacklevel=3)
+        self._damage = None
+
     def _append_whole(self, data: bytes) -> None:
         """Appends ``data`` to metrics.jsonl, or on a write error cuts the file back to before it and raises."""
         descriptor = self._jsonl.fileno()
@@ -121,18 +175,38 @@ class MetricsWriter:
                                     f"before this one are kept") from None
 
     def _rewrite_csv(self) -> None:
-        """Writes ``metrics.csv`` from ``records`` (temporary file, then rename) and keeps it open to append."""
+        """Writes ``metrics.csv`` from ``records`` (a new temporary file renamed over it, so a link at its
+        name is replaced, not followed) and keeps it open to append.
+
+        Raises:
+            MetricsWriteError: it could not be written (a full disk); the temporary is removed and the
+                earlier ``metrics.csv`` left as it was.
+        """
         if self._csv is not None:
             self._csv.close()
+            self._csv = None
         for record in self.records:
             self._columns += [key for key in record if key not in self._columns]
-        temporary = self.csv_path.with_name(f".{self.csv_path.name}.tmp")
-        with open(temporary, "w", encoding="utf-8", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=self._columns, restval="")
-            writer.writeheader()
-            writer.writerows(self.records)
-        os.replace(temporary, self.csv_path)
-        self._csv = open(self.csv_path, "a", encoding="utf-8", newline="")
+        temporary = None
+        try:
+            stream, temporary = open_replacement(self.csv_path)
+            text = io.TextIOWrapper(stream, encoding="utf-8", newline="")
+            try:
+                writer = csv.DictWriter(text, fieldnames=self._columns, restval="")
+                writer.writeheader()
+                writer.writerows(self.records)
+                text.flush()
+                os.replace(temporary, self.csv_path)  # the open file is now metrics.csv: appends go on into it
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    text.close()
+                raise
+        except OSError as error:
+            if temporary is not None:
+                temporary.unlink(missing_ok=True)
+            raise MetricsWriteError(f"{self.csv_path} could not be written ({error.strerror or error}); "
+                                    f"{self.jsonl_path.name} has every record so far") from None
+        self._csv = text
         self._csv_writer = csv.DictWriter(self._csv, fieldnames=self._columns, restval="")
 
     def close(self) -> None:
@@ -154,19 +228,34 @@ def _leading_columns(metric_name: str) -> list[str]:
     return columns
 
 
-def _read_records(path: Path) -> list[dict]:
-    """The JSON objects of an existing ``metrics.jsonl`` (a line that does not parse is skipped)."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+def read_records(path: Path) -> tuple[list[dict], str | None]:
+    """The JSON objects of an existing ``metrics.jsonl``, and why it is damaged (``None``: it is not).
+
+    Every line must be UTF-8 text holding one JSON object; the lines that are not are left out and
+    described (the first one's number and what is wrong, and how many more).
+    """
+    if not os.path.lexists(path):
+        return [], None
+    lines = read_no_follow(path).split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # the newline that ends the last record
+    records, bad = [], []
+    for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            bad.append(f"line {number} is not UTF-8 text")
+            continue
         except json.JSONDecodeError:
+            bad.append(f"line {number} is not JSON")
             continue
         if isinstance(record, dict):
             records.append(record)
-    return records
+        else:
+            bad.append(f"line {number} is not a JSON object")
+    if not bad:
+        return records, None
+    return records, bad[0] + (f", and {len(bad) - 1} more line{'s' if len(bad) > 2 else ''}" if len(bad) > 1 else "")
 
 
 class PhaseTimer:

@@ -6,8 +6,9 @@ without a display and leaves ``pyplot``'s global state alone.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
+
+from dtrain.session.safe_files import write_through_temporary
 
 _KIND_STYLE = {"train": dict(color="tab:blue", marker="o", label="train"),
                "cv": dict(color="tab:orange", marker="s", label="cross-validation"),
@@ -20,7 +21,8 @@ _PHASE_COLORS = {"data_s": ("waiting for data", "tab:gray"), "compute_s": ("comp
 
 def write_report(records: list[dict], path: str | Path, metric_name: str = "error", title: str = "",
                  percent: bool | None = None) -> Path:
-    """Draws ``records`` (``metrics.jsonl``'s objects) into a PNG at ``path`` (atomically) and returns it.
+    """Draws ``records`` (``metrics.jsonl``'s objects) into a PNG at ``path`` (atomically, never through a
+    link planted there) and returns it.
 
     Panels: loss and the metric against samples and against wall time (train, cross-validation,
     test), training throughput, the split of each progress period between waiting for data,
@@ -112,11 +114,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
         _summary(axes[3][1], records, metric_name, percent)
     figure.suptitle(title or "dtrain run", fontsize="x-large")
 
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
-    figure.savefig(temporary, format="png")
-    os.replace(temporary, path)
-    return path
+    return write_through_temporary(Path(path), lambda name: figure.savefig(name, format="png"))
 
 
 def _phase_seconds(record: dict, key: str) -> float | None:

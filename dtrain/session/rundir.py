@@ -5,7 +5,9 @@ so taking it adds and changes nothing inside; ``record_holder()`` then writes wh
 host, start time) to ``run_dir/.lock`` once the job has started, and ``release()`` removes that
 file again, so a finished or failed job leaves the directory as it found it. The operating system releases
 the lock when the holder exits or dies, so a lock left by a dead job is simply taken over; a
-second live job into the same directory is refused with one line naming the holder.
+second live job into the same directory is refused with one line naming the holder. The
+``.lock`` file is never written through a link: one that is not a regular file is refused with
+one line, and the holder's line is written to a new file renamed over it.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import socket
 from pathlib import Path
 
 from dtrain.session.checkpoint import CheckpointError
+from dtrain.session.safe_files import RunFileError, check_regular, read_no_follow, replace_file
 
 HOLDER_FILE = ".lock"
 
@@ -38,7 +41,8 @@ class RunDirectoryLock:
 
         Raises:
             RunDirectoryInUse: another live process holds the lock (the message names its pid, host and start).
-            CheckpointError: the directory cannot be created, opened or locked.
+            CheckpointError: the directory cannot be created, opened or locked, or its ``.lock`` is not a
+                regular file (a link planted there would make the holder's line overwrite its target).
         """
         run_dir = Path(run_dir)
         try:
@@ -47,11 +51,16 @@ class RunDirectoryLock:
         except OSError as error:
             raise CheckpointError(f"run directory {run_dir} cannot be used ({error.strerror or error})") from None
         try:
+            check_regular(run_dir / HOLDER_FILE, "lock holder's line")
+        except RunFileError as error:
+            os.close(descriptor)
+            raise CheckpointError(str(error)) from None
+        try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(descriptor)
             try:
-                holder = (run_dir / HOLDER_FILE).read_text(encoding="utf-8").strip() or "a job starting up"
+                holder = read_no_follow(run_dir / HOLDER_FILE).decode("utf-8", "replace").strip() or "a job starting up"
             except OSError:
                 holder = "a job starting up"
             raise RunDirectoryInUse(f"run directory {run_dir} is in use by another dtrain job ({holder}); wait for "
@@ -63,10 +72,11 @@ class RunDirectoryLock:
         return cls(run_dir, descriptor)
 
     def record_holder(self) -> None:
-        """Writes this process's pid, host and start time to ``run_dir/.lock`` for a refused job to name."""
+        """Writes this process's pid, host and start time to ``run_dir/.lock`` for a refused job to name
+        (a new file renamed over the name: a link there is replaced, never followed)."""
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        (self.run_dir / HOLDER_FILE).write_text(f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n",
-                                                encoding="utf-8")
+        replace_file(self.run_dir / HOLDER_FILE,
+                     f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode())
         self._recorded = True
 
     def release(self) -> None:

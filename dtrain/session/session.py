@@ -315,10 +315,13 @@ class TrainingSession:
         self.checkpoint_files: checkpoint.CheckpointFiles | None = None
         self._restore_attempted = False
         self._restored_from: Path | None = None
+        self._restore_note = ""  # which checkpoint the run starts from and why (or why none), for the start-up
         self._run_dir_lock: RunDirectoryLock | None = None
         self._last_training_error: float | None = None
         self._preemption = threading.Event()
         self._report_path: Path | None = None
+        self._on_checks_passed: list[Callable[[], None]] = []
+        self._outputs_started = False
         self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
         self._collapse = CollapseWatch(self.device)
@@ -379,8 +382,16 @@ class TrainingSession:
             self.learner.loss_scale = 1.0  # the learner may train again without loss scaling
 
     def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
+        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=self.comm.is_main,
+                                metric_name=self.metric_name)
+        try:
+            return self._train_with(restored_from, metrics)
+        finally:
+            metrics.close()  # also when training fails
+
+    def _train_with(self, restored_from: Path | None, metrics: MetricsWriter) -> TrainingResult:
         is_main = self.comm.is_main
-        metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=is_main, metric_name=self.metric_name)
+        self._outputs_started = False
         throughput = Throughput()
         timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
         sums = PeriodSums(self.device, self.metric)  # loss and metric sums over this rank's samples of the period
@@ -388,6 +399,7 @@ class TrainingSession:
         last_checkpoint: Path | None = None
         stopped_early = preempted = False
         alone = self.comm.size == 1  # a single process checks for preemption after every minibatch
+        trained = False  # whether this run trained a minibatch (a resumed run may have none left)
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
                 self._preemption_handler(), self._profiling() as profiler:
             self._print_start(printer, restored_from)
@@ -401,6 +413,9 @@ class TrainingSession:
                     break
                 self._apply_schedules(seen, size)
                 self._step.train(batch, sums, timer)
+                if not trained:  # the first minibatch passed every check: the run directory may change now
+                    trained = True
+                    self._start_outputs(metrics)
                 self.minibatches += 1
                 if profiler is not None:
                     profiler.step()
@@ -434,9 +449,12 @@ class TrainingSession:
                 self._report_progress(printer, metrics, sums, throughput, timer)
             if self.cv_period.pending(seen) and not stopped_early:
                 last_cv, _ = self._cross_validate(printer, metrics)
+            if not trained and restored_from is not None:
+                last_checkpoint = restored_from  # nothing left to train: the restored checkpoint is this run's last
             if self.checkpoint_files is not None and (
                     preempted or self.checkpoint_period.pending(seen)
                     or (last_checkpoint is None and self.checkpoint_period.frequency)):
+                self._start_outputs(metrics)
                 last_checkpoint = self._save_checkpoint(printer)
             if preempted:
                 printer.line(f"preempted by {self.checkpoint_config.preemption_signal} at {seen} samples: checkpoint "
@@ -447,6 +465,7 @@ class TrainingSession:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device, binding=self.binding)
             accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
+            self._start_outputs(metrics)
             metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy, **test.details,
                           num_samples=test.num_samples)
             judged_accuracy = test.accuracy if self.metric_name == "error" else None  # else the loss alone decides
@@ -457,6 +476,8 @@ class TrainingSession:
                     f"training collapsed: {measured} is chance for {self._collapse.num_classes} classes (ln "
                     f"{self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) after the training loss had "
                     f"fallen; {self._advice()}")
+        if not preempted:
+            self._start_outputs(metrics)  # every check has passed, even with nothing left to train
         self.learner.finalize()
         seconds = throughput.elapsed()  # training and evaluation; the one-off outputs below are not training
         metrics.close()
@@ -477,6 +498,24 @@ class TrainingSession:
     def _advice(self) -> str:
         """What to change after a divergence or a collapse, naming only what this run uses."""
         return training_advice(self.learner, self.precision)
+
+    # -- the run directory ----------------------------------------------------------------------
+    def when_checks_pass(self, callback: Callable[[], None]) -> None:
+        """Runs ``callback()`` on rank 0 once this run's checks have passed, just before its first write
+        into the run directory: after the first minibatch trained (its data, model, loss and metric
+        checks), or before the first output of a resumed run with nothing left to train. The command
+        line saves the run's config there, so a run refused by any check leaves the directory as it was."""
+        self._on_checks_passed.append(callback)
+
+    def _start_outputs(self, metrics: MetricsWriter) -> None:
+        """Rank 0, once: the run's first writes (the ``when_checks_pass`` callbacks', then the metrics files')."""
+        if self._outputs_started:
+            return
+        self._outputs_started = True
+        if self.comm.is_main:
+            for callback in self._on_checks_passed:
+                callback()
+            metrics.open()
 
     # -- the learner's seams --------------------------------------------------------------------
     def _require_learner_seam(self, optimizer, args, kwargs) -> None:
@@ -618,7 +657,7 @@ class TrainingSession:
         if not all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters()):
             raise TrainingDiverged(
                 f"training diverged: the model has NaN or infinite parameters at {self.learner.samples_seen} samples "
-                f"(not saved; the previous checkpoint is kept); {self._advice()}")
+                f"(not saved; {checkpoint.kept_note(self.checkpoint_files.newest())}); {self._advice()}")
         state = checkpoint_state.assemble(
             samples_seen=self.learner.samples_seen, minibatches=self.minibatches, cv_index=self.cv_index,
             model=self.model, learner=self.learner, source=self.source, comm=self.comm,
@@ -628,7 +667,7 @@ class TrainingSession:
             loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None)
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
-            checkpoint.save_atomic(state, path)
+            checkpoint.save_atomic(state, path, previous=self.checkpoint_files.newest())
             self.checkpoint_files.prune(0 if self.checkpoint_config.preserve_all else self.checkpoint_config.keep_last)
             printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
         self.comm.barrier()
@@ -661,12 +700,14 @@ class TrainingSession:
         def lock_run_dir() -> None:  # rank 0, before any checkpoint is read
             self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
 
-        found = checkpoint_state.restore_latest(
-            self.checkpoint_files, self.checkpoint_config.restore if self.checkpoint_config else False, self.model,
-            self.learner, self.source, self.comm, self.checkpoint_identity, prepare=lock_run_dir)
-        if found is None:
+        config = self.checkpoint_config
+        start, same_world = checkpoint_state.restore_latest(
+            self.checkpoint_files, config.restore if config else False, self.model, self.learner, self.source,
+            self.comm, self.checkpoint_identity, prepare=lock_run_dir, restore_from=config.restore_from if config else None)
+        self._restore_note = start.note
+        if start.state is None:
             return None
-        path, state, same_world = found
+        path, state = start.path, start.state
         if not same_world and self.comm.is_main:
             print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
@@ -734,8 +775,11 @@ class TrainingSession:
         note = bf16_cpu_note(self.precision, self.device)
         if note:
             printer.line(note)
-        if restored_from is not None:
-            printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples")
+        if restored_from is None:
+            printer.line(f"dtrain: {self._restore_note}")
+        else:
+            printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples"
+                         + (f" ({self._restore_note})" if self._restore_note else ""))
             if self.changed_settings:
                 printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
                              f"{'; '.join(self.changed_settings)}")

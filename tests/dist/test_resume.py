@@ -144,3 +144,23 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused_under
     assert "truncated" in resumed.stderr and "using the previous checkpoint checkpoint-640.pt" in resumed.stderr
     assert "at 640 samples" in resumed.stdout
     assert checkpoint.load(tmp_path / "checkpoint-1920.pt")["samples_seen"] == 1920
+
+
+@pytest.mark.slow
+def test_restore_from_a_renamed_checkpoint_on_two_ranks_equals_an_uninterrupted_run(tmp_path):
+    whole = dtrain_job(2, tmp_path / "whole", "session.max_samples=1280")
+    assert whole.returncode == 0, whole.report()
+    first = dtrain_job(2, tmp_path / "first", "session.max_samples=640")
+    assert first.returncode == 0, first.report()
+    best = tmp_path / "best.pt"
+    (tmp_path / "first" / "checkpoint-640.pt").rename(best)
+    other_model = dtrain_job(2, tmp_path / "other", "session.max_samples=1280", "model.hidden=48",
+                             f"session.checkpoint.restore_from={best}")
+    assert other_model.returncode == 2, other_model.report()
+    errors = {line.split("dtrain: error: ", 1)[1] for line in other_model.stderr.splitlines() if "dtrain: error: " in line}
+    assert len(errors) == 1 and errors.pop().startswith(f"checkpoint {best} does not fit this model"), other_model.report()
+    second = dtrain_job(2, tmp_path / "second", "session.max_samples=1280", f"session.checkpoint.restore_from={best}")
+    assert second.returncode == 0, second.report()
+    assert f"restored {best} at 640 samples (session.checkpoint.restore_from:" in second.stdout
+    assert_identical(parameters(tmp_path / "whole" / "checkpoint-1280.pt"),
+                     parameters(tmp_path / "second" / "checkpoint-1280.pt"))

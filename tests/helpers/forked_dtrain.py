@@ -2,8 +2,9 @@
 forks a fresh child per command line, which runs exactly what ``python -m dtrain`` runs.
 
 Protocol: one JSON object per line on stdin, ``{"argv": [...], "cwd": "...", "watch": ["dir", ...]}``;
-for each, one JSON line on stdout: ``{"returncode", "stdout", "stderr", "changed"}``, where
-``changed`` lists the files under the ``watch`` paths whose bytes differ afterwards (or vanished).
+for each, one JSON line on stdout: ``{"returncode", "stdout", "stderr", "changed", "added"}``, where
+``changed`` lists the files under the ``watch`` paths whose bytes differ afterwards (or vanished) and
+``added`` the files that appeared there.
 Imports cost seconds on a small machine; a fork costs milliseconds, so a parametrized test of
 dozens of bad inputs stays quick while each case still runs in its own process.
 """
@@ -85,7 +86,9 @@ def main() -> None:
         code, stdout, stderr = run_one(request["argv"], request["cwd"])
         after = snapshot(request.get("watch", []))
         changed = sorted(path for path, digest in before.items() if after.get(path) != digest)
-        print(json.dumps({"returncode": code, "stdout": stdout, "stderr": stderr, "changed": changed}), flush=True)
+        added = sorted(set(after) - set(before))
+        print(json.dumps({"returncode": code, "stdout": stdout, "stderr": stderr, "changed": changed, "added": added}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Every bad input gives ONE line, ``dtrain: error: ...`` naming the key or file and what was expected,
-a non-zero exit (2: the user's input), no traceback, and leaves every file already in the run
-directory byte-identical, in a single process and under ``mpiexec -n 2``.
+a non-zero exit (2: the user's input), no traceback, and leaves the run directory byte-identical
+(no file changed, none added), in a single process and under ``mpiexec -n 2``.
 
 Each case runs the real ``python -m dtrain`` entry (``dtrain.cli.main``) in its own process
 against a run directory holding a finished tiny run. Single-process cases are forked from one
@@ -142,6 +142,17 @@ CASES = [
     ("run-dir-read-only", ["run_dir={readonly}/run"], ["run_dir={readonly}/run", "not writable", "expected a writable directory"]),
     # the run directory's own checkpoint and resources
     ("restore-off", ["session.checkpoint.restore=false"], ["already exists and restore is off"]),
+    ("restore-from-missing", ["session.checkpoint.restore_from=nope.pt"],
+     ["session.checkpoint.restore_from='nope.pt': no such file; expected a dtrain checkpoint file"]),
+    ("restore-from-restore-off", ["session.checkpoint.restore_from={finished}/checkpoint-64.pt",
+                                  "session.checkpoint.restore=false"],
+     ["session.checkpoint.restore_from=", "expected session.checkpoint.restore=true"]),
+    ("restore-from-other-model", ["run_dir={base}/fresh", "session.checkpoint.restore_from={finished}/checkpoint-64.pt",
+                                  "model.hidden=16"], ["checkpoint {finished}/checkpoint-64.pt does not fit this model"]),
+    # refused at the first minibatch (training on) or at the test (nothing left to train): after the resume's checks
+    ("metric-k-above-classes", ["metric=top5_error", "metric.k=20"], ["metric top20_error needs at least 20 classes"]),
+    ("metric-k-nothing-to-train", ["metric=top5_error", "metric.k=20", "session.max_samples=64"],
+     ["metric top20_error needs at least 20 classes"]),
     ("minibatch-too-large", ["session.minibatch_size=1000000000000", "session.max_samples=2000000000000"],
      ["out of memory", "session.minibatch_size=1000000000000", "expected a minibatch that fits"]),
 ]
@@ -232,6 +243,7 @@ def _check(case_id: str, result: dict, fragments: list[str], places: dict[str, s
     if case_id == "threads-0":
         assert "samples" not in line
     assert result["changed"] == [], f"files changed: {result['changed']}\n{report}"
+    assert result.get("added", []) == [], f"files added: {result['added']}\n{report}"  # byte-identical directories
 
 
 @pytest.mark.parametrize("case_id, arguments, fragments", CASES, ids=[case[0] for case in CASES])

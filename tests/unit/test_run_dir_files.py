@@ -1,0 +1,140 @@
+"""The files a run writes into its run directory: never through a planted link, the umask's
+permissions for every one, a damaged metrics log set aside, a full disk named in one line."""
+from __future__ import annotations
+
+import csv
+import errno
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain import CheckpointConfig, LocalLearner, MinibatchSource, training_session
+from dtrain.session.checkpoint import CheckpointError
+from dtrain.session.metrics import MetricsWriteError, MetricsWriter
+
+from tests.helpers.toy_data import four_class_data
+
+
+def tiny_session(run_dir: Path, max_samples: int = 64, **options):
+    """A few minibatches of the toy data with checkpoints, test-free, printing into a string."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    return training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                            MinibatchSource(four_class_data(), randomization_seed=3), 16, max_samples=max_samples,
+                            progress_frequency=32, checkpoint_config=CheckpointConfig("checkpoint.pt", frequency=64),
+                            run_dir=run_dir, tensorboard=False, stream=io.StringIO(), **options)
+
+
+def plant_link(run_dir: Path, name: str, victim: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / name).unlink(missing_ok=True)
+    (run_dir / name).symlink_to(victim)
+
+
+@pytest.mark.parametrize("name, error", [(".lock", CheckpointError), ("metrics.jsonl", ValueError)])
+def test_a_link_planted_where_dtrain_appends_or_locks_is_refused_in_one_line(tmp_path, name, error):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    plant_link(tmp_path / "run", name, victim)
+    with pytest.raises(error) as caught:
+        tiny_session(tmp_path / "run").train()
+    message = str(caught.value)
+    assert "\n" not in message and f"{tmp_path / 'run' / name} is a symbolic link (to {victim})" in message
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]  # nothing else written
+
+
+def test_links_planted_at_names_dtrain_replaces_are_replaced_never_written_through(tmp_path):
+    run = tmp_path / "run"
+    # final names and the temporary names earlier versions wrote first
+    names = ["metrics.csv", "model.safetensors", "report.png", ".metrics.csv.tmp", ".model.safetensors.tmp",
+             ".report.png.tmp"]
+    victims = {name: tmp_path / f"victim-{name.strip('.')}" for name in names}
+    for name, victim in victims.items():
+        victim.write_text("precious\n")
+        plant_link(run, name, victim)
+    tiny_session(run).train()
+    assert all(victim.read_text() == "precious\n" for victim in victims.values())
+    for name in ("metrics.csv", "model.safetensors", "report.png"):
+        assert not (run / name).is_symlink() and (run / name).stat().st_size > 10, name
+
+
+def test_the_config_is_written_as_a_new_file_beside_a_link_never_through_it(tmp_path):
+    from omegaconf import OmegaConf
+
+    from dtrain.cli import save_config
+
+    victim = tmp_path / "victim.yaml"  # does not exist: a dangling link would create it
+    plant_link(tmp_path / "run", "config.yaml", victim)
+    assert save_config(OmegaConf.create({"seed": 0}), tmp_path / "run") == tmp_path / "run" / "config.1.yaml"
+    assert not victim.exists() and (tmp_path / "run" / "config.1.yaml").read_text() == "seed: 0\n"
+
+
+def test_every_output_file_gets_the_umask_permissions(tmp_path):
+    old = os.umask(0o002)
+    try:
+        tiny_session(tmp_path).train()
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "report.png", "metrics.csv", "metrics.jsonl", "checkpoint-64.pt"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o664, name
+
+
+def test_a_damaged_metrics_log_is_set_aside_with_one_warning_and_the_run_resumes(tmp_path):
+    tiny_session(tmp_path, 64).train()
+    jsonl = tmp_path / "metrics.jsonl"
+    damaged = jsonl.read_bytes() + b'{"kind": "train", "samples": \xbe\xff}\n' + b"[1, 2]\n"
+    jsonl.write_bytes(damaged)
+    session = tiny_session(tmp_path, 128)
+    with pytest.warns(RuntimeWarning) as caught:
+        result = session.train()
+    assert result.restored_from == tmp_path / "checkpoint-64.pt" and result.samples_seen == 128
+    [warning] = [str(w.message) for w in caught if "damaged" in str(w.message)]
+    [aside] = list(tmp_path.glob("metrics.jsonl.damaged-*"))
+    assert warning == (f"{jsonl} is damaged (line 3 is not UTF-8 text, and 1 more line); moved it aside to "
+                       f"{aside.name} and continuing with a fresh metrics.jsonl holding its 2 readable records")
+    assert aside.read_bytes() == damaged  # kept as it was
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["samples"] for r in records if r["kind"] == "train"] == [32, 64, 96, 128]
+    with open(tmp_path / "metrics.csv", newline="") as table:
+        assert [int(row["samples"]) for row in csv.DictReader(table)] == [32, 64, 96, 128]
+
+
+def test_a_full_disk_while_rewriting_metrics_csv_names_it_and_leaves_no_temporary(tmp_path, monkeypatch):
+    first = MetricsWriter(tmp_path, tensorboard=False)
+    first.write("train", 16, loss=1.0, error=0.5)
+    first.close()
+    before = (tmp_path / "metrics.csv").read_bytes()
+
+    def full_disk(self, rows):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", full_disk)
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    with pytest.raises(MetricsWriteError) as caught:
+        writer.write("train", 32, loss=0.5, error=0.25)
+    writer.close()
+    assert str(caught.value) == (f"{tmp_path / 'metrics.csv'} could not be written (No space left on device); "
+                                 f"metrics.jsonl has every record so far")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "metrics.jsonl"]  # no temporary left
+    assert (tmp_path / "metrics.csv").read_bytes() == before
+
+
+def test_a_failed_checkpoint_write_says_what_is_left_to_fall_back_on(tmp_path, monkeypatch):
+    real_replace = os.replace
+
+    def full_disk(source, destination):
+        if Path(destination).name.startswith("checkpoint-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(CheckpointError) as caught:
+        tiny_session(tmp_path, 64).train()
+    assert str(caught.value) == (f"checkpoint {tmp_path / 'checkpoint-64.pt'} could not be written (No space left "
+                                 f"on device); there is no earlier checkpoint to fall back on")
