@@ -66,6 +66,7 @@ class BlockMomentumLearnerConfig:
     block_learning_rate: float = 1.0
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas (fp32: allreduce)
+    local_learning_rate: str = "full"   # local steps at optimizer.lr, or "share": lr x the worker's share (CNTK's)
 
 
 @dataclass
@@ -570,10 +571,12 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     return problems + _check(
         node, name,
         ("block_size", _samples_or_auto, {}),
-        ("block_momentum_as_time_constant", checks.positive_number, {"allow_none": True, "unit": "samples"}),
+        ("block_momentum_as_time_constant", checks.positive_number,
+         {"allow_none": True, "allow_zero": True, "unit": "samples"}),
         ("block_learning_rate", checks.positive_number, {}),
         ("use_nesterov_momentum", checks.boolean, {}),
         ("reset_sgd_momentum_after_aggregation", checks.boolean, {}),
+        ("local_learning_rate", checks.choice, {"choices": checks.LOCAL_LEARNING_RATES}),
     )
 
 

@@ -31,6 +31,14 @@ def test_ranks_agree_after_every_sync_and_match_the_simulation(launch: CheckLaun
 
 
 @pytest.mark.timeout(150)
+def test_cntk_settings_for_data_parallel_sgd_give_its_parameters(launch: CheckLaunch) -> None:
+    """Block momentum 0, a block of one global minibatch and block learning rate 1 through CNTK's
+    factory: parameters equal to data_parallel SGD's (float tolerance), after a real move."""
+    result = launch.result("cntk_data_parallel_sgd")
+    assert result["max_difference"] <= 1e-5 and result["moved"] > 1e-2, result
+
+
+@pytest.mark.timeout(150)
 def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
     assert launch.returncode == 0, launch.output
 
