@@ -116,9 +116,10 @@ class PowerSGDExchangeConfig:
 
     _target_: str = "dtrain.exchange.PowerSGD"
     matrix_approximation_rank: int = 1
-    start_powersgd_iter: Any = 1000     # steps of plain all-reduce first, or "auto": 10% of the run's steps
+    start_powersgd_iter: Any = None     # exchange steps (minibatches; syncs of block learners) of plain all-reduce
+    #                                     first, or "auto": 10% of the run's; null: torch's 1000 minibatches, auto for syncs
     min_compression_rate: float = 2.0
-    use_error_feedback: bool = True
+    use_error_feedback: Optional[bool] = None  # null: on for minibatch steps (torch's), off for block learners' syncs
     warm_start: bool = True
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
@@ -539,13 +540,13 @@ def _compressed_exchange_rules(node: DictConfig, name: str) -> list[str]:
 
 
 def _steps_or_auto(name: str, value):
-    """A whole number of steps (>= 0), or ``"auto"``."""
-    if value == "auto":
+    """A whole number of steps (>= 0), ``"auto"``, or null (the learner's default)."""
+    if value == "auto" or value is None:
         return value
     try:
         return checks.whole_number(name, value, low=0, unit="steps")
     except ValueError as error:
-        raise ValueError(f"{error} or auto") from None
+        raise ValueError(f"{error}, auto or null") from None
 
 
 @register_rule("dtrain.exchange.PowerSGD")
@@ -555,7 +556,7 @@ def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
         ("matrix_approximation_rank", checks.whole_number, {"low": 1}),
         ("start_powersgd_iter", _steps_or_auto, {}),
         ("min_compression_rate", checks.positive_number, {}),
-        ("use_error_feedback", checks.boolean, {}),
+        ("use_error_feedback", checks.boolean, {"allow_none": True}),
         ("warm_start", checks.boolean, {}),
         ("orthogonalization_epsilon", checks.positive_number, {"allow_zero": True}),
         ("random_seed", checks.whole_number, {"low": 0}),

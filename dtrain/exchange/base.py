@@ -103,9 +103,12 @@ class Exchange(abc.ABC):
         """A few words for progress lines and the start-up summary (e.g. ``powersgd rank 1``)."""
         return self.name
 
-    def plan(self, facts: Any) -> None:
+    def plan(self, facts: Any, steps: int | None = None, step_name: str = "step") -> None:
         """Told the run's facts (a :class:`dtrain.learners.base.RunFacts`) by the learner's ``plan``,
-        before training, to derive ``"auto"`` settings; nothing to derive here."""
+        before training, to derive ``"auto"`` settings: ``steps`` is how many exchange steps
+        (``begin_step`` calls) the run will make, when known, and ``step_name`` what one step is
+        (``"step"``: a minibatch of the data-parallel learner; ``"sync"``: a block learner's sync).
+        Nothing to derive here."""
 
     def close(self) -> None:
         """Releases threads or buffers the strategy holds (a later ``start`` may create them again)."""

@@ -218,12 +218,27 @@ class BlockMomentumLearner(Learner):
     # -- the loop -------------------------------------------------------------------------------
     def plan(self, facts: RunFacts) -> None:
         """Derives ``block_size="auto"`` (:func:`auto_block_size`); warns (rank 0, one line) when a
-        block size given explicitly breaks CNTK's bound :func:`largest_block_size`."""
+        block size given explicitly breaks CNTK's bound :func:`largest_block_size`. Then plans the
+        exchange, whose steps are the syncs (e.g. PowerSGD's start counts syncs)."""
         super().plan(facts)
-        num_workers = self.comm.size
         if self.block_size_is_auto:
-            self._set_block_size(auto_block_size(facts, num_workers))
-            return
+            self._set_block_size(auto_block_size(facts, self.comm.size))
+        else:
+            self._check_block_size_bound(facts)
+        self.exchange.plan(facts, steps=self.expected_syncs(facts), step_name="sync")
+
+    def expected_syncs(self, facts: RunFacts) -> int | None:
+        """The syncs a run of ``facts`` makes after the warm start (None when its length is unknown):
+        a sync every ``ceil(sync_period / ceil(B / N))`` global minibatches of ``B``, and one at the end."""
+        if not facts.max_samples or not facts.minibatch_size or not self.block_size:
+            return None
+        minibatches = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
+        per_sync = math.ceil(self.sync_period / math.ceil(facts.minibatch_size / self.comm.size))
+        return math.ceil(minibatches / per_sync)
+
+    def _check_block_size_bound(self, facts: RunFacts) -> None:
+        """Warns (rank 0, one line) when an explicit block size breaks CNTK's bound on it."""
+        num_workers = self.comm.size
         if facts.samples_per_sweep is None or num_workers == 1 or not self.comm.is_main:
             return
         needed = self.time_constant * num_workers
@@ -233,7 +248,7 @@ class BlockMomentumLearner(Learner):
                 f"learner.block_size={self.block_size:,} is too large for {facts.samples_per_sweep:,} unique samples "
                 f"and {num_workers} workers: block momentum needs samples per sweep >= time constant x workers "
                 f"({needed:,.0f}), i.e. a block of at most about {bound:,.0f} samples; expect lower accuracy, or "
-                f"use learner.block_size=auto", RuntimeWarning, stacklevel=2)
+                f"use learner.block_size=auto", RuntimeWarning, stacklevel=3)
 
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """``distributed_after="auto"``: :func:`~dtrain.learners.base.auto_warm_start` (0 with one

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 
 from tests.helpers.config import compose_config
-from tests.helpers.thread_world import FakeWorld
+from tests.helpers.thread_world import FakeComm, FakeWorld
 from dtrain.comm import LocalCommunicator
 from dtrain.config import validate
 from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
@@ -61,6 +61,65 @@ def test_powersgd_preset_starts_compression_after_a_tenth_of_the_run():
     unknown = PowerSGD(start_powersgd_iter="auto")
     unknown.plan(RunFacts())
     assert unknown.start_powersgd_iter == 1000  # the hook's default when the run's length is unknown
+
+
+DIGITS_RUN = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
+
+
+@pytest.mark.parametrize("learner", ["block_momentum", "diloco"])
+def test_powersgd_under_a_block_learner_counts_syncs_and_compresses_after_its_start(learner):
+    """``learner=block_momentum learner/exchange=powersgd`` (and diloco) as a user gets it: the start counts
+    syncs, 10% of the run's (digits at 2 workers: 44 syncs after the warm start, so 5), says so at start-up,
+    and every sync after it sends far less than the float32 all-reduce of the ones before."""
+    cfg = compose_config("+recipe=digits", f"learner={learner}", "learner/exchange=powersgd")
+    features = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 4, (512,), generator=torch.Generator().manual_seed(1))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4)))
+
+    def work(comm):
+        model = models[comm.rank]
+        built = instantiate(cfg.learner, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), comm=comm)
+        built.plan(DIGITS_RUN)
+        built.prepare(model)
+        description, sent_per_sync, position = built.describe(), [], 0
+        while built.syncs < built.exchange.start_powersgd_iter + 2:
+            start, stop = (position + share for share in (0, 32)) if not built.is_distributed() else \
+                (position + 16 * comm.rank, position + 16 * (comm.rank + 1))
+            position += 32
+            built.begin_minibatch(stop - start, 32)
+            torch.nn.functional.cross_entropy(model(features[start % 512:][:stop - start]),
+                                              targets[start % 512:][:stop - start]).backward()
+            syncs = built.syncs
+            built.step()
+            if built.syncs != syncs:
+                sent_per_sync.append((built.bytes_sent_last_step, built._full_precision_bytes_last_sync))
+        built.finalize()
+        return built.exchange.start_powersgd_iter, description, sent_per_sync
+
+    for start, description, sent_per_sync in FakeWorld(2).run(work):
+        assert start == math.ceil(0.1 * 44) == 5, start
+        # error feedback off for syncs: with it, block momentum and DiLoCo collapsed on digits
+        assert "powersgd rank 1 (all-reduce for the first 5 syncs, auto: 10% of the run's 44), error feedback off" \
+            in description
+        before, after = sent_per_sync[:start], sent_per_sync[start:]
+        assert all(sent == full for sent, full in before), before
+        assert after and all(sent * 10 < full for sent, full in after), after
+
+
+def test_a_powersgd_start_beyond_the_run_is_named_in_one_warning():
+    cfg = compose_config("+recipe=digits", "learner=block_momentum", "learner/exchange=powersgd",
+                         "learner.exchange.start_powersgd_iter=1000")
+    learner = instantiate(cfg.learner, optimizer=sgd(), comm=FakeComm(FakeWorld(2), 0))
+    with pytest.warns(RuntimeWarning, match=r"start_powersgd_iter=1000 syncs of plain all-reduce, but this run makes "
+                                            r"only 44 syncs: PowerSGD would never compress"):
+        learner.plan(DIGITS_RUN)
+    minibatch_steps = PowerSGD()
+    with pytest.warns(RuntimeWarning, match=r"start_powersgd_iter=1000 steps .* only 938 steps"):
+        minibatch_steps.plan(DIGITS_RUN)  # torch's 1000 minibatches outlast the digits run too
+    assert minibatch_steps.use_error_feedback  # the hook's default for minibatch steps
 
 
 @pytest.mark.parametrize("overrides, fragment", [
