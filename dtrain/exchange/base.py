@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import math
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -168,10 +169,19 @@ class ThreadedExchange(Exchange):
         self._worker.close()
 
 
+def warn_residuals_dropped(strategy: Exchange, setting: str) -> None:
+    """One line (rank 0) at a resume: the checkpoint holds error-feedback residuals, but error feedback
+    is now off (``setting=false``), so they are dropped and the run goes on without them."""
+    if strategy.comm is None or strategy.comm.is_main:
+        warnings.warn(f"{setting}=false: the error-feedback residuals of the {strategy.describe()} exchange saved in "
+                      f"the checkpoint are dropped (error feedback is off now); set {setting}=true to use them",
+                      RuntimeWarning, stacklevel=3)
+
+
 def split_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Views of ``flat`` holding tensors of ``shapes`` back to back (a bucket's layout)."""
     sizes = [math.prod(shape) for shape in shapes]
     return [part.view(tuple(shape)) for part, shape in zip(flat[:sum(sizes)].split(sizes), shapes)]
 
 
-__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "split_views"]
+__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "split_views", "warn_residuals_dropped"]

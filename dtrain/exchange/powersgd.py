@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from dtrain import checks
-from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views
+from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views, warn_residuals_dropped
 
 
 AUTO_START_FRACTION = 0.1
@@ -275,11 +275,16 @@ class PowerSGD(ThreadedExchange):
                 "errors": cpu(self.errors), "p_memory": cpu(self.p_memory), "q_memory": cpu(self.q_memory)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`'s output (saved at the same world size)."""
+        """Restores :meth:`state_dict`'s output (saved at the same world size). With error feedback off
+        the saved errors are not used: they are dropped, and a warning says so (rank 0, one line)."""
         device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.steps_begun = int(state["steps_begun"])
         self.rng.set_state(_rng_state_from(state["rng"]))
-        self.errors = {key: tensor.to(device) for key, tensor in state["errors"].items()}
+        errors = state["errors"]
+        if errors and not self.use_error_feedback:
+            warn_residuals_dropped(self, "use_error_feedback")
+            errors = {}
+        self.errors = {key: tensor.to(device) for key, tensor in errors.items()}
         self.p_memory = {key: tensor.to(device) for key, tensor in state["p_memory"].items()}
         self.q_memory = {key: tensor.to(device) for key, tensor in state["q_memory"].items()}
 

@@ -245,3 +245,29 @@ def test_powersgd_state_survives_a_weights_only_checkpoint_round_trip():
             strategy.close()
         return torch.equal(*results) and restored.rng.randint(1000) == exchange.rng.randint(1000)
     assert all(FakeWorld(2).run(work))
+
+
+@pytest.mark.parametrize("with_feedback, without_feedback, setting", [
+    (lambda: Quantized(1), lambda: Quantized(1, error_feedback=False), "error_feedback"),
+    (lambda: PowerSGD(start_powersgd_iter=0), lambda: PowerSGD(start_powersgd_iter=0, use_error_feedback=False),
+     "use_error_feedback"),
+])
+def test_a_resume_with_error_feedback_off_says_in_one_line_that_the_residuals_are_dropped(
+        with_feedback, without_feedback, setting):
+    def work(comm):
+        exchange = with_feedback()
+        exchange.bind(comm)
+        exchange.begin_step()
+        exchange.start(0, torch.randn(30, generator=torch.Generator().manual_seed(comm.rank)), [torch.Size([6, 5])]).wait()
+        state = exchange.state_dict()
+        exchange.close()
+        return state
+    saved = FakeWorld(2).run(work)[0]
+    resumed = without_feedback()
+    resumed.bind(LocalCommunicator())
+    with pytest.warns(RuntimeWarning, match=rf"^{setting}=false: the error-feedback residuals of the .* exchange saved "
+                                            rf"in the checkpoint are dropped") as caught:
+        resumed.load_state_dict(saved)
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert "per_key" not in resumed.state_dict() or not resumed.state_dict()["per_key"]
+    assert not resumed.state_dict().get("errors")
