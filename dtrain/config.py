@@ -249,10 +249,11 @@ class ImageSourceConfig(SourceConfig):
 
 @dataclass
 class ScheduleConfig:
-    """``dtrain.Schedule``: ``values`` are numbers or ``[count, value]`` pairs, each count lasting ``epoch_size`` samples."""
+    """``dtrain.Schedule``: ``values`` are numbers or ``[count, value]`` pairs, each count lasting ``epoch_size`` samples
+    (null: one sweep of the training data, as CNTK's schedules without an epoch_size)."""
 
     values: list[Any] = MISSING
-    epoch_size: int = 1
+    epoch_size: Optional[int] = None
     warmup_samples: int = 0             # linear ramp from ~0 to 1x over these samples (lr warm-up)
 
 
@@ -708,7 +709,7 @@ def _session_streams_problems(session: DictConfig) -> list[str]:
 
 # -- the sections that are not components: session, comm, seed, run directory
 def _schedule_problems(name: str, schedule: DictConfig, value_check: Callable[[str, Any], Any]) -> list[str]:
-    problems = _check(schedule, name, ("epoch_size", checks.sample_count, {}),
+    problems = _check(schedule, name, ("epoch_size", checks.sample_count, {"allow_none": True}),
                       ("warmup_samples", checks.sample_count, {"allow_zero": True}))
     if OmegaConf.is_missing(schedule, "values"):
         return problems + [f"{name}.values is not set: expected a list of values or [count, value] pairs"]
