@@ -309,7 +309,7 @@ class SessionConfig:
 class CommConfig:
     backend: str = "auto"               # auto | gloo | mpi | nccl | local
     timeout_s: float = 300.0            # a collective waiting longer than this ends the job
-    heartbeat_timeout_s: float = 60.0   # a rank silent this long (stopped, swapped out) ends the job
+    heartbeat_timeout_s: float = 60.0   # a rank silent this long (stopped, host unreachable) ends the job
 
 
 @dataclass

@@ -7,6 +7,9 @@ a hang. The failures come from ``tests.helpers.failing_model.FailingDigitsCNN`` 
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -91,5 +94,21 @@ def test_a_slow_step_is_not_taken_for_a_hang(tmp_path):
     # one minibatch takes 8 s, longer than the 4 s heartbeat bound: the heartbeat thread keeps beating
     result, _ = run_failing(tmp_path, 2, "slow", "comm.heartbeat_timeout_s=4", "session.max_samples=320",
                             rank=1, env={"DTRAIN_TEST_SLOW_S": "8"})
+    assert result.returncode == 0, result.report()
+    assert "test: accuracy" in result.stdout, result.report()
+
+
+@pytest.mark.slow
+def test_a_long_hold_of_the_interpreter_lock_under_heavy_cpu_load_is_not_taken_for_a_hang(tmp_path):
+    """Rank 1's training thread holds the interpreter lock for 8 s, twice the 4 s heartbeat bound, while busy
+    processes keep every core 5 times over: the beats come from a process of their own, so the job ends well."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(5 * (os.cpu_count() or 1))]
+    try:
+        result, _ = run_failing(tmp_path, 2, "gil", "comm.heartbeat_timeout_s=4", "session.max_samples=320",
+                                rank=1, env={"DTRAIN_TEST_SLOW_S": "8"}, timeout=280)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
     assert result.returncode == 0, result.report()
     assert "test: accuracy" in result.stdout, result.report()

@@ -4,12 +4,14 @@
 root on the ranks' ``PYTHONPATH``);
 ``DTRAIN_TEST_FAIL_RANK`` chooses the rank and ``DTRAIN_TEST_FAIL_AFTER`` the number of
 training forward passes after which it acts; ``DTRAIN_TEST_FAIL_HOW`` is ``raise`` (a
-RuntimeError), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself) or ``slow``
-(sleeps ``DTRAIN_TEST_SLOW_S`` seconds in one forward, a slow step that is not a hang).
+RuntimeError), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself), ``slow``
+(sleeps ``DTRAIN_TEST_SLOW_S`` seconds in one forward, a slow step that is not a hang) or
+``gil`` (the same, holding the interpreter lock: C's ``sleep`` called through ``ctypes.PyDLL``).
 ``DTRAIN_TEST_MARK`` names a file that gets the wall-clock time at which it acted.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -44,4 +46,6 @@ class FailingDigitsCNN(DigitsCNN):
                     os.kill(os.getpid(), signal.SIGSTOP)
                 if how == "slow":
                     time.sleep(float(os.environ.get("DTRAIN_TEST_SLOW_S", "10")))
+                if how == "gil":  # no other thread of this process runs Python meanwhile
+                    ctypes.PyDLL(None).sleep(int(os.environ.get("DTRAIN_TEST_SLOW_S", "10")))
         return super().forward(images)
