@@ -8,7 +8,9 @@ error-feedback residuals, PowerSGD's P and Q). Every strategy is selectable from
 
 Contract, for anyone writing a strategy:
 
-* ``bind(comm)`` is called once by the learner before the first exchange.
+* ``bind(comm)`` is called once by the learner before the first exchange, and ``plan(facts, steps,
+  step_name)`` once before training: the run's exchange steps (``begin_step`` calls) when known,
+  and what one is (``"step"``: a minibatch; ``"sync"``: a block learner's sync).
 * ``start(key, flat, shapes)`` begins replacing ``flat`` (a 1-D tensor holding tensors of
   ``shapes`` back to back) by its SUM over ranks, in place, and returns an
   :class:`~dtrain.comm.AsyncHandle` whose ``wait()`` completes it and returns ``flat``. ``key``
