@@ -149,6 +149,9 @@ class PowerSGD(ThreadedExchange):
         self.step_name = step_name
         if self.error_feedback_is_default:
             self.use_error_feedback = step_name == "step"
+            if not self.use_error_feedback and self.errors:  # restored before the plan: not used now
+                warn_residuals_dropped(self, "use_error_feedback")
+                self.errors = {}
         if steps is None and step_name == "step":
             max_samples, minibatch = getattr(facts, "max_samples", None), getattr(facts, "minibatch_size", None)
             if max_samples and minibatch:

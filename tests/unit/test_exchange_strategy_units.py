@@ -271,3 +271,21 @@ def test_a_resume_with_error_feedback_off_says_in_one_line_that_the_residuals_ar
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
     assert "per_key" not in resumed.state_dict() or not resumed.state_dict()["per_key"]
     assert not resumed.state_dict().get("errors")
+
+
+def test_residuals_restored_before_a_block_learners_plan_turns_error_feedback_off_are_named_too():
+    """A checkpoint restores before the plan; unset error feedback then turns off for syncs, and says so."""
+    def work(comm):
+        exchange = PowerSGD(start_powersgd_iter=0, use_error_feedback=True)
+        exchange.bind(comm)
+        exchange.begin_step()
+        exchange.start(0, torch.randn(30, generator=torch.Generator().manual_seed(comm.rank)), [torch.Size([6, 5])]).wait()
+        state = exchange.state_dict()
+        exchange.close()
+        return state
+    resumed = PowerSGD(start_powersgd_iter=0)
+    resumed.bind(LocalCommunicator())
+    resumed.load_state_dict(FakeWorld(2).run(work)[0])
+    with pytest.warns(RuntimeWarning, match="^use_error_feedback=false: the error-feedback residuals"):
+        resumed.plan(DIGITS_RUN, steps=44, step_name="sync")
+    assert not resumed.use_error_feedback and not resumed.state_dict()["errors"]
