@@ -134,15 +134,13 @@ def run(cfg: DictConfig) -> float | None:
         message, code = describe_failure(error, cfg)
         _exit_bad_input(message, code)
     install_fail_fast(comm)
-    heartbeat = start_heartbeat(comm, cfg.comm.heartbeat_timeout_s)
+    start_heartbeat(comm, cfg.comm.heartbeat_timeout_s)  # comm.finalize() stops it
     try:
         objective = _run_with(comm, cfg)
     except Exception as error:  # noqa: BLE001 -- every failure ends the whole job, with one line
         _debug_traceback()
         end_job(comm, *describe_failure(error, cfg), lost_peer=is_lost_peer(error))
-    if heartbeat is not None:
-        heartbeat.stop()
-    comm.finalize()
+    comm.finalize()  # stops the heartbeat once every rank has arrived: rank 0 may still be writing its outputs
     return objective
 
 

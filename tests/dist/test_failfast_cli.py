@@ -112,3 +112,13 @@ def test_a_long_hold_of_the_interpreter_lock_under_heavy_cpu_load_is_not_taken_f
             process.wait()
     assert result.returncode == 0, result.report()
     assert "test: accuracy" in result.stdout, result.report()
+
+
+@pytest.mark.slow
+def test_ranks_that_finished_keep_beating_while_rank_0_writes_its_outputs(tmp_path):
+    """Rank 0 alone writes the weights at the end, here for 8 s against a 4 s heartbeat bound: rank 1,
+    done and waiting for it, beats until every rank has arrived (comm.finalize), so the job ends well."""
+    result, _ = run_failing(tmp_path, 2, "slow_outputs", "comm.heartbeat_timeout_s=4", "session.max_samples=320",
+                            "session.checkpoint.frequency=0", rank=0, env={"DTRAIN_TEST_SLOW_S": "8"})
+    assert result.returncode == 0, result.report()
+    assert "weights:" in result.stdout, result.report()
