@@ -24,6 +24,10 @@ PRECISIONS = ("32", "bf16", "fp16")
 #: on each rank's share, or CNTK's local steps on the full stream on every rank
 WARM_STARTS = ("allreduce", "local")
 
+#: the learning rate of block momentum's local steps (``learner.local_learning_rate``): the optimizer's
+#: lr times the worker's share of the global minibatch (CNTK's per-sample rate), or the full lr
+LOCAL_LEARNING_RATES = ("share", "full")
+
 #: how tensors travel between ranks (``comm.backend``; see ``dtrain.comm.resolve_backend``)
 COMM_BACKENDS = ("auto", "gloo", "mpi", "nccl", "local")
 

@@ -158,7 +158,7 @@ def run(cfg: DictConfig, job: SweepJob | None = None) -> float | None:
         message, code = describe_failure(error, cfg)
         _fail_before_job(message, code, job=job)
     install_fail_fast(comm)
-    heartbeat = start_heartbeat(comm, cfg.comm.heartbeat_timeout_s)
+    heartbeat = start_heartbeat(comm, cfg.comm.heartbeat_timeout_s)  # comm.finalize() stops it
     failure = None
     try:
         if job is not None:
@@ -172,9 +172,7 @@ def run(cfg: DictConfig, job: SweepJob | None = None) -> float | None:
         failure = (message, code, "diverged" if isinstance(error, TrainingDiverged) else "failed", is_lost_peer(error))
     if failure is not None:  # outside the except block: the failed job's objects are freed before the next job
         _end_failed_job(comm, heartbeat, cfg, *failure)
-    if heartbeat is not None:
-        heartbeat.stop()
-    comm.finalize()
+    comm.finalize()  # stops the heartbeat once every rank has arrived: rank 0 may still be writing its outputs
     return objective
 
 

@@ -72,6 +72,7 @@ class BlockMomentumLearnerConfig:
     block_learning_rate: float = 1.0
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas (fp32: allreduce)
+    local_learning_rate: str = "full"   # local steps at optimizer.lr, or "share": lr x the worker's share (CNTK's)
 
 
 @dataclass
@@ -121,9 +122,10 @@ class PowerSGDExchangeConfig:
 
     _target_: str = "dtrain.exchange.PowerSGD"
     matrix_approximation_rank: int = 1
-    start_powersgd_iter: Any = 1000     # steps of plain all-reduce first, or "auto": 10% of the run's steps
+    start_powersgd_iter: Any = None     # exchange steps (minibatches; syncs of block learners) of plain all-reduce
+    #                                     first, or "auto": 10% of the run's; null: torch's 1000 minibatches, auto for syncs
     min_compression_rate: float = 2.0
-    use_error_feedback: StrictBool = True
+    use_error_feedback: Optional[StrictBool] = None  # null: on for minibatch steps (torch's), off for block learners' syncs
     warm_start: StrictBool = True
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
@@ -284,10 +286,11 @@ class ImageSourceConfig(SourceConfig):
 
 @dataclass
 class ScheduleConfig:
-    """``dtrain.Schedule``: ``values`` are numbers or ``[count, value]`` pairs, each count lasting ``epoch_size`` samples."""
+    """``dtrain.Schedule``: ``values`` are numbers or ``[count, value]`` pairs, each count lasting ``epoch_size`` samples
+    (null: one sweep of the training data, as CNTK's schedules without an epoch_size)."""
 
     values: list[Any] = MISSING
-    epoch_size: int = 1
+    epoch_size: Optional[int] = None
     warmup_samples: int = 0             # linear ramp from ~0 to 1x over these samples (lr warm-up)
 
 
@@ -358,7 +361,7 @@ class SessionConfig:
 class CommConfig:
     backend: str = "auto"               # auto | gloo | mpi | nccl | local
     timeout_s: float = 300.0            # a collective waiting longer than this ends the job
-    heartbeat_timeout_s: float = 60.0   # a rank silent this long (stopped, swapped out) ends the job
+    heartbeat_timeout_s: float = 60.0   # a rank silent this long (stopped, host unreachable) ends the job
 
 
 @dataclass
@@ -630,13 +633,13 @@ def _compressed_exchange_rules(node: DictConfig, name: str) -> list[str]:
 
 
 def _steps_or_auto(name: str, value):
-    """A whole number of steps (>= 0), or ``"auto"``."""
-    if value == "auto":
+    """A whole number of steps (>= 0), ``"auto"``, or null (the learner's default)."""
+    if value == "auto" or value is None:
         return value
     try:
         return checks.whole_number(name, value, low=0, unit="steps")
     except ValueError as error:
-        raise ValueError(f"{error} or auto") from None
+        raise ValueError(f"{error}, auto or null") from None
 
 
 @register_rule("dtrain.exchange.PowerSGD")
@@ -646,7 +649,7 @@ def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
         ("matrix_approximation_rank", checks.whole_number, {"low": 1}),
         ("start_powersgd_iter", _steps_or_auto, {}),
         ("min_compression_rate", checks.positive_number, {}),
-        ("use_error_feedback", checks.boolean, {}),
+        ("use_error_feedback", checks.boolean, {"allow_none": True}),
         ("warm_start", checks.boolean, {}),
         ("orthogonalization_epsilon", checks.positive_number, {"allow_zero": True}),
         ("random_seed", checks.whole_number, {"low": 0}),
@@ -662,10 +665,12 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     return problems + _check(
         node, name,
         ("block_size", _samples_or_auto, {}),
-        ("block_momentum_as_time_constant", checks.positive_number, {"allow_none": True, "unit": "samples"}),
+        ("block_momentum_as_time_constant", checks.positive_number,
+         {"allow_none": True, "allow_zero": True, "unit": "samples"}),
         ("block_learning_rate", checks.positive_number, {}),
         ("use_nesterov_momentum", checks.boolean, {}),
         ("reset_sgd_momentum_after_aggregation", checks.boolean, {}),
+        ("local_learning_rate", checks.choice, {"choices": checks.LOCAL_LEARNING_RATES}),
     )
 
 
@@ -820,7 +825,7 @@ def _session_streams_problems(session: DictConfig) -> list[str]:
 
 # -- the sections that are not components: session, comm, seed, run directory
 def _schedule_problems(name: str, schedule: DictConfig, value_check: Callable[[str, Any], Any]) -> list[str]:
-    problems = _check(schedule, name, ("epoch_size", checks.sample_count, {}),
+    problems = _check(schedule, name, ("epoch_size", checks.sample_count, {"allow_none": True}),
                       ("warmup_samples", checks.sample_count, {"allow_zero": True}))
     if OmegaConf.is_missing(schedule, "values"):
         return problems + [f"{name}.values is not set: expected a list of values or [count, value] pairs"]

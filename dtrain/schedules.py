@@ -2,13 +2,17 @@
 
 A schedule is a list of ``(count, value)`` pairs: ``value`` holds for ``count * epoch_size``
 samples, then the next pair takes over; the last value holds for ever. A bare list of values
-means one value per ``epoch_size`` samples, and a scalar means a constant.
+means one value per ``epoch_size`` samples, and a scalar means a constant. Without an
+``epoch_size`` (or with ``FULL_DATA_SWEEP``) the unit is one sweep of the training data, as in
+CNTK: the session tells the schedule its training source's samples per sweep.
 """
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from dtrain.data.limits import FULL_DATA_SWEEP
 
 
 class Schedule:
@@ -17,7 +21,9 @@ class Schedule:
     Args:
         values: a number, a list of numbers (one per ``epoch_size`` samples), or a list of
             ``[count, value]`` pairs (``value`` for ``count * epoch_size`` samples).
-        epoch_size: samples one unit of ``count`` stands for; ignored for a scalar.
+        epoch_size: samples one unit of ``count`` stands for; ignored for a scalar. ``None`` (the
+            default) or ``FULL_DATA_SWEEP``: one sweep of the training data (CNTK's default), whose
+            samples :meth:`set_sweep_size` gives (``training_session`` does).
         warmup_samples: scale the value linearly from ~0 up to 1x over this many samples (a
             learning-rate warm-up for large minibatches, Goyal et al. 2017); 0 for none.
 
@@ -25,7 +31,7 @@ class Schedule:
         ValueError: on an empty list, a non-positive count or epoch size, a negative warm-up.
     """
 
-    def __init__(self, values: float | Sequence, epoch_size: int = 1, warmup_samples: int = 0):
+    def __init__(self, values: float | Sequence, epoch_size: int | None = None, warmup_samples: int = 0):
         if not isinstance(warmup_samples, int) or warmup_samples < 0:
             raise ValueError(f"schedule warmup_samples must be a non-negative number of samples, got {warmup_samples!r}")
         self.warmup_samples = warmup_samples
@@ -35,8 +41,11 @@ class Schedule:
         values = list(values)
         if not values:
             raise ValueError("a schedule needs at least one value, got an empty list")
-        if not isinstance(epoch_size, int) or epoch_size <= 0:
-            raise ValueError(f"schedule epoch_size must be a positive number of samples, got {epoch_size!r}")
+        self.counts_sweeps = epoch_size is None or epoch_size == FULL_DATA_SWEEP
+        if not self.counts_sweeps and (not isinstance(epoch_size, int) or isinstance(epoch_size, bool)
+                                       or epoch_size <= 0):
+            raise ValueError(f"schedule epoch_size must be a positive number of samples (or None: one sweep), "
+                             f"got {epoch_size!r}")
         pairs = []
         for entry in values:
             if isinstance(entry, (int, float)):
@@ -48,17 +57,39 @@ class Schedule:
             if not isinstance(count, int) or count <= 0:
                 raise ValueError(f"schedule count {count!r} must be a positive integer")
             pairs.append((count, float(value)))
-        self.epoch_size = epoch_size
+        self._counts = [count for count, _ in pairs]
         self.values = [value for _, value in pairs]
-        # sample count at which each value ends; the last one never ends
-        self._ends = []
-        end = 0
-        for count, _ in pairs:
+        self.epoch_size: int | None = None
+        self._ends: list[int] | None = None  # sample count at which each value ends; the last one never ends
+        if not self.counts_sweeps:
+            self._set_epoch_size(epoch_size)
+        elif len(self.values) == 1:
+            self._set_epoch_size(1)  # a constant: the unit does not matter
+
+    def _set_epoch_size(self, epoch_size: int) -> None:
+        self.epoch_size = epoch_size
+        self._ends, end = [], 0
+        for count in self._counts:
             end += count * epoch_size
             self._ends.append(end)
 
+    def set_sweep_size(self, samples_per_sweep: int) -> None:
+        """Gives a schedule that counts sweeps (no ``epoch_size``) the samples of one sweep; others ignore it."""
+        if self.counts_sweeps:
+            if not isinstance(samples_per_sweep, int) or samples_per_sweep <= 0:
+                raise ValueError(f"samples per sweep must be a positive whole number, got {samples_per_sweep!r}")
+            self._set_epoch_size(samples_per_sweep)
+
     def __call__(self, samples_seen: int) -> float:
-        """The value in force after ``samples_seen`` global samples."""
+        """The value in force after ``samples_seen`` global samples.
+
+        Raises:
+            RuntimeError: the schedule counts sweeps and was not told the samples of one.
+        """
+        if self._ends is None:
+            raise RuntimeError("this schedule changes once per sweep (no epoch_size) but does not know the samples of "
+                               "a sweep: training_session tells it; alone, call schedule.set_sweep_size(samples) or "
+                               "give epoch_size")
         index = bisect.bisect_right(self._ends, samples_seen)
         value = self.values[min(index, len(self.values) - 1)]
         if samples_seen < self.warmup_samples:
@@ -66,8 +97,27 @@ class Schedule:
         return value
 
     def __repr__(self) -> str:
-        return (f"Schedule(values={self.values}, ends={self._ends}, epoch_size={self.epoch_size}, "
+        epoch_size = "sweep" if self.counts_sweeps and len(self.values) > 1 else self.epoch_size
+        return (f"Schedule(values={self.values}, ends={self._ends}, epoch_size={epoch_size}, "
                 f"warmup_samples={self.warmup_samples})")
+
+
+def size_sweeps(schedules: Iterable[Schedule | None], source: object) -> None:
+    """Tells every schedule that counts sweeps the training ``source``'s samples per sweep.
+
+    Raises:
+        ValueError: such a schedule, and a source that does not say how many samples a sweep has.
+    """
+    counting = [schedule for schedule in schedules
+                if isinstance(schedule, Schedule) and schedule.counts_sweeps and len(schedule.values) > 1]
+    if not counting:
+        return
+    samples_per_sweep = getattr(source, "samples_per_sweep", None)
+    if samples_per_sweep is None:
+        raise ValueError(f"a schedule without epoch_size changes once per sweep, but the training source "
+                         f"({type(source).__name__}) does not say how many samples a sweep has; give epoch_size")
+    for schedule in counting:
+        schedule.set_sweep_size(int(samples_per_sweep))
 
 
 def momentum_from_time_constant(time_constant: float, minibatch_size: int) -> float:

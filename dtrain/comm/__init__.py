@@ -6,7 +6,7 @@ Typical use, identical for one process and for ``mpiexec``/``torchrun``/``srun``
 
     comm = create_communicator()          # "auto": NCCL with a GPU per rank, MPI for mpiexec on one node, else Gloo
     install_fail_fast(comm)               # an exception on any rank ends the whole job
-    start_heartbeat(comm, timeout_s=60)   # so does a rank that stops (SIGSTOP, swapped out)
+    start_heartbeat(comm, timeout_s=60)   # so does a rank that stops (SIGSTOP, its host unreachable)
     comm.allreduce(grad, op="mean")
 
 Importing this package neither imports mpi4py nor starts a torch.distributed process group.

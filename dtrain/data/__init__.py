@@ -14,6 +14,7 @@ from dtrain.data.dataset import DatasetDeserializer
 from dtrain.data.digits import Digits
 from dtrain.data.errors import DataError
 from dtrain.data.images import ImageFolderDeserializer, image_deserializer, image_transform
+from dtrain.data.limits import FULL_DATA_SWEEP, INFINITELY_REPEAT
 from dtrain.data.mapfile import MapFile, read_map_file
 from dtrain.data.partition import partition_slice, sweep_order, timeline_to_indices
 from dtrain.data.deserializer import Deserializer, FeaturesAndLabels, StreamDeserializer
@@ -32,11 +33,13 @@ __all__ = [
     "DataError",
     "DatasetDeserializer",
     "Deserializer",
+    "FULL_DATA_SWEEP",
     "FeaturesAndLabels",
     "Digits",
     "ImageAugmentation",
     "ImageFolderDeserializer",
     "ImageTransform",
+    "INFINITELY_REPEAT",
     "MapFile",
     "Minibatch",
     "MinibatchSource",

@@ -22,6 +22,7 @@ from dtrain.data._checks import check_bool, check_int, check_partition
 from dtrain.data.deserializer import (Deserializer, FeaturesAndLabels, StreamDeserializer, label_tensor,
                                       as_stream_deserializer)
 from dtrain.data.errors import DataError
+from dtrain.data.limits import reading_limits
 from dtrain.data.minibatch import Minibatch
 from dtrain.data.streams import Sequences, StreamInfo, StreamReference
 from dtrain.data.timeline import SampleTimeline, SequenceTimeline, Span
@@ -53,8 +54,9 @@ class MinibatchSource:
             ``get``), or any map-style ``torch.utils.data.Dataset``; see ``dtrain.data.deserializer``.
         randomize: shuffle each sweep (True) or read in data-set order (False).
         randomization_seed: seed of the per-sweep permutations and of random augmentation (>= 0).
-        max_samples: total samples to read across all sweeps and partitions, or None.
-        max_sweeps: number of sweeps to read, or None.
+        max_samples: total samples to read across all sweeps and partitions, or None;
+            ``dtrain.data.FULL_DATA_SWEEP`` reads one sweep, ``INFINITELY_REPEAT`` has no limit (CNTK's).
+        max_sweeps: number of sweeps to read, or None (``INFINITELY_REPEAT`` too).
         transform: callable ``transform(features, positions, seed) -> float32 tensor`` applied to
             each local minibatch's ``features`` stream; if it has ``setup(deserializer)``, that is
             called once here. Without a transform, two-stream features are only converted to float32.
@@ -97,11 +99,7 @@ class MinibatchSource:
             if isinstance(self._data, FeaturesAndLabels) else self._data
         self._randomize = check_bool("randomize", randomize)
         self._seed = check_int("randomization_seed", randomization_seed, 0)
-        if max_samples is not None and max_sweeps is not None:
-            raise ValueError(
-                f"max_samples ({max_samples}) and max_sweeps ({max_sweeps}) are mutually exclusive; "
-                "give at most one of them"
-            )
+        max_samples, max_sweeps = reading_limits(max_samples, max_sweeps)  # CNTK's INFINITELY_REPEAT, FULL_DATA_SWEEP
         self._max_samples = None if max_samples is None else check_int("max_samples", max_samples, 0)
         self._max_sweeps = None if max_sweeps is None else check_int("max_sweeps", max_sweeps, 0)
         self._streams: dict[str, StreamInfo] = dict(self._data.streams)
@@ -263,8 +261,22 @@ class MinibatchSource:
 
     @property
     def current_position(self) -> int:
-        """Global timeline position: sequences (samples, without sequences) read so far by all partitions together."""
+        """Global timeline position: sequences (samples, without sequences) read so far by all partitions together.
+
+        Settable, as CNTK's: setting a value the getter returned makes the source read from there
+        again exactly as it did (CNTK's callbacks save and restore it around an evaluation of their
+        own). A ``get_checkpoint_state()`` dict is accepted too (CNTK's position is that dict).
+        """
         return self._position
+
+    @current_position.setter
+    def current_position(self, position: int | dict[str, Any]) -> None:
+        if isinstance(position, dict):
+            self.restore_from_checkpoint(position)
+            return
+        position = check_int("current_position", position, 0)
+        self._discard_read_ahead()  # read for the old position
+        self._position = position
 
     @property
     def samples_read(self) -> int:

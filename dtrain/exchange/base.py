@@ -8,7 +8,9 @@ error-feedback residuals, PowerSGD's P and Q). Every strategy is selectable from
 
 Contract, for anyone writing a strategy:
 
-* ``bind(comm)`` is called once by the learner before the first exchange.
+* ``bind(comm)`` is called once by the learner before the first exchange, and ``plan(facts, steps,
+  step_name)`` once before training: the run's exchange steps (``begin_step`` calls) when known,
+  and what one is (``"step"``: a minibatch; ``"sync"``: a block learner's sync).
 * ``start(key, flat, shapes)`` begins replacing ``flat`` (a 1-D tensor holding tensors of
   ``shapes`` back to back) by its SUM over ranks, in place, and returns an
   :class:`~dtrain.comm.AsyncHandle` whose ``wait()`` completes it and returns ``flat``. ``key``
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import math
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -103,9 +106,12 @@ class Exchange(abc.ABC):
         """A few words for progress lines and the start-up summary (e.g. ``powersgd rank 1``)."""
         return self.name
 
-    def plan(self, facts: Any) -> None:
+    def plan(self, facts: Any, steps: int | None = None, step_name: str = "step") -> None:
         """Told the run's facts (a :class:`dtrain.learners.base.RunFacts`) by the learner's ``plan``,
-        before training, to derive ``"auto"`` settings; nothing to derive here."""
+        before training, to derive ``"auto"`` settings: ``steps`` is how many exchange steps
+        (``begin_step`` calls) the run will make, when known, and ``step_name`` what one step is
+        (``"step"``: a minibatch of the data-parallel learner; ``"sync"``: a block learner's sync).
+        Nothing to derive here."""
 
     def close(self) -> None:
         """Releases threads or buffers the strategy holds (a later ``start`` may create them again)."""
@@ -165,10 +171,19 @@ class ThreadedExchange(Exchange):
         self._worker.close()
 
 
+def warn_residuals_dropped(strategy: Exchange, setting: str) -> None:
+    """One line (rank 0) at a resume: the checkpoint holds error-feedback residuals, but error feedback
+    is now off (``setting=false``), so they are dropped and the run goes on without them."""
+    if strategy.comm is None or strategy.comm.is_main:
+        warnings.warn(f"{setting}=false: the error-feedback residuals of the {strategy.describe()} exchange saved in "
+                      f"the checkpoint are dropped (error feedback is off now); set {setting}=true to use them",
+                      RuntimeWarning, stacklevel=3)
+
+
 def split_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Views of ``flat`` holding tensors of ``shapes`` back to back (a bucket's layout)."""
     sizes = [math.prod(shape) for shape in shapes]
     return [part.view(tuple(shape)) for part, shape in zip(flat[:sum(sizes)].split(sizes), shapes)]
 
 
-__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "split_views"]
+__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "split_views", "warn_residuals_dropped"]

@@ -23,6 +23,7 @@ orthogonalisation (the same after it), Q equals the hook's Q.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Hashable
 from typing import Any
@@ -31,14 +32,17 @@ import numpy as np
 import torch
 
 from dtrain import checks
-from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views
+from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views, warn_residuals_dropped
 
 
 AUTO_START_FRACTION = 0.1
-"""``start_powersgd_iter="auto"``: this fraction of the run's steps is plain all-reduce (the hook's advice)."""
+"""``start_powersgd_iter="auto"``: this fraction of the run's exchange steps is plain all-reduce (the hook's advice)."""
 
 DEFAULT_START_ITER = 1000
-"""The hook's default, used by ``"auto"`` when the run's length is unknown."""
+"""The hook's default in minibatch steps, used by ``"auto"`` when the run's length is unknown."""
+
+DEFAULT_START_SYNCS = 10
+"""``"auto"`` for a block learner (whose exchange steps are its syncs) when the run's length is unknown."""
 
 
 def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
@@ -77,12 +81,18 @@ class PowerSGD(ThreadedExchange):
 
     Args:
         matrix_approximation_rank: r, the rank of the approximation (>= 1; 1-4 is typical).
-        start_powersgd_iter: steps of plain all-reduce before compression starts (>= 0); the
-            hook's default is 1000, and it recommends about 10% of the run, which ``"auto"``
-            gives (10% of ``max_samples / minibatch_size``, derived in :meth:`plan`; 1000 when
-            the run's length is unknown).
+        start_powersgd_iter: exchange steps of plain all-reduce before compression starts (>= 0),
+            counted as the learner exchanges: minibatches under the data-parallel learner, syncs
+            under block momentum and DiLoCo (which say so at start-up). ``"auto"``: 10% of the run's
+            exchange steps (the hook's advice), derived in :meth:`plan`; 1000 minibatches or 10
+            syncs when the run's length is unknown. None (the default): the hook's 1000 for
+            minibatches, ``"auto"`` for syncs (1000 syncs would outlast most runs).
         min_compression_rate: compress a matrix only if it shrinks by more than this factor (> 0).
-        use_error_feedback: add each step's compression error to the next step's input.
+        use_error_feedback: add each step's compression error to the next step's input. None (the
+            default): on for minibatch steps (the hook's default), off for syncs: a block's local steps
+            start from the model the sync made and learn what it left out again, and with error
+            feedback on top block momentum and DiLoCo collapsed on digits (off: BMUF's float32 accuracy
+            at 79x fewer bytes; ``docs/semantics.md#powersgd``).
         warm_start: start the power iteration from the previous step's Q (else a new random Q).
         orthogonalization_epsilon: added to column norms when orthogonalising (>= 0).
         random_seed: seeds the draw of the initial Q (numpy ``RandomState``, as the hook).
@@ -93,17 +103,22 @@ class PowerSGD(ThreadedExchange):
 
     name = "powersgd"
 
-    def __init__(self, matrix_approximation_rank: int = 1, start_powersgd_iter: int | str = DEFAULT_START_ITER,
-                 min_compression_rate: float = 2.0, use_error_feedback: bool = True, warm_start: bool = True,
+    def __init__(self, matrix_approximation_rank: int = 1, start_powersgd_iter: int | str | None = None,
+                 min_compression_rate: float = 2.0, use_error_feedback: bool | None = None, warm_start: bool = True,
                  orthogonalization_epsilon: float = 0.0, random_seed: int = 0):
         super().__init__()
         self.matrix_approximation_rank = checks.whole_number("matrix_approximation_rank", matrix_approximation_rank,
                                                              low=1)
         self.start_is_auto = start_powersgd_iter == "auto"
-        self.start_powersgd_iter = DEFAULT_START_ITER if self.start_is_auto else checks.whole_number(
-            "start_powersgd_iter", start_powersgd_iter, low=0, unit="steps")
+        self.start_is_default = start_powersgd_iter is None
+        self.start_powersgd_iter = DEFAULT_START_ITER if self.start_is_auto or self.start_is_default \
+            else checks.whole_number("start_powersgd_iter", start_powersgd_iter, low=0, unit="steps")
+        self.step_name = "step"     # what one exchange step is: a minibatch ("step") or a block learner's "sync"
+        self._start_note = ""       # how plan() derived the start, for describe()
         self.min_compression_rate = checks.positive_number("min_compression_rate", min_compression_rate)
-        self.use_error_feedback = checks.boolean("use_error_feedback", use_error_feedback)
+        self.error_feedback_is_default = use_error_feedback is None
+        self.use_error_feedback = True if self.error_feedback_is_default else checks.boolean(
+            "use_error_feedback", use_error_feedback)
         self.warm_start = checks.boolean("warm_start", warm_start)
         self.orthogonalization_epsilon = checks.positive_number("orthogonalization_epsilon",
                                                                 orthogonalization_epsilon, allow_zero=True)
@@ -116,19 +131,45 @@ class PowerSGD(ThreadedExchange):
         return {"name": self.name, "matrix_approximation_rank": self.matrix_approximation_rank}
 
     def describe(self) -> str:
-        """``powersgd rank r`` (``, all-reduce until step s`` while compression has not started)."""
-        waiting = f" (all-reduce until step {self.start_powersgd_iter})" if self.step < self.start_powersgd_iter else ""
-        return f"powersgd rank {self.matrix_approximation_rank}{waiting}"
+        """``powersgd rank r``, and while compression has not started ``(all-reduce for the first s
+        steps)`` (or syncs), with how an automatic start was derived."""
+        waiting = ""
+        if self.step < self.start_powersgd_iter:
+            note = f", {self._start_note}" if self._start_note else ""
+            waiting = f" (all-reduce for the first {self.start_powersgd_iter:,} {self.step_name}s{note})"
+        feedback = "" if self.use_error_feedback else ", error feedback off"
+        return f"powersgd rank {self.matrix_approximation_rank}{waiting}{feedback}"
 
-    def plan(self, facts) -> None:
-        """Derives ``start_powersgd_iter="auto"``: 10% of the run's steps (1000 when its length is unknown)."""
-        if not self.start_is_auto:
-            return
-        max_samples, minibatch = getattr(facts, "max_samples", None), getattr(facts, "minibatch_size", None)
-        if max_samples and minibatch:
-            self.start_powersgd_iter = math.ceil(AUTO_START_FRACTION * math.ceil(max_samples / minibatch))
-        else:
-            self.start_powersgd_iter = DEFAULT_START_ITER
+    def plan(self, facts, steps: int | None = None, step_name: str = "step") -> None:
+        """Derives the start in the learner's exchange steps (``step_name``: minibatch ``"step"`` or
+        ``"sync"``): ``"auto"`` is 10% of the run's ``steps`` (a minibatch learner's are
+        ``max_samples / minibatch_size`` when not given); the default is the hook's 1000 minibatch
+        steps, and ``"auto"`` for syncs. Error feedback left unset is on for steps, off for syncs. Warns (rank 0, one line) when the start is not before the
+        run's last exchange step: PowerSGD would never compress."""
+        self.step_name = step_name
+        if self.error_feedback_is_default:
+            self.use_error_feedback = step_name == "step"
+            if not self.use_error_feedback and self.errors:  # restored before the plan: not used now
+                warn_residuals_dropped(self, "use_error_feedback")
+                self.errors = {}
+        if steps is None and step_name == "step":
+            max_samples, minibatch = getattr(facts, "max_samples", None), getattr(facts, "minibatch_size", None)
+            if max_samples and minibatch:
+                steps = math.ceil(max_samples / minibatch)
+        if self.start_is_auto or (self.start_is_default and step_name != "step"):
+            if steps:
+                self.start_powersgd_iter = math.ceil(AUTO_START_FRACTION * steps)
+                self._start_note = f"auto: 10% of the run's {steps:,}"
+            else:
+                self.start_powersgd_iter = DEFAULT_START_ITER if step_name == "step" else DEFAULT_START_SYNCS
+                self._start_note = "auto: the run's length is unknown"
+        elif self.start_is_default:
+            self.start_powersgd_iter, self._start_note = DEFAULT_START_ITER, "torch's default"
+        if steps is not None and self.start_powersgd_iter >= steps and (self.comm is None or self.comm.is_main):
+            warnings.warn(f"learner.exchange.start_powersgd_iter={self.start_powersgd_iter} {step_name}s of plain "
+                          f"all-reduce, but this run makes only {steps:,} {step_name}s: PowerSGD would never "
+                          f"compress; use start_powersgd_iter=auto (10% of the run) or fewer",
+                          RuntimeWarning, stacklevel=2)
 
     @property
     def step(self) -> int:
@@ -237,11 +278,16 @@ class PowerSGD(ThreadedExchange):
                 "errors": cpu(self.errors), "p_memory": cpu(self.p_memory), "q_memory": cpu(self.q_memory)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`'s output (saved at the same world size)."""
+        """Restores :meth:`state_dict`'s output (saved at the same world size). With error feedback off
+        the saved errors are not used: they are dropped, and a warning says so (rank 0, one line)."""
         device = self.comm.device if self.comm is not None else torch.device("cpu")
         self.steps_begun = int(state["steps_begun"])
         self.rng.set_state(_rng_state_from(state["rng"]))
-        self.errors = {key: tensor.to(device) for key, tensor in state["errors"].items()}
+        errors = state["errors"]
+        if errors and not self.use_error_feedback:
+            warn_residuals_dropped(self, "use_error_feedback")
+            errors = {}
+        self.errors = {key: tensor.to(device) for key, tensor in errors.items()}
         self.p_memory = {key: tensor.to(device) for key, tensor in state["p_memory"].items()}
         self.q_memory = {key: tensor.to(device) for key, tensor in state["q_memory"].items()}
 

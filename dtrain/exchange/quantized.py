@@ -11,7 +11,7 @@ import torch
 from dtrain import checks
 from dtrain.compress.bitpack import check_bits
 from dtrain.compress.exchange import QuantizedExchange
-from dtrain.exchange.base import ThreadedExchange, split_views
+from dtrain.exchange.base import ThreadedExchange, split_views, warn_residuals_dropped
 
 
 class Quantized(ThreadedExchange):
@@ -82,8 +82,14 @@ class Quantized(ThreadedExchange):
         return {"name": self.name, "per_key": {key: exchange.state_dict() for key, exchange in self._exchanges.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`'s output (needs ``bind`` first)."""
-        for key, saved in state.get("per_key", {}).items():
+        """Restores :meth:`state_dict`'s output (needs ``bind`` first). With error feedback off the
+        saved residuals are not used: they are dropped, and a warning says so (rank 0, one line)."""
+        saved_keys = state.get("per_key", {})
+        if not self.error_feedback:
+            if any(saved.get("worker_residual") is not None for saved in saved_keys.values()):
+                warn_residuals_dropped(self, "error_feedback")
+            return
+        for key, saved in saved_keys.items():
             self._exchange_for(key).load_state_dict(saved)
 
     def reset(self) -> None:

@@ -2,9 +2,11 @@
 
 ``block_momentum_distributed_learner`` is CNTK's factory of the same name and follows CNTK's
 update literally (``docs/semantics.md#block-momentum``, with CNTK's sums of model deltas): each worker
-trains its own copy of the model with the wrapped optimizer; when a block of samples has been
-trained on, the workers' model deltas are SUMMED, filtered by the block momentum and applied to
-the model of the last sync, so every worker continues from one model.
+trains its own copy of the model with the wrapped optimizer (the factory's local steps take the
+worker's share of the global minibatch's learning rate: CNTK's per-sample rate on its local
+samples); when a block of samples has been trained on, the workers' model deltas are SUMMED,
+filtered by the block momentum and applied to the model of the last sync, so every worker
+continues from one model.
 """
 from __future__ import annotations
 
@@ -77,8 +79,11 @@ class BlockMomentumLearner(Learner):
     """Blockwise model-update filtering (CNTK's block momentum distributed learner).
 
     Every minibatch, ``step()`` first runs the wrapped optimizer on this worker's gradient of its
-    LOCAL mean loss (unscaled: each worker trains its own model copy, PyTorch's loss convention).
-    When a block is complete, every worker takes part in a sync. With ``W_prev`` the model of
+    LOCAL mean loss, with the optimizer's learning rate ``lr`` (``local_learning_rate="full"``: each
+    worker trains as if alone), or with ``lr * n_i / B`` (``"share"``, CNTK's: its per-sample rate
+    ``lr / B`` on the worker's ``n_i`` samples of the global minibatch of ``B``), so that the N local
+    steps of one minibatch sum to the data-parallel step. When a block is complete, every worker
+    takes part in a sync. With ``W_prev`` the model of
     the last sync, ``W_i`` worker i's model, ``sg`` the block-level smoothed gradient:
 
     1. ``d_i = W_prev - W_i``, and ``D = sum_i d_i`` (all-reduce SUM, not divided by N);
@@ -121,8 +126,8 @@ class BlockMomentumLearner(Learner):
         comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
         block_size: global samples per block (> 0, at least N): CNTK's ``block_size``; ``"auto"``
             (the default) = :func:`auto_block_size` of the run's facts, derived in :meth:`plan`.
-        block_momentum_as_time_constant: the block momentum's time constant in samples (> 0), or
-            None for CNTK's default ``-block_size / ln(1 - 1/N)``.
+        block_momentum_as_time_constant: the block momentum's time constant in samples (>= 0; 0 is
+            block momentum 0, as in CNTK), or None for CNTK's default ``-block_size / ln(1 - 1/N)``.
         use_nesterov_momentum: apply the Nesterov look-ahead ``W <- W - bm * sg`` at each sync.
         reset_sgd_momentum_after_aggregation: zero the optimizer's momentum buffers at each sync.
         block_learning_rate: scale of the block update (> 0); 1 is CNTK's default.
@@ -132,6 +137,10 @@ class BlockMomentumLearner(Learner):
         exchange: the :class:`~dtrain.exchange.Exchange` strategy that sums the model deltas over
             workers (``learner.exchange`` in the config); None: fp32 :class:`~dtrain.exchange.AllReduce`.
             Its per-rank state (error-feedback residuals) is in :meth:`local_state_dict`.
+        local_learning_rate: ``"full"`` (the default): a local step's learning rate is the
+            optimizer's own; ``"share"`` (CNTK's, the default of ``block_momentum_distributed_learner``):
+            the optimizer's times ``local_samples / global_samples`` (``checks.LOCAL_LEARNING_RATES``;
+            ``docs/semantics.md#block-momentum``).
 
     Raises:
         ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
@@ -145,7 +154,8 @@ class BlockMomentumLearner(Learner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm, block_size: int | str = AUTO,
                  block_momentum_as_time_constant: float | None = None, use_nesterov_momentum: bool = True,
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
-                 distributed_after: int | str = AUTO, exchange: Exchange | None = None):
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None,
+                 local_learning_rate: str = "full"):
         super().__init__(optimizer, comm, distributed_after)
         if exchange is None:
             exchange = AllReduce()
@@ -156,7 +166,7 @@ class BlockMomentumLearner(Learner):
         self.exchange.bind(self.comm)  # before any restore: a strategy's state loads onto its communicator
         self.block_size_is_auto = block_size == AUTO
         checks.positive_number("block_momentum_as_time_constant", block_momentum_as_time_constant, allow_none=True,
-                               unit="samples")  # null: CNTK's default
+                               allow_zero=True, unit="samples")  # null: CNTK's default; 0: block momentum 0
         checks.positive_number("block_learning_rate", block_learning_rate)
         checks.boolean("use_nesterov_momentum", use_nesterov_momentum)
         checks.boolean("reset_sgd_momentum_after_aggregation", reset_sgd_momentum_after_aggregation)
@@ -170,6 +180,8 @@ class BlockMomentumLearner(Learner):
         self.use_nesterov_momentum = use_nesterov_momentum
         self.reset_sgd_momentum_after_aggregation = reset_sgd_momentum_after_aggregation
         self.block_learning_rate = float(block_learning_rate)
+        self.local_learning_rate = checks.choice("local_learning_rate", local_learning_rate,
+                                                 checks.LOCAL_LEARNING_RATES)
 
         # -- state (saved in checkpoints)
         self.local_samples_in_block = 0     # n_loc: this worker's samples since the last sync (CNTK's; recorded)
@@ -206,12 +218,27 @@ class BlockMomentumLearner(Learner):
     # -- the loop -------------------------------------------------------------------------------
     def plan(self, facts: RunFacts) -> None:
         """Derives ``block_size="auto"`` (:func:`auto_block_size`); warns (rank 0, one line) when a
-        block size given explicitly breaks CNTK's bound :func:`largest_block_size`."""
+        block size given explicitly breaks CNTK's bound :func:`largest_block_size`. Then plans the
+        exchange, whose steps are the syncs (e.g. PowerSGD's start counts syncs)."""
         super().plan(facts)
-        num_workers = self.comm.size
         if self.block_size_is_auto:
-            self._set_block_size(auto_block_size(facts, num_workers))
-            return
+            self._set_block_size(auto_block_size(facts, self.comm.size))
+        else:
+            self._check_block_size_bound(facts)
+        self.exchange.plan(facts, steps=self.expected_syncs(facts), step_name="sync")
+
+    def expected_syncs(self, facts: RunFacts) -> int | None:
+        """The syncs a run of ``facts`` makes after the warm start (None when its length is unknown):
+        a sync every ``ceil(sync_period / ceil(B / N))`` global minibatches of ``B``, and one at the end."""
+        if not facts.max_samples or not facts.minibatch_size or not self.block_size:
+            return None
+        minibatches = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
+        per_sync = math.ceil(self.sync_period / math.ceil(facts.minibatch_size / self.comm.size))
+        return math.ceil(minibatches / per_sync)
+
+    def _check_block_size_bound(self, facts: RunFacts) -> None:
+        """Warns (rank 0, one line) when an explicit block size breaks CNTK's bound on it."""
+        num_workers = self.comm.size
         if facts.samples_per_sweep is None or num_workers == 1 or not self.comm.is_main:
             return
         needed = self.time_constant * num_workers
@@ -221,7 +248,7 @@ class BlockMomentumLearner(Learner):
                 f"learner.block_size={self.block_size:,} is too large for {facts.samples_per_sweep:,} unique samples "
                 f"and {num_workers} workers: block momentum needs samples per sweep >= time constant x workers "
                 f"({needed:,.0f}), i.e. a block of at most about {bound:,.0f} samples; expect lower accuracy, or "
-                f"use learner.block_size=auto", RuntimeWarning, stacklevel=2)
+                f"use learner.block_size=auto", RuntimeWarning, stacklevel=3)
 
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """``distributed_after="auto"``: :func:`~dtrain.learners.base.auto_warm_start` (0 with one
@@ -237,7 +264,12 @@ class BlockMomentumLearner(Learner):
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
                 f"syncs, time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
                 f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}, "
-                f"exchange {self.exchange.describe()}")
+                f"{self._describe_local_steps()}, exchange {self.exchange.describe()}")
+
+    def _describe_local_steps(self) -> str:
+        if self.local_learning_rate == "share":
+            return "local steps at lr x the worker's share of the minibatch (CNTK's per-sample rate)"
+        return "local steps at the full lr"
 
     # -- statistics of the last sync --------------------------------------------------------------
     @property
@@ -311,7 +343,7 @@ class BlockMomentumLearner(Learner):
         self._met = False
         self.exchange_seconds_last_step = 0.0
         if self.local_samples > 0:
-            self._step_optimizer()
+            self._local_step()
         if blocks_started:
             self.local_samples_in_block += self.local_samples
             self.global_samples_in_block += self.global_samples
@@ -324,6 +356,24 @@ class BlockMomentumLearner(Learner):
             self._met = True
         else:  # warm start: no collective at all; a meeting point every block_size samples
             self._met = (self.samples_seen + self.global_samples) // self.block_size != self.samples_seen // self.block_size
+
+    def _local_step(self) -> None:
+        """The wrapped optimizer's step on this worker's gradient; with ``local_learning_rate="share"``
+        each parameter group's lr is ``lr * local_samples / global_samples`` for this step (1 during the
+        warm start, where every worker reads the whole minibatch)."""
+        share = self.local_samples / self.global_samples
+        if self.local_learning_rate == "full" or share == 1:
+            self._step_optimizer()
+            return
+        groups = self.optimizer.param_groups
+        configured = [group["lr"] for group in groups]
+        for group, lr in zip(groups, configured):
+            group["lr"] = lr * share
+        try:
+            self._step_optimizer()
+        finally:
+            for group, lr in zip(groups, configured):
+                group["lr"] = lr
 
     def is_sync_point(self) -> bool:
         """Whether the step just made ended a block (a sync, or the broadcast that starts blocks),
@@ -536,11 +586,17 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
                                        use_nesterov_momentum: bool | None = None,
                                        reset_sgd_momentum_after_aggregation: bool = True,
                                        block_learning_rate: float = 1.0, distributed_after: int | str = AUTO,
-                                       exchange: Exchange | None = None, **aliases: Any) -> BlockMomentumLearner:
+                                       exchange: Exchange | None = None, local_learning_rate: str = "share",
+                                       **aliases: Any) -> BlockMomentumLearner:
     """CNTK's ``block_momentum_distributed_learner``: wraps ``optimizer`` in a ``BlockMomentumLearner``.
 
     Arguments as in ``BlockMomentumLearner`` (``block_size`` and ``distributed_after`` in global
-    samples; ``exchange`` the instantiated strategy that sums the model deltas, None: fp32).
+    samples; ``exchange`` the instantiated strategy that sums the model deltas, None: fp32), but
+    CNTK's local steps by default (``local_learning_rate="share"``: a worker's step takes its share
+    of the global minibatch's learning rate), so a CNTK configuration gives CNTK's update once its
+    per-sample learning rate is converted (``lr`` = CNTK's per-sample lr x the global minibatch;
+    ``docs/semantics.md#block-momentum``): e.g. ``block_momentum_as_time_constant=0``,
+    ``block_size`` one global minibatch and ``block_learning_rate=1`` make data-parallel SGD.
     ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
     ``use_nestrov_momentum`` is accepted in its place.
 
@@ -563,6 +619,7 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
         use_nesterov_momentum=True if use_nesterov_momentum is None else use_nesterov_momentum,
         reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
         block_learning_rate=block_learning_rate, distributed_after=distributed_after, exchange=exchange,
+        local_learning_rate=local_learning_rate,
     )
 
 

@@ -10,6 +10,7 @@ soon as it and every earlier bucket are complete.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any
 
@@ -160,9 +161,13 @@ class DataParallelLearner(ReplicatedLearner):
             self.warm_start_exchange.close()
 
     def plan(self, facts: RunFacts) -> None:
-        """The base's plan, then the exchange's (a strategy may derive ``"auto"`` settings from the run)."""
+        """The base's plan, then the exchange's (a strategy may derive ``"auto"`` settings from the run):
+        it is told the run's minibatches after the warm start, the steps it will exchange."""
         super().plan(facts)
-        self.exchange.plan(facts)
+        steps = None
+        if facts.max_samples and facts.minibatch_size:
+            steps = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
+        self.exchange.plan(facts, steps=steps, step_name="step")
 
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """``distributed_after="auto"``: a warm start (:func:`auto_warm_start`) when the exchange asks for

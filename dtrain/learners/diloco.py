@@ -12,7 +12,6 @@ to BMUF's ``block_learning_rate`` and ``block_momentum`` and where the two updat
 """
 from __future__ import annotations
 
-import warnings
 import torch
 
 from dtrain import checks
@@ -66,19 +65,17 @@ class DiLoCoLearner(BlockMomentumLearner):
         checks.positive_number("outer_learning_rate", outer_learning_rate)
         checks.number_in_range("outer_momentum", outer_momentum, 0.0, 1.0, include_high=False)
         checks.boolean("outer_nesterov", outer_nesterov)
+        # the inner optimizer steps at its own lr on every worker (DiLoCo averages the deltas)
         super().__init__(optimizer, comm, block_size=block_size, use_nesterov_momentum=outer_nesterov,
                          reset_sgd_momentum_after_aggregation=False, distributed_after=distributed_after,
-                         exchange=exchange)
+                         exchange=exchange, local_learning_rate="full")
         self.outer_learning_rate = float(outer_learning_rate)
         self.outer_momentum = float(outer_momentum)
         self.outer_nesterov = outer_nesterov
 
-    def plan(self, facts: RunFacts) -> None:
-        """Derives ``block_size="auto"``; block momentum's bound on the block size (its time
-        constant) does not apply to DiLoCo's constant outer momentum, so nothing is warned."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # BMUF's time-constant bound
-            super().plan(facts)
+    def _check_block_size_bound(self, facts: RunFacts) -> None:
+        """Nothing: block momentum's bound on the block size (its time constant) does not apply to
+        DiLoCo's constant outer momentum."""
 
     def describe(self) -> str:
         """Block size, inner steps per worker between syncs and the outer optimizer."""

@@ -89,7 +89,8 @@ class CrossValidationConfig:
         frequency: samples between evaluations (``None``: only at the end; 0: never).
         minibatch_size: samples per evaluation minibatch (global).
         callback: ``callback(index, average_error, num_samples, num_minibatches) -> bool``;
-            returning ``False`` stops training. Fires on schedule even without a source.
+            returning ``False`` stops training. Fires on schedule even without a source (then with
+            ``average_error``, ``num_samples`` and ``num_minibatches`` 0, as CNTK's).
         max_samples: read at most this many samples per evaluation (``None``: the whole source).
     """
 

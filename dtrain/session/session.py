@@ -24,7 +24,7 @@ from dtrain import checks
 from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
 from dtrain.comm.launcher import detect_launcher
 from dtrain.learners.base import Learner, RunFacts
-from dtrain.schedules import Schedule, momentum_from_time_constant
+from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
 from dtrain.session import checkpoint, checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice
 from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
@@ -270,6 +270,7 @@ class TrainingSession:
         self._defining_stream_note = bind_sources(self.binding, self.sources)
         check_model_against_data(model, self.binding, self.sources)
         check_loss_takes_target(loss, metric, self.binding, minibatch_source)
+        size_sweeps((self.minibatch_size, lr_schedule, momentum_time_constant_schedule), minibatch_source)
         self.max_samples = max_samples
         self.checkpoint_config = checkpoint_config
         self.cv_config = cv_config
@@ -599,7 +600,7 @@ class TrainingSession:
                           **result.details, num_samples=result.num_samples)
         keep_going = True
         if config.callback is not None:
-            answer = config.callback(self.cv_index, result.error if result else float("nan"),
+            answer = config.callback(self.cv_index, result.error if result else 0.0,  # CNTK: 0 without a source
                                      result.num_samples if result else 0, result.num_minibatches if result else 0)
             keep_going = answer is not False
             if not keep_going:

@@ -6,7 +6,9 @@ all-gather their parameters and record the largest difference, which must be exa
 each rank replays the same training as a single-process simulation of CNTK's formulas (N model
 copies, ``docs/semantics.md#block-momentum`` written out per parameter) and checks the real result
 against it to 1e-5. Each configuration is one named check (``tests.helpers.checks``) whose result
-is the list of differences after each sync.
+is the list of differences after each sync. A last check, ``cntk_data_parallel_sgd``, trains with
+CNTK's settings for data-parallel SGD (block momentum 0, a block of one global minibatch, block
+learning rate 1) through the CNTK factory and compares with ``data_parallel_distributed_learner``.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 from dtrain.comm import create_communicator, install_fail_fast
-from dtrain.learners import BlockMomentumLearner
+from dtrain.data.partition import partition_slice
+from dtrain.learners import BlockMomentumLearner, block_momentum_distributed_learner, data_parallel_distributed_learner
 
 from tests.helpers.bmuf_reference import flat, simulate_bmuf, train_learner_shares
 from tests.helpers.checks import run_checks
@@ -101,11 +104,45 @@ def check_case(comm, case: str) -> dict:
     return {"differences_between_ranks": differences}
 
 
+def train_steps(comm, build, global_size: int, steps: int) -> torch.Tensor:
+    """``steps`` global minibatches on this rank's share with the learner ``build(model)`` makes; the final model."""
+    model = make_model(seed=comm.rank)
+    learner = build(model)
+    learner.prepare(model)
+    for step in range(steps):
+        start, stop = partition_slice(step * global_size, global_size, *learner.data_partition())
+        learner.begin_minibatch(stop - start, global_size)
+        if stop > start:
+            local_loss(model, start, stop).backward()
+        learner.step()
+    learner.synchronize()
+    return flat(model.parameters())
+
+
+def check_cntk_data_parallel_sgd(comm) -> dict:
+    """Block momentum 0 (time constant 0), a block of one global minibatch and block learning rate 1,
+    through CNTK's factory, make the parameters of data-parallel SGD (``docs/semantics.md#block-momentum``)."""
+    global_size, steps = 16, 8
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+
+    data_parallel = train_steps(comm, lambda model: data_parallel_distributed_learner(sgd(model), comm),
+                                global_size, steps)
+    block_momentum = train_steps(comm, lambda model: block_momentum_distributed_learner(
+        sgd(model), comm, block_size=global_size, block_momentum_as_time_constant=0, block_learning_rate=1.0,
+        distributed_after=0), global_size, steps)
+    difference = float((block_momentum - data_parallel).abs().max())
+    assert difference <= TOLERANCE, f"block momentum with CNTK's data-parallel settings is {difference} away"
+    return {"max_difference": difference, "moved": float((data_parallel - flat(make_model(0).parameters())).abs().max())}
+
+
 def main() -> None:
     comm = create_communicator(backend="gloo", timeout_s=60)
     install_fail_fast(comm)
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
-    run_checks(comm, {case: partial(check_case, case=case) for case in CASES})
+    run_checks(comm, {**{case: partial(check_case, case=case) for case in CASES},
+                      "cntk_data_parallel_sgd": check_cntk_data_parallel_sgd})
     comm.finalize()
 
 

@@ -6,6 +6,7 @@ Each launch starts torch in every rank (a few seconds on 2 cores), so one run of
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,14 @@ def test_ranks_agree_after_every_sync_and_match_the_simulation(launch: CheckLaun
 
 
 @pytest.mark.timeout(150)
+def test_cntk_settings_for_data_parallel_sgd_give_its_parameters(launch: CheckLaunch) -> None:
+    """Block momentum 0, a block of one global minibatch and block learning rate 1 through CNTK's
+    factory: parameters equal to data_parallel SGD's (float tolerance), after a real move."""
+    result = launch.result("cntk_data_parallel_sgd")
+    assert result["max_difference"] <= 1e-5 and result["moved"] > 1e-2, result
+
+
+@pytest.mark.timeout(150)
 def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
     assert launch.returncode == 0, launch.output
 
@@ -42,3 +51,21 @@ def test_cli_trains_digits_with_block_momentum_on_two_ranks(run_dir: Path) -> No
     assert result.returncode == 0, result.report()
     assert "finished: 3,000 samples" in result.stdout, result.report()
     assert (run_dir / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_block_momentum_with_powersgd_starts_compressing_after_a_tenth_of_its_syncs(run_dir: Path) -> None:
+    """``learner=block_momentum learner/exchange=powersgd`` as given: the start counts syncs (12,000 samples
+    at 2 ranks: 18 syncs after the warm start, so 2), the start-up line says so, and the syncs send a
+    small part of the float32 all-reduce's bytes."""
+    result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "learner=block_momentum", "learner/exchange=powersgd",
+                         "session.max_samples=12000", "session.progress_frequency=3000", "session.tensorboard=false",
+                         f"run_dir={run_dir}"], timeout=250)
+    assert result.returncode == 0, result.report()
+    assert "exchange powersgd rank 1 (all-reduce for the first 2 syncs, auto: 10% of the run's 18)" in result.stdout, \
+        result.report()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sent = [record["bytes_sent_per_step"] for record in records if record.get("bytes_sent_per_step")]
+    full_precision = 2 * (2 - 1) * 4 * 151_306 // 2  # a float32 all-reduce of the digits CNN's parameters
+    assert sent and all(bytes_sent * 10 < full_precision for bytes_sent in sent), sent

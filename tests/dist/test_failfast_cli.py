@@ -7,6 +7,9 @@ a hang. The failures come from ``tests.helpers.failing_model.FailingDigitsCNN`` 
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,3 +96,29 @@ def test_a_slow_step_is_not_taken_for_a_hang(tmp_path):
                             rank=1, env={"DTRAIN_TEST_SLOW_S": "8"})
     assert result.returncode == 0, result.report()
     assert "test: accuracy" in result.stdout, result.report()
+
+
+@pytest.mark.slow
+def test_a_long_hold_of_the_interpreter_lock_under_heavy_cpu_load_is_not_taken_for_a_hang(tmp_path):
+    """Rank 1's training thread holds the interpreter lock for 8 s, twice the 4 s heartbeat bound, while busy
+    processes keep every core 5 times over: the beats come from a process of their own, so the job ends well."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(5 * (os.cpu_count() or 1))]
+    try:
+        result, _ = run_failing(tmp_path, 2, "gil", "comm.heartbeat_timeout_s=4", "session.max_samples=320",
+                                rank=1, env={"DTRAIN_TEST_SLOW_S": "8"}, timeout=280)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert result.returncode == 0, result.report()
+    assert "test: accuracy" in result.stdout, result.report()
+
+
+@pytest.mark.slow
+def test_ranks_that_finished_keep_beating_while_rank_0_writes_its_outputs(tmp_path):
+    """Rank 0 alone writes the weights at the end, here for 8 s against a 4 s heartbeat bound: rank 1,
+    done and waiting for it, beats until every rank has arrived (comm.finalize), so the job ends well."""
+    result, _ = run_failing(tmp_path, 2, "slow_outputs", "comm.heartbeat_timeout_s=4", "session.max_samples=320",
+                            "session.checkpoint.frequency=0", rank=0, env={"DTRAIN_TEST_SLOW_S": "8"})
+    assert result.returncode == 0, result.report()
+    assert "weights:" in result.stdout, result.report()

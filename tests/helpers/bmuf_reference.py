@@ -24,10 +24,12 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
                   local_loss: Callable[[torch.nn.Module, int, int], torch.Tensor], global_sizes: Sequence[int],
                   block_size: int, block_momentum_as_time_constant=None, use_nesterov_momentum=True,
                   reset_sgd_momentum_after_aggregation=True, block_learning_rate=1.0,
-                  distributed_after=0) -> tuple[list[torch.Tensor], torch.Tensor]:
+                  distributed_after=0, local_learning_rate="full") -> tuple[list[torch.Tensor], torch.Tensor]:
     """Direct BMUF: returns (the common model's flat parameters after each sync, final flat parameters).
 
-    ``local_loss(model, start, stop)`` is the mean loss over timeline positions ``[start, stop)``.
+    ``local_loss(model, start, stop)`` is the mean loss over timeline positions ``[start, stop)``. A
+    local step's learning rate is the optimizer's (``local_learning_rate="full"``) or that times the
+    worker's share of the global minibatch (``"share"``, CNTK's per-sample rate on its local samples).
     """
     size = len(models)
     if block_momentum_as_time_constant is not None:
@@ -70,7 +72,13 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
             optimizer.zero_grad()
             if stop > start:
                 local_loss(model, start, stop).backward()
+                share = (stop - start) / global_size if local_learning_rate == "share" else 1.0
+                configured = [group["lr"] for group in optimizer.param_groups]
+                for group in optimizer.param_groups:
+                    group["lr"] *= share
                 optimizer.step()
+                for group, lr in zip(optimizer.param_groups, configured):
+                    group["lr"] = lr
             if not warm:
                 local_counts[k] += stop - start
         position += global_size

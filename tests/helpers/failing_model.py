@@ -4,12 +4,15 @@
 root on the ranks' ``PYTHONPATH``);
 ``DTRAIN_TEST_FAIL_RANK`` chooses the rank and ``DTRAIN_TEST_FAIL_AFTER`` the number of
 training forward passes after which it acts; ``DTRAIN_TEST_FAIL_HOW`` is ``raise`` (a
-RuntimeError), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself) or ``slow``
-(sleeps ``DTRAIN_TEST_SLOW_S`` seconds in one forward, a slow step that is not a hang).
+RuntimeError), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself), ``slow``
+(sleeps ``DTRAIN_TEST_SLOW_S`` seconds in one forward, a slow step that is not a hang),
+``gil`` (the same, holding the interpreter lock: C's ``sleep`` called through ``ctypes.PyDLL``) or
+``slow_outputs`` (sleeps that long in every ``state_dict()``: rank 0 writing its outputs at the end).
 ``DTRAIN_TEST_MARK`` names a file that gets the wall-clock time at which it acted.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -29,13 +32,9 @@ class FailingDigitsCNN(DigitsCNN):
     def forward(self, images):
         if self.training:
             self.forwards += 1
-            if (self.rank == int(os.environ.get("DTRAIN_TEST_FAIL_RANK", "-1"))
-                    and self.forwards == int(os.environ.get("DTRAIN_TEST_FAIL_AFTER", "5"))):
+            if (self._chosen() and self.forwards == int(os.environ.get("DTRAIN_TEST_FAIL_AFTER", "5"))):
                 how = os.environ.get("DTRAIN_TEST_FAIL_HOW", "raise")
-                print(f"test model: rank {self.rank} acts ({how}) at forward {self.forwards}", flush=True)
-                if os.environ.get("DTRAIN_TEST_MARK"):  # when it acted, for the test's time bound
-                    with open(os.environ["DTRAIN_TEST_MARK"], "w") as mark:
-                        mark.write(repr(time.time()))
+                self._mark(f"forward {self.forwards}")
                 if how == "raise":
                     raise RuntimeError(f"injected failure on rank {self.rank}")
                 if how == "kill":
@@ -44,4 +43,22 @@ class FailingDigitsCNN(DigitsCNN):
                     os.kill(os.getpid(), signal.SIGSTOP)
                 if how == "slow":
                     time.sleep(float(os.environ.get("DTRAIN_TEST_SLOW_S", "10")))
+                if how == "gil":  # no other thread of this process runs Python meanwhile
+                    ctypes.PyDLL(None).sleep(int(os.environ.get("DTRAIN_TEST_SLOW_S", "10")))
         return super().forward(images)
+
+    def state_dict(self, *args, **kwargs):
+        if self._chosen() and os.environ.get("DTRAIN_TEST_FAIL_HOW") == "slow_outputs":
+            self._mark("state_dict")
+            time.sleep(float(os.environ.get("DTRAIN_TEST_SLOW_S", "10")))
+        return super().state_dict(*args, **kwargs)
+
+    def _chosen(self) -> bool:
+        return self.rank == int(os.environ.get("DTRAIN_TEST_FAIL_RANK", "-1"))
+
+    def _mark(self, where: str) -> None:
+        """Says that (and, in ``DTRAIN_TEST_MARK``, when) this rank acts, for the test's time bound."""
+        print(f"test model: rank {self.rank} acts ({os.environ.get('DTRAIN_TEST_FAIL_HOW')}) at {where}", flush=True)
+        if os.environ.get("DTRAIN_TEST_MARK"):
+            with open(os.environ["DTRAIN_TEST_MARK"], "w") as mark:
+                mark.write(repr(time.time()))

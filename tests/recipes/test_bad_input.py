@@ -132,7 +132,7 @@ CASES = [
     ("source-sweeps-0", ["source.train.max_sweeps=0"], ["source.train.max_sweeps=0: expected"]),
     ("source-seed-negative", ["source.train.randomization_seed=-1"], ["source.train.randomization_seed=-1: expected"]),
     # recipes
-    ("recipe-unknown", ["+recipe=imagenette"], ["unknown recipe 'imagenette'; expected one of cifar10, digits"]),
+    ("recipe-unknown", ["+recipe=imagenette"], ["unknown recipe 'imagenette'; expected one of cifar10, cmudict_g2p, digits"]),
     ("recipe-missing", [], ["no recipe chosen", "+recipe=NAME"]),
     # run directories
     ("run-dir-empty-string", ["run_dir="], ["run_dir='': expected the path of a directory"]),

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from dtrain.comm.local import LocalCommunicator
-from dtrain.learners import BlockMomentumLearner, block_momentum_distributed_learner
+from dtrain.data.partition import partition_slice
+from dtrain.learners import BlockMomentumLearner, block_momentum_distributed_learner, data_parallel_distributed_learner
 from dtrain.learners.block_momentum import default_time_constant
 from dtrain.schedules import momentum_from_time_constant
 
@@ -81,6 +82,8 @@ CASES = {
     # shares 3 and 4: rank 1 reaches the period 12 after 3 minibatches (21 global samples < 24)
     "uneven_shares": (2, [7] * 10, dict(block_size=24), 4),
     "warm_start": (2, [8] * 12, dict(block_size=24, distributed_after=16), 4),
+    # CNTK's local steps (the factory's default): lr x the worker's share, uneven shares included
+    "share_of_the_lr": (3, [10] * 10, dict(block_size=30, local_learning_rate="share", distributed_after=20), 3),
 }
 
 
@@ -229,6 +232,58 @@ def test_step_before_prepare_is_refused():
         learner.step()
 
 
+# -- CNTK's property: block momentum 0, a block of one minibatch, block lr 1 is data-parallel SGD ---
+def train_shares(size: int, build, global_size: int, steps: int) -> torch.Tensor:
+    """Trains ``size`` threaded workers with ``build(optimizer_parameters, comm)`` on their shares of
+    ``steps`` global minibatches; returns rank 0's final parameters (after ``synchronize``)."""
+    models = [make_model() for _ in range(size)]
+
+    def worker(comm: FakeComm):
+        model = models[comm.rank]
+        learner = build(model.parameters(), comm)
+        learner.prepare(model)
+        for step in range(steps):
+            start, stop = partition_slice(step * global_size, global_size, *learner.data_partition())
+            learner.begin_minibatch(stop - start, global_size)
+            if stop > start:
+                local_loss(model, start, stop).backward()
+            learner.step()
+        learner.synchronize()
+        return flat(model.parameters())
+
+    return FakeWorld(size).run(worker)[0]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("global_size, optimizer, reset", [
+    (7, dict(lr=0.1, weight_decay=0.01), True),   # uneven shares; weight decay steps as the data-parallel one
+    (16, dict(lr=0.1, momentum=0.9), False),      # momentum kept across syncs: the summed buffers are the global one
+])
+def test_block_momentum_zero_with_a_block_of_one_minibatch_is_data_parallel_sgd(size, global_size, optimizer, reset):
+    """docs/semantics.md#block-momentum: through the CNTK factory with CNTK's settings (time constant 0, a
+    block of one global minibatch, block learning rate 1), each sync applies the sum of the workers' steps
+    at their share of the minibatch's learning rate: the data-parallel step."""
+    def cntk_block_momentum(**options):
+        return lambda parameters, comm: block_momentum_distributed_learner(
+            torch.optim.SGD(parameters, **optimizer), comm, block_size=global_size, block_momentum_as_time_constant=0,
+            block_learning_rate=1.0, reset_sgd_momentum_after_aggregation=reset, distributed_after=0, **options)
+
+    data_parallel = train_shares(size, lambda parameters, comm: data_parallel_distributed_learner(
+        torch.optim.SGD(parameters, **optimizer), comm), global_size, steps=8)
+    block_momentum = train_shares(size, cntk_block_momentum(), global_size, steps=8)
+    assert torch.allclose(block_momentum, data_parallel, atol=1e-12, rtol=0), \
+        (block_momentum - data_parallel).abs().max()
+    # at the full lr (learner=block_momentum's default) every worker's step is a whole one: N times as far
+    full = train_shares(size, cntk_block_momentum(local_learning_rate="full"), global_size, steps=8)
+    assert (full - data_parallel).abs().max() > 1e-2
+
+
+def test_block_momentum_time_constant_0_is_block_momentum_0():
+    learner = BlockMomentumLearner(sgd(make_model().parameters()), FakeComm(FakeWorld(2), 0), block_size=32,
+                                   block_momentum_as_time_constant=0)
+    assert learner.time_constant == 0.0 and "block momentum 0.0000" in learner.describe()
+
+
 # -- the factory and its checks ---------------------------------------------------------------------
 def test_cntk_misspelt_nesterov_keyword_is_accepted():
     parameters = list(make_model().parameters())
@@ -251,8 +306,8 @@ def test_cntk_misspelt_nesterov_keyword_is_accepted():
     (dict(block_size=8.5), "block_size=8.5"),
     (dict(block_size=True), "block_size=True"),
     (dict(block_size=3), "Sync period is too small"),  # 4 workers
-    (dict(block_size=64, block_momentum_as_time_constant=0), "block_momentum_as_time_constant=0"),
     (dict(block_size=64, block_momentum_as_time_constant=-5.0), "block_momentum_as_time_constant=-5.0"),
+    (dict(block_size=64, local_learning_rate="per_sample"), "local_learning_rate='per_sample': expected one of share"),
     (dict(block_size=64, block_momentum_as_time_constant=float("nan")), "block_momentum_as_time_constant=nan"),
     (dict(block_size=64, block_learning_rate=0.0), "block_learning_rate=0.0"),
     (dict(block_size=64, distributed_after=-1), "distributed_after"),

@@ -96,6 +96,8 @@ def test_unknown_recipe_lists_the_available_ones():
     (("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=0"), "num_quantization_bits=0: expected a whole number of bits from 1 to 32"),
     (("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=33"), "from 1 to 32"),
     (("+recipe=digits", "learner=block_momentum", "learner.block_momentum_as_time_constant=-3"), "time_constant=-3.0"),
+    (("+recipe=digits", "learner=block_momentum", "learner.local_learning_rate=cntk"),
+     "learner.local_learning_rate='cntk': expected one of share, full"),
     (("+recipe=digits", "learner=block_momentum", "+learner.num_quantization_bits=1"),
      "learner.num_quantization_bits: unknown key (BlockMomentumLearnerConfig has no such setting)"),
     (("+recipe=digits", "comm.backend=tcp"), "comm.backend='tcp'"),
@@ -112,6 +114,19 @@ def test_unknown_recipe_lists_the_available_ones():
 def test_out_of_range_values_are_all_reported_before_anything_runs(overrides, fragment):
     problems = validate(compose_config(*overrides))
     assert any(fragment in problem for problem in problems), problems
+
+
+def test_a_cntk_block_momentum_configuration_is_accepted_and_built_as_asked():
+    """docs/semantics.md#block-momentum: time constant 0 (block momentum 0) and CNTK's local steps."""
+    cfg = compose_config("+recipe=digits", "learner=block_momentum", "learner.block_momentum_as_time_constant=0",
+                         "learner.local_learning_rate=share", "learner.block_size=32")
+    assert validate(cfg, check_run_dir=False) == []
+    learner = instantiate(cfg.learner, optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                          comm=LocalCommunicator())
+    assert learner.time_constant == 0.0 and learner.local_learning_rate == "share"
+    default = instantiate(compose_config("+recipe=digits", "learner=block_momentum").learner,
+                          optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), comm=LocalCommunicator())
+    assert default.local_learning_rate == "full"  # learner=block_momentum keeps its measured default
 
 
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))

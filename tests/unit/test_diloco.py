@@ -133,12 +133,13 @@ def test_inner_optimizer_state_is_kept_across_syncs():
 
 
 def test_without_nesterov_bmuf_with_the_mapped_settings_is_diloco():
-    """docs/semantics.md#diloco: bm = mu, block_learning_rate = lr / ((1 - mu) N) (and TC = -B / ln mu)."""
+    """docs/semantics.md#diloco: bm = mu, block_learning_rate = lr / ((1 - mu) N) (and TC = -B / ln mu),
+    with BMUF's local steps at the inner optimizer's full lr, as DiLoCo's."""
     import math
     size, block, lr, mu = 2, 24, 0.7, 0.9
     diloco = run_workers(size, [8] * 12, dict(block_size=block, outer_nesterov=False, distributed_after=0))
     bmuf = run_workers(size, [8] * 12, dict(block_size=block, use_nesterov_momentum=False,
-                                            reset_sgd_momentum_after_aggregation=False,
+                                            reset_sgd_momentum_after_aggregation=False, local_learning_rate="full",
                                             block_momentum_as_time_constant=-block / math.log(mu),
                                             block_learning_rate=lr / ((1 - mu) * size), distributed_after=0),
                        learner_class=BlockMomentumLearner)
@@ -147,6 +148,7 @@ def test_without_nesterov_bmuf_with_the_mapped_settings_is_diloco():
     # with Nesterov the two differ (BMUF weighs the history by mu (1 + mu), torch by mu^2)
     diloco_nesterov = run_workers(size, [8] * 12, dict(block_size=block, distributed_after=0))
     bmuf_nesterov = run_workers(size, [8] * 12, dict(block_size=block, reset_sgd_momentum_after_aggregation=False,
+                                                     local_learning_rate="full",
                                                      block_momentum_as_time_constant=-block / math.log(mu),
                                                      block_learning_rate=lr / ((1 - mu) * size), distributed_after=0),
                                 learner_class=BlockMomentumLearner)
@@ -158,7 +160,7 @@ def test_bmuf_reference_is_not_diloco():
     """The reference above is not BMUF's update under another name."""
     models = [make_model() for _ in range(2)]
     bmuf, _ = simulate_bmuf(models, [adamw(model.parameters()) for model in models], local_loss, [8] * 12,
-                            block_size=24, reset_sgd_momentum_after_aggregation=False)
+                            block_size=24, reset_sgd_momentum_after_aggregation=False, local_learning_rate="full")
     diloco, _ = simulate(2, [8] * 12, block_size=24)
     assert (bmuf[-1] - diloco[-1]).abs().max() > 1e-3
 

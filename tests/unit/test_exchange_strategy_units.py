@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 
 from tests.helpers.config import compose_config
-from tests.helpers.thread_world import FakeWorld
+from tests.helpers.thread_world import FakeComm, FakeWorld
 from dtrain.comm import LocalCommunicator
 from dtrain.config import validate
 from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
@@ -61,6 +61,65 @@ def test_powersgd_preset_starts_compression_after_a_tenth_of_the_run():
     unknown = PowerSGD(start_powersgd_iter="auto")
     unknown.plan(RunFacts())
     assert unknown.start_powersgd_iter == 1000  # the hook's default when the run's length is unknown
+
+
+DIGITS_RUN = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
+
+
+@pytest.mark.parametrize("learner", ["block_momentum", "diloco"])
+def test_powersgd_under_a_block_learner_counts_syncs_and_compresses_after_its_start(learner):
+    """``learner=block_momentum learner/exchange=powersgd`` (and diloco) as a user gets it: the start counts
+    syncs, 10% of the run's (digits at 2 workers: 44 syncs after the warm start, so 5), says so at start-up,
+    and every sync after it sends far less than the float32 all-reduce of the ones before."""
+    cfg = compose_config("+recipe=digits", f"learner={learner}", "learner/exchange=powersgd")
+    features = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 4, (512,), generator=torch.Generator().manual_seed(1))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4)))
+
+    def work(comm):
+        model = models[comm.rank]
+        built = instantiate(cfg.learner, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), comm=comm)
+        built.plan(DIGITS_RUN)
+        built.prepare(model)
+        description, sent_per_sync, position = built.describe(), [], 0
+        while built.syncs < built.exchange.start_powersgd_iter + 2:
+            start, stop = (position + share for share in (0, 32)) if not built.is_distributed() else \
+                (position + 16 * comm.rank, position + 16 * (comm.rank + 1))
+            position += 32
+            built.begin_minibatch(stop - start, 32)
+            torch.nn.functional.cross_entropy(model(features[start % 512:][:stop - start]),
+                                              targets[start % 512:][:stop - start]).backward()
+            syncs = built.syncs
+            built.step()
+            if built.syncs != syncs:
+                sent_per_sync.append((built.bytes_sent_last_step, built._full_precision_bytes_last_sync))
+        built.finalize()
+        return built.exchange.start_powersgd_iter, description, sent_per_sync
+
+    for start, description, sent_per_sync in FakeWorld(2).run(work):
+        assert start == math.ceil(0.1 * 44) == 5, start
+        # error feedback off for syncs: with it, block momentum and DiLoCo collapsed on digits
+        assert "powersgd rank 1 (all-reduce for the first 5 syncs, auto: 10% of the run's 44), error feedback off" \
+            in description
+        before, after = sent_per_sync[:start], sent_per_sync[start:]
+        assert all(sent == full for sent, full in before), before
+        assert after and all(sent * 10 < full for sent, full in after), after
+
+
+def test_a_powersgd_start_beyond_the_run_is_named_in_one_warning():
+    cfg = compose_config("+recipe=digits", "learner=block_momentum", "learner/exchange=powersgd",
+                         "learner.exchange.start_powersgd_iter=1000")
+    learner = instantiate(cfg.learner, optimizer=sgd(), comm=FakeComm(FakeWorld(2), 0))
+    with pytest.warns(RuntimeWarning, match=r"start_powersgd_iter=1000 syncs of plain all-reduce, but this run makes "
+                                            r"only 44 syncs: PowerSGD would never compress"):
+        learner.plan(DIGITS_RUN)
+    minibatch_steps = PowerSGD()
+    with pytest.warns(RuntimeWarning, match=r"start_powersgd_iter=1000 steps .* only 938 steps"):
+        minibatch_steps.plan(DIGITS_RUN)  # torch's 1000 minibatches outlast the digits run too
+    assert minibatch_steps.use_error_feedback  # the hook's default for minibatch steps
 
 
 @pytest.mark.parametrize("overrides, fragment", [
@@ -186,3 +245,47 @@ def test_powersgd_state_survives_a_weights_only_checkpoint_round_trip():
             strategy.close()
         return torch.equal(*results) and restored.rng.randint(1000) == exchange.rng.randint(1000)
     assert all(FakeWorld(2).run(work))
+
+
+@pytest.mark.parametrize("with_feedback, without_feedback, setting", [
+    (lambda: Quantized(1), lambda: Quantized(1, error_feedback=False), "error_feedback"),
+    (lambda: PowerSGD(start_powersgd_iter=0), lambda: PowerSGD(start_powersgd_iter=0, use_error_feedback=False),
+     "use_error_feedback"),
+])
+def test_a_resume_with_error_feedback_off_says_in_one_line_that_the_residuals_are_dropped(
+        with_feedback, without_feedback, setting):
+    def work(comm):
+        exchange = with_feedback()
+        exchange.bind(comm)
+        exchange.begin_step()
+        exchange.start(0, torch.randn(30, generator=torch.Generator().manual_seed(comm.rank)), [torch.Size([6, 5])]).wait()
+        state = exchange.state_dict()
+        exchange.close()
+        return state
+    saved = FakeWorld(2).run(work)[0]
+    resumed = without_feedback()
+    resumed.bind(LocalCommunicator())
+    with pytest.warns(RuntimeWarning, match=rf"^{setting}=false: the error-feedback residuals of the .* exchange saved "
+                                            rf"in the checkpoint are dropped") as caught:
+        resumed.load_state_dict(saved)
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert "per_key" not in resumed.state_dict() or not resumed.state_dict()["per_key"]
+    assert not resumed.state_dict().get("errors")
+
+
+def test_residuals_restored_before_a_block_learners_plan_turns_error_feedback_off_are_named_too():
+    """A checkpoint restores before the plan; unset error feedback then turns off for syncs, and says so."""
+    def work(comm):
+        exchange = PowerSGD(start_powersgd_iter=0, use_error_feedback=True)
+        exchange.bind(comm)
+        exchange.begin_step()
+        exchange.start(0, torch.randn(30, generator=torch.Generator().manual_seed(comm.rank)), [torch.Size([6, 5])]).wait()
+        state = exchange.state_dict()
+        exchange.close()
+        return state
+    resumed = PowerSGD(start_powersgd_iter=0)
+    resumed.bind(LocalCommunicator())
+    resumed.load_state_dict(FakeWorld(2).run(work)[0])
+    with pytest.warns(RuntimeWarning, match="^use_error_feedback=false: the error-feedback residuals"):
+        resumed.plan(DIGITS_RUN, steps=44, step_name="sync")
+    assert not resumed.use_error_feedback and not resumed.state_dict()["errors"]

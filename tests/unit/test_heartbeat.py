@@ -1,7 +1,10 @@
-"""Heartbeats in one process: each rank's thread beats into a real TCPStore; silence is reported once."""
+"""Heartbeats in one process: each rank's beating process (forked by its Heartbeat) beats into a real
+TCPStore; silence is reported once, and never because this process holds the interpreter lock."""
 from __future__ import annotations
 
+import ctypes
 import datetime
+import gc
 import os
 import signal
 import subprocess
@@ -79,3 +82,33 @@ def test_a_store_that_never_answers_is_reported_by_the_watchdog():
     finally:
         server.kill()
         server.wait()
+
+
+def test_beats_go_on_while_this_process_holds_the_interpreter_lock(store):
+    """The beats come from a child process: a training thread holding the lock for longer than the timeout
+    (here C's sleep called through ctypes.PyDLL, 2.5 s against a 1 s bound) is not taken for a stopped rank."""
+    reports = Reports()
+    beats = [Heartbeat("127.0.0.1", store.port, rank, 2, 1.0, reports).start() for rank in (0, 1)]
+    time.sleep(0.3)
+    ctypes.PyDLL(None).sleep(2)  # not even this process's other threads run meanwhile
+    time.sleep(0.5)
+    for beat in beats:
+        beat.stop()
+    assert reports.messages == []
+
+
+def test_losing_rank_0s_store_is_one_line_without_torchs_cpp_stack(capfd):
+    """Rank 0 dies and its store with it: the other ranks report it in their one line, and torch's C++
+    client, which logs the socket error with a stack, prints nothing of it."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    reports = Reports()
+    beat = Heartbeat("127.0.0.1", server.port, 1, 2, 2.0, reports).start()
+    time.sleep(0.5)
+    del server  # its server closes every connection
+    gc.collect()
+    assert reports.arrived.wait(6.0), "a lost store was never reported"
+    beat.stop()
+    assert reports.messages[0].startswith("lost contact with the job's heartbeat store") and \
+        "rank 0 (which serves it) is stopped or gone" in reports.messages[0], reports.messages
+    printed = capfd.readouterr()
+    assert "TCPStore" not in printed.err + printed.out and "Exception raised from" not in printed.err, printed.err

@@ -1,0 +1,148 @@
+"""Details of CNTK's API that ported code relies on: a settable ``MinibatchSource.current_position``,
+``FULL_DATA_SWEEP`` and ``INFINITELY_REPEAT``, schedules that change once per sweep without an
+``epoch_size``, and a cross-validation callback told 0 (not NaN) when there is no source."""
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dtrain.data
+from dtrain import CrossValidationConfig, LocalLearner, MinibatchSource, Schedule, training_session
+from dtrain.data import FULL_DATA_SWEEP, INFINITELY_REPEAT, StreamArrays
+
+from tests.helpers.toy_data import four_class_data
+
+
+def plain_source(**options) -> MinibatchSource:
+    return MinibatchSource(four_class_data(50), randomization_seed=3, **options)
+
+
+def sequence_source(**options) -> MinibatchSource:
+    lengths = np.random.default_rng(5).integers(1, 9, size=31)
+    return MinibatchSource(StreamArrays({"text": [100 * i + np.arange(n) for i, n in enumerate(lengths)],
+                                         "label": np.arange(len(lengths))}), randomization_seed=3, **options)
+
+
+def read(source: MinibatchSource, count: int, size: int = 7, partitions: int = 1, index: int = 0) -> list:
+    """The next ``count`` minibatches' contents (features, or each sequence's id), as plain lists."""
+    contents = []
+    for _ in range(count):
+        minibatch = source.next_minibatch(size, partitions, index)
+        contents.append(None if minibatch is None else (
+            minibatch["label"].tolist() if "text" in minibatch.streams else minibatch.features.tolist()))
+    return contents
+
+
+# -- MinibatchSource.current_position ---------------------------------------------------------------
+@pytest.mark.parametrize("make", [plain_source, sequence_source], ids=["plain", "sequences"])
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_setting_the_position_the_getter_gave_reads_the_same_minibatches_again(make, read_ahead):
+    """CNTK's callbacks save ``current_position`` and set it back around an evaluation of their own."""
+    source = make(read_ahead=read_ahead)
+    read(source, 3)
+    saved = source.current_position
+    first = read(source, 9, partitions=2, index=1)  # across a sweep's end
+    source.current_position = saved
+    assert read(source, 9, partitions=2, index=1) == first
+    source.current_position = source.get_checkpoint_state() | {"position": saved}  # CNTK's position is this dict
+    assert read(source, 9, partitions=2, index=1) == first
+    source.close()
+
+
+def test_a_position_that_is_not_a_whole_number_is_refused():
+    source = plain_source()
+    with pytest.raises(ValueError, match="current_position must be >= 0, got -1"):
+        source.current_position = -1
+    with pytest.raises(TypeError, match="current_position must be an int"):
+        source.current_position = 2.5
+
+
+# -- FULL_DATA_SWEEP and INFINITELY_REPEAT --------------------------------------------------------------
+def test_cntk_reading_constants_have_cntks_values_and_meaning():
+    assert (FULL_DATA_SWEEP, INFINITELY_REPEAT) == (2**64 - 3, 2**64 - 1)  # SIZE_MAX - 2, SIZE_MAX
+    one_sweep = plain_source(max_samples=FULL_DATA_SWEEP)
+    assert sum(len(batch) for batch in read(one_sweep, 10) if batch) == 50 and read(one_sweep, 1) == [None]
+    sequences = sequence_source(max_samples=FULL_DATA_SWEEP)
+    assert sorted(i for batch in read(sequences, 40) if batch for i in batch) == list(range(31))
+    # CNTK's defaults of both limits: no limit, so the other may be given
+    endless = plain_source(max_samples=INFINITELY_REPEAT, max_sweeps=INFINITELY_REPEAT)
+    assert all(batch is not None for batch in read(endless, 30))
+    limited = plain_source(max_samples=20, max_sweeps=INFINITELY_REPEAT)
+    assert sum(len(batch) for batch in read(limited, 10) if batch) == 20
+
+
+def test_full_data_sweep_is_refused_where_it_means_nothing():
+    with pytest.raises(ValueError, match="max_sweeps=FULL_DATA_SWEEP: expected a number of sweeps"):
+        plain_source(max_sweeps=FULL_DATA_SWEEP)
+    with pytest.raises(ValueError, match=r"max_samples \(FULL_DATA_SWEEP\) and max_sweeps \(2\) are mutually"):
+        plain_source(max_samples=FULL_DATA_SWEEP, max_sweeps=2)
+
+
+# -- schedules without epoch_size: one value per sweep ---------------------------------------------------
+def test_a_schedule_without_epoch_size_changes_once_per_sweep():
+    for schedule in (Schedule([1.0, 0.5, 0.25]), Schedule([[2, 1.0], [1, 0.1]], epoch_size=FULL_DATA_SWEEP)):
+        with pytest.raises(RuntimeError, match="changes once per sweep"):
+            schedule(0)
+        schedule.set_sweep_size(50)
+    per_sweep = Schedule([1.0, 0.5, 0.25])
+    per_sweep.set_sweep_size(50)
+    assert [per_sweep(s) for s in (0, 49, 50, 99, 100, 10**6)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    assert Schedule(0.3)(10**6) == 0.3  # a constant needs no unit
+
+
+def test_a_session_changes_sweep_schedules_at_its_training_sources_sweeps(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []  # (lr, minibatch) of every step
+    learner.add_before_optimizer_step(lambda learner: seen.append((learner.optimizer.param_groups[0]["lr"],
+                                                                   learner.global_samples)))
+    session = training_session(model, nn.functional.cross_entropy, learner, plain_source(),
+                               minibatch_size=Schedule([10, 25]), max_samples=150,
+                               lr_schedule=Schedule([1.0, 0.5, 0.25]), progress_frequency=0,
+                               run_dir=tmp_path, tensorboard=False, stream=io.StringIO())
+    session.train()
+    expected = [(0.1, 10)] * 5 + [(0.05, 25)] * 2 + [(0.025, 25)] * 2  # sweeps of 50 samples: 0, 1, 2
+    assert [size for _, size in seen] == [size for _, size in expected], seen
+    assert [lr for lr, _ in seen] == pytest.approx([lr for lr, _ in expected]), seen
+
+
+def test_a_sweep_schedule_on_a_source_without_sweeps_is_refused_in_one_line(tmp_path):
+    class EndlessSource:  # a source of one's own that does not say how many samples a sweep has
+        def __init__(self):
+            self.inner = plain_source()
+
+        def __getattr__(self, name):
+            if name == "samples_per_sweep":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    model = nn.Linear(6, 4)
+    with pytest.raises(ValueError, match="a schedule without epoch_size changes once per sweep, but the training "
+                                         "source \\(EndlessSource\\) does not say") as error:
+        training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                         EndlessSource(), minibatch_size=10, lr_schedule=Schedule([1.0, 0.5]), max_samples=20,
+                         run_dir=tmp_path, tensorboard=False)
+    assert "\n" not in str(error.value)
+
+
+# -- the cross-validation callback without a source ------------------------------------------------------
+def test_the_cross_validation_callback_without_a_source_gets_zeros_as_cntks(tmp_path):
+    calls = []
+    model = nn.Linear(6, 4)
+    training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                     plain_source(), minibatch_size=10, max_samples=40, progress_frequency=0,
+                     cv_config=CrossValidationConfig(frequency=20, callback=lambda *args: calls.append(args)),
+                     run_dir=tmp_path, tensorboard=False, stream=io.StringIO()).train()
+    assert calls == [(0, 0.0, 0, 0), (1, 0.0, 0, 0)]
+    assert not any(math.isnan(average_error) for _, average_error, _, _ in calls)
+
+
+def test_the_constants_are_where_cntk_users_look():
+    """``cntk.io.FULL_DATA_SWEEP`` and ``cntk.io.INFINITELY_REPEAT``: ``dtrain.data``, beside ``MinibatchSource``."""
+    assert {"FULL_DATA_SWEEP", "INFINITELY_REPEAT", "MinibatchSource"} <= set(dtrain.data.__all__)
