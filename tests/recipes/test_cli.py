@@ -79,7 +79,7 @@ def existing_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("+recipe=imagenette",), "unknown recipe 'imagenette'; expected one of cifar10, digits"),
+    (("+recipe=imagenette",), "unknown recipe 'imagenette'; expected one of cifar10, cmudict_g2p, digits"),
     (("+recipe=digits", "session.minibatch_sise=5"), "Key 'minibatch_sise' not in 'SessionConfig'"),
     (("+recipe=digits", "session.minibatch_size=-5"), "session.minibatch_size=-5: expected a positive"),
     (("+recipe=digits", "learner=nope"), "Could not find 'learner/nope'"),
