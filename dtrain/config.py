@@ -382,6 +382,9 @@ class DTrainConfig:
     # entry, so a learner preset that chooses another optimizer (learner=diloco: adamw) gets a
     # learning rate tuned for it; optimizer.lr=... on the command line still wins
     optimizer_lr: Dict[str, float] = field(default_factory=dict)
+    # the same for other settings that only suit one optimizer (optimizer_settings.adamw.weight_decay:
+    # AdamW's decoupled decay would be a heavy L2 penalty under SGD); each preset reads its own entries
+    optimizer_settings: Dict[str, Dict[str, float]] = field(default_factory=dict)
     model: Any = MISSING
     source: SourceConfig = MISSING
     session: SessionConfig = field(default_factory=SessionConfig)

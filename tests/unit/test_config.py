@@ -85,7 +85,7 @@ def test_typos_and_wrong_types_fail_at_compose_time_naming_the_key(override, fra
 
 
 def test_unknown_recipe_lists_the_available_ones():
-    with pytest.raises(ConfigCompositionException, match=r"Could not find 'recipe/imagenette'(.|\n)*cifar10\n\tdigits"):
+    with pytest.raises(ConfigCompositionException, match=r"Could not find 'recipe/imagenette'(.|\n)*cifar10\n\tcmudict_g2p\n\tdigits"):
         compose_config("+recipe=imagenette")
 
 

@@ -65,7 +65,7 @@ def test_a_switch_is_true_or_false_and_nothing_else(overrides, key):
 
 
 def _nullable(key: str) -> bool:
-    return key.rsplit(".", 1)[1] in ("read_ahead", "tensorboard", "progress_bar")
+    return key.rsplit(".", 1)[1] in ("read_ahead", "tensorboard", "progress_bar", "use_error_feedback")
 
 
 def test_every_switch_of_every_schema_is_kept_as_written_and_tested_above():
