@@ -88,6 +88,7 @@ def test_interrupted_and_restored_compressed_run_equals_an_uninterrupted_one(lea
     assert float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
 
 
+@pytest.mark.slow  # a long multi-process case; .ci/run runs the slow set
 @pytest.mark.timeout(300)
 def test_diloco_at_another_world_size_resets_the_residuals_and_says_so(tmp_path: Path) -> None:
     first = dtrain_job(2, tmp_path, *LEARNERS["diloco_4bit"], "session.max_samples=640")

@@ -58,6 +58,7 @@ def test_interrupted_and_restored_run_equals_an_uninterrupted_one(learner, nproc
         assert len(per_rank) == 2 and all(entry["learner"] for entry in per_rank)
 
 
+@pytest.mark.slow  # a long multi-process case; .ci/run runs the slow set
 def test_restoring_at_another_world_size_continues_and_says_so(tmp_path):
     first = dtrain_job(2, tmp_path, "learner=quantized", "session.max_samples=640")
     assert first.returncode == 0, first.report()
@@ -70,7 +71,7 @@ def test_restoring_at_another_world_size_continues_and_says_so(tmp_path):
     assert state["source"]["position"] == 1280  # the global position carried over
 
 
-@pytest.mark.parametrize("learner", ["data_parallel", "block_momentum"])
+@pytest.mark.parametrize("learner", ["data_parallel", pytest.param("block_momentum", marks=pytest.mark.slow)])
 def test_sigterm_on_one_rank_checkpoints_all_and_exits_75_then_resumes(tmp_path, learner):
     """Block momentum (its defaults: a warm start, then blocks) agrees on the signal only where
     the ranks meet, at most a block later; the job still checkpoints and exits 75."""
@@ -126,6 +127,7 @@ def test_bad_input_under_mpiexec_is_one_line_and_changes_nothing(overrides, frag
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+@pytest.mark.slow  # a long multi-process case; .ci/run runs the slow set
 def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused_under_mpiexec(tmp_path):
     first = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1280")
     assert first.returncode == 0, first.report()

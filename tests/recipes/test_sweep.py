@@ -79,6 +79,7 @@ def test_an_optuna_sweep_minimises_the_returned_test_error_and_goes_on_past_a_di
     assert ending == "dtrain: error: sweep: 1 of 3 jobs failed (job 1)", result.stderr
 
 
+@pytest.mark.slow  # a long multi-process case; .ci/run runs the slow set
 def test_a_sweep_through_submitit_trains_distinct_runs(tmp_path):
     sweep = tmp_path / "submitit"
     result = run_dtrain("-m", *TINY, "hydra/launcher=submitit_local", "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={sweep}",
