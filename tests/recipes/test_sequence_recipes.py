@@ -17,16 +17,16 @@ from tests.helpers.mpi import plain_environment, run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-#: the language model shortened: 120 minibatches of 1,024 characters, the recipe's model and data
-LM_SHORT = ["+recipe=shakespeare_char", "session.minibatch_size=1024", "session.max_samples=122880",
-            "session.progress_frequency=30720", "session.cv.frequency=61440", "session.checkpoint.frequency=61440",
-            "session.lr_schedule.epoch_size=61440", "session.lr_schedule.warmup_samples=10240"]
+#: the language model shortened: 120 minibatches of 1,024 characters, the recipe's model and data; its
+#: sizes shrink with session.epoch_size (10 epochs of 12,288 characters), as a user shortens a recipe
+LM_SHORT = ["+recipe=shakespeare_char", "session.minibatch_size=1024", "session.epoch_size=12288",
+            "session.progress_frequency=30720", "session.cv.frequency=61440", "session.lr_schedule.warmup_samples=10240"]
 #: grapheme-to-phoneme shortened: 3,000 training words, 300 test words, a narrower model, 150 minibatches
+#: (8 epochs of 19,200 phonemes)
 G2P_SHORT = ["+recipe=cmudict_g2p", "source.train.deserializer.max_words=3000", "source.cv.deserializer.max_words=300",
              "source.test.deserializer.max_words=300", "model.width=128", "model.feedforward=256",
              "model.encoder_layers=2", "model.decoder_layers=2", "session.minibatch_size=1024",
-             "session.max_samples=153600", "session.progress_frequency=38400", "session.cv.frequency=76800",
-             "session.checkpoint.frequency=76800", "session.lr_schedule.epoch_size=51200",
+             "session.epoch_size=19200", "session.progress_frequency=38400", "session.cv.frequency=76800",
              "session.lr_schedule.warmup_samples=10240", "optimizer.lr=0.002"]
 
 
