@@ -729,7 +729,7 @@ class TrainingSession:
         path = self.run_dir / "report.png"
         try:
             write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
-                         percent=self.metric_percent)
+                         percent=self.metric_percent, more_metrics=tuple(getattr(self.metric, "names", ())))
         except ImportError:
             printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
         except ValueError as error:
