@@ -98,7 +98,9 @@ def save_config(cfg: DictConfig, run_dir: Path) -> Path:
             continue
 
 
-def _run_with(comm, cfg: DictConfig, job: SweepJob | None = None) -> float | None:
+def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> float | None:
+    """Builds the model, learner, sources and session that ``cfg`` names on ``comm``'s ranks, trains, and returns
+    the run's objective (exits with code 75 after a preemption checkpoint)."""
     # one run directory and one config for all ranks
     cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
     config_hash = fingerprint(cfg)

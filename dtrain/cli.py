@@ -14,16 +14,16 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from dtrain.build import _run_with, check_model_outputs, save_config
+from dtrain.build import check_model_outputs, save_config, train_from_config
 from dtrain.comm import create_communicator, install_fail_fast, start_heartbeat
 from dtrain.comm.base import first_line
 from dtrain.config import register_schemas, validate
-from dtrain.failures import (EXIT_BAD_INPUT, EXIT_PREEMPTED, UserError, _debug_traceback, _end_failed_job, _exit_bad_input,
-                             _fail_before_job, continue_command, describe_failure, end_job, exit_preempted, is_lost_peer,
-                             launch_position)
-from dtrain.help import config_dir, config_directories, nested_group_hint, quick_answer
+from dtrain.failures import (EXIT_BAD_INPUT, EXIT_PREEMPTED, UserError, continue_command, describe_failure, end_failed_sweep_job,
+                             end_job, exit_bad_input, exit_preempted, fail_before_job, is_lost_peer, launch_position,
+                             print_debug_traceback)
+from dtrain.help import UnknownTopic, config_dir, config_directories, nested_group_hint, quick_answer
 from dtrain.session import TrainingDiverged
-from dtrain.sweep import (JobFailed, SweepJob, current_job, finish_sweep, record_outcome, start_sweep, sweep_outcomes)
+from dtrain.sweep import JobFailed, SweepJob, current_job, finish_sweep, record_outcome, start_sweep, sweep_outcomes
 
 
 def run(cfg: DictConfig, job: SweepJob | None = None) -> float | None:
@@ -48,28 +48,28 @@ def run(cfg: DictConfig, job: SweepJob | None = None) -> float | None:
     # ranks can agree on what they saw (a rank going on to the next job alone would pair jobs wrongly)
     problems = validate(cfg, check_run_dir=job is None)
     if problems:
-        _fail_before_job("; ".join(problems), job=job)
+        fail_before_job("; ".join(problems), job=job)
     try:
         comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
     except Exception as error:  # noqa: BLE001 -- before the job exists; MPI start-up failures abort by themselves
-        _debug_traceback()
+        print_debug_traceback()
         message, code = describe_failure(error, cfg)
-        _fail_before_job(message, code, job=job)
+        fail_before_job(message, code, job=job)
     install_fail_fast(comm)
     heartbeat = start_heartbeat(comm, cfg.comm.heartbeat_timeout_s)  # comm.finalize() stops it
     failure = None
     try:
         if job is not None:
             _agree_on_the_file_system(comm, cfg)
-        objective = _run_with(comm, cfg, job)
+        objective = train_from_config(comm, cfg, job)
     except Exception as error:  # noqa: BLE001 -- every failure ends the whole job, with one line
-        _debug_traceback()
+        print_debug_traceback()
         message, code = describe_failure(error, cfg)
         if job is None:
             end_job(comm, message, code, lost_peer=is_lost_peer(error))
         failure = (message, code, "diverged" if isinstance(error, TrainingDiverged) else "failed", is_lost_peer(error))
     if failure is not None:  # outside the except block: the failed job's objects are freed before the next job
-        _end_failed_job(comm, heartbeat, cfg, *failure)
+        end_failed_sweep_job(comm, heartbeat, cfg, *failure)
     comm.finalize()  # stops the heartbeat once every rank has arrived: rank 0 may still be writing its outputs
     return objective
 
@@ -125,7 +125,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         job_dir = sweep_run_dir(cfg)
     except UserError as error:
-        _exit_bad_input(str(error))
+        exit_bad_input(str(error))
     if job_dir is not None:
         cfg.run_dir = job_dir
     return run(cfg)
@@ -142,7 +142,7 @@ def run_sweep_job(cfg: DictConfig, job: SweepJob) -> float | None:
         try:
             cfg.run_dir = sweep_run_dir(cfg)
         except UserError as error:
-            _fail_before_job(str(error), job=job)
+            fail_before_job(str(error), job=job)
         objective = run(cfg, job)
     except JobFailed as failure:
         record_outcome(job, failure.kind, code=failure.code, message=failure.message, write=is_main)
@@ -182,7 +182,7 @@ def run_sweep(argv: list[str]) -> int:
     except JobFailed:
         pass  # a failed job the sweeper re-raised: it is in the outcomes already
     except Exception as error:  # noqa: BLE001 -- a sweeper or Hydra error: one line, not a traceback
-        _debug_traceback()
+        print_debug_traceback()
         stopped_by = _sweeper_error(error)
     finally:
         if previous is None:
@@ -303,14 +303,17 @@ def main() -> None:
         # directory, as `python -m dtrain` does
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:]
-    answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help) and --version
+    try:
+        answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help), --help TOPIC and --version
+    except UnknownTopic as error:
+        exit_bad_input(str(error))
     if answer is not None:
         print(answer, end="")
         sys.exit(0)
     register_schemas()
     problem = check_recipe_argument(argv) or check_overrides(argv) or check_sweep_arguments(argv)
     if problem:
-        _exit_bad_input(problem)
+        exit_bad_input(problem)
     if any(argument in ("-m", "--multirun") for argument in argv):
         sys.exit(run_sweep(argv))
     _hydra_main()

@@ -37,11 +37,11 @@ class UserError(Exception):
     """A problem with what the user asked for; printed as one line."""
 
 
-def _fail_before_job(message: str, code: int = EXIT_BAD_INPUT, *, job: SweepJob | None) -> NoReturn:
-    """A failure before the job's communicator exists: outside a sweep, ``_exit_bad_input``; in a sweep,
+def fail_before_job(message: str, code: int = EXIT_BAD_INPUT, *, job: SweepJob | None) -> NoReturn:
+    """A failure before the job's communicator exists: outside a sweep, ``exit_bad_input``; in a sweep,
     rank 0 prints the line and the job raises :class:`JobFailed` (every rank finds the same problem)."""
     if job is None:
-        _exit_bad_input(message, code)
+        exit_bad_input(message, code)
     if launch_position()[0] == 0:
         sys.stdout.flush()
         print(f"dtrain: error: {message}", file=sys.stderr, flush=True)
@@ -53,7 +53,7 @@ def _fail_before_job(message: str, code: int = EXIT_BAD_INPUT, *, job: SweepJob 
 AGREEMENT_TIMEOUT_S = 30.0
 
 
-def _end_failed_job(comm, heartbeat, cfg: DictConfig, message: str, code: int, kind: str, secondary: bool) -> NoReturn:
+def end_failed_sweep_job(comm, heartbeat, cfg: DictConfig, message: str, code: int, kind: str, secondary: bool) -> NoReturn:
     """A failed job of a sweep: once every rank agrees it failed, rank 0 prints its line and every rank
     leaves the job (heartbeat stopped, communicator finalized) and raises :class:`JobFailed`.
 
@@ -76,7 +76,8 @@ def _end_failed_job(comm, heartbeat, cfg: DictConfig, message: str, code: int, k
     raise JobFailed(message, code, kind)
 
 
-def _debug_traceback() -> None:
+def print_debug_traceback() -> None:
+    """Prints the current exception's traceback when ``DTRAIN_DEBUG`` is set (failures are one line otherwise)."""
     if os.environ.get("DTRAIN_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
         traceback.print_exc()
 
@@ -127,7 +128,7 @@ def is_lost_peer(error: BaseException) -> bool:
 def end_job(comm, message: str, code: int, *, lost_peer: bool = False) -> NoReturn:
     """Ends every rank with ``dtrain: error: message`` and ``code`` (one process: no rank prefix)."""
     if comm.size == 1:
-        _exit_bad_input(message, code)
+        exit_bad_input(message, code)
     if lost_peer:
         time.sleep(LOST_PEER_GRACE_S)
     elif not comm.is_main:
@@ -144,7 +145,7 @@ def launch_position() -> tuple[int, int]:
     return info.rank, info.size
 
 
-def _exit_bad_input(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+def exit_bad_input(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     """Prints ``dtrain: error: message`` and exits with ``code`` before a communicator exists.
 
     Under a launcher every rank finds the same problem: rank 0 reports it and the launcher then

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from dtrain.learners.replicated import ReplicatedLearner
 from dtrain.session.precision import bf16_cpu_note
 
 
@@ -26,7 +27,7 @@ class StartupLines:
         if getattr(self.source, "has_sequences", False) or not self.binding.is_default:
             printer.line(f"dtrain: {self.binding.describe()}" + (f"; {self._defining_stream_note}"
                                                                   if self._defining_stream_note else ""))
-        printer.line("dtrain: " + self.learner.describe())
+        printer.line("dtrain: " + self.learner.describe() + _one_process_note(self.learner, size))
         options = [f"precision {self.precision}" if self.precision != "32" else "",
                    "torch.compile (inductor backend)" if self.compile else "",
                    f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
@@ -54,3 +55,11 @@ def _device_name(device: torch.device) -> str:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return "the CPU" if device.type == "cpu" else str(device)
+
+
+def _one_process_note(learner, size: int) -> str:
+    """For a replicated learner (``data_parallel``, ``quantized``, ``powersgd``, your own) in one process: that it
+    makes plain local optimizer steps, so that ``learner data_parallel`` with 1 worker is not read as distributed."""
+    if size == 1 and isinstance(learner, ReplicatedLearner):
+        return " (one process: plain local optimizer steps, nothing is exchanged)"
+    return ""
