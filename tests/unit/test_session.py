@@ -634,7 +634,7 @@ def test_load_checkpoint_is_public_and_plain_torch_reads_the_weights_after_the_h
     session.train()
     state = dtrain.load_checkpoint(tmp_path / "ckpt-64.pt")
     assert state["samples_seen"] == 64
-    with open(tmp_path / "ckpt-64.pt", "rb") as stream:  # the README's recipe without dtrain
+    with open(tmp_path / "ckpt-64.pt", "rb") as stream:  # docs/run-directory.md's recipe without dtrain
         stream.readline()
         plain = torch.load(stream, weights_only=True)
     fresh = make_model(seed=1)
