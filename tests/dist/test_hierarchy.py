@@ -1,0 +1,70 @@
+"""Sub-communicators and the hierarchical all-reduce under ``mpiexec -n 4`` (2 'hosts' x 2 ranks through
+``comm.ranks_per_host``); the real two-host case is in test_multihost.py.
+
+One launch per backend runs the named checks of ``_hierarchy_worker.py``; the fail-fast cases kill or
+stop a rank inside a host-local group and time how long the job takes to end.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.checks import RESULTS_DIR_VARIABLE, launch_checks
+from tests.helpers.mpi import plain_environment, run_mpi, with_repository_on_path
+
+WORKER = Path(__file__).with_name("_hierarchy_worker.py")
+CHECKS = ("host_groups", "sub_collectives", "split_order", "hierarchical_allreduce")
+FAIL_FAST_LIMIT_S = 30.0  # as tests/dist/test_comm.py: a failing rank ends the whole job within this
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return with_repository_on_path(plain_environment(PYTHONUNBUFFERED="1", **extra))
+
+
+@pytest.fixture(scope="module", params=["gloo", pytest.param("mpi", marks=pytest.mark.slow)])
+def launch(request, tmp_path_factory):
+    """One 4-rank launch of every check on one backend."""
+    results = tmp_path_factory.mktemp(f"hierarchy-{request.param}")
+    return launch_checks(4, [WORKER, "checks"], results, timeout=120, env=_env(WORKER_BACKEND=request.param))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("check", CHECKS)
+def test_sub_communicators(launch, check: str) -> None:
+    """Each named check passed on all 4 ranks."""
+    assert len(launch.results(check)) == 4
+
+
+def _delay_after_event(result) -> float:
+    event = re.search(r"^EVENT ([0-9.]+)$", result.stdout, re.MULTILINE)
+    assert event, "rank 3 never reached its failure point\n" + result.report()
+    return time.time() - float(event.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_rank_killed_inside_a_host_group_ends_the_job(backend: str) -> None:
+    """Rank 3 is SIGKILLed while rank 2 waits for it in their host's reduce (and ranks 0, 1 wait
+    for rank 2): the whole job ends, non-zero, within the usual bound."""
+    result = run_mpi(4, [str(WORKER), "kill"], timeout=FAIL_FAST_LIMIT_S + 40, env=_env(WORKER_BACKEND=backend))
+    delay = _delay_after_event(result)
+    assert result.returncode != 0, result.report()
+    assert delay < FAIL_FAST_LIMIT_S, f"job ended {delay:.1f} s after the kill\n" + result.report()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_stalled_rank_in_a_host_group_times_out(backend: str) -> None:
+    """Rank 3 stays alive but silent: its host partner's collective times out (3 s) inside the
+    sub-group, and that ends the whole job with one rank's line, not a hang."""
+    result = run_mpi(4, [str(WORKER), "stall"], timeout=FAIL_FAST_LIMIT_S + 40,
+                     env=_env(WORKER_BACKEND=backend, WORKER_TIMEOUT_S="3"))
+    delay = _delay_after_event(result)
+    assert result.returncode != 0, result.report()
+    assert re.search(r"\[rank [0-2]/4\] RuntimeError", result.stderr), result.report()
+    assert 2.5 <= delay < 20, f"job ended {delay:.1f} s after rank 3 stalled\n" + result.report()
