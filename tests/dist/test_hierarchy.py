@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.checks import RESULTS_DIR_VARIABLE, launch_checks
 from tests.helpers.mpi import plain_environment, run_mpi, with_repository_on_path
@@ -24,7 +25,7 @@ def _env(**extra: str) -> dict[str, str]:
     return with_repository_on_path(plain_environment(PYTHONUNBUFFERED="1", **extra))
 
 
-@pytest.fixture(scope="module", params=["gloo", pytest.param("mpi", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=[pytest.param("gloo", marks=pytest.mark.slow), pytest.param("mpi", marks=pytest.mark.slow)])
 def launch(request, tmp_path_factory):
     """One 4-rank launch of every check on one backend."""
     results = tmp_path_factory.mktemp(f"hierarchy-{request.param}")
@@ -68,3 +69,42 @@ def test_stalled_rank_in_a_host_group_times_out(backend: str) -> None:
     assert result.returncode != 0, result.report()
     assert re.search(r"\[rank [0-2]/4\] RuntimeError", result.stderr), result.report()
     assert 2.5 <= delay < 20, f"job ended {delay:.1f} s after rank 3 stalled\n" + result.report()
+
+
+def _digits(run_dir: Path, hierarchical: str) -> list[str]:
+    # session.num_threads=1: the same summation inside each rank in both runs
+    return ["-m", "dtrain", "+recipe=digits", "learner=data_parallel", "session.max_samples=640",
+            "session.num_threads=1", "session.tensorboard=false", "comm.backend=gloo", "comm.ranks_per_host=2",
+            f"comm.hierarchical={hierarchical}", f"run_dir={run_dir}"]
+
+
+def _final_parameters(stdout: str) -> dict:
+    from dtrain.session.checkpoint import load
+
+    paths = re.findall(r"^checkpoint: (\S+)$", stdout, re.MULTILINE)
+    assert len(paths) == 1, stdout
+    return load(Path(paths[0]))["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hierarchical_data_parallel_equals_flat(tmp_path: Path) -> None:
+    """20 steps of digits on 2 'hosts' x 2 ranks: the hierarchical all-reduce's parameters equal the
+    flat one's to float rounding (the sum is associated differently: (r0+r1)+(r2+r3)), the start-up
+    line says what was chosen, and auto chooses it from the hosts alone."""
+    env = _env()
+    runs = {}
+    for setting in ("true", "false", "auto"):
+        result = run_mpi(4, _digits(tmp_path / setting, setting), timeout=130, env=env)
+        assert result.returncode == 0, result.report()
+        runs[setting] = result
+    assert "dtrain: hierarchical all-reduce over 2 hosts x 2 ranks" in runs["true"].stdout, runs["true"].report()
+    assert "(hosts from comm.ranks_per_host=2; comm.hierarchical=auto)" in runs["auto"].stdout, runs["auto"].report()
+    assert "hierarchical all-reduce" not in runs["false"].stdout
+    hierarchical, flat, auto = (_final_parameters(runs[s].stdout) for s in ("true", "false", "auto"))
+    assert hierarchical.keys() == flat.keys()
+    for name in flat:
+        scale = float(flat[name].abs().max()) or 1.0
+        gap = float((hierarchical[name] - flat[name]).abs().max())
+        assert gap <= 1e-4 * scale, f"{name}: hierarchical and flat differ by {gap} (scale {scale})"
+        assert torch.equal(auto[name], hierarchical[name]), name  # the same sums in the same order: same bits
