@@ -235,7 +235,9 @@ def make_hierarchical(world: Communicator, setting: Any = "auto", ranks_per_host
     is refused, not silently run flat. Raises ValueError for a bad ``setting`` or ``ranks_per_host``.
     """
     setting = hierarchical_setting(setting)
-    if setting is False or world.size == 1:
+    if setting is False:
+        return world, ""
+    if world.size == 1:
         if setting is True:
             raise ValueError("comm.hierarchical=true needs a job of several processes on several hosts; this one "
                              "has 1 process: use comm.hierarchical=auto or false")
