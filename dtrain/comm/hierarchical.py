@@ -152,6 +152,10 @@ class HierarchicalCommunicator(Communicator):
         self.bytes_between_hosts += between
         return tensor
 
+    def allreduce_bytes_sent(self, num_bytes: int) -> int:
+        """Bytes this rank sends in one all-reduce of ``num_bytes`` (what the exchanges count per step)."""
+        return self.allreduce_traffic(num_bytes)[0]
+
     def allreduce_traffic(self, num_bytes: int) -> tuple[int, int]:
         """(bytes this rank sends, of them between hosts) in one all-reduce of ``num_bytes``, by the
         model: a non-leader sends its tensor to the leader once; a leader sends ``2(H-1)/H`` of it to

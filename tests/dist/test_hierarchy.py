@@ -7,6 +7,7 @@ stop a rank inside a host-local group and time how long the job takes to end.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -108,3 +109,29 @@ def test_hierarchical_data_parallel_equals_flat(tmp_path: Path) -> None:
         gap = float((hierarchical[name] - flat[name]).abs().max())
         assert gap <= 1e-4 * scale, f"{name}: hierarchical and flat differ by {gap} (scale {scale})"
         assert torch.equal(auto[name], hierarchical[name]), name  # the same sums in the same order: same bits
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.timeout(400)
+def test_two_hosts_from_the_hostfile_equal_the_rehearsal_bit_for_bit(tmp_path: Path) -> None:
+    """2 network-namespace hosts x 2 ranks (mpiexec with a hostfile, --npernode 2): comm.hierarchical=auto
+    finds the hosts from the launcher (no override) and turns on; the parameters equal, bit for bit, the
+    same job rehearsed on one host with comm.ranks_per_host=2 (the same sums in the same order)."""
+    from tests.helpers.netns import NamespaceCluster, available
+
+    ok, reason = available()
+    if not ok:
+        pytest.skip(reason)
+    args = [arg for arg in _digits(tmp_path / "two_hosts", "auto") if arg != "comm.ranks_per_host=2"]
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with NamespaceCluster(num_hosts=2, rate="1gbit", slots=2) as cluster:
+        command = cluster.mpiexec_args(npernode=2, export=list(env)) + [sys.executable, *args]
+        multi = cluster.run(command, timeout=200, env=env)
+    assert multi.returncode == 0, multi.report()
+    assert ("dtrain: hierarchical all-reduce over 2 hosts x 2 ranks" in multi.stdout
+            and "(hosts from the mpi launcher; comm.hierarchical=auto)" in multi.stdout), multi.report()
+    rehearsal = run_mpi(4, _digits(tmp_path / "one_host", "auto"), timeout=150, env=_env())
+    assert rehearsal.returncode == 0, rehearsal.report()
+    two_hosts, one_host = _final_parameters(multi.stdout), _final_parameters(rehearsal.stdout)
+    assert [name for name in one_host if not torch.equal(two_hosts[name], one_host[name])] == []
