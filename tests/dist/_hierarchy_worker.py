@@ -121,6 +121,14 @@ def check_hierarchical_allreduce(comm) -> dict:
     hierarchical.allreduce(torch.zeros(1000))
     crossed = hierarchical.bytes_between_hosts - before
     assert crossed == (4000 if comm.rank % 2 == 0 else 0), crossed  # 2(H-1)/H * 4000 bytes, leaders only
+    # the exact exchange counts what this rank sends by the hierarchical scheme, not a flat ring's 1.5 n
+    from dtrain.exchange import AllReduce
+
+    exchange = AllReduce()
+    exchange.bind(hierarchical)
+    exchange.begin_step()
+    exchange.start("bucket", torch.ones(1000), [torch.Size([1000])]).wait()
+    assert exchange.bytes_sent_last_step == (8000 if comm.rank % 2 == 0 else 4000), exchange.bytes_sent_last_step
     hierarchical.barrier()
     return {"bytes_between_hosts": crossed}
 
