@@ -15,6 +15,7 @@ import time
 import torch
 
 from dtrain.comm import create_communicator, install_fail_fast
+from dtrain.comm.base import HostGroups
 from dtrain.comm.hierarchical import HierarchicalCommunicator, make_hierarchical
 from tests.helpers.checks import run_checks
 
@@ -133,6 +134,19 @@ def check_hierarchical_allreduce(comm) -> dict:
     return {"bytes_between_hosts": crossed}
 
 
+def check_uneven_hosts(comm) -> None:
+    """Hosts of 3 and 1 ranks (host groups built with split, as a launcher with uneven slots would give):
+    the three steps still give the exact sum on every rank."""
+    host = 0 if comm.rank < 3 else 1
+    local = comm.split(host, key=comm.rank)
+    leaders = comm.split(0 if local.rank == 0 else None, key=host)
+    hierarchical = HierarchicalCommunicator(comm, HostGroups(local, leaders), [[0, 1, 2], [3]])
+    assert "2 hosts (3, 1 ranks)" in hierarchical.describe()
+    values = torch.arange(100, dtype=torch.float32) * (comm.rank + 1)
+    assert torch.equal(hierarchical.allreduce(values), torch.arange(100, dtype=torch.float32) * 10)
+    hierarchical.barrier()
+
+
 def main() -> None:
     scenario = sys.argv[1]
     backend = os.environ.get("WORKER_BACKEND", "gloo")
@@ -142,7 +156,7 @@ def main() -> None:
         install_fail_fast(comm)
         run_checks(comm, {"host_groups": check_host_groups, "sub_collectives": check_sub_collectives,
                           "split_order": check_split_order_and_undefined,
-                          "hierarchical_allreduce": check_hierarchical_allreduce})
+                          "hierarchical_allreduce": check_hierarchical_allreduce, "uneven_hosts": check_uneven_hosts})
         comm.finalize()
         return
     comm = create_communicator(backend=backend, timeout_s=timeout_s, hierarchical=True,

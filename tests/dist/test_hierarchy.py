@@ -18,7 +18,7 @@ from tests.helpers.checks import RESULTS_DIR_VARIABLE, launch_checks
 from tests.helpers.mpi import plain_environment, run_mpi, with_repository_on_path
 
 WORKER = Path(__file__).with_name("_hierarchy_worker.py")
-CHECKS = ("host_groups", "sub_collectives", "split_order", "hierarchical_allreduce")
+CHECKS = ("host_groups", "sub_collectives", "split_order", "hierarchical_allreduce", "uneven_hosts")
 FAIL_FAST_LIMIT_S = 30.0  # as tests/dist/test_comm.py: a failing rank ends the whole job within this
 
 
