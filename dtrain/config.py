@@ -362,8 +362,8 @@ class CommConfig:
     backend: str = "auto"               # auto | gloo | mpi | nccl | local
     timeout_s: float = 300.0            # a collective waiting longer than this ends the job
     heartbeat_timeout_s: float = 60.0   # a rank silent this long (stopped, host unreachable) ends the job
-    hierarchical: Any = "auto"          # auto | true | false: all-reduce within each host, then between hosts (docs/multi-host.md)
-    ranks_per_host: Optional[int] = None  # null: hosts from the launcher; N: consecutive blocks of N ranks (rehearsals)
+    hierarchical: Any = "auto"          # auto | true | false: sum within each host first (docs/multi-host.md)
+    ranks_per_host: Optional[int] = None  # null: hosts from the launcher; N: blocks of N consecutive ranks
 
 
 @dataclass

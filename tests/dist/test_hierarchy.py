@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.checks import RESULTS_DIR_VARIABLE, launch_checks
+from tests.helpers.checks import launch_checks
 from tests.helpers.mpi import plain_environment, run_mpi, with_repository_on_path
 
 WORKER = Path(__file__).with_name("_hierarchy_worker.py")
