@@ -50,7 +50,8 @@ def run(cfg: DictConfig, job: SweepJob | None = None) -> float | None:
     if problems:
         fail_before_job("; ".join(problems), job=job)
     try:
-        comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
+        comm = create_communicator(cfg.comm.backend, timeout_s=cfg.comm.timeout_s, hierarchical=cfg.comm.hierarchical,
+                                   ranks_per_host=cfg.comm.ranks_per_host)
     except Exception as error:  # noqa: BLE001 -- before the job exists; MPI start-up failures abort by themselves
         print_debug_traceback()
         message, code = describe_failure(error, cfg)
