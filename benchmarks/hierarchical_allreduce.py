@@ -3,7 +3,7 @@
     sudo python benchmarks/hierarchical_allreduce.py                      # 1gbit and 100mbit, digits + shakespeare_char
     sudo python benchmarks/hierarchical_allreduce.py --rate 1gbit --recipes digits
 
-Needs root (network namespaces; see tests/helpers/netns.py). For each ``--rate`` a 2-host
+Needs root (network namespaces; see dtrain/testing/netns.py). For each ``--rate`` a 2-host
 ``NamespaceCluster`` is built (one veth per host, ``tbf`` at that rate on each host's egress) and
 ``python -m dtrain +recipe=R learner=data_parallel`` runs on it under ``mpiexec`` with the cluster's
 hostfile, three ways: 2 hosts x 2 ranks with ``comm.hierarchical=false`` and ``true``, and 2 hosts x
@@ -116,8 +116,7 @@ def main() -> None:
     parser.add_argument("--recipes", default="digits,shakespeare_char", help="comma-separated recipes")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per run")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))  # the repository root: the tests' namespace cluster
-    from tests.helpers.netns import NamespaceCluster, available
+    from dtrain.testing.netns import NamespaceCluster, available
 
     ok, reason = available()
     if not ok:

@@ -118,7 +118,7 @@ def test_two_hosts_from_the_hostfile_equal_the_rehearsal_bit_for_bit(tmp_path: P
     """2 network-namespace hosts x 2 ranks (mpiexec with a hostfile, --npernode 2): comm.hierarchical=auto
     finds the hosts from the launcher (no override) and turns on; the parameters equal, bit for bit, the
     same job rehearsed on one host with comm.ranks_per_host=2 (the same sums in the same order)."""
-    from tests.helpers.netns import NamespaceCluster, available
+    from dtrain.testing.netns import NamespaceCluster, available
 
     ok, reason = available()
     if not ok:
