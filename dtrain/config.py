@@ -88,6 +88,16 @@ class DiLoCoLearnerConfig:
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
 
 
+@dataclass
+class LocalSGDLearnerConfig:
+    """``dtrain.learners.LocalSGDLearner``: local steps, the workers' models averaged every block."""
+
+    _target_: str = "dtrain.learners.LocalSGDLearner"
+    block_size: Any = "auto"            # samples per block, or "auto" (block momentum's rule)
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
+    exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
+
+
 # -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
 
 
@@ -478,6 +488,7 @@ _SCHEMAS = {
     ("schema/learner", "data_parallel"): DataParallelLearnerConfig,
     ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
     ("schema/learner", "diloco"): DiLoCoLearnerConfig,
+    ("schema/learner", "local_sgd"): LocalSGDLearnerConfig,
     ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
     ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
     ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,
@@ -686,6 +697,11 @@ def _diloco_rules(node: DictConfig, name: str) -> list[str]:
         ("outer_momentum", _fraction(), {}),
         ("outer_nesterov", checks.boolean, {}),
     )
+
+
+@register_rule("dtrain.learners.LocalSGDLearner")
+def _local_sgd_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(node, name, ("block_size", _samples_or_auto, {}))
 
 
 # -- optimizers

@@ -20,7 +20,7 @@ from dtrain import checks
 from dtrain.compress.bitpack import check_bits
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
-from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
+from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
 
@@ -98,12 +98,7 @@ class DataParallelLearner(ReplicatedLearner):
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
         self.warm_start = checks.choice("warm_start", warm_start, checks.WARM_STARTS)
         self.overlap_backward = checks.boolean("overlap_backward", overlap_backward)
-        if exchange is None:
-            exchange = AllReduce()
-        if not isinstance(exchange, Exchange):
-            raise TypeError(f"exchange must be a dtrain.exchange.Exchange, got {type(exchange).__name__}")
-        self.exchange = exchange
-        self.exchange.bind(self.comm)
+        self.exchange = exchange = bind_exchange(exchange, self.comm)
         # a compressing strategy's warm start: float32 all-reduce steps until ``distributed_after``
         self.warm_start_exchange = None if exchange.lossless or self.warm_start == "local" else AllReduce()
         if self.warm_start_exchange is not None:
@@ -293,10 +288,7 @@ class DataParallelLearner(ReplicatedLearner):
     # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint_identity(self) -> dict[str, Any]:
         """The kind, plus the exchange strategy's identity (name, bits, rank) unless it is the float32 all-reduce."""
-        identity = super().checkpoint_identity()
-        if not isinstance(self.exchange, AllReduce):
-            identity["exchange"] = self.exchange.identity()
-        return identity
+        return exchange_identity(super().checkpoint_identity(), self.exchange)
 
     def state_dict(self) -> dict[str, Any]:
         """The replicated state, plus the world size the exchange's per-rank state belongs to."""
