@@ -57,7 +57,8 @@ class DataParallelLearnerConfig:
     bucket_size_mb: float = 25.0
     error_feedback: StrictBool = True   # quantized only; false drops the quantization error (ablation)
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
-    warm_start: str = "allreduce"       # a compressing exchange's warm start: allreduce (float32) or local (CNTK's)
+    warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
+    warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
 
 
 @dataclass
@@ -614,8 +615,8 @@ def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
         ("num_quantization_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
         ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
         ("error_feedback", checks.boolean, {}),
-        ("warm_start", checks.choice, {"choices": checks.WARM_STARTS}),
-    ) + _exchange_choice_problems(node, name)
+    ) + checks.collect([lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"),
+                                                       prefix=f"{name}.")]) + _exchange_choice_problems(node, name)
 
 
 def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:
