@@ -3,7 +3,6 @@ outside the package with --config-dir, trains under mpiexec to max_samples with 
 worker, and its outer step matches the formula."""
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -13,19 +12,17 @@ from dtrain.exchange import Quantized
 from dtrain.session import checkpoint
 
 from tests.helpers.bmuf_reference import flat
+from tests.helpers.examples import EXAMPLES, import_example
 from tests.helpers.mpi import run_mpi
 from tests.helpers.thread_world import FakeWorld
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "docs" / "examples" / "outer_sgd"
+EXAMPLE = EXAMPLES / "outer_sgd"
 
 
 def _example_module():
     """The page's ``outer_sgd.py``, imported from its file (as ``PYTHONPATH`` makes dtrain import it)."""
-    spec = importlib.util.spec_from_file_location("outer_sgd", EXAMPLE / "outer_sgd.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_example("outer_sgd", "outer_sgd")
 
 
 def test_the_page_shows_the_tested_example_unchanged():

@@ -3,7 +3,6 @@ the page shows the tested code, the sum and the error feedback match an independ
 data_parallel trains with it under mpiexec, saving each rank's residuals in its checkpoint."""
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -12,19 +11,17 @@ import torch
 
 from dtrain.session import checkpoint
 
+from tests.helpers.examples import EXAMPLES, import_example
 from tests.helpers.mpi import run_mpi
 from tests.helpers.thread_world import FakeWorld
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "docs" / "examples" / "topk"
+EXAMPLE = EXAMPLES / "topk"
 
 
 def _topk_class():
     """The page's ``topk.py``, imported from its file (as ``PYTHONPATH`` makes dtrain import it)."""
-    spec = importlib.util.spec_from_file_location("topk", EXAMPLE / "topk.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TopK
+    return import_example("topk", "topk").TopK
 
 
 def test_the_page_shows_the_tested_example_unchanged():
