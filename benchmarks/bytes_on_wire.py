@@ -44,8 +44,8 @@ import time
 import torch
 
 from dtrain.comm import create_communicator
-from dtrain.compress import QuantizedExchange, full_precision_allreduce_bytes
-from dtrain.exchange import CompressedAllReduce, PowerSGD, Quantized
+from dtrain.exchange import CompressedAllReduce, PowerSGD, Quantized, full_precision_allreduce_bytes
+from dtrain.exchange.quantized import QuantizedExchange
 from dtrain.learners import DiLoCoLearner
 from dtrain.models import ConvNetCIFAR10, DigitsCNN
 

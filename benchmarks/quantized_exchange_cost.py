@@ -3,7 +3,7 @@
     python benchmarks/quantized_exchange_cost.py                       # 1 bit, ConvNet and 25 MB MLP
     python benchmarks/quantized_exchange_cost.py --bits 1 2 8 --repeats 30
 
-One process runs rank 0 of a 2-rank ``QuantizedExchange`` (``dtrain.compress``) on the gradients
+One process runs rank 0 of a 2-rank ``QuantizedExchange`` (``dtrain.exchange.quantized``) on the gradients
 of a model, with a loopback communicator: every collective returns this rank's own bytes as
 the other rank's, so the exchange does all of its real work (flatten, quantize with error
 feedback, pack, unpack, dequantize, sum, re-quantize, unpack all stripes, unflatten) and no
@@ -58,7 +58,7 @@ def model_shapes(name: str) -> list[tuple[int, ...]]:
 
 
 def exchange_ms(shapes: list[tuple[int, ...]], bits: int, repeats: int) -> float:
-    from dtrain.compress import QuantizedExchange
+    from dtrain.exchange.quantized import QuantizedExchange
 
     exchange = QuantizedExchange(LoopbackCommunicator(), bits, all_to_all="allgather")
     generator = torch.Generator().manual_seed(0)

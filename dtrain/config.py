@@ -57,7 +57,8 @@ class DataParallelLearnerConfig:
     bucket_size_mb: float = 25.0
     error_feedback: StrictBool = True   # quantized only; false drops the quantization error (ablation)
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
-    warm_start: str = "allreduce"       # a compressing exchange's warm start: allreduce (float32) or local (CNTK's)
+    warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
+    warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
 
 
 @dataclass
@@ -84,6 +85,16 @@ class DiLoCoLearnerConfig:
     outer_learning_rate: float = 0.7    # DiLoCo's outer SGD learning rate
     outer_momentum: float = 0.9         # DiLoCo's outer Nesterov momentum
     outer_nesterov: StrictBool = True
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
+    exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
+
+
+@dataclass
+class LocalSGDLearnerConfig:
+    """``dtrain.learners.LocalSGDLearner``: local steps, the workers' models averaged every block."""
+
+    _target_: str = "dtrain.learners.LocalSGDLearner"
+    block_size: Any = "auto"            # samples per block, or "auto" (block momentum's rule)
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
 
@@ -480,6 +491,7 @@ _SCHEMAS = {
     ("schema/learner", "data_parallel"): DataParallelLearnerConfig,
     ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
     ("schema/learner", "diloco"): DiLoCoLearnerConfig,
+    ("schema/learner", "local_sgd"): LocalSGDLearnerConfig,
     ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
     ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
     ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,
@@ -605,8 +617,8 @@ def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
         ("num_quantization_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
         ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
         ("error_feedback", checks.boolean, {}),
-        ("warm_start", checks.choice, {"choices": checks.WARM_STARTS}),
-    ) + _exchange_choice_problems(node, name)
+    ) + checks.collect([lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"),
+                                                       prefix=f"{name}.")]) + _exchange_choice_problems(node, name)
 
 
 def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:
@@ -688,6 +700,11 @@ def _diloco_rules(node: DictConfig, name: str) -> list[str]:
         ("outer_momentum", _fraction(), {}),
         ("outer_nesterov", checks.boolean, {}),
     )
+
+
+@register_rule("dtrain.learners.LocalSGDLearner")
+def _local_sgd_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(node, name, ("block_size", _samples_or_auto, {}))
 
 
 # -- optimizers

@@ -65,6 +65,10 @@ class Communicator(abc.ABC):
     """What the launcher calls this rank's node (ranks with the same label share a host); None: the
     host name. See :mod:`dtrain.comm.hosts`."""
 
+    native_all_to_all: bool = False
+    """Whether :meth:`all_to_all` moves each message once (MPI's ``alltoallv``); False: the default
+    built from :meth:`allgather`, N times the bytes. Exchanges choose their transport by it."""
+
     reduce_alone_bytes: int = 8 * 2 ** 20
     """A tensor of at least this many bytes costs less to all-reduce in a collective of its own than
     to copy into a shared buffer with others: the transport's fixed cost per collective, counted in

@@ -108,6 +108,11 @@ class HierarchicalCommunicator(Communicator):
         return self.world.reduce_alone_bytes
 
     @property
+    def native_all_to_all(self) -> bool:  # type: ignore[override]
+        """The job communicator's: the k-bit exchange's all-to-all goes through it unchanged."""
+        return self.world.native_all_to_all
+
+    @property
     def store_endpoint(self) -> tuple[str, int] | None:
         """The job's rendezvous store (heartbeats and agreements use it)."""
         return getattr(self.world, "store_endpoint", None)

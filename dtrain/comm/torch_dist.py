@@ -57,6 +57,8 @@ class TorchDistCommunicator(Communicator):
     torch.distributed is already initialised, or NCCL is asked for without a usable GPU.
     """
 
+    native_all_to_all = True  # all_to_all_single with per-peer sizes
+
     def __init__(self, *, backend: str, rank: int, size: int, local_rank: int | None = None,
                  local_size: int | None = None, timeout_s: float = 60.0, store: Any = None,
                  init_method: str | None = None, mpi_comm: Any = None, launcher: str = "mpi",

@@ -1,19 +1,16 @@
-"""Gradient compression with explicit state: CNTK's k-bit column quantizer and its two-phase exchange.
+"""Gradient compression as pure tensor maths: nothing here talks to other ranks.
 
-* :mod:`dtrain.compress.quantizer` — the column quantizer (1-bit zero threshold, k-bit linear
-  over mean ± 5σ) and error feedback, as pure tensor maths.
+* :mod:`dtrain.compress.quantizer` — CNTK's column quantizer (1-bit zero threshold, k-bit linear
+  over mean ± 5σ) and its error feedback.
 * :mod:`dtrain.compress.bitpack` — k-bit codes to and from dense bytes.
-* :mod:`dtrain.compress.exchange` — :class:`QuantizedExchange`, the stateful two-phase
-  (reduce-scatter + all-gather) quantized sum over ranks, with its bytes-on-the-wire statistics.
+* :mod:`dtrain.compress.stripes` — the stripe layout and message format of the two-phase exchange.
+* :mod:`dtrain.compress.lowrank` — PowerSGD's orthogonalisation and worth-compressing test.
 
-Typical use (what :class:`dtrain.learners.QuantizedDataParallelLearner` does every step)::
-
-    exchange = QuantizedExchange(comm, num_bits=1)
-    exchange.allreduce_(gradients, scale=local_samples / global_samples)
-    print(exchange.bytes_sent_last_step, exchange.compression_ratio)
+The exchanges that send these over the wire live in :mod:`dtrain.exchange`
+(:class:`dtrain.exchange.quantized.QuantizedExchange`, :class:`dtrain.exchange.PowerSGD`).
 """
 from dtrain.compress.bitpack import code_dtype, pack, packed_size, unpack
-from dtrain.compress.exchange import QuantizedExchange, StripeLayout, full_precision_allreduce_bytes, stripe_bounds
+from dtrain.compress.lowrank import orthogonalize_, should_compress
 from dtrain.compress.quantizer import (
     MIN_COLUMN_LENGTH,
     STDDEVS,
@@ -26,9 +23,10 @@ from dtrain.compress.quantizer import (
     quantize,
     quantize_with_feedback,
 )
+from dtrain.compress.stripes import StripeLayout, decode_message, encode_message, stripe_bounds, stripe_of
 
 __all__ = [
-    "MIN_COLUMN_LENGTH", "STDDEVS", "ColumnBlock", "ColumnLayout", "QuantizedColumns", "QuantizedExchange",
-    "StripeLayout", "code_dtype", "column_shape", "dequantize", "full_precision_allreduce_bytes", "pack",
-    "packed_size", "quantize", "quantize_with_feedback", "stripe_bounds", "unpack", "Workspace",
+    "MIN_COLUMN_LENGTH", "STDDEVS", "ColumnBlock", "ColumnLayout", "QuantizedColumns", "StripeLayout", "Workspace",
+    "code_dtype", "column_shape", "decode_message", "dequantize", "encode_message", "orthogonalize_", "pack",
+    "packed_size", "quantize", "quantize_with_feedback", "should_compress", "stripe_bounds", "stripe_of", "unpack",
 ]

@@ -53,7 +53,23 @@ def full_precision_allreduce_bytes(numel: int, world_size: int) -> int:
     return round(2 * (world_size - 1) * 4 * numel / world_size)
 
 
-class Exchange(abc.ABC):
+class ByteCounters:
+    """The bytes one exchange step sent against what a float32 all-reduce would have: every strategy
+    (and :class:`~dtrain.exchange.quantized.QuantizedExchange`) counts with these."""
+
+    def __init__(self) -> None:
+        self.bytes_sent_last_step = 0             # bytes this rank handed to the transport this step
+        self.full_precision_bytes_last_step = 0   # what a float32 ring all-reduce of the same values sends
+
+    @property
+    def compression_ratio(self) -> float:
+        """Float32 all-reduce bytes over bytes actually sent, last step (nan before any)."""
+        if not self.bytes_sent_last_step:
+            return float("nan")
+        return self.full_precision_bytes_last_step / self.bytes_sent_last_step
+
+
+class Exchange(ByteCounters, abc.ABC):
     """A strategy that sums flat tensors over ranks; see the module docstring for the contract."""
 
     name: str = "exchange"
@@ -69,9 +85,8 @@ class Exchange(abc.ABC):
     """Whether the learner should start with a full-precision warm start (``distributed_after="auto"``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.comm = None
-        self.bytes_sent_last_step = 0
-        self.full_precision_bytes_last_step = 0
         self.loss_scaled = False  # set by the learner: inf/NaN may come from an fp16 loss-scaled backward
 
     def bind(self, comm) -> None:
@@ -90,13 +105,6 @@ class Exchange(abc.ABC):
     def allreduce_(self, key: Hashable, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> torch.Tensor:
         """``start(...).wait()``: the blocking form."""
         return self.start(key, flat, shapes).wait()
-
-    @property
-    def compression_ratio(self) -> float:
-        """Float32 all-reduce bytes over bytes actually sent, last step (nan before any)."""
-        if not self.bytes_sent_last_step:
-            return float("nan")
-        return self.full_precision_bytes_last_step / self.bytes_sent_last_step
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must match to restore this strategy's state (its name and settings)."""
@@ -186,4 +194,4 @@ def split_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[tor
     return [part.view(tuple(shape)) for part, shape in zip(flat[:sum(sizes)].split(sizes), shapes)]
 
 
-__all__ = ["Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "split_views", "warn_residuals_dropped"]
+__all__ = ["ByteCounters", "Exchange", "ThreadedExchange", "full_precision_allreduce_bytes", "split_views", "warn_residuals_dropped"]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dtrain import checks
+from dtrain.compress.lowrank import orthogonalize_, should_compress
 from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views, warn_residuals_dropped
 
 
@@ -43,33 +44,6 @@ DEFAULT_START_ITER = 1000
 
 DEFAULT_START_SYNCS = 10
 """``"auto"`` for a block learner (whose exchange steps are its syncs) when the run's length is unknown."""
-
-
-def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
-    """Orthonormalises the columns of each matrix of a ``[batch, rows, rank]`` tensor in place.
-
-    The hook's ``_orthogonalize``: Gram-Schmidt for rank <= 2 (and half precision), else
-    ``torch.linalg.qr``. ``epsilon`` is added to each column's norm (0: a zero column divides by 0).
-    """
-    rank = matrices.shape[2]
-    if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
-        for i in range(rank):
-            column = matrices[:, :, i:i + 1]
-            if epsilon == 0:
-                column /= torch.norm(column, dim=1, keepdim=True)
-            else:
-                column /= torch.norm(column, dim=1, keepdim=True) + epsilon
-            if i + 1 < rank:
-                rest = matrices[:, :, i + 1:]
-                rest -= torch.sum(column * rest, dim=1, keepdim=True) * column
-    else:
-        torch.linalg.qr(matrices, out=(matrices, torch.empty(matrices.shape[0], rank, rank, device=matrices.device,
-                                                               dtype=matrices.dtype)))
-
-
-def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
-    """Whether a ``rows x cols`` matrix is worth compressing at ``rank`` (the hook's ``_should_compress``)."""
-    return (rows + cols) * rank * min_compression_rate < rows * cols
 
 
 class PowerSGD(ThreadedExchange):
@@ -315,4 +289,4 @@ def _rng_state_from(state: dict[str, Any]) -> tuple:
             state["cached_gaussian"])
 
 
-__all__ = ["PowerSGD", "orthogonalize_", "should_compress"]
+__all__ = ["PowerSGD"]

@@ -332,6 +332,33 @@ class Learner(abc.ABC):
             self._restored_distributed_after = int(state["distributed_after"])
 
 
+
+def bind_exchange(exchange, comm):
+    """A learner's exchange strategy, bound to ``comm``: ``exchange``, or a float32
+    :class:`~dtrain.exchange.AllReduce` when None (the wiring every exchanging learner shares).
+
+    Raises TypeError when ``exchange`` is not a :class:`~dtrain.exchange.Exchange`."""
+    from dtrain.exchange import AllReduce, Exchange  # here: the local learner never needs the strategies
+
+    if exchange is None:
+        exchange = AllReduce()
+    if not isinstance(exchange, Exchange):
+        raise TypeError(f"exchange must be a dtrain.exchange.Exchange strategy (e.g. dtrain.exchange.Quantized), "
+                        f"got {type(exchange).__name__}")
+    exchange.bind(comm)
+    return exchange
+
+
+def exchange_identity(identity: dict[str, Any], exchange) -> dict[str, Any]:
+    """``identity`` plus the strategy's own when it is not the float32 all-reduce (whose checkpoints
+    predate strategies): a checkpoint's residuals restore only into the same strategy and settings."""
+    from dtrain.exchange import AllReduce
+
+    if not isinstance(exchange, AllReduce):
+        identity = {**identity, "exchange": exchange.identity()}
+    return identity
+
+
 class LocalLearner(Learner):
     """The torch optimizer alone, in one process (``learner=local``): every step is ``optimizer.step()``.
 

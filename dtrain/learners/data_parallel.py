@@ -20,7 +20,7 @@ from dtrain import checks
 from dtrain.compress.bitpack import check_bits
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
-from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start
+from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 
 
@@ -60,10 +60,10 @@ class DataParallelLearner(ReplicatedLearner):
     the first distributed minibatch, and at any ``synchronize()`` in between, rank 0's parameters,
     buffers and optimizer state are broadcast so all ranks continue from one model. With a
     compressing strategy (k-bit, bf16/fp16, PowerSGD) the warm start instead all-reduces float32
-    gradients (each rank reads its partition; ``warm_start="allreduce"``, the default): the same
+    gradients (each rank reads its partition; ``warm_start_mode="allreduce"``, the default): the same
     exact update of the global minibatch that a single worker on the full stream makes, for 1/N
     of the compute per rank; the strategy takes over at ``distributed_after``.
-    ``warm_start="local"`` keeps CNTK's local warm start, faster where one float32 all-reduce
+    ``warm_start_mode="local"`` keeps CNTK's local warm start, faster where one float32 all-reduce
     costs more than N - 1 ranks' share of the compute (e.g. a 100 Mbit/s link).
 
     Buffers (e.g. BatchNorm running statistics): each rank updates them from its own share during
@@ -78,14 +78,16 @@ class DataParallelLearner(ReplicatedLearner):
         distributed_after: global samples of local-only training before synchronous steps begin.
         bucket_size_mb: bucket size limit in MiB (> 0); a parameter larger than it gets its own bucket.
         exchange: how buckets are summed over ranks (:mod:`dtrain.exchange`); None: float32 all-reduce.
-        warm_start: with a compressing exchange, how the steps before ``distributed_after`` train:
-            ``"allreduce"`` (float32 gradients, each rank on its share) or ``"local"`` (CNTK's).
+        warm_start_mode: with a compressing exchange, how the steps before ``distributed_after`` train:
+            ``"allreduce"`` (float32 gradients, each rank on its share; None: this) or ``"local"`` (CNTK's).
+        warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias; it is
+            not PowerSGD's boolean ``warm_start``).
         overlap_backward: start each bucket's exchange during backward (the default); ``False``
             starts them all after backward, only to measure what the overlap saves.
 
     Raises:
         ValueError: ``bucket_size_mb`` is not a positive number, ``distributed_after`` < 0, or
-            ``warm_start`` is not one of ``checks.WARM_STARTS``.
+            ``warm_start_mode`` is not one of ``checks.WARM_STARTS``.
         TypeError: ``exchange`` is not a :class:`dtrain.exchange.Exchange`.
         RuntimeError: a parameter gets two gradients in one minibatch (more than one backward).
     """
@@ -94,18 +96,13 @@ class DataParallelLearner(ReplicatedLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = 0,
                  bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
-                 warm_start: str = "allreduce"):
+                 warm_start_mode: str | None = None, warm_start: str | None = None):
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
-        self.warm_start = checks.choice("warm_start", warm_start, checks.WARM_STARTS)
+        self.warm_start_mode = checks.warm_start_mode(warm_start_mode, warm_start)
         self.overlap_backward = checks.boolean("overlap_backward", overlap_backward)
-        if exchange is None:
-            exchange = AllReduce()
-        if not isinstance(exchange, Exchange):
-            raise TypeError(f"exchange must be a dtrain.exchange.Exchange, got {type(exchange).__name__}")
-        self.exchange = exchange
-        self.exchange.bind(self.comm)
+        self.exchange = exchange = bind_exchange(exchange, self.comm)
         # a compressing strategy's warm start: float32 all-reduce steps until ``distributed_after``
-        self.warm_start_exchange = None if exchange.lossless or self.warm_start == "local" else AllReduce()
+        self.warm_start_exchange = None if exchange.lossless or self.warm_start_mode == "local" else AllReduce()
         if self.warm_start_exchange is not None:
             self.warm_start_exchange.bind(self.comm)
         self._active = self.exchange     # state: the strategy of this minibatch (the warm start's, or the strategy)
@@ -180,6 +177,11 @@ class DataParallelLearner(ReplicatedLearner):
         if self.warm_start_exchange is not None:
             return self.comm.size > 1
         return super().is_distributed()
+
+    @property
+    def warm_start(self) -> str:
+        """The old name of :attr:`warm_start_mode` (kept as an alias)."""
+        return self.warm_start_mode
 
     def in_full_precision_warm_start(self) -> bool:
         """Whether this minibatch is a compressing strategy's float32 warm start (before ``distributed_after``)."""
@@ -293,10 +295,7 @@ class DataParallelLearner(ReplicatedLearner):
     # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint_identity(self) -> dict[str, Any]:
         """The kind, plus the exchange strategy's identity (name, bits, rank) unless it is the float32 all-reduce."""
-        identity = super().checkpoint_identity()
-        if not isinstance(self.exchange, AllReduce):
-            identity["exchange"] = self.exchange.identity()
-        return identity
+        return exchange_identity(super().checkpoint_identity(), self.exchange)
 
     def state_dict(self) -> dict[str, Any]:
         """The replicated state, plus the world size the exchange's per-rank state belongs to."""
@@ -344,7 +343,7 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     Warm start: while ``samples_seen < distributed_after`` the gradients are all-reduced in
     float32 (each rank reading its partition): the exact update of the global minibatch, which
     CNTK's warm start computes on every rank from the full stream, at 1/N of the compute per
-    rank; ``warm_start="local"`` trains CNTK's way (see :class:`DataParallelLearner`). The
+    rank; ``warm_start_mode="local"`` trains CNTK's way (see :class:`DataParallelLearner`). The
     residuals start at zero when the k-bit exchange begins.
 
     Args:
@@ -357,7 +356,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
             all-reduce for 32).
         error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
         bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
-        warm_start: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
+        warm_start_mode: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
+        warm_start: the old spelling of ``warm_start_mode`` (an alias).
 
     Raises:
         ValueError: ``num_quantization_bits`` outside 1..32 or a negative ``distributed_after``.
@@ -368,10 +368,15 @@ class QuantizedDataParallelLearner(DataParallelLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0,
-                 warm_start: str = "allreduce"):
-        self.num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
-        super().__init__(optimizer, comm, distributed_after, bucket_size_mb,
-                         exchange=Quantized(self.num_quantization_bits, error_feedback), warm_start=warm_start)
+                 warm_start_mode: str | None = None, warm_start: str | None = None):
+        bits = check_bits(num_quantization_bits, "num_quantization_bits")  # named as the user spelled it
+        super().__init__(optimizer, comm, distributed_after, bucket_size_mb, exchange=Quantized(bits, error_feedback),
+                         warm_start_mode=warm_start_mode, warm_start=warm_start)
+
+    @property
+    def num_quantization_bits(self) -> int:
+        """CNTK's name for the strategy's ``num_bits``: one value, held by the strategy."""
+        return self.exchange.num_bits
 
     def checkpoint_identity(self) -> dict:
         """The kind and the bits per value: a checkpoint restores only into the same quantization."""
@@ -385,7 +390,7 @@ class QuantizedDataParallelLearner(DataParallelLearner):
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
                                       num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
                                       error_feedback: bool = True, exchange: Exchange | None = None,
-                                      warm_start: str = "allreduce") -> Learner:
+                                      warm_start_mode: str | None = None, warm_start: str | None = None) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
@@ -403,10 +408,11 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
             (``False`` is an ablation); must stay True with 32 bits, where nothing is quantized.
         exchange: the exchange strategy (:mod:`dtrain.exchange`, ``learner/exchange=...`` in a
             config); None: float32 all-reduce, or k-bit with ``num_quantization_bits`` below 32.
-        warm_start: with a compressing exchange, how the steps before ``distributed_after`` train:
-            ``"allreduce"`` (float32 all-reduce on each rank's share, the default) or ``"local"``
+        warm_start_mode: with a compressing exchange, how the steps before ``distributed_after`` train:
+            ``"allreduce"`` (float32 all-reduce on each rank's share; None: this) or ``"local"``
             (CNTK's: every rank on the full stream, no communication); the float32 all-reduce's
             own warm start is always local (all-reducing it would be no warm start at all).
+        warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias).
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
@@ -422,7 +428,6 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
     if distributed_after != AUTO:
         distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
     error_feedback = checks.boolean("error_feedback", error_feedback)
-    warm_start = checks.choice("warm_start", warm_start, checks.WARM_STARTS)
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
                          "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")
@@ -434,9 +439,9 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         return QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
                                             num_quantization_bits=int(num_quantization_bits),
                                             error_feedback=error_feedback, bucket_size_mb=bucket_size_mb,
-                                            warm_start=warm_start)
+                                            warm_start_mode=warm_start_mode, warm_start=warm_start)
     return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb,
-                               exchange=exchange, warm_start=warm_start)
+                               exchange=exchange, warm_start_mode=warm_start_mode, warm_start=warm_start)
 
 
 __all__ = ["DataParallelLearner", "QuantizedDataParallelLearner", "data_parallel_distributed_learner"]

@@ -5,9 +5,9 @@ Models", arXiv 2311.08105; open implementation: PrimeIntellect-ai/OpenDiLoCo) is
 family: each worker takes ``H`` steps of its inner optimizer (AdamW in the paper) on its own model
 copy, then the workers' model changes are averaged into an outer gradient, and an outer optimizer
 (SGD with Nesterov momentum 0.9, learning rate 0.7) applies it to the model of the last sync.
-:class:`DiLoCoLearner` shares block momentum's block machinery (block counting, warm start, sync
-points, exchange strategies, checkpoints) and replaces its filter by DiLoCo's outer step, exactly
-as ``torch.optim.SGD(nesterov=True)`` computes it. ``docs/semantics.md#diloco`` gives the mapping
+:class:`DiLoCoLearner` is a :class:`~dtrain.learners.block.BlockLearner` (block counting, warm
+start, sync points, exchange strategies, checkpoints) whose outer update is DiLoCo's outer step,
+exactly as ``torch.optim.SGD(nesterov=True)`` computes it. ``docs/semantics.md#diloco`` gives the mapping
 to BMUF's ``block_learning_rate`` and ``block_momentum`` and where the two updates differ.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 
 from dtrain import checks
 from dtrain.exchange import Exchange
-from dtrain.learners.base import AUTO, RunFacts
-from dtrain.learners.block_momentum import BlockMomentumLearner
+from dtrain.learners.base import AUTO
+from dtrain.learners.block import BlockLearner
 
 
-class DiLoCoLearner(BlockMomentumLearner):
-    """DiLoCo's outer step on block momentum's blocks (``learner=diloco``).
+class DiLoCoLearner(BlockLearner):
+    """DiLoCo's outer step on the base's blocks (``learner=diloco``).
 
     Every minibatch each worker steps its inner optimizer (the wrapped ``optimizer``; AdamW in
     the ``learner=diloco`` preset) on the gradient of its LOCAL mean loss. When a block of
@@ -43,7 +43,7 @@ class DiLoCoLearner(BlockMomentumLearner):
         optimizer: the inner optimizer, a ``torch.optim.Optimizer`` of the model's parameters.
         comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
         block_size: global samples per block (``H`` inner steps = ``block_size`` / global minibatch);
-            ``"auto"``: :func:`~dtrain.learners.block_momentum.auto_block_size` of the run's facts.
+            ``"auto"``: :func:`~dtrain.learners.block.auto_block_size` of the run's facts.
         outer_learning_rate: the outer SGD learning rate (> 0); DiLoCo's 0.7.
         outer_momentum: the outer SGD momentum ``mu`` in [0, 1); DiLoCo's 0.9.
         outer_nesterov: Nesterov momentum in the outer step (DiLoCo: on).
@@ -66,36 +66,23 @@ class DiLoCoLearner(BlockMomentumLearner):
         checks.number_in_range("outer_momentum", outer_momentum, 0.0, 1.0, include_high=False)
         checks.boolean("outer_nesterov", outer_nesterov)
         # the inner optimizer steps at its own lr on every worker (DiLoCo averages the deltas)
-        super().__init__(optimizer, comm, block_size=block_size, use_nesterov_momentum=outer_nesterov,
-                         reset_sgd_momentum_after_aggregation=False, distributed_after=distributed_after,
+        super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate="full")
         self.outer_learning_rate = float(outer_learning_rate)
         self.outer_momentum = float(outer_momentum)
         self.outer_nesterov = outer_nesterov
 
-    def _check_block_size_bound(self, facts: RunFacts) -> None:
-        """Nothing: block momentum's bound on the block size (its time constant) does not apply to
-        DiLoCo's constant outer momentum."""
-
-    def describe(self) -> str:
-        """Block size, inner steps per worker between syncs and the outer optimizer."""
-        self._require_block_size()
-        auto = " (auto)" if self.block_size_is_auto else ""
-        warm_start = super(BlockMomentumLearner, self).describe()
-        return (f"{warm_start}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker between "
-                f"syncs, outer SGD lr {self.outer_learning_rate:g} momentum {self.outer_momentum:g} Nesterov "
+    def describe_block(self) -> str:
+        """The outer optimizer and the inner one."""
+        return (f"outer SGD lr {self.outer_learning_rate:g} momentum {self.outer_momentum:g} Nesterov "
                 f"{'on' if self.outer_nesterov else 'off'}, inner optimizer {type(self.optimizer).__name__} "
-                f"(state kept across syncs), exchange {self.exchange.describe()}")
+                f"(state kept across syncs)")
 
-    # -- the outer step ---------------------------------------------------------------------------
-    def _sync_keeps_model(self) -> bool:
-        """Never: DiLoCo's outer step moves the model even with one worker (a look-ahead)."""
-        return False
-
-    def _outer_update(self, total_delta: torch.Tensor) -> None:
+    def outer_update(self, total_delta: torch.Tensor) -> None:
         """``torch.optim.SGD``'s step on ``W_prev`` with gradient ``D / N`` (steps 1-3 above), in
-        torch's own operations and order, so the result is the same to the last bit."""
-        outer_gradient = total_delta.div_(self.comm.size)  # g = mean_i (W_prev - W_i)
+        torch's own operations and order, so the result is the same to the last bit. DiLoCo's outer
+        step moves the model even with one worker (a look-ahead), so no sync is ever skipped."""
+        outer_gradient = total_delta.div_(self.outer_comm.size)  # g = mean_i (W_prev - W_i)
         velocity = self.smoothed_gradient
         velocity.mul_(self.outer_momentum).add_(outer_gradient)  # v = mu v + g (dampening 0)
         if self.outer_nesterov:

@@ -35,7 +35,7 @@ AVERAGE_WEIGHT = 0.05
 def training_advice(learner, precision: str = "32") -> str:
     """What to change when training diverged or collapsed, naming only what this run uses: the learning
     rate always; a lossy exchange (its warm start, its bits) only when several ranks exchange that way;
-    local SGD's warm start only for block momentum or DiLoCo on several ranks; fp16 only in fp16."""
+    local SGD's warm start only for a block learner on several ranks; fp16 only in fp16."""
     several = learner.comm.size > 1
     exchange = getattr(learner, "exchange", None)
     causes, changes = ["a learning rate too high for this learner"], ["lower optimizer.lr"]
@@ -50,7 +50,7 @@ def training_advice(learner, precision: str = "32") -> str:
     elif several and exchange is not None and not getattr(exchange, "lossless", True):
         causes.append(f"gradients compressed by {exchange.describe()}")
         changes.append("exchange them in float32 (learner/exchange=allreduce)")
-    elif several and learner.kind in ("block_momentum", "diloco"):
+    elif several and learner.kind in ("block_momentum", "diloco", "local_sgd"):
         causes.append("local steps started from an untrained model")
         changes.append("train longer on one model first (learner.distributed_after=SAMPLES)")
     if precision == "fp16":

@@ -28,20 +28,10 @@ import os
 import torch
 
 from dtrain.comm import Communicator, create_communicator
-from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
 from dtrain.learners import DataParallelLearner
 
 from tests.helpers.checks import run_checks
-
-STRATEGIES = {
-    "allreduce": lambda: AllReduce(),
-    "bf16": lambda: CompressedAllReduce("bf16"),
-    "fp16": lambda: CompressedAllReduce("fp16"),
-    "quantized1": lambda: Quantized(1),
-    "quantized4": lambda: Quantized(4),
-    "powersgd1": lambda: PowerSGD(matrix_approximation_rank=1, start_powersgd_iter=1),
-    "powersgd2": lambda: PowerSGD(matrix_approximation_rank=2, start_powersgd_iter=0),
-}
+from tests.helpers.strategies import STRATEGIES
 
 
 class Net(torch.nn.Module):

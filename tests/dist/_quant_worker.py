@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from dtrain.comm import create_communicator, install_fail_fast
-from dtrain.compress import QuantizedExchange, StripeLayout
+from dtrain.compress import StripeLayout
+from dtrain.exchange.quantized import QuantizedExchange
 from dtrain.learners import QuantizedDataParallelLearner
 
 from tests.helpers.checks import run_checks

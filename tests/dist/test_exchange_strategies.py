@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checks import CheckLaunch, launch_checks
+from tests.helpers.strategies import STRATEGIES
 
 WORKER = Path(__file__).with_name("_exchange_strategies_worker.py")
-STRATEGIES = ["allreduce", "bf16", "fp16", "quantized1", "quantized4", "powersgd1", "powersgd2"]
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -33,7 +33,7 @@ def test_all_to_all_delivers_per_pair_lengths(launch: CheckLaunch) -> None:
     launch.results("all_to_all")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_strategy_keeps_ranks_identical_and_resumes_exactly(launch: CheckLaunch, strategy: str) -> None:
     row = launch.result(strategy)
     if strategy == "allreduce":

@@ -237,7 +237,7 @@ def test_error_feedback_must_be_a_bool():
 
 
 def test_fewer_bits_choose_the_quantized_learner():
-    quantized = pytest.importorskip("dtrain.learners.quantized")
+    from dtrain import learners as quantized  # learners/quantized.py, a module that only re-exported the class, is gone
     learner = data_parallel_distributed_learner(torch.optim.SGD(make_model().parameters(), lr=0.1),
                                                 num_quantization_bits=1)
     assert isinstance(learner, quantized.QuantizedDataParallelLearner)

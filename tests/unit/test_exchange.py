@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from dtrain.comm import LocalCommunicator
-from dtrain.compress import (
-    QuantizedExchange,
-    StripeLayout,
-    dequantize,
-    full_precision_allreduce_bytes,
-    quantize,
-    stripe_bounds,
-)
-from dtrain.compress.exchange import decode_message, encode_message
+from dtrain.compress import StripeLayout, decode_message, dequantize, encode_message, quantize, stripe_bounds
+from dtrain.exchange import full_precision_allreduce_bytes
+from dtrain.exchange.quantized import QuantizedExchange
 from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner
 
 from tests.helpers.quantized_reference import ReferenceExchange

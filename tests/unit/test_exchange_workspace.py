@@ -7,7 +7,8 @@ import torch
 
 from tests.helpers.thread_world import FakeWorld
 
-from dtrain.compress import ColumnLayout, QuantizedExchange, Workspace, dequantize, quantize, quantize_with_feedback
+from dtrain.compress import ColumnLayout, Workspace, dequantize, quantize, quantize_with_feedback
+from dtrain.exchange.quantized import QuantizedExchange
 
 SHAPES = [(64, 3, 3, 3), (64,), (10, 128), (33, 17)]
 

@@ -54,3 +54,16 @@ def test_one_process_splits_into_itself_and_refuses_a_forced_hierarchy() -> None
     assert make_hierarchical(comm, False) == (comm, "")
     with pytest.raises(ValueError, match="comm.hierarchical=true needs a job of several processes"):
         make_hierarchical(comm, True)
+
+
+def test_the_hierarchical_communicator_keeps_the_job_communicators_all_to_all_capability() -> None:
+    """Class attributes of Communicator are not forwarded by __getattr__: the k-bit exchange would
+    fall back to the all-gather transport (N times the bytes) under comm.hierarchical."""
+    from dtrain.comm.hierarchical import HierarchicalCommunicator
+    from dtrain.comm.base import HostGroups
+
+    world = LocalCommunicator()
+    for native in (True, False):
+        world.native_all_to_all = native
+        wrapped = HierarchicalCommunicator(world, HostGroups(world, None), [[0]])
+        assert wrapped.native_all_to_all is native

@@ -66,3 +66,14 @@ def test_docstrings_cite_the_projects_own_docs_not_unshipped_notes():
     anchors = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
                for line in (ROOT / "docs" / "semantics.md").read_text().splitlines() if line.startswith("#")}
     assert cited and cited <= anchors, sorted(cited - anchors)
+
+
+def test_compress_is_pure_maths_that_never_talks():
+    """``compress/`` (quantizer, bit packing, stripes, PowerSGD's low-rank maths) imports nothing from the
+    floors that talk or decide: ``comm/``, ``exchange/``, ``learners/``, ``session/``."""
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    upward = ("dtrain.comm", "dtrain.exchange", "dtrain.learners", "dtrain.session")
+    found = {f"{module_name(path)} -> {target}"
+             for path in (PACKAGE / "compress").rglob("*.py")
+             for target in imports_of(path, modules) if target.startswith(upward)}
+    assert not found, sorted(found)

@@ -66,3 +66,25 @@ def test_the_config_reaches_the_learner(tmp_path):
     learner = instantiate(cfg.learner, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           comm=LocalCommunicator())
     assert isinstance(learner, QuantizedDataParallelLearner) and learner.warm_start == "local"
+
+
+def test_warm_start_mode_is_the_name_and_warm_start_its_alias_apart_from_powersgds_boolean():
+    """One name per concept: the learner's ``warm_start_mode`` (allreduce|local); ``warm_start``, its
+    old spelling, still works; PowerSGD's boolean ``learner.exchange.warm_start`` is another setting."""
+    model = make_model(seed=0)
+    for overrides in (["learner.warm_start_mode=local"], ["learner.warm_start=local"]):
+        cfg = compose_config("+recipe=digits", "learner=quantized", *overrides)
+        assert validate(cfg) == []
+        learner = instantiate(cfg.learner, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              comm=LocalCommunicator())
+        assert learner.warm_start_mode == "local" and learner.warm_start_exchange is None
+    both = compose_config("+recipe=digits", "learner=quantized", "learner.warm_start=local",
+                          "learner.warm_start_mode=allreduce")
+    assert any("learner.warm_start='local' and learner.warm_start_mode='allreduce' disagree" in problem
+               for problem in validate(both)), validate(both)
+    powersgd = compose_config("+recipe=digits", "learner=data_parallel", "learner/exchange=powersgd",
+                              "learner.exchange.warm_start=false", "learner.warm_start_mode=local")
+    assert validate(powersgd) == []
+    learner = instantiate(powersgd.learner, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          comm=LocalCommunicator())
+    assert learner.warm_start_mode == "local" and learner.exchange.warm_start is False

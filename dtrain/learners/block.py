@@ -1,0 +1,552 @@
+"""The block learner base: local steps on each worker, and every block a sync of the model deltas.
+
+:class:`BlockLearner` holds what block momentum (BMUF), DiLoCo and local SGD share: block
+counting (a sync every ``block_size`` global samples, decided alike on every rank without a
+collective), the warm start (local training on the full stream before ``distributed_after``,
+then rank 0's model for all), the delta exchange (``d_i = W_prev - W_i`` summed over workers by
+any :mod:`dtrain.exchange` strategy), the sync points the session agrees on, and the checkpoint
+state. A subclass writes only :meth:`BlockLearner.outer_update`: how the summed delta ``D`` moves
+the model of the last sync (``docs/writing-a-learner.md``, ``docs/semantics.md#block-learners``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dtrain import checks
+from dtrain.exchange import Exchange, full_precision_allreduce_bytes
+from dtrain.learners._buckets import coalesced
+from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+
+#: Optimizer state entries the momentum reset zeroes: the first-moment (momentum) buffers of
+#: torch's optimizers (SGD/RMSprop ``momentum_buffer``; Adam, AdamW, NAdam, RAdam, Adamax
+#: ``exp_avg``). Second moments (``exp_avg_sq``, ``square_avg``, ...) and step counts are kept:
+#: they scale the steps, and zeroing them while bias correction is already ~1 would make the next
+#: steps several times larger than the learning rate asks for.
+MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")
+
+
+def largest_block_size(samples_per_sweep: int, num_workers: int) -> float:
+    """CNTK's bound on the block size, in global samples: the largest ``B`` with default time
+    constant ``TC = -B / ln(1 - 1/N)`` that keeps ``samples_per_sweep >= TC * N``.
+
+    CNTK's "Multiple GPUs and machines" article (block momentum section) asks that the unique
+    training samples be at least the block momentum time constant times the number of workers;
+    above it BMUF trains measurably worse (``docs/semantics.md#block-momentum``). Infinite for one
+    worker.
+    """
+    if num_workers == 1:
+        return math.inf
+    return samples_per_sweep * -math.log(1.0 - 1.0 / num_workers) / num_workers
+
+
+def auto_block_size(facts: RunFacts, num_workers: int) -> int:
+    """``block_size="auto"``: the largest whole number of global minibatches within
+    :func:`largest_block_size` (at least one minibatch, and at least ``num_workers`` samples).
+
+    With the data set's size unknown: 32 global minibatches.
+    """
+    minibatch = facts.minibatch_size or num_workers
+    if facts.samples_per_sweep is None:
+        return max(32 * minibatch, num_workers)
+    bound = largest_block_size(facts.samples_per_sweep, num_workers)
+    if math.isinf(bound):
+        return max(facts.samples_per_sweep, num_workers)
+    return max(int(bound // minibatch) * minibatch, minibatch, num_workers)
+
+
+class BlockLearner(Learner):
+    """Local steps, and every ``block_size`` global samples a sync: ``D = sum_i (W_prev - W_i)``
+    through the exchange strategy, then :meth:`outer_update` (the one method a subclass writes).
+
+    Every minibatch, ``step()`` runs the wrapped optimizer on this worker's gradient of its LOCAL
+    mean loss, with the optimizer's learning rate (``local_learning_rate="full"``) or with ``lr *
+    n_i / B`` (``"share"``, CNTK's per-sample rate on the worker's ``n_i`` samples of ``B``). When
+    a block is complete, every worker takes part in a sync, with ``W_prev`` the model of the last
+    sync (flat, ``prev_parameters``) and ``W_i`` worker i's model:
+
+    1. ``d_i = W_prev - W_i``, summed over the workers of ``outer_comm`` by ``exchange`` into
+       ``D`` (not divided); the model's floating-point buffers (BatchNorm statistics) are averaged
+       exactly, its other buffers taken from rank 0 at :meth:`synchronize`;
+    2. :meth:`outer_update` ``(D)`` writes the new model into ``prev_parameters``;
+    3. every worker continues from it (``W_i <- W_prev``); with ``reset_sgd_momentum_after_aggregation``
+       the optimizer's momentum buffers are zeroed (``MOMENTUM_STATE_KEYS``); then :meth:`after_sync`.
+
+    A block is complete when the most-loaded worker has trained ``block_size // N`` samples since
+    the last sync (counted from the global minibatch sizes every rank is told: ``ceil(B / N)`` per
+    minibatch), CNTK's rule, the same on every rank. Warm start: while ``samples_seen <
+    distributed_after`` every worker steps on the full data stream without communicating; at the
+    switch rank 0's parameters and buffers are broadcast and become ``W_prev``.
+
+    Two communicators: ``comm`` (the job) partitions the data, counts blocks and broadcasts;
+    ``outer_comm`` (default: ``comm``) is the one the delta exchange runs over, and
+    ``outer_comm.size`` the number of contributions summed into ``D``. A learner whose workers
+    exchange exactly inside a host and compressed between hosts passes the hosts' communicator.
+
+    Subclass contract: set ``kind`` (the checkpoint name), implement :meth:`outer_update`;
+    optionally :meth:`after_sync`, :meth:`sync_keeps_model`, :meth:`describe_block`, and
+    ``keeps_outer_state = False`` when the outer step has no flat state of its own
+    (``smoothed_gradient``: BMUF's ``sg``, DiLoCo's velocity; in checkpoints, replicated).
+
+    Args:
+        optimizer: the (inner) torch optimizer of the model's parameters.
+        comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
+        block_size: global samples per block (at least N); ``"auto"``: :func:`auto_block_size` of
+            the run's facts, derived in :meth:`plan`.
+        distributed_after: global samples of local-only training before the first block (>= 0);
+            ``"auto"``: :func:`~dtrain.learners.base.auto_warm_start` (0 with one worker).
+        exchange: the :class:`~dtrain.exchange.Exchange` that sums the deltas (None: float32
+            all-reduce); its per-rank state is in :meth:`local_state_dict`.
+        local_learning_rate: ``"full"`` or ``"share"`` (``checks.LOCAL_LEARNING_RATES``).
+        reset_sgd_momentum_after_aggregation: zero the optimizer's momentum buffers at each sync.
+        outer_comm: the communicator of the delta exchange (None: ``comm``).
+
+    Raises:
+        ValueError: a value out of range, or ``block_size // N`` is 0.
+        TypeError: the optimizer is not a ``torch.optim.Optimizer``, or ``exchange`` not an ``Exchange``.
+    """
+
+    kind = "block"
+    keeps_outer_state: bool = True
+    """Whether :attr:`smoothed_gradient` (the outer step's flat state, zero at the start) is kept."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None,
+                 local_learning_rate: str = "full", reset_sgd_momentum_after_aggregation: bool = False,
+                 outer_comm=None):
+        super().__init__(optimizer, comm, distributed_after)
+        self.outer_comm = self.comm if outer_comm is None else outer_comm
+        # before any restore: a strategy's state loads onto its communicator
+        self.exchange = bind_exchange(exchange, self.outer_comm)
+        self.block_size_is_auto = block_size == AUTO
+        self.local_learning_rate = checks.choice("local_learning_rate", local_learning_rate,
+                                                 checks.LOCAL_LEARNING_RATES)
+        self.reset_sgd_momentum_after_aggregation = checks.boolean("reset_sgd_momentum_after_aggregation",
+                                                                   reset_sgd_momentum_after_aggregation)
+        self.block_size = self.sync_period = 0
+        if not self.block_size_is_auto:
+            self.set_block_size(checks.sample_count("block_size", block_size))
+
+        # -- state (saved in checkpoints)
+        self.local_samples_in_block = 0     # n_loc: this worker's samples since the last sync (CNTK's; recorded)
+        self.global_samples_in_block = 0    # all workers' samples since the last sync
+        self.largest_share_in_block = 0     # the most-loaded worker's samples since the last sync
+        self.syncs = 0                      # block syncs done so far
+        self.prev_parameters: torch.Tensor | None = None     # W_prev, flat: the model of the last sync
+        self.smoothed_gradient: torch.Tensor | None = None   # the outer step's flat state (keeps_outer_state)
+
+        # -- working memory, set by prepare()
+        self._model: torch.nn.Module | None = None
+        self._float_buffers: list[torch.Tensor] = []
+        self._other_buffers: list[torch.Tensor] = []
+        self._num_parameter_elements = 0
+        self._scratch: torch.Tensor | None = None  # [W or d_i | floating-point buffers]
+        self._met = True  # the last step ended with the ranks meeting (see is_sync_point)
+        # -- statistics of the last sync (the session reads them)
+        self.exchange_seconds_last_step = 0.0  # seconds in the last step's exchange (0.0: no sync in that step)
+        self._bytes_sent_last_sync = 0
+        self._full_precision_bytes_last_sync = 0
+
+    def set_block_size(self, block_size: int) -> None:
+        """Sets the block size and the per-worker sync period ``block_size // N``.
+
+        Raises ValueError when the sync period is 0."""
+        num_workers = self.comm.size
+        if block_size // num_workers < 1:
+            raise ValueError(f"block_size={block_size}: expected at least {num_workers} samples for {num_workers} "
+                             f"workers: the per-worker sync period block_size // N is 0 (CNTK: 'Sync period is "
+                             f"too small')")
+        self.block_size = block_size
+        self.sync_period = block_size // num_workers  # per-worker samples between syncs (CNTK)
+
+    # -- what a subclass writes ----------------------------------------------------------------
+    def outer_update(self, total_delta: torch.Tensor) -> None:
+        """Writes the new model into ``prev_parameters`` (which holds ``W_prev``) from ``total_delta``,
+        ``D = sum_i (W_prev - W_i)`` over ``outer_comm.size`` workers (it may be overwritten)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement outer_update(total_delta)")
+
+    def after_sync(self) -> None:
+        """Called on every rank at the end of each sync; nothing here."""
+
+    def sync_keeps_model(self) -> bool:
+        """Whether this sync would give back the workers' model (then the exchange and the outer
+        step are skipped: ``W_prev <- W``, and ``smoothed_gradient <- W_prev - W``). Never here."""
+        return False
+
+    def describe_block(self) -> str:
+        """The subclass's part of the start-up line (after the block size); empty here."""
+        return ""
+
+    # -- the loop -------------------------------------------------------------------------------
+    def plan(self, facts: RunFacts) -> None:
+        """Derives ``block_size="auto"`` (:func:`auto_block_size`), then plans the exchange, whose
+        steps are the syncs (e.g. PowerSGD's start counts syncs)."""
+        super().plan(facts)
+        if self.block_size_is_auto:
+            self.set_block_size(auto_block_size(facts, self.comm.size))
+        self.exchange.plan(facts, steps=self.expected_syncs(facts), step_name="sync")
+
+    def expected_syncs(self, facts: RunFacts) -> int | None:
+        """The syncs a run of ``facts`` makes after the warm start (None when its length is unknown):
+        a sync every ``ceil(sync_period / ceil(B / N))`` global minibatches of ``B``, and one at the end."""
+        if not facts.max_samples or not facts.minibatch_size or not self.block_size:
+            return None
+        minibatches = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
+        per_sync = math.ceil(self.sync_period / math.ceil(facts.minibatch_size / self.comm.size))
+        return math.ceil(minibatches / per_sync)
+
+    def auto_distributed_after(self, facts: RunFacts) -> int:
+        """``distributed_after="auto"``: :func:`~dtrain.learners.base.auto_warm_start` (0 with one
+        worker): local SGD from a warmed-up model (post-local SGD) generalises as well as
+        synchronous SGD, started from scratch it measurably does not (``docs/semantics.md#warm-start``)."""
+        return auto_warm_start(facts) if self.comm.size > 1 else 0
+
+    def describe(self) -> str:
+        """The warm start, the block size and sync period, the subclass's part and the exchange."""
+        self._require_block_size()
+        auto = self.describe_auto_block_size() if self.block_size_is_auto else ""
+        own = self.describe_block()
+        return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker "
+                f"between syncs{', ' + own if own else ''}, exchange {self.exchange.describe()}")
+
+    def describe_auto_block_size(self) -> str:
+        """How ``block_size="auto"`` was derived, for :meth:`describe`."""
+        return " (auto)"
+
+    def describe_local_steps(self) -> str:
+        """The local steps' learning rate, in words."""
+        if self.local_learning_rate == "share":
+            return "local steps at lr x the worker's share of the minibatch (CNTK's per-sample rate)"
+        return "local steps at the full lr"
+
+    # -- statistics of the last sync --------------------------------------------------------------
+    @property
+    def bytes_sent_last_step(self) -> int:
+        """Bytes this rank sent in the last block sync's exchange (0 before any sync, and with one worker)."""
+        return self._bytes_sent_last_sync
+
+    @property
+    def compression_ratio(self) -> float:
+        """A float32 all-reduce's bytes over the bytes actually sent, last sync (nan before any)."""
+        if not self._bytes_sent_last_sync:
+            return float("nan")
+        return self._full_precision_bytes_last_sync / self._bytes_sent_last_sync
+
+    def progress_note(self) -> str:
+        """Bytes this rank sent in the last sync, and with a compressing strategy the saving
+        against a float32 all-reduce; empty before the first sync."""
+        if not self._bytes_sent_last_sync:
+            return ""
+        note = f"{self.exchange.name}: {self._bytes_sent_last_sync / 1e3:,.0f} kB sent/sync"
+        if self._bytes_sent_last_sync < self._full_precision_bytes_last_sync:
+            note += f" ({self.compression_ratio:.1f}x less than 32-bit)"
+        return note
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Broadcasts rank 0's parameters and buffers, then takes them as ``W_prev`` (outer state 0).
+
+        After ``load_state_dict`` the restored ``W_prev`` and outer state are kept instead.
+
+        Raises:
+            ValueError: the optimizer has no parameters, or they are not all on one device.
+        """
+        self._require_block_size()
+        parameters = self.parameters
+        if not parameters:
+            raise ValueError("the optimizer has no parameters; build it from model.parameters()")
+        devices = {p.device for p in parameters}
+        if len(devices) > 1:
+            raise ValueError(f"a block learner keeps one flat copy of the model, but its parameters are on "
+                             f"{sorted(map(str, devices))}; put the model on one device")
+        self._model = model
+        buffers = list(model.buffers())
+        self._float_buffers = [b for b in buffers if b.is_floating_point()]
+        self._other_buffers = [b for b in buffers if not b.is_floating_point()]
+        # one dtype that holds every parameter and float buffer exactly (float32 for usual models)
+        dtype = parameters[0].dtype
+        for tensor in parameters + self._float_buffers:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+        device = parameters[0].device
+        self._num_parameter_elements = sum(p.numel() for p in parameters)
+        self._scratch = torch.empty(self._num_parameter_elements + sum(b.numel() for b in self._float_buffers),
+                                    dtype=dtype, device=device)
+        if self.comm.size > 1:
+            broadcast(list(parameters) + buffers, self.comm)
+        restored_prev, restored_outer = self.prev_parameters, self.smoothed_gradient
+        self.prev_parameters = self.flat_parameters().clone()
+        self.smoothed_gradient = torch.zeros_like(self.prev_parameters) if self.keeps_outer_state else None
+        if restored_prev is not None:
+            self.prev_parameters.copy_(restored_prev)
+            if self.smoothed_gradient is not None and restored_outer is not None:
+                self.smoothed_gradient.copy_(restored_outer)
+
+    def apply_update(self) -> None:
+        """The local optimizer step, then the block logic (a sync when the block is complete).
+
+        Raises:
+            RuntimeError: ``prepare(model)`` was not called first (``training_session`` calls it).
+        """
+        if self._scratch is None:
+            raise RuntimeError("call learner.prepare(model) before training; training_session does it for you")
+        blocks_started = self.blocks_started()  # decided before this minibatch was read
+        self._met = False
+        self.exchange_seconds_last_step = 0.0
+        if self.local_samples > 0:
+            self._local_step()
+        if blocks_started:
+            self.local_samples_in_block += self.local_samples
+            self.global_samples_in_block += self.global_samples
+            self.largest_share_in_block += -(-self.global_samples // self.comm.size)
+            if self.largest_share_in_block >= self.sync_period:
+                self._sync()
+                self._met = True
+        elif self.blocks_started(after=self.global_samples):  # step() counts this minibatch when we return
+            self._start_blocks()
+            self._met = True
+        else:  # warm start: no collective at all; a meeting point every block_size samples
+            self._met = (self.samples_seen + self.global_samples) // self.block_size != self.samples_seen // self.block_size
+
+    def _local_step(self) -> None:
+        """The wrapped optimizer's step on this worker's gradient; with ``local_learning_rate="share"``
+        each parameter group's lr is ``lr * local_samples / global_samples`` for this step (1 during the
+        warm start, where every worker reads the whole minibatch)."""
+        share = self.local_samples / self.global_samples
+        if self.local_learning_rate == "full" or share == 1:
+            self._step_optimizer()
+            return
+        groups = self.optimizer.param_groups
+        configured = [group["lr"] for group in groups]
+        for group, lr in zip(groups, configured):
+            group["lr"] = lr * share
+        try:
+            self._step_optimizer()
+        finally:
+            for group, lr in zip(groups, configured):
+                group["lr"] = lr
+
+    def is_sync_point(self) -> bool:
+        """Whether the step just made ended a block (a sync, or the broadcast that starts blocks),
+        or, during the warm start, crossed a multiple of ``block_size`` samples.
+
+        Between these points a block learner makes no collective, so the session agrees on
+        preemption only here: a signal stops the job at most one block of samples later.
+        """
+        return self._met
+
+    def _require_block_size(self) -> None:
+        if self.block_size_is_auto and not self.block_size:
+            raise ValueError("block_size='auto' is derived from the run's facts: call learner.plan(RunFacts(...)) "
+                             "before prepare() (training_session does), or give block_size in samples")
+
+    def synchronize(self) -> None:
+        """Brings every worker to one model: a sync if any samples were trained on since the last.
+
+        Called by the session before cross-validation, before every checkpoint and at the end.
+        Floating-point buffers (BatchNorm statistics) are averaged over workers and other buffers
+        (``num_batches_tracked``) taken from rank 0. During the warm start (before
+        ``distributed_after``) rank 0's parameters and buffers are broadcast instead. A learner
+        not yet prepared has nothing to synchronize.
+        """
+        if self._model is None:
+            return
+        if self.blocks_started():
+            if self.global_samples_in_block > 0:
+                self._sync()  # float buffers are averaged inside it
+            if self.comm.size > 1 and self._other_buffers:
+                broadcast(self._other_buffers, self.comm)
+        elif self.comm.size > 1:
+            broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
+
+    # -- the block sync ---------------------------------------------------------------------------
+    def blocks_started(self, after: int = 0) -> bool:
+        """Whether blocks have started once ``after`` more samples are counted in ``samples_seen``."""
+        # not is_distributed(): one worker runs blocks too (CNTK resets momentum at its syncs)
+        return self.samples_seen + after >= self.distributed_after
+
+    def _sync(self) -> None:
+        """The block sync (steps 1-3 of the class docstring), on every rank at once."""
+        scratch, parameter_count = self._scratch, self._num_parameter_elements
+        model_delta = scratch[:parameter_count]
+        self.flat_parameters(out=model_delta)  # W_i for now
+        if self.sync_keeps_model():
+            # outer state = D = W_prev - W and W <- W_prev - D = W: the model stays as it is
+            if self.smoothed_gradient is not None:
+                torch.sub(self.prev_parameters, model_delta, out=self.smoothed_gradient)
+            self.prev_parameters.copy_(model_delta)
+        else:
+            torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
+            if self.outer_comm.size > 1:
+                self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
+            self.outer_update(model_delta)
+            unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
+        self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
+        self.syncs += 1
+        if self.reset_sgd_momentum_after_aggregation:
+            self.reset_local_momentum()
+        self.after_sync()
+
+    def _exchange_model_delta(self) -> None:
+        """Sums the deltas ``d_i`` (the first part of the scratch buffer) over ``outer_comm`` through
+        the exchange strategy and averages the floating-point buffers exactly; records the bytes sent
+        and the seconds taken (``exchange_seconds_last_step``)."""
+        started = time.perf_counter()
+        comm, scratch = self.outer_comm, self._scratch
+        parameter_count = self._num_parameter_elements
+        buffers = scratch[parameter_count:]
+        pack(self._float_buffers, buffers)
+        self.exchange.begin_step()
+        extra_bytes = 0
+        if self.exchange.lossless:
+            # the buffers ride along: one all-reduce per sync, as before strategies existed
+            self.exchange.allreduce_("model", scratch, [torch.Size([parameter_count]), torch.Size([buffers.numel()])])
+        else:
+            # a lossy strategy compresses only the parameter deltas; BatchNorm statistics stay exact
+            self.exchange.allreduce_("model", scratch[:parameter_count], [p.shape for p in self.parameters])
+            if buffers.numel():
+                comm.allreduce(buffers, op="sum")
+                extra_bytes = full_precision_allreduce_bytes(buffers.numel(), comm.size) * buffers.element_size() // 4
+        unpack(buffers.div_(comm.size), self._float_buffers)
+        self._bytes_sent_last_sync = self.exchange.bytes_sent_last_step + extra_bytes
+        self._full_precision_bytes_last_sync = self.exchange.full_precision_bytes_last_step + extra_bytes
+        self.exchange_seconds_last_step = time.perf_counter() - started
+
+    def _start_blocks(self) -> None:
+        """End of the warm start: every worker continues from rank 0's model, which becomes W_prev."""
+        if self.comm.size > 1:
+            broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
+        self.flat_parameters(out=self.prev_parameters)
+        self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
+
+    def reset_local_momentum(self) -> None:
+        """Zeroes the optimizer's first-moment buffers in place (CNTK's ResetSmoothedGradients)."""
+        for state in self.optimizer.state.values():
+            for key in MOMENTUM_STATE_KEYS:
+                buffer = state.get(key)
+                if isinstance(buffer, torch.Tensor):
+                    buffer.zero_()
+
+    def flat_parameters(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameters as one flat tensor (into ``out`` when given, casting to its dtype)."""
+        if out is None:
+            out = torch.empty(self._num_parameter_elements, dtype=self._scratch.dtype, device=self._scratch.device)
+        pack(self.parameters, out)
+        return out
+
+    def finalize(self) -> None:
+        """Stops the exchange's thread, if it has one."""
+        self.exchange.close()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """The kind, and the exchange strategy when it is not the default fp32 all-reduce: a
+        checkpoint's residuals restore only into the same strategy and settings."""
+        return exchange_identity(super().checkpoint_identity(), self.exchange)
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own state: its optimizer's (the local steps make every rank's momentum and
+        Adam moments different, and :meth:`state_dict` holds only rank 0's) and the exchange
+        strategy's (e.g. the quantized strategy's error-feedback residuals)."""
+        return {"optimizer": self.optimizer.state_dict(), "exchange": self.exchange.state_dict()}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`local_state_dict`'s output. The session calls it only at the same world
+        size; at another, every rank continues with rank 0's optimizer state (from
+        :meth:`state_dict`) and a fresh exchange state, and the session says so.
+
+        The optimizer's hyper-parameters (learning rate, momentum, ...) stay as they are now: the
+        configured ones, which the session has put back after :meth:`load_state_dict`.
+        """
+        if "optimizer" in state:
+            configured = [{key: value for key, value in group.items() if key != "params"}
+                          for group in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group, settings in zip(self.optimizer.param_groups, configured):
+                group.update(settings)
+        if "exchange" in state:
+            self.exchange.load_state_dict(state["exchange"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus ``W_prev``, the outer state and the block counters (tensors and ints only).
+
+        The session calls ``synchronize()`` first, so the counters are 0 and ``W_prev`` is the
+        model in the same checkpoint; the outer state is what carries e.g. block momentum across a resume.
+        """
+        state = super().state_dict()
+        state["block"] = {
+            "prev_parameters": _cpu_copy(self.prev_parameters),
+            "smoothed_gradient": _cpu_copy(self.smoothed_gradient),
+            "local_samples_in_block": self.local_samples_in_block,
+            "global_samples_in_block": self.global_samples_in_block,
+            "largest_share_in_block": self.largest_share_in_block,
+            "syncs": self.syncs,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict`` returned (applied to the model's device by ``prepare``).
+
+        Raises:
+            ValueError: the checkpoint was written by another learner, or its block state does not
+                fit this model's parameters.
+        """
+        block = state.get("block") if state.get("kind") == self.kind else None
+        expected = sum(p.numel() for p in self.parameters)
+        for key in ("prev_parameters", "smoothed_gradient"):  # before the optimizer's less clear complaint
+            tensor = None if block is None else block[key]
+            if tensor is not None and tensor.numel() != expected:
+                raise ValueError(f"checkpoint block state {key!r} has {tensor.numel()} values but the model has "
+                                 f"{expected} parameters; restore into the model the checkpoint was made with")
+        super().load_state_dict(state)  # refuses another learner's checkpoint
+        block = state["block"]
+        self.local_samples_in_block = int(block["local_samples_in_block"])
+        self.global_samples_in_block = int(block["global_samples_in_block"])
+        self.largest_share_in_block = int(block["largest_share_in_block"])
+        self.syncs = int(block["syncs"])
+        if block["prev_parameters"] is None:
+            return
+        outer = block["smoothed_gradient"] if self.keeps_outer_state else None
+        if self._scratch is None:  # prepare() will move them to the model's device
+            self.prev_parameters = block["prev_parameters"].clone()
+            self.smoothed_gradient = None if outer is None else outer.clone()
+        else:
+            self.prev_parameters.copy_(block["prev_parameters"])
+            if self.smoothed_gradient is not None and outer is not None:
+                self.smoothed_gradient.copy_(outer)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().cpu().clone()
+
+
+def pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copies ``tensors`` one after another into the 1-D ``flat`` (casting to its dtype)."""
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            count = tensor.numel()
+            flat[offset:offset + count].copy_(tensor.reshape(-1))
+            offset += count
+
+
+def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copies consecutive slices of the 1-D ``flat`` back into ``tensors`` (casting to theirs)."""
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            count = tensor.numel()
+            tensor.copy_(flat[offset:offset + count].view_as(tensor))
+            offset += count
+
+
+def broadcast(tensors: Sequence[torch.Tensor], comm) -> None:
+    """Overwrites ``tensors`` with rank 0's values: one broadcast per dtype, not one per tensor."""
+    coalesced(tensors, math.inf, lambda flat: comm.broadcast(flat, root=0))
+
+
+__all__ = ["MOMENTUM_STATE_KEYS", "BlockLearner", "auto_block_size", "broadcast", "largest_block_size", "pack",
+           "unpack"]

@@ -1,0 +1,56 @@
+"""Local SGD (model averaging): local steps, and every block the workers' models are averaged.
+
+Each worker trains its own copy with the wrapped optimizer; every ``block_size`` global samples
+the model becomes the mean of the workers' models, ``W = W_prev - D / N`` with ``D = sum_i
+(W_prev - W_i)`` summed by any exchange strategy (exactly ``mean_i W_i`` with the float32
+all-reduce). Lin et al. 2020 ("Don't Use Large Mini-Batches, Use Local SGD", arXiv 1808.07217)
+call it local SGD, post-local SGD with a warm start (``distributed_after``); it is BMUF with
+block momentum 0 and block learning rate 1 (``docs/semantics.md#local-sgd``).
+"""
+from __future__ import annotations
+
+import torch
+
+from dtrain.exchange import Exchange
+from dtrain.learners.base import AUTO
+from dtrain.learners.block import BlockLearner
+
+
+class LocalSGDLearner(BlockLearner):
+    """Model averaging every block (``learner=local_sgd``); the inner optimizer's state stays local.
+
+    Args:
+        optimizer: the torch optimizer each worker steps on its local gradient.
+        comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
+        block_size: global samples per block (at least N), or ``"auto"`` (:func:`~dtrain.learners.block.auto_block_size`).
+        distributed_after: global samples of local-only training before the first block, or ``"auto"``.
+        exchange: the strategy that sums the model deltas (None: float32 all-reduce).
+        outer_comm: the communicator of the averaging (None: ``comm``).
+
+    Raises:
+        ValueError: a value out of range, or ``block_size // N`` is 0.
+        TypeError: the optimizer is not a ``torch.optim.Optimizer``, or ``exchange`` not an ``Exchange``.
+    """
+
+    kind = "local_sgd"
+    keeps_outer_state = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None):
+        super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
+                         exchange=exchange, outer_comm=outer_comm)
+
+    def sync_keeps_model(self) -> bool:
+        """With one worker the average is its own model: the sync is skipped (sparing its rounding)."""
+        return self.outer_comm.size == 1
+
+    def describe_block(self) -> str:
+        """What a sync does."""
+        return "models averaged at each sync"
+
+    def outer_update(self, total_delta: torch.Tensor) -> None:
+        """``W = W_prev - D / N``: the mean of the workers' models."""
+        self.prev_parameters.sub_(total_delta.div_(self.outer_comm.size))
+
+
+__all__ = ["LocalSGDLearner"]
