@@ -29,6 +29,7 @@ class BatchNormSync:
     def __init__(self, comm) -> None:
         self.comm = comm
         self.active = comm.size > 1      # one process: nothing to reduce, no communicator traffic
+        self.in_training = True          # reduce in training forwards (False: only while recomputing statistics)
         self.gradient_factor = 1.0
         self.collectives = 0             # statistics: collectives issued (tests check one process issues none)
 
