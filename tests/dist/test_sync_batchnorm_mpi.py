@@ -1,0 +1,64 @@
+"""Synchronized BatchNorm and recomputed statistics under a real ``mpiexec -n 2`` and ``-n 4 --oversubscribe``:
+the data-parallel learner with ``sync_batchnorm`` equals one process (parameters and running statistics,
+uneven shares, a rank without samples), without it it does not; micro-batches stay in step; recomputed
+statistics are the exact ones; evaluation issues no BatchNorm collective.
+
+One launch per world size runs every check of ``_sync_batchnorm_worker.py``; each is asserted in its own test.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.checks import CheckLaunch, launch_checks
+
+WORKER = Path(__file__).with_name("_sync_batchnorm_worker.py")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def launch(request, tmp_path_factory) -> CheckLaunch:
+    run_dir = tmp_path_factory.mktemp(f"sync_batchnorm_{request.param}")
+    return launch_checks(request.param, [WORKER, run_dir / "runs"], run_dir / "checks", timeout=360)
+
+
+def test_sync_batchnorm_equals_one_process_and_plain_batchnorm_does_not(launch: CheckLaunch) -> None:
+    record = launch.result("equal_to_one_process")
+    assert record["moved"] > 0.05, record  # training changed the model measurably
+    assert record["differing_on_ranks"] == [], record
+    for key, difference in record["sync"].items():  # parameters, running_mean/var, num_batches_tracked
+        assert difference < 1e-4, (key, record)
+    assert max(record["plain"][key] for key in record["plain"] if "running" in key) > 1e-3, record
+    assert max(record["plain"].values()) > 1e-3, record
+
+
+def test_micro_batches_keep_the_ranks_in_step(launch: CheckLaunch) -> None:
+    record = launch.result("micro_batches")
+    assert record["differing_on_ranks"] == [] and record["padded_differing_on_ranks"] == [], record
+    if launch.nprocs == 4:  # every share within the cap: one pass each, the union is one process's minibatch
+        assert record["difference"] < 1e-4, record
+
+
+def test_recomputed_statistics_are_the_exact_ones(launch: CheckLaunch) -> None:
+    record = launch.result("recomputed")
+    assert max(record["differences"]) < 1e-4, record
+    assert record["position_unchanged"], record
+    assert record["differing_on_ranks"] == [], record
+
+
+def test_recomputed_statistics_do_not_depend_on_the_world_size(tmp_path_factory) -> None:
+    """The same run at 1 (``mpiexec -n 1``) and 2 ranks recomputes the same statistics."""
+    means = []
+    for nprocs in (1, 2):
+        run_dir = tmp_path_factory.mktemp(f"recomputed_{nprocs}")
+        result = launch_checks(nprocs, [WORKER, run_dir / "runs", "recomputed"], run_dir / "checks", timeout=300)
+        means.append(result.result("recomputed")["running_mean"])
+    assert means[0] == pytest.approx(means[1], abs=1e-5), means
+
+
+def test_evaluation_issues_no_batchnorm_collective(launch: CheckLaunch) -> None:
+    record = launch.result("eval_without_traffic")
+    assert record["collectives_in_eval"] == 0 and record["collectives"] > 0, record
+    assert record["test_samples"] == 297, record
