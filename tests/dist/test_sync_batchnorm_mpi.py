@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.checks import CheckLaunch, launch_checks
 
@@ -62,3 +63,37 @@ def test_evaluation_issues_no_batchnorm_collective(launch: CheckLaunch) -> None:
     record = launch.result("eval_without_traffic")
     assert record["collectives_in_eval"] == 0 and record["collectives"] > 0, record
     assert record["test_samples"] == 297, record
+
+
+def test_a_finished_run_resumed_recomputes_the_same_statistics(tmp_path) -> None:
+    """Recomputing reads training samples past the end without moving the checkpointed position: running the
+    finished command again (restore, nothing left to train) writes the same model.safetensors."""
+    from safetensors.torch import load_file
+
+    from dtrain.session import checkpoint
+
+    from tests.helpers.cli import run_dtrain
+
+    command = ["+recipe=digits", "model.batch_norm=true", "session.batchnorm_statistics=recomputed",
+               "session.batchnorm_recompute_samples=200", "session.max_samples=320", f"run_dir={tmp_path / 'run'}"]
+    first = run_dtrain(*command, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    weights = load_file(tmp_path / "run" / "model.safetensors")
+    again = run_dtrain(*command, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "recomputed over 200 training samples" in again.stdout
+    resumed = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(weights[key], resumed[key]) for key in weights)
+    # the checkpoint keeps the running statistics training resumes with, not the recomputed ones
+    state = checkpoint.load(next((tmp_path / "run").glob("checkpoint-*.pt")))
+    assert not torch.equal(state["model"]["features.1.running_var"], weights["features.1.running_var"])
+
+
+def test_sync_batchnorm_with_block_momentum_is_refused_on_every_rank(tmp_path) -> None:
+    from tests.helpers.mpi import run_mpi
+
+    result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "model.batch_norm=true", "learner=block_momentum",
+                         "session.sync_batchnorm=true", f"run_dir={tmp_path / 'run'}"], timeout=120)
+    assert result.returncode == 2, result.report()
+    assert "sync_batchnorm=true with the block_momentum learner" in result.stderr, result.report()
+    assert not (tmp_path / "run").exists()

@@ -129,3 +129,75 @@ def test_eval_mode_uses_running_statistics_and_no_collective():
         return sync.collectives
 
     assert FakeWorld(2).run(work) == [0, 0]
+
+
+def test_bf16_autocast_keeps_float32_statistics():
+    model = _model()
+    inputs = torch.randn(8, 2, 5, 5)
+    expected = copy.deepcopy(model)
+    expected(inputs)
+
+    def work(comm):
+        local = convert_sync_batchnorm(copy.deepcopy(model), BatchNormSync(comm))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = local(inputs[:5] if comm.rank == 0 else inputs[5:])
+        return output.dtype, local[1].running_mean.dtype, local[1].running_mean
+
+    for output_dtype, buffer_dtype, running_mean in FakeWorld(2).run(work):
+        assert output_dtype == torch.bfloat16 and buffer_dtype == torch.float32
+        torch.testing.assert_close(running_mean, expected[1].running_mean, rtol=2e-2, atol=2e-3)  # bf16 convolution
+
+
+# -- the session's settings -------------------------------------------------------------------------------
+
+class _TwoRankLearner:
+    """A learner that is not replicated (as block momentum and DiLoCo), on a communicator of two ranks."""
+
+    kind = "block_momentum"
+
+    class comm:  # noqa: N801 - a stand-in object
+        size = 2
+
+
+def test_sync_batchnorm_is_refused_with_a_learner_whose_ranks_hold_different_models():
+    from dtrain.session.batchnorm import prepare_batchnorm
+
+    with pytest.raises(ValueError, match="sync_batchnorm=true with the block_momentum learner"):
+        prepare_batchnorm(_model(), _TwoRankLearner(), True, "running", 4096)
+
+
+@pytest.mark.parametrize("sync, statistics, setting", [(True, "running", "sync_batchnorm=true"),
+                                                       (False, "recomputed", "batchnorm_statistics=recomputed")])
+def test_a_model_without_batchnorm_is_refused(sync, statistics, setting):
+    from dtrain.learners import LocalLearner
+    from dtrain.session.batchnorm import prepare_batchnorm
+
+    model = nn.Linear(3, 2)
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1), LocalCommunicator())
+    with pytest.raises(ValueError, match=f"{setting}: Linear has no BatchNorm layer"):
+        prepare_batchnorm(model, learner, sync, statistics, 4096)
+
+
+def test_the_config_refuses_bad_batchnorm_settings():
+    from dtrain.config import validate
+    from tests.helpers.config import compose_config
+
+    problems = validate(compose_config("+recipe=digits", "model.batch_norm=true", "session.batchnorm_recompute_samples=0",
+                                       "session.batchnorm_statistics=exact"), check_run_dir=False)
+    assert any(p.startswith("session.batchnorm_recompute_samples=0: expected") for p in problems), problems
+    assert any(p.startswith("session.batchnorm_statistics='exact': expected one of running, recomputed")
+               for p in problems), problems
+    assert validate(compose_config("+recipe=digits", "model.batch_norm=true", "session.sync_batchnorm=true",
+                                   "session.batchnorm_statistics=recomputed"), check_run_dir=False) == []
+
+
+def test_digits_cnn_batch_norm_variant_and_unchanged_default():
+    from dtrain.models import DigitsCNN
+
+    plain, normed = DigitsCNN(), DigitsCNN(batch_norm=True)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in plain.modules())
+    assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in normed.modules()) == 3
+    assert list(plain.state_dict()) == ["features.0.weight", "features.0.bias", "features.2.weight", "features.2.bias",
+                                        "classifier.1.weight", "classifier.1.bias", "classifier.4.weight",
+                                        "classifier.4.bias"]
+    assert normed(torch.randn(4, 1, 8, 8)).shape == (4, 10)
