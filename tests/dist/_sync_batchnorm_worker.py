@@ -15,6 +15,8 @@ Checks:
                            on one process; the source's position is unchanged.
   eval_without_traffic     cross-validation and test with different batch counts per rank issue no
                            BatchNorm collective.
+  compile_and_bf16         (run alone) session.compile=true gives the eager run's model; precision=bf16 keeps
+                           float32 statistics, identical on every rank.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from dtrain.models import DigitsCNN
 
 from tests.helpers.checks import run_checks
 from tests.helpers.compare import differing_on_ranks
+from tests.helpers.toy_data import four_class_data
 
 SCHEDULE = dtrain.Schedule([[2, 11], [1, 5], [1, 3]], epoch_size=11)
 #: plain BatchNorm1d needs 2 samples per rank: shares of at least 2 at 4 ranks
@@ -166,6 +169,25 @@ def check_eval_without_traffic(comm, run_dir: Path) -> dict:
             "test_samples": result.test.num_samples}
 
 
+def check_compile_and_bf16(comm, run_dir: Path) -> dict:
+    def run(name, **options):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+        learner = data_parallel_distributed_learner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm)
+        dtrain.training_session(
+            model=model, loss=nn.functional.cross_entropy, learner=learner,
+            minibatch_source=dtrain.MinibatchSource(four_class_data(), randomize=True, randomization_seed=5),
+            minibatch_size=13, max_samples=130, run_dir=run_dir / name, tensorboard=False, stream=io.StringIO(),
+            sync_batchnorm=True, **options).train()
+        return model
+
+    eager, compiled, bf16 = run("eager"), run("compiled", compile=True), run("bf16", precision="bf16")
+    return {"compiled_difference": max(largest_difference(compiled, eager).values()),
+            "bf16_difference": max(relative_difference(bf16, eager).values()),
+            "bf16_statistics_dtype": str(bf16[1].running_var.dtype),
+            "differing_on_ranks": differing_on_ranks(comm, compiled.state_dict()) + differing_on_ranks(comm, bf16.state_dict())}
+
+
 def main() -> None:
     run_dir, chosen = Path(sys.argv[1]), sys.argv[2:]  # optional: the names of the checks to run
     checks = {
@@ -173,9 +195,11 @@ def main() -> None:
         "micro_batches": lambda comm: check_micro_batches(comm, run_dir),
         "recomputed": lambda comm: check_recomputed(comm, run_dir),
         "eval_without_traffic": lambda comm: check_eval_without_traffic(comm, run_dir),
+        "compile_and_bf16": lambda comm: check_compile_and_bf16(comm, run_dir),
     }
+    chosen = chosen or [name for name in checks if name != "compile_and_bf16"]  # compiling takes minutes
     with create_communicator() as comm:
-        run_checks(comm, {name: check for name, check in checks.items() if not chosen or name in chosen})
+        run_checks(comm, {name: check for name, check in checks.items() if name in chosen})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from tests.helpers.checks import CheckLaunch, launch_checks
 
 WORKER = Path(__file__).with_name("_sync_batchnorm_worker.py")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -97,3 +97,13 @@ def test_sync_batchnorm_with_block_momentum_is_refused_on_every_rank(tmp_path) -
     assert result.returncode == 2, result.report()
     assert "sync_batchnorm=true with the block_momentum learner" in result.stderr, result.report()
     assert not (tmp_path / "run").exists()
+
+
+def test_compiled_and_bf16_runs_keep_synchronized_statistics(tmp_path) -> None:
+    """session.compile=true equals the eager run (the reducing forward is left out of the graph); bf16 autocast
+    keeps float32 statistics; both identical on every rank (2 ranks, compiling takes minutes on a small CPU)."""
+    launch = launch_checks(2, [WORKER, tmp_path / "runs", "compile_and_bf16"], tmp_path / "checks", timeout=500)
+    record = launch.result("compile_and_bf16")
+    assert record["differing_on_ranks"] == [], record
+    assert record["compiled_difference"] < 1e-5, record
+    assert record["bf16_statistics_dtype"] == "torch.float32" and record["bf16_difference"] < 0.1, record
