@@ -9,7 +9,10 @@ with and without `session.sync_batchnorm=true`; only the world size and that swi
 the final test accuracy and loss, and the largest difference of the final parameters and of the
 BatchNorm running statistics (read from each run's `model.safetensors`) to the one-process run.
 With sync BatchNorm every row should equal one process to float tolerance; without it, per-rank
-statistics over a quarter of the minibatch move both.
+statistics over a quarter of the minibatch move both. Training amplifies rounding: the first row, the
+one-process run again with 2 torch threads instead of 1 (the same arithmetic rounded differently),
+shows how far float noise alone moves the final model; a row within that floor is "equal to float
+tolerance over the whole run".
 """
 from __future__ import annotations
 
@@ -24,11 +27,13 @@ from pathlib import Path
 from _mpiexec import mpi_environment, mpiexec_command
 
 
-def train(ranks: int, sync: bool, run_dir: Path, max_samples: int | None, seed: int) -> dict:
-    """One run; returns its test accuracy and loss (from the summary), wall seconds and final state."""
+def train(ranks: int, sync: bool, run_dir: Path, max_samples: int | None, seed: int, threads: int = 1) -> dict:
+    """One run (``threads`` torch threads per rank); returns its test accuracy and loss (from the summary), wall
+    seconds and final state."""
     from safetensors.torch import load_file
 
-    length = [f"session.max_samples={max_samples}"] if max_samples else []
+    length = [f"session.max_samples={max_samples}", f"session.num_threads={threads}"] if max_samples else \
+        [f"session.num_threads={threads}"]
     program = ["-m", "dtrain", "+recipe=digits", "model.batch_norm=true", "learner=data_parallel",
                f"session.sync_batchnorm={'true' if sync else 'false'}", f"seed={seed}", *length,
                "session.checkpoint.frequency=0", "session.tensorboard=false", f"run_dir={run_dir}"]
@@ -69,6 +74,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         reference = train(1, False, Path(scratch) / "reference", args.max_samples, args.seed)
+        # the same one-process run with 2 torch threads: other rounding only, the floor of any comparison
+        floor = train(1, False, Path(scratch) / "floor", args.max_samples, args.seed, threads=2)
+        rows.append(("1 (2 threads)", False, floor, *largest_differences(floor["state"], reference["state"])))
         for ranks in args.ranks:
             for sync in (False, True):
                 run = reference if ranks == 1 and not sync else \
