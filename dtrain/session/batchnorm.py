@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from dtrain import checks
 from dtrain.learners.replicated import ReplicatedLearner
@@ -47,6 +48,9 @@ def prepare_batchnorm(model: torch.nn.Module, learner, sync_batchnorm: bool, sta
         setting = "sync_batchnorm=true" if sync_batchnorm else "batchnorm_statistics=recomputed"
         raise ValueError(f"{setting}: {type(model).__name__} has no BatchNorm layer, so the setting would change "
                          f"nothing; drop it (or use a model with BatchNorm, e.g. model.batch_norm=true for digits)")
+    if isinstance(model, _BatchNorm):  # converting replaces layers inside a model, never the model itself
+        raise ValueError(f"sync_batchnorm/batchnorm_statistics: the model is a bare {type(model).__name__}; wrap it "
+                         f"in a module (e.g. torch.nn.Sequential(layer))")
     comm = learner.comm
     if sync_batchnorm and comm.size > 1 and not isinstance(learner, ReplicatedLearner):
         raise ValueError(f"sync_batchnorm=true with the {learner.kind} learner: its ranks hold different models "

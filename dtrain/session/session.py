@@ -154,7 +154,8 @@ class TrainingSession:
         micro_batch_size: samples per rank per forward/backward pass (``None``: no cap). A rank's share
             of the global minibatch is computed in passes of at most this many samples whose gradients
             accumulate locally and are exchanged once, so the update is the uncapped one (to float
-            rounding; BatchNorm statistics are then per pass) while activations fit in memory.
+            rounding; BatchNorm statistics are then per pass, with ``sync_batchnorm`` per pass of all ranks
+            together: ``docs/batchnorm.md``) while activations fit in memory.
         clip_grad_norm: clip the gradient to this global L2 norm before every optimizer step
             (``None``: off): after the exchange, so on the global-mean gradient, the same on every
             rank; with block momentum (and warm-start local steps) on each local step's gradient.
