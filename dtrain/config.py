@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dtrain import checks
 
+from dtrain.session.batchnorm import batchnorm_setting_problems
 from dtrain.session.configs import signal_from_name
 
 #: the type of every switch in the schemas: a boolean kept as written. OmegaConf's ``bool`` would turn
@@ -194,6 +195,7 @@ class DigitsCNNConfig:
     num_classes: int = 10
     hidden: int = 128
     dropout: float = 0.0
+    batch_norm: StrictBool = False      # Conv-BatchNorm-ReLU (docs/batchnorm.md)
 
 
 @dataclass
@@ -366,6 +368,10 @@ class SessionConfig:
     epoch_size: Optional[int] = None    # samples per epoch (CNTK's -e), for ${session.epoch_size} and ${epochs:N}
     device: str = "auto"                # auto (the local rank's GPU with CUDA, else the CPU) | cpu | cuda | cuda:N
     profile: ProfileSettings = field(default_factory=ProfileSettings)
+    # BatchNorm (docs/batchnorm.md; rules in dtrain/session/batchnorm.py)
+    sync_batchnorm: StrictBool = False  # BatchNorm statistics over the global minibatch (every rank's share)
+    batchnorm_statistics: str = "running"  # running | recomputed (exactly, over the final model, before the test)
+    batchnorm_recompute_samples: int = 4096  # global training samples the recomputed statistics average over
 
 
 @dataclass
@@ -764,6 +770,7 @@ def _digits_cnn_rules(node: DictConfig, name: str) -> list[str]:
         node, name,
         ("hidden", checks.whole_number, {"low": 1, "unit": "units"}),
         ("dropout", _fraction(), {}),
+        ("batch_norm", checks.boolean, {}),
     )
 
 
@@ -1119,6 +1126,7 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
         if target in RULES:
             run(lambda: RULES[target](node, path), path)
     run(lambda: _session_problems(cfg.session), "session")
+    run(lambda: batchnorm_setting_problems(cfg.session), "session")
     run(lambda: _epoch_size_problems(cfg), "session.epoch_size")
     run(lambda: _comm_problems(cfg.comm), "comm")
     run(lambda: _check(cfg, "", ("seed", checks.whole_number, {"low": 0})), "seed")

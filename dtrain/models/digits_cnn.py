@@ -10,28 +10,43 @@ from dtrain import checks
 class DigitsCNN(nn.Module):
     """Conv3x3-32, Conv3x3-64, MaxPool 2, Dense(hidden), Dense(num_classes); input [n, 1, 8, 8].
 
+    With ``batch_norm`` each convolution is Conv-BatchNorm-ReLU (the convolutions lose their bias, which
+    BatchNorm's shift replaces), and the hidden dense layer Dense-BatchNorm1d-ReLU: a small model whose
+    accuracy depends on how BatchNorm statistics are computed (``docs/batchnorm.md``).
+
     Args:
         num_classes: output logits.
         hidden: width of the hidden dense layer.
         dropout: dropout probability before the last layer (0 disables it).
+        batch_norm: BatchNorm after every convolution and the hidden dense layer (default: none).
 
     Raises:
         ValueError: ``num_classes`` below 2, ``hidden`` below 1, ``dropout`` outside [0, 1).
     """
 
-    def __init__(self, num_classes: int = 10, hidden: int = 128, dropout: float = 0.0):
+    def __init__(self, num_classes: int = 10, hidden: int = 128, dropout: float = 0.0, batch_norm: bool = False):
         super().__init__()
         checks.whole_number("num_classes", num_classes, low=2, unit="classes")
         checks.whole_number("hidden", hidden, low=1, unit="units")
         checks.number_in_range("dropout", dropout, 0.0, 1.0, include_high=False)
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2),
-        )
+        checks.boolean("batch_norm", batch_norm)
+        if not batch_norm:  # the default model, layer for layer as before (its checkpoints keep loading)
+            self.features = nn.Sequential(
+                nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+                nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                nn.MaxPool2d(2),
+            )
+            hidden_layers = [nn.Linear(64 * 4 * 4, hidden), nn.ReLU()]
+        else:
+            self.features = nn.Sequential(
+                nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                nn.MaxPool2d(2),
+            )
+            hidden_layers = [nn.Linear(64 * 4 * 4, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU()]
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(64 * 4 * 4, hidden), nn.ReLU(),
+            *hidden_layers,
             nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )

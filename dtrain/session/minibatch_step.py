@@ -166,13 +166,16 @@ class MinibatchStep:
         check_first: called with the first non-empty minibatch before its forward (the session checks
             token ids against their vocabularies there).
         count_padding: add each minibatch's padded positions to the period's sums (sequence data).
+        batchnorm_sync: the model's synchronized BatchNorm layers' shared state (``None``: none). With
+            ``sync_batchnorm`` every rank makes the same number of passes per distributed minibatch (empty
+            ones where it has fewer samples), since each pass's BatchNorm layers reduce over all ranks.
     """
 
     def __init__(self, *, model: torch.nn.Module, forward_model: Callable[[torch.Tensor], torch.Tensor],
                  loss: Callable, metric: Callable, learner: Learner, micro_batch_size: int | None,
                  precision: str, loss_scaler: LossScaler | None, collapse: CollapseWatch, check_compile: bool,
                  binding: StreamBinding | None = None, check_first: Callable | None = None,
-                 count_padding: bool = False, device: torch.device | None = None):
+                 count_padding: bool = False, device: torch.device | None = None, batchnorm_sync=None):
         self.model = model
         self.forward_model = forward_model
         self.loss = loss
@@ -194,6 +197,7 @@ class MinibatchStep:
         self._metric_is_additive = bool(getattr(metric, "additive", False))
         self._metric_per_sequence = metric_counts_sequences(metric)
         self._defer_metric = False
+        self.batchnorm_sync = batchnorm_sync
 
     def read(self, source, size: int, timer: PhaseTimer):
         """The next minibatch of ``size`` global samples (this rank's share), or ``None`` at the end of
@@ -222,29 +226,78 @@ class MinibatchStep:
                 check(batch)
         if self._compare_with_eager:  # every rank, also one without samples: the verdict is a collective
             self._compare_with_eager = False
-            self._refuse_a_compiled_model_that_differs(batch)
+            with self._local_batchnorm():  # a rank without samples makes no forward here
+                self._refuse_a_compiled_model_that_differs(batch)
         if self.loss_scaler is not None:
             learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
         learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         gradient_scale = learner.fold_gradient_scale()  # saves the learner a pass over every gradient
+        synchronized = self._synchronize_batchnorm(batch, gradient_scale)
+        passes: list = []
         if batch.num_samples > 0:
             if self.count_padding:
                 sums.add_padding(*batch.padding)
             target, steps, sequences = self.binding.target_and_counts(batch)
             if self.micro_batch_size is None or steps <= self.micro_batch_size:  # one pass: the streams as read
-                self._forward_backward(batch, target, steps, sequences, steps, gradient_scale, sums)
+                passes = [(batch, target, steps, sequences)]
             else:
                 passes = self._passes(batch, target)
-                local_steps = sum(pass_steps for _, _, pass_steps, _ in passes)
-                for index, (part, part_target, pass_steps, pass_sequences) in enumerate(passes):
-                    with contextlib.nullcontext() if index == len(passes) - 1 else learner.no_sync():
-                        self._forward_backward(part, part_target, pass_steps, pass_sequences, local_steps,
-                                               gradient_scale, sums)
+        empty_passes = self._passes_to_match(len(passes)) if synchronized else 0
+        local_steps = sum(pass_steps for _, _, pass_steps, _ in passes)
+        last = len(passes) + empty_passes - 1
+        for index, (part, part_target, pass_steps, pass_sequences) in enumerate(passes):
+            with contextlib.nullcontext() if index == last else learner.no_sync():
+                self._forward_backward(part, part_target, pass_steps, pass_sequences, local_steps,
+                                       gradient_scale, sums)
+        for index in range(len(passes), last + 1):
+            with contextlib.nullcontext() if index == last else learner.no_sync():
+                self._empty_pass(batch)
         timer.lap("compute")
         learner.step()
         if self.loss_scaler is not None:
             self._update_loss_scale()
         timer.lap_update(getattr(learner, "exchange_seconds_last_step", 0.0))
+
+    def _synchronize_batchnorm(self, batch: Minibatch, gradient_scale: float) -> bool:
+        """``sync_batchnorm``: whether this minibatch's BatchNorm layers reduce over the ranks (a distributed
+        step of a replicated learner; not its warm-start local steps), and this rank's gradient factor."""
+        sync = self.batchnorm_sync
+        if sync is None or not sync.in_training:
+            return False
+        sync.active = self.comm.size > 1 and self.learner.is_distributed()
+        if sync.active and batch.num_samples > 0:
+            # this rank's loss relative to the global mean loss: 1 when the learner folds its weighting
+            sync.gradient_factor = batch.global_num_samples * gradient_scale / batch.num_samples
+        return sync.active
+
+    @contextlib.contextmanager
+    def _local_batchnorm(self):
+        """Synchronized BatchNorm layers use this rank's statistics inside (no reduction)."""
+        sync = self.batchnorm_sync
+        was = sync.active if sync is not None else False
+        if sync is not None:
+            sync.active = False
+        try:
+            yield
+        finally:
+            if sync is not None:
+                sync.active = was
+
+    def _passes_to_match(self, passes: int) -> int:
+        """Empty passes this rank adds so that every rank makes as many as the rank with the most: one
+        collective per minibatch with micro-batches, none without (then every rank makes one pass)."""
+        if self.micro_batch_size is None:
+            return 1 - passes
+        most = self.comm.allreduce(torch.tensor([float(passes)], device=self.comm.device), op="max")
+        return int(most.item()) - passes
+
+    def _empty_pass(self, batch: Minibatch) -> None:
+        """A forward and backward over no samples, so that this rank takes part in every synchronized
+        BatchNorm reduction of a pass it has no samples for; its gradients are zero."""
+        empty = batch.select(0, 0, 0).to(self.device)
+        with autocast(self.precision, self.device):
+            output = self.binding.forward(self.forward_model, empty)
+        (output.float().sum() * 0.0).backward()
 
     def _passes(self, batch: Minibatch, target) -> list[tuple[Minibatch, object, int, int]]:
         """``micro_batch_size``'s passes over ``batch``: ``(part, its target, samples, sequences)`` of whole

@@ -27,6 +27,8 @@ from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
 from dtrain.session import checkpoint, checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency
+from dtrain.session.batchnorm import DEFAULT_RECOMPUTE_SAMPLES, prepare_batchnorm
+from dtrain.session.batchnorm_recompute import recompute_batchnorm_statistics
 from dtrain.session.binding import StreamBinding
 from dtrain.session.device import resolve_device
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate, metric_average
@@ -151,7 +153,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
         micro_batch_size: samples per rank per forward/backward pass (``None``: no cap). A rank's share
             of the global minibatch is computed in passes of at most this many samples whose gradients
             accumulate locally and are exchanged once, so the update is the uncapped one (to float
-            rounding; BatchNorm statistics are then per pass) while activations fit in memory.
+            rounding; BatchNorm statistics are then per pass, with ``sync_batchnorm`` per pass of all ranks
+            together: ``docs/batchnorm.md``) while activations fit in memory.
         clip_grad_norm: clip the gradient to this global L2 norm before every optimizer step
             (``None``: off): after the exchange, so on the global-mean gradient, the same on every
             rank; with block momentum (and warm-start local steps) on each local step's gradient.
@@ -165,6 +168,12 @@ class TrainingSession(PreemptionHandling, StartupLines):
             cannot be compiled stops training at the first minibatch with a ValueError naming ``compile``,
             and so does one whose compiled loss or gradients differ from eager PyTorch's on the first
             minibatch (``dtrain.session.compile_check``).
+        sync_batchnorm: BatchNorm layers normalise with the statistics of the whole global minibatch
+            (``dtrain.nn.SyncBatchNorm``, reduced through the learner's communicator), so N ranks train as one
+            process does; refused with learners whose ranks hold different models between syncs (``docs/batchnorm.md``).
+        batchnorm_statistics: ``"running"`` (the running averages training kept) or ``"recomputed"``: before
+            the test and ``model.safetensors``, every BatchNorm layer's statistics are measured exactly over
+            ``batchnorm_recompute_samples`` global training samples with the final weights.
         device: where to train: ``"auto"`` (the communicator's device: the launcher's local rank's GPU
             under NCCL, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (``dtrain.session.device``).
         profile: trace a few minibatches with ``torch.profiler`` into ``run_dir/profile/``
@@ -214,6 +223,9 @@ class TrainingSession(PreemptionHandling, StartupLines):
         clip_grad_norm: float | None = None,
         precision: str | int = "32",
         compile: bool = False,  # noqa: A002 - the config's name (session.compile)
+        sync_batchnorm: bool = False,
+        batchnorm_statistics: str = "running",
+        batchnorm_recompute_samples: int = DEFAULT_RECOMPUTE_SAMPLES,
         inputs=("features",),
         target: str = "labels",
         device: str | torch.device = "auto",
@@ -249,6 +261,11 @@ class TrainingSession(PreemptionHandling, StartupLines):
         compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
         if compiled is not None:  # checkpoints and weights name the parameters without the wrapper's _orig_mod.
             model = compiled._orig_mod
+        # before the compiled wrapper is made: it must trace the converted layers
+        self.batchnorm_sync = prepare_batchnorm(model, learner, sync_batchnorm, batchnorm_statistics,
+                                                batchnorm_recompute_samples)
+        self.sync_batchnorm, self.batchnorm_statistics = sync_batchnorm, batchnorm_statistics
+        self.batchnorm_recompute_samples = batchnorm_recompute_samples
         self.model = model
         # what the training forward calls: the compiled module (sharing model's parameters) or the model
         self.forward_model = compiled if compiled is not None else (torch.compile(model) if self.compile else model)
@@ -295,6 +312,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
             "optimizer": checkpoint_state.optimizer_hyperparameters(learner.optimizer),
             "micro_batch_size": self.micro_batch_size, "clip_grad_norm": self.clip_grad_norm,
             "precision": self.precision, "compile": self.compile,
+            "sync_batchnorm": self.sync_batchnorm, "batchnorm_statistics": self.batchnorm_statistics,
+            "batchnorm_recompute_samples": self.batchnorm_recompute_samples,
         }}
         if run_config is not None:
             self.settings["config"] = run_config
@@ -331,6 +350,7 @@ class TrainingSession(PreemptionHandling, StartupLines):
                                    precision=self.precision, loss_scaler=self.loss_scaler, collapse=self._collapse,
                                    check_compile=self.forward_model is not self.model,
                                    binding=self.binding, check_first=first_minibatch_check(minibatch_source),
+                                   batchnorm_sync=self.batchnorm_sync,
                                    count_padding=bool(getattr(minibatch_source, "has_sequences", False)))
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
@@ -461,6 +481,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
                 printer.line(f"preempted by {self.checkpoint_config.preemption_signal} at {seen} samples: checkpoint "
                              f"{last_checkpoint} saved; run the same command again to continue")
 
+        if self.batchnorm_statistics == "recomputed" and not preempted:
+            self._recompute_batchnorm(printer, seen)
         test = None  # the model was synchronised above
         if self.test_config is not None and not preempted:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
@@ -495,6 +517,16 @@ class TrainingSession(PreemptionHandling, StartupLines):
         )
         self._print_summary(printer, result, metrics)
         return result
+
+    def _recompute_batchnorm(self, printer, samples_seen: int) -> None:
+        """``batchnorm_statistics=recomputed``: exact statistics of the final model before the test and the
+        export (after the last checkpoint, which keeps the running ones training resumes with)."""
+        used = recompute_batchnorm_statistics(
+            self.model, self.source, int(self.minibatch_size(samples_seen)), self.batchnorm_recompute_samples,
+            self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision)
+        printer.line(f"BatchNorm statistics recomputed over {used:,} training samples"
+                     + (f" (the data ended before {self.batchnorm_recompute_samples:,})"
+                        if used < self.batchnorm_recompute_samples else ""))
 
     def _advice(self) -> str:
         """What to change after a divergence or a collapse, naming only what this run uses."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from dtrain.learners.replicated import ReplicatedLearner
+from dtrain.session.batchnorm import describe as describe_batchnorm
 from dtrain.session.precision import bf16_cpu_note
 
 
@@ -33,7 +34,9 @@ class StartupLines:
                    f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
                    if self.micro_batch_size else "",
                    f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else "",
-                   self._profiler.describe() if self._profiler is not None else ""]
+                   self._profiler.describe() if self._profiler is not None else "",
+                   describe_batchnorm(self.sync_batchnorm, self.batchnorm_statistics,
+                                      self.batchnorm_recompute_samples, self.comm.size)]
         if any(options):
             printer.line("dtrain: " + ", ".join(option for option in options if option))
         note = bf16_cpu_note(self.precision, self.device)
