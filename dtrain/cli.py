@@ -27,6 +27,7 @@ from dtrain.comm import create_communicator, detect_launcher, install_fail_fast,
 from dtrain.comm.base import first_line, format_rank_message
 from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
+from dtrain.optim import optimizer_parameters
 from dtrain.help import config_dir, config_directories, nested_group_hint, quick_answer
 from dtrain.host_memory import keep_freed_host_memory
 from dtrain.schedules import Schedule
@@ -326,7 +327,8 @@ def _run_with(comm, cfg: DictConfig, job: SweepJob | None = None) -> float | Non
 
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     model = _instantiate(cfg.model, "model")
-    optimizer = _instantiate(cfg.optimizer, "optimizer")(model.parameters())
+    optimizer_factory = _instantiate(cfg.optimizer, "optimizer")
+    optimizer = optimizer_factory(optimizer_parameters(optimizer_factory, model))  # LARS, LAMB: norm/bias groups
     learner = _instantiate(cfg.learner, "learner", optimizer=optimizer, comm=comm)
     train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
     test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None

@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dtrain import checks
 
+from dtrain.optim import settings as optim_settings
 from dtrain.session.configs import signal_from_name
 
 #: the type of every switch in the schemas: a boolean kept as written. OmegaConf's ``bool`` would turn
@@ -485,6 +486,7 @@ _SCHEMAS = {
     ("schema/optimizer", "sgd"): SGDConfig,
     ("schema/optimizer", "adam"): AdamConfig,
     ("schema/optimizer", "adamw"): AdamWConfig,
+    **{("schema/optimizer", name): schema for name, schema in optim_settings.OPTIONS.items()},
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
     ("schema/model", "cifar10_convnet"): ConvNetCIFAR10Config,
     ("schema/model", "resnet50"): ResNet50Config,
@@ -716,6 +718,10 @@ def _adam_rules(node: DictConfig, name: str) -> list[str]:
         ("eps", checks.positive_number, {}),
         ("weight_decay", checks.positive_number, {"allow_zero": True}),
     )
+
+
+for _schema in optim_settings.OPTIONS.values():  # optimizer=lars, lamb, rmsprop_warmup_sgd
+    register_rule(_schema._target_, optim_settings.problems)
 
 
 # -- losses and metrics
