@@ -28,6 +28,7 @@ from dtrain.comm.base import first_line, format_rank_message
 from dtrain.comm.failfast import exception_message
 from dtrain.config import register_schemas, validate
 from dtrain.optim import optimizer_parameters
+from dtrain.session.lr_scaling import LearningRateScaling
 from dtrain.help import config_dir, config_directories, nested_group_hint, quick_answer
 from dtrain.host_memory import keep_freed_host_memory
 from dtrain.schedules import Schedule
@@ -79,10 +80,20 @@ def run_config(cfg: DictConfig) -> dict:
     return content
 
 
-def _schedule(node) -> Schedule | None:
+def _schedule(node, warmup: bool = True) -> Schedule | None:
+    """The schedule a ``ScheduleConfig`` node describes; ``warmup=False``: without its warm-up (``lr_scaling``'s)."""
     if node is None:
         return None
-    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size, node.warmup_samples)
+    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size,
+                    node.warmup_samples if warmup else 0)
+
+
+def _lr_scaling(session) -> LearningRateScaling | None:
+    """``session.lr_scaling``: warmed up over ``session.lr_schedule.warmup_samples`` from the unscaled lr."""
+    if session.lr_scaling == "none":
+        return None
+    warmup = session.lr_schedule.warmup_samples if session.lr_schedule is not None else 0
+    return LearningRateScaling(session.lr_scaling, session.minibatch_size, session.lr_reference_minibatch_size, warmup)
 
 
 def _instantiate(node, what: str, **kwargs):
@@ -356,7 +367,9 @@ def _run_with(comm, cfg: DictConfig, job: SweepJob | None = None) -> float | Non
         cv_config=CrossValidationConfig(cv_source, session.cv.frequency, session.cv.minibatch_size,
                                         max_samples=session.cv.max_samples) if cv_source is not None else None,
         test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
-        lr_schedule=_schedule(session.lr_schedule),
+        lr_schedule=_schedule(session.lr_schedule, warmup=session.lr_scaling == "none"),
+        lr_scaling=_lr_scaling(session),
+        ema_decay=session.ema_decay,
         momentum_time_constant_schedule=_schedule(session.momentum_time_constant_schedule),
         unit_gain_momentum=session.unit_gain_momentum,
         run_dir=run_dir,

@@ -26,6 +26,8 @@ from dtrain import checks
 
 from dtrain.optim import settings as optim_settings
 from dtrain.session.configs import signal_from_name
+from dtrain.session.lr_scaling import lr_scaling_problems
+from dtrain.session.weight_ema import check_ema_decay
 
 #: the type of every switch in the schemas: a boolean kept as written. OmegaConf's ``bool`` would turn
 #: ``2`` or ``"yes"`` into true without a word; ``validate`` asks for ``true`` or ``false`` instead
@@ -356,6 +358,11 @@ class SessionConfig:
     epoch_size: Optional[int] = None    # samples per epoch (CNTK's -e), for ${session.epoch_size} and ${epochs:N}
     device: str = "auto"                # auto (the local rank's GPU with CUDA, else the CPU) | cpu | cuda | cuda:N
     profile: ProfileSettings = field(default_factory=ProfileSettings)
+    # large minibatches (docs/large-minibatch.md): lr x minibatch/reference (linear) or its square root (sqrt),
+    # warmed up from the unscaled lr over session.lr_schedule.warmup_samples; and a weight EMA
+    lr_scaling: str = "none"            # none | linear | sqrt
+    lr_reference_minibatch_size: Optional[int] = None  # samples: the global minibatch the lr was tuned at
+    ema_decay: Optional[float] = None   # exponential moving average of the weights; null = off
 
 
 @dataclass
@@ -903,6 +910,8 @@ def _session_problems(session: DictConfig) -> list[str]:
     )
     problems += _check(session.test, "session.test", ("minibatch_size", checks.sample_count, {}))
     problems += _session_streams_problems(session)
+    problems += lr_scaling_problems(session) + checks.collect([lambda: check_ema_decay("session.ema_decay",
+                                                                                       session.ema_decay)])
     value_checks = {
         "minibatch_size_schedule": checks.sample_count,
         "lr_schedule": lambda key, value: checks.positive_number(key, value, allow_zero=True),
