@@ -49,16 +49,18 @@ def rows(recipe: str, base_minibatch: int, warmup: int | None) -> list[tuple[str
         return [
             ("baseline: sgd, minibatch 32", []),
             ("sgd, linear scaling + warm-up", big([], "linear")),
-            ("lars, lr 10 (no scaling rule: LARS's own)", big(["optimizer=lars", "optimizer.lr=10"], "none")),
-            ("lamb, sqrt scaling + warm-up", big(["optimizer=lamb"], "sqrt")),
-            ("lamb, sqrt scaling + warm-up + EMA 0.9", big(["optimizer=lamb", "session.ema_decay=0.9"], "sqrt")),
-            ("rmsprop warm-up -> sgd, linear scaling", big(["optimizer=rmsprop_warmup_sgd", "optimizer.lr=0.005",
-                                                             "optimizer.transition_samples=15000"], "linear")),
+            ("sgd, sqrt scaling + warm-up", big([], "sqrt")),
+            ("lars, lr 5 (LARS's own scale, no rule)", big(["optimizer=lars", "optimizer.lr=5"], "none")),
+            ("lamb, lr 0.003, linear scaling + warm-up", big(["optimizer=lamb", "optimizer.lr=0.003"], "linear")),
+            ("lamb, as above + weight EMA 0.9", big(["optimizer=lamb", "optimizer.lr=0.003", "session.ema_decay=0.9"],
+                                                   "linear")),
+            ("rmsprop warm-up -> sgd, lr 0.01, linear", big(["optimizer=rmsprop_warmup_sgd", "optimizer.lr=0.01",
+                                                              "optimizer.transition_samples=6000"], "linear")),
             ("BN baseline: model.batch_norm=true, minibatch 32", ["model.batch_norm=true"]),
-            ("BN: lars, lr 10", ["model.batch_norm=true", *big(["optimizer=lars", "optimizer.lr=10"], "none")]),
+            ("BN: lars, lr 5", ["model.batch_norm=true", *big(["optimizer=lars", "optimizer.lr=5"], "none")]),
         ]
     return [  # shakespeare_char: its preset is AdamW, with its own warm-up in lr_schedule.warmup_samples
-        ("baseline: adamw, minibatch 2048", []),
+        ("baseline: adamw, minibatch 2048", [f"session.lr_schedule.warmup_samples={warmup}"] if warmup else []),
         ("adamw, sqrt scaling + warm-up", big([], "sqrt")),
         ("lamb, sqrt scaling + warm-up", big(["optimizer=lamb", "optimizer.lr=0.002"], "sqrt")),
     ]
