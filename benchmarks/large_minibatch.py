@@ -82,9 +82,10 @@ def run(recipe: str, overrides: list[str], epoch_size: int | None, pattern: str)
         return f"failed (exit {done.returncode}): {output.strip().splitlines()[-1][:160]}", None, None, ""
     figure = re.search(pattern, output)
     ema = re.search(EMA_PATTERN, output)
-    lr_line = next((line for line in output.splitlines() if line.startswith("dtrain: lr ")), "")
+    scaled = re.search(r"dtrain: lr ([\d.e-]+) x ([\d.]+) \((\w+), .*?\) = ([\d.e-]+)", output)
+    lr_text = f"{scaled[1]} x {scaled[2]} = {scaled[4]} ({scaled[3]})" if scaled else ""
     ema_value = next((float(group) for group in ema.groups() if group), None) if ema else None
-    return "ok", float(figure.group(1)) if figure else None, ema_value, lr_line.replace("dtrain: ", "").split(",")[0]
+    return "ok", float(figure.group(1)) if figure else None, ema_value, lr_text
 
 
 def main() -> None:
@@ -102,7 +103,7 @@ def main() -> None:
         table = [row for index, row in enumerate(table) if index == 0 or any(word in row[0] for word in args.only)]
     print(f"{args.recipe}: global minibatch {base_minibatch} vs {SCALE * base_minibatch}, the same samples; "
           f"{name}, goal: gap within {goal}")
-    print(f"{'setting':<50} {'minibatch':>9} {'lr':<46} {name:>12} {'gap':>7} {'EMA':>8} {'seconds':>7}")
+    print(f"{'setting':<50} {'minibatch':>9} {'lr':<28} {name:>12} {'gap':>7} {'EMA':>8} {'seconds':>7}")
     baselines: dict[str, float] = {}
     for setting, overrides in table:
         started = time.time()
@@ -120,7 +121,7 @@ def main() -> None:
         gap = f"{figure - base:+.{decimals}f}" if base is not None and minibatch != base_minibatch else ""
         met = "" if not gap else (" ok" if figure - base <= goal else " !")
         ema_text = f"{ema:.{decimals}f}" if ema is not None else ""
-        print(f"{setting:<50} {minibatch:>9} {lr_line or 'as configured':<46} {figure:>12.{decimals}f} {gap:>7}{met:<3}"
+        print(f"{setting:<50} {minibatch:>9} {lr_line or 'as configured':<28} {figure:>12.{decimals}f} {gap:>7}{met:<3}"
               f"{ema_text:>6} {seconds:>7.0f}", flush=True)
 
 

@@ -483,6 +483,7 @@ class TrainingSession:
 
         test = test_ema = None  # the model was synchronised above
         if self.test_config is not None and not preempted and self.ema is not None:
+            self.ema.take_rank0s(self.comm)  # evaluated in shares by every rank: one average
             test_ema = evaluate(self.ema.module, self.test_config.minibatch_source, self.test_config.minibatch_size,
                                 self.loss, self.metric, self.comm, self.device, binding=self.binding)
             accuracy = {"accuracy": test_ema.accuracy} if self.metric_name == "error" else {}

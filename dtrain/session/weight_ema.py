@@ -59,6 +59,20 @@ class WeightEMA:
         """Takes in ``model``'s current weights (and copies its buffers)."""
         self.averaged.update_parameters(model)
 
+    @torch.no_grad()
+    def take_rank0s(self, comm) -> None:
+        """Every rank's average becomes rank 0's (a collective; nothing to do in one process).
+
+        The rule above keeps the ranks' averages equal; a block learner's warm start with per-rank noise
+        (dropout) is the exception, so the session calls this before the average is evaluated."""
+        if comm.size == 1:
+            return
+        for tensor in self.averaged.state_dict().values():
+            if tensor.device != comm.device:
+                tensor.copy_(comm.broadcast(tensor.to(comm.device), root=0))
+            else:
+                comm.broadcast(tensor, root=0)
+
     def state_dict(self) -> dict[str, Any]:
         return self.averaged.state_dict()
 
