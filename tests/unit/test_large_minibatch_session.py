@@ -38,7 +38,9 @@ def _session(run_dir: Path, max_samples: int, optimizer_class=LARS, *, scaling=N
     return session, model, optimizer, out
 
 
-@pytest.mark.parametrize("optimizer_class,settings", [(LARS, {"lr": 2.0, "eta": 0.01}), (LAMB, {"lr": 0.01})])
+@pytest.mark.parametrize("optimizer_class,settings", [
+    pytest.param(LARS, {"lr": 2.0, "eta": 0.01}, marks=pytest.mark.slow),  # the default suite's time budget
+    (LAMB, {"lr": 0.01})])
 def test_resume_is_bit_identical_with_the_optimizer_state_and_the_weight_ema(tmp_path, optimizer_class, settings):
     scaling = LearningRateScaling("sqrt", 64, 16, warmup_samples=96)
     _session(tmp_path / "whole", 128, optimizer_class, scaling=scaling, **settings)[0].train()
