@@ -51,9 +51,9 @@ def parse_args() -> argparse.Namespace:
 
 def run_on_cluster(args: argparse.Namespace) -> None:
     """Runs this benchmark (without ``--netns``) on a 2-host ``NamespaceCluster`` at ``args.netns`` and prints its table."""
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo))  # the repository root: the tests' namespace cluster
-    from tests.helpers.netns import NamespaceCluster
+    from dtrain.testing.netns import NamespaceCluster
+
+    repo = Path(__file__).resolve().parents[1]  # the ranks import this benchmark's dtrain
 
     worker = [sys.executable, str(Path(__file__).resolve()), "--megabytes", str(args.megabytes), "--bucket-mb",
               str(args.bucket_mb), "--repeats", str(args.repeats), "--threads", str(args.threads), "--backend", args.backend]

@@ -27,7 +27,6 @@ import gc
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +35,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: the repository's dtrain
-
-from dtrain.data import MinibatchSource  # noqa: E402
-from dtrain.data.dataset import DatasetDeserializer  # noqa: E402
+from dtrain.data import MinibatchSource
+from dtrain.data.dataset import DatasetDeserializer
 
 
 def write_images(root: Path, count: int, size: int, extension: str) -> list[Path]:

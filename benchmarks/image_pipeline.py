@@ -17,19 +17,15 @@ read-ahead decodes the next minibatch during it, so with a step the rate approac
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the tests' image writer
-from tests.helpers.image_files import write_image_map_files  # noqa: E402
-
-from dtrain.data import ImageAugmentation, ImageFolderDeserializer, MinibatchSource, read_map_file  # noqa: E402
+from dtrain.data import ImageAugmentation, ImageFolderDeserializer, MinibatchSource, read_map_file
+from dtrain.testing.image_files import write_image_map_files
 
 MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
 

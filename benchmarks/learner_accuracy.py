@@ -1,6 +1,6 @@
 """Test accuracy of every learner with its DEFAULTS, and what each default buys, under mpiexec.
 
-    python benchmarks/learner_accuracy.py                          # the README table: 2 and 4 ranks, seeds 0 1 2
+    python benchmarks/learner_accuracy.py                          # the table in benchmarks/README.md: 2 and 4 ranks, seeds 0 1 2
     python benchmarks/learner_accuracy.py --ranks 2 --seeds 0 --only data_parallel quantized
     python benchmarks/learner_accuracy.py --recipe shakespeare_char --only defaults   # validation loss, nats/char
     python benchmarks/learner_accuracy.py --recipe cmudict_g2p --only defaults        # word error rate %

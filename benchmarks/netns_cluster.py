@@ -4,7 +4,7 @@
     sudo python benchmarks/netns_cluster.py --rate 1gbit --parts allreduce
     sudo python benchmarks/netns_cluster.py --rate 100mbit --samples 6400 --steps 20
 
-Needs root (network namespaces; see tests/helpers/netns.py). For each ``--rate`` a 2-host
+Needs root (network namespaces; see dtrain/testing/netns.py). For each ``--rate`` a 2-host
 ``NamespaceCluster`` is built (a bridge, one veth per host, ``tbf`` at that rate on each host's
 egress) and this script runs again as the worker, one rank per host, under ``mpiexec``. Rank 0
 prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
@@ -280,8 +280,7 @@ def worker_main(args: argparse.Namespace) -> None:
 # -- driver side (root: builds the cluster, runs the worker, prints tables) ------------------------
 def run_on_cluster(rate: str, args: argparse.Namespace) -> list[dict]:
     """Build a 2-host cluster at ``rate``, run this script's worker on it and return rank 0's results."""
-    sys.path.insert(0, str(REPO))  # the repository root: the tests' namespace cluster
-    from tests.helpers.netns import NamespaceCluster
+    from dtrain.testing.netns import NamespaceCluster
 
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--parts", args.parts, "--sizes", args.sizes,
               "--repeats", str(args.repeats), "--steps", str(args.steps), "--samples", str(args.samples),
@@ -431,8 +430,7 @@ def recipe_warm_start(recipe: Path = REPO / "recipes" / "cifar10.yaml") -> tuple
 
 
 def driver_main(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))  # the repository root: the tests' namespace cluster
-    from tests.helpers.netns import available, parse_rate
+    from dtrain.testing.netns import available, parse_rate
 
     ok, reason = available()
     if not ok:

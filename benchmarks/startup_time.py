@@ -50,6 +50,7 @@ def worker(arguments: list[str]) -> None:
     import torch  # noqa: F401 - timed
 
     marks["torch"] = time.time()
+    import dtrain.build as build
     import dtrain.cli as cli
     from dtrain.session import minibatch_step
 
@@ -70,7 +71,7 @@ def worker(arguments: list[str]) -> None:
 
     wrap(cli, "run", before=lambda a, k: marks.setdefault("config", time.time()))
     wrap(cli, "create_communicator", after=lambda a, k: marks.setdefault("comm", time.time()))
-    wrap(cli, "_instantiate", before=lambda a, k: marks.setdefault("model", time.time())
+    wrap(build, "_instantiate", before=lambda a, k: marks.setdefault("model", time.time())
          if "source.train" in (a[1] if len(a) > 1 else k.get("what", "")) else None,
          after=lambda a, k: marks.setdefault("data", time.time())
          if "source.train" in (a[1] if len(a) > 1 else k.get("what", "")) else None)

@@ -4,7 +4,7 @@ digits test accuracy first, at 1 Gbit/s and at 100 Mbit/s.
     sudo python benchmarks/time_to_accuracy.py                        # 1gbit and 100mbit, every learner
     sudo python benchmarks/time_to_accuracy.py --rate 100mbit --learners data_parallel,powersgd,ddp_powersgd
 
-Needs root (network namespaces; see ``tests/helpers/netns.py``). For each ``--rate`` a 2-host
+Needs root (network namespaces; see ``dtrain/testing/netns.py``). For each ``--rate`` a 2-host
 ``NamespaceCluster`` is built (one rank and one thread per host, ``tbf`` at that rate on each
 host's egress) and every learner trains the digits recipe with ITS DEFAULTS, exactly as
 ``mpiexec -n 2 python -m dtrain +recipe=digits learner=NAME`` would, with one addition: the
@@ -155,8 +155,7 @@ def time_to(target: float, evaluations: list[tuple[int, float, float]]) -> tuple
 
 
 def run_rate(rate: str, args: argparse.Namespace) -> dict[str, dict]:
-    sys.path.insert(0, str(REPO))  # the repository root: the tests' namespace cluster
-    from tests.helpers.netns import NamespaceCluster
+    from dtrain.testing.netns import NamespaceCluster
 
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     results: dict[str, dict] = {}

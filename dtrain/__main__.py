@@ -4,12 +4,16 @@
 """
 import sys
 
-from dtrain.help import quick_answer
+from dtrain.help import UnknownTopic, quick_answer
 
 
 def main() -> None:
     """Prints ``--help``/``--version`` at once; otherwise runs :func:`dtrain.cli.main`."""
-    answer = quick_answer(sys.argv[1:])
+    try:
+        answer = quick_answer(sys.argv[1:])
+    except UnknownTopic as error:
+        print(f"dtrain: error: {error}", file=sys.stderr)
+        sys.exit(2)
     if answer is not None:
         print(answer, end="")
         sys.exit(0)

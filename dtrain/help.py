@@ -41,16 +41,17 @@ _EXAMPLES = """\
   python -m dtrain +recipe=digits run_dir=outputs/digits/2026-01-01_12-00-00  resume that run
   python -m dtrain --config-dir my_conf +recipe=mine         your own recipe/model/learner YAMLs"""
 
-_MORE = """\
-  README.md                 installation, the Python API, recipes, outputs and resuming
-  docs/semantics.md         what dtrain computes: global sample counts, the learners' formulas,
-                            minibatch sources, checkpoints (with links to CNTK and ChainerMN)
-  docs/data.md              your own data: streams (session.inputs, session.target), sequences counted
-                            in steps, CNTK text format, any torch Dataset, the deserializer protocol
-  docs/writing-a-learner.md write a distributed learner of your own and plug it in with --config-dir
-  docs/porting-from-cntk.md CNTK's CIFAR-10 example flags as overrides: session.epoch_size,
-                            session.device, session.profile
+_MORE_HEAD = """\
+  README.md                 installation, your own model and data, choosing a learner, several nodes
+  python -m dtrain --help TOPIC  prints one of these pages, which are docs/TOPIC.md in the repository
+                                 (--help semantics: docs/semantics.md); also after a wheel install:"""
+
+_MORE_TAIL = """\
   python -m dtrain +recipe=NAME --cfg job    every key of a composed config and its value"""
+
+
+class UnknownTopic(ValueError):
+    """``--help TOPIC`` named a page that does not exist."""
 
 
 def config_dir() -> str:
@@ -62,9 +63,53 @@ def config_dir() -> str:
     raise RuntimeError(f"dtrain's config tree is missing (looked in {package / 'conf'} and {package.parent / 'conf'})")
 
 
+def docs_dir() -> Path | None:
+    """The documentation pages: ``dtrain/docs`` in an installed wheel, ``docs/`` in a source checkout (one
+    source, mapped into the wheel by ``pyproject.toml``); ``None`` when neither is there."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "docs", package.parent / "docs"):
+        if candidate.is_dir() and any(candidate.glob("*.md")):
+            return candidate
+    return None
+
+
+def help_topics() -> dict[str, str]:
+    """``{topic: title}`` of every documentation page (``docs/TOPIC.md``; the index ``README.md`` aside)."""
+    directory = docs_dir()
+    if directory is None:
+        return {}
+    topics = {}
+    for page in sorted(directory.glob("*.md")):
+        if page.stem != "README":
+            first = page.read_text(encoding="utf-8").splitlines()[:1] or [""]
+            topics[page.stem] = first[0].lstrip("# ").strip()
+    return topics
+
+
+def help_topic(name: str) -> str:
+    """The text of documentation page ``name`` (``learners``, ``data``, ...), for ``--help TOPIC``.
+
+    Raises:
+        UnknownTopic: there is no such page; the message lists the pages there are.
+    """
+    directory = docs_dir()
+    if directory is not None and name in help_topics():
+        return (directory / f"{name}.md").read_text(encoding="utf-8")
+    raise UnknownTopic(f"--help {name}: no such help topic; expected one of {', '.join(help_topics()) or '(none shipped)'}")
+
+
 def quick_answer(argv: list[str]) -> str | None:
-    """The text for ``--help``/``-h`` (dtrain's help; Hydra's stays at ``--hydra-help``) or ``--version``,
-    ending in a newline; ``None`` for any other command line."""
+    """The text for ``--help``/``-h`` (dtrain's help; Hydra's stays at ``--hydra-help``), ``--help TOPIC`` (a
+    documentation page) or ``--version``, ending in a newline; ``None`` for any other command line.
+
+    Raises:
+        UnknownTopic: ``--help TOPIC`` named no page.
+    """
+    for flag in ("--help", "-h"):
+        if flag in argv:
+            following = argv[argv.index(flag) + 1:argv.index(flag) + 2]
+            if following and not following[0].startswith("-") and "=" not in following[0]:
+                return help_topic(following[0]).rstrip("\n") + "\n"
     if "--help" in argv or "-h" in argv:
         return help_text(config_dir(), argv)
     if "--version" in argv:
@@ -203,8 +248,18 @@ def help_text(shipped: str | Path, argv: list[str]) -> str:
     sections.append("config groups (group=option picks an option, * marks the default; group.key=value sets a value):\n"
                     + "\n".join(group_lines))
     sections.append("examples:\n" + _EXAMPLES)
-    sections.append("read more:\n" + _MORE)
+    sections.append("read more:\n" + _MORE_HEAD + "\n" + _topic_lines() + "\n" + _MORE_TAIL)
     return "\n\n".join(sections) + "\n"
+
+
+def _topic_lines() -> str:
+    """One line per documentation page: ``    learners            Learners: ...``."""
+    topics = help_topics()
+    if not topics:
+        return "    (no documentation pages found beside this installation)"
+    width = max(len(name) for name in topics) + 2
+    lines = [f"    {name:<{width}}{title}" for name, title in topics.items()]
+    return "\n".join(line if len(line) <= _WIDTH else line[:_WIDTH - 4] + " ..." for line in lines)
 
 
 def _options(options: dict[str, str], default: str | None, indent: int = 2) -> str:
@@ -219,5 +274,5 @@ def _options(options: dict[str, str], default: str | None, indent: int = 2) -> s
     return "\n".join(lines)
 
 
-__all__ = ["config_directories", "config_groups", "default_choices", "describe_option", "help_text",
-           "nested_group_hint", "version"]
+__all__ = ["UnknownTopic", "config_directories", "config_groups", "default_choices", "describe_option", "docs_dir",
+           "help_text", "help_topic", "help_topics", "nested_group_hint", "version"]

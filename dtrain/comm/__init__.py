@@ -11,7 +11,7 @@ Typical use, identical for one process and for ``mpiexec``/``torchrun``/``srun``
 
 Importing this package neither imports mpi4py nor starts a torch.distributed process group.
 """
-from dtrain.comm.base import REDUCE_OPS, AsyncHandle, Communicator
+from dtrain.comm.base import REDUCE_OPS, AsyncHandle, Communicator, HostGroups
 from dtrain.comm.bootstrap import BACKENDS, create_communicator, resolve_backend
 from dtrain.comm.failfast import (
     add_signal_callback,
@@ -21,13 +21,15 @@ from dtrain.comm.failfast import (
     uninstall_fail_fast,
 )
 from dtrain.comm.heartbeat import Heartbeat, start_heartbeat
+from dtrain.comm.hierarchical import HierarchicalCommunicator
 from dtrain.comm.launcher import LaunchInfo, detect_launcher, job_id_from_env
 from dtrain.comm.local import LocalCommunicator
 from dtrain.comm.mpi_tensors import MPICommunicator
 from dtrain.comm.torch_dist import TorchDistCommunicator
 
 __all__ = [
-    "BACKENDS", "REDUCE_OPS", "AsyncHandle", "Communicator", "Heartbeat", "LaunchInfo", "LocalCommunicator",
+    "BACKENDS", "REDUCE_OPS", "AsyncHandle", "Communicator", "Heartbeat", "HierarchicalCommunicator", "HostGroups",
+    "LaunchInfo", "LocalCommunicator",
     "MPICommunicator", "TorchDistCommunicator", "add_signal_callback", "create_communicator", "detect_launcher",
     "install_fail_fast", "install_signal_handlers", "job_id_from_env", "remove_signal_callback",
     "resolve_backend", "start_heartbeat", "uninstall_fail_fast",

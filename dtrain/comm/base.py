@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import abc
 import os
+import socket
 import sys
 import time
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -41,6 +42,15 @@ class CompletedHandle(AsyncHandle):
         return self._tensor
 
 
+class HostGroups(NamedTuple):
+    """A rank's two communicators of a two-level scheme (:meth:`Communicator.host_groups`)."""
+
+    local: Communicator
+    """The ranks on this rank's host; its rank 0 (the job's lowest rank there) is the host's leader."""
+    leaders: Communicator | None
+    """One rank per host, the hosts' leaders (ranked by host); None on the ranks that lead no host."""
+
+
 class Communicator(abc.ABC):
     """One process's view of the job: its place in it and the collectives between ranks.
 
@@ -50,6 +60,10 @@ class Communicator(abc.ABC):
 
     launcher: str = "local"
     """What started this process: ``local``, ``mpi``, ``torchrun`` or ``slurm``."""
+
+    node_label: str | None = None
+    """What the launcher calls this rank's node (ranks with the same label share a host); None: the
+    host name. See :mod:`dtrain.comm.hosts`."""
 
     reduce_alone_bytes: int = 8 * 2 ** 20
     """A tensor of at least this many bytes costs less to all-reduce in a collective of its own than
@@ -113,6 +127,16 @@ class Communicator(abc.ABC):
         rules as :meth:`allreduce`.
         """
 
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks onto rank ``root`` (MPI's ``Reduce``); return it.
+
+        Only ``root``'s result is defined: other ranks' ``tensor`` may be used as scratch. Same ``op``
+        rules as :meth:`allreduce`. This default is an :meth:`allreduce` (every rank gets the result);
+        transports with a native reduce override it.
+        """
+        self._check_root(root)
+        return self.allreduce(tensor, op)
+
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``root``'s values; return it."""
@@ -166,6 +190,48 @@ class Communicator(abc.ABC):
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         """Collect every rank's picklable ``obj`` on ``root`` as a list indexed by rank; None elsewhere."""
 
+    # -- sub-communicators ----------------------------------------------------------------------
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """MPI's ``Comm_split`` (ChainerMN's ``split``): the ranks passing the same ``color`` form a new
+        communicator, ranked by ``(key, rank)``; ``color=None`` (``MPI_UNDEFINED``) joins none and gets
+        None. Collective over this communicator, in the same order as its other collectives.
+
+        The result offers every collective of this class, with the same timeout, and its ``abort``
+        ends the whole job. Its ``root`` arguments and ``rank`` count within it. Raises ValueError for
+        a negative or non-integer ``color``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no split()")
+
+    def host_ranks(self, ranks_per_host: int | None = None) -> list[list[int]]:
+        """This communicator's ranks grouped by host, hosts ordered by their lowest rank (collective).
+
+        Hosts are the launcher's nodes (:attr:`node_label`, else the host name), gathered over the
+        job; ``ranks_per_host`` instead makes consecutive blocks of that many ranks (to rehearse
+        several hosts on one machine). Raises ValueError when ``ranks_per_host`` does not divide ``size``.
+        """
+        from dtrain.comm.hosts import ranks_by_block, ranks_by_label
+
+        if ranks_per_host is not None:
+            return ranks_by_block(self.size, ranks_per_host)
+        return ranks_by_label(self.allgather_object(self.node_label or socket.gethostname()))
+
+    def host_groups(self, ranks_per_host: int | None = None) -> HostGroups:
+        """``(local, leaders)``: the communicator of this rank's host and, on each host's leader (its
+        lowest rank), the communicator of the leaders (None elsewhere); see :class:`HostGroups`.
+
+        Collective (two :meth:`split` calls after :meth:`host_ranks`); the same call again returns the
+        same pair without communicating. Any exchange works over either: a learner may sum exactly
+        within ``local`` and compress between ``leaders``.
+        """
+        cache = self.__dict__.setdefault("_host_groups", {})
+        if ranks_per_host not in cache:
+            hosts = self.host_ranks(ranks_per_host)
+            host = next(index for index, ranks in enumerate(hosts) if self.rank in ranks)
+            local = self.split(host, key=self.rank)
+            leaders = self.split(0 if local.rank == 0 else None, key=host)
+            cache[ranks_per_host] = HostGroups(local, leaders)
+        return cache[ranks_per_host]
+
     # -- control ----------------------------------------------------------------------------
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -208,6 +274,10 @@ class Communicator(abc.ABC):
                              f"{[tuple(message.shape) for message in sends]}")
         if len({message.dtype for message in sends}) > 1:
             raise ValueError(f"all_to_all needs messages of one dtype, got {sorted({str(m.dtype) for m in sends})}")
+
+    def _check_color(self, color: int | None) -> None:
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
+            raise ValueError(f"split color={color!r}: expected a non-negative int, or None to join no group")
 
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.size:

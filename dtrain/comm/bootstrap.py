@@ -21,6 +21,8 @@ import torch.distributed as dist
 from dtrain import checks
 from dtrain.comm._address import LOOPBACK, choose_master_addr
 from dtrain.comm.base import Communicator, first_line, format_rank_message, terminate
+from dtrain.comm.hierarchical import hierarchical_setting, make_hierarchical
+from dtrain.comm.hosts import ranks_by_block
 from dtrain.comm.launcher import LaunchInfo, detect_launcher, master_override
 from dtrain.comm.local import LocalCommunicator
 from dtrain.comm.mpi_tensors import MPICommunicator
@@ -55,7 +57,8 @@ def resolve_backend(backend: str, cuda_available: bool, ranks_on_node: int | Non
     return backend
 
 
-def create_communicator(backend: str = "auto", timeout_s: float = 60.0) -> Communicator:
+def create_communicator(backend: str = "auto", timeout_s: float = 60.0, hierarchical: Any = "auto",
+                        ranks_per_host: int | None = None) -> Communicator:
     """Return this process's communicator, connected to every other rank of the job.
 
     The launcher is detected from the environment (see :func:`dtrain.comm.detect_launcher`):
@@ -63,7 +66,9 @@ def create_communicator(backend: str = "auto", timeout_s: float = 60.0) -> Commu
     ``torchrun`` (``env://``), Slurm ``srun`` (first node, port derived from the job
     id), or none. A job of one process gets a :class:`LocalCommunicator` without
     touching MPI or torch.distributed. ``timeout_s`` (seconds) bounds the rendezvous
-    and every collective.
+    and every collective. ``hierarchical`` (``auto``, True, False) and ``ranks_per_host`` choose a
+    hierarchical all-reduce across hosts (:func:`dtrain.comm.hierarchical.make_hierarchical`; rank 0
+    prints what was chosen when the job spans several hosts).
 
     Raises ValueError for an unknown ``backend``, a non-positive ``timeout_s``, or
     ``backend='local'`` with several processes; RuntimeError for ``nccl`` without CUDA
@@ -73,7 +78,23 @@ def create_communicator(backend: str = "auto", timeout_s: float = 60.0) -> Commu
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s} must be a positive number of seconds")
+    hierarchical_setting(hierarchical)
     info = detect_launcher(os.environ)
+    if ranks_per_host is not None:
+        ranks_by_block(info.size, ranks_per_host)  # refused before any process group exists
+    world = _create_world(info, backend, timeout_s)
+    try:
+        communicator, line = make_hierarchical(world, hierarchical, ranks_per_host)
+    except ValueError:  # every rank sees the same hosts, so every rank refuses: leave together
+        world.finalize()
+        raise
+    if line and communicator.is_main:
+        print(f"dtrain: {line}", flush=True)
+    return communicator
+
+
+def _create_world(info: LaunchInfo, backend: str, timeout_s: float) -> Communicator:
+    """The job's flat communicator (see :func:`create_communicator`)."""
     cuda_available = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda_available else 0
     resolved = resolve_backend(backend, cuda_available, info.local_size, gpus,
@@ -107,7 +128,7 @@ def _torch_dist(info: LaunchInfo, backend: str, timeout_s: float, **rendezvous: 
     """The torch.distributed communicator of ``info``'s rank; ``mpi`` (its tensors through MPI, the rest
     through Gloo) needs ``mpi_comm`` among ``rendezvous``."""
     where = dict(rank=info.rank, size=info.size, local_rank=info.local_rank, local_size=info.local_size,
-                 timeout_s=timeout_s, launcher=info.kind, **rendezvous)
+                 timeout_s=timeout_s, launcher=info.kind, node=info.node, **rendezvous)
     if backend == "mpi":
         return MPICommunicator(**where)
     return TorchDistCommunicator(backend=backend, **where)
@@ -163,6 +184,8 @@ def _create_mpi(info: LaunchInfo, backend: str, timeout_s: float) -> Communicato
     with _abort_job_on_error(world, rank, size):
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local_rank, local_size = node.Get_rank(), node.Get_size()
+        # the node's lowest rank names it: MPI's own answer to "which ranks share a host" (the hostfile's)
+        node_label = f"mpi-node-of-rank-{node.allreduce(rank, op=MPI.MIN)}"
         node.Free()
         single_node = local_size == size  # the same answer on every rank
         hosts = None if single_node else world.gather(MPI.Get_processor_name(), root=0)
@@ -178,8 +201,8 @@ def _create_mpi(info: LaunchInfo, backend: str, timeout_s: float) -> Communicato
         endpoint = world.bcast(endpoint, root=0)
         if rank != 0:
             store = dist.TCPStore(endpoint[0], endpoint[1], size, is_master=False, timeout=store_timeout)
-        return _torch_dist(LaunchInfo("mpi", rank, size, local_rank, local_size, *endpoint), backend, timeout_s,
-                           store=store, mpi_comm=world)
+        return _torch_dist(LaunchInfo("mpi", rank, size, local_rank, local_size, *endpoint, node_label), backend,
+                           timeout_s, store=store, mpi_comm=world)
 
 
 @contextlib.contextmanager

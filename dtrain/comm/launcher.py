@@ -19,6 +19,8 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
+from dtrain.comm.hosts import node_label
+
 LAUNCHERS = ("torchrun", "mpi", "slurm", "local")
 """Launcher kinds, in detection order."""
 
@@ -49,6 +51,8 @@ class LaunchInfo:
     local_size: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    node: str | None = None
+    """What the launcher calls this rank's node (:func:`dtrain.comm.hosts.node_label`), None when it does not say."""
 
     def __post_init__(self) -> None:
         if self.kind not in LAUNCHERS:
@@ -166,7 +170,8 @@ def _torchrun(environ: Mapping[str, str]) -> LaunchInfo | None:
     addr, port = master_override(environ)
     return LaunchInfo("torchrun", _int(environ, "RANK"), _int(environ, "WORLD_SIZE"),
                       _optional_int(environ, "LOCAL_RANK"), _optional_int(environ, "LOCAL_WORLD_SIZE"),
-                      environ.get("MASTER_ADDR") or addr, _optional_int(environ, "MASTER_PORT") or port)
+                      environ.get("MASTER_ADDR") or addr, _optional_int(environ, "MASTER_PORT") or port,
+                      node_label("torchrun", environ))
 
 
 def _mpi(environ: Mapping[str, str]) -> LaunchInfo | None:
@@ -204,7 +209,7 @@ def _slurm(environ: Mapping[str, str]) -> LaunchInfo | None:
                 addr = first_slurm_host(nodelist)
     if port is None and "SLURM_JOB_ID" in environ:
         port = slurm_port(_int(environ, "SLURM_JOB_ID"), _optional_int(environ, "SLURM_STEP_ID") or 0)
-    return LaunchInfo("slurm", rank, size, local_rank, local_size, addr, port)
+    return LaunchInfo("slurm", rank, size, local_rank, local_size, addr, port, node_label("slurm", environ))
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:

@@ -68,6 +68,17 @@ class LocalCommunicator(Communicator):
         self._check_reduce(tensor, op)
         return CompletedHandle(tensor)
 
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum") -> torch.Tensor:
+        """Return ``tensor`` unchanged; ``root`` must be 0."""
+        self._check_reduce(tensor, op)
+        self._check_root(root)
+        return tensor
+
+    def split(self, color: int | None, key: int = 0) -> LocalCommunicator | None:
+        """A communicator of this one process (MPI's ``Comm_split`` of one rank); None for ``color=None``."""
+        self._check_color(color)
+        return None if color is None else LocalCommunicator(self._device, self.launcher)
+
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Return ``tensor`` unchanged; ``root`` must be 0."""
         self._check_root(root)

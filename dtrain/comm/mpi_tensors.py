@@ -137,6 +137,24 @@ class MPICommunicator(TorchDistCommunicator):
         request = self._mpi_comm.Iallreduce(self._mpi.IN_PLACE, tensor.detach().numpy(), op=self._ops[op])
         return _PendingReduce(_WatchedRequest(request, self._watch), tensor, self._size if op == "mean" else None)
 
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum") -> torch.Tensor:
+        """Reduce over all ranks into ``tensor`` on rank ``root`` (``MPI_Reduce``; ``mean`` divides there);
+        other ranks' ``tensor`` is left as it was. Returns ``tensor``."""
+        self._check_reduce(tensor, op)
+        self._check_root(root)
+        if not self._through_mpi(tensor):
+            return super().reduce(tensor, root, op)
+        buffer = tensor.detach().numpy()
+        self._watch.begin("reduce")
+        if self._rank == root:
+            self._mpi_comm.Reduce(self._mpi.IN_PLACE, buffer, op=self._ops[op], root=root)
+        else:
+            self._mpi_comm.Reduce(buffer, None, op=self._ops[op], root=root)
+        self._watch.end()
+        if op == "mean" and self._rank == root:
+            tensor.div_(self._size)
+        return tensor
+
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``root``'s values on every rank; return it."""
         self._check_root(root)
@@ -156,6 +174,20 @@ class MPICommunicator(TorchDistCommunicator):
         self._mpi_comm.Allgather(tensor.detach().numpy(), gathered.numpy())
         self._watch.end()
         return list(gathered.unbind(0))
+
+    def split(self, color: int | None, key: int = 0) -> MPICommunicator | None:
+        """MPI's ``Comm_split`` on both transports: the Gloo sub-group (:meth:`TorchDistCommunicator.split`)
+        and ``MPI_Comm_split`` for the tensors, with the same members in the same order. Collective."""
+        sub = super().split(color, key)
+        mpi_sub = self._mpi_comm.Split(self._mpi.UNDEFINED if color is None else color, key)
+        if sub is None:
+            return None
+        if (mpi_sub.Get_rank(), mpi_sub.Get_size()) != (sub.rank, sub.size):  # an invariant of both rules
+            raise RuntimeError(f"MPI's split gives rank {mpi_sub.Get_rank()} of {mpi_sub.Get_size()}, "
+                               f"torch.distributed's rank {sub.rank} of {sub.size}")
+        sub._mpi_comm = mpi_sub
+        sub._watch = _WaitWatch(self._watch.timeout_s, sub.abort)
+        return sub
 
     def finalize(self) -> None:
         """Stops the wait watch, then destroys the Gloo group (see :meth:`TorchDistCommunicator.finalize`)."""

@@ -59,7 +59,8 @@ class TorchDistCommunicator(Communicator):
 
     def __init__(self, *, backend: str, rank: int, size: int, local_rank: int | None = None,
                  local_size: int | None = None, timeout_s: float = 60.0, store: Any = None,
-                 init_method: str | None = None, mpi_comm: Any = None, launcher: str = "mpi") -> None:
+                 init_method: str | None = None, mpi_comm: Any = None, launcher: str = "mpi",
+                 node: str | None = None) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r} is not a torch.distributed backend here; use 'gloo' or 'nccl'")
         if not 0 <= rank < size:
@@ -73,6 +74,11 @@ class TorchDistCommunicator(Communicator):
                                "create one communicator per process, or finalize() the previous one")
         self._backend, self._rank, self._size = backend, rank, size
         self._mpi_comm = mpi_comm
+        self._job_mpi_comm = mpi_comm  # what abort() ends: always the whole job's, also in a sub-communicator
+        self._job_rank, self._job_size = rank, size  # named in abort lines
+        self._group: Any = None  # the process group of the collectives: None is the job's (default) group
+        self._members = list(range(size))  # global rank of each rank of this communicator
+        self._timeout_s = timeout_s
         self.launcher = launcher
         self._finalized = False
         if backend == "nccl":
@@ -82,6 +88,8 @@ class TorchDistCommunicator(Communicator):
         if local_rank is None or local_size is None:
             local_rank, local_size = _node_position(self.allgather_object(socket.gethostname()), rank)
         self._local_rank, self._local_size = local_rank, local_size
+        self._gpu_index = local_rank  # cuda:<this> with NCCL; a sub-communicator keeps its parent's
+        self.node_label = node or socket.gethostname()
         #: the running :class:`dtrain.comm.heartbeat.Heartbeat`, stopped by :meth:`finalize`
         self.heartbeat: Any = None
 
@@ -122,7 +130,7 @@ class TorchDistCommunicator(Communicator):
     @property
     def device(self) -> torch.device:
         """``cuda:<local_rank>`` with NCCL, else ``cpu``."""
-        return torch.device("cuda", self._local_rank) if self._backend == "nccl" else torch.device("cpu")
+        return torch.device("cuda", self._gpu_index) if self._backend == "nccl" else torch.device("cpu")
 
     # -- tensor collectives -----------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -132,19 +140,29 @@ class TorchDistCommunicator(Communicator):
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> AsyncHandle:
         """Start an in-place allreduce; the handle's ``wait()`` finishes ``mean`` and returns ``tensor``."""
         self._check_reduce(tensor, op)
-        work = dist.all_reduce(tensor, op=_TORCH_OPS[op], async_op=True)
+        work = dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self._group, async_op=True)
         return _PendingReduce(work, tensor, self._size if op == "mean" else None)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``root``'s values on every rank; return it."""
         self._check_root(root)
-        dist.broadcast(tensor, src=root)
+        dist.broadcast(tensor, group=self._group, group_src=root)
+        return tensor
+
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum") -> torch.Tensor:
+        """Reduce over all ranks into ``tensor`` on rank ``root`` (``mean`` divides there); other ranks'
+        ``tensor`` is left undefined (Gloo and NCCL may use it as scratch). Returns ``tensor``."""
+        self._check_reduce(tensor, op)
+        self._check_root(root)
+        dist.reduce(tensor, op=_TORCH_OPS[op], group=self._group, group_dst=root)
+        if op == "mean" and self._rank == root:
+            tensor.div_(self._size)
         return tensor
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Return every rank's tensor (same shape and dtype on all ranks), indexed by rank."""
         gathered = [torch.empty_like(tensor) for _ in range(self._size)]
-        dist.all_gather(gathered, tensor)
+        dist.all_gather(gathered, tensor, group=self._group)
         return gathered
 
     def all_to_all(self, sends: list[torch.Tensor], receive_sizes: list[int] | None = None) -> list[torch.Tensor]:
@@ -159,52 +177,116 @@ class TorchDistCommunicator(Communicator):
         if receive_sizes is None:
             size_out = torch.empty(self._size, dtype=torch.int64, device=self.device)
             try:
-                dist.all_to_all_single(size_out, torch.tensor(send_sizes, dtype=torch.int64, device=self.device))
+                dist.all_to_all_single(size_out, torch.tensor(send_sizes, dtype=torch.int64, device=self.device),
+                                       group=self._group)
             except (RuntimeError, NotImplementedError):  # no all-to-all in this backend: the allgather form
                 return super().all_to_all(sends)
             receive_sizes = [int(size) for size in size_out.tolist()]
         received = torch.empty(sum(receive_sizes), dtype=sends[0].dtype, device=self.device)
         dist.all_to_all_single(received, torch.cat([message.reshape(-1) for message in sends]),
-                               output_split_sizes=receive_sizes, input_split_sizes=send_sizes)
+                               output_split_sizes=receive_sizes, input_split_sizes=send_sizes, group=self._group)
         return list(received.split(receive_sizes))
 
     # -- object collectives -----------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return every rank's picklable object, indexed by rank."""
         gathered: list[Any] = [None] * self._size
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=self._group)
         return gathered
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return rank ``root``'s picklable object on every rank."""
         self._check_root(root)
         box = [obj if self._rank == root else None]
-        dist.broadcast_object_list(box, src=root)
+        dist.broadcast_object_list(box, group=self._group, group_src=root)
         return box[0]
 
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         """Return every rank's picklable object on ``root`` (indexed by rank); None on other ranks."""
         self._check_root(root)
         gathered: list[Any] | None = [None] * self._size if self._rank == root else None
-        dist.gather_object(obj, gathered, dst=root)
+        dist.gather_object(obj, gathered, group=self._group, group_dst=root)
         return gathered
+
+    # -- sub-communicators ----------------------------------------------------------------------
+    def split(self, color: int | None, key: int = 0) -> TorchDistCommunicator | None:
+        """MPI's ``Comm_split``: a communicator of the ranks that pass the same ``color``, ranked by
+        ``(key, rank)``; None for ``color=None`` (``MPI_UNDEFINED``). Collective: every rank calls it,
+        in the same order as its other collectives. Its collectives have this communicator's timeout
+        and its ``abort`` ends the whole job.
+
+        Each group is a ``torch.distributed.new_group``: from the job's communicator every rank
+        creates every group in the same order (torch's rule); a split of a sub-communicator creates
+        only its own group (``use_local_synchronization``), and refuses to create a second group of
+        exactly the same ranks there (torch names such groups by their ranks). Raises ValueError for
+        a negative ``color``."""
+        plan = self._split_plan(color, key)
+        groups = {}
+        for group_color, members in plan.items():
+            global_ranks = [self._members[member] for member in members]
+            if self._group is None:  # every rank of the job creates every group, in color order
+                groups[group_color] = dist.new_group(global_ranks, timeout=datetime.timedelta(seconds=self._timeout_s),
+                                                     sort_ranks=False)
+            elif group_color == color:
+                name = dist.distributed_c10d._hash_ranks_to_str(global_ranks)
+                if name in dist.distributed_c10d._world.pg_names.values():
+                    raise ValueError(f"split(color={color}) of a sub-communicator would create a second group of "
+                                     f"ranks {global_ranks}; torch.distributed names such groups by their ranks: "
+                                     "reuse the sub-communicator made first")
+                groups[group_color] = dist.new_group(global_ranks, timeout=datetime.timedelta(seconds=self._timeout_s),
+                                                     sort_ranks=False, use_local_synchronization=True)
+        if color is None:
+            return None
+        members = plan[color]
+        return self._adopt(groups[color], [self._members[member] for member in members], members.index(self._rank))
+
+    def _adopt(self, group: Any, global_ranks: list[int], rank: int) -> TorchDistCommunicator:
+        """A communicator of the same class over ``group`` (whose ranks are ``global_ranks``), this
+        process being its ``rank``: identity from the parent, no new transport."""
+        sub = type(self).__new__(type(self))
+        sub.__dict__.update(self.__dict__)
+        sub.__dict__.pop("_host_groups", None)  # the parent's host groups are not the sub's
+        sub._group, sub._members, sub._rank, sub._size = group, global_ranks, rank, len(global_ranks)
+        sub._finalized, sub.heartbeat = False, None
+        labels = self._split_labels  # node of each member, gathered by _split_plan
+        same_node = [member for member in global_ranks if labels[member] == self.node_label]
+        sub._local_rank, sub._local_size = same_node.index(global_ranks[rank]), len(same_node)
+        return sub
+
+    def _split_plan(self, color: int | None, key: int) -> dict[int, list[int]]:
+        """Every color's members (this communicator's ranks, ordered by (key, rank)), colors ascending;
+        gathers each rank's node label too, for the sub-communicators' local ranks."""
+        self._check_color(color)
+        entries = self.allgather_object((color, int(key), self.node_label))
+        self._split_labels = {self._members[rank]: label for rank, (_, _, label) in enumerate(entries)}
+        plan: dict[int, list[int]] = {}
+        for rank, (entry_color, entry_key, _) in sorted(enumerate(entries), key=lambda item: (item[1][1], item[0])):
+            if entry_color is not None:
+                plan.setdefault(entry_color, []).append(rank)
+        return dict(sorted(plan.items()))
 
     # -- control ----------------------------------------------------------------------------
     def barrier(self) -> None:
         """Block until every rank arrives (bounded by the collective timeout)."""
         if self._backend == "nccl":
-            dist.barrier(device_ids=[self._local_rank])
+            dist.barrier(group=self._group, device_ids=[self._gpu_index])
         else:
-            dist.barrier()
+            dist.barrier(group=self._group)
 
     def abort(self, message: str, exit_code: int = 1) -> NoReturn:
-        """Print ``[rank r/size] message`` and end the job: ``MPI_Abort`` under MPI, else ``os._exit``."""
-        terminate(format_rank_message(self._rank, self._size, message), exit_code, self._mpi_comm)
+        """Print ``[rank r/size] message`` (the job's rank and size, also from a sub-communicator) and end the
+        whole job: ``MPI_Abort`` under MPI, else ``os._exit``."""
+        terminate(format_rank_message(self._job_rank, self._job_size, message), exit_code, self._job_mpi_comm)
 
     def finalize(self) -> None:
-        """Destroy the default process group (joining Gloo's worker threads); later calls do nothing."""
+        """Destroy the default process group (joining Gloo's worker threads); later calls do nothing.
+
+        A sub-communicator's finalize does nothing: its group lives until the job's communicator is
+        finalized (destroying every group), as the job's ranks may still be using it."""
         if not self._finalized:
             self._finalized = True
+            if self._group is not None:
+                return
             if dist.is_initialized():
                 # no rank tears its connections down while a peer may still be using them (Gloo
                 # aborts the process when a socket closes under it)

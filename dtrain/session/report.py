@@ -20,12 +20,13 @@ _PHASE_COLORS = {"data_s": ("waiting for data", "tab:gray"), "compute_s": ("comp
 
 
 def write_report(records: list[dict], path: str | Path, metric_name: str = "error", title: str = "",
-                 percent: bool | None = None) -> Path:
+                 percent: bool | None = None, more_metrics: tuple[str, ...] = ()) -> Path:
     """Draws ``records`` (``metrics.jsonl``'s objects) into a PNG at ``path`` (atomically, never through a
     link planted there) and returns it.
 
     Panels: loss and the metric against samples and against wall time (train, cross-validation,
-    test), training throughput, the split of each progress period between waiting for data,
+    test), then each of ``more_metrics`` (a metric's further figures, e.g. ``per`` beside ``wer``, shown
+    in the same unit) the same way, training throughput, the split of each progress period between waiting for data,
     computing, the gradient exchange, the optimizer and the rest, and, when the learner reports it, bytes sent per
     step.
 
@@ -43,22 +44,25 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
     start = _start_time(train)
     time_unit, time_scale = _time_unit(max(float(r.get("time", start)) for r in records) - start)
     has_bytes = any(_number(r.get("bytes_sent_per_step")) for r in train)
-    rows = 4 if has_bytes else 3
-    figure = Figure(figsize=(13, 3.6 * rows), dpi=100, layout="constrained")
-    axes = figure.subplots(rows, 2)
+    shown = [("loss", "loss")]  # (key, axis label) per row of the two-column part
     if percent is None:
         percent = "error" in metric_name  # error rates read best in percent
-    metric_label = f"{metric_name} (%)" if percent else metric_name
+    for name in (metric_name, *(m for m in more_metrics if m != metric_name)):
+        shown.append((name, f"{name} (%)" if percent else name))
+    first_free = len(shown)  # the row of the throughput and time-split panels
+    rows = first_free + (2 if has_bytes else 1)
+    figure = Figure(figsize=(13, 3.6 * rows), dpi=100, layout="constrained")
+    axes = figure.subplots(rows, 2)
 
     for column, (x_key, x_label) in enumerate((("samples", "samples (global)"), ("time", f"wall time ({time_unit})"))):
-        for row, (key, label) in enumerate((("loss", "loss"), (metric_name, metric_label))):
+        for row, (key, label) in enumerate(shown):
             axis = axes[row][column]
             for kind, style in _KIND_STYLE.items():
                 points = [(r["samples"] if x_key == "samples" else (float(r["time"]) - start) / time_scale, r[key]) for r in records
                           if r.get("kind") == kind and _number(r.get(key)) is not None and _number(r.get("time")) is not None]
                 if points:
                     xs, ys = zip(*points)
-                    ys = [100 * y for y in ys] if percent and row == 1 else ys
+                    ys = [100 * y for y in ys] if percent and row > 0 else ys
                     axis.plot(xs, ys, **style)
             axis.set_xlabel(x_label)
             axis.set_ylabel(label)
@@ -71,7 +75,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
             axis.legend(fontsize="small")
 
     samples = [r["samples"] for r in train]
-    axis = axes[2][0]
+    axis = axes[first_free][0]
     rates = [r.get("samples_per_second", math.nan) for r in train]
     axis.plot(samples, rates, color="tab:blue", marker="o")
     axis.set_title("training throughput (per progress period)")
@@ -81,7 +85,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
     axis.set_ylim(0, 1.15 * max(finite) if finite and max(finite) > 0 else 1)
     axis.grid(True, alpha=0.3)
 
-    axis = axes[2][1]
+    axis = axes[first_free][1]
     timed = [r for r in train if _number(r.get("period_s"))]
     if timed:
         positions = list(range(len(timed)))
@@ -102,7 +106,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
     axis.set_ylabel("% of the period")
 
     if has_bytes:
-        axis = axes[3][0]
+        axis = axes[first_free + 1][0]
         points = [(r["samples"], r["bytes_sent_per_step"]) for r in train if _number(r.get("bytes_sent_per_step"))]
         xs, ys = zip(*points)
         axis.plot(xs, [y / 1024 for y in ys], color="tab:brown", marker="o")
@@ -111,7 +115,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
         axis.set_ylabel("KiB per step")
         axis.set_ylim(0, 1.15 * max(ys) / 1024)
         axis.grid(True, alpha=0.3)
-        _summary(axes[3][1], records, metric_name, percent)
+        _summary(axes[first_free + 1][1], records, metric_name, percent)
     figure.suptitle(title or "dtrain run", fontsize="x-large")
 
     return write_through_temporary(Path(path), lambda name: figure.savefig(name, format="png"))

@@ -21,14 +21,12 @@ from pathlib import Path
 import torch
 
 from dtrain import checks
-from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
 from dtrain.comm.launcher import detect_launcher
 from dtrain.learners.base import Learner, RunFacts
 from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
 from dtrain.session import checkpoint, checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice
-from dtrain.session.configs import (CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency,
-                                   signal_from_name)
+from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency
 from dtrain.session.binding import StreamBinding
 from dtrain.session.device import resolve_device
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate, metric_average
@@ -37,9 +35,11 @@ from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target,
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
-from dtrain.session.precision import LossScaler, bf16_cpu_note
+from dtrain.session.precision import LossScaler
+from dtrain.session.preemption import PreemptionHandling
 from dtrain.session.profiling import ProfileConfig, StepProfiler
 from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
+from dtrain.session.startup import StartupLines
 from dtrain.session.report import write_report
 from dtrain.session.rundir import RunDirectoryLock
 from dtrain.session.lr_scaling import LearningRateScaling
@@ -116,7 +116,7 @@ class _Periodic:
         return False
 
 
-class TrainingSession:
+class TrainingSession(PreemptionHandling, StartupLines):
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
 
     The names are the config's (``session.*`` on the command line): every size and frequency
@@ -651,38 +651,6 @@ class TrainingSession:
             if self._profiler is not None:
                 self._profiler.close()
 
-    # -- preemption ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _preemption_handler(self):
-        """While training, the preemption signal sets a flag instead of ending the job."""
-        name = self.checkpoint_config.preemption_signal if self.checkpoint_config else None
-        if name is None or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        wanted = int(signal_from_name(name))
-
-        def claim(signum: int) -> bool:
-            if signum != wanted:
-                return False
-            self._preemption.set()
-            return True
-
-        install_signal_handlers([wanted])
-        add_signal_callback(claim)
-        try:
-            yield
-        finally:
-            remove_signal_callback(claim)
-
-    def _preemption_requested(self) -> bool:
-        """Whether any rank got the preemption signal (a collective when several ranks run)."""
-        if self.checkpoint_files is None or self.checkpoint_config.preemption_signal is None:
-            return False
-        if self.comm.size == 1:
-            return self._preemption.is_set()
-        flag = torch.tensor([1.0 if self._preemption.is_set() else 0.0], device=self.comm.device)
-        return bool(self.comm.allreduce(flag, op="max").item())
-
     # -- checkpoints ----------------------------------------------------------------------------
     def _save_checkpoint(self, printer) -> Path:
         self.learner.synchronize()
@@ -764,7 +732,7 @@ class TrainingSession:
         path = self.run_dir / "report.png"
         try:
             write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
-                         percent=self.metric_percent)
+                         percent=self.metric_percent, more_metrics=tuple(getattr(self.metric, "names", ())))
         except ImportError:
             printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
         except ValueError as error:
@@ -789,42 +757,6 @@ class TrainingSession:
         metric's other rates (``wer 28.10%, per 6.90%``)."""
         pairs = [(self.metric_name, value), *(details or {}).items()]
         return ", ".join(f"{name} {100 * v:.2f}%" if self.metric_percent else f"{name} {v:.4g}" for name, v in pairs)
-
-    def _print_start(self, printer, restored_from: Path | None) -> None:
-        size = self.comm.size
-        mb = int(self.minibatch_size(self.learner.samples_seen))
-        parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {_device_name(self.device)}",
-                 f"{size} worker{'s' if size > 1 else ''}" + (f" ({self.comm.backend})" if size > 1 else ""),
-                 f"global minibatch {mb} ({mb // size}-{-(-mb // size)} per worker)"]
-        if self.max_samples is not None:
-            sweeps = self.max_samples / self.source.samples_per_sweep
-            parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
-        printer.line("dtrain: " + ", ".join(parts))
-        if getattr(self.source, "has_sequences", False) or not self.binding.is_default:
-            printer.line(f"dtrain: {self.binding.describe()}" + (f"; {self._defining_stream_note}"
-                                                                  if self._defining_stream_note else ""))
-        printer.line("dtrain: " + self.learner.describe())
-        options = [f"precision {self.precision}" if self.precision != "32" else "",
-                   "torch.compile (inductor backend)" if self.compile else "",
-                   f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
-                   if self.micro_batch_size else "",
-                   f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else "",
-                   self._profiler.describe() if self._profiler is not None else "",
-                   self.lr_scaling.describe(self.base_learning_rates[0]) if self.lr_scaling is not None else "",
-                   self.ema.describe() if self.ema is not None else ""]
-        if any(options):
-            printer.line("dtrain: " + ", ".join(option for option in options if option))
-        note = bf16_cpu_note(self.precision, self.device)
-        if note:
-            printer.line(note)
-        if restored_from is None:
-            printer.line(f"dtrain: {self._restore_note}")
-        else:
-            printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples"
-                         + (f" ({self._restore_note})" if self._restore_note else ""))
-            if self.changed_settings:
-                printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
-                             f"{'; '.join(self.changed_settings)}")
 
     def _profile_line(self) -> str:
         """Where rank 0's trace went, or why there is none."""
@@ -880,14 +812,6 @@ def _dtrain_version() -> str:
         return version("dtrain")
     except PackageNotFoundError:
         return "unknown"
-
-
-def _device_name(device: torch.device) -> str:
-    """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``the CPU``: where the model trains, for the start-up line."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-    return "the CPU" if device.type == "cpu" else str(device)
 
 
 __all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]

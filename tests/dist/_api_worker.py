@@ -1,8 +1,8 @@
 """Worker run by tests/dist/test_api_mpi.py under mpiexec: ``python _api_worker.py MODE RUN_DIR``.
 
-``single``: the README's one-process API snippet (a ``Learner`` without a communicator); the
+``single``: docs/python-api.md's one-process snippet (a ``Learner`` without a communicator); the
 session must refuse it, since every rank would train its own copy into one folder.
-``distributed``: the README's distributed snippet (``create_communicator`` and a data-parallel
+``distributed``: docs/python-api.md's distributed snippet (``create_communicator`` and a data-parallel
 learner); rank 0 prints ``RESULT {json}`` with the test accuracy and whether every rank ended
 with the same parameters.
 """

@@ -22,7 +22,7 @@ import torch
 
 from dtrain.session.checkpoint import load as load_checkpoint
 from tests.helpers.mpi import mpiexec_path, run_mpi
-from tests.helpers.netns import NamespaceCluster, available, parse_rate
+from dtrain.testing.netns import NamespaceCluster, available, parse_rate
 
 WORKER = str(Path(__file__).with_name("_multihost_worker.py"))
 REPO = Path(__file__).resolve().parents[2]

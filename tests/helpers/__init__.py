@@ -18,10 +18,12 @@ Modules here:
 * :mod:`~tests.helpers.cli`         ``run_dtrain``: ``python -m dtrain ARGS`` as from a plain shell.
 * :mod:`~tests.helpers.toy_data`    the small classification data set most training tests use.
 * :mod:`~tests.helpers.compare`     models compared between two runs, or between the ranks of a job.
-* :mod:`~tests.helpers.cifar_files`, :mod:`~tests.helpers.image_files`  small data sets in real file formats.
 * :mod:`~tests.helpers.failing_model`  a digits model that fails on purpose (fail-fast tests).
 * :mod:`~tests.helpers.forked_dtrain`  runs many ``python -m dtrain`` command lines from one warm interpreter.
-* :mod:`~tests.helpers.netns`       simulated hosts from network namespaces (multi-host tests, root only).
+
+Shipped with the package, because benchmarks use them too: :mod:`dtrain.testing` (simulated hosts from
+network namespaces, ``dtrain.testing.netns``; small data sets in real file formats, ``dtrain.testing.image_files``
+and ``dtrain.testing.cifar_files``; running ``mpiexec`` in a session of its own, ``dtrain.testing.processes``).
 
 How ``tests`` becomes importable, the one rule: the repository root must be on ``sys.path``.
 pytest puts it there (``pythonpath = ["."]`` in ``pyproject.toml``); every process the helpers

@@ -19,13 +19,14 @@ import contextlib
 import functools
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from dtrain.testing.processes import MpiResult, mpiexec_path, run_in_new_session
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 # Open MPI refuses to run as root without these; containers and CI usually are root.
@@ -37,20 +38,6 @@ _OPEN_MPI_FLAGS = [
     "--mca", "btl_base_warn_component_unused", "0",
     "--mca", "mpi_warn_on_fork", "0",  # DataLoader workers fork; we carry no tensors over MPI
 ]
-
-
-class MpiResult(subprocess.CompletedProcess):
-    """A finished ``mpiexec`` run: ``args``, ``returncode``, ``stdout``, ``stderr`` (text) and
-    ``duration_s`` (wall-clock seconds from start to exit)."""
-
-    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, duration_s: float) -> None:
-        super().__init__(args, returncode, stdout, stderr)
-        self.duration_s = duration_s
-
-    def report(self) -> str:
-        """Return a readable summary (command, exit code, time, both streams) for assertion messages."""
-        return (f"$ {' '.join(self.args)}\nexit code {self.returncode} after {self.duration_s:.1f} s\n"
-                f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
 
 
 # what launchers (mpiexec, srun, torchrun) and dtrain's own overrides put in a rank's environment
@@ -75,21 +62,6 @@ def with_repository_on_path(env: Mapping[str, str]) -> dict[str, str]:
     """
     entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     return {**env, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), *entries])}
-
-
-def mpiexec_path() -> str | None:
-    """Return the ``mpiexec`` to use, or None when there is none.
-
-    Order: ``DTRAIN_MPIEXEC``; the ``mpiexec`` beside the running Python (a venv's
-    pip-installed Open MPI, which matches its mpi4py); the first on ``PATH``.
-    """
-    chosen = os.environ.get("DTRAIN_MPIEXEC")
-    if chosen:
-        return chosen if shutil.which(chosen) else None
-    beside_python = Path(sys.executable).parent / "mpiexec"
-    if beside_python.exists() and os.access(beside_python, os.X_OK):
-        return str(beside_python)
-    return shutil.which("mpiexec")
 
 
 @functools.cache
@@ -209,29 +181,6 @@ def start_ranks(command: list[str], env: dict[str, str]) -> tuple[subprocess.Pop
         if attempt == 1:
             say_launching_once_more(job.returncode, output)
     raise AssertionError(f"mpiexec ended (exit {job.returncode}) before its ranks started:\n{output}")
-
-
-def run_in_new_session(command: Sequence[str], env: Mapping[str, str], timeout: float,
-                       kill: Callable[[subprocess.Popen], None], shown: Sequence[str] | None = None) -> MpiResult:
-    """Run ``command`` in a new session, wait for it and return the finished run.
-
-    Past ``timeout`` seconds (or on Ctrl-C) ``kill(process)`` must end everything the run
-    started; a timeout then raises ``subprocess.TimeoutExpired`` with the output so far.
-    ``shown`` is the command reported in the result and the error (default ``command``).
-    """
-    shown = list(map(str, command if shown is None else shown))
-    started = time.monotonic()
-    with subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=dict(env), start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except BaseException as error:  # the timeout, or Ctrl-C: leave nothing running
-            kill(process)
-            stdout, stderr = process.communicate()
-            if isinstance(error, subprocess.TimeoutExpired):
-                raise subprocess.TimeoutExpired(shown, timeout, output=stdout, stderr=stderr) from None
-            raise
-    return MpiResult(shown, process.returncode, stdout, stderr, time.monotonic() - started)
 
 
 def kill_session(session_id: int) -> None:

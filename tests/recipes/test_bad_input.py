@@ -118,6 +118,11 @@ CASES = [
     ("timeout-0", ["comm.timeout_s=0"], ["comm.timeout_s=0.0: expected"]),
     ("heartbeat-negative", ["comm.heartbeat_timeout_s=-1"], ["comm.heartbeat_timeout_s=-1.0: expected"]),
     ("heartbeat-inf", ["comm.heartbeat_timeout_s=inf"], ["comm.heartbeat_timeout_s=inf: expected"]),
+    ("hierarchical-unknown", ["comm.hierarchical=maybe"], ["comm.hierarchical='maybe': expected auto, true or false"]),
+    ("hierarchical-true-one-host", ["comm.hierarchical=true"],  # one process, or mpiexec -n 2 on one host
+     ["comm.hierarchical=true", "use comm.hierarchical=auto or false"]),
+    ("ranks-per-host-0", ["comm.ranks_per_host=0"], ["comm.ranks_per_host=0: expected a positive whole number"]),
+    ("ranks-per-host-not-dividing", ["comm.ranks_per_host=3"], ["comm.ranks_per_host=3 does not divide the job's"]),
     # learners
     ("bits-0", ["learner=quantized", "learner.num_quantization_bits=0"], ["learner.num_quantization_bits=0: expected"]),
     ("bits-33", ["learner=quantized", "learner.num_quantization_bits=33"], ["learner.num_quantization_bits=33: expected"]),
@@ -182,7 +187,9 @@ _RECIPE_FREE = {"recipe-unknown", "recipe-missing"}
 # after it (instantiation, the checkpoint, training), each reported once, by rank 0
 MPI_CASES = ["lr-nan", "group-list", "plus-misspelt-session", "hidden-negative", "classes-vs-data",
              "run-dir-is-file", "run-dir-empty-string", "lr-schedule-word", "threads-0",
-             "minibatch-too-large", "restore-off", "recipe-unknown"]
+             "minibatch-too-large", "restore-off", "recipe-unknown",
+             pytest.param("hierarchical-true-one-host", marks=pytest.mark.slow),
+             pytest.param("ranks-per-host-not-dividing", marks=pytest.mark.slow)]
 
 
 def _arguments(case_id: str, arguments: list[str], places: dict[str, str]) -> list[str]:

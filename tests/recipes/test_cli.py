@@ -15,7 +15,7 @@ import pytest
 from dtrain.host_memory import reason_to_leave_allocator
 from dtrain.session import checkpoint
 
-from tests.helpers.cifar_files import write_cifar10_binary
+from dtrain.testing.cifar_files import write_cifar10_binary
 from tests.helpers.cli import run_dtrain
 
 

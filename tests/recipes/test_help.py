@@ -87,3 +87,20 @@ def test_the_hint_for_a_nested_group_names_the_parent_options_that_have_it(tmp_p
     assert nested_group_hint(tmp_path, message, ["learner/exchange=bf16"]).startswith("(the learner chosen has no")
     assert nested_group_hint(tmp_path, message.replace("exchange", "schedule"), []) is None  # no option has one
     assert nested_group_hint(tmp_path, "Could not find 'learner/nope'", ["learner=nope"]) is None
+
+
+def test_help_topic_prints_that_documentation_page_and_help_lists_every_page(tmp_path):
+    pages = sorted(page.stem for page in (ROOT / "docs").glob("*.md") if page.stem != "README")
+    listing = run(sys.executable, "-m", "dtrain", "--help", cwd=tmp_path).stdout.split("read more:")[1]
+    for page in pages:
+        assert re.search(rf"\n    {re.escape(page)} +\S", listing), page
+    result = run(sys.executable, "-m", "dtrain", "--help", "data", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (ROOT / "docs" / "data.md").read_text().rstrip("\n") + "\n"
+
+
+def test_an_unknown_help_topic_is_refused_with_the_topics_there_are(tmp_path):
+    result = run(sys.executable, "-m", "dtrain", "--help", "lerners", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("dtrain: error: --help lerners: no such help topic; expected one of ")
+    assert "semantics" in result.stderr and len(result.stderr.strip().splitlines()) == 1

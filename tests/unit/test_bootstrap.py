@@ -54,7 +54,7 @@ def test_torchrun() -> None:
 
 def test_srun() -> None:
     info = detect_launcher(SRUN)
-    assert info == LaunchInfo("slurm", 5, 6, 1, 2, "gpu07", slurm_port(123456, 0))
+    assert info == LaunchInfo("slurm", 5, 6, 1, 2, "gpu07", slurm_port(123456, 0), "slurm-node-2")
     one_node = {**SRUN, "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1",
                 "SLURM_STEP_TASKS_PER_NODE": "6", "SLURM_STEP_NODELIST": "gpu07"}
     assert detect_launcher(one_node).master_addr == LOOPBACK
@@ -196,7 +196,7 @@ def test_auto_backend_gives_nccl_only_when_each_rank_of_the_node_has_a_gpu(plain
         plain_env.setenv(name, value)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        create_communicator()
+        create_communicator(hierarchical=False)
     assert chosen_backends == [chosen]
     messages = [str(warning.message) for warning in caught]
     if chosen == "gloo":
@@ -231,7 +231,7 @@ def test_auto_backend_under_mpiexec_is_mpi_on_one_node(plain_env, local_size, ch
     for name, value in {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
                         "OMPI_COMM_WORLD_LOCAL_SIZE": local_size}.items():
         plain_env.setenv(name, value)
-    create_communicator()
+    create_communicator(hierarchical=False)
     assert chosen_backends == [chosen]
 
 

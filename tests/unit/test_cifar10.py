@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.helpers.cifar_files import (
+from dtrain.testing.cifar_files import (
     cifar10_test_records,
     cifar10_train_records,
     write_cifar10_archive,

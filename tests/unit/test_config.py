@@ -11,8 +11,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 from tests.helpers.config import CONF, compose_config
-from tests.helpers.cifar_files import write_cifar10_binary
-from tests.helpers.image_files import write_image_map_files
+from dtrain.testing.cifar_files import write_cifar10_binary
+from dtrain.testing.image_files import write_image_map_files
 from dtrain.comm import LocalCommunicator
 from dtrain.config import validate
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("nvidia.dali")
 
-from tests.helpers.image_files import write_image_map_files  # noqa: E402
+from dtrain.testing.image_files import write_image_map_files  # noqa: E402
 from dtrain.data import (DataError, ImageAugmentation, ImageFolderDeserializer, MinibatchSource,  # noqa: E402
                          image_deserializer, image_transform)
 from dtrain.data.dali import DaliImageAugmentation, DaliImageDeserializer  # noqa: E402

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.image_files import image_pixels, write_image_map_files
+from dtrain.testing.image_files import image_pixels, write_image_map_files
 from dtrain.data.transform import crop_boxes
 from dtrain.data import (DataError, ImageAugmentation, ImageFolderDeserializer, ImageTransform, MinibatchSource,
                          crop_geometry)

@@ -31,6 +31,9 @@ def test_wheel_holds_every_package_and_the_config_tree(wheel):
         assert f"dtrain/conf/{config.relative_to(ROOT / 'conf')}" in names
     assert {"dtrain/data/digits.npz", "dtrain/data/digits.README.md"} <= names  # the data set and its licence
     assert {"dtrain/data/shakespeare.txt.gz", "dtrain/data/shakespeare.README.md"} <= names  # the corpus and its source
+    for page in (ROOT / "docs").rglob("*"):  # the documentation, which --help TOPIC prints, with its examples
+        if page.is_file():
+            assert f"dtrain/docs/{page.relative_to(ROOT / 'docs')}" in names
 
 
 def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_path):
@@ -47,8 +50,9 @@ def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_pat
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "recipe_name: cifar10" in result.stdout and "ConvNetCIFAR10" in result.stdout
-    for flag, expected in (("--version", "dtrain "), ("--help", "recipes (+recipe=NAME):\n  cifar10")):
-        result = subprocess.run([sys.executable, "-m", "dtrain", flag], cwd=elsewhere, env=env,
+    for flags, expected in ((["--version"], "dtrain "), (["--help"], "recipes (+recipe=NAME):\n  cifar10"),
+                            (["--help"], "\n    semantics "), (["--help", "semantics"], "# What dtrain computes\n")):
+        result = subprocess.run([sys.executable, "-m", "dtrain", *flags], cwd=elsewhere, env=env,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and expected in result.stdout, result.stderr
     # the digits set is read from the installed package, without scikit-learn

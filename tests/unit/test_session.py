@@ -349,6 +349,22 @@ def test_report_draws_bytes_per_step_when_the_learner_reports_them(tmp_path):
     assert struct.unpack(">II", with_bytes[16:24])[1] > struct.unpack(">II", without[16:24])[1]  # one more row of plots
 
 
+
+def test_report_gives_each_further_metric_its_own_row(tmp_path):
+    """metric=wer also reports per: report.png draws it too, not only the first name."""
+    import struct
+
+    from dtrain.session.report import write_report
+
+    records = [{"kind": "train", "samples": 100 * i, "time": 1000.0 + i, "loss": 1.0 / i, "wer": 0.5 / i,
+                "samples_per_second": 100.0, "period_s": 1.0, "compute_s": 1.0} for i in range(1, 6)]
+    records.append({"kind": "test", "samples": 500, "time": 1006.0, "loss": 0.2, "wer": 0.3, "per": 0.1})
+    one = write_report(records, tmp_path / "one.png", metric_name="wer", percent=True).read_bytes()
+    two = write_report(records, tmp_path / "two.png", metric_name="wer", percent=True, more_metrics=("wer", "per")).read_bytes()
+    height = lambda png: struct.unpack(">II", png[16:24])[1]  # noqa: E731
+    assert height(two) > height(one)  # one more row: per against samples and against time
+
+
 # -- your own loss and metric ---------------------------------------------------------------------------
 
 
@@ -618,7 +634,7 @@ def test_load_checkpoint_is_public_and_plain_torch_reads_the_weights_after_the_h
     session.train()
     state = dtrain.load_checkpoint(tmp_path / "ckpt-64.pt")
     assert state["samples_seen"] == 64
-    with open(tmp_path / "ckpt-64.pt", "rb") as stream:  # the README's recipe without dtrain
+    with open(tmp_path / "ckpt-64.pt", "rb") as stream:  # docs/run-directory.md's recipe without dtrain
         stream.readline()
         plain = torch.load(stream, weights_only=True)
     fresh = make_model(seed=1)

@@ -296,7 +296,7 @@ def _assert_same_stream(with_read_ahead, without) -> None:
 
 
 def test_read_ahead_stream_equals_the_plain_stream_across_restore_and_repartitioning(tmp_path):
-    from tests.helpers.image_files import write_image_map_files
+    from dtrain.testing.image_files import write_image_map_files
 
     from dtrain.data import ImageAugmentation, ImageFolderDeserializer
 

@@ -1,4 +1,4 @@
-"""Write small CIFAR-10 data sets in the official binary layout, for tests.
+"""Write small CIFAR-10 data sets in the official binary layout, for tests and benchmarks.
 
 ``write_cifar10_binary(root)`` creates ``root/cifar-10-batches-bin/`` with ``data_batch_1..5.bin``,
 ``test_batch.bin`` and ``batches.meta.txt``; ``cifar10_records`` regenerates the exact contents

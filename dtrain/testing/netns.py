@@ -1,8 +1,8 @@
 """A cluster of simulated hosts on one machine, built from Linux network namespaces (needs root).
 
-Usage (from a test, or a script run with the repository root on ``PYTHONPATH``)::
+Usage (from a test or a benchmark)::
 
-    from tests.helpers.netns import NamespaceCluster, available
+    from dtrain.testing.netns import NamespaceCluster, available
 
     ok, reason = available()
     if not ok:
@@ -53,7 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers.mpi import MpiResult, mpiexec_path, run_in_new_session
+from dtrain.testing.processes import MpiResult, mpiexec_path, run_in_new_session
 
 IFNAME = "eth0"
 """Name of each host's network interface, inside its namespace (the value for ``GLOO_SOCKET_IFNAME``)."""

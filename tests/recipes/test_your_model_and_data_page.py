@@ -1,4 +1,5 @@
-"""The README's "Your own model and data" section, run as written: its files are written into a fresh
+"""``docs/your-model-and-data.md`` (the walkthrough the README's "Your own model and data" leads to), run as
+written: its files are written into a fresh
 project directory, and its commands run there one by one, with ``python -m dtrain`` and with the
 installed ``dtrain`` command (which must import the project's modules from the working directory)."""
 from __future__ import annotations
@@ -19,11 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # about 30 s of training runs; .ci/run runs it
 
 
-def section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+def page() -> str:
+    return (ROOT / "docs" / "your-model-and-data.md").read_text()
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:
@@ -48,7 +46,7 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_every_snippet_of_your_own_model_and_data_runs_as_written(project: Path) -> None:
-    found = blocks(section("Your own model and data"))
+    found = blocks(page())
     commands = [line for language, _, body in found if language == "bash" for line in body.splitlines()
                 if line.strip() and not line.startswith("#")]
     assert any(line.startswith("dtrain ") for line in commands)  # the installed command is among them

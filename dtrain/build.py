@@ -1,0 +1,240 @@
+"""Builds a training session from a composed config (model, optimizer, learner, sources, loss, metric)
+and runs it: the Hydra-free half of ``python -m dtrain``, between the entry (``dtrain.cli``) and the loop."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from dtrain.comm.base import first_line
+from dtrain.failures import USER_ERRORS, UserError, exit_preempted
+from dtrain.host_memory import keep_freed_host_memory
+from dtrain.optim import optimizer_parameters
+from dtrain.schedules import Schedule
+from dtrain.threads import choose_threads
+from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
+from dtrain.session.binding import StreamBinding
+from dtrain.session.configs import device_and_profile_options
+from dtrain.session.lr_scaling import LearningRateScaling
+from dtrain.session.safe_files import create_new
+from dtrain.sweep import SweepJob
+
+
+def fingerprint(cfg: DictConfig) -> str:
+    """A short hash of the resolved config without its run directory (equal on every rank of a job)."""
+    content = OmegaConf.to_container(cfg, resolve=True)
+    content.pop("run_dir", None)
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(content), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_identity(cfg: DictConfig) -> dict:
+    """What only the config knows that a checkpoint must match: the model's settings and the seed.
+
+    The session adds what the objects themselves say (the model's type, the learner and its
+    optimizer's type, the training data). Sizes, rates, frequencies and the world size may change.
+    """
+    return {"model": OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
+
+
+def run_config(cfg: DictConfig) -> dict:
+    """The resolved config as plain containers, without where the run lives or started from (the run
+    directory, which may move, and ``session.checkpoint.restore_from``)."""
+    content = OmegaConf.to_container(cfg, resolve=True)
+    content.pop("run_dir", None)
+    content.get("session", {}).get("checkpoint", {}).pop("restore_from", None)
+    return content
+
+
+def _schedule(node, warmup: bool = True) -> Schedule | None:
+    """The schedule a ``ScheduleConfig`` node describes; ``warmup=False``: without its warm-up (``lr_scaling``'s)."""
+    if node is None:
+        return None
+    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size,
+                    node.warmup_samples if warmup else 0)
+
+
+def _lr_scaling(session) -> LearningRateScaling | None:
+    """``session.lr_scaling``: warmed up over ``session.lr_schedule.warmup_samples`` from the unscaled lr."""
+    if session.lr_scaling == "none":
+        return None
+    warmup = session.lr_schedule.warmup_samples if session.lr_schedule is not None else 0
+    return LearningRateScaling(session.lr_scaling, session.minibatch_size, session.lr_reference_minibatch_size, warmup)
+
+
+def _instantiate(node, what: str, **kwargs):
+    """``hydra.utils.instantiate`` that reports the cause of a failure, not Hydra's wrapper.
+
+    A user error from the component (or a ``_target_`` that cannot be found) becomes a
+    :class:`UserError` naming ``what``; any other cause is re-raised as itself, so the caller
+    classifies it (out of memory, a bug) by its type.
+    """
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if cause is None or isinstance(cause, ImportError):  # a _target_ that does not exist
+            message = first_line(error).split(", set env var HYDRA_FULL_ERROR")[0]
+            raise UserError(f"{what}: {message}; expected an importable class or function (modules of your own are "
+                            f"imported from the working directory, {os.getcwd()}, and PYTHONPATH)") from None
+        if isinstance(cause, USER_ERRORS):
+            raise UserError(f"{what}: {first_line(cause)}") from None
+        raise cause from None
+
+
+def config_path(run_dir: Path) -> Path:
+    """Where this run's resolved config goes: ``config.yaml``, or for a resumed run the first free
+    ``config.<n>.yaml`` (an earlier run's is never replaced)."""
+    path, index = run_dir / "config.yaml", 1
+    while os.path.lexists(path):
+        path = run_dir / f"config.{index}.yaml"
+        index += 1
+    return path
+
+
+def save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """Writes the resolved config into the run directory as a new file (never over an earlier one,
+    and never through a link planted at its name); returns where."""
+    text = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    while True:
+        path = config_path(run_dir)
+        try:
+            with create_new(path) as stream:
+                stream.write(text)
+            return path
+        except FileExistsError:  # appeared since config_path looked: take the next name
+            continue
+
+
+def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> float | None:
+    """Builds the model, learner, sources and session that ``cfg`` names on ``comm``'s ranks, trains, and returns
+    the run's objective (exits with code 75 after a preemption checkpoint)."""
+    # one run directory and one config for all ranks
+    cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
+    config_hash = fingerprint(cfg)
+    hashes = comm.allgather_object(config_hash)
+    if len(set(hashes)) > 1:
+        differing = [rank for rank, value in enumerate(hashes) if value != hashes[0]]
+        raise UserError(f"ranks {differing} resolved a different config than rank 0; start every rank with the same "
+                        f"command line, environment and files")
+    threads = choose_threads(cfg.session.num_threads, comm.local_size if comm.size > 1 else 1, torch.get_num_threads())
+    torch.set_num_threads(threads.threads)
+    host_memory = keep_freed_host_memory(cfg.session.keep_host_memory)
+
+    torch.manual_seed(cfg.seed)  # identical initial model on every rank
+    model = _instantiate(cfg.model, "model")
+    optimizer_factory = _instantiate(cfg.optimizer, "optimizer")
+    optimizer = optimizer_factory(optimizer_parameters(optimizer_factory, model))  # LARS, LAMB: norm/bias groups
+    learner = _instantiate(cfg.learner, "learner", optimizer=optimizer, comm=comm)
+    train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
+    test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
+    cv_source = _instantiate(cfg.source.cv, "source.cv") if cfg.source.cv is not None else None
+    inputs = OmegaConf.to_container(cfg.session.inputs, resolve=True) \
+        if isinstance(cfg.session.inputs, (DictConfig, ListConfig)) else cfg.session.inputs
+    check_model_outputs(model, train_source, cfg.model.get("num_classes"), StreamBinding(inputs, cfg.session.target))
+    torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
+
+    session = cfg.session
+    run_dir = Path(cfg.run_dir)
+    mb_schedule = _schedule(session.minibatch_size_schedule)
+    loss = _instantiate(cfg.loss, "loss")
+    metric = _instantiate(cfg.metric, "metric")
+    trainer = training_session(
+        model=model,
+        loss=loss,
+        metric=metric,
+        learner=learner,
+        minibatch_source=train_source,
+        minibatch_size=mb_schedule or session.minibatch_size,
+        max_samples=session.max_samples,
+        progress_frequency=session.progress_frequency,
+        checkpoint_config=CheckpointConfig(**OmegaConf.to_container(session.checkpoint, resolve=True)),
+        cv_config=CrossValidationConfig(cv_source, session.cv.frequency, session.cv.minibatch_size,
+                                        max_samples=session.cv.max_samples) if cv_source is not None else None,
+        test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
+        lr_schedule=_schedule(session.lr_schedule, warmup=session.lr_scaling == "none"),
+        lr_scaling=_lr_scaling(session),
+        ema_decay=session.ema_decay,
+        momentum_time_constant_schedule=_schedule(session.momentum_time_constant_schedule),
+        unit_gain_momentum=session.unit_gain_momentum,
+        run_dir=run_dir,
+        tensorboard=session.tensorboard,
+        progress_bar=session.progress_bar,
+        micro_batch_size=session.micro_batch_size,
+        clip_grad_norm=session.clip_grad_norm,
+        precision=session.precision,
+        compile=session.compile,
+        **device_and_profile_options(session),
+        inputs=inputs,
+        target=cfg.session.target,
+        config_fingerprint=config_hash,
+        checkpoint_identity=checkpoint_identity(cfg),
+        run_config=run_config(cfg),
+    )
+    trainer.restore()  # a bad checkpoint is reported before anything is written
+    trainer.when_checks_pass(lambda: save_config(cfg, run_dir))  # after the first minibatch's checks too
+    if comm.is_main:
+        print(f"dtrain: recipe {cfg.recipe_name}, run directory {run_dir} (config in {config_path(run_dir).name})",
+              flush=True)
+        print(f"dtrain: {threads.describe(per_process=comm.size > 1)}", flush=True)
+        print(f"dtrain: {host_memory.describe()}", flush=True)
+    result = trainer.train()
+    if result.preempted:
+        exit_preempted(comm, cfg, result, sweep_dir=job.sweep_dir if job is not None else None)
+    return result.objective
+
+
+def check_model_outputs(model: torch.nn.Module, source, num_classes=None, binding: StreamBinding | None = None) -> None:
+    """Raises :class:`UserError` when the model's output size differs from the target's class count.
+
+    Two-stream data: one forward pass of a zero input of the data's feature shape. Named streams:
+    one forward pass of the first sequence, read through the source's deserializer (its position
+    does not move), when the target is an integer stream that declares ``num_classes``. Both in
+    eval mode and without gradients (no parameter, buffer or random state changes), before any
+    training; a model that fails on that input is left to fail in training with its own message.
+    """
+    deserializer = getattr(source, "deserializer", None)
+    classes, shape = getattr(deserializer, "num_classes", None), getattr(deserializer, "feature_shape", None)
+    streams = getattr(source, "streams", None)
+    binding = binding or StreamBinding()
+    if classes is not None and shape is not None:
+        inputs, target_name = (torch.zeros(1, *shape),), "labels"
+
+        def forward():
+            return model(*inputs)
+    elif streams is not None and binding.target is not None and binding.target.name in streams \
+            and streams[binding.target.name].num_classes is not None \
+            and not streams[binding.target.name].dtype.is_floating_point:
+        classes, target_name = streams[binding.target.name].num_classes, binding.target.name
+        try:
+            first = source.first_minibatch()
+        except Exception:  # noqa: BLE001 - a read problem is reported by training itself, with its own line
+            return
+
+        def forward():
+            return binding.forward(model, first)
+    else:
+        return
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            output = forward()
+    except Exception:  # noqa: BLE001 - see the docstring
+        if classes is not None and shape is not None:
+            raise
+        return
+    finally:
+        model.train(was_training)
+    outputs = output.shape[-1] if isinstance(output, torch.Tensor) and output.dim() else None
+    if outputs is not None and outputs != classes:
+        setting = f"model.num_classes={num_classes}" if num_classes is not None else "the model"
+        what = f"the training data ({type(deserializer).__name__})" if target_name == "labels" and shape is not None \
+            else f"the target stream {target_name!r}"
+        expected = f"model.num_classes={classes}" if num_classes is not None else f"a model with {classes} outputs"
+        raise UserError(f"{setting}: the model has {outputs} outputs but {what} has {classes} classes; expected "
+                        f"{expected}")

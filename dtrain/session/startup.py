@@ -1,0 +1,67 @@
+"""The start-up lines of a training session: what trains where, on how many workers, with which learner,
+precision and options, and which checkpoint it starts from."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dtrain.learners.replicated import ReplicatedLearner
+from dtrain.session.precision import bf16_cpu_note
+
+
+class StartupLines:
+    """The start-up printing of :class:`~dtrain.session.TrainingSession` (mixed into it: it reads the session's
+    settings, model, learner, source and restore notes)."""
+
+    def _print_start(self, printer, restored_from: Path | None) -> None:
+        size = self.comm.size
+        mb = int(self.minibatch_size(self.learner.samples_seen))
+        parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {_device_name(self.device)}",
+                 f"{size} worker{'s' if size > 1 else ''}" + (f" ({self.comm.backend})" if size > 1 else ""),
+                 f"global minibatch {mb} ({mb // size}-{-(-mb // size)} per worker)"]
+        if self.max_samples is not None:
+            sweeps = self.max_samples / self.source.samples_per_sweep
+            parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
+        printer.line("dtrain: " + ", ".join(parts))
+        if getattr(self.source, "has_sequences", False) or not self.binding.is_default:
+            printer.line(f"dtrain: {self.binding.describe()}" + (f"; {self._defining_stream_note}"
+                                                                  if self._defining_stream_note else ""))
+        printer.line("dtrain: " + self.learner.describe() + _one_process_note(self.learner, size))
+        options = [f"precision {self.precision}" if self.precision != "32" else "",
+                   "torch.compile (inductor backend)" if self.compile else "",
+                   f"passes of at most {self.micro_batch_size} samples per worker (one exchange per minibatch)"
+                   if self.micro_batch_size else "",
+                   f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else "",
+                   self._profiler.describe() if self._profiler is not None else "",
+                   self.lr_scaling.describe(self.base_learning_rates[0]) if self.lr_scaling is not None else "",
+                   self.ema.describe() if self.ema is not None else ""]
+        if any(options):
+            printer.line("dtrain: " + ", ".join(option for option in options if option))
+        note = bf16_cpu_note(self.precision, self.device)
+        if note:
+            printer.line(note)
+        if restored_from is None:
+            printer.line(f"dtrain: {self._restore_note}")
+        else:
+            printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples"
+                         + (f" ({self._restore_note})" if self._restore_note else ""))
+            if self.changed_settings:
+                printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
+                             f"{'; '.join(self.changed_settings)}")
+
+
+def _device_name(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``the CPU``: where the model trains, for the start-up line."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return "the CPU" if device.type == "cpu" else str(device)
+
+
+def _one_process_note(learner, size: int) -> str:
+    """For a replicated learner (``data_parallel``, ``quantized``, ``powersgd``, your own) in one process: that it
+    makes plain local optimizer steps, so that ``learner data_parallel`` with 1 worker is not read as distributed."""
+    if size == 1 and isinstance(learner, ReplicatedLearner):
+        return " (one process: plain local optimizer steps, nothing is exchanged)"
+    return ""
