@@ -16,6 +16,7 @@ from dtrain import CheckpointConfig, LocalLearner, MinibatchSource, TestConfig, 
 from dtrain.optim import LAMB, LARS, RMSpropWarmupSGD, norm_and_bias_groups
 from dtrain.session import checkpoint
 from dtrain.session.lr_scaling import LearningRateScaling, lr_scaling_problems
+from dtrain.session.weight_ema import WeightEMA
 
 from tests.helpers.toy_data import four_class_data
 
@@ -38,9 +39,8 @@ def _session(run_dir: Path, max_samples: int, optimizer_class=LARS, *, scaling=N
     return session, model, optimizer, out
 
 
-@pytest.mark.parametrize("optimizer_class,settings", [
-    pytest.param(LARS, {"lr": 2.0, "eta": 0.01}, marks=pytest.mark.slow),  # the default suite's time budget
-    (LAMB, {"lr": 0.01})])
+@pytest.mark.slow  # three sessions each (8 s): the default suite's time budget; WeightEMA's own round trip below
+@pytest.mark.parametrize("optimizer_class,settings", [(LARS, {"lr": 2.0, "eta": 0.01}), (LAMB, {"lr": 0.01})])
 def test_resume_is_bit_identical_with_the_optimizer_state_and_the_weight_ema(tmp_path, optimizer_class, settings):
     scaling = LearningRateScaling("sqrt", 64, 16, warmup_samples=96)
     _session(tmp_path / "whole", 128, optimizer_class, scaling=scaling, **settings)[0].train()
@@ -111,3 +111,29 @@ def test_lr_scaling_rules():
     assert "session.lr_scaling=linear with session.minibatch_size_schedule" in lr_scaling_problems(session)[0]
     with pytest.raises(ValueError, match="lr_scaling='cube': expected one of none, linear, sqrt"):
         LearningRateScaling("cube", 64, 16)
+
+
+def test_the_weight_ema_state_round_trip_continues_bit_identically():
+    model = _model()
+    straight, first = WeightEMA(model, 0.9), WeightEMA(model, 0.9)
+    steps = []
+    for step in range(6):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.1 * (step + 1))
+        steps.append([p.detach().clone() for p in model.parameters()])
+    for weights in steps[:3]:
+        for parameter, value in zip(model.parameters(), weights):
+            parameter.data.copy_(value)
+        straight.update(model)
+        first.update(model)
+    resumed = WeightEMA(_model(), 0.9)
+    resumed.load_state_dict(first.state_dict())
+    for weights in steps[3:]:
+        for parameter, value in zip(model.parameters(), weights):
+            parameter.data.copy_(value)
+        straight.update(model)
+        resumed.update(model)
+    assert resumed.updates == straight.updates == 6
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
