@@ -14,11 +14,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from dtrain.comm.base import first_line
 from dtrain.failures import USER_ERRORS, UserError, exit_preempted
 from dtrain.host_memory import keep_freed_host_memory
+from dtrain.optim import optimizer_parameters
 from dtrain.schedules import Schedule
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
 from dtrain.session.binding import StreamBinding
 from dtrain.session.configs import device_and_profile_options
+from dtrain.session.lr_scaling import LearningRateScaling
 from dtrain.session.safe_files import create_new
 from dtrain.sweep import SweepJob
 
@@ -48,10 +50,20 @@ def run_config(cfg: DictConfig) -> dict:
     return content
 
 
-def _schedule(node) -> Schedule | None:
+def _schedule(node, warmup: bool = True) -> Schedule | None:
+    """The schedule a ``ScheduleConfig`` node describes; ``warmup=False``: without its warm-up (``lr_scaling``'s)."""
     if node is None:
         return None
-    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size, node.warmup_samples)
+    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size,
+                    node.warmup_samples if warmup else 0)
+
+
+def _lr_scaling(session) -> LearningRateScaling | None:
+    """``session.lr_scaling``: warmed up over ``session.lr_schedule.warmup_samples`` from the unscaled lr."""
+    if session.lr_scaling == "none":
+        return None
+    warmup = session.lr_schedule.warmup_samples if session.lr_schedule is not None else 0
+    return LearningRateScaling(session.lr_scaling, session.minibatch_size, session.lr_reference_minibatch_size, warmup)
 
 
 def _instantiate(node, what: str, **kwargs):
@@ -115,7 +127,8 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
 
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     model = _instantiate(cfg.model, "model")
-    optimizer = _instantiate(cfg.optimizer, "optimizer")(model.parameters())
+    optimizer_factory = _instantiate(cfg.optimizer, "optimizer")
+    optimizer = optimizer_factory(optimizer_parameters(optimizer_factory, model))  # LARS, LAMB: norm/bias groups
     learner = _instantiate(cfg.learner, "learner", optimizer=optimizer, comm=comm)
     train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
     test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
@@ -143,7 +156,9 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
         cv_config=CrossValidationConfig(cv_source, session.cv.frequency, session.cv.minibatch_size,
                                         max_samples=session.cv.max_samples) if cv_source is not None else None,
         test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
-        lr_schedule=_schedule(session.lr_schedule),
+        lr_schedule=_schedule(session.lr_schedule, warmup=session.lr_scaling == "none"),
+        lr_scaling=_lr_scaling(session),
+        ema_decay=session.ema_decay,
         momentum_time_constant_schedule=_schedule(session.momentum_time_constant_schedule),
         unit_gain_momentum=session.unit_gain_momentum,
         run_dir=run_dir,

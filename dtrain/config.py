@@ -25,7 +25,10 @@ from omegaconf.errors import OmegaConfBaseException
 from dtrain import checks
 
 from dtrain.session.batchnorm import batchnorm_setting_problems
+from dtrain.optim import settings as optim_settings
 from dtrain.session.configs import signal_from_name
+from dtrain.session.lr_scaling import lr_scaling_problems
+from dtrain.session.weight_ema import check_ema_decay
 
 #: the type of every switch in the schemas: a boolean kept as written. OmegaConf's ``bool`` would turn
 #: ``2`` or ``"yes"`` into true without a word; ``validate`` asks for ``true`` or ``false`` instead
@@ -372,6 +375,11 @@ class SessionConfig:
     sync_batchnorm: StrictBool = False  # BatchNorm statistics over the global minibatch (every rank's share)
     batchnorm_statistics: str = "running"  # running | recomputed (exactly, over the final model, before the test)
     batchnorm_recompute_samples: int = 4096  # global training samples the recomputed statistics average over
+    # large minibatches (docs/large-minibatch.md): lr x minibatch/reference (linear) or its square root (sqrt),
+    # warmed up from the unscaled lr over session.lr_schedule.warmup_samples; and a weight EMA
+    lr_scaling: str = "none"            # none | linear | sqrt
+    lr_reference_minibatch_size: Optional[int] = None  # samples: the global minibatch the lr was tuned at
+    ema_decay: Optional[float] = None   # exponential moving average of the weights; null = off
 
 
 @dataclass
@@ -505,6 +513,7 @@ _SCHEMAS = {
     ("schema/optimizer", "sgd"): SGDConfig,
     ("schema/optimizer", "adam"): AdamConfig,
     ("schema/optimizer", "adamw"): AdamWConfig,
+    **{("schema/optimizer", name): schema for name, schema in optim_settings.OPTIONS.items()},
     ("schema/model", "digits_cnn"): DigitsCNNConfig,
     ("schema/model", "cifar10_convnet"): ConvNetCIFAR10Config,
     ("schema/model", "resnet50"): ResNet50Config,
@@ -743,6 +752,10 @@ def _adam_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+for _schema in optim_settings.OPTIONS.values():  # optimizer=lars, lamb, rmsprop_warmup_sgd
+    register_rule(_schema._target_, optim_settings.problems)
+
+
 # -- losses and metrics
 @register_rule("torch.nn.CrossEntropyLoss")
 def _cross_entropy_rules(node: DictConfig, name: str) -> list[str]:
@@ -923,6 +936,8 @@ def _session_problems(session: DictConfig) -> list[str]:
     )
     problems += _check(session.test, "session.test", ("minibatch_size", checks.sample_count, {}))
     problems += _session_streams_problems(session)
+    problems += lr_scaling_problems(session) + checks.collect([lambda: check_ema_decay("session.ema_decay",
+                                                                                       session.ema_decay)])
     value_checks = {
         "minibatch_size_schedule": checks.sample_count,
         "lr_schedule": lambda key, value: checks.positive_number(key, value, allow_zero=True),

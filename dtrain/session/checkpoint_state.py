@@ -14,6 +14,7 @@ A checkpoint is a dictionary with these entries (all plain containers and tensor
 - ``settings``: the settings that may change on resume, as the run that wrote it used them;
 - ``config_fingerprint``, ``versions`` (dtrain and torch);
 - ``loss_scaler``: fp16's ``torch.amp.GradScaler`` state dict (only when training in fp16).
+- ``weight_ema``: the weight average's ``AveragedModel`` state dict (only with ``session.ema_decay``).
 
 Restoring refuses a checkpoint whose identity differs (naming the first difference) and
 re-applies the configured optimizer hyper-parameters after loading the optimizer state, so a
@@ -190,7 +191,8 @@ def changed_settings(saved: dict[str, Any] | None, current: dict[str, Any]) -> l
 
 def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch.nn.Module, learner, source, comm,
              expected_identity: dict[str, Any], settings: dict[str, Any], config_fingerprint: str,
-             versions: dict[str, str], loss_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
+             versions: dict[str, str], loss_scaler: dict[str, Any] | None = None,
+             weight_ema: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a bit-exact resume needs, in the layout above; per-rank parts are gathered (a
     collective: every rank calls it, rank 0 gets the whole dictionary)."""
     per_rank = comm.gather_object({"rng": torch.get_rng_state(), "learner": learner.local_state_dict()})
@@ -211,6 +213,8 @@ def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch
     }
     if loss_scaler is not None:
         state["loss_scaler"] = loss_scaler
+    if weight_ema is not None:
+        state["weight_ema"] = weight_ema
     return state
 
 

@@ -44,6 +44,8 @@ from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
 from dtrain.session.startup import StartupLines
 from dtrain.session.report import write_report
 from dtrain.session.rundir import RunDirectoryLock
+from dtrain.session.lr_scaling import LearningRateScaling
+from dtrain.session.weight_ema import WeightEMA
 from dtrain.session.weights import save_weights
 
 
@@ -75,6 +77,7 @@ class TrainingResult:
     restored_from: Path | None
     preempted: bool = False   # stopped by the preemption signal after saving a checkpoint
     last_training_error: float | None = None  # mean metric of the last progress period (all ranks)
+    test_ema: Evaluation | None = None  # the test pass of the weight EMA (``ema_decay``), beside ``test``
 
     @property
     def objective(self) -> float | None:
@@ -140,6 +143,12 @@ class TrainingSession(PreemptionHandling, StartupLines):
         lr_schedule: multipliers of each parameter group's configured lr, by samples seen.
         momentum_time_constant_schedule: momentum as time constants in samples (``exp(-mb/tc)`` per minibatch).
         unit_gain_momentum: set SGD's dampening to the momentum, so steps are ``lr``-sized (CNTK).
+        lr_scaling: a ``LearningRateScaling`` multiplying every group's lr (with ``lr_schedule``'s multiplier)
+            by ``minibatch / reference`` or its square root, warmed up from the unscaled lr
+            (``dtrain.session.lr_scaling``); ``None``: no scaling.
+        ema_decay: keep an exponential moving average of the weights with this decay in (0, 1), in
+            checkpoints, tested beside the model and written to ``model_ema.safetensors``
+            (``dtrain.session.weight_ema``); ``None``: none.
         run_dir: directory for metrics, TensorBoard events and relative checkpoint names; rank 0
             holds a lock on it while training, so a second job into it is refused.
         tensorboard: write TensorBoard events too (``None``: when the ``tensorboard`` package is installed;
@@ -211,6 +220,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
         lr_schedule: Schedule | None = None,
         momentum_time_constant_schedule: Schedule | None = None,
         unit_gain_momentum: bool = False,
+        lr_scaling: LearningRateScaling | None = None,
+        ema_decay: float | None = None,
         run_dir: str | Path = ".",
         tensorboard: bool | None = None,
         config_fingerprint: str = "",
@@ -295,6 +306,10 @@ class TrainingSession(PreemptionHandling, StartupLines):
         self.lr_schedule = lr_schedule
         self.momentum_time_constant_schedule = momentum_time_constant_schedule
         self.unit_gain_momentum = unit_gain_momentum
+        if lr_scaling is not None and not isinstance(lr_scaling, LearningRateScaling):
+            raise TypeError(f"lr_scaling must be a dtrain LearningRateScaling or None, got {type(lr_scaling).__name__}")
+        self.lr_scaling = lr_scaling if lr_scaling is not None and lr_scaling.rule != "none" else None
+        self.ema = WeightEMA(model, ema_decay) if ema_decay is not None else None
         self.run_dir = Path(run_dir)
         self.tensorboard = resolve_tensorboard(tensorboard)  # None: when the package is installed
         self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
@@ -314,6 +329,7 @@ class TrainingSession(PreemptionHandling, StartupLines):
             "precision": self.precision, "compile": self.compile,
             "sync_batchnorm": self.sync_batchnorm, "batchnorm_statistics": self.batchnorm_statistics,
             "batchnorm_recompute_samples": self.batchnorm_recompute_samples,
+            "lr_scaling": repr(self.lr_scaling) if self.lr_scaling else None, "ema_decay": ema_decay,
         }}
         if run_config is not None:
             self.settings["config"] = run_config
@@ -383,6 +399,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
         if self._run_dir_lock is not None:
             self._run_dir_lock.record_holder()
         self.model.to(self.device)
+        if self.ema is not None:
+            self.ema.to(self.device)
         self.learner.plan(RunFacts(samples_per_sweep=getattr(self.source, "samples_per_sweep", None),
                                    max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0))))
         self.learner.prepare(self.model)
@@ -434,6 +452,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
                     break
                 self._apply_schedules(seen, size)
                 self._step.train(batch, sums, timer)
+                if self.ema is not None and self.learner.is_sync_point():
+                    self.ema.update(self.model)  # one model on every rank here (dtrain.session.weight_ema)
                 if not trained:  # the first minibatch passed every check: the run directory may change now
                     trained = True
                     self._start_outputs(metrics)
@@ -483,7 +503,17 @@ class TrainingSession(PreemptionHandling, StartupLines):
 
         if self.batchnorm_statistics == "recomputed" and not preempted:
             self._recompute_batchnorm(printer, seen)
-        test = None  # the model was synchronised above
+        test = test_ema = None  # the model was synchronised above
+        if self.test_config is not None and not preempted and self.ema is not None:
+            self.ema.take_rank0s(self.comm)  # evaluated in shares by every rank: one average
+            if self.batchnorm_statistics == "recomputed":  # the average's own statistics, not the live model's
+                self._recompute_batchnorm(printer, seen, self.ema.module, "of the weight EMA ")
+            test_ema = evaluate(self.ema.module, self.test_config.minibatch_source, self.test_config.minibatch_size,
+                                self.loss, self.metric, self.comm, self.device, binding=self.binding)
+            accuracy = {"accuracy": test_ema.accuracy} if self.metric_name == "error" else {}
+            self._start_outputs(metrics)
+            metrics.write("test_ema", seen, loss=test_ema.loss, **{self.metric_name: test_ema.error}, **accuracy,
+                          **test_ema.details, num_samples=test_ema.num_samples)
         if self.test_config is not None and not preempted:
             test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
                             self.loss, self.metric, self.comm, self.device, binding=self.binding)
@@ -513,18 +543,20 @@ class TrainingSession(PreemptionHandling, StartupLines):
             samples_seen=seen, minibatches=self.minibatches, seconds=seconds, stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
             metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
-            last_training_error=self._last_training_error,
+            last_training_error=self._last_training_error, test_ema=test_ema,
         )
         self._print_summary(printer, result, metrics)
         return result
 
-    def _recompute_batchnorm(self, printer, samples_seen: int) -> None:
-        """``batchnorm_statistics=recomputed``: exact statistics of the final model before the test and the
-        export (after the last checkpoint, which keeps the running ones training resumes with)."""
+    def _recompute_batchnorm(self, printer, samples_seen: int, model: torch.nn.Module | None = None,
+                             whose: str = "") -> None:
+        """``batchnorm_statistics=recomputed``: exact statistics of the final model (or of ``model``, the
+        weight EMA) before the test and the export (after the last checkpoint, which keeps the running
+        ones training resumes with)."""
         used = recompute_batchnorm_statistics(
-            self.model, self.source, int(self.minibatch_size(samples_seen)), self.batchnorm_recompute_samples,
+            self.model if model is None else model, self.source, int(self.minibatch_size(samples_seen)), self.batchnorm_recompute_samples,
             self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision)
-        printer.line(f"BatchNorm statistics recomputed over {used:,} training samples"
+        printer.line(f"BatchNorm statistics {whose}recomputed over {used:,} training samples"
                      + (f" (the data ended before {self.batchnorm_recompute_samples:,})"
                         if used < self.batchnorm_recompute_samples else ""))
 
@@ -570,8 +602,9 @@ class TrainingSession(PreemptionHandling, StartupLines):
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
         groups = self.learner.optimizer.param_groups
-        if self.lr_schedule is not None:
-            multiplier = self.lr_schedule(samples_seen)
+        if self.lr_schedule is not None or self.lr_scaling is not None:
+            multiplier = (self.lr_schedule(samples_seen) if self.lr_schedule is not None else 1.0) \
+                * (self.lr_scaling(samples_seen) if self.lr_scaling is not None else 1.0)
             for group, base in zip(groups, self.base_learning_rates):
                 group["lr"] = base * multiplier
         if self.momentum_time_constant_schedule is not None:
@@ -580,6 +613,9 @@ class TrainingSession(PreemptionHandling, StartupLines):
                 group["momentum"] = momentum
                 if self.unit_gain_momentum:
                     group["dampening"] = momentum
+        set_samples_seen = getattr(self.learner.optimizer, "set_samples_seen", None)
+        if callable(set_samples_seen):  # an optimizer that changes with the samples seen (RMSpropWarmupSGD)
+            set_samples_seen(samples_seen)
 
     # -- actions --------------------------------------------------------------------------------
     def _report_progress(self, printer, metrics, sums: PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
@@ -665,7 +701,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
             expected_identity=self.checkpoint_identity, settings=self.settings,
             config_fingerprint=self.config_fingerprint,
             versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
-            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None)
+            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            weight_ema=self.ema.state_dict() if self.ema is not None else None)
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
             checkpoint.save_atomic(state, path, previous=self.checkpoint_files.newest())
@@ -716,6 +753,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
         self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])  # a checkpoint of a float32/bf16 run: a fresh scale
+        if self.ema is not None and state.get("weight_ema") is not None:
+            self.ema.load_state_dict(state["weight_ema"])  # a checkpoint without one: the average starts afresh
         self.minibatches = int(state["minibatches"])
         self.cv_index = int(state["cv_index"])
         seen = self.learner.samples_seen
@@ -743,6 +782,10 @@ class TrainingSession(PreemptionHandling, StartupLines):
         """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors``."""
         self._weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
                                           metadata={"samples_seen": str(samples_seen)})
+        if self.ema is not None:
+            save_weights(self.ema.module, self.run_dir / "model_ema.safetensors",
+                         metadata={"samples_seen": str(samples_seen), "ema_decay": repr(self.ema.decay),
+                                   "ema_updates": str(self.ema.updates)})
 
     # -- printing -------------------------------------------------------------------------------
     def _format_metric(self, value: float, details: dict[str, float] | None = None) -> str:
@@ -771,13 +814,19 @@ class TrainingSession(PreemptionHandling, StartupLines):
         elif result.test is not None:
             lines.append(f"test: {self._format_metric(result.test.error, result.test.details)} (loss "
                          f"{result.test.loss:.4f}) on {result.test.num_samples:,} samples")
+        if result.test_ema is not None:
+            lines.append(f"test of the weight EMA (decay {self.ema.decay:g}): " + (
+                f"accuracy {100 * result.test_ema.accuracy:.2f}% (error {100 * result.test_ema.error:.2f}%, "
+                if self.metric_name == "error" else f"{self._format_metric(result.test_ema.error, result.test_ema.details)} (")
+                + f"loss {result.test_ema.loss:.4f})")
         if self.loss_scaler is not None:
             lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "
                          f"loss scale now {self.loss_scaler.scale:g}")
         if result.last_checkpoint is not None:
             lines.append(f"checkpoint: {result.last_checkpoint}")
         if self._weights_path is not None:
-            lines.append(f"weights: {self._weights_path}")
+            lines.append(f"weights: {self._weights_path}" + (f" (weight EMA: {self._weights_path.parent / 'model_ema.safetensors'})"
+                                                              if self.ema is not None else ""))
         if self._report_path is not None:
             lines.append(f"report: {self._report_path}")
         if self._profiler is not None:

@@ -36,7 +36,9 @@ class StartupLines:
                    f"gradient clipped to global L2 norm {self.clip_grad_norm:g}" if self.clip_grad_norm else "",
                    self._profiler.describe() if self._profiler is not None else "",
                    describe_batchnorm(self.sync_batchnorm, self.batchnorm_statistics,
-                                      self.batchnorm_recompute_samples, self.comm.size)]
+                                      self.batchnorm_recompute_samples, self.comm.size),
+                   self.lr_scaling.describe(self.base_learning_rates[0]) if self.lr_scaling is not None else "",
+                   self.ema.describe() if self.ema is not None else ""]
         if any(options):
             printer.line("dtrain: " + ", ".join(option for option in options if option))
         note = bf16_cpu_note(self.precision, self.device)

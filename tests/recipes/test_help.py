@@ -34,8 +34,8 @@ def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, t
     assert text.startswith("dtrain: declarative, distributed data-parallel training for PyTorch")
     for recipe in ("cifar10", "cmudict_g2p", "digits", "imagenet", "shakespeare_char"):
         assert f"\n  {recipe} " in text
-    assert "learner=block_momentum|data_parallel|diloco|local|powersgd|quantized   (default: data_parallel)" in text
-    for group in ("model=", "optimizer=adam|adamw|sgd", "session=default", "source=cifar10|cmudict|digits|imagenet|shakespeare_char"):
+    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized   (default: data_parallel)" in text
+    for group in ("model=", "optimizer=adam|adamw|lamb|lars|rmsprop_warmup_sgd|sgd", "session=default", "source=cifar10|cmudict|digits|imagenet|shakespeare_char"):
         assert f"\n  {group}" in text
     assert "1-bit SGD with error feedback" in text  # each option says what it is
     # a nested group, chosen as learner/exchange=NAME, with the default its parent's default option picks

@@ -1,0 +1,129 @@
+"""A 16x larger global minibatch with LARS/LAMB, learning-rate scaling and warm-up, against the
+small-minibatch baseline in the same number of samples (docs/large-minibatch.md).
+
+    python benchmarks/large_minibatch.py                      # digits rows (one process each)
+    python benchmarks/large_minibatch.py --recipe shakespeare_char --epoch-size 51200   # the LM, shortened
+    python benchmarks/large_minibatch.py --only baseline lars
+
+Each row is one ``python -m dtrain`` run in one process (data_parallel on N ranks computes the same
+update as one process: docs/semantics.md), so the global minibatch is the only thing that grows.
+Every row of a recipe trains the same number of samples; the large rows take 1/16 of the steps.
+The figure is the test error in % (digits) or the validation loss in nats per character (the
+language model), with the gap to the recipe's baseline; goals: within 0.5 point / 0.05 nats.
+A row whose override the config refuses (``model.batch_norm`` before the BatchNorm variant of the
+digits CNN exists) is skipped with the reason printed.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+SCALE = 16  # the large global minibatch is SCALE x the recipe's
+
+#: recipe -> (figure, pattern reading it from the summary, decimals, goal on the gap, base minibatch, warm-up samples)
+RECIPES = {
+    "digits": ("test error %", r"test: accuracy [\d.]+% \(error ([\d.]+)%", 2, 0.5, 32, 3000),
+    "shakespeare_char": ("validation loss (nats/char)", r"test: perplexity [\d.]+ \(loss ([\d.]+)\)", 3, 0.05, 2048,
+                         None),
+}
+EMA_PATTERN = r"test of the weight EMA \(decay [\d.]+\): (?:accuracy [\d.]+% \(error ([\d.]+)%|perplexity [\d.]+ \(loss ([\d.]+))"
+
+
+def large(optimizer: list[str], rule: str, recipe: str, base_minibatch: int, warmup: int | None) -> list[str]:
+    """The overrides of a 16x-minibatch row: scaled lr from the reference minibatch, warmed up."""
+    overrides = [f"session.minibatch_size={SCALE * base_minibatch}", f"session.lr_scaling={rule}",
+                 f"session.lr_reference_minibatch_size={base_minibatch}", *optimizer]
+    if warmup is not None:
+        overrides.append(f"session.lr_schedule.warmup_samples={warmup}")
+    return overrides
+
+
+def rows(recipe: str, base_minibatch: int, warmup: int | None) -> list[tuple[str, list[str]]]:
+    """(setting, overrides) per row; the first is the baseline. Extend the list to add a row."""
+    big = lambda optimizer, rule: large(optimizer, rule, recipe, base_minibatch, warmup)  # noqa: E731
+    if recipe == "digits":
+        return [
+            ("baseline: sgd, minibatch 32", []),
+            ("sgd, linear scaling + warm-up", big([], "linear")),
+            ("sgd, sqrt scaling + warm-up", big([], "sqrt")),
+            ("lars, lr 5 (LARS's own scale, no rule)", big(["optimizer=lars", "optimizer.lr=5"], "none")),
+            ("lamb, lr 0.003, linear scaling + warm-up", big(["optimizer=lamb", "optimizer.lr=0.003"], "linear")),
+            ("lamb, as above + weight EMA 0.9", big(["optimizer=lamb", "optimizer.lr=0.003", "session.ema_decay=0.9"],
+                                                   "linear")),
+            ("rmsprop warm-up -> sgd, lr 0.01, linear", big(["optimizer=rmsprop_warmup_sgd", "optimizer.lr=0.01",
+                                                              "optimizer.transition_samples=6000"], "linear")),
+            ("BN baseline: model.batch_norm=true, minibatch 32", ["model.batch_norm=true"]),
+            ("BN: lars, lr 5", ["model.batch_norm=true", *big(["optimizer=lars", "optimizer.lr=5"], "none")]),
+        ]
+    return [  # shakespeare_char: its preset is AdamW, with its own warm-up in lr_schedule.warmup_samples
+        ("baseline: adamw, minibatch 2048", [f"session.lr_schedule.warmup_samples={warmup}"] if warmup else []),
+        ("adamw, sqrt scaling + warm-up", big([], "sqrt")),
+        ("lamb, sqrt scaling + warm-up", big(["optimizer=lamb", "optimizer.lr=0.002"], "sqrt")),
+    ]
+
+
+def run(recipe: str, overrides: list[str], epoch_size: int | None, pattern: str) -> tuple[str, float | None,
+                                                                                          float | None, str]:
+    """One run: (status, figure, EMA figure, lr line)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        extra = [f"session.epoch_size={epoch_size}"] if epoch_size else []
+        command = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", f"run_dir={run_dir}", "session.progress_bar=false",
+                   "session.tensorboard=false", "session.checkpoint.frequency=0", *extra, *overrides]
+        done = subprocess.run(command, capture_output=True, text=True)
+    output = done.stdout + done.stderr
+    if done.returncode == 2:
+        line = next((line for line in output.splitlines() if "error:" in line), output.strip()[-200:])
+        return f"skipped: {line.split('error: ', 1)[-1]}", None, None, ""
+    if done.returncode != 0:
+        return f"failed (exit {done.returncode}): {output.strip().splitlines()[-1][:160]}", None, None, ""
+    figure = re.search(pattern, output)
+    ema = re.search(EMA_PATTERN, output)
+    scaled = re.search(r"dtrain: lr ([\d.e-]+) x ([\d.]+) \((\w+), .*?\) = ([\d.e-]+)", output)
+    lr_text = f"{scaled[1]} x {scaled[2]} = {scaled[4]} ({scaled[3]})" if scaled else ""
+    ema_value = next((float(group) for group in ema.groups() if group), None) if ema else None
+    return "ok", float(figure.group(1)) if figure else None, ema_value, lr_text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="digits", choices=list(RECIPES))
+    parser.add_argument("--epoch-size", type=int, default=None,
+                        help="session.epoch_size: shortens a recipe whose sizes count in epochs (the LM: 51200)")
+    parser.add_argument("--only", nargs="*", default=None, help="rows whose setting contains one of these words")
+    args = parser.parse_args()
+    name, pattern, decimals, goal, base_minibatch, warmup = RECIPES[args.recipe]
+    if args.recipe == "shakespeare_char" and args.epoch_size:
+        warmup = 2 * args.epoch_size  # two of the shortened epochs
+    table = rows(args.recipe, base_minibatch, warmup)
+    if args.only:
+        table = [row for index, row in enumerate(table) if index == 0 or any(word in row[0] for word in args.only)]
+    print(f"{args.recipe}: global minibatch {base_minibatch} vs {SCALE * base_minibatch}, the same samples; "
+          f"{name}, goal: gap within {goal}")
+    print(f"{'setting':<50} {'minibatch':>9} {'lr':<28} {name:>12} {'gap':>7} {'EMA':>8} {'seconds':>7}")
+    baselines: dict[str, float] = {}
+    for setting, overrides in table:
+        started = time.time()
+        status, figure, ema, lr_line = run(args.recipe, overrides, args.epoch_size, pattern)
+        seconds = time.time() - started
+        minibatch = next((int(o.split("=")[1]) for o in overrides if o.startswith("session.minibatch_size=")),
+                         base_minibatch)
+        family = "BN" if "model.batch_norm=true" in overrides else ""
+        if status != "ok" or figure is None:
+            print(f"{setting:<50} {minibatch:>9} {status}")
+            continue
+        if minibatch == base_minibatch:
+            baselines[family] = figure
+        base = baselines.get(family)
+        gap = f"{figure - base:+.{decimals}f}" if base is not None and minibatch != base_minibatch else ""
+        met = "" if not gap else (" ok" if figure - base <= goal else " !")
+        ema_text = f"{ema:.{decimals}f}" if ema is not None else ""
+        print(f"{setting:<50} {minibatch:>9} {lr_line or 'as configured':<28} {figure:>12.{decimals}f} {gap:>7}{met:<3}"
+              f"{ema_text:>6} {seconds:>7.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The config schemas of ``optimizer=lars|lamb|rmsprop_warmup_sgd`` and their value rules (registered by
+``dtrain.config``); the constructors apply the same rules through ``dtrain.checks``."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain import checks
+
+StrictBool = Any  # a switch kept as written; the rules ask for true or false (as dtrain.config's)
+
+
+@dataclass
+class LARSConfig:
+    """``dtrain.optim.LARS``: momentum SGD with a per-tensor trust ratio (You, Gitman, Ginsburg 2017)."""
+
+    _target_: str = "dtrain.optim.LARS"
+    _partial_: bool = True
+    lr: float = 0.1
+    momentum: float = 0.9
+    eta: float = 0.001                  # trust coefficient
+    weight_decay: float = 0.0005
+    eps: float = 1e-9
+    exclude_norm_and_bias: StrictBool = True  # normalization parameters and biases: no trust ratio, no decay
+
+
+@dataclass
+class LAMBConfig:
+    """``dtrain.optim.LAMB``: Adam moments, decoupled weight decay, per-tensor trust ratio (You et al. 2019)."""
+
+    _target_: str = "dtrain.optim.LAMB"
+    _partial_: bool = True
+    lr: float = 1e-3
+    momentum: float = 0.9               # beta1
+    variance_momentum: float = 0.999    # beta2
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    bias_correction: StrictBool = True
+    exclude_norm_and_bias: StrictBool = True
+
+
+@dataclass
+class RMSpropWarmupSGDConfig:
+    """``dtrain.optim.RMSpropWarmupSGD``: RMSprop moving to momentum SGD over ``transition_samples`` (Akiba et al. 2017)."""
+
+    _target_: str = "dtrain.optim.RMSpropWarmupSGD"
+    _partial_: bool = True
+    lr: float = 0.1
+    momentum: float = 0.9
+    variance_momentum: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    transition_samples: int = 100_000   # global samples from RMSprop to SGD
+    transition_start: int = 0           # global samples of pure RMSprop first
+
+
+def _fraction(name: str, value: Any) -> Any:
+    return checks.number_in_range(name, value, 0.0, 1.0, include_high=False)
+
+
+def _non_negative(name: str, value: Any) -> Any:
+    return checks.positive_number(name, value, allow_zero=True)
+
+
+_KEY_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "lr": checks.positive_number, "eta": checks.positive_number, "eps": checks.positive_number,
+    "momentum": _fraction, "variance_momentum": _fraction, "weight_decay": _non_negative,
+    "bias_correction": checks.boolean, "exclude_norm_and_bias": checks.boolean,
+    "transition_samples": checks.sample_count,
+    "transition_start": lambda name, value: checks.sample_count(name, value, allow_zero=True),
+}
+
+
+def problems(node: Any, name: str) -> list[str]:
+    """One line per value of an ``optimizer=lars|lamb|rmsprop_warmup_sgd`` node out of range."""
+    def bind(key: str) -> Callable[[], Any]:
+        return lambda: _KEY_CHECKS[key](f"{name}.{key}", node[key])
+    return checks.collect(bind(key) for key in _KEY_CHECKS if key in node)
+
+
+#: (config name, schema) of each option; ``dtrain.config`` registers them and :func:`problems` for their targets
+OPTIONS: dict[str, type] = {"lars": LARSConfig, "lamb": LAMBConfig, "rmsprop_warmup_sgd": RMSpropWarmupSGDConfig}
