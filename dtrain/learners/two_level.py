@@ -64,6 +64,15 @@ class TwoLevel:
     launcher's hosts) groups the ranks.
     """
 
+    outer_name = "a block learner"
+    """The outer scheme, in words (the start-up line)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not issubclass(cls, BlockLearner):
+            raise TypeError(f"{cls.__qualname__}: TwoLevel nests a block learner (DiLoCoLearner, LocalSGDLearner, "
+                            f"a BlockLearner of your own) between hosts: put it first among the bases of a BlockLearner subclass")
+
     def __init__(self, optimizer, comm=None, *args, ranks_per_host: int | None = None, **kwargs):
         comm = comm if comm is not None else LocalCommunicator()
         if ranks_per_host is None:

@@ -50,3 +50,13 @@ def test_the_presets_compose_and_their_rules_apply(preset: str) -> None:
     cfg = compose_config("+recipe=digits", f"learner={preset}", "learner.block_size=0")
     assert cfg.learner._target_.startswith("dtrain.learners.TwoLevel")
     assert any("learner.block_size=0" in problem for problem in validate(cfg, check_run_dir=False))
+
+
+def test_only_a_block_learner_nests_and_only_once() -> None:
+    from dtrain.learners import DataParallelLearner
+    from dtrain.learners.two_level import TwoLevel
+
+    with pytest.raises(TypeError, match="TwoLevel nests a block learner"):
+        type("GradientsBetweenHosts", (TwoLevel, DataParallelLearner), {})
+    with pytest.raises(TypeError):  # two levels inside two levels: no consistent method order
+        type("TwoLevelTwice", (TwoLevel, TwoLevelDiLoCoLearner), {})
