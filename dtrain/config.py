@@ -108,6 +108,13 @@ class TwoLevelDiLoCoLearnerConfig(DiLoCoLearnerConfig):
 
 
 @dataclass
+class TwoLevelBlockMomentumLearnerConfig(BlockMomentumLearnerConfig):
+    """``dtrain.learners.TwoLevelBlockMomentumLearner``: exact data parallel inside each host, BMUF between hosts."""
+
+    _target_: str = "dtrain.learners.TwoLevelBlockMomentumLearner"
+
+
+@dataclass
 class TwoLevelLocalSGDLearnerConfig(LocalSGDLearnerConfig):
     """``dtrain.learners.TwoLevelLocalSGDLearner``: exact data parallel inside each host, local SGD between hosts."""
 
@@ -509,6 +516,7 @@ _SCHEMAS = {
     ("schema/learner", "local_sgd"): LocalSGDLearnerConfig,
     ("schema/learner", "two_level_diloco"): TwoLevelDiLoCoLearnerConfig,
     ("schema/learner", "two_level_local_sgd"): TwoLevelLocalSGDLearnerConfig,
+    ("schema/learner", "two_level_block_momentum"): TwoLevelBlockMomentumLearnerConfig,
     ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
     ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
     ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,
@@ -690,6 +698,7 @@ def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+@register_rule("dtrain.learners.TwoLevelBlockMomentumLearner")
 @register_rule("dtrain.learners.block_momentum_distributed_learner")
 def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     problems = _distributed_after(node, name)

@@ -4,8 +4,8 @@ On several hosts the ranks of one host share memory, where an exact all-reduce i
 the links between hosts are slow. :class:`TwoLevel` makes any :class:`~dtrain.learners.block.BlockLearner`
 two-level: every minibatch the ranks of a host average their gradients exactly over the host's
 communicator (one model per host, identical on its ranks after every step), and every block the
-hosts' models are synced by the block learner's own outer update (DiLoCo's Nesterov step, local
-SGD's average), its deltas exchanged between the hosts' leaders by any exchange strategy (e.g.
+hosts' models are synced by the block learner's own outer update (DiLoCo's Nesterov step, BMUF's
+filter, local SGD's average), its deltas exchanged between the hosts' leaders by any exchange strategy (e.g.
 4-bit), as OpenDiLoCo / INTELLECT-1 train (``docs/multi-host.md#two-levels``).
 
 Why the leaders: the hosts' deltas are identical on the ranks of a host, so one rank per host
@@ -23,6 +23,7 @@ from dtrain.comm.hosts import describe_hosts
 from dtrain.comm.local import LocalCommunicator
 from dtrain.exchange import full_precision_allreduce_bytes
 from dtrain.learners.block import BlockLearner, pack, unpack
+from dtrain.learners.block_momentum import BlockMomentumLearner
 from dtrain.learners.diloco import DiLoCoLearner
 from dtrain.learners.local_sgd import LocalSGDLearner
 
@@ -106,7 +107,7 @@ class TwoLevel:
         """The host layout, then the block learner's line."""
         return (f"two levels over {describe_hosts(self.hosts)} (from {self.hosts_source}): exact gradient "
                 f"all-reduce inside each host every step, {type(self).outer_name} between the host leaders; "
-                f"{super().describe()}")
+                f"{super().describe().replace('local training on the full stream', 'each host on the full stream')}")
 
     # -- the step inside the host -----------------------------------------------------------------
     def _local_step(self) -> None:
@@ -212,6 +213,15 @@ class TwoLevelDiLoCoLearner(TwoLevel, DiLoCoLearner):
     outer_name = "DiLoCo"
 
 
+class TwoLevelBlockMomentumLearner(TwoLevel, BlockMomentumLearner):
+    """``learner=two_level_block_momentum``: exact data-parallel steps inside each host, BMUF's filtered
+    sync between hosts (CNTK's default time constant with ``N`` = hosts); arguments as
+    :class:`BlockMomentumLearner`'s plus ``ranks_per_host``."""
+
+    kind = "two_level_block_momentum"
+    outer_name = "block momentum"
+
+
 class TwoLevelLocalSGDLearner(TwoLevel, LocalSGDLearner):
     """``learner=two_level_local_sgd``: exact data-parallel steps inside each host, the hosts'
     models averaged every block; arguments as :class:`LocalSGDLearner`'s plus ``ranks_per_host``."""
@@ -220,4 +230,4 @@ class TwoLevelLocalSGDLearner(TwoLevel, LocalSGDLearner):
     outer_name = "local SGD"
 
 
-__all__ = ["TwoLevel", "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner", "host_layout"]
+__all__ = ["TwoLevel", "TwoLevelBlockMomentumLearner", "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner", "host_layout"]

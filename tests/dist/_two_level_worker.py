@@ -3,10 +3,10 @@
 
 Checks (each returns a summary the test asserts on):
 
-* ``diloco``, ``local_sgd``, ``diloco_q4``: after every step the two ranks of each host hold the same
+* ``diloco``, ``block_momentum``, ``local_sgd``, ``diloco_q4``: after every step the two ranks of each host hold the same
   parameters (bit for bit); after every sync all four do (BatchNorm statistics too). For the
   float32 cases every sync is replayed from the ranks' models before it: ``W_prev`` minus the
-  outer step of DiLoCo (torch's SGD-Nesterov arithmetic, written out here) or local SGD's mean, on
+  outer step of DiLoCo (torch's SGD-Nesterov arithmetic, written out here), BMUF's filter or local SGD's mean, on
   the two hosts' models, to 1e-5.
 * ``host_step``: a step inside a host equals one SGD step on the host's mean gradient of its ranks'
   shares (computed here from the host's whole slice of the minibatch).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import sys
 
 import torch
@@ -28,7 +29,7 @@ from tests.helpers.checks import run_checks
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.exchange import Quantized
-from dtrain.learners import TwoLevelDiLoCoLearner, TwoLevelLocalSGDLearner
+from dtrain.learners import TwoLevelBlockMomentumLearner, TwoLevelDiLoCoLearner, TwoLevelLocalSGDLearner
 from dtrain.learners.base import RunFacts, auto_warm_start
 from dtrain.learners.block import auto_block_size
 
@@ -39,6 +40,7 @@ FEATURES = torch.randn(512, 5, generator=generator)
 TARGETS = torch.randn(512, 3, generator=generator)
 CASES = {
     "diloco": (TwoLevelDiLoCoLearner, dict(block_size=32, distributed_after=32), None),
+    "block_momentum": (TwoLevelBlockMomentumLearner, dict(block_size=32, distributed_after=0), None),
     "local_sgd": (TwoLevelLocalSGDLearner, dict(block_size=48, distributed_after=0), None),
     "diloco_q4": (TwoLevelDiLoCoLearner, dict(block_size=32, distributed_after=0), 4),
 }
@@ -66,9 +68,16 @@ def gathered(comm, tensor: torch.Tensor) -> list[torch.Tensor]:
     return comm.allgather(tensor.detach().float().contiguous())
 
 
-def outer_reference(learner, before: list[torch.Tensor], prev: torch.Tensor, velocity: torch.Tensor | None):
+def outer_reference(learner, before: list[torch.Tensor], prev: torch.Tensor, velocity: torch.Tensor | None,
+                    block_samples: int):
     """The new model from the hosts' models ``before[0]`` and ``before[2]`` (ranks 0 and 2 lead the hosts)."""
     prev, hosts = prev.double(), [before[0].double(), before[2].double()]
+    if isinstance(learner, TwoLevelBlockMomentumLearner):  # BMUF with CNTK's time constant for N = 2 hosts
+        time_constant = -learner.block_size / math.log(1 - 1 / 2)
+        assert learner.time_constant == time_constant, (learner.time_constant, time_constant)
+        momentum = math.exp(-block_samples / time_constant)
+        smoothed = momentum * velocity.double() + (1 - momentum) * sum(prev - host for host in hosts)
+        return prev - smoothed - momentum * smoothed  # Nesterov
     gradient = sum(prev - host for host in hosts) / len(hosts)
     if isinstance(learner, TwoLevelDiLoCoLearner):
         velocity = learner.outer_momentum * velocity.double() + gradient
@@ -84,6 +93,7 @@ def check_case(comm, case: str) -> dict:
 
     def recorded_sync() -> None:  # the models, W_prev and the outer state just before the sync
         seen.update(before=flat(model.parameters()), prev=learner.prev_parameters.clone(),
+                    block_samples=learner.global_samples_in_block,
                     velocity=None if learner.smoothed_gradient is None else learner.smoothed_gradient.clone())
         sync()
 
@@ -101,7 +111,8 @@ def check_case(comm, case: str) -> dict:
             buffers = gathered(comm, flat(model.buffers()))
             assert all(torch.equal(buffers[0], theirs) for theirs in buffers), f"{case}: buffers differ after a sync"
             if CASES[case][2] is None:
-                expected = outer_reference(learner, gathered(comm, seen["before"]), seen["prev"], seen["velocity"])
+                expected = outer_reference(learner, gathered(comm, seen["before"]), seen["prev"], seen["velocity"],
+                                           seen["block_samples"])
                 worst = max(worst, float((everyone[0].double() - expected).abs().max()))
     assert syncs >= 4, (case, syncs)
     assert worst <= TOLERANCE, (case, worst)

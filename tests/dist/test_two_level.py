@@ -29,7 +29,7 @@ def launch(tmp_path_factory) -> CheckLaunch:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", ["diloco", "local_sgd", "diloco_q4"])
+@pytest.mark.parametrize("case", ["diloco", "block_momentum", "local_sgd", "diloco_q4"])
 def test_one_model_per_host_every_step_and_one_model_after_every_sync(launch: CheckLaunch, case: str) -> None:
     results = launch.results(case)  # the float32 cases also equal the outer formula on the hosts' models
     assert results[0]["syncs"] >= 4 and results[0]["worst"] <= 1e-5, results
