@@ -9,7 +9,8 @@ at ``--rate`` on each host's egress) runs each recipe under ``mpiexec`` with the
 2 ranks per host (hosts from the launcher), Gloo, 1 thread per rank, in the ways of :data:`LEARNERS`.
 
 Per run: ``MB between hosts``: both hosts' ``eth0`` ``tx_bytes`` over the whole run (start-up and the
-final test included); the test accuracy (classification) or loss; ``compute %``: the run's
+final test included), and net of the same job stopped after one minibatch (start-up, checkpoint
+and test: the fixed cost); the test accuracy (classification) or loss; ``compute %``: the run's
 ``compute_s`` (forward and backward) over the wall time of its training periods, and ``busy %``:
 everything but the exchange (``1 - exchange_s / period_s``), both summed over ``metrics.jsonl``'s
 training records.
@@ -34,6 +35,7 @@ RECIPES = {
     # shortened: about a tenth of the recipe
     "shakespeare_char": ["session.max_samples=81920", "session.epoch_size=40960", "session.cv.frequency=0"],
 }
+SHORT = {"digits": ("session.max_samples=32",), "shakespeare_char": ("session.max_samples=2048",)}
 LEARNERS = {
     "flat data_parallel fp32": ["learner=data_parallel", "comm.hierarchical=false"],
     "two_level_diloco 4-bit": ["learner=two_level_diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
@@ -46,10 +48,10 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float) -> dict:
+def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float, extra: tuple[str, ...] = ()) -> dict:
     run_dir = workdir / f"{recipe}-{len(os.listdir(workdir))}"
     args = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", *LEARNERS[name], "comm.backend=gloo",
-            "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe], f"run_dir={run_dir}"]
+            "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe], *extra, f"run_dir={run_dir}"]
     env = {"PYTHONPATH": str(REPO)}
     before = sum(tx_bytes(host.netns) for host in cluster.hosts)
     started = time.monotonic()
@@ -60,7 +62,7 @@ def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float) -> d
     sent = sum(tx_bytes(host.netns) for host in cluster.hosts) - before
     rows = records(run_dir)
     train = [row for row in rows if row.get("kind") == "train"]
-    test = [row for row in rows if row.get("kind") == "test"][-1]
+    test = ([row for row in rows if row.get("kind") == "test"] or [row for row in rows if row.get("kind") == "cv"])[-1]
     period = sum(row["period_s"] for row in train)
     return {"recipe": recipe, "learner": name, "between_hosts_mb": sent / 1e6, "wall_s": wall,
             "quality": f"{100 * test['accuracy']:.2f}%" if "accuracy" in test else f"loss {test['loss']:.4f}",
@@ -86,15 +88,20 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for name in LEARNERS:
                 rows.append(run_one(cluster, recipe, name, Path(workdir), args.timeout))
+                # the same job stopped after one minibatch: start-up, checkpoint and test, the fixed cost
+                fixed = run_one(cluster, recipe, name, Path(workdir), args.timeout, SHORT[recipe])
+                rows[-1]["net_mb"] = rows[-1]["between_hosts_mb"] - fixed["between_hosts_mb"]
                 print(f"  done: {recipe} {name} ({rows[-1]['wall_s']:.0f} s) {rows[-1]['learner_line']}", flush=True)
     print(f"\n=== 2 hosts x 2 ranks (network namespaces), tbf {args.rate} per host egress, Gloo, 1 thread per rank; "
           f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after ===")
-    print("| recipe | learner | MB between hosts | x fewer | test | compute % | busy % (not exchanging) | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| recipe | learner | MB between hosts | x fewer | net of the fixed cost: MB | x fewer | test | compute % | "
+          "busy % (not exchanging) | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         flat = next(r for r in rows if r["recipe"] == row["recipe"] and r["learner"].startswith("flat"))
         print(f"| {row['recipe']} | {row['learner']} | {row['between_hosts_mb']:.2f} | "
-              f"{flat['between_hosts_mb'] / row['between_hosts_mb']:.0f} | {row['quality']} | {100 * row['compute']:.0f} | "
+              f"{flat['between_hosts_mb'] / row['between_hosts_mb']:.0f} | {row['net_mb']:.2f} | "
+              f"{flat['net_mb'] / row['net_mb']:.0f} | {row['quality']} | {100 * row['compute']:.0f} | "
               f"{100 * row['busy']:.0f} | {row['wall_s']:.0f} |")
 
 
