@@ -30,10 +30,12 @@ from hierarchical_allreduce import tx_bytes  # noqa: E402  (the same eth0 counte
 
 REPO = Path(__file__).resolve().parents[1]
 
+# checkpoints only at the end: a mid-run checkpoint gathers every rank's optimizer state on rank 0
 RECIPES = {
-    "digits": [],
+    "digits": ["session.checkpoint.frequency=null"],
     # shortened: about a tenth of the recipe
-    "shakespeare_char": ["session.max_samples=81920", "session.epoch_size=40960", "session.cv.frequency=0"],
+    "shakespeare_char": ["session.max_samples=81920", "session.epoch_size=40960", "session.cv.frequency=0",
+                         "session.checkpoint.frequency=null"],
 }
 SHORT = {"digits": ("session.max_samples=32",), "shakespeare_char": ("session.max_samples=2048",)}
 LEARNERS = {
@@ -41,6 +43,9 @@ LEARNERS = {
     "two_level_diloco 4-bit": ["learner=two_level_diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
     "two_level_diloco 4-bit, block 4096": ["learner=two_level_diloco", "learner/exchange=quantized",
                                            "learner.exchange.num_bits=4", "learner.block_size=4096"],
+    "two_level_diloco 4-bit, block 4096, inner SGD": ["learner=two_level_diloco", "learner/exchange=quantized",
+                                                      "learner.exchange.num_bits=4", "learner.block_size=4096",
+                                                      "optimizer=sgd"],
 }
 
 
