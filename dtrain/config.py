@@ -103,6 +103,28 @@ class LocalSGDLearnerConfig:
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
 
 
+@dataclass
+class TwoLevelDiLoCoLearnerConfig(DiLoCoLearnerConfig):
+    """``dtrain.learners.TwoLevelDiLoCoLearner``: exact data parallel inside each host (``comm.ranks_per_host``
+    or the launcher's), DiLoCo between the hosts."""
+
+    _target_: str = "dtrain.learners.TwoLevelDiLoCoLearner"
+
+
+@dataclass
+class TwoLevelBlockMomentumLearnerConfig(BlockMomentumLearnerConfig):
+    """``dtrain.learners.TwoLevelBlockMomentumLearner``: exact data parallel inside each host, BMUF between hosts."""
+
+    _target_: str = "dtrain.learners.TwoLevelBlockMomentumLearner"
+
+
+@dataclass
+class TwoLevelLocalSGDLearnerConfig(LocalSGDLearnerConfig):
+    """``dtrain.learners.TwoLevelLocalSGDLearner``: exact data parallel inside each host, local SGD between hosts."""
+
+    _target_: str = "dtrain.learners.TwoLevelLocalSGDLearner"
+
+
 # -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
 
 
@@ -506,6 +528,9 @@ _SCHEMAS = {
     ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
     ("schema/learner", "diloco"): DiLoCoLearnerConfig,
     ("schema/learner", "local_sgd"): LocalSGDLearnerConfig,
+    ("schema/learner", "two_level_diloco"): TwoLevelDiLoCoLearnerConfig,
+    ("schema/learner", "two_level_local_sgd"): TwoLevelLocalSGDLearnerConfig,
+    ("schema/learner", "two_level_block_momentum"): TwoLevelBlockMomentumLearnerConfig,
     ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
     ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
     ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,
@@ -688,6 +713,7 @@ def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+@register_rule("dtrain.learners.TwoLevelBlockMomentumLearner")
 @register_rule("dtrain.learners.block_momentum_distributed_learner")
 def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     problems = _distributed_after(node, name)
@@ -706,6 +732,7 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+@register_rule("dtrain.learners.TwoLevelDiLoCoLearner")
 @register_rule("dtrain.learners.DiLoCoLearner")
 def _diloco_rules(node: DictConfig, name: str) -> list[str]:
     return _distributed_after(node, name) + _check(
@@ -717,6 +744,7 @@ def _diloco_rules(node: DictConfig, name: str) -> list[str]:
     )
 
 
+@register_rule("dtrain.learners.TwoLevelLocalSGDLearner")
 @register_rule("dtrain.learners.LocalSGDLearner")
 def _local_sgd_rules(node: DictConfig, name: str) -> list[str]:
     return _distributed_after(node, name) + _check(node, name, ("block_size", _samples_or_auto, {}))

@@ -65,6 +65,10 @@ class Communicator(abc.ABC):
     """What the launcher calls this rank's node (ranks with the same label share a host); None: the
     host name. See :mod:`dtrain.comm.hosts`."""
 
+    ranks_per_host: int | None = None
+    """``comm.ranks_per_host`` as the job was started with (None: hosts from the launcher); what a
+    two-level learner groups the ranks by unless told otherwise."""
+
     native_all_to_all: bool = False
     """Whether :meth:`all_to_all` moves each message once (MPI's ``alltoallv``); False: the default
     built from :meth:`allgather`, N times the bytes. Exchanges choose their transport by it."""

@@ -90,6 +90,7 @@ def create_communicator(backend: str = "auto", timeout_s: float = 60.0, hierarch
         raise
     if line and communicator.is_main:
         print(f"dtrain: {line}", flush=True)
+    communicator.ranks_per_host = ranks_per_host
     return communicator
 
 

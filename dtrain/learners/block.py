@@ -187,7 +187,7 @@ class BlockLearner(Learner):
         steps are the syncs (e.g. PowerSGD's start counts syncs)."""
         super().plan(facts)
         if self.block_size_is_auto:
-            self.set_block_size(auto_block_size(facts, self.comm.size))
+            self.set_block_size(auto_block_size(facts, self.model_replicas()))
         self.exchange.plan(facts, steps=self.expected_syncs(facts), step_name="sync")
 
     def expected_syncs(self, facts: RunFacts) -> int | None:
@@ -203,7 +203,11 @@ class BlockLearner(Learner):
         """``distributed_after="auto"``: :func:`~dtrain.learners.base.auto_warm_start` (0 with one
         worker): local SGD from a warmed-up model (post-local SGD) generalises as well as
         synchronous SGD, started from scratch it measurably does not (``docs/semantics.md#warm-start``)."""
-        return auto_warm_start(facts) if self.comm.size > 1 else 0
+        return auto_warm_start(facts) if self.model_replicas() > 1 else 0
+
+    def model_replicas(self) -> int:
+        """How many models train apart between syncs (the ``N`` of the ``"auto"`` rules): one per worker here."""
+        return self.comm.size
 
     def describe(self) -> str:
         """The warm start, the block size and sync period, the subclass's part and the exchange."""
@@ -295,8 +299,7 @@ class BlockLearner(Learner):
         blocks_started = self.blocks_started()  # decided before this minibatch was read
         self._met = False
         self.exchange_seconds_last_step = 0.0
-        if self.local_samples > 0:
-            self._local_step()
+        self._local_step()
         if blocks_started:
             self.local_samples_in_block += self.local_samples
             self.global_samples_in_block += self.global_samples
@@ -313,8 +316,13 @@ class BlockLearner(Learner):
     def _local_step(self) -> None:
         """The wrapped optimizer's step on this worker's gradient; with ``local_learning_rate="share"``
         each parameter group's lr is ``lr * local_samples / global_samples`` for this step (1 during the
-        warm start, where every worker reads the whole minibatch)."""
-        share = self.local_samples / self.global_samples
+        warm start, where every worker reads the whole minibatch). No step for a worker without samples."""
+        if self.local_samples == 0:
+            return
+        self._step_with_share(self.local_samples / self.global_samples)
+
+    def _step_with_share(self, share: float) -> None:
+        """The optimizer step, at ``lr * share`` with ``local_learning_rate="share"`` (else at lr)."""
         if self.local_learning_rate == "full" or share == 1:
             self._step_optimizer()
             return

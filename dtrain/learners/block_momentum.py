@@ -108,6 +108,7 @@ class BlockMomentumLearner(BlockLearner):
             optimizer's own; ``"share"`` (CNTK's, the default of ``block_momentum_distributed_learner``):
             the optimizer's times ``local_samples / global_samples`` (``checks.LOCAL_LEARNING_RATES``;
             ``docs/semantics.md#block-momentum``).
+        outer_comm: the communicator of the delta exchange (None: ``comm``).
 
     Raises:
         ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
@@ -122,14 +123,15 @@ class BlockMomentumLearner(BlockLearner):
                  block_momentum_as_time_constant: float | None = None, use_nesterov_momentum: bool = True,
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
-                 local_learning_rate: str = "full"):
+                 local_learning_rate: str = "full", outer_comm=None):
         checks.positive_number("block_momentum_as_time_constant", block_momentum_as_time_constant, allow_none=True,
                                allow_zero=True, unit="samples")  # null: CNTK's default; 0: block momentum 0
         self._time_constant_setting = block_momentum_as_time_constant  # read by set_block_size
         self.time_constant = 0.0
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate=local_learning_rate,
-                         reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation)
+                         reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
+                         outer_comm=outer_comm)
         checks.positive_number("block_learning_rate", block_learning_rate)
         checks.boolean("use_nesterov_momentum", use_nesterov_momentum)
         self.use_nesterov_momentum = use_nesterov_momentum
@@ -139,7 +141,7 @@ class BlockMomentumLearner(BlockLearner):
         """The base's, then the time constant (unless given): CNTK's :func:`default_time_constant`."""
         super().set_block_size(block_size)
         self.time_constant = (float(self._time_constant_setting) if self._time_constant_setting is not None
-                              else default_time_constant(block_size, self.comm.size))
+                              else default_time_constant(block_size, self.model_replicas()))
 
     # -- the loop -------------------------------------------------------------------------------
     def plan(self, facts: RunFacts) -> None:
@@ -151,7 +153,7 @@ class BlockMomentumLearner(BlockLearner):
 
     def _check_block_size_bound(self, facts: RunFacts) -> None:
         """Warns (rank 0, one line) when an explicit block size breaks CNTK's bound on it."""
-        num_workers = self.comm.size
+        num_workers = self.model_replicas()
         if facts.samples_per_sweep is None or num_workers == 1 or not self.comm.is_main:
             return
         needed = self.time_constant * num_workers

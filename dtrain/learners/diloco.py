@@ -51,6 +51,7 @@ class DiLoCoLearner(BlockLearner):
             first block (>= 0); ``"auto"``: a warm start relative to the run, as block momentum's.
         exchange: the :class:`~dtrain.exchange.Exchange` strategy that sums the model deltas
             (None: fp32 all-reduce; e.g. ``Quantized(num_bits=4)`` for 4-bit outer gradients).
+        outer_comm: the communicator of the delta exchange (None: ``comm``).
 
     Raises:
         ValueError: a value is out of range or of the wrong kind, or ``block_size // N`` is 0.
@@ -61,13 +62,13 @@ class DiLoCoLearner(BlockLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
-                 distributed_after: int | str = AUTO, exchange: Exchange | None = None):
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None):
         checks.positive_number("outer_learning_rate", outer_learning_rate)
         checks.number_in_range("outer_momentum", outer_momentum, 0.0, 1.0, include_high=False)
         checks.boolean("outer_nesterov", outer_nesterov)
         # the inner optimizer steps at its own lr on every worker (DiLoCo averages the deltas)
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
-                         exchange=exchange, local_learning_rate="full")
+                         exchange=exchange, local_learning_rate="full", outer_comm=outer_comm)
         self.outer_learning_rate = float(outer_learning_rate)
         self.outer_momentum = float(outer_momentum)
         self.outer_nesterov = outer_nesterov

@@ -50,7 +50,8 @@ def training_advice(learner, precision: str = "32") -> str:
     elif several and exchange is not None and not getattr(exchange, "lossless", True):
         causes.append(f"gradients compressed by {exchange.describe()}")
         changes.append("exchange them in float32 (learner/exchange=allreduce)")
-    elif several and learner.kind in ("block_momentum", "diloco", "local_sgd"):
+    elif several and learner.kind in ("block_momentum", "diloco", "local_sgd", "two_level_diloco",
+                                                  "two_level_local_sgd"):
         causes.append("local steps started from an untrained model")
         changes.append("train longer on one model first (learner.distributed_after=SAMPLES)")
     if precision == "fp16":

@@ -1,0 +1,114 @@
+"""Two-level DiLoCo (4-bit outer deltas between hosts) against flat float32 data_parallel on two
+simulated hosts: bytes between hosts, test quality, compute utilisation.
+
+    sudo python benchmarks/two_level.py                                   # 100mbit, digits
+    sudo python benchmarks/two_level.py --rate 100mbit --recipes digits,shakespeare_char
+
+Needs root (network namespaces; see dtrain/testing/netns.py). A 2-host ``NamespaceCluster`` (``tbf``
+at ``--rate`` on each host's egress) runs each recipe under ``mpiexec`` with the cluster's hostfile,
+2 ranks per host (hosts from the launcher), Gloo, 1 thread per rank, in the ways of :data:`LEARNERS`.
+
+Per run: ``MB between hosts``: both hosts' ``eth0`` ``tx_bytes`` over the whole run (start-up and the
+final test included), and net of the same job stopped after one minibatch (start-up, checkpoint
+and test: the fixed cost); the test accuracy (classification) or loss; ``compute %``: the run's
+``compute_s`` (forward and backward) over the wall time of its training periods, and ``busy %``:
+everything but the exchange (``1 - exchange_s / period_s``), both summed over ``metrics.jsonl``'s
+training records.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hierarchical_allreduce import tx_bytes  # noqa: E402  (the same eth0 counters)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# checkpoints only at the end: a mid-run checkpoint gathers every rank's optimizer state on rank 0
+RECIPES = {
+    "digits": ["session.checkpoint.frequency=null"],
+    # shortened: about a tenth of the recipe
+    "shakespeare_char": ["session.max_samples=81920", "session.epoch_size=40960", "session.cv.frequency=0",
+                         "session.checkpoint.frequency=null"],
+}
+SHORT = {"digits": ("session.max_samples=32",), "shakespeare_char": ("session.max_samples=2048",)}
+LEARNERS = {
+    "flat data_parallel fp32": ["learner=data_parallel", "comm.hierarchical=false"],
+    "two_level_diloco 4-bit": ["learner=two_level_diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
+    "two_level_diloco 4-bit, block 4096": ["learner=two_level_diloco", "learner/exchange=quantized",
+                                           "learner.exchange.num_bits=4", "learner.block_size=4096"],
+    "two_level_diloco 4-bit, block 4096, inner SGD": ["learner=two_level_diloco", "learner/exchange=quantized",
+                                                      "learner.exchange.num_bits=4", "learner.block_size=4096",
+                                                      "optimizer=sgd"],
+}
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float, extra: tuple[str, ...] = ()) -> dict:
+    run_dir = workdir / f"{recipe}-{len(os.listdir(workdir))}"
+    args = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", *LEARNERS[name], "comm.backend=gloo",
+            "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe], *extra, f"run_dir={run_dir}"]
+    env = {"PYTHONPATH": str(REPO)}
+    before = sum(tx_bytes(host.netns) for host in cluster.hosts)
+    started = time.monotonic()
+    result = cluster.run(cluster.mpiexec_args(npernode=2, export=list(env)) + args, timeout=timeout, env=env)
+    wall = time.monotonic() - started
+    if result.returncode != 0:
+        raise SystemExit(f"the run failed:\n{result.report()}")
+    sent = sum(tx_bytes(host.netns) for host in cluster.hosts) - before
+    rows = records(run_dir)
+    train = [row for row in rows if row.get("kind") == "train"]
+    test = ([row for row in rows if row.get("kind") == "test"] or [row for row in rows if row.get("kind") == "cv"])[-1]
+    period = sum(row["period_s"] for row in train)
+    return {"recipe": recipe, "learner": name, "between_hosts_mb": sent / 1e6, "wall_s": wall,
+            "quality": f"{100 * test['accuracy']:.2f}%" if "accuracy" in test else f"loss {test['loss']:.4f}",
+            "compute": sum(row["compute_s"] for row in train) / period,
+            "busy": 1 - sum(row["exchange_s"] for row in train) / period,
+            "learner_line": next((line for line in result.stdout.splitlines() if "learner " in line), "")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="100mbit", help="tc rate per host link")
+    parser.add_argument("--recipes", default="digits", help="comma-separated recipes")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
+    args = parser.parse_args()
+    from dtrain.testing.netns import NamespaceCluster, available
+
+    ok, reason = available()
+    if not ok:
+        raise SystemExit(f"cannot build a namespace cluster: {reason}")
+    load_before = os.getloadavg()[0]
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir, NamespaceCluster(num_hosts=2, rate=args.rate, slots=2) as cluster:
+        for recipe in args.recipes.split(","):
+            for name in LEARNERS:
+                rows.append(run_one(cluster, recipe, name, Path(workdir), args.timeout))
+                # the same job stopped after one minibatch: start-up, checkpoint and test, the fixed cost
+                fixed = run_one(cluster, recipe, name, Path(workdir), args.timeout, SHORT[recipe])
+                rows[-1]["net_mb"] = rows[-1]["between_hosts_mb"] - fixed["between_hosts_mb"]
+                print(f"  done: {recipe} {name} ({rows[-1]['wall_s']:.0f} s) {rows[-1]['learner_line']}", flush=True)
+    print(f"\n=== 2 hosts x 2 ranks (network namespaces), tbf {args.rate} per host egress, Gloo, 1 thread per rank; "
+          f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after ===")
+    print("| recipe | learner | MB between hosts | x fewer | net of the fixed cost: MB | x fewer | test | compute % | "
+          "busy % (not exchanging) | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        flat = next(r for r in rows if r["recipe"] == row["recipe"] and r["learner"].startswith("flat"))
+        print(f"| {row['recipe']} | {row['learner']} | {row['between_hosts_mb']:.2f} | "
+              f"{flat['between_hosts_mb'] / row['between_hosts_mb']:.0f} | {row['net_mb']:.2f} | "
+              f"{flat['net_mb'] / row['net_mb']:.0f} | {row['quality']} | {100 * row['compute']:.0f} | "
+              f"{100 * row['busy']:.0f} | {row['wall_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

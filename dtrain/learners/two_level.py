@@ -1,0 +1,233 @@
+"""Two levels: exact data-parallel steps inside each host, a block learner's sync between hosts.
+
+On several hosts the ranks of one host share memory, where an exact all-reduce is nearly free, and
+the links between hosts are slow. :class:`TwoLevel` makes any :class:`~dtrain.learners.block.BlockLearner`
+two-level: every minibatch the ranks of a host average their gradients exactly over the host's
+communicator (one model per host, identical on its ranks after every step), and every block the
+hosts' models are synced by the block learner's own outer update (DiLoCo's Nesterov step, BMUF's
+filter, local SGD's average), its deltas exchanged between the hosts' leaders by any exchange strategy (e.g.
+4-bit), as OpenDiLoCo / INTELLECT-1 train (``docs/multi-host.md#two-levels``).
+
+Why the leaders: the hosts' deltas are identical on the ranks of a host, so one rank per host
+sends it; splitting it into per-local-rank slices would send the same bytes between hosts but
+cut the matrices PowerSGD compresses, and needs equal hosts for every rank to have a slice.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from dtrain.comm.hosts import describe_hosts
+from dtrain.comm.local import LocalCommunicator
+from dtrain.exchange import full_precision_allreduce_bytes
+from dtrain.learners.block import BlockLearner, pack, unpack
+from dtrain.learners.block_momentum import BlockMomentumLearner
+from dtrain.learners.diloco import DiLoCoLearner
+from dtrain.learners.local_sgd import LocalSGDLearner
+
+
+def host_layout(comm, ranks_per_host: int | None) -> tuple[list[list[int]], str]:
+    """``(ranks of each host, where the hosts came from)`` for a two-level learner on ``comm``
+    (collective). Raises ValueError for one host or hosts of different sizes."""
+    if ranks_per_host is None and comm.local_size == comm.size:
+        hosts = [list(range(comm.size))]  # the launcher put every rank on this node
+    else:
+        hosts = comm.host_ranks(ranks_per_host)
+    source = f"comm.ranks_per_host={ranks_per_host}" if ranks_per_host is not None else f"the {comm.launcher} launcher"
+    if len(hosts) < 2:
+        raise ValueError(f"a two-level learner needs several hosts; this job runs on {describe_hosts(hosts)} (from "
+                         f"{source}): use the one-level learner (e.g. learner=data_parallel or learner=diloco), or "
+                         f"comm.ranks_per_host=N to rehearse N ranks per host on one machine")
+    if len({len(ranks) for ranks in hosts}) > 1:
+        raise ValueError(f"a two-level learner needs the same number of ranks on every host (each host's model is "
+                         f"weighted equally); this job runs on {describe_hosts(hosts)} (from {source})")
+    return hosts, source
+
+
+class TwoLevel:
+    """Mixin over a :class:`BlockLearner` subclass (first in the bases): one model per host.
+
+    * Each minibatch: the host's ranks sum ``[grad * local_samples, local_samples]`` exactly over
+      the host communicator, divide by the host's samples (the gradient of the host's mean loss)
+      and step; the host's ranks step on the same gradient, so they hold the same parameters.
+    * Warm start (before ``distributed_after``): each host trains on the whole global minibatch,
+      split among its ranks, with no traffic between hosts; at its end rank 0's model is everyone's.
+    * Each block: the leaders (local rank 0) exchange ``d_host = W_prev - W_host`` over the
+      cross-host communicator (``outer_comm``, size H) with the learner's strategy and broadcast the
+      sum over the host; every rank then makes the learner's outer update with ``N = H``. BatchNorm
+      statistics are averaged exactly over all ranks.
+
+    ``block_size`` counts the job's samples and the sync period is ``block_size // (ranks in the
+    job)`` per rank, as for the one-level learners; ``"auto"`` rules take ``N`` = the number of hosts
+    (the models that train apart). ``ranks_per_host`` (None: ``comm.ranks_per_host``, else the
+    launcher's hosts) groups the ranks.
+    """
+
+    outer_name = "a block learner"
+    """The outer scheme, in words (the start-up line)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not issubclass(cls, BlockLearner):
+            raise TypeError(f"{cls.__qualname__}: TwoLevel nests a block learner (DiLoCoLearner, LocalSGDLearner, "
+                            f"a BlockLearner of your own) between hosts: put it first among the bases of a BlockLearner subclass")
+
+    def __init__(self, optimizer, comm=None, *args, ranks_per_host: int | None = None, **kwargs):
+        comm = comm if comm is not None else LocalCommunicator()
+        if ranks_per_host is None:
+            ranks_per_host = getattr(comm, "ranks_per_host", None)
+        hosts, self.hosts_source = host_layout(comm, ranks_per_host)
+        self.hosts = hosts
+        self.host_index = next(index for index, ranks in enumerate(hosts) if comm.rank in ranks)
+        self.host = comm.host_groups(ranks_per_host).local
+        # local rank i of every host; on the leaders (i = 0) the communicator of the delta exchange
+        cross = comm.split(self.host.rank, key=self.host_index)
+        super().__init__(optimizer, comm, *args, outer_comm=cross, **kwargs)
+        self._gradients: torch.Tensor | None = None
+        self._restored_hosts: list[int] | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank exchanges its host's delta with the other hosts (local rank 0)."""
+        return self.host.rank == 0
+
+    def model_replicas(self) -> int:
+        """The hosts: one model each between syncs."""
+        return len(self.hosts)
+
+    def data_partition(self) -> tuple[int, int]:
+        """The job's partition once blocks run; during the warm start the host's (every host reads the whole minibatch)."""
+        if self.is_distributed():
+            return self.comm.size, self.comm.rank
+        return self.host.size, self.host.rank
+
+    def describe(self) -> str:
+        """The host layout, then the block learner's line."""
+        return (f"two levels over {describe_hosts(self.hosts)} (from {self.hosts_source}): exact gradient "
+                f"all-reduce inside each host every step, {type(self).outer_name} between the host leaders; "
+                f"{super().describe().replace('local training on the full stream', 'each host on the full stream')}")
+
+    # -- the step inside the host -----------------------------------------------------------------
+    def _local_step(self) -> None:
+        """The host's exact data-parallel step: the sample-weighted mean gradient over the host's ranks."""
+        parameters = self.parameters
+        count = self._num_parameter_elements
+        if self._gradients is None:
+            self._gradients = torch.empty(count + len(parameters) + 1, dtype=self._scratch.dtype,
+                                          device=self._scratch.device)
+        flat, weight = self._gradients, float(self.local_samples)
+        flags = flat[count:count + len(parameters)]
+        offset = 0
+        with torch.no_grad():
+            for index, parameter in enumerate(parameters):
+                size = parameter.numel()
+                has_gradient = parameter.grad is not None and weight > 0
+                if has_gradient:
+                    flat[offset:offset + size].copy_(parameter.grad.reshape(-1)).mul_(weight)
+                else:
+                    flat[offset:offset + size].zero_()
+                flags[index] = float(has_gradient)
+                offset += size
+            flat[-1] = weight
+            started = time.perf_counter()
+            self.host.allreduce(flat, op="sum")
+            self.exchange_seconds_last_step = time.perf_counter() - started
+            host_samples = float(flat[-1])
+            if host_samples == 0:
+                return  # no sample on this host in this minibatch: its ranks skip the step alike
+            flat[:count].div_(host_samples)
+            offset = 0
+            for index, parameter in enumerate(parameters):
+                size = parameter.numel()
+                if flags[index] > 0:
+                    mean = flat[offset:offset + size].view_as(parameter)
+                    if parameter.grad is None:
+                        parameter.grad = mean.to(parameter.dtype).clone()
+                    else:
+                        parameter.grad.copy_(mean)
+                else:
+                    parameter.grad = None
+                offset += size
+        self._step_with_share(host_samples / self.global_samples)
+
+    # -- the sync between hosts -------------------------------------------------------------------
+    def _exchange_model_delta(self) -> None:
+        """Sums the hosts' deltas over the leaders with the strategy, broadcasts the sum inside each
+        host, and averages the floating-point buffers exactly over every rank."""
+        started = time.perf_counter()
+        scratch, count = self._scratch, self._num_parameter_elements
+        buffers = scratch[count:]
+        pack(self._float_buffers, buffers)
+        if buffers.numel():
+            self.host.allreduce(buffers, op="sum")
+        sent = full = 0
+        if self.is_leader:
+            self.exchange.begin_step()
+            extra = 0
+            if self.exchange.lossless:
+                self.exchange.allreduce_("model", scratch, [torch.Size([count]), torch.Size([buffers.numel()])])
+            else:
+                self.exchange.allreduce_("model", scratch[:count], [p.shape for p in self.parameters])
+                if buffers.numel():
+                    self.outer_comm.allreduce(buffers, op="sum")
+                    extra = full_precision_allreduce_bytes(buffers.numel(), self.outer_comm.size) \
+                        * buffers.element_size() // 4
+            sent = self.exchange.bytes_sent_last_step + extra
+            full = self.exchange.full_precision_bytes_last_step + extra
+        self.host.broadcast(scratch, root=0)
+        unpack(buffers.div_(self.comm.size), self._float_buffers)
+        self._bytes_sent_last_sync, self._full_precision_bytes_last_sync = sent, full
+        self.exchange_seconds_last_step += time.perf_counter() - started  # after this step's host all-reduce
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The block learner's state plus the layout ``[hosts, ranks per host]`` it was trained on."""
+        return {**super().state_dict(), "hosts": [len(self.hosts), len(self.hosts[0])]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The block learner's restore; the model, ``W_prev``, the outer state and the counters carry
+        over to any layout. Remembers the saved layout for :meth:`load_local_state_dict`."""
+        super().load_state_dict(state)
+        self._restored_hosts = list(state.get("hosts") or [])
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's optimizer and exchange state, only onto the layout that saved them; onto
+        another (same ranks, other hosts) every rank keeps rank 0's optimizer state and a fresh exchange."""
+        layout = [len(self.hosts), len(self.hosts[0])]
+        if self._restored_hosts and self._restored_hosts != layout:
+            if self.comm.is_main:
+                print(f"dtrain: the checkpoint was trained on {self._restored_hosts[0]} hosts x "
+                      f"{self._restored_hosts[1]} ranks, this run has {layout[0]} x {layout[1]}: every rank continues "
+                      f"with rank 0's optimizer state and a fresh {self.exchange.name} exchange state", flush=True)
+            return
+        super().load_local_state_dict(state)
+
+
+class TwoLevelDiLoCoLearner(TwoLevel, DiLoCoLearner):
+    """``learner=two_level_diloco``: exact data-parallel steps inside each host, DiLoCo's outer
+    Nesterov step between hosts (``N`` = hosts); arguments as :class:`DiLoCoLearner`'s plus ``ranks_per_host``."""
+
+    kind = "two_level_diloco"
+    outer_name = "DiLoCo"
+
+
+class TwoLevelBlockMomentumLearner(TwoLevel, BlockMomentumLearner):
+    """``learner=two_level_block_momentum``: exact data-parallel steps inside each host, BMUF's filtered
+    sync between hosts (CNTK's default time constant with ``N`` = hosts); arguments as
+    :class:`BlockMomentumLearner`'s plus ``ranks_per_host``."""
+
+    kind = "two_level_block_momentum"
+    outer_name = "block momentum"
+
+
+class TwoLevelLocalSGDLearner(TwoLevel, LocalSGDLearner):
+    """``learner=two_level_local_sgd``: exact data-parallel steps inside each host, the hosts'
+    models averaged every block; arguments as :class:`LocalSGDLearner`'s plus ``ranks_per_host``."""
+
+    kind = "two_level_local_sgd"
+    outer_name = "local SGD"
+
+
+__all__ = ["TwoLevel", "TwoLevelBlockMomentumLearner", "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner", "host_layout"]
