@@ -105,6 +105,7 @@ def test_signalled_mpiexec_tells_the_terminal_where_the_checkpoint_is_and_how_to
     assert f"at {samples} samples" in resumed.stdout, resumed.report()
 
 
+@pytest.mark.slow  # the SIGTERM case above keeps the preemption path in the default suite
 def test_sigusr1_preemption_through_mpiexec_exits_75_with_the_line(tmp_path):
     if mpiexec_path() is None:
         pytest.skip("mpiexec not found")

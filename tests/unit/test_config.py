@@ -19,7 +19,7 @@ from dtrain.config import validate
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 LEARNERS = sorted(p.stem for p in (CONF / "learner").glob("*.yaml"))
 #: recipes whose pairs with every learner run in the slow set (the default one keeps their data_parallel pair)
-SLOW_RECIPES = {"cmudict_g2p", "shakespeare_char"}
+SLOW_RECIPES = {"cmudict_g2p", "imagenet", "shakespeare_char"}  # imagenet: a ResNet-50 per pair
 
 
 def recipe_learner_pairs() -> list:
