@@ -1,17 +1,18 @@
-"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+"""The root config schema, the registration of every schema in Hydra's ConfigStore, and ``validate``.
 
-Each YAML option in ``conf/<group>/`` extends one of these schemas (``/schema/<group>/<name>``),
-so a misspelt key or a value of the wrong type fails when the config is composed, naming the
-key. ``validate`` then checks everything else before anything is built or written and reports
-every problem at once: keys added with ``+`` that a schema does not have, the value rules each
-component registers under its ``_target_`` (:data:`RULES`, :func:`register_rule`), switches written
-as true or false (:data:`StrictBool`), the session and comm sections (a ``session.epoch_size`` that
-nothing refers to included), NaN or infinity in any number, and whether ``run_dir`` can be written.
+Each component's schema and value rules live beside it (``dtrain/<package>/settings.py``); each YAML
+option in ``conf/<group>/`` extends one of the schemas (``/schema/<group>/<name>``), so a misspelt key or
+a value of the wrong type fails when the config is composed, naming the key. ``validate`` then checks
+everything else before anything is built or written and reports every problem at once: keys added
+with ``+`` that a schema does not have, the rules each component registers under its ``_target_``
+(:data:`RULES`, :func:`register_rule`; a user's module is imported first, so its rules count too),
+the session and comm sections, NaN or infinity in any number, and whether ``run_dir`` can be written.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -41,7 +42,7 @@ from dtrain.session.objective_settings import (ClassificationErrorConfig, CrossE
                                                TopKErrorConfig)
 from dtrain.session.settings import SessionConfig, _session_problems, restore_from_problems
 
-__all__ = ["DTrainConfig", "RULES", "Rule", "StrictBool", "register_rule", "register_schema", "register_schemas",
+__all__ = ["DTrainConfig", "RULES", "Rule", "StrictBool", "register_rule", "register_schemas",
            "validate"]
 
 
@@ -134,16 +135,6 @@ def epochs_in_samples(count: Any, *, _root_: DictConfig) -> int:
         raise ValueError(f"${{epochs:{count}}} is {samples:g} samples of session.epoch_size={epoch_size}; expected "
                          f"a whole number of samples")
     return int(samples)
-
-
-def register_schema(group: str, name: str, node: type) -> None:
-    """Adds one more schema (used by learner modules that add their own options)."""
-    _SCHEMAS[(group, name)] = node
-    ConfigStore.instance().store(group=group, name=name, node=node)
-
-
-for _schema in optim_settings.OPTIONS.values():  # optimizer=lars, lamb, rmsprop_warmup_sgd
-    register_rule(_schema._target_, optim_settings.problems)
 
 
 def _epoch_size_problems(cfg: DictConfig) -> list[str]:
@@ -249,6 +240,8 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
     for path, node in nodes:
         run(lambda: _unknown_key_problems(node, path), path)
         target = node.get("_target_") if "_target_" in node else None
+        if isinstance(target, str) and target not in RULES:
+            import_target_module(target)  # a user's component registers its rules when its module is imported
         if target in RULES:
             run(lambda: RULES[target](node, path), path)
     run(lambda: _session_problems(cfg.session), "session")
@@ -267,6 +260,25 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
                 if isinstance(value, float) and not math.isfinite(value) and path not in mentioned]
     run(non_finite, "config")
     return list(dict.fromkeys(_one_line(problem.lstrip(".")) for problem in problems))
+
+
+def import_target_module(target: str) -> None:
+    """Imports the module that defines ``target`` (``mymodels.MLP``: ``mymodels``), as ``instantiate`` would,
+    so that its module-level :func:`register_rule` calls run before the config is validated.
+
+    A module that cannot be imported is left to ``instantiate``, which reports it in one line as before.
+    """
+    parts = target.split(".")
+    for length in range(len(parts), 0, -1):
+        name = ".".join(parts[:length])
+        try:
+            importlib.import_module(name)
+            return
+        except ModuleNotFoundError as error:
+            if error.name != name:  # the module exists but an import inside it failed: instantiate reports it
+                return
+        except Exception:  # noqa: BLE001 -- a module that fails to import is reported by instantiate, in one line
+            return
 
 
 def _one_line(problem: str) -> str:
