@@ -40,7 +40,8 @@ from dtrain.session.objective_settings import (ClassificationErrorConfig, CrossE
                                                GreedyDecodingErrorsConfig, MeanAbsoluteErrorConfig, MSELossConfig,
                                                PerplexityConfig, SequenceCrossEntropyConfig, SequenceErrorConfig,
                                                TopKErrorConfig)
-from dtrain.session.settings import SessionConfig, _session_problems, restore_from_problems
+from dtrain.session.configs import restore_from_problems
+from dtrain.session.settings import SessionConfig, _session_problems
 
 __all__ = ["DTrainConfig", "RULES", "Rule", "StrictBool", "register_rule", "register_schemas",
            "validate"]

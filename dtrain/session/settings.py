@@ -1,7 +1,6 @@
 """The config schema of the ``session`` section (schedules, checkpoints, cross-validation, test, profile) and its rules."""
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -11,7 +10,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from dtrain import checks
 from dtrain.data.settings import _stream_reference_problems
 from dtrain.rules import StrictBool, key_problems as _check, plain as _plain
-from dtrain.session.configs import signal_from_name
+from dtrain.session.configs import CheckpointConfig, checkpoint_problems
 from dtrain.session.lr_scaling import lr_scaling_problems
 from dtrain.session.weight_ema import check_ema_decay
 
@@ -27,17 +26,6 @@ class ScheduleConfig:
     values: list[Any] = MISSING
     epoch_size: Optional[int] = None
     warmup_samples: int = 0             # linear ramp from ~0 to 1x over these samples (lr warm-up)
-
-
-@dataclass
-class CheckpointSettings:
-    filename: str = "checkpoint.pt"     # relative to the run directory
-    frequency: Optional[int] = None     # samples; null = at the end only; 0 = never
-    restore: StrictBool = True
-    preserve_all: StrictBool = False    # keep every checkpoint, not only the newest keep_last
-    keep_last: int = 2                  # >= 2: the newest and a fallback if it is damaged
-    preemption_signal: Optional[str] = "SIGTERM"  # save at the next step and exit 75; null disables
-    restore_from: Optional[str] = None  # a checkpoint file to start from while run_dir has none of its own
 
 
 @dataclass
@@ -74,7 +62,7 @@ class SessionConfig:
     lr_schedule: Optional[ScheduleConfig] = None                     # multipliers of optimizer.lr
     momentum_time_constant_schedule: Optional[ScheduleConfig] = None  # samples; momentum = exp(-mb/tc)
     unit_gain_momentum: StrictBool = False
-    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # the Python API's class
     cv: CrossValidationSettings = field(default_factory=CrossValidationSettings)
     test: TestSettings = field(default_factory=TestSettings)
     tensorboard: Optional[StrictBool] = None  # null: when the tensorboard package (extra) is installed
@@ -175,20 +163,7 @@ def _session_problems(session: DictConfig) -> list[str]:
         ("active", checks.whole_number, {"low": 1, "unit": "minibatches"}),
         ("ranks", checks.choice, {"choices": checks.PROFILE_RANKS}),
     )
-    problems += _check(
-        session.checkpoint, "session.checkpoint",
-        ("frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
-        ("keep_last", checks.whole_number, {"low": 2, "unit": "checkpoints (the newest and a fallback)"}),
-        ("restore", checks.boolean, {}),
-        ("preserve_all", checks.boolean, {}),
-    )
-    filename = session.checkpoint.filename
-    if not filename or str(filename).endswith(("/", os.sep)):
-        problems.append(f"session.checkpoint.filename={filename!r}: expected a file name (e.g. checkpoint.pt)")
-    signal_name = session.checkpoint.preemption_signal
-    if signal_name is not None and not _names_a_signal(signal_name):
-        problems.append(f"session.checkpoint.preemption_signal={signal_name!r}: expected a signal name such as "
-                        f"SIGTERM or SIGUSR1, or null")
+    problems += checkpoint_problems(session.checkpoint, "session.checkpoint")
     problems += _check(
         session.cv, "session.cv",
         ("frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
@@ -221,31 +196,3 @@ def _device_problems(device: Any) -> list[str]:
         return [str(error)]
     problem = machine_problem("session.device", setting)
     return [problem] if problem else []
-
-
-def restore_from_problems(checkpoint: DictConfig, *, look: bool = True) -> list[str]:
-    """``session.checkpoint.restore_from``: null, or (with restore on) a file that exists when ``look``.
-
-    Reads the file system only; whether the file is a checkpoint of this run is checked when it is restored.
-    """
-    value = checkpoint.restore_from
-    if value is None:
-        return []
-    key = f"session.checkpoint.restore_from={value!r}"
-    if not isinstance(value, str) or not value.strip():
-        return [f"{key}: expected the path of a dtrain checkpoint file, or null"]
-    if checkpoint.restore is False:
-        return [f"{key}: expected session.checkpoint.restore=true (restore_from names the checkpoint to restore)"]
-    if look and not os.path.isfile(value):
-        where = "is a directory" if os.path.isdir(value) else "no such file"
-        return [f"{key}: {where}; expected a dtrain checkpoint file (a relative path is from the working "
-                f"directory, {os.getcwd()})"]
-    return []
-
-
-def _names_a_signal(name: str) -> bool:
-    try:
-        signal_from_name(name)
-    except ValueError:
-        return False
-    return True
