@@ -61,3 +61,23 @@ def plain(value: Any) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
+
+
+#: ``key -> check(name, value)``: a component's value rules, stated once for its constructor and ``validate``
+KeyChecks = dict[str, Callable[[str, Any], Any]]
+
+
+def settings_problems(key_checks: KeyChecks, values: Any, name: str = "") -> list[str]:
+    """One line per value of ``values`` (a config node or a mapping) that its check refuses; the keys are
+    prefixed with ``name`` (``model.hidden``), or bare when it is empty (a constructor's ``hidden``)."""
+    def bind(key: str) -> Callable[[], Any]:
+        return lambda: key_checks[key](f"{name}.{key}" if name else key, values[key])
+    return checks.collect(bind(key) for key in key_checks if key in values
+                          and not (isinstance(values, DictConfig) and OmegaConf.is_missing(values, key)))
+
+
+def check_settings(key_checks: KeyChecks, **values: Any) -> None:
+    """A constructor's form of :func:`settings_problems`: raises ``ValueError`` with the first problem."""
+    problems = settings_problems(key_checks, values)
+    if problems:
+        raise ValueError(problems[0])

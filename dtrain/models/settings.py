@@ -1,12 +1,15 @@
-"""The config schemas of the shipped models (``conf/model``) and their value rules."""
+"""The config schemas of the shipped models (``conf/model``) and their value rules, which the models'
+constructors apply too."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
 from dtrain import checks
-from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_problems
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -70,29 +73,23 @@ class Seq2SeqTransformerConfig:
 
 
 # -- models
-def _num_classes(node: DictConfig, name: str) -> list[str]:
-    return _check(node, name, ("num_classes", checks.whole_number, {"low": 2, "unit": "classes"}))
+def _at_least(low: int, unit: str) -> Callable[[str, Any], Any]:
+    return lambda name, value: checks.whole_number(name, value, low=low, unit=unit)
 
 
-@register_rule("dtrain.models.DigitsCNN")
-def _digits_cnn_rules(node: DictConfig, name: str) -> list[str]:
-    return _num_classes(node, name) + _check(
-        node, name,
-        ("hidden", checks.whole_number, {"low": 1, "unit": "units"}),
-        ("dropout", _fraction(), {}),
-        ("batch_norm", checks.boolean, {}),
-    )
+#: each model's value rules, used by its constructor (``check_settings``) and by ``validate``
+NUM_CLASSES: KeyChecks = {"num_classes": _at_least(2, "classes")}
+DIGITS_CNN: KeyChecks = {**NUM_CLASSES, "hidden": _at_least(1, "units"), "dropout": _fraction(),
+                         "batch_norm": checks.boolean}
+CIFAR10_CONVNET: KeyChecks = {**NUM_CLASSES, "dropout": _fraction()}
+RESNET: KeyChecks = {**NUM_CLASSES, "width": _at_least(1, "channels")}
+RESNET50: KeyChecks = {**RESNET, "zero_init_residual": checks.boolean}
 
 
-@register_rule("dtrain.models.ConvNetCIFAR10")
-def _cifar10_convnet_rules(node: DictConfig, name: str) -> list[str]:
-    return _num_classes(node, name) + _check(node, name, ("dropout", _fraction(), {}))
+def _rule(key_checks: KeyChecks) -> Callable[[DictConfig, str], list[str]]:
+    return lambda node, name: settings_problems(key_checks, node, name)
 
 
-@register_rule("dtrain.models.ResNet50")
-def _resnet50_rules(node: DictConfig, name: str) -> list[str]:
-    return _num_classes(node, name) + _check(
-        node, name,
-        ("width", checks.whole_number, {"low": 1, "unit": "channels"}),
-        ("zero_init_residual", checks.boolean, {}),
-    )
+register_rule("dtrain.models.DigitsCNN", _rule(DIGITS_CNN))
+register_rule("dtrain.models.ConvNetCIFAR10", _rule(CIFAR10_CONVNET))
+register_rule("dtrain.models.ResNet50", _rule(RESNET50))
