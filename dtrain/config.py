@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dtrain import checks
-from dtrain.comm.settings import CommConfig, _comm_problems
+from dtrain.comm.settings import CommConfig, comm_problems
 from dtrain.data.settings import ImageSourceConfig, ImageTransformConfig, MinibatchSourceConfig, SourceConfig
 from dtrain.exchange.settings import (AllReduceExchangeConfig, CompressedExchangeConfig, PowerSGDExchangeConfig,
                                       QuantizedExchangeConfig)
@@ -41,7 +41,7 @@ from dtrain.session.objective_settings import (ClassificationErrorConfig, CrossE
                                                PerplexityConfig, SequenceCrossEntropyConfig, SequenceErrorConfig,
                                                TopKErrorConfig)
 from dtrain.session.configs import restore_from_problems
-from dtrain.session.settings import SessionConfig, _session_problems
+from dtrain.session.settings import SessionConfig, session_problems
 
 __all__ = ["DTrainConfig", "RULES", "Rule", "StrictBool", "register_rule", "register_schemas",
            "validate"]
@@ -245,10 +245,10 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
             import_target_module(target)  # a user's component registers its rules when its module is imported
         if target in RULES:
             run(lambda: RULES[target](node, path), path)
-    run(lambda: _session_problems(cfg.session), "session")
+    run(lambda: session_problems(cfg.session), "session")
     run(lambda: batchnorm_setting_problems(cfg.session), "session")
     run(lambda: _epoch_size_problems(cfg), "session.epoch_size")
-    run(lambda: _comm_problems(cfg.comm), "comm")
+    run(lambda: comm_problems(cfg.comm), "comm")
     run(lambda: _check(cfg, "", ("seed", checks.whole_number, {"low": 0})), "seed")
     if check_run_dir:
         run(lambda: run_dir_problems(cfg.run_dir), "run_dir")

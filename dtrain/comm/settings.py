@@ -19,7 +19,8 @@ class CommConfig:
     ranks_per_host: Optional[int] = None  # null: hosts from the launcher; N: blocks of N consecutive ranks
 
 
-def _comm_problems(comm: DictConfig) -> list[str]:
+def comm_problems(comm: DictConfig) -> list[str]:
+    """One line per problem of the ``comm`` section: timeouts, backend, and the host layout against this launch."""
     def at_least_a_second(name, value):
         if checks.positive_number(name, value, unit="seconds") < 1:
             raise ValueError(f"{name}={value!r}: expected at least 1 second")

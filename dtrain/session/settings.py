@@ -137,7 +137,8 @@ def _schedule_problems(name: str, schedule: DictConfig, value_check: Callable[[s
     return problems
 
 
-def _session_problems(session: DictConfig) -> list[str]:
+def session_problems(session: DictConfig) -> list[str]:
+    """One line per problem of the ``session`` section (its sizes, switches, checkpoint, cv, test, profile, schedules)."""
     problems = _check(
         session, "session",
         ("minibatch_size", checks.sample_count, {}),

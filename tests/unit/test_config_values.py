@@ -40,6 +40,8 @@ SWITCHES = [
     ((), "session.keep_host_memory"),
     ((), "session.compile"),
     ((), "session.profile.enabled"),
+    ((), "session.sync_batchnorm"),
+    ((), "model.batch_norm"),
 ]
 
 #: 0 and 1 are refused too: the Python API refuses them (checks.boolean), and one rule for both means a
