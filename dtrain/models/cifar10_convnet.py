@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtrain import checks
+from dtrain.models.settings import CIFAR10_CONVNET
+from dtrain.rules import check_settings
 
 
 class ConvNetCIFAR10(nn.Module):
@@ -24,8 +25,7 @@ class ConvNetCIFAR10(nn.Module):
 
     def __init__(self, num_classes: int = 10, dropout: float = 0.5):
         super().__init__()
-        checks.whole_number("num_classes", num_classes, low=2, unit="classes")
-        checks.number_in_range("dropout", dropout, 0.0, 1.0, include_high=False)
+        check_settings(CIFAR10_CONVNET, num_classes=num_classes, dropout=dropout)
 
         def conv(cin: int, cout: int) -> list[nn.Module]:
             return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtrain import checks
+from dtrain.models.settings import DIGITS_CNN
+from dtrain.rules import check_settings
 
 
 class DigitsCNN(nn.Module):
@@ -26,10 +27,7 @@ class DigitsCNN(nn.Module):
 
     def __init__(self, num_classes: int = 10, hidden: int = 128, dropout: float = 0.0, batch_norm: bool = False):
         super().__init__()
-        checks.whole_number("num_classes", num_classes, low=2, unit="classes")
-        checks.whole_number("hidden", hidden, low=1, unit="units")
-        checks.number_in_range("dropout", dropout, 0.0, 1.0, include_high=False)
-        checks.boolean("batch_norm", batch_norm)
+        check_settings(DIGITS_CNN, num_classes=num_classes, hidden=hidden, dropout=dropout, batch_norm=batch_norm)
         if not batch_norm:  # the default model, layer for layer as before (its checkpoints keep loading)
             self.features = nn.Sequential(
                 nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),

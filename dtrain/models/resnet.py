@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dtrain import checks
+from dtrain.models.settings import RESNET
+from dtrain.rules import check_settings
 
 __all__ = ["Bottleneck", "ResNet", "ResNet50"]
 
@@ -63,8 +64,7 @@ class ResNet(nn.Module):
         super().__init__()
         if not layers or any(int(count) < 1 for count in layers):
             raise ValueError(f"layers must be positive block counts per stage, got {list(layers)!r}")
-        checks.whole_number("num_classes", num_classes, low=2, unit="classes")
-        checks.whole_number("width", width, low=1, unit="channels")
+        check_settings(RESNET, num_classes=num_classes, width=width)
         self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
                                   nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1))
         blocks, in_channels = [], width

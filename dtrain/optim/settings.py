@@ -1,5 +1,5 @@
-"""The config schemas of ``optimizer=lars|lamb|rmsprop_warmup_sgd`` and their value rules (registered by
-``dtrain.config``); the constructors apply the same rules through ``dtrain.checks``."""
+"""The config schemas of ``optimizer=lars|lamb|rmsprop_warmup_sgd`` and their value rules (registered here per
+``_target_``); the constructors apply the same rules through ``dtrain.checks``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain import checks
+from dtrain.rules import StrictBool, register_rule
 
-StrictBool = Any  # a switch kept as written; the rules ask for true or false (as dtrain.config's)
 
 
 @dataclass
@@ -79,5 +79,9 @@ def problems(node: Any, name: str) -> list[str]:
     return checks.collect(bind(key) for key in _KEY_CHECKS if key in node)
 
 
-#: (config name, schema) of each option; ``dtrain.config`` registers them and :func:`problems` for their targets
+#: (config name, schema) of each option; ``dtrain.config`` registers the schemas, and :func:`problems` is their rule
 OPTIONS: dict[str, type] = {"lars": LARSConfig, "lamb": LAMBConfig, "rmsprop_warmup_sgd": RMSpropWarmupSGDConfig}
+
+
+for _schema in OPTIONS.values():
+    register_rule(_schema._target_, problems)

@@ -6,9 +6,10 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, Optional
 
 from dtrain import checks
+from dtrain.rules import StrictBool
 
 
 def action_frequency(name: str, frequency: int | None) -> int:
@@ -43,10 +44,11 @@ def device_and_profile_options(session) -> dict:
 
 @dataclass
 class CheckpointConfig:
-    """Where and how often to save checkpoints.
+    """Where and how often to save checkpoints: the Python API's class and the ``session.checkpoint``
+    config section's schema (one definition, one set of rules: :func:`checkpoint_problems`).
 
     Args:
-        filename: checkpoint file name; a relative name is placed in the session's run directory.
+        filename: checkpoint file name (a str or a Path); a relative name is placed in the session's run directory.
         frequency: samples between checkpoints (``None``: only at the end; 0: never).
         restore: continue from the latest checkpoint at ``filename`` if there is one.
         preserve_all: keep every checkpoint instead of the newest ``keep_last``.
@@ -55,29 +57,76 @@ class CheckpointConfig:
         preemption_signal: the signal (name, e.g. ``"SIGTERM"``) that makes every rank save a
             checkpoint where the ranks next meet (the next minibatch; block momentum: within one block)
             and stop with exit code 75; ``None`` disables.
-        restore_from: a checkpoint file (any name, any run) to start from when the run directory has
-            no checkpoint of its own yet; once it has, its newest continues the run, so the same
-            command resumes after a preemption. Verified as any restore (model, learner, data).
+        restore_from: a checkpoint file (any name, any run; a str or a Path) to start from when the run
+            directory has no checkpoint of its own yet; once it has, its newest continues the run, so the
+            same command resumes after a preemption. Verified as any restore (model, learner, data).
+
+    Raises:
+        ValueError: the first of :func:`checkpoint_problems`, naming ``CheckpointConfig.<field>``.
     """
 
-    filename: str | Path = "checkpoint.pt"
-    frequency: int | None = None
-    restore: bool = True
-    preserve_all: bool = False
-    keep_last: int = 2
-    preemption_signal: str | None = "SIGTERM"
-    restore_from: str | Path | None = None
+    filename: str = "checkpoint.pt"     # relative to the run directory
+    frequency: Optional[int] = None     # samples; null = at the end only; 0 = never
+    restore: StrictBool = True
+    preserve_all: StrictBool = False    # keep every checkpoint, not only the newest keep_last
+    keep_last: int = 2                  # >= 2: the newest and a fallback if it is damaged
+    preemption_signal: Optional[str] = "SIGTERM"  # save at the next step and exit 75; null disables
+    restore_from: Optional[str] = None  # a checkpoint file to start from while run_dir has none of its own
 
     def __post_init__(self):
-        self.frequency = action_frequency("CheckpointConfig.frequency", self.frequency)
-        if not str(self.filename) or str(self.filename).endswith(("/", os.sep)):
-            raise ValueError(f"checkpoint filename {str(self.filename)!r} must name a file")
-        checks.whole_number("CheckpointConfig.keep_last", self.keep_last, 2, unit="checkpoints")  # the newest and a fallback
-        if self.preemption_signal is not None:
-            signal_from_name(self.preemption_signal)
-        if self.restore_from is not None and (not str(self.restore_from) or not self.restore):
-            raise ValueError(f"CheckpointConfig.restore_from={str(self.restore_from)!r}: expected the path of a "
-                             f"checkpoint file, with restore=True")
+        problems = checkpoint_problems(self, "CheckpointConfig") + restore_from_problems(self, "CheckpointConfig",
+                                                                                        look=False)
+        if problems:
+            raise ValueError(problems[0])
+
+
+def checkpoint_problems(checkpoint: Any, name: str) -> list[str]:
+    """One line per setting of ``checkpoint`` (a :class:`CheckpointConfig` or its config node, called ``name``)
+    out of range; ``restore_from`` is :func:`restore_from_problems`'s."""
+    problems = checks.collect([
+        lambda: checks.sample_count(f"{name}.frequency", checkpoint.frequency, allow_none=True, allow_zero=True),
+        lambda: checks.whole_number(f"{name}.keep_last", checkpoint.keep_last, low=2,
+                                    unit="checkpoints (the newest and a fallback)"),
+        lambda: checks.boolean(f"{name}.restore", checkpoint.restore),
+        lambda: checks.boolean(f"{name}.preserve_all", checkpoint.preserve_all),
+    ])
+    filename = checkpoint.filename
+    if not filename or str(filename).endswith(("/", os.sep)):
+        problems.append(f"{name}.filename={str(filename)!r}: expected a file name (e.g. checkpoint.pt)")
+    signal_name = checkpoint.preemption_signal
+    if signal_name is not None and not _names_a_signal(signal_name):
+        problems.append(f"{name}.preemption_signal={signal_name!r}: expected a signal name such as "
+                        f"SIGTERM or SIGUSR1, or null")
+    return problems
+
+
+def restore_from_problems(checkpoint: Any, name: str = "session.checkpoint", *, look: bool = True) -> list[str]:
+    """``restore_from``: null, or (with restore on) a file that exists when ``look``.
+
+    Reads the file system only; whether the file is a checkpoint of this run is checked when it is restored.
+    """
+    value = checkpoint.restore_from
+    if value is None:
+        return []
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    key = f"{name}.restore_from={value!r}"
+    if not isinstance(value, str) or not value.strip():
+        return [f"{key}: expected the path of a dtrain checkpoint file, or null"]
+    if checkpoint.restore is False:
+        return [f"{key}: expected {name}.restore=true (restore_from names the checkpoint to restore)"]
+    if look and not os.path.isfile(value):
+        where = "is a directory" if os.path.isdir(value) else "no such file"
+        return [f"{key}: {where}; expected a dtrain checkpoint file (a relative path is from the working "
+                f"directory, {os.getcwd()})"]
+    return []
+
+
+def _names_a_signal(name: str) -> bool:
+    try:
+        signal_from_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass

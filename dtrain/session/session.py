@@ -319,7 +319,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
         self.settings = {"session": {
             "minibatch_size": minibatch_size if isinstance(minibatch_size, int) else repr(minibatch_size),
             "max_samples": max_samples, "progress_frequency": progress_frequency,
-            "checkpoint_frequency": checkpoint_config.frequency if checkpoint_config else None,
+            "checkpoint_frequency": action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
+            if checkpoint_config else None,
             "cv_frequency": cv_config.frequency if cv_config else None,
             "lr_schedule": repr(lr_schedule) if lr_schedule else None,
             "momentum_time_constant_schedule": repr(momentum_time_constant_schedule)
@@ -344,7 +345,8 @@ class TrainingSession(PreemptionHandling, StartupLines):
         # the configured learning rates; an lr schedule multiplies them
         self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
         self.progress_period = _Periodic(action_frequency("progress_frequency", progress_frequency))
-        self.checkpoint_period = _Periodic(checkpoint_config.frequency if checkpoint_config else 0)
+        self.checkpoint_period = _Periodic(action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
+                                          if checkpoint_config else 0)
         self.cv_period = _Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
         self.cv_index = 0

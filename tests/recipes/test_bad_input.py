@@ -84,6 +84,9 @@ CASES = [
     ("ema-decay-0", ["session.ema_decay=0.0"], ["session.ema_decay=0.0: expected a number in (0, 1)"]),
     # models
     ("hidden-negative", ["model.hidden=-5"], ["model.hidden=-5: expected a whole number of units of at least 1"]),
+    # a model of the user's own (--config-dir) whose module registers a rule: refused as a shipped model's
+    ("user-model-rule", ["--config-dir", "{base}/user_conf", "+recipe=digits", "model=user_mlp", "model.hidden=-5"],
+     ["model.hidden=-5: expected a whole number of units of at least 1"]),
     ("hidden-0", ["model.hidden=0"], ["model.hidden=0: expected"]),
     ("classes-1", ["model.num_classes=1"], ["model.num_classes=1: expected"]),
     ("classes-vs-data", ["model.num_classes=3"], ["model.num_classes=3", "10 classes", "expected model.num_classes=10"]),
@@ -180,8 +183,32 @@ else:
     CASES.append(("backend-nccl-without-cuda", ["comm.backend=nccl"], ["comm.backend='nccl': expected a machine with CUDA"]))
     CASES.append(("device-cuda-without-cuda", ["session.device=cuda"], ["session.device='cuda': expected a machine with CUDA"]))
 
+#: the user's model of the ``user-model-rule`` case (imported from the working directory): its rule, registered
+#: when the module is imported, is checked with every other rule before anything is built or written
+USER_MODEL = """
+import torch
+from dtrain import checks
+from dtrain.config import register_rule
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        checks.whole_number("hidden", hidden, low=1, unit="units")
+        self.layers = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                                          torch.nn.Linear(hidden, 10))
+
+    def forward(self, features):
+        return self.layers(features)
+
+
+@register_rule("user_mlp_model.MLP")
+def mlp_problems(node, name):
+    return checks.collect([lambda: checks.whole_number(f"{name}.hidden", node.hidden, low=1, unit="units")])
+"""
+
 # every case without a recipe of its own uses the digits recipe
-_RECIPE_FREE = {"recipe-unknown", "recipe-missing"}
+_RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule"}  # the last names the recipe after --config-dir
 
 # under mpiexec: failures before the communicator exists (validation, composition, the recipe) and
 # after it (instantiation, the checkpoint, training), each reported once, by rank 0
@@ -210,6 +237,9 @@ def places(tmp_path_factory) -> dict[str, str]:
     assert finished.returncode == 0, finished.stderr
     assert len(list((base / "finished").glob("checkpoint-*.pt"))) == 2
     (base / "afile").write_text("not a directory\n")
+    (base / "user_conf" / "model").mkdir(parents=True)
+    (base / "user_conf" / "model" / "user_mlp.yaml").write_text("_target_: user_mlp_model.MLP\nhidden: 32\n")
+    (base / "user_mlp_model.py").write_text(USER_MODEL)
     (base / "empty").write_bytes(b"")
     readonly = base / "readonly"
     readonly.mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import typing
 import functools
 
 import pytest
@@ -76,10 +77,23 @@ def _nullable(key: str) -> bool:
     return key.rsplit(".", 1)[1] in ("read_ahead", "tensorboard", "progress_bar", "use_error_feedback")
 
 
+def _with_nested_sections(schemas: set[type]) -> set[type]:
+    """The schemas and every dataclass their fields are typed with (``session.checkpoint``, schedules, ...)."""
+    found, todo = set(), list(schemas)
+    while todo:
+        schema = todo.pop()
+        if schema in found:
+            continue
+        found.add(schema)
+        hints = typing.get_type_hints(schema)
+        todo += [kind for hint in hints.values() for kind in (hint, *typing.get_args(hint))
+                 if isinstance(kind, type) and dataclasses.is_dataclass(kind)]
+    return found
+
+
 def test_every_switch_of_every_schema_is_kept_as_written_and_tested_above():
     """A switch typed ``bool`` would be converted by OmegaConf (2 -> true) before any rule sees it."""
-    schemas = {*config._SCHEMAS.values(), *(value for value in vars(config).values()  # and the nested sections
-                                            if dataclasses.is_dataclass(value) and value.__module__ == config.__name__)}
+    schemas = _with_nested_sections(set(config._SCHEMAS.values()))
     switches = {(schema.__name__, item.name) for schema in schemas for item in dataclasses.fields(schema)
                 if item.name != "_partial_" and ("bool" in str(item.type).lower())}
     assert all(item.type in ("StrictBool", "Optional[StrictBool]")

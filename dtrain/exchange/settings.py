@@ -1,0 +1,93 @@
+"""The config schemas of the exchange strategies (``conf/learner/exchange``) and their value rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from dtrain import checks
+from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+
+
+# -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
+
+
+@dataclass
+class AllReduceExchangeConfig:
+    """``dtrain.exchange.AllReduce``: a full-precision SUM all-reduce."""
+
+    _target_: str = "dtrain.exchange.AllReduce"
+
+
+@dataclass
+class QuantizedExchangeConfig:
+    """``dtrain.exchange.Quantized``: k-bit codes with two-sided error feedback."""
+
+    _target_: str = "dtrain.exchange.Quantized"
+    num_bits: int = 1
+    error_feedback: StrictBool = True
+
+
+@dataclass
+class CompressedExchangeConfig:
+    """``dtrain.exchange.CompressedAllReduce``: the pre-divided gradients all-reduced as bf16 or fp16."""
+
+    _target_: str = "dtrain.exchange.CompressedAllReduce"
+    dtype: str = "bf16"                 # bf16 or fp16
+
+
+@dataclass
+class PowerSGDExchangeConfig:
+    """``dtrain.exchange.PowerSGD``: rank-r low-rank compression with error feedback and warm start
+    (PyTorch's ``powerSGD_hook``, same defaults)."""
+
+    _target_: str = "dtrain.exchange.PowerSGD"
+    matrix_approximation_rank: int = 1
+    start_powersgd_iter: Any = None     # exchange steps (minibatches; syncs of block learners) of plain all-reduce
+    #                                     first, or "auto": 10% of the run's; null: torch's 1000 minibatches, auto for syncs
+    min_compression_rate: float = 2.0
+    use_error_feedback: Optional[StrictBool] = None  # null: on for minibatch steps (torch's), off for block learners' syncs
+    warm_start: StrictBool = True
+    orthogonalization_epsilon: float = 0.0
+    random_seed: int = 0
+
+
+@register_rule("dtrain.exchange.Quantized")
+def _quantized_exchange_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(
+        node, name,
+        ("num_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
+        ("error_feedback", checks.boolean, {}),
+    )
+
+
+@register_rule("dtrain.exchange.CompressedAllReduce")
+def _compressed_exchange_rules(node: DictConfig, name: str) -> list[str]:
+    if "dtype" in node and node.dtype not in ("bf16", "fp16"):
+        return [f"{name}.dtype={node.dtype!r}: expected bf16 or fp16"]
+    return []
+
+
+def _steps_or_auto(name: str, value):
+    """A whole number of steps (>= 0), ``"auto"``, or null (the learner's default)."""
+    if value == "auto" or value is None:
+        return value
+    try:
+        return checks.whole_number(name, value, low=0, unit="steps")
+    except ValueError as error:
+        raise ValueError(f"{error}, auto or null") from None
+
+
+@register_rule("dtrain.exchange.PowerSGD")
+def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(
+        node, name,
+        ("matrix_approximation_rank", checks.whole_number, {"low": 1}),
+        ("start_powersgd_iter", _steps_or_auto, {}),
+        ("min_compression_rate", checks.positive_number, {}),
+        ("use_error_feedback", checks.boolean, {"allow_none": True}),
+        ("warm_start", checks.boolean, {}),
+        ("orthogonalization_epsilon", checks.positive_number, {"allow_zero": True}),
+        ("random_seed", checks.whole_number, {"low": 0}),
+    )

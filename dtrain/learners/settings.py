@@ -1,0 +1,179 @@
+"""The config schemas of the learners (``conf/learner``) and their value rules, registered per ``_target_``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from dtrain import checks
+from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+
+
+# -- learners -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LocalLearnerConfig:
+    """The torch optimizer alone, one process: ``dtrain.learners.Learner``."""
+
+    _target_: str = "dtrain.learners.Learner"
+    distributed_after: int = 0
+
+
+@dataclass
+class DataParallelLearnerConfig:
+    """``data_parallel_distributed_learner``: gradients averaged over all workers every minibatch.
+
+    ``exchange`` is the strategy that sums each gradient bucket (``learner/exchange=NAME``, one
+    of the schemas below; float32 all-reduce when unset). ``num_quantization_bits`` below 32 is
+    CNTK's shortcut for k-bit gradients with error feedback (1-bit SGD, ``learner=quantized``).
+    """
+
+    _target_: str = "dtrain.learners.data_parallel_distributed_learner"
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run for k-bit, else none
+    num_quantization_bits: int = 32
+    bucket_size_mb: float = 25.0
+    error_feedback: StrictBool = True   # quantized only; false drops the quantization error (ablation)
+    exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
+    warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
+    warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
+
+
+@dataclass
+class BlockMomentumLearnerConfig:
+    """``block_momentum_distributed_learner`` (BMUF): local steps, a filtered model sync every block."""
+
+    _target_: str = "dtrain.learners.block_momentum_distributed_learner"
+    block_size: Any = "auto"            # samples, or "auto": within CNTK's bound from the data set's size and N
+    block_momentum_as_time_constant: Optional[float] = None
+    use_nesterov_momentum: StrictBool = True
+    reset_sgd_momentum_after_aggregation: StrictBool = True
+    block_learning_rate: float = 1.0
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
+    exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas (fp32: allreduce)
+    local_learning_rate: str = "full"   # local steps at optimizer.lr, or "share": lr x the worker's share (CNTK's)
+
+
+@dataclass
+class DiLoCoLearnerConfig:
+    """``dtrain.learners.DiLoCoLearner``: block momentum's blocks with DiLoCo's outer Nesterov SGD step."""
+
+    _target_: str = "dtrain.learners.DiLoCoLearner"
+    block_size: Any = "auto"            # samples per block (H inner steps x global minibatch), or "auto"
+    outer_learning_rate: float = 0.7    # DiLoCo's outer SGD learning rate
+    outer_momentum: float = 0.9         # DiLoCo's outer Nesterov momentum
+    outer_nesterov: StrictBool = True
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
+    exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
+
+
+@dataclass
+class LocalSGDLearnerConfig:
+    """``dtrain.learners.LocalSGDLearner``: local steps, the workers' models averaged every block."""
+
+    _target_: str = "dtrain.learners.LocalSGDLearner"
+    block_size: Any = "auto"            # samples per block, or "auto" (block momentum's rule)
+    distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
+    exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
+
+
+@dataclass
+class TwoLevelDiLoCoLearnerConfig(DiLoCoLearnerConfig):
+    """``dtrain.learners.TwoLevelDiLoCoLearner``: exact data parallel inside each host (``comm.ranks_per_host``
+    or the launcher's), DiLoCo between the hosts."""
+
+    _target_: str = "dtrain.learners.TwoLevelDiLoCoLearner"
+
+
+@dataclass
+class TwoLevelBlockMomentumLearnerConfig(BlockMomentumLearnerConfig):
+    """``dtrain.learners.TwoLevelBlockMomentumLearner``: exact data parallel inside each host, BMUF between hosts."""
+
+    _target_: str = "dtrain.learners.TwoLevelBlockMomentumLearner"
+
+
+@dataclass
+class TwoLevelLocalSGDLearnerConfig(LocalSGDLearnerConfig):
+    """``dtrain.learners.TwoLevelLocalSGDLearner``: exact data parallel inside each host, local SGD between hosts."""
+
+    _target_: str = "dtrain.learners.TwoLevelLocalSGDLearner"
+
+
+# -- learners
+def _samples_or_auto(name: str, value, **options):
+    """A sample count, or ``"auto"`` (the learner derives it from the run and prints it at start-up)."""
+    if value == "auto":
+        return value
+    try:
+        return checks.sample_count(name, value, **options)
+    except ValueError as error:
+        raise ValueError(f"{error} or auto") from None
+
+
+def _distributed_after(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("distributed_after", _samples_or_auto, {"allow_zero": True}))
+
+
+register_rule("dtrain.learners.Learner", _distributed_after)
+register_rule("dtrain.learners.LocalLearner", _distributed_after)
+
+
+@register_rule("dtrain.learners.data_parallel_distributed_learner")
+def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(
+        node, name,
+        ("num_quantization_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
+        ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
+        ("error_feedback", checks.boolean, {}),
+    ) + checks.collect([lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"),
+                                                       prefix=f"{name}.")]) + _exchange_choice_problems(node, name)
+
+
+def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:
+    """``num_quantization_bits`` below 32 and an exchange other than float32 both choose how gradients travel."""
+    exchange = node.get("exchange") if "exchange" in node else None
+    bits = node.get("num_quantization_bits", 32)
+    if isinstance(exchange, DictConfig) and exchange.get("_target_") not in (None, "dtrain.exchange.AllReduce") \
+            and isinstance(bits, int) and bits < 32:
+        return [f"{name}.num_quantization_bits={bits} and {name}/exchange={exchange.get('_target_')}: both choose the "
+                f"gradient exchange; use {name}/exchange=quantized with {name}.exchange.num_bits, or leave "
+                f"{name}.num_quantization_bits at 32"]
+    return []
+
+
+@register_rule("dtrain.learners.TwoLevelBlockMomentumLearner")
+@register_rule("dtrain.learners.block_momentum_distributed_learner")
+def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
+    problems = _distributed_after(node, name)
+    if OmegaConf.is_missing(node, "block_size"):
+        problems.append(f"{name}.block_size is not set: expected the block size in samples, "
+                        f"e.g. {name}.block_size=4096")
+    return problems + _check(
+        node, name,
+        ("block_size", _samples_or_auto, {}),
+        ("block_momentum_as_time_constant", checks.positive_number,
+         {"allow_none": True, "allow_zero": True, "unit": "samples"}),
+        ("block_learning_rate", checks.positive_number, {}),
+        ("use_nesterov_momentum", checks.boolean, {}),
+        ("reset_sgd_momentum_after_aggregation", checks.boolean, {}),
+        ("local_learning_rate", checks.choice, {"choices": checks.LOCAL_LEARNING_RATES}),
+    )
+
+
+@register_rule("dtrain.learners.TwoLevelDiLoCoLearner")
+@register_rule("dtrain.learners.DiLoCoLearner")
+def _diloco_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(
+        node, name,
+        ("block_size", _samples_or_auto, {}),
+        ("outer_learning_rate", checks.positive_number, {}),
+        ("outer_momentum", _fraction(), {}),
+        ("outer_nesterov", checks.boolean, {}),
+    )
+
+
+@register_rule("dtrain.learners.TwoLevelLocalSGDLearner")
+@register_rule("dtrain.learners.LocalSGDLearner")
+def _local_sgd_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(node, name, ("block_size", _samples_or_auto, {}))

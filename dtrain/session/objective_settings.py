@@ -1,0 +1,103 @@
+"""The config schemas of the losses and metrics (``conf/loss``, ``conf/metric``) and their value rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig
+
+from dtrain import checks
+from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+
+
+# -- losses and metrics (conf/loss, conf/metric) ----------------------------------------------------
+# Each option builds a callable with ``_target_``; your own goes in ``loss/NAME.yaml`` (or
+# ``metric/NAME.yaml``) of a ``--config-dir`` and needs no schema.
+
+
+@dataclass
+class CrossEntropyLossConfig:
+    """``torch.nn.CrossEntropyLoss``: integer class labels, mean over the minibatch."""
+
+    _target_: str = "torch.nn.CrossEntropyLoss"
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class MSELossConfig:
+    """``dtrain.session.MSELoss``: float regression targets, outputs ``[n, 1]`` meet labels ``[n]``."""
+
+    _target_: str = "dtrain.session.MSELoss"
+
+
+@dataclass
+class SequenceCrossEntropyConfig:
+    """``dtrain.session.SequenceCrossEntropy``: cross-entropy over the real steps of a sequence target (token mean)."""
+
+    _target_: str = "dtrain.session.SequenceCrossEntropy"
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class SequenceErrorConfig:
+    """``dtrain.session.SequenceError``: sequences with any wrong step, averaged over sequences."""
+
+    _target_: str = "dtrain.session.SequenceError"
+
+
+@dataclass
+class ClassificationErrorConfig:
+    """``dtrain.session.ClassificationError``: the fraction misclassified, reported as ``error``."""
+
+    _target_: str = "dtrain.session.ClassificationError"
+
+
+@dataclass
+class PerplexityConfig:
+    """``dtrain.session.Perplexity``: exp of the mean cross-entropy per step (nats), reported as ``perplexity``."""
+
+    _target_: str = "dtrain.session.Perplexity"
+
+
+@dataclass
+class GreedyDecodingErrorsConfig:
+    """``dtrain.session.GreedyDecodingErrors``: word and token error rates of greedy decoding (``wer``, ``per``)."""
+
+    _target_: str = "dtrain.session.GreedyDecodingErrors"
+    source: str = MISSING
+    references: Any = None
+    name: str = "wer"
+    token_name: str = "per"
+    max_steps: Optional[int] = None
+    end: Optional[int] = None
+
+
+@dataclass
+class TopKErrorConfig:
+    """``dtrain.session.TopKError``: label not among the ``k`` largest outputs, reported as ``top<k>_error``."""
+
+    _target_: str = "dtrain.session.TopKError"
+    k: int = 5
+
+
+@dataclass
+class MeanAbsoluteErrorConfig:
+    """``dtrain.session.MeanAbsoluteError``: for regression, reported as ``mean_abs_error``."""
+
+    _target_: str = "dtrain.session.MeanAbsoluteError"
+
+
+# -- losses and metrics
+@register_rule("torch.nn.CrossEntropyLoss")
+def _cross_entropy_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("label_smoothing", _fraction(high_inclusive=True), {}))  # torch: [0.0, 1.0]
+
+
+@register_rule("dtrain.session.SequenceCrossEntropy")
+def _sequence_cross_entropy_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("label_smoothing", _fraction(), {}))  # as its constructor: [0, 1)
+
+
+@register_rule("dtrain.session.TopKError")
+def _top_k_error_rules(node: DictConfig, name: str) -> list[str]:
+    return _check(node, name, ("k", checks.whole_number, {"low": 1, "unit": "classes"}))
