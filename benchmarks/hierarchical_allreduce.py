@@ -16,7 +16,7 @@ Per run the table gives:
   (``metrics.jsonl``; the first period, with the start-up's warm-up, is left out), slowest rank's clock;
 * ``exchange ms``: the step's time in the gradient exchange (the same record's ``exchange_s`` per step);
 * ``MB between hosts/step``: what both hosts' ``eth0`` sent during the whole run (the kernel's
-  ``tx_bytes``, headers included) over the run's steps: an upper bound on the steps' own traffic
+  ``sent_bytes``, headers included) over the run's steps: an upper bound on the steps' own traffic
   (the start-up's parameter broadcast, heartbeats and the final test are in it, the same in both
   modes), next to the model's figure: flat ring over 4 ranks on 2 hosts of consecutive ranks,
   ``2 x 2(N-1)/N x n`` for both hosts, hierarchical ``2 x 2(H-1)/H x n`` (n: gradient bytes).
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,13 +42,6 @@ RECIPES = {
     "shakespeare_char": ["session.max_samples=81920", "session.epoch_size=40960", "session.cv.frequency=0"],
 }
 LAYOUTS = [(2, "false"), (2, "true"), (1, "false")]  # (ranks per host, comm.hierarchical)
-
-
-def tx_bytes(netns: str) -> int:
-    """Bytes the host's ``eth0`` has sent (the kernel's counter, read from outside the namespace)."""
-    shown = subprocess.run(["ip", "-n", netns, "-s", "-j", "link", "show", "eth0"], capture_output=True,
-                           text=True, check=True, timeout=30).stdout
-    return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
 
 
 def last_period(run_dir: Path) -> dict:
@@ -82,13 +74,13 @@ def run_one(cluster, recipe: str, per_host: int, hierarchical: str, workdir: Pat
             f"comm.hierarchical={hierarchical}", "session.num_threads=1", "session.tensorboard=false",
             *RECIPES[recipe], f"run_dir={run_dir}"]
     env = {"PYTHONPATH": str(REPO)}
-    before = sum(tx_bytes(host.netns) for host in cluster.hosts)
+    before = sum(sent_bytes(host.netns) for host in cluster.hosts)
     started = time.monotonic()
     result = cluster.run(cluster.mpiexec_args(npernode=per_host, export=list(env)) + args, timeout=timeout, env=env)
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.report()}")
-    sent = sum(tx_bytes(host.netns) for host in cluster.hosts) - before
+    sent = sum(sent_bytes(host.netns) for host in cluster.hosts) - before
     config = OmegaConf.load(run_dir / "config.yaml")
     minibatch, samples = config.session.minibatch_size, config.session.max_samples
     period = last_period(run_dir)
@@ -116,7 +108,7 @@ def main() -> None:
     parser.add_argument("--recipes", default="digits,shakespeare_char", help="comma-separated recipes")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per run")
     args = parser.parse_args()
-    from dtrain.testing.netns import NamespaceCluster, available
+    from dtrain.testing.netns import NamespaceCluster, available, sent_bytes
 
     ok, reason = available()
     if not ok:

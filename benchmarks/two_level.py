@@ -8,7 +8,7 @@ Needs root (network namespaces; see dtrain/testing/netns.py). A 2-host ``Namespa
 at ``--rate`` on each host's egress) runs each recipe under ``mpiexec`` with the cluster's hostfile,
 2 ranks per host (hosts from the launcher), Gloo, 1 thread per rank, in the ways of :data:`LEARNERS`.
 
-Per run: ``MB between hosts``: both hosts' ``eth0`` ``tx_bytes`` over the whole run (start-up and the
+Per run: ``MB between hosts``: both hosts' ``eth0`` ``sent_bytes`` over the whole run (start-up and the
 final test included), and net of the same job stopped after one minibatch (start-up, checkpoint
 and test: the fixed cost); the test accuracy (classification) or loss; ``compute %``: the run's
 ``compute_s`` (forward and backward) over the wall time of its training periods, and ``busy %``:
@@ -25,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hierarchical_allreduce import tx_bytes  # noqa: E402  (the same eth0 counters)
+from dtrain.testing.netns import sent_bytes  # the hosts' eth0 counters
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,13 +57,13 @@ def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float, extr
     args = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", *LEARNERS[name], "comm.backend=gloo",
             "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe], *extra, f"run_dir={run_dir}"]
     env = {"PYTHONPATH": str(REPO)}
-    before = sum(tx_bytes(host.netns) for host in cluster.hosts)
+    before = sum(sent_bytes(host.netns) for host in cluster.hosts)
     started = time.monotonic()
     result = cluster.run(cluster.mpiexec_args(npernode=2, export=list(env)) + args, timeout=timeout, env=env)
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.report()}")
-    sent = sum(tx_bytes(host.netns) for host in cluster.hosts) - before
+    sent = sum(sent_bytes(host.netns) for host in cluster.hosts) - before
     rows = records(run_dir)
     train = [row for row in rows if row.get("kind") == "train"]
     test = ([row for row in rows if row.get("kind") == "test"] or [row for row in rows if row.get("kind") == "cv"])[-1]

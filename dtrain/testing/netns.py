@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import ipaddress
+import json
 import os
 import re
 import shlex
@@ -143,6 +144,13 @@ class Host:
     netns: str
     address: str
     hostname: str
+
+
+def sent_bytes(netns: str) -> int:
+    """Bytes the namespace's ``eth0`` has sent (the kernel's counter, read from outside the namespace):
+    what a benchmark counts as traffic between hosts."""
+    shown = _run("ip", "-n", netns, "-s", "-j", "link", "show", "eth0").stdout
+    return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
 
 
 def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
