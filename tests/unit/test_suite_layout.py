@@ -6,16 +6,18 @@ import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
+BENCHMARKS = TESTS.parent / "benchmarks"
 
 
 def test_no_test_helper_or_worker_edits_sys_path():
     # monkeypatch.syspath_prepend stays allowed: a test putting its own temporary user files where
     # `python -m dtrain` would find them (the working directory), undone when the test ends
     pattern = re.compile(r"sys\.path\.(insert|append|extend)")
-    offenders = [f"{path.relative_to(TESTS)}:{number}" for path in sorted(TESTS.rglob("*.py"))
+    offenders = [f"{path.relative_to(TESTS.parent)}:{number}"
+                 for path in sorted([*TESTS.rglob("*.py"), *BENCHMARKS.glob("*.py")])
                  if path != Path(__file__).resolve()
                  for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
-    assert not offenders, f"import shared code from tests.helpers instead: {offenders}"
+    assert not offenders, f"import shared code from tests.helpers (or dtrain.testing) instead: {offenders}"
 
 
 def test_every_worker_script_is_launched_by_a_test_module():
