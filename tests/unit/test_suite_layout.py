@@ -24,3 +24,10 @@ def test_every_worker_script_is_launched_by_a_test_module():
     tests = "\n".join(path.read_text() for path in TESTS.glob("dist/test_*.py"))
     unused = [worker.name for worker in sorted(TESTS.glob("dist/_*_worker.py")) if worker.name not in tests]
     assert not unused, unused
+
+
+def test_test_module_names_are_unique_across_folders():
+    """pytest imports test modules by their base name (the folders are not packages): two files of one
+    name stop the whole run at collection."""
+    names = [path.name for path in TESTS.rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
