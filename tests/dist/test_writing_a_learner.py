@@ -51,8 +51,9 @@ def test_outer_sgd_moves_every_rank_by_lr_times_the_mean_change():
     OuterSGDLearner = _example_module().OuterSGDLearner
 
     def work(comm, make_exchange):
-        torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
+        # the same start on every rank and in both runs (the threads share torch's global generator)
+        torch.nn.utils.vector_to_parameters(torch.linspace(-1.0, 1.0, 8), model.parameters())
         learner = OuterSGDLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, outer_learning_rate=0.5,
                                   block_size=16, distributed_after=0, exchange=make_exchange())
         learner.prepare(model)
@@ -69,8 +70,8 @@ def test_outer_sgd_moves_every_rank_by_lr_times_the_mean_change():
     # the reference: each worker's two plain SGD steps, computed here, then W_prev - 0.5 * mean(W_prev - W_i)
     workers = []
     for rank in range(2):
-        torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
+        torch.nn.utils.vector_to_parameters(start.clone(), model.parameters())  # every worker starts from rank 0's model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(2):
             optimizer.zero_grad()

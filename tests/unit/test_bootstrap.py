@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -190,7 +191,7 @@ def test_auto_backend_gives_nccl_only_when_each_rank_of_the_node_has_a_gpu(plain
     plain_env.setattr(torch.cuda, "is_available", lambda: True)
     plain_env.setattr(torch.cuda, "device_count", lambda: gpus)
     chosen_backends = []
-    plain_env.setattr(bootstrap, "_torch_dist", lambda info, backend, timeout_s, **kwargs: chosen_backends.append(backend))
+    plain_env.setattr(bootstrap, "_torch_dist", lambda info, backend, timeout_s, **kwargs: chosen_backends.append(backend) or SimpleNamespace())
     for name, value in {"TORCHELASTIC_RUN_ID": "job", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         plain_env.setenv(name, value)
@@ -227,7 +228,7 @@ def test_auto_backend_under_mpiexec_is_mpi_on_one_node(plain_env, local_size, ch
 
     plain_env.setattr(torch.cuda, "is_available", lambda: False)
     chosen_backends = []
-    plain_env.setattr(bootstrap, "_create_mpi", lambda info, backend, timeout_s: chosen_backends.append(backend))
+    plain_env.setattr(bootstrap, "_create_mpi", lambda info, backend, timeout_s: chosen_backends.append(backend) or SimpleNamespace())
     for name, value in {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
                         "OMPI_COMM_WORLD_LOCAL_SIZE": local_size}.items():
         plain_env.setenv(name, value)

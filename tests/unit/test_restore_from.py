@@ -59,8 +59,8 @@ def test_restore_from_is_refused_like_any_restore_naming_the_file(tmp_path):
     best.write_bytes(best.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=f"checkpoint {best} could not be read .truncated"):
         session_into(tmp_path / "other", 128, restore_from=best)[0].train()
-    with pytest.raises(ValueError, match="restore_from='best.pt': expected the path of a checkpoint file, with "
-                                         "restore=True"):
+    with pytest.raises(ValueError, match=r"restore_from='best.pt': expected CheckpointConfig.restore=true \(restore_from "
+                                         "names the checkpoint to restore\\)"):
         CheckpointConfig(restore=False, restore_from="best.pt")
 
 
