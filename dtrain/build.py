@@ -2,6 +2,7 @@
 and runs it: the Hydra-free half of ``python -m dtrain``, between the entry (``dtrain.cli``) and the loop."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from dtrain.schedules import Schedule
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
 from dtrain.session.binding import StreamBinding
+from dtrain.session.checkpoint_state import DEFAULTS_KEY
 from dtrain.session.configs import device_and_profile_options
 from dtrain.session.lr_scaling import LearningRateScaling
 from dtrain.session.safe_files import create_new
@@ -38,7 +40,18 @@ def checkpoint_identity(cfg: DictConfig) -> dict:
     The session adds what the objects themselves say (the model's type, the learner and its
     optimizer's type, the training data). Sizes, rates, frequencies and the world size may change.
     """
-    return {"model": OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed}
+    return {"model": OmegaConf.to_container(cfg.model, resolve=True), "seed": cfg.seed,
+            DEFAULTS_KEY: {"model": schema_defaults(cfg.model)}}
+
+
+def schema_defaults(node: DictConfig) -> dict:
+    """The defaults of ``node``'s schema (empty without one, e.g. a user's model): a setting added to the
+    schema after a checkpoint was written restores from it while it keeps its default."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return {}
+    return {key: value for key, value in OmegaConf.to_container(OmegaConf.structured(schema)).items()
+            if value != "???"}
 
 
 def run_config(cfg: DictConfig) -> dict:

@@ -100,6 +100,11 @@ def reapply_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[d
         group.update(settings)
 
 
+#: an identity entry holding the schemas' defaults, not compared itself: a key the checkpoint's config
+#: lacks matches when the current value is its default (a setting added after the checkpoint was written)
+DEFAULTS_KEY = "defaults"
+
+
 def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learner,
                      expected_identity: dict[str, Any]) -> None:
     """Refuses a checkpoint that lacks an entry or belongs to another model, learner or configuration.
@@ -122,7 +127,10 @@ def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learne
         expected_identity = {key: value for key, value in expected_identity.items()
                              if key not in ("model_type", "learner", "train_data")}
         saved = {key: value for key, value in saved.items() if key not in ("learner", "optimizer", "train_data")}
-    difference = describe_config_mismatch(saved, expected_identity)
+    defaults = expected_identity.get(DEFAULTS_KEY, {})
+    difference = describe_config_mismatch({key: value for key, value in saved.items() if key != DEFAULTS_KEY},
+                                          {key: value for key, value in expected_identity.items() if key != DEFAULTS_KEY},
+                                          defaults=defaults)
     if difference:
         raise CheckpointError(f"checkpoint {path} belongs to another configuration: {difference}; "
                               f"restore with the same settings or use a new run directory")
@@ -141,14 +149,20 @@ def describe_model_mismatch(model: torch.nn.Module, saved: dict[str, torch.Tenso
     return None
 
 
-def describe_config_mismatch(saved: Any, current: Any, path: str = "") -> str | None:
-    """The first key whose value differs between two plain config trees, as one line; ``None`` if equal."""
+def describe_config_mismatch(saved: Any, current: Any, path: str = "", defaults: Any = None) -> str | None:
+    """The first key whose value differs between two plain config trees, as one line; ``None`` if equal.
+    A key only one side has matches when its value there is its default in ``defaults`` (the same tree
+    shape): the setting did not exist when the other side was written, and its default is what ran."""
     if isinstance(saved, dict) and isinstance(current, dict):
+        defaults = defaults if isinstance(defaults, dict) else {}
         for key in sorted(set(saved) | set(current), key=str):
             where = f"{path}.{key}" if path else str(key)
             if key not in saved or key not in current:
+                present = current[key] if key in current else saved[key]
+                if key in defaults and not isinstance(present, dict) and present == defaults[key]:
+                    continue
                 return f"{where} is {'missing from' if key not in saved else 'only in'} the checkpoint's config"
-            difference = describe_config_mismatch(saved[key], current[key], where)
+            difference = describe_config_mismatch(saved[key], current[key], where, defaults.get(key))
             if difference:
                 return difference
         return None
