@@ -102,7 +102,7 @@ def reapply_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[d
 
 #: an identity entry holding the schemas' defaults, not compared itself: a key the checkpoint's config
 #: lacks matches when the current value is its default (a setting added after the checkpoint was written)
-DEFAULTS_KEY = "defaults"
+DEFAULTS_KEY = "_schema_defaults"  # underscored, apart from the plain settings a caller passes as checkpoint_identity
 
 
 def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learner,
