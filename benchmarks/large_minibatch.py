@@ -55,7 +55,7 @@ def rows(recipe: str, base_minibatch: int, warmup: int | None) -> list[tuple[str
             ("lamb, as above + weight EMA 0.9", big(["optimizer=lamb", "optimizer.lr=0.003", "session.ema_decay=0.9"],
                                                    "linear")),
             ("rmsprop warm-up -> sgd, lr 0.01, linear", big(["optimizer=rmsprop_warmup_sgd", "optimizer.lr=0.01",
-                                                              "optimizer.transition_samples=6000"], "linear")),
+                                                              "optimizer.center_samples=6000", "optimizer.period_samples=6000"], "linear")),
             ("BN baseline: model.batch_norm=true, minibatch 32", ["model.batch_norm=true"]),
             ("BN: lars, lr 5", ["model.batch_norm=true", *big(["optimizer=lars", "optimizer.lr=5"], "none")]),
         ]

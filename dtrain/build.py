@@ -24,6 +24,7 @@ from dtrain.session.checkpoint_state import DEFAULTS_KEY
 from dtrain.session.configs import device_and_profile_options
 from dtrain.session.lr_scaling import LearningRateScaling
 from dtrain.session.safe_files import create_new
+from dtrain.session.settings import schedule_values
 from dtrain.sweep import SweepJob
 
 
@@ -64,18 +65,20 @@ def run_config(cfg: DictConfig) -> dict:
 
 
 def _schedule(node, warmup: bool = True) -> Schedule | None:
-    """The schedule a ``ScheduleConfig`` node describes; ``warmup=False``: without its warm-up (``lr_scaling``'s)."""
-    if node is None:
-        return None
-    return Schedule(OmegaConf.to_container(node["values"], resolve=True), node.epoch_size,
-                    node.warmup_samples if warmup else 0)
+    """The schedule a ``ScheduleConfig`` node describes (None when off); ``warmup=False``: without its
+    warm-up (``lr_scaling``'s). An lr warm-up without values ramps the constant lr (values ``[1.0]``)."""
+    values = schedule_values(node)
+    warmup_samples = node.warmup_samples if node is not None and warmup else 0
+    if values is None:
+        return Schedule(1.0, None, warmup_samples) if warmup_samples else None
+    return Schedule(OmegaConf.to_container(values, resolve=True), node.epoch_size, warmup_samples)
 
 
 def _lr_scaling(session) -> LearningRateScaling | None:
     """``session.lr_scaling``: warmed up over ``session.lr_schedule.warmup_samples`` from the unscaled lr."""
     if session.lr_scaling == "none":
         return None
-    warmup = session.lr_schedule.warmup_samples if session.lr_schedule is not None else 0
+    warmup = session.lr_schedule.warmup_samples if session.lr_schedule is not None else 0  # with or without values
     return LearningRateScaling(session.lr_scaling, session.minibatch_size, session.lr_reference_minibatch_size, warmup)
 
 

@@ -42,7 +42,7 @@ class LAMBConfig:
 
 @dataclass
 class RMSpropWarmupSGDConfig:
-    """``dtrain.optim.RMSpropWarmupSGD``: RMSprop moving to momentum SGD over ``transition_samples`` (Akiba et al. 2017)."""
+    """``dtrain.optim.RMSpropWarmupSGD``: RMSprop becoming momentum SGD around ``center_samples`` (Akiba et al. 2017)."""
 
     _target_: str = "dtrain.optim.RMSpropWarmupSGD"
     _partial_: bool = True
@@ -51,8 +51,9 @@ class RMSpropWarmupSGDConfig:
     variance_momentum: float = 0.99
     eps: float = 1e-8
     weight_decay: float = 0.0
-    transition_samples: int = 100_000   # global samples from RMSprop to SGD
-    transition_start: int = 0           # global samples of pure RMSprop first
+    center_samples: int = 100_000       # global samples where the update is half SGD (the paper's beta_center)
+    period_samples: int = 50_000        # the rise's width: all SGD at center + period/2 (beta_period)
+    rmsprop_scale: float = 0.01         # RMSprop's part steps at lr x rmsprop_scale (alpha_rmsprop's size)
 
 
 def _fraction(name: str, value: Any) -> Any:
@@ -67,8 +68,8 @@ _KEY_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "lr": checks.positive_number, "eta": checks.positive_number, "eps": checks.positive_number,
     "momentum": _fraction, "variance_momentum": _fraction, "weight_decay": _non_negative,
     "bias_correction": checks.boolean, "exclude_norm_and_bias": checks.boolean,
-    "transition_samples": checks.sample_count,
-    "transition_start": lambda name, value: checks.sample_count(name, value, allow_zero=True),
+    "period_samples": checks.sample_count, "rmsprop_scale": checks.positive_number,
+    "center_samples": lambda name, value: checks.sample_count(name, value, allow_zero=True),
 }
 
 

@@ -21,9 +21,13 @@ from dtrain.session.weight_ema import check_ema_decay
 @dataclass
 class ScheduleConfig:
     """``dtrain.Schedule``: ``values`` are numbers or ``[count, value]`` pairs, each count lasting ``epoch_size`` samples
-    (null: one sweep of the training data, as CNTK's schedules without an epoch_size)."""
+    (null: one sweep of the training data, as CNTK's schedules without an epoch_size). ``values`` null: no schedule.
 
-    values: list[Any] = MISSING
+    The session's schedules default to this node with ``values`` null rather than to null itself: OmegaConf
+    cannot merge a command-line value into a null structured node, so ``session.minibatch_size_schedule.values=[...]``
+    would not compose."""
+
+    values: Optional[list[Any]] = None
     epoch_size: Optional[int] = None
     warmup_samples: int = 0             # linear ramp from ~0 to 1x over these samples (lr warm-up)
 
@@ -56,11 +60,12 @@ class SessionConfig:
     """``training_session`` settings; every size and frequency counts global samples."""
 
     minibatch_size: int = 64
-    minibatch_size_schedule: Optional[ScheduleConfig] = None
+    minibatch_size_schedule: Optional[ScheduleConfig] = field(default_factory=ScheduleConfig)  # values: sizes
     max_samples: Optional[int] = None
     progress_frequency: Optional[int] = None
-    lr_schedule: Optional[ScheduleConfig] = None                     # multipliers of optimizer.lr
-    momentum_time_constant_schedule: Optional[ScheduleConfig] = None  # samples; momentum = exp(-mb/tc)
+    lr_schedule: Optional[ScheduleConfig] = field(default_factory=ScheduleConfig)  # multipliers of optimizer.lr
+    momentum_time_constant_schedule: Optional[ScheduleConfig] = field(default_factory=ScheduleConfig)  # samples;
+    #                                                                          momentum = exp(-mb/tc)
     unit_gain_momentum: StrictBool = False
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # the Python API's class
     cv: CrossValidationSettings = field(default_factory=CrossValidationSettings)
@@ -115,11 +120,23 @@ def _session_streams_problems(session: DictConfig) -> list[str]:
 
 
 # -- the sections that are not components: session, comm, seed, run directory
+def schedule_values(schedule: DictConfig | None) -> Any:
+    """A schedule node's ``values``, or None when the schedule is off (the node or its values null)."""
+    return None if schedule is None else schedule.get("values")
+
+
 def _schedule_problems(name: str, schedule: DictConfig, value_check: Callable[[str, Any], Any]) -> list[str]:
     problems = _check(schedule, name, ("epoch_size", checks.sample_count, {"allow_none": True}),
                       ("warmup_samples", checks.sample_count, {"allow_zero": True}))
-    if OmegaConf.is_missing(schedule, "values"):
-        return problems + [f"{name}.values is not set: expected a list of values or [count, value] pairs"]
+    if OmegaConf.is_missing(schedule, "values") or schedule["values"] is None:
+        # a warm-up alone is the lr's (a ramp to 1x); anything else set without values would be ignored
+        alone = {"epoch_size": None} if name.endswith(".lr_schedule") else {"epoch_size": None, "warmup_samples": 0}
+        set_alone = [key for key, default in alone.items() if schedule.get(key) != default]
+        if OmegaConf.is_missing(schedule, "values") or set_alone:
+            shown = f"{name}.{set_alone[0]}={schedule[set_alone[0]]} is set but {name}.values is not" if set_alone \
+                else f"{name}.values is not set"
+            return problems + [f"{shown}: expected a list of values or [count, value] pairs"]
+        return problems
     values = schedule["values"]
     if not isinstance(values, ListConfig) or len(values) == 0:
         return problems + [f"{name}.values={_plain(values)!r}: expected a non-empty list of values "

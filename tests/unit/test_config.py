@@ -114,10 +114,40 @@ def test_unknown_recipe_lists_the_available_ones():
      "learner.distributed_after='soon': expected a non-negative whole number of samples or auto"),
     (("+recipe=digits", "session.checkpoint.preemption_signal=SIG_IGN"), "preemption_signal='SIG_IGN'"),
     (("+recipe=digits", "optimizer.lr=0"), "optimizer.lr=0"),
+    # a schedule setting given without the values it shapes would be ignored
+    (("+recipe=digits", "session.minibatch_size_schedule.epoch_size=100"),
+     "session.minibatch_size_schedule.epoch_size=100 is set but session.minibatch_size_schedule.values is not"),
+    (("+recipe=digits", "session.momentum_time_constant_schedule.warmup_samples=100"),
+     "session.momentum_time_constant_schedule.warmup_samples=100 is set but"),
+    (("+recipe=digits", "session.minibatch_size_schedule.values=[32,0]"),
+     "session.minibatch_size_schedule.values[1] value=0: expected a positive whole number of samples"),
 ])
 def test_out_of_range_values_are_all_reported_before_anything_runs(overrides, fragment):
     problems = validate(compose_config(*overrides))
     assert any(fragment in problem for problem in problems), problems
+
+
+@pytest.mark.parametrize("override", ["session.minibatch_size_schedule.values=[[2,32],[1,64]]",
+                                      "session.minibatch_size_schedule={values: [[2, 32], [1, 64]]}"])
+def test_a_schedule_the_recipe_leaves_off_can_be_set_on_the_command_line(override):
+    from dtrain.build import _schedule
+
+    cfg = compose_config("+recipe=digits", override)
+    assert validate(cfg) == []
+    schedule = _schedule(cfg.session.minibatch_size_schedule)
+    schedule.set_sweep_size(1500)  # the digits' sweep, which training_session tells it
+    assert [schedule(samples) for samples in (0, 2999, 3000, 4500)] == [32, 32, 64, 64]
+    assert _schedule(compose_config("+recipe=digits").session.minibatch_size_schedule) is None
+
+
+def test_an_lr_warm_up_alone_ramps_the_constant_lr():
+    from dtrain.build import _schedule
+
+    cfg = compose_config("+recipe=digits", "session.lr_schedule.values=null", "session.lr_schedule.epoch_size=null",
+                         "session.lr_schedule.warmup_samples=100")
+    assert validate(cfg) == []
+    schedule = _schedule(cfg.session.lr_schedule)
+    assert [schedule(samples) for samples in (0, 49, 99, 100, 5000)] == pytest.approx([0.01, 0.5, 1.0, 1.0, 1.0])
 
 
 def test_a_cntk_block_momentum_configuration_is_accepted_and_built_as_asked():

@@ -1,6 +1,7 @@
 """LARS, LAMB and RMSprop warm-up then SGD against references written from the papers' equations."""
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -147,43 +148,73 @@ def test_trust_ratio_is_one_for_a_zero_tensor():
     torch.testing.assert_close(weight.detach(), -0.1 * torch.sign(weight.grad) / (1 + 1e-6), rtol=1e-5, atol=0)
 
 
-def _rmsprop_warmup_reference(weights, gradients, samples, lr, mu1, mu2, eps, transition_samples):
-    """Akiba et al. 2017: m = mu2 m + (1-mu2) g^2; delta = mu1 delta - lr g / (a + (1-a)(sqrt(m)+eps))."""
+def _paper_alpha_sgd(epoch, center, period):
+    """Akiba et al. 2017, section 3.1: an ELU-shaped rise of the SGD share, 1/2 at the center."""
+    if epoch < center:
+        return 0.5 * math.exp(2 * (epoch - center) / period)
+    if epoch < center + period / 2:
+        return 0.5 + (epoch - center) / period
+    return 1.0
+
+
+def _rmsprop_warmup_reference(weights, gradients, samples, lr, mu1, mu2, eps, center, period, scale):
+    """m = mu2 m + (1-mu2) g^2; delta = mu1 delta - (a_sgd + a_rmsprop / (sqrt(m)+eps)) g; theta += lr delta."""
     weights = [w.clone() for w in weights]
     m = [torch.zeros_like(w) for w in weights]
     delta = [torch.zeros_like(w) for w in weights]
     for seen, step_gradients in zip(samples, gradients):
-        alpha_sgd = min(1.0, seen / transition_samples)
+        a_sgd = _paper_alpha_sgd(seen, center, period)
+        a_rmsprop = scale * (1 - a_sgd)
         for index, g in enumerate(step_gradients):
             m[index] = mu2 * m[index] + (1 - mu2) * g * g
-            delta[index] = mu1 * delta[index] - lr * g / (alpha_sgd + (1 - alpha_sgd) * (m[index].sqrt() + eps))
-            weights[index] = weights[index] + delta[index]
+            delta[index] = mu1 * delta[index] - (a_sgd + a_rmsprop / (m[index].sqrt() + eps)) * g
+            weights[index] = weights[index] + lr * delta[index]
     return weights
 
 
 def test_rmsprop_warmup_sgd_matches_the_formula_through_the_transition():
     model = _model().double()
     start = [p.detach().clone() for p in model.parameters()]
-    gradients = _gradients(8, [p.shape for p in start])
-    samples = [64 * step for step in range(8)]  # alpha_sgd 0, 0.25, ..., 1 from the 5th step on
+    gradients = _gradients(10, [p.shape for p in start])
+    samples = [64 * step for step in range(10)]  # center 256, period 256: all SGD from 384 (the 7th step) on
     optimizer = RMSpropWarmupSGD(model.parameters(), lr=0.05, momentum=0.9, variance_momentum=0.99, eps=1e-8,
-                                 transition_samples=256)
+                                 center_samples=256, period_samples=256, rmsprop_scale=0.3)
+    alphas = []
     for seen, step_gradients in zip(samples, gradients):
         optimizer.set_samples_seen(seen)
+        alphas.append(optimizer.param_groups[0]["alpha_sgd"])
         for parameter, gradient in zip(model.parameters(), step_gradients):
             parameter.grad = gradient.clone()
         optimizer.step()
-    want = _rmsprop_warmup_reference(start, gradients, samples, 0.05, 0.9, 0.99, 1e-8, 256)
+    want = _rmsprop_warmup_reference(start, gradients, samples, 0.05, 0.9, 0.99, 1e-8, 256, 256, 0.3)
     for a, b in zip(model.parameters(), want):
         torch.testing.assert_close(a.detach(), b, rtol=1e-12, atol=1e-12)
-    assert optimizer.param_groups[0]["alpha_sgd"] == 1.0
+    assert alphas[:7] == pytest.approx([0.5 * math.exp(-2), 0.5 * math.exp(-1.5), 0.5 * math.exp(-1),
+                                        0.5 * math.exp(-0.5), 0.5, 0.75, 1.0])
+
+
+def test_rmsprop_warmup_sgd_is_torch_momentum_sgd_once_the_transition_is_over():
+    model, twin = _model().double(), _model().double()
+    twin.load_state_dict(model.state_dict())
+    ours = RMSpropWarmupSGD(model.parameters(), lr=0.05, momentum=0.9, center_samples=0, period_samples=2)
+    torch_sgd = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    for step_gradients in _gradients(5, [p.shape for p in model.parameters()]):
+        ours.set_samples_seen(100)
+        for a, b, gradient in zip(model.parameters(), twin.parameters(), step_gradients):
+            a.grad, b.grad = gradient.clone(), gradient.clone()
+        ours.step()
+        torch_sgd.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-14, atol=1e-14)
 
 
 @pytest.mark.parametrize("factory,settings,message", [
     (LARS, {"lr": -0.1}, "lr=-0.1"), (LARS, {"eta": -1.0}, "eta=-1.0"), (LARS, {"weight_decay": -1e-4}, "weight_decay"),
     (LARS, {"eps": 0.0}, "eps=0.0"), (LAMB, {"momentum": 1.0}, "momentum=1.0"),
     (LAMB, {"variance_momentum": -0.1}, "variance_momentum"), (LAMB, {"eps": 0.0}, "eps=0.0"),
-    (RMSpropWarmupSGD, {"transition_samples": 0}, "transition_samples=0"),
+    (RMSpropWarmupSGD, {"period_samples": 0}, "period_samples=0"),
+    (RMSpropWarmupSGD, {"center_samples": -1}, "center_samples=-1"),
+    (RMSpropWarmupSGD, {"rmsprop_scale": 0.0}, "rmsprop_scale=0.0"),
 ])
 def test_out_of_range_hyperparameters_are_refused(factory, settings, message):
     with pytest.raises(ValueError, match=message):

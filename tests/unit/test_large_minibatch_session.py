@@ -93,11 +93,12 @@ def test_lr_scaling_warms_up_from_the_unscaled_lr_to_the_scaled_one(tmp_path):
 
 def test_rmsprop_warmup_sgd_moves_to_sgd_by_global_samples(tmp_path):
     session, _, optimizer, _ = _session(tmp_path, 96, RMSpropWarmupSGD, ema_decay=None, lr=0.01,
-                                        transition_samples=64, transition_start=16)
+                                        center_samples=32, period_samples=32)
     alphas = []
     optimizer.register_step_pre_hook(lambda *_: alphas.append(optimizer.param_groups[0]["alpha_sgd"]))
     session.train()
-    assert alphas == pytest.approx([0.0, 0.0, 0.25, 0.5, 0.75, 1.0])
+    # one step per 16 global samples: before, at and after the center of 32, all SGD from 48 on
+    assert alphas == pytest.approx([0.5 * math.exp(-2), 0.5 * math.exp(-1), 0.5, 1.0, 1.0, 1.0])
 
 
 def test_lr_scaling_rules():
