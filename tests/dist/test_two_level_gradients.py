@@ -1,0 +1,78 @@
+"""The two-level gradient learner (``learner=two_level_quantized`` / ``two_level_powersgd``) under a real
+mpiexec, 2 hosts x 2 ranks (``comm.ranks_per_host=2``): identical parameters on every rank after every
+step, every step equal to an independent reference (exact host sums, then the k-bit or PowerSGD maths
+over 2 hosts), bit-exact resume through the API and the command line, and a fresh exchange state, with
+one line, onto another host layout."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.checks import CheckLaunch, launch_checks
+from tests.helpers.mpi import run_mpi
+
+from dtrain.session import checkpoint
+
+WORKER = Path(__file__).with_name("_two_level_gradients_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> CheckLaunch:
+    """One run of every check of ``_two_level_gradients_worker.py`` on 4 ranks."""
+    return launch_checks(4, [WORKER], tmp_path_factory.mktemp("two_level_gradients"), timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["quantized", "powersgd"])
+def test_every_step_is_the_reference_and_identical_on_every_rank(launch: CheckLaunch, case: str) -> None:
+    results = launch.results(case)
+    leader, other = results[0], results[1]  # rank 0 leads host 0, rank 1 does not
+    assert leader["leader"] and not other["leader"]
+    assert all(between > 0 for between in leader["between"]) and set(other["between"]) == {0}
+    assert leader["compressed"], leader
+    assert other["sent"] > 0  # a non-leader sends its gradient to the leader
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["quantized", "powersgd"])
+def test_resume_through_the_python_api_is_exact(launch: CheckLaunch, case: str) -> None:
+    launch.results(f"resume_{case}")
+
+
+# -- the command line ------------------------------------------------------------------------------
+COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
+          "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32",
+          "learner=two_level_quantized", "learner.distributed_after=320"]
+
+
+def job(nprocs: int, run_dir: Path, *overrides: str, timeout: float = 240):
+    return run_mpi(nprocs, [*COMMON, f"run_dir={run_dir}", *overrides], timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_interrupted_run_resumes_bit_for_bit_and_afresh_onto_other_hosts(tmp_path: Path) -> None:
+    whole = job(4, tmp_path / "whole", "comm.ranks_per_host=2", "session.max_samples=1920")
+    assert whole.returncode == 0, whole.report()
+    assert "two levels over 2 hosts x 2 ranks (from comm.ranks_per_host=2)" in whole.stdout, whole.report()
+    first = job(4, tmp_path / "split", "comm.ranks_per_host=2", "session.max_samples=1280")
+    assert first.returncode == 0, first.report()
+    second = job(4, tmp_path / "split", "comm.ranks_per_host=2", "session.max_samples=1920")
+    assert second.returncode == 0, second.report()
+    assert "at 1280 samples" in second.stdout, second.report()
+    a = checkpoint.load(tmp_path / "whole" / "checkpoint-1920.pt")
+    b = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after resume"
+    assert b["learner"]["hosts"] == [2, 2]
+    other = job(4, tmp_path / "split", "comm.ranks_per_host=1", "session.max_samples=2560")
+    assert other.returncode == 0, other.report()
+    assert ("the quantized exchange state between hosts was saved on 2 hosts x 2 ranks, this run has 4 hosts x 1 "
+            "rank: starting it afresh") in other.stdout, other.report()
