@@ -76,3 +76,29 @@ def test_an_interrupted_run_resumes_bit_for_bit_and_afresh_onto_other_hosts(tmp_
     assert other.returncode == 0, other.report()
     assert ("the quantized exchange state between hosts was saved on 2 hosts x 2 ranks, this run has 4 hosts x 1 "
             "rank: starting it afresh") in other.stdout, other.report()
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.timeout(400)
+def test_two_namespace_hosts_from_the_launcher(tmp_path: Path) -> None:
+    """2 network-namespace hosts x 2 ranks (hostfile, --npernode 2): the hosts come from the launcher,
+    and the run equals, bit for bit, the same job rehearsed on one host with comm.ranks_per_host=2."""
+    from dtrain.testing.netns import NamespaceCluster, available
+
+    ok, reason = available()
+    if not ok:
+        pytest.skip(reason)
+    args = [*COMMON, "session.max_samples=1280", "session.num_threads=1", "comm.backend=gloo"]
+    env = {"PYTHONPATH": str(REPO)}
+    with NamespaceCluster(num_hosts=2, rate="1gbit", slots=2) as cluster:
+        command = cluster.mpiexec_args(npernode=2, export=list(env)) + [sys.executable, *args,
+                                                                        f"run_dir={tmp_path / 'two_hosts'}"]
+        multi = cluster.run(command, timeout=200, env=env)
+    assert multi.returncode == 0, multi.report()
+    assert "two levels over 2 hosts x 2 ranks (from the mpi launcher)" in multi.stdout, multi.report()
+    rehearsal = run_mpi(4, [*args, "comm.ranks_per_host=2", f"run_dir={tmp_path / 'one_host'}"], timeout=200)
+    assert rehearsal.returncode == 0, rehearsal.report()
+    paths = [re.findall(r"^checkpoint: (\S+)$", run.stdout, re.MULTILINE) for run in (multi, rehearsal)]
+    two_hosts, one_host = (checkpoint.load(Path(found[-1]))["model"] for found in paths)
+    assert [name for name in one_host if not torch.equal(two_hosts[name], one_host[name])] == []
