@@ -17,14 +17,15 @@ Prints ``PASS <check> rank r/size`` per check.
 from __future__ import annotations
 
 import functools
-import io
 import sys
 
 import torch
 from torch import nn
 
+from tests.helpers.bmuf_reference import flat
 from tests.helpers.checks import run_checks
 from tests.helpers.quantized_reference import ReferenceExchange
+from tests.helpers.resume import restore_learner, save_learner
 from tests.helpers.thread_world import FakeWorld
 
 from dtrain.comm import create_communicator, install_fail_fast
@@ -136,7 +137,7 @@ def check_case(comm, case: str) -> dict:
     worst, between, position = 0.0, [], 0
     for _ in range(STEPS):
         position = train(learner, model, 1, position, before_step=expect)
-        everyone = comm.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        everyone = comm.allgather(flat(model.parameters()))
         assert all(torch.equal(everyone[0], theirs) for theirs in everyone), f"{case}: ranks differ after a step"
         for bucket, expected in zip(learner.buckets, seen["expected"]):
             got = torch.cat([p.grad.reshape(-1) for p in bucket.parameters])
@@ -154,20 +155,13 @@ def check_resume(comm, case: str) -> None:
     learner.prepare(model)
     position = train(learner, model, 4)
     learner.synchronize()
-    saved = io.BytesIO()
-    torch.save({"learner": learner.state_dict(), "local": learner.local_state_dict(),
-                "model": model.state_dict()}, saved)
+    saved = save_learner(learner, model)
     train(learner, model, 4, position)
-    expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
+    expected = flat(model.parameters())
     model2, restored = build(comm, case, seed=1)
-    model2.load_state_dict(state["model"])
-    restored.load_state_dict(state["learner"])
-    restored.load_local_state_dict(state["local"])
-    restored.prepare(model2)
+    restore_learner(saved, restored, model2)
     train(restored, model2, 4, position)
-    got = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
+    got = flat(model2.parameters())
     assert torch.equal(got, expected), float((got - expected).abs().max())
     learner.finalize()
     restored.finalize()
