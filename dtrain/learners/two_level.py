@@ -11,6 +11,10 @@ filter, local SGD's average), its deltas exchanged between the hosts' leaders by
 Why the leaders: the hosts' deltas are identical on the ranks of a host, so one rank per host
 sends it; splitting it into per-local-rank slices would send the same bytes between hosts but
 cut the matrices PowerSGD compresses, and needs equal hosts for every rank to have a slice.
+
+:class:`TwoLevelDataParallelLearner` keeps synchronous data parallel instead: every step's gradient
+is summed exactly inside each host and compressed between the host leaders only
+(``docs/multi-host.md#gradients-between-hosts``).
 """
 from __future__ import annotations
 
