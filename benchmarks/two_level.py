@@ -48,7 +48,10 @@ LEARNERS = {
                                                       "learner.exchange.num_bits=4", "learner.block_size=4096",
                                                       "optimizer=sgd"],
     "flat quantized 1-bit": ["learner=quantized", "comm.hierarchical=false"],
+    "flat quantized 1-bit, local warm start": ["learner=quantized", "comm.hierarchical=false",
+                                               "learner.warm_start_mode=local"],
     "two_level_quantized 1-bit": ["learner=two_level_quantized"],
+    "two_level_quantized 1-bit, local warm start": ["learner=two_level_quantized", "learner.warm_start_mode=local"],
     "two_level_powersgd rank 2": ["learner=two_level_powersgd"],
 }
 
