@@ -1,8 +1,10 @@
-"""Two-level DiLoCo (4-bit outer deltas between hosts) against flat float32 data_parallel on two
-simulated hosts: bytes between hosts, test quality, compute utilisation.
+"""The two-level learners (DiLoCo with 4-bit outer deltas; gradients compressed between the host
+leaders every step: two_level_quantized, two_level_powersgd) against flat float32 data_parallel and
+flat 1-bit quantized on two simulated hosts: bytes between hosts, test quality, compute utilisation.
 
     sudo python benchmarks/two_level.py                                   # 100mbit, digits
     sudo python benchmarks/two_level.py --rate 100mbit --recipes digits,shakespeare_char
+    sudo python benchmarks/two_level.py --learners data_parallel,quantized,two_level_quantized,two_level_powersgd
 
 Needs root (network namespaces; see dtrain/testing/netns.py). A 2-host ``NamespaceCluster`` (``tbf``
 at ``--rate`` on each host's egress) runs each recipe under ``mpiexec`` with the cluster's hostfile,
@@ -45,7 +47,22 @@ LEARNERS = {
     "two_level_diloco 4-bit, block 4096, inner SGD": ["learner=two_level_diloco", "learner/exchange=quantized",
                                                       "learner.exchange.num_bits=4", "learner.block_size=4096",
                                                       "optimizer=sgd"],
+    "flat quantized 1-bit": ["learner=quantized", "comm.hierarchical=false"],
+    "flat quantized 1-bit, local warm start": ["learner=quantized", "comm.hierarchical=false",
+                                               "learner.warm_start_mode=local"],
+    "two_level_quantized 1-bit": ["learner=two_level_quantized"],
+    "two_level_quantized 1-bit, local warm start": ["learner=two_level_quantized", "learner.warm_start_mode=local"],
+    "two_level_powersgd rank 2": ["learner=two_level_powersgd"],
 }
+
+
+def chosen(learners: str | None) -> list[str]:
+    """The rows of :data:`LEARNERS` whose ``learner=NAME`` is in the comma-separated ``learners`` (all when None);
+    the flat float32 row always runs first: every ratio is against it."""
+    names = [name for name in LEARNERS
+             if learners is None or LEARNERS[name][0].removeprefix("learner=") in learners.split(",")]
+    flat = next(iter(LEARNERS))
+    return [flat, *(name for name in names if name != flat)]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -80,6 +97,8 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit", help="tc rate per host link")
     parser.add_argument("--recipes", default="digits", help="comma-separated recipes")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
+    parser.add_argument("--learners", default=None,
+                        help="comma-separated learner= names to run (default: every row); flat data_parallel always runs")
     args = parser.parse_args()
     from dtrain.testing.netns import NamespaceCluster, available
 
@@ -90,7 +109,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as workdir, NamespaceCluster(num_hosts=2, rate=args.rate, slots=2) as cluster:
         for recipe in args.recipes.split(","):
-            for name in LEARNERS:
+            for name in chosen(args.learners):
                 rows.append(run_one(cluster, recipe, name, Path(workdir), args.timeout))
                 # the same job stopped after one minibatch: start-up, checkpoint and test, the fixed cost
                 fixed = run_one(cluster, recipe, name, Path(workdir), args.timeout, SHORT[recipe])

@@ -30,7 +30,8 @@ from dtrain.exchange.settings import (AllReduceExchangeConfig, CompressedExchang
                                       QuantizedExchangeConfig)
 from dtrain.learners.settings import (BlockMomentumLearnerConfig, DataParallelLearnerConfig, DiLoCoLearnerConfig,
                                       LocalLearnerConfig, LocalSGDLearnerConfig, TwoLevelBlockMomentumLearnerConfig,
-                                      TwoLevelDiLoCoLearnerConfig, TwoLevelLocalSGDLearnerConfig)
+                                      TwoLevelDataParallelLearnerConfig, TwoLevelDiLoCoLearnerConfig,
+                                      TwoLevelLocalSGDLearnerConfig)
 from dtrain.models.settings import (CharTransformerConfig, ConvNetCIFAR10Config, DigitsCNNConfig, ResNet50Config,
                                     Seq2SeqTransformerConfig)
 from dtrain.optim import settings as optim_settings
@@ -89,6 +90,7 @@ _SCHEMAS = {
     ("schema/learner", "two_level_diloco"): TwoLevelDiLoCoLearnerConfig,
     ("schema/learner", "two_level_local_sgd"): TwoLevelLocalSGDLearnerConfig,
     ("schema/learner", "two_level_block_momentum"): TwoLevelBlockMomentumLearnerConfig,
+    ("schema/learner", "two_level_data_parallel"): TwoLevelDataParallelLearnerConfig,
     ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
     ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
     ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,

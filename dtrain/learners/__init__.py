@@ -17,11 +17,16 @@ from dtrain.learners.data_parallel import (
 )
 from dtrain.learners.local_sgd import LocalSGDLearner
 from dtrain.learners.replicated import ReplicatedLearner
-from dtrain.learners.two_level import TwoLevelBlockMomentumLearner, TwoLevelDiLoCoLearner, TwoLevelLocalSGDLearner
+from dtrain.learners.two_level import (
+    TwoLevelBlockMomentumLearner,
+    TwoLevelDataParallelLearner,
+    TwoLevelDiLoCoLearner,
+    TwoLevelLocalSGDLearner,
+)
 
 __all__ = [
     "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner", "LocalLearner",
     "LocalSGDLearner", "QuantizedDataParallelLearner",
-    "ReplicatedLearner", "TwoLevelBlockMomentumLearner", "TwoLevelDiLoCoLearner",
+    "ReplicatedLearner", "TwoLevelBlockMomentumLearner", "TwoLevelDataParallelLearner", "TwoLevelDiLoCoLearner",
     "TwoLevelLocalSGDLearner", "block_momentum_distributed_learner", "data_parallel_distributed_learner",
 ]

@@ -100,6 +100,19 @@ class TwoLevelLocalSGDLearnerConfig(LocalSGDLearnerConfig):
     _target_: str = "dtrain.learners.TwoLevelLocalSGDLearner"
 
 
+@dataclass
+class TwoLevelDataParallelLearnerConfig:
+    """``dtrain.learners.TwoLevelDataParallelLearner``: every step, gradients summed exactly inside each host
+    and by the exchange strategy between the host leaders (``learner=two_level_quantized``, ``two_level_powersgd``)."""
+
+    _target_: str = "dtrain.learners.TwoLevelDataParallelLearner"
+    distributed_after: Any = "auto"     # samples, or "auto": a float32 warm start relative to the run for k-bit, else none
+    bucket_size_mb: float = 25.0
+    exchange: Any = None                # learner/exchange=NAME: the strategy between the host leaders (float32 when unset)
+    warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local
+    warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias)
+
+
 # -- learners
 def _samples_or_auto(name: str, value, **options):
     """A sample count, or ``"auto"`` (the learner derives it from the run and prints it at start-up)."""
@@ -128,6 +141,14 @@ def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
         ("error_feedback", checks.boolean, {}),
     ) + checks.collect([lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"),
                                                        prefix=f"{name}.")]) + _exchange_choice_problems(node, name)
+
+
+@register_rule("dtrain.learners.TwoLevelDataParallelLearner")
+def _two_level_data_parallel_rules(node: DictConfig, name: str) -> list[str]:
+    return _distributed_after(node, name) + _check(
+        node, name, ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
+    ) + checks.collect([lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"),
+                                                       prefix=f"{name}.")])
 
 
 def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:

@@ -11,6 +11,10 @@ filter, local SGD's average), its deltas exchanged between the hosts' leaders by
 Why the leaders: the hosts' deltas are identical on the ranks of a host, so one rank per host
 sends it; splitting it into per-local-rank slices would send the same bytes between hosts but
 cut the matrices PowerSGD compresses, and needs equal hosts for every rank to have a slice.
+
+:class:`TwoLevelDataParallelLearner` keeps synchronous data parallel instead: every step's gradient
+is summed exactly inside each host and compressed between the host leaders only
+(``docs/multi-host.md#gradients-between-hosts``).
 """
 from __future__ import annotations
 
@@ -21,16 +25,21 @@ import torch
 
 from dtrain.comm.hosts import describe_hosts
 from dtrain.comm.local import LocalCommunicator
-from dtrain.exchange import full_precision_allreduce_bytes
+from dtrain.exchange import AllReduce, Exchange, full_precision_allreduce_bytes
+from dtrain.exchange.between_hosts import BetweenHosts
+from dtrain.learners.base import AUTO
 from dtrain.learners.block import BlockLearner, pack, unpack
 from dtrain.learners.block_momentum import BlockMomentumLearner
+from dtrain.learners.data_parallel import DataParallelLearner
 from dtrain.learners.diloco import DiLoCoLearner
 from dtrain.learners.local_sgd import LocalSGDLearner
 
 
-def host_layout(comm, ranks_per_host: int | None) -> tuple[list[list[int]], str]:
+def host_layout(comm, ranks_per_host: int | None, equal_hosts: bool = True,
+                one_level: str = "learner=data_parallel or learner=diloco") -> tuple[list[list[int]], str]:
     """``(ranks of each host, where the hosts came from)`` for a two-level learner on ``comm``
-    (collective). Raises ValueError for one host or hosts of different sizes."""
+    (collective). Raises ValueError for one host (naming the ``one_level`` learners to use instead),
+    or hosts of different sizes with ``equal_hosts``."""
     if ranks_per_host is None and comm.local_size == comm.size:
         hosts = [list(range(comm.size))]  # the launcher put every rank on this node
     else:
@@ -38,9 +47,9 @@ def host_layout(comm, ranks_per_host: int | None) -> tuple[list[list[int]], str]
     source = f"comm.ranks_per_host={ranks_per_host}" if ranks_per_host is not None else f"the {comm.launcher} launcher"
     if len(hosts) < 2:
         raise ValueError(f"a two-level learner needs several hosts; this job runs on {describe_hosts(hosts)} (from "
-                         f"{source}): use the one-level learner (e.g. learner=data_parallel or learner=diloco), or "
+                         f"{source}): use the one-level learner (e.g. {one_level}), or "
                          f"comm.ranks_per_host=N to rehearse N ranks per host on one machine")
-    if len({len(ranks) for ranks in hosts}) > 1:
+    if equal_hosts and len({len(ranks) for ranks in hosts}) > 1:
         raise ValueError(f"a two-level learner needs the same number of ranks on every host (each host's model is "
                          f"weighted equally); this job runs on {describe_hosts(hosts)} (from {source})")
     return hosts, source
@@ -230,4 +239,98 @@ class TwoLevelLocalSGDLearner(TwoLevel, LocalSGDLearner):
     outer_name = "local SGD"
 
 
-__all__ = ["TwoLevel", "TwoLevelBlockMomentumLearner", "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner", "host_layout"]
+class TwoLevelDataParallelLearner(DataParallelLearner):
+    """``learner=two_level_quantized`` / ``two_level_powersgd``: data parallel whose exchange runs between hosts only.
+
+    Every minibatch each gradient bucket is summed exactly (float32) inside each host, the host
+    leaders sum the host sums with ``exchange`` (k-bit with error feedback, PowerSGD, ...; ``N`` =
+    the hosts, its state on the leaders), and each leader broadcasts the result inside its host
+    (:class:`~dtrain.exchange.between_hosts.BetweenHosts`): one model on every rank after every step,
+    bucket by bucket and overlapped with backward as for :class:`DataParallelLearner`. A
+    compressing strategy's float32 warm start takes the same three steps in float32 (the
+    hierarchical all-reduce). Hosts may hold different numbers of ranks: the sum weights every
+    sample alike, whatever its host.
+
+    Args: as :class:`DataParallelLearner` (``exchange`` None: float32 between the hosts), plus
+    ``ranks_per_host`` (None: ``comm.ranks_per_host``, else the launcher's hosts).
+
+    Raises:
+        ValueError: one host or one process (use ``learner=quantized`` or ``learner=powersgd``), or
+            any of :class:`DataParallelLearner`'s.
+        TypeError: ``exchange`` is not an exchange strategy.
+    """
+
+    kind = "two_level_data_parallel"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
+                 bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
+                 warm_start_mode: str | None = None, warm_start: str | None = None,
+                 ranks_per_host: int | None = None):
+        comm = comm if comm is not None else LocalCommunicator()
+        if ranks_per_host is None:
+            ranks_per_host = getattr(comm, "ranks_per_host", None)
+        self.hosts, self.hosts_source = host_layout(comm, ranks_per_host, equal_hosts=False,
+                                                    one_level="learner=quantized or learner=powersgd")
+        groups = comm.host_groups(ranks_per_host)
+        between = BetweenHosts(exchange if exchange is not None else AllReduce(), groups)
+        super().__init__(optimizer, comm, distributed_after, bucket_size_mb, exchange=between,
+                         overlap_backward=overlap_backward, warm_start_mode=warm_start_mode, warm_start=warm_start)
+        if self.warm_start_exchange is not None:  # float32 warm start: the same three steps, exact
+            self.warm_start_exchange = BetweenHosts(AllReduce(), groups)
+            self.warm_start_exchange.bind(self.comm)
+        self._restored_hosts: list[int] | None = None
+
+    @property
+    def layout(self) -> list[int]:
+        """The ranks of each host, counted: what the leaders' exchange state belongs to."""
+        return [len(ranks) for ranks in self.hosts]
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank exchanges its host's sum with the other hosts (its host's lowest rank)."""
+        return self.exchange.is_leader
+
+    @property
+    def bytes_between_hosts_last_step(self) -> int:
+        """Bytes this rank sent to other hosts in the last distributed step (0 off the leaders)."""
+        return int(self._active.bytes_between_hosts_last_step)
+
+    def describe(self) -> str:
+        """The host layout, then the data-parallel learner's line."""
+        return (f"two levels over {describe_hosts(self.hosts)} (from {self.hosts_source}): gradients summed exactly "
+                f"inside each host every step, then between the host leaders; {super().describe()}")
+
+    def progress_note(self) -> str:
+        """Bytes this rank sent between hosts and in all in the last step, once the strategy runs."""
+        if not self.bytes_sent_last_step:
+            return ""
+        if self._active is not self.exchange:
+            return f"float32 warm start until {self.distributed_after:,} samples"
+        return (f"{self.exchange.inner.describe()}: {self.bytes_between_hosts_last_step / 1e3:,.0f} kB between hosts/step, "
+                f"{self.bytes_sent_last_step / 1e3:,.0f} kB sent/step")
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The data-parallel learner's state plus the host layout (ranks per host) it was trained on."""
+        return {**super().state_dict(), "hosts": self.layout}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The replicated state; the strategy's state starts afresh, with a line (rank 0) when the
+        checkpoint's host layout differs from this run's (it then stays fresh)."""
+        super().load_state_dict({**state, "exchange_world_size": None})
+        self._restored_hosts = list(state["hosts"]) if state.get("hosts") else None
+        saved = self._restored_hosts
+        if saved and saved != self.layout and self.exchange.stateful and self.comm.is_main:
+            print(f"dtrain: the {self.exchange.inner.name} exchange state between hosts was saved on "
+                  f"{describe_hosts([range(count) for count in saved])}, this run has {describe_hosts(self.hosts)}: "
+                  f"starting it afresh", flush=True)
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's strategy state, only onto the host layout that saved it."""
+        if self._restored_hosts and self._restored_hosts != self.layout:
+            return
+        super().load_local_state_dict(state)
+
+
+__all__ = ["TwoLevel", "TwoLevelBlockMomentumLearner", "TwoLevelDataParallelLearner", "TwoLevelDiLoCoLearner",
+           "TwoLevelLocalSGDLearner", "host_layout"]

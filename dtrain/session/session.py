@@ -651,6 +651,9 @@ class TrainingSession(PreemptionHandling, StartupLines):
         bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
         if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
             extra["bytes_sent_per_step"] = bytes_sent
+        between = getattr(self.learner, "bytes_between_hosts_last_step", None)  # two levels: what crossed hosts
+        if isinstance(between, int) and not isinstance(between, bool):
+            extra["bytes_between_hosts_per_step"] = between
         metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
                       lr=learning_rate, **extra)
         sums.reset()

@@ -17,7 +17,6 @@ Prints ``PASS <check> rank r/size`` per check.
 from __future__ import annotations
 
 import functools
-import io
 import math
 import sys
 
@@ -26,6 +25,7 @@ from torch import nn
 
 from tests.helpers.bmuf_reference import flat, train_learner_shares
 from tests.helpers.checks import run_checks
+from tests.helpers.resume import restore_learner, save_learner
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.exchange import Quantized
@@ -155,19 +155,12 @@ def check_resume(comm, case: str) -> None:
     learner.prepare(model)
     position = train_learner_shares(learner, model, local_loss, [16] * 6)
     learner.synchronize()
-    saved = io.BytesIO()
-    torch.save({"learner": learner.state_dict(), "local": learner.local_state_dict(),
-                "model": model.state_dict()}, saved)
+    saved = save_learner(learner, model)
     train_learner_shares(learner, model, local_loss, [16] * 6, position=position)
     learner.synchronize()
     expected = flat(model.parameters())
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
     model2, restored = build(comm, case, seed=0)
-    model2.load_state_dict(state["model"])
-    restored.load_state_dict(state["learner"])
-    restored.load_local_state_dict(state["local"])
-    restored.prepare(model2)
+    restore_learner(saved, restored, model2)
     train_learner_shares(restored, model2, local_loss, [16] * 6, position=position)
     restored.synchronize()
     assert torch.equal(flat(model2.parameters()), expected), float((flat(model2.parameters()) - expected).abs().max())

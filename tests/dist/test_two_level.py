@@ -4,21 +4,16 @@ model after every sync equal to the outer formula on the hosts' models, the host
 on the host's mean gradient, bit-exact resume, a killed rank ending the job, and the refusals."""
 from __future__ import annotations
 
-import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.checks import CheckLaunch, launch_checks
 from tests.helpers.mpi import run_mpi
-
-from dtrain.session import checkpoint
+from tests.helpers.two_level_runs import namespace_run_equals_rehearsal, resume_then_relayout
 
 WORKER = Path(__file__).with_name("_two_level_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -69,22 +64,9 @@ def job(nprocs: int, run_dir: Path, *overrides: str, timeout: float = 240):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_interrupted_run_resumes_bit_for_bit_and_onto_other_hosts(tmp_path: Path) -> None:
-    whole = job(4, tmp_path / "whole", "comm.ranks_per_host=2", "session.max_samples=1920")
-    assert whole.returncode == 0, whole.report()
-    assert "two levels over 2 hosts x 2 ranks (from comm.ranks_per_host=2)" in whole.stdout, whole.report()
-    first = job(4, tmp_path / "split", "comm.ranks_per_host=2", "session.max_samples=1280")
-    assert first.returncode == 0, first.report()
-    second = job(4, tmp_path / "split", "comm.ranks_per_host=2", "session.max_samples=1920")
-    assert second.returncode == 0, second.report()
-    assert "at 1280 samples" in second.stdout, second.report()
-    a = checkpoint.load(tmp_path / "whole" / "checkpoint-1920.pt")
-    b = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after resume"
-    assert b["learner"]["hosts"] == [2, 2] and float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
     # the same checkpoint onto 4 hosts x 1 rank: the model and outer state carry over, the per-rank state does not
-    other = job(4, tmp_path / "split", "comm.ranks_per_host=1", "session.max_samples=2560")
-    assert other.returncode == 0, other.report()
+    b, other = resume_then_relayout(COMMON, tmp_path)
+    assert b["learner"]["hosts"] == [2, 2] and float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
     assert "trained on 2 hosts x 2 ranks, this run has 4 x 1" in other.stdout, other.report()
 
 
@@ -121,21 +103,5 @@ def test_a_killed_rank_in_one_host_ends_the_job_within_10_s(tmp_path: Path) -> N
 def test_two_namespace_hosts_from_the_launcher(tmp_path: Path) -> None:
     """2 network-namespace hosts x 2 ranks (hostfile, --npernode 2): the hosts come from the launcher,
     and the run equals, bit for bit, the same job rehearsed on one host with comm.ranks_per_host=2."""
-    from dtrain.testing.netns import NamespaceCluster, available
-
-    ok, reason = available()
-    if not ok:
-        pytest.skip(reason)
-    args = [*COMMON, "session.max_samples=1280", "session.num_threads=1", "comm.backend=gloo"]
-    env = {"PYTHONPATH": str(REPO)}
-    with NamespaceCluster(num_hosts=2, rate="1gbit", slots=2) as cluster:
-        command = cluster.mpiexec_args(npernode=2, export=list(env)) + [sys.executable, *args,
-                                                                        f"run_dir={tmp_path / 'two_hosts'}"]
-        multi = cluster.run(command, timeout=200, env=env)
-    assert multi.returncode == 0, multi.report()
-    assert "two levels over 2 hosts x 2 ranks (from the mpi launcher)" in multi.stdout, multi.report()
-    rehearsal = run_mpi(4, [*args, "comm.ranks_per_host=2", f"run_dir={tmp_path / 'one_host'}"], timeout=200)
-    assert rehearsal.returncode == 0, rehearsal.report()
-    paths = [re.findall(r"^checkpoint: (\S+)$", run.stdout, re.MULTILINE) for run in (multi, rehearsal)]
-    two_hosts, one_host = (checkpoint.load(Path(found[-1]))["model"] for found in paths)
-    assert [name for name in one_host if not torch.equal(two_hosts[name], one_host[name])] == []
+    namespace_run_equals_rehearsal([*COMMON, "session.max_samples=1280", "session.num_threads=1", "comm.backend=gloo"],
+                                   tmp_path)

@@ -34,7 +34,7 @@ def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, t
     assert text.startswith("dtrain: declarative, distributed data-parallel training for PyTorch")
     for recipe in ("cifar10", "cmudict_g2p", "digits", "imagenet", "shakespeare_char"):
         assert f"\n  {recipe} " in text
-    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized|two_level_block_momentum|two_level_diloco|two_level_local_sgd   (default: data_parallel)" in text
+    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized|two_level_block_momentum|two_level_diloco|two_level_local_sgd|two_level_powersgd|two_level_quantized   (default: data_parallel)" in text
     for group in ("model=", "optimizer=adam|adamw|lamb|lars|rmsprop_warmup_sgd|sgd", "session=default", "source=cifar10|cmudict|digits|imagenet|shakespeare_char"):
         assert f"\n  {group}" in text
     assert "1-bit SGD with error feedback" in text  # each option says what it is
@@ -54,7 +54,7 @@ def test_help_lists_the_recipes_and_options_of_a_config_dir(tmp_path):
     result = run(sys.executable, "-m", "dtrain", "--config-dir", str(tmp_path / "conf"), "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert re.search(r"\n  mine +my own recipe\.", result.stdout)  # in the name column, however wide
-    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized|two_level_block_momentum|two_level_diloco|two_level_local_sgd" in result.stdout
+    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized|two_level_block_momentum|two_level_diloco|two_level_local_sgd|two_level_powersgd|two_level_quantized" in result.stdout
     assert re.search(r"\n +local_sgd +Local SGD, averaged every k steps\.", result.stdout)  # the config dir's own
 
 

@@ -11,18 +11,7 @@ from dtrain.learners import TwoLevelDiLoCoLearner
 from dtrain.learners.two_level import host_layout
 
 from tests.helpers.config import compose_config
-
-
-class FakeJob:
-    """A job's view for :func:`host_layout`: its size and the hosts its launcher reports."""
-
-    launcher = "mpi"
-
-    def __init__(self, hosts: list[list[int]], local_size: int = 1) -> None:
-        self.hosts, self.size, self.local_size = hosts, sum(map(len, hosts)), local_size
-
-    def host_ranks(self, ranks_per_host=None):
-        return self.hosts
+from tests.helpers.two_level_runs import FakeJob
 
 
 def test_equal_hosts_are_taken() -> None:

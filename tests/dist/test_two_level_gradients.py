@@ -1,0 +1,65 @@
+"""The two-level gradient learner (``learner=two_level_quantized`` / ``two_level_powersgd``) under a real
+mpiexec, 2 hosts x 2 ranks (``comm.ranks_per_host=2``): identical parameters on every rank after every
+step, every step equal to an independent reference (exact host sums, then the k-bit or PowerSGD maths
+over 2 hosts), bit-exact resume through the API and the command line, and a fresh exchange state, with
+one line, onto another host layout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.checks import CheckLaunch, launch_checks
+from tests.helpers.two_level_runs import namespace_run_equals_rehearsal, resume_then_relayout
+
+WORKER = Path(__file__).with_name("_two_level_gradients_worker.py")
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> CheckLaunch:
+    """One run of every check of ``_two_level_gradients_worker.py`` on 4 ranks."""
+    return launch_checks(4, [WORKER], tmp_path_factory.mktemp("two_level_gradients"), timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["quantized", "powersgd"])
+def test_every_step_is_the_reference_and_identical_on_every_rank(launch: CheckLaunch, case: str) -> None:
+    results = launch.results(case)
+    leader, other = results[0], results[1]  # rank 0 leads host 0, rank 1 does not
+    assert leader["leader"] and not other["leader"]
+    assert all(between > 0 for between in leader["between"]) and set(other["between"]) == {0}
+    assert leader["compressed"], leader
+    assert other["sent"] > 0  # a non-leader sends its gradient to the leader
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["quantized", "powersgd"])
+def test_resume_through_the_python_api_is_exact(launch: CheckLaunch, case: str) -> None:
+    launch.results(f"resume_{case}")
+
+
+# -- the command line ------------------------------------------------------------------------------
+COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
+          "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32",
+          "learner=two_level_quantized", "learner.distributed_after=320"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_interrupted_run_resumes_bit_for_bit_and_afresh_onto_other_hosts(tmp_path: Path) -> None:
+    b, other = resume_then_relayout(COMMON, tmp_path)
+    assert b["learner"]["hosts"] == [2, 2]
+    assert ("the quantized exchange state between hosts was saved on 2 hosts x 2 ranks, this run has 4 hosts x 1 "
+            "rank: starting it afresh") in other.stdout, other.report()
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.timeout(400)
+def test_two_namespace_hosts_from_the_launcher(tmp_path: Path) -> None:
+    """2 network-namespace hosts x 2 ranks (hostfile, --npernode 2): the hosts come from the launcher,
+    and the run equals, bit for bit, the same job rehearsed on one host with comm.ranks_per_host=2."""
+    namespace_run_equals_rehearsal([*COMMON, "session.max_samples=1280", "session.num_threads=1", "comm.backend=gloo"],
+                                   tmp_path)
