@@ -5,10 +5,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
-from omegaconf import DictConfig
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, register_rule, settings_problems
+from dtrain.rules import KeyChecks, StrictBool, register_rule, settings_rule
 
 
 # -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
@@ -61,9 +60,7 @@ QUANTIZED: KeyChecks = {
 }
 
 
-@register_rule("dtrain.exchange.Quantized")
-def _quantized_exchange_rules(node: DictConfig, name: str) -> list[str]:
-    return settings_problems(QUANTIZED, node, name)
+register_rule("dtrain.exchange.Quantized", settings_rule(QUANTIZED))
 
 
 def _wire_dtype(name: str, value: Any) -> str:
@@ -76,9 +73,7 @@ def _wire_dtype(name: str, value: Any) -> str:
 COMPRESSED: KeyChecks = {"dtype": _wire_dtype}
 
 
-@register_rule("dtrain.exchange.CompressedAllReduce")
-def _compressed_exchange_rules(node: DictConfig, name: str) -> list[str]:
-    return settings_problems(COMPRESSED, node, name)
+register_rule("dtrain.exchange.CompressedAllReduce", settings_rule(COMPRESSED))
 
 
 def _steps_or_auto(name: str, value):
@@ -102,6 +97,4 @@ POWERSGD: KeyChecks = {
 }
 
 
-@register_rule("dtrain.exchange.PowerSGD")
-def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
-    return settings_problems(POWERSGD, node, name)
+register_rule("dtrain.exchange.PowerSGD", settings_rule(POWERSGD))

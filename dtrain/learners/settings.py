@@ -8,7 +8,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_problems
+from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_problems, settings_rule
 
 
 # -- learners -------------------------------------------------------------------------------------
@@ -130,11 +130,7 @@ DILOCO: KeyChecks = {"outer_learning_rate": checks.positive_number, "outer_momen
                      "outer_nesterov": checks.boolean}
 
 
-def _rule(key_checks: KeyChecks):
-    return lambda node, name: settings_problems(key_checks, node, name)
-
-
-_distributed_after = _rule(DISTRIBUTED_AFTER)
+_distributed_after = settings_rule(DISTRIBUTED_AFTER)
 register_rule("dtrain.learners.Learner", _distributed_after)
 register_rule("dtrain.learners.LocalLearner", _distributed_after)
 
@@ -168,9 +164,9 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     return problems + settings_problems({**BLOCK_SIZE, **BLOCK_MOMENTUM, **BLOCK_SYNC}, node, name)
 
 
-_diloco_rules = _rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO})
+_diloco_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO})
 register_rule("dtrain.learners.TwoLevelDiLoCoLearner", _diloco_rules)
 register_rule("dtrain.learners.DiLoCoLearner", _diloco_rules)
-_local_sgd_rules = _rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE})
+_local_sgd_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE})
 register_rule("dtrain.learners.TwoLevelLocalSGDLearner", _local_sgd_rules)
 register_rule("dtrain.learners.LocalSGDLearner", _local_sgd_rules)

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
+from dtrain.optim.settings import OPTIMIZER
+from dtrain.rules import check_settings
 
 
 class RMSpropWarmupSGD(torch.optim.Optimizer):
@@ -34,13 +35,9 @@ class RMSpropWarmupSGD(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
                  variance_momentum: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  transition_samples: int = 100_000, transition_start: int = 0) -> None:
-        checks.positive_number("lr", lr)
-        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
-        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
-        checks.positive_number("eps", eps)
-        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
-        checks.sample_count("transition_samples", transition_samples)
-        checks.sample_count("transition_start", transition_start, allow_zero=True)
+        check_settings(OPTIMIZER, lr=lr, momentum=momentum, variance_momentum=variance_momentum, eps=eps,
+                       weight_decay=weight_decay, transition_samples=transition_samples,
+                       transition_start=transition_start)
         super().__init__(params, dict(lr=lr, momentum=momentum, variance_momentum=variance_momentum, eps=eps,
                                       weight_decay=weight_decay, transition_samples=transition_samples,
                                       transition_start=transition_start, alpha_sgd=0.0))
