@@ -19,8 +19,8 @@ import torch
 
 from dtrain import checks
 from dtrain.comm.launcher import detect_launcher
-from dtrain.rules import check_settings
 from dtrain.learners.base import Learner, RunFacts
+from dtrain.rules import check_settings
 from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
 from dtrain.session import checkpoint, checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice

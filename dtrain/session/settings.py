@@ -13,6 +13,7 @@ from dtrain.data.settings import _stream_reference_problems
 from dtrain.rules import KeyChecks, StrictBool, key_problems as _check, plain as _plain, settings_problems
 from dtrain.session.configs import CROSS_VALIDATION, TEST, CheckpointConfig, checkpoint_problems
 from dtrain.session.lr_scaling import lr_scaling_problems
+from dtrain.session.profiling import PROFILE
 from dtrain.session.weight_ema import check_ema_decay
 
 
@@ -163,14 +164,7 @@ def session_problems(session: DictConfig) -> list[str]:
     """One line per problem of the ``session`` section (its sizes, switches, checkpoint, cv, test, profile, schedules)."""
     problems = settings_problems({**TRAINING_SESSION, **_COMMAND_LINE_SESSION}, session, "session")
     problems += _device_problems(session.device)
-    problems += _check(
-        session.profile, "session.profile",
-        ("enabled", checks.boolean, {}),
-        ("wait", checks.whole_number, {"low": 0, "unit": "minibatches"}),
-        ("warmup", checks.whole_number, {"low": 0, "unit": "minibatches"}),
-        ("active", checks.whole_number, {"low": 1, "unit": "minibatches"}),
-        ("ranks", checks.choice, {"choices": checks.PROFILE_RANKS}),
-    )
+    problems += settings_problems({"enabled": checks.boolean, **PROFILE}, session.profile, "session.profile")
     problems += checkpoint_problems(session.checkpoint, "session.checkpoint")
     problems += settings_problems(CROSS_VALIDATION, session.cv, "session.cv")
     problems += settings_problems(TEST, session.test, "session.test")
