@@ -69,14 +69,15 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float, extra: tuple[str, ...] = ()) -> dict:
+def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float, extra: tuple[str, ...] = (),
+            ranks_per_host: int = 2) -> dict:
     run_dir = workdir / f"{recipe}-{len(os.listdir(workdir))}"
     args = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", *LEARNERS[name], "comm.backend=gloo",
             "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe], *extra, f"run_dir={run_dir}"]
     env = {"PYTHONPATH": str(REPO)}
     before = sum(sent_bytes(host.netns) for host in cluster.hosts)
     started = time.monotonic()
-    result = cluster.run(cluster.mpiexec_args(npernode=2, export=list(env)) + args, timeout=timeout, env=env)
+    result = cluster.run(cluster.mpiexec_args(npernode=ranks_per_host, export=list(env)) + args, timeout=timeout, env=env)
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.report()}")
@@ -97,6 +98,8 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit", help="tc rate per host link")
     parser.add_argument("--recipes", default="digits", help="comma-separated recipes")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
+    parser.add_argument("--ranks-per-host", type=int, default=2, choices=(1, 2),
+                        help="1: each rank has a core of its own on a 2-core machine, for the compute utilisation")
     parser.add_argument("--learners", default=None,
                         help="comma-separated learner= names to run (default: every row); flat data_parallel always runs")
     args = parser.parse_args()
@@ -107,15 +110,16 @@ def main() -> None:
         raise SystemExit(f"cannot build a namespace cluster: {reason}")
     load_before = os.getloadavg()[0]
     rows = []
-    with tempfile.TemporaryDirectory() as workdir, NamespaceCluster(num_hosts=2, rate=args.rate, slots=2) as cluster:
+    with tempfile.TemporaryDirectory() as workdir, NamespaceCluster(num_hosts=2, rate=args.rate,
+                                                                           slots=args.ranks_per_host) as cluster:
         for recipe in args.recipes.split(","):
             for name in chosen(args.learners):
-                rows.append(run_one(cluster, recipe, name, Path(workdir), args.timeout))
+                rows.append(run_one(cluster, recipe, name, Path(workdir), args.timeout, (), args.ranks_per_host))
                 # the same job stopped after one minibatch: start-up, checkpoint and test, the fixed cost
-                fixed = run_one(cluster, recipe, name, Path(workdir), args.timeout, SHORT[recipe])
+                fixed = run_one(cluster, recipe, name, Path(workdir), args.timeout, SHORT[recipe], args.ranks_per_host)
                 rows[-1]["net_mb"] = rows[-1]["between_hosts_mb"] - fixed["between_hosts_mb"]
                 print(f"  done: {recipe} {name} ({rows[-1]['wall_s']:.0f} s) {rows[-1]['learner_line']}", flush=True)
-    print(f"\n=== 2 hosts x 2 ranks (network namespaces), tbf {args.rate} per host egress, Gloo, 1 thread per rank; "
+    print(f"\n=== 2 hosts x {args.ranks_per_host} ranks (network namespaces), tbf {args.rate} per host egress, Gloo, 1 thread per rank; "
           f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after ===")
     print("| recipe | learner | MB between hosts | x fewer | net of the fixed cost: MB | x fewer | test | compute % | "
           "busy % (not exchanging) | wall s |")

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
+from dtrain.optim.torch_settings import ADAM
+from dtrain.rules import check_settings
 
 __all__ = ["Adam", "AdamW"]
 
@@ -23,11 +24,8 @@ class _MomentumAsBeta1:
 
     def _set_up(self, base: type, params: Iterable[Any], lr: float, momentum: float, variance_momentum: float,
                 eps: float, weight_decay: float) -> None:
-        checks.positive_number("lr", lr)
-        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
-        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
-        checks.positive_number("eps", eps)
-        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
+        check_settings(ADAM, lr=lr, momentum=momentum, variance_momentum=variance_momentum, eps=eps,
+                       weight_decay=weight_decay)
         base.__init__(self, params, lr=lr, betas=(momentum, variance_momentum), eps=eps, weight_decay=weight_decay)
         self.defaults["momentum"] = momentum
         for group in self.param_groups:

@@ -78,6 +78,17 @@ def settings_problems(key_checks: KeyChecks, values: Any, name: str = "") -> lis
 
 def check_settings(key_checks: KeyChecks, **values: Any) -> None:
     """A constructor's form of :func:`settings_problems`: raises ``ValueError`` with the first problem."""
-    problems = settings_problems(key_checks, values)
+    check_fields(key_checks, values)
+
+
+def check_fields(key_checks: KeyChecks, values: Any, name: str = "") -> None:
+    """A config class's form (``values`` its fields, ``vars(self)``, named ``name.key``): raises ``ValueError``
+    with the first problem."""
+    problems = settings_problems(key_checks, values, name)
     if problems:
         raise ValueError(problems[0])
+
+
+def settings_rule(key_checks: KeyChecks) -> Rule:
+    """The ``validate`` rule of a component whose value rules are ``key_checks`` alone."""
+    return lambda node, name: settings_problems(key_checks, node, name)

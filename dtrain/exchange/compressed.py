@@ -8,6 +8,8 @@ import torch
 
 from dtrain.comm.base import AsyncHandle
 from dtrain.exchange.base import Exchange, full_precision_allreduce_bytes
+from dtrain.exchange.settings import COMPRESSED
+from dtrain.rules import check_settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The wire formats ``CompressedAllReduce`` accepts, by config name."""
@@ -53,8 +55,7 @@ class CompressedAllReduce(Exchange):
 
     def __init__(self, dtype: str = "bf16"):
         super().__init__()
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+        check_settings(COMPRESSED, dtype=dtype)
         self.dtype = dtype
 
     def identity(self) -> dict[str, Any]:

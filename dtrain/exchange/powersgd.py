@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtrain import checks
 from dtrain.compress.lowrank import orthogonalize_, should_compress
 from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views, warn_residuals_dropped
+from dtrain.exchange.settings import POWERSGD
+from dtrain.rules import check_settings
 
 
 AUTO_START_FRACTION = 0.1
@@ -81,22 +82,23 @@ class PowerSGD(ThreadedExchange):
                  min_compression_rate: float = 2.0, use_error_feedback: bool | None = None, warm_start: bool = True,
                  orthogonalization_epsilon: float = 0.0, random_seed: int = 0):
         super().__init__()
-        self.matrix_approximation_rank = checks.whole_number("matrix_approximation_rank", matrix_approximation_rank,
-                                                             low=1)
+        check_settings(POWERSGD, matrix_approximation_rank=matrix_approximation_rank,
+                       start_powersgd_iter=start_powersgd_iter, min_compression_rate=min_compression_rate,
+                       use_error_feedback=use_error_feedback, warm_start=warm_start,
+                       orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed)
+        self.matrix_approximation_rank = int(matrix_approximation_rank)
         self.start_is_auto = start_powersgd_iter == "auto"
         self.start_is_default = start_powersgd_iter is None
         self.start_powersgd_iter = DEFAULT_START_ITER if self.start_is_auto or self.start_is_default \
-            else checks.whole_number("start_powersgd_iter", start_powersgd_iter, low=0, unit="steps")
+            else int(start_powersgd_iter)
         self.step_name = "step"     # what one exchange step is: a minibatch ("step") or a block learner's "sync"
         self._start_note = ""       # how plan() derived the start, for describe()
-        self.min_compression_rate = checks.positive_number("min_compression_rate", min_compression_rate)
+        self.min_compression_rate = float(min_compression_rate)
         self.error_feedback_is_default = use_error_feedback is None
-        self.use_error_feedback = True if self.error_feedback_is_default else checks.boolean(
-            "use_error_feedback", use_error_feedback)
-        self.warm_start = checks.boolean("warm_start", warm_start)
-        self.orthogonalization_epsilon = checks.positive_number("orthogonalization_epsilon",
-                                                                orthogonalization_epsilon, allow_zero=True)
-        self.random_seed = checks.whole_number("random_seed", random_seed, low=0)
+        self.use_error_feedback = True if self.error_feedback_is_default else bool(use_error_feedback)
+        self.warm_start = bool(warm_start)
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.random_seed = int(random_seed)
         self.reset()
 
     # -- identity and progress -------------------------------------------------------------------

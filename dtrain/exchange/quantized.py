@@ -35,8 +35,6 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
-from dtrain.compress.bitpack import check_bits
 from dtrain.compress.quantizer import Workspace, dequantize, quantize_with_feedback
 from dtrain.compress.stripes import StripeLayout, decode_message, encode_message, stripe_of
 from dtrain.exchange.base import (
@@ -46,6 +44,8 @@ from dtrain.exchange.base import (
     split_views,
     warn_residuals_dropped,
 )
+from dtrain.exchange.settings import QUANTIZED
+from dtrain.rules import check_settings
 
 ALL_TO_ALL_CHOICES = ("auto", "torch", "allgather")
 """How phase 1 travels: ``torch`` (the communicator's ``all_to_all``: ``all_to_all_single`` on a
@@ -118,11 +118,12 @@ class QuantizedExchange(ByteCounters):
                              f"all-to-all), got {type(comm).__name__}; use all_to_all='allgather'")
         # -- hyper-parameters
         self.comm = comm
-        self.num_bits = check_bits(num_bits, "num_bits")
+        check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback)
+        self.num_bits = int(num_bits)
         if all_to_all == "auto":
             all_to_all = "torch" if has_native else "allgather"
         self.all_to_all = all_to_all
-        self.error_feedback = checks.boolean("error_feedback", error_feedback)  # False: residuals dropped every step (an ablation)
+        self.error_feedback = bool(error_feedback)  # False: residuals dropped every step (an ablation)
         # -- state (this rank's own; not replicated, not in the model's checkpoint)
         self.layout: StripeLayout | None = None           # set by the first call (or load_state_dict)
         self.worker_residual: torch.Tensor | None = None  # [layout.numel] stripe-major: what quantizing
@@ -311,8 +312,9 @@ class Quantized(ThreadedExchange):
 
     def __init__(self, num_bits: int = 1, error_feedback: bool = True):
         super().__init__()
-        self.num_bits = check_bits(num_bits, "num_bits")
-        self.error_feedback = checks.boolean("error_feedback", error_feedback)
+        check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback)
+        self.num_bits = int(num_bits)
+        self.error_feedback = bool(error_feedback)
         self._exchanges: dict[Hashable, QuantizedExchange] = {}
         self.seconds_last_step = 0.0  # wall-clock seconds of this step's exchanges (on the worker thread)
         self.transport_seconds_last_step = 0.0  # ... of which in their collectives (waiting for peers included)

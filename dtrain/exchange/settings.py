@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
-from omegaconf import DictConfig
 
 from dtrain import checks
-from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+from dtrain.rules import KeyChecks, StrictBool, register_rule, settings_rule
 
 
 # -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
@@ -53,20 +53,27 @@ class PowerSGDExchangeConfig:
     random_seed: int = 0
 
 
-@register_rule("dtrain.exchange.Quantized")
-def _quantized_exchange_rules(node: DictConfig, name: str) -> list[str]:
-    return _check(
-        node, name,
-        ("num_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
-        ("error_feedback", checks.boolean, {}),
-    )
+#: each strategy's value rules, used by its constructor (``check_settings``) and by ``validate``
+QUANTIZED: KeyChecks = {
+    "num_bits": partial(checks.whole_number, low=1, high=32, unit="bits"),
+    "error_feedback": checks.boolean,
+}
 
 
-@register_rule("dtrain.exchange.CompressedAllReduce")
-def _compressed_exchange_rules(node: DictConfig, name: str) -> list[str]:
-    if "dtype" in node and node.dtype not in ("bf16", "fp16"):
-        return [f"{name}.dtype={node.dtype!r}: expected bf16 or fp16"]
-    return []
+register_rule("dtrain.exchange.Quantized", settings_rule(QUANTIZED))
+
+
+def _wire_dtype(name: str, value: Any) -> str:
+    """The type compressed gradients travel as: bf16 or fp16."""
+    if not isinstance(value, str) or value not in ("bf16", "fp16"):
+        raise ValueError(f"{name}={value!r}: expected bf16 or fp16")
+    return value
+
+
+COMPRESSED: KeyChecks = {"dtype": _wire_dtype}
+
+
+register_rule("dtrain.exchange.CompressedAllReduce", settings_rule(COMPRESSED))
 
 
 def _steps_or_auto(name: str, value):
@@ -79,15 +86,15 @@ def _steps_or_auto(name: str, value):
         raise ValueError(f"{error}, auto or null") from None
 
 
-@register_rule("dtrain.exchange.PowerSGD")
-def _powersgd_exchange_rules(node: DictConfig, name: str) -> list[str]:
-    return _check(
-        node, name,
-        ("matrix_approximation_rank", checks.whole_number, {"low": 1}),
-        ("start_powersgd_iter", _steps_or_auto, {}),
-        ("min_compression_rate", checks.positive_number, {}),
-        ("use_error_feedback", checks.boolean, {"allow_none": True}),
-        ("warm_start", checks.boolean, {}),
-        ("orthogonalization_epsilon", checks.positive_number, {"allow_zero": True}),
-        ("random_seed", checks.whole_number, {"low": 0}),
-    )
+POWERSGD: KeyChecks = {
+    "matrix_approximation_rank": partial(checks.whole_number, low=1),
+    "start_powersgd_iter": _steps_or_auto,
+    "min_compression_rate": checks.positive_number,
+    "use_error_feedback": partial(checks.boolean, allow_none=True),
+    "warm_start": checks.boolean,
+    "orthogonalization_epsilon": partial(checks.positive_number, allow_zero=True),
+    "random_seed": partial(checks.whole_number, low=0),
+}
+
+
+register_rule("dtrain.exchange.PowerSGD", settings_rule(POWERSGD))

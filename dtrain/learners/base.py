@@ -18,8 +18,9 @@ from typing import Any, final
 
 import torch
 
-from dtrain import checks
 from dtrain.comm.local import LocalCommunicator
+from dtrain.learners.settings import DISTRIBUTED_AFTER
+from dtrain.rules import check_settings
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,8 @@ class Learner(abc.ABC):
         self.optimizer = optimizer
         self.comm = comm if comm is not None else LocalCommunicator()
         self.distributed_after_is_auto = distributed_after == AUTO
-        self.distributed_after = 0 if self.distributed_after_is_auto else checks.sample_count(
-            "distributed_after", distributed_after, allow_zero=True)
+        check_settings(DISTRIBUTED_AFTER, distributed_after=distributed_after)
+        self.distributed_after = 0 if self.distributed_after_is_auto else int(distributed_after)
         self.run_facts = RunFacts()
         self.samples_seen = 0
         self.local_samples = 0    # of the current minibatch, set by begin_minibatch

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
 from dtrain.exchange import Exchange, full_precision_allreduce_bytes
 from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+from dtrain.learners.settings import BLOCK_SIZE, BLOCK_SYNC
+from dtrain.rules import check_settings
 
 #: Optimizer state entries the momentum reset zeroes: the first-moment (momentum) buffers of
 #: torch's optimizers (SGD/RMSprop ``momentum_buffer``; Adam, AdamW, NAdam, RAdam, Adamax
@@ -123,13 +124,13 @@ class BlockLearner(Learner):
         # before any restore: a strategy's state loads onto its communicator
         self.exchange = bind_exchange(exchange, self.outer_comm)
         self.block_size_is_auto = block_size == AUTO
-        self.local_learning_rate = checks.choice("local_learning_rate", local_learning_rate,
-                                                 checks.LOCAL_LEARNING_RATES)
-        self.reset_sgd_momentum_after_aggregation = checks.boolean("reset_sgd_momentum_after_aggregation",
-                                                                   reset_sgd_momentum_after_aggregation)
+        check_settings({**BLOCK_SYNC, **BLOCK_SIZE}, local_learning_rate=local_learning_rate, block_size=block_size,
+                       reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation)
+        self.local_learning_rate = local_learning_rate
+        self.reset_sgd_momentum_after_aggregation = bool(reset_sgd_momentum_after_aggregation)
         self.block_size = self.sync_period = 0
         if not self.block_size_is_auto:
-            self.set_block_size(checks.sample_count("block_size", block_size))
+            self.set_block_size(int(block_size))
 
         # -- state (saved in checkpoints)
         self.local_samples_in_block = 0     # n_loc: this worker's samples since the last sync (CNTK's; recorded)

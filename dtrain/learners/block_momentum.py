@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
 from dtrain.exchange import Exchange
 from dtrain.learners.base import AUTO, RunFacts
 from dtrain.learners.block import (  # noqa: F401  (auto_block_size, largest_block_size: their home before the base)
@@ -25,6 +24,8 @@ from dtrain.learners.block import (  # noqa: F401  (auto_block_size, largest_blo
     auto_block_size,
     largest_block_size,
 )
+from dtrain.learners.settings import BLOCK_MOMENTUM
+from dtrain.rules import check_settings
 from dtrain.schedules import momentum_from_time_constant
 
 #: the one misspelt keyword CNTK's Python API has, accepted for ported scripts
@@ -124,16 +125,15 @@ class BlockMomentumLearner(BlockLearner):
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
                  local_learning_rate: str = "full", outer_comm=None):
-        checks.positive_number("block_momentum_as_time_constant", block_momentum_as_time_constant, allow_none=True,
-                               allow_zero=True, unit="samples")  # null: CNTK's default; 0: block momentum 0
+        check_settings(BLOCK_MOMENTUM, block_momentum_as_time_constant=block_momentum_as_time_constant,
+                       block_learning_rate=block_learning_rate, use_nesterov_momentum=use_nesterov_momentum)
+        # block_momentum_as_time_constant null: CNTK's default; 0: block momentum 0
         self._time_constant_setting = block_momentum_as_time_constant  # read by set_block_size
         self.time_constant = 0.0
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate=local_learning_rate,
                          reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
                          outer_comm=outer_comm)
-        checks.positive_number("block_learning_rate", block_learning_rate)
-        checks.boolean("use_nesterov_momentum", use_nesterov_momentum)
         self.use_nesterov_momentum = use_nesterov_momentum
         self.block_learning_rate = float(block_learning_rate)
 

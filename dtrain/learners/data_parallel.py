@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from dtrain import checks
-from dtrain.compress.bitpack import check_bits
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
+from dtrain.learners.settings import DATA_PARALLEL, QUANTIZATION_BITS
+from dtrain.rules import check_settings
 
 
 class DataParallelLearner(ReplicatedLearner):
@@ -369,7 +370,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0,
                  warm_start_mode: str | None = None, warm_start: str | None = None):
-        bits = check_bits(num_quantization_bits, "num_quantization_bits")  # named as the user spelled it
+        check_settings(QUANTIZATION_BITS, num_quantization_bits=num_quantization_bits)
+        bits = int(num_quantization_bits)
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb, exchange=Quantized(bits, error_feedback),
                          warm_start_mode=warm_start_mode, warm_start=warm_start)
 
@@ -423,11 +425,11 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
             ``num_quantization_bits`` below 32.
         TypeError: ``optimizer`` is not a torch optimizer, or ``exchange`` not an exchange strategy.
     """
-    num_quantization_bits = check_bits(num_quantization_bits, "num_quantization_bits")
-    checks.positive_number("bucket_size_mb", bucket_size_mb, unit="MiB")
+    check_settings(DATA_PARALLEL, num_quantization_bits=num_quantization_bits, bucket_size_mb=bucket_size_mb,
+                   distributed_after=distributed_after, error_feedback=error_feedback)
+    num_quantization_bits, error_feedback = int(num_quantization_bits), bool(error_feedback)
     if distributed_after != AUTO:
-        distributed_after = checks.sample_count("distributed_after", distributed_after, allow_zero=True)
-    error_feedback = checks.boolean("error_feedback", error_feedback)
+        distributed_after = int(distributed_after)
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
                          "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")

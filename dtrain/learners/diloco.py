@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from dtrain import checks
 from dtrain.exchange import Exchange
 from dtrain.learners.base import AUTO
 from dtrain.learners.block import BlockLearner
+from dtrain.learners.settings import DILOCO
+from dtrain.rules import check_settings
 
 
 class DiLoCoLearner(BlockLearner):
@@ -63,9 +64,8 @@ class DiLoCoLearner(BlockLearner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None):
-        checks.positive_number("outer_learning_rate", outer_learning_rate)
-        checks.number_in_range("outer_momentum", outer_momentum, 0.0, 1.0, include_high=False)
-        checks.boolean("outer_nesterov", outer_nesterov)
+        check_settings(DILOCO, outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
+                       outer_nesterov=outer_nesterov)
         # the inner optimizer steps at its own lr on every worker (DiLoCo averages the deltas)
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate="full", outer_comm=outer_comm)

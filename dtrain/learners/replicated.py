@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
 from dtrain.learners._buckets import BYTES_PER_MB, coalesced
 from dtrain.learners.base import Learner
+from dtrain.learners.settings import BUCKETS
+from dtrain.rules import check_settings
 
 
 def unique_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,7 +88,8 @@ class ReplicatedLearner(Learner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int = 0,
                  bucket_size_mb: float = 25.0):
         super().__init__(optimizer, comm, distributed_after)
-        self.bucket_size_mb = checks.positive_number("bucket_size_mb", bucket_size_mb, unit="MiB")
+        check_settings(BUCKETS, bucket_size_mb=bucket_size_mb)
+        self.bucket_size_mb = float(bucket_size_mb)
         self.bucket_bytes = self.bucket_size_mb * BYTES_PER_MB
         self.model: torch.nn.Module | None = None
         self._replicas_identical = False  # state: all ranks hold rank 0's model and optimizer state

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import checks
-from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_problems, settings_rule
 
 
 # -- learners -------------------------------------------------------------------------------------
@@ -124,23 +125,34 @@ def _samples_or_auto(name: str, value, **options):
         raise ValueError(f"{error} or auto") from None
 
 
-def _distributed_after(node: DictConfig, name: str) -> list[str]:
-    return _check(node, name, ("distributed_after", _samples_or_auto, {"allow_zero": True}))
+#: each learner's value rules, used by its constructor (``check_settings``) and by ``validate``
+DISTRIBUTED_AFTER: KeyChecks = {"distributed_after": partial(_samples_or_auto, allow_zero=True)}
+QUANTIZATION_BITS: KeyChecks = {"num_quantization_bits": partial(checks.whole_number, low=1, high=32, unit="bits")}
+BUCKETS: KeyChecks = {"bucket_size_mb": partial(checks.positive_number, unit="MiB")}
+DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **QUANTIZATION_BITS, **BUCKETS, "error_feedback": checks.boolean}
+BLOCK_SIZE: KeyChecks = {"block_size": _samples_or_auto}
+BLOCK_SYNC: KeyChecks = {"reset_sgd_momentum_after_aggregation": checks.boolean,
+                         "local_learning_rate": partial(checks.choice, choices=checks.LOCAL_LEARNING_RATES)}
+BLOCK_MOMENTUM: KeyChecks = {
+    "block_momentum_as_time_constant": partial(checks.positive_number, allow_none=True, allow_zero=True,
+                                               unit="samples"),
+    "block_learning_rate": checks.positive_number,
+    "use_nesterov_momentum": checks.boolean,
+}
+DILOCO: KeyChecks = {"outer_learning_rate": checks.positive_number, "outer_momentum": _fraction(),
+                     "outer_nesterov": checks.boolean}
 
 
+_distributed_after = settings_rule(DISTRIBUTED_AFTER)
 register_rule("dtrain.learners.Learner", _distributed_after)
 register_rule("dtrain.learners.LocalLearner", _distributed_after)
 
 
 @register_rule("dtrain.learners.data_parallel_distributed_learner")
 def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
-    return _distributed_after(node, name) + _check(
-        node, name,
-        ("num_quantization_bits", checks.whole_number, {"low": 1, "high": 32, "unit": "bits"}),
-        ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
-        ("error_feedback", checks.boolean, {}),
-    ) + checks.collect([lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"),
-                                                       prefix=f"{name}.")]) + _exchange_choice_problems(node, name)
+    return settings_problems(DATA_PARALLEL, node, name) + checks.collect([
+        lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"), prefix=f"{name}.")
+    ]) + _exchange_choice_problems(node, name)
 
 
 @register_rule("dtrain.learners.TwoLevelDataParallelLearner")
@@ -166,35 +178,16 @@ def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:
 @register_rule("dtrain.learners.TwoLevelBlockMomentumLearner")
 @register_rule("dtrain.learners.block_momentum_distributed_learner")
 def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
-    problems = _distributed_after(node, name)
+    problems = settings_problems(DISTRIBUTED_AFTER, node, name)
     if OmegaConf.is_missing(node, "block_size"):
         problems.append(f"{name}.block_size is not set: expected the block size in samples, "
                         f"e.g. {name}.block_size=4096")
-    return problems + _check(
-        node, name,
-        ("block_size", _samples_or_auto, {}),
-        ("block_momentum_as_time_constant", checks.positive_number,
-         {"allow_none": True, "allow_zero": True, "unit": "samples"}),
-        ("block_learning_rate", checks.positive_number, {}),
-        ("use_nesterov_momentum", checks.boolean, {}),
-        ("reset_sgd_momentum_after_aggregation", checks.boolean, {}),
-        ("local_learning_rate", checks.choice, {"choices": checks.LOCAL_LEARNING_RATES}),
-    )
+    return problems + settings_problems({**BLOCK_SIZE, **BLOCK_MOMENTUM, **BLOCK_SYNC}, node, name)
 
 
-@register_rule("dtrain.learners.TwoLevelDiLoCoLearner")
-@register_rule("dtrain.learners.DiLoCoLearner")
-def _diloco_rules(node: DictConfig, name: str) -> list[str]:
-    return _distributed_after(node, name) + _check(
-        node, name,
-        ("block_size", _samples_or_auto, {}),
-        ("outer_learning_rate", checks.positive_number, {}),
-        ("outer_momentum", _fraction(), {}),
-        ("outer_nesterov", checks.boolean, {}),
-    )
-
-
-@register_rule("dtrain.learners.TwoLevelLocalSGDLearner")
-@register_rule("dtrain.learners.LocalSGDLearner")
-def _local_sgd_rules(node: DictConfig, name: str) -> list[str]:
-    return _distributed_after(node, name) + _check(node, name, ("block_size", _samples_or_auto, {}))
+_diloco_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO})
+register_rule("dtrain.learners.TwoLevelDiLoCoLearner", _diloco_rules)
+register_rule("dtrain.learners.DiLoCoLearner", _diloco_rules)
+_local_sgd_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE})
+register_rule("dtrain.learners.TwoLevelLocalSGDLearner", _local_sgd_rules)
+register_rule("dtrain.learners.LocalSGDLearner", _local_sgd_rules)

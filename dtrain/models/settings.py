@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_problems
+from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_rule
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -86,10 +86,6 @@ RESNET: KeyChecks = {**NUM_CLASSES, "width": _at_least(1, "channels")}
 RESNET50: KeyChecks = {**RESNET, "zero_init_residual": checks.boolean}
 
 
-def _rule(key_checks: KeyChecks) -> Callable[[DictConfig, str], list[str]]:
-    return lambda node, name: settings_problems(key_checks, node, name)
-
-
-register_rule("dtrain.models.DigitsCNN", _rule(DIGITS_CNN))
-register_rule("dtrain.models.ConvNetCIFAR10", _rule(CIFAR10_CONVNET))
-register_rule("dtrain.models.ResNet50", _rule(RESNET50))
+register_rule("dtrain.models.DigitsCNN", settings_rule(DIGITS_CNN))
+register_rule("dtrain.models.ConvNetCIFAR10", settings_rule(CIFAR10_CONVNET))
+register_rule("dtrain.models.ResNet50", settings_rule(RESNET50))

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
 from dtrain.optim._adaptive import mark_groups, trust_ratio
+from dtrain.optim.settings import OPTIMIZER
+from dtrain.rules import check_settings
 
 
 class LAMB(torch.optim.Optimizer):
@@ -36,13 +37,9 @@ class LAMB(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.9,
                  variance_momentum: float = 0.999, eps: float = 1e-6, weight_decay: float = 0.01,
                  bias_correction: bool = True, exclude_norm_and_bias: bool = True) -> None:
-        checks.positive_number("lr", lr)
-        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
-        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
-        checks.positive_number("eps", eps)
-        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
-        checks.boolean("bias_correction", bias_correction)
-        checks.boolean("exclude_norm_and_bias", exclude_norm_and_bias)
+        check_settings(OPTIMIZER, lr=lr, momentum=momentum, variance_momentum=variance_momentum, eps=eps,
+                       weight_decay=weight_decay, bias_correction=bias_correction,
+                       exclude_norm_and_bias=exclude_norm_and_bias)
         super().__init__(params, dict(lr=lr, momentum=momentum, variance_momentum=variance_momentum, eps=eps,
                                       weight_decay=weight_decay, bias_correction=bias_correction))
         mark_groups(self.param_groups, exclude_norm_and_bias)

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
 from dtrain.optim._adaptive import mark_groups
+from dtrain.optim.settings import OPTIMIZER
+from dtrain.rules import check_settings
 
 
 class LARS(torch.optim.Optimizer):
@@ -33,12 +34,8 @@ class LARS(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9, eta: float = 0.001,
                  weight_decay: float = 0.0005, eps: float = 1e-9, exclude_norm_and_bias: bool = True) -> None:
-        checks.positive_number("lr", lr)
-        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
-        checks.positive_number("eta", eta)
-        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
-        checks.positive_number("eps", eps)
-        checks.boolean("exclude_norm_and_bias", exclude_norm_and_bias)
+        check_settings(OPTIMIZER, lr=lr, momentum=momentum, eta=eta, weight_decay=weight_decay, eps=eps,
+                       exclude_norm_and_bias=exclude_norm_and_bias)
         super().__init__(params, dict(lr=lr, momentum=momentum, eta=eta, weight_decay=weight_decay, eps=eps))
         mark_groups(self.param_groups, exclude_norm_and_bias)
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from dtrain import checks
+from dtrain.optim.settings import OPTIMIZER
+from dtrain.rules import check_settings
 
 
 def alpha_sgd(samples_seen: int, center_samples: int, period_samples: int) -> float:
@@ -36,8 +37,8 @@ class RMSpropWarmupSGD(torch.optim.Optimizer):
     At ``alpha_sgd = 1`` this is ``torch.optim.SGD`` with momentum (dampening 0), op for op in effect; near 0
     it is RMSprop with momentum at the learning rate ``eta * rmsprop_scale``: the paper's update has one
     ``eta`` for both parts, and SGD's ``eta`` (0.1 x minibatch / 256 in the paper) would make RMSprop's steps,
-    about ``eta`` per coordinate, diverge; ``rmsprop_scale`` (default 0.01) sizes them. ``alpha_sgd`` follows :func:`alpha_sgd` of the global samples seen, from
-    ``center_samples`` and ``period_samples``; ``training_session`` calls :meth:`set_samples_seen` before every
+    about ``eta`` per coordinate, diverge; ``rmsprop_scale`` (default 0.01) sizes them. ``alpha_sgd`` follows
+    :func:`alpha_sgd` of the global samples seen, from ``center_samples`` and ``period_samples``; ``training_session`` calls :meth:`set_samples_seen` before every
     step. ``weight_decay`` adds ``weight_decay * theta`` to ``g`` (L2, as torch's SGD).
 
     Raises:
@@ -49,18 +50,13 @@ class RMSpropWarmupSGD(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
                  variance_momentum: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  center_samples: int = 100_000, period_samples: int = 50_000, rmsprop_scale: float = 0.01) -> None:
-        checks.positive_number("lr", lr)
-        checks.number_in_range("momentum", momentum, 0.0, 1.0, include_high=False)
-        checks.number_in_range("variance_momentum", variance_momentum, 0.0, 1.0, include_high=False)
-        checks.positive_number("eps", eps)
-        checks.positive_number("weight_decay", weight_decay, allow_zero=True)
-        checks.sample_count("center_samples", center_samples, allow_zero=True)
-        checks.sample_count("period_samples", period_samples)
-        checks.positive_number("rmsprop_scale", rmsprop_scale)
+        check_settings(OPTIMIZER, lr=lr, momentum=momentum, variance_momentum=variance_momentum, eps=eps,
+                       weight_decay=weight_decay, center_samples=center_samples, period_samples=period_samples,
+                       rmsprop_scale=rmsprop_scale)
         super().__init__(params, dict(lr=lr, momentum=momentum, variance_momentum=variance_momentum, eps=eps,
                                       weight_decay=weight_decay, center_samples=center_samples,
-                                      period_samples=period_samples, rmsprop_scale=rmsprop_scale, alpha_sgd=alpha_sgd(0, center_samples,
-                                                                                         period_samples)))
+                                      period_samples=period_samples, rmsprop_scale=rmsprop_scale,
+                                      alpha_sgd=alpha_sgd(0, center_samples, period_samples)))
 
     def set_samples_seen(self, samples_seen: int) -> None:
         """Sets each group's ``alpha_sgd`` for the step that follows ``samples_seen`` global samples."""

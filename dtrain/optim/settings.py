@@ -1,13 +1,12 @@
 """The config schemas of ``optimizer=lars|lamb|rmsprop_warmup_sgd`` and their value rules (registered here per
-``_target_``); the constructors apply the same rules through ``dtrain.checks``."""
+``_target_``); the optimizers' constructors apply the same rules (``OPTIMIZER``)."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dtrain import checks
-from dtrain.rules import StrictBool, register_rule
+from dtrain.rules import KeyChecks, StrictBool, fraction, register_rule, settings_problems
 
 
 
@@ -56,17 +55,14 @@ class RMSpropWarmupSGDConfig:
     rmsprop_scale: float = 0.01         # RMSprop's part steps at lr x rmsprop_scale (alpha_rmsprop's size)
 
 
-def _fraction(name: str, value: Any) -> Any:
-    return checks.number_in_range(name, value, 0.0, 1.0, include_high=False)
-
-
 def _non_negative(name: str, value: Any) -> Any:
     return checks.positive_number(name, value, allow_zero=True)
 
 
-_KEY_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+#: every optimizer hyper-parameter's value rule, used by dtrain's optimizers' constructors and by ``validate``
+OPTIMIZER: KeyChecks = {
     "lr": checks.positive_number, "eta": checks.positive_number, "eps": checks.positive_number,
-    "momentum": _fraction, "variance_momentum": _fraction, "weight_decay": _non_negative,
+    "momentum": fraction(), "variance_momentum": fraction(), "weight_decay": _non_negative,
     "bias_correction": checks.boolean, "exclude_norm_and_bias": checks.boolean,
     "period_samples": checks.sample_count, "rmsprop_scale": checks.positive_number,
     "center_samples": lambda name, value: checks.sample_count(name, value, allow_zero=True),
@@ -75,9 +71,7 @@ _KEY_CHECKS: dict[str, Callable[[str, Any], Any]] = {
 
 def problems(node: Any, name: str) -> list[str]:
     """One line per value of an ``optimizer=lars|lamb|rmsprop_warmup_sgd`` node out of range."""
-    def bind(key: str) -> Callable[[], Any]:
-        return lambda: _KEY_CHECKS[key](f"{name}.{key}", node[key])
-    return checks.collect(bind(key) for key in _KEY_CHECKS if key in node)
+    return settings_problems(OPTIMIZER, node, name)
 
 
 #: (config name, schema) of each option; ``dtrain.config`` registers the schemas, and :func:`problems` is their rule

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from dtrain import checks
-from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+from dtrain.optim.settings import OPTIMIZER
+from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, key_problems as _check, register_rule, settings_rule
 
 
 # -- optimizers (partial: the parameters are passed when the model exists) -------------------------
@@ -69,14 +70,7 @@ def _sgd_rules(node: DictConfig, name: str) -> list[str]:
     return problems
 
 
-@register_rule("dtrain.optimizers.AdamW")
-@register_rule("dtrain.optimizers.Adam")
-def _adam_rules(node: DictConfig, name: str) -> list[str]:
-    return _check(
-        node, name,
-        ("lr", checks.positive_number, {}),
-        ("momentum", _fraction(), {}),
-        ("variance_momentum", _fraction(), {}),
-        ("eps", checks.positive_number, {}),
-        ("weight_decay", checks.positive_number, {"allow_zero": True}),
-    )
+#: the value rules of ``dtrain.optimizers.Adam`` and ``AdamW``, used by their constructors and by ``validate``
+ADAM: KeyChecks = {key: OPTIMIZER[key] for key in ("lr", "momentum", "variance_momentum", "eps", "weight_decay")}
+register_rule("dtrain.optimizers.AdamW", settings_rule(ADAM))
+register_rule("dtrain.optimizers.Adam", settings_rule(ADAM))

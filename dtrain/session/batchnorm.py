@@ -3,12 +3,15 @@
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dtrain import checks
 from dtrain.learners.replicated import ReplicatedLearner
 from dtrain.nn.sync_batchnorm import BatchNormSync, batchnorm_layers, convert_sync_batchnorm
+from dtrain.rules import KeyChecks, check_settings, settings_problems
 
 BATCHNORM_STATISTICS = ("running", "recomputed")
 """``session.batchnorm_statistics``: the running averages training kept, or statistics recomputed at the end."""
@@ -17,13 +20,17 @@ DEFAULT_RECOMPUTE_SAMPLES = 4096
 """``session.batchnorm_recompute_samples``: global training samples the recomputed statistics average over."""
 
 
+#: the BatchNorm settings' value rules, used by :func:`prepare_batchnorm` and by ``validate``
+BATCHNORM: KeyChecks = {
+    "sync_batchnorm": checks.boolean,
+    "batchnorm_statistics": partial(checks.choice, choices=BATCHNORM_STATISTICS),
+    "batchnorm_recompute_samples": checks.sample_count,
+}
+
+
 def batchnorm_setting_problems(session) -> list[str]:
     """The problems of the ``session.*`` BatchNorm settings (a config node or any object with the three fields)."""
-    return checks.collect([
-        lambda: checks.boolean("session.sync_batchnorm", session.sync_batchnorm),
-        lambda: checks.choice("session.batchnorm_statistics", session.batchnorm_statistics, BATCHNORM_STATISTICS),
-        lambda: checks.sample_count("session.batchnorm_recompute_samples", session.batchnorm_recompute_samples),
-    ])
+    return settings_problems(BATCHNORM, {key: getattr(session, key) for key in BATCHNORM}, "session")
 
 
 def prepare_batchnorm(model: torch.nn.Module, learner, sync_batchnorm: bool, statistics: str,
@@ -39,9 +46,9 @@ def prepare_batchnorm(model: torch.nn.Module, learner, sync_batchnorm: bool, sta
         ValueError: a bad value; either setting on a model without BatchNorm layers; ``sync_batchnorm``
             with a learner whose ranks hold different models between syncs (block momentum, DiLoCo).
     """
-    sync_batchnorm = checks.boolean("sync_batchnorm", sync_batchnorm)
-    statistics = checks.choice("batchnorm_statistics", statistics, BATCHNORM_STATISTICS)
-    checks.sample_count("batchnorm_recompute_samples", recompute_samples)
+    check_settings(BATCHNORM, sync_batchnorm=sync_batchnorm, batchnorm_statistics=statistics,
+                   batchnorm_recompute_samples=recompute_samples)
+    sync_batchnorm = bool(sync_batchnorm)
     if not sync_batchnorm and statistics == "running":
         return None
     if next(batchnorm_layers(model), None) is None:

@@ -6,10 +6,11 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 from dtrain import checks
-from dtrain.rules import StrictBool
+from dtrain.rules import KeyChecks, StrictBool, check_fields
 
 
 def action_frequency(name: str, frequency: int | None) -> int:
@@ -129,6 +130,16 @@ def _names_a_signal(name: str) -> bool:
     return True
 
 
+#: the value rules of cross-validation and test (``session.cv``, ``session.test``), used by the classes below
+#: and by ``validate``
+CROSS_VALIDATION: KeyChecks = {
+    "frequency": partial(checks.sample_count, allow_none=True, allow_zero=True),
+    "minibatch_size": checks.sample_count,
+    "max_samples": partial(checks.sample_count, allow_none=True),
+}
+TEST: KeyChecks = {"minibatch_size": checks.sample_count}
+
+
 @dataclass
 class CrossValidationConfig:
     """Periodic evaluation on a held-out source; ``callback`` may stop training.
@@ -150,9 +161,8 @@ class CrossValidationConfig:
     max_samples: int | None = None
 
     def __post_init__(self):
+        check_fields(CROSS_VALIDATION, vars(self), "CrossValidationConfig")
         self.frequency = action_frequency("CrossValidationConfig.frequency", self.frequency)
-        checks.sample_count("CrossValidationConfig.minibatch_size", self.minibatch_size)
-        checks.sample_count("CrossValidationConfig.max_samples", self.max_samples, allow_none=True)
         if self.minibatch_source is None and self.callback is None:
             raise ValueError("CrossValidationConfig needs a minibatch_source, a callback, or both")
 
@@ -172,4 +182,4 @@ class TestConfig:
     minibatch_size: int = 256
 
     def __post_init__(self):
-        checks.sample_count("TestConfig.minibatch_size", self.minibatch_size)
+        check_fields(TEST, vars(self), "TestConfig")

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING
 
 from dtrain import checks
-from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_rule
 
 
 # -- losses and metrics (conf/loss, conf/metric) ----------------------------------------------------
@@ -88,16 +89,11 @@ class MeanAbsoluteErrorConfig:
 
 
 # -- losses and metrics
-@register_rule("torch.nn.CrossEntropyLoss")
-def _cross_entropy_rules(node: DictConfig, name: str) -> list[str]:
-    return _check(node, name, ("label_smoothing", _fraction(high_inclusive=True), {}))  # torch: [0.0, 1.0]
+#: the value rules of dtrain's own losses and metrics, used by their constructors and by ``validate``
+SEQUENCE_CROSS_ENTROPY: KeyChecks = {"label_smoothing": _fraction()}  # [0, 1)
+TOP_K_ERROR: KeyChecks = {"k": partial(checks.whole_number, low=1, unit="classes")}
 
-
-@register_rule("dtrain.session.SequenceCrossEntropy")
-def _sequence_cross_entropy_rules(node: DictConfig, name: str) -> list[str]:
-    return _check(node, name, ("label_smoothing", _fraction(), {}))  # as its constructor: [0, 1)
-
-
-@register_rule("dtrain.session.TopKError")
-def _top_k_error_rules(node: DictConfig, name: str) -> list[str]:
-    return _check(node, name, ("k", checks.whole_number, {"low": 1, "unit": "classes"}))
+# torch's own constructor checks its label_smoothing; the config's rule allows torch's range, [0.0, 1.0]
+register_rule("torch.nn.CrossEntropyLoss", settings_rule({"label_smoothing": _fraction(high_inclusive=True)}))
+register_rule("dtrain.session.SequenceCrossEntropy", settings_rule(SEQUENCE_CROSS_ENTROPY))
+register_rule("dtrain.session.TopKError", settings_rule(TOP_K_ERROR))

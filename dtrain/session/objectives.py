@@ -16,7 +16,9 @@ import math
 import torch
 
 from dtrain.data.streams import Sequences
+from dtrain.rules import check_settings
 from dtrain.session.evaluate import classification_errors, wrong_steps
+from dtrain.session.objective_settings import SEQUENCE_CROSS_ENTROPY, TOP_K_ERROR
 
 __all__ = ["ClassificationError", "MSELoss", "MeanAbsoluteError", "Perplexity", "SequenceCrossEntropy", "SequenceError",
            "TopKError",
@@ -54,9 +56,7 @@ class SequenceCrossEntropy:
     """
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-                or not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"loss.label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
+        check_settings(SEQUENCE_CROSS_ENTROPY, label_smoothing=label_smoothing)
         self.label_smoothing = float(label_smoothing)
 
     def __call__(self, output: torch.Tensor, target) -> torch.Tensor:
@@ -129,8 +129,7 @@ class TopKError:
     additive = True
 
     def __init__(self, k: int = 5) -> None:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"metric.k={k!r}: expected a positive whole number of classes")
+        check_settings(TOP_K_ERROR, k=k)
         self.k = k
         self.name = f"top{k}_error"
 

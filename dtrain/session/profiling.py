@@ -9,11 +9,23 @@ TensorBoard's profiler plugin (``torch-tb-profiler``) reads with ``tensorboard -
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from dtrain import checks
+from dtrain.rules import KeyChecks, check_fields
+
+
+#: the value rules of ``session.profile``, used by :class:`ProfileConfig` and by ``validate``
+PROFILE: KeyChecks = {
+    "wait": partial(checks.whole_number, low=0, unit="minibatches"),
+    "warmup": partial(checks.whole_number, low=0, unit="minibatches"),
+    "active": partial(checks.whole_number, low=1, unit="minibatches"),
+    "ranks": partial(checks.choice, choices=checks.PROFILE_RANKS),
+}
+
 
 @dataclass
 class ProfileConfig:
@@ -32,10 +44,7 @@ class ProfileConfig:
     ranks: str = "main"
 
     def __post_init__(self):
-        checks.whole_number("profile.wait", self.wait, low=0, unit="minibatches")
-        checks.whole_number("profile.warmup", self.warmup, low=0, unit="minibatches")
-        checks.whole_number("profile.active", self.active, low=1, unit="minibatches")
-        checks.choice("profile.ranks", self.ranks, checks.PROFILE_RANKS)
+        check_fields(PROFILE, vars(self), "profile")
 
     @property
     def window(self) -> tuple[int, int]:

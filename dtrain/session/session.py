@@ -10,12 +10,9 @@ single process or any distributed learner.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,15 +20,17 @@ import torch
 from dtrain import checks
 from dtrain.comm.launcher import detect_launcher
 from dtrain.learners.base import Learner, RunFacts
+from dtrain.rules import check_settings
 from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
 from dtrain.session import checkpoint, checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency
 from dtrain.session.batchnorm import DEFAULT_RECOMPUTE_SAMPLES, prepare_batchnorm
-from dtrain.session.batchnorm_recompute import recompute_batchnorm_statistics
 from dtrain.session.binding import StreamBinding
+from dtrain.session.checkpointing import CheckpointHandling
 from dtrain.session.device import resolve_device
-from dtrain.session.evaluate import Evaluation, classification_errors, evaluate, metric_average
+from dtrain.session.evaluate import Evaluation, classification_errors
+from dtrain.session.evaluations import EvaluationPasses
 from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
                                           first_minibatch_check)
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
@@ -39,86 +38,25 @@ from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
 from dtrain.session.precision import LossScaler
 from dtrain.session.preemption import PreemptionHandling
+from dtrain.session.periodic import Periodic
 from dtrain.session.profiling import ProfileConfig, StepProfiler
-from dtrain.session.progress import ProgressPrinter, Throughput, format_duration
+from dtrain.session.progress_report import ProgressReports
+from dtrain.session.progress import ProgressPrinter, Throughput
 from dtrain.session.startup import StartupLines
-from dtrain.session.report import write_report
+from dtrain.session.results import TrainingCollapsed, TrainingDiverged, TrainingResult
 from dtrain.session.rundir import RunDirectoryLock
+from dtrain.session.settings import TRAINING_SESSION
+from dtrain.session.summary import RunSummary
 from dtrain.session.lr_scaling import LearningRateScaling
 from dtrain.session.weight_ema import WeightEMA
-from dtrain.session.weights import save_weights
-
-
-class TrainingDiverged(RuntimeError):
-    """The training loss became NaN or infinite (raised on every rank at a progress point)."""
 
 
 #: how a user calls each launcher kind that ``detect_launcher`` reports
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 
 
-class TrainingCollapsed(TrainingDiverged):
-    """A classifier's training loss (or test accuracy) returned to chance after it had learned
-    (``docs/semantics.md#collapse``); raised on every rank."""
-
-
-@dataclass
-class TrainingResult:
-    """What a finished ``train()`` reports."""
-
-    samples_seen: int
-    minibatches: int
-    seconds: float  # wall time of training and evaluation (without writing model.safetensors and report.png)
-    stopped_early: bool
-    test: Evaluation | None
-    last_cross_validation: Evaluation | None
-    last_checkpoint: Path | None
-    metrics_path: Path | None
-    restored_from: Path | None
-    preempted: bool = False   # stopped by the preemption signal after saving a checkpoint
-    last_training_error: float | None = None  # mean metric of the last progress period (all ranks)
-    test_ema: Evaluation | None = None  # the test pass of the weight EMA (``ema_decay``), beside ``test``
-
-    @property
-    def objective(self) -> float | None:
-        """The run's final figure of merit, for sweeps: the test error, else the last
-        cross-validation error, else the last training error (``None`` when nothing was measured)."""
-        for evaluation in (self.test, self.last_cross_validation):
-            if evaluation is not None:
-                return evaluation.error
-        return self.last_training_error
-
-
-class _Periodic:
-    """Fires when ``samples_seen // frequency`` changes (frequency 0: never; ``sys.maxsize``: at the end)."""
-
-    def __init__(self, frequency: int):
-        self.frequency = frequency
-        self.last_index = 0
-        self.fired_at = 0  # samples seen when it last fired (or was restored)
-
-    def reset(self, samples_seen: int) -> None:
-        if self.frequency:
-            self.last_index = samples_seen // self.frequency
-        self.fired_at = samples_seen
-
-    def pending(self, samples_seen: int) -> bool:
-        """Whether samples were seen since it last fired (the end-of-training partial period)."""
-        return bool(self.frequency) and samples_seen != self.fired_at
-
-    def due(self, samples_seen: int, ready: bool = True) -> bool:
-        """Whether to fire now: a new period began and ``ready`` (else it stays due until ready)."""
-        if not self.frequency:
-            return False
-        index = samples_seen // self.frequency
-        if index != self.last_index and ready:
-            self.last_index = index
-            self.fired_at = samples_seen
-            return True
-        return False
-
-
-class TrainingSession(PreemptionHandling, StartupLines):
+class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, RunSummary, PreemptionHandling,
+                      StartupLines):
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
 
     The names are the config's (``session.*`` on the command line): every size and frequency
@@ -244,14 +182,17 @@ class TrainingSession(PreemptionHandling, StartupLines):
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
-        checks.sample_count("max_samples", max_samples, allow_none=True)
-        self.micro_batch_size = checks.sample_count("micro_batch_size", micro_batch_size, allow_none=True)
-        self.clip_grad_norm = checks.positive_number("clip_grad_norm", clip_grad_norm, allow_none=True)
-        self.precision = checks.precision("precision", precision)
+        sizes = {} if isinstance(minibatch_size, Schedule) else {"minibatch_size": minibatch_size}
+        check_settings(TRAINING_SESSION, **sizes, max_samples=max_samples, progress_frequency=progress_frequency,
+                       micro_batch_size=micro_batch_size, clip_grad_norm=clip_grad_norm, precision=precision,
+                       compile=compile)
+        self.micro_batch_size = None if micro_batch_size is None else int(micro_batch_size)
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.precision = checks.precision("precision", precision)  # 32 or "32" -> "32"
         self.device = resolve_device(device, learner.comm)
         self.loss_scaler = LossScaler(self.device) if self.precision == "fp16" else None
         self.minibatch_size = minibatch_size if isinstance(minibatch_size, Schedule) \
-            else Schedule(checks.sample_count("minibatch_size", minibatch_size))
+            else Schedule(int(minibatch_size))
         if momentum_time_constant_schedule is not None \
                 and any("momentum" not in g for g in learner.optimizer.param_groups):
             raise ValueError(
@@ -268,7 +209,7 @@ class TrainingSession(PreemptionHandling, StartupLines):
                 f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
                 f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
                 f"if separate copies are really wanted)")
-        self.compile = checks.boolean("compile", compile)
+        self.compile = bool(compile)
         compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
         if compiled is not None:  # checkpoints and weights name the parameters without the wrapper's _orig_mod.
             model = compiled._orig_mod
@@ -344,10 +285,10 @@ class TrainingSession(PreemptionHandling, StartupLines):
         self.profile = profile
         # the configured learning rates; an lr schedule multiplies them
         self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
-        self.progress_period = _Periodic(action_frequency("progress_frequency", progress_frequency))
-        self.checkpoint_period = _Periodic(action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
+        self.progress_period = Periodic(action_frequency("progress_frequency", progress_frequency))
+        self.checkpoint_period = Periodic(action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
                                           if checkpoint_config else 0)
-        self.cv_period = _Periodic(cv_config.frequency if cv_config else 0)
+        self.cv_period = Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
         self.cv_index = 0
         self.checkpoint_files: checkpoint.CheckpointFiles | None = None
@@ -503,35 +444,12 @@ class TrainingSession(PreemptionHandling, StartupLines):
                 printer.line(f"preempted by {self.checkpoint_config.preemption_signal} at {seen} samples: checkpoint "
                              f"{last_checkpoint} saved; run the same command again to continue")
 
-        if self.batchnorm_statistics == "recomputed" and not preempted:
-            self._recompute_batchnorm(printer, seen)
         test = test_ema = None  # the model was synchronised above
-        if self.test_config is not None and not preempted and self.ema is not None:
-            self.ema.take_rank0s(self.comm)  # evaluated in shares by every rank: one average
-            if self.batchnorm_statistics == "recomputed":  # the average's own statistics, not the live model's
-                self._recompute_batchnorm(printer, seen, self.ema.module, "of the weight EMA ")
-            test_ema = evaluate(self.ema.module, self.test_config.minibatch_source, self.test_config.minibatch_size,
-                                self.loss, self.metric, self.comm, self.device, binding=self.binding)
-            accuracy = {"accuracy": test_ema.accuracy} if self.metric_name == "error" else {}
-            self._start_outputs(metrics)
-            metrics.write("test_ema", seen, loss=test_ema.loss, **{self.metric_name: test_ema.error}, **accuracy,
-                          **test_ema.details, num_samples=test_ema.num_samples)
-        if self.test_config is not None and not preempted:
-            test = evaluate(self.model, self.test_config.minibatch_source, self.test_config.minibatch_size,
-                            self.loss, self.metric, self.comm, self.device, binding=self.binding)
-            accuracy = {"accuracy": test.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
-            self._start_outputs(metrics)
-            metrics.write("test", seen, loss=test.loss, **{self.metric_name: test.error}, **accuracy, **test.details,
-                          num_samples=test.num_samples)
-            judged_accuracy = test.accuracy if self.metric_name == "error" else None  # else the loss alone decides
-            if self._collapse.evaluation_collapsed(test.loss, judged_accuracy, self.comm):
-                measured = (f"test accuracy {100 * test.accuracy:.2f}%" if judged_accuracy is not None else
-                            f"test loss {test.loss:.4f} ({self._format_metric(test.error, test.details)})")
-                raise TrainingCollapsed(
-                    f"training collapsed: {measured} is chance for {self._collapse.num_classes} classes (ln "
-                    f"{self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) after the training loss had "
-                    f"fallen; {self._advice()}")
         if not preempted:
+            if self.batchnorm_statistics == "recomputed":
+                self._recompute_batchnorm(printer, seen)
+            if self.test_config is not None:
+                test, test_ema = self._test(printer, metrics, seen)
             self._start_outputs(metrics)  # every check has passed, even with nothing left to train
         self.learner.finalize()
         seconds = throughput.elapsed()  # training and evaluation; the one-off outputs below are not training
@@ -549,18 +467,6 @@ class TrainingSession(PreemptionHandling, StartupLines):
         )
         self._print_summary(printer, result, metrics)
         return result
-
-    def _recompute_batchnorm(self, printer, samples_seen: int, model: torch.nn.Module | None = None,
-                             whose: str = "") -> None:
-        """``batchnorm_statistics=recomputed``: exact statistics of the final model (or of ``model``, the
-        weight EMA) before the test and the export (after the last checkpoint, which keeps the running
-        ones training resumes with)."""
-        used = recompute_batchnorm_statistics(
-            self.model if model is None else model, self.source, int(self.minibatch_size(samples_seen)), self.batchnorm_recompute_samples,
-            self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision)
-        printer.line(f"BatchNorm statistics {whose}recomputed over {used:,} training samples"
-                     + (f" (the data ended before {self.batchnorm_recompute_samples:,})"
-                        if used < self.batchnorm_recompute_samples else ""))
 
     def _advice(self) -> str:
         """What to change after a divergence or a collapse, naming only what this run uses."""
@@ -619,68 +525,6 @@ class TrainingSession(PreemptionHandling, StartupLines):
         if callable(set_samples_seen):  # an optimizer that changes with the samples seen (RMSpropWarmupSGD)
             set_samples_seen(samples_seen)
 
-    # -- actions --------------------------------------------------------------------------------
-    def _report_progress(self, printer, metrics, sums: PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
-        totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
-        samples = float(totals[2])
-        loss = float(totals[0]) / samples if samples else float("nan")
-        error = metric_average(self.metric, float(totals[1]) / float(totals[3])) if float(totals[3]) else float("nan")
-        padding = float(totals[4]) / float(totals[5]) if float(totals[5]) else None
-        if samples and not math.isfinite(loss):
-            # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
-            raise TrainingDiverged(
-                f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
-                f"{self.learner.samples_seen} samples); {self._advice()}")
-        if samples:
-            self._last_training_error = error
-        if samples and self._collapse.loss_collapsed(loss, self.comm):
-            raise TrainingCollapsed(
-                f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is back at chance "
-                f"(ln {self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) at {self.learner.samples_seen} "
-                f"samples after having fallen; {self._advice()}")
-        rate = throughput.rate()
-        learning_rate = self.learner.optimizer.param_groups[0]["lr"]
-        extra = timer.take(throughput.period_elapsed())
-        note = self.learner.progress_note()
-        if padding is not None:
-            note = f"padding {100 * padding:.0f}%" + (f" | {note}" if note else "")
-            extra["padding"] = padding
-        printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
-                         note=note, metric_name=self.metric_name, percent=self.metric_percent,
-                         time_split=extra)
-        bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
-        if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
-            extra["bytes_sent_per_step"] = bytes_sent
-        between = getattr(self.learner, "bytes_between_hosts_last_step", None)  # two levels: what crossed hosts
-        if isinstance(between, int) and not isinstance(between, bool):
-            extra["bytes_between_hosts_per_step"] = between
-        metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
-                      lr=learning_rate, **extra)
-        sums.reset()
-        throughput.new_period()
-
-    def _cross_validate(self, printer, metrics) -> tuple[Evaluation | None, bool]:
-        config = self.cv_config
-        result = None
-        if config.minibatch_source is not None:
-            self.learner.synchronize()  # evaluate the one model every worker agrees on
-            result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
-                              self.comm, self.device, max_samples=config.max_samples, binding=self.binding)
-            printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
-                         f"loss {result.loss:.4f} | {self._format_metric(result.error, result.details)} over "
-                         f"{result.num_samples} samples")
-            metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
-                          **result.details, num_samples=result.num_samples)
-        keep_going = True
-        if config.callback is not None:
-            answer = config.callback(self.cv_index, result.error if result else 0.0,  # CNTK: 0 without a source
-                                     result.num_samples if result else 0, result.num_minibatches if result else 0)
-            keep_going = answer is not False
-            if not keep_going:
-                printer.line(f"cross-validation callback stopped training at {self.learner.samples_seen} samples")
-        self.cv_index += 1
-        return result, keep_going
-
     @contextlib.contextmanager
     def _profiling(self):
         """``profile``: a profiler over the training loop's first minibatches (``None`` without one)."""
@@ -692,167 +536,9 @@ class TrainingSession(PreemptionHandling, StartupLines):
             if self._profiler is not None:
                 self._profiler.close()
 
-    # -- checkpoints ----------------------------------------------------------------------------
-    def _save_checkpoint(self, printer) -> Path:
-        self.learner.synchronize()
-        # every rank holds the same model now, so every rank reaches the same verdict
-        if not all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters()):
-            raise TrainingDiverged(
-                f"training diverged: the model has NaN or infinite parameters at {self.learner.samples_seen} samples "
-                f"(not saved; {checkpoint.kept_note(self.checkpoint_files.newest())}); {self._advice()}")
-        state = checkpoint_state.assemble(
-            samples_seen=self.learner.samples_seen, minibatches=self.minibatches, cv_index=self.cv_index,
-            model=self.model, learner=self.learner, source=self.source, comm=self.comm,
-            expected_identity=self.checkpoint_identity, settings=self.settings,
-            config_fingerprint=self.config_fingerprint,
-            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
-            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            weight_ema=self.ema.state_dict() if self.ema is not None else None)
-        path = self.checkpoint_files.path(self.learner.samples_seen)
-        if self.comm.is_main:
-            checkpoint.save_atomic(state, path, previous=self.checkpoint_files.newest())
-            self.checkpoint_files.prune(0 if self.checkpoint_config.preserve_all else self.checkpoint_config.keep_last)
-            printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
-        self.comm.barrier()
-        return path
-
-    def restore(self) -> Path | None:
-        """Locks the run directory (rank 0), then loads the newest good checkpoint when restore is on,
-        or refuses to overwrite one when it is off.
-
-        Called by ``train()``; call it earlier to find a bad checkpoint or a busy run directory before
-        anything is written. Settings that may change (optimizer hyper-parameters, sizes, frequencies,
-        schedules) keep their configured values; ``changed_settings`` lists them against the checkpoint.
-        Returns the file restored from (``None``: starting fresh). Idempotent.
-
-        Raises:
-            CheckpointError: another job holds the run directory, no checkpoint is readable, or the newest
-                belongs to another model or configuration.
-        """
-        if self._restore_attempted:
-            return self._restored_from
-        self._restore_attempted = True
-        try:
-            self._restored_from = self._load_latest()
-        except BaseException:
-            self.release_run_dir()
-            raise
-        return self._restored_from
-
-    def _load_latest(self) -> Path | None:
-        def lock_run_dir() -> None:  # rank 0, before any checkpoint is read
-            self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
-
-        config = self.checkpoint_config
-        start, same_world = checkpoint_state.restore_latest(
-            self.checkpoint_files, config.restore if config else False, self.model, self.learner, self.source,
-            self.comm, self.checkpoint_identity, prepare=lock_run_dir, restore_from=config.restore_from if config else None)
-        self._restore_note = start.note
-        if start.state is None:
-            return None
-        path, state = start.path, start.state
-        if not same_world and self.comm.is_main:
-            print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
-                  f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
-                  f"the exchange strategy's residuals and factors) reset", file=self.stream or sys.stdout, flush=True)
-        self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
-        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])  # a checkpoint of a float32/bf16 run: a fresh scale
-        if self.ema is not None and state.get("weight_ema") is not None:
-            self.ema.load_state_dict(state["weight_ema"])  # a checkpoint without one: the average starts afresh
-        self.minibatches = int(state["minibatches"])
-        self.cv_index = int(state["cv_index"])
-        seen = self.learner.samples_seen
-        for period in (self.progress_period, self.checkpoint_period, self.cv_period):
-            period.reset(seen)
-        return path
-
-    # -- outputs for people -----------------------------------------------------------------------
-    def _write_report(self, printer, metrics: MetricsWriter) -> None:
-        """Rank 0: ``report.png`` from every metric record of the run; a finished run never fails here."""
-        path = self.run_dir / "report.png"
-        try:
-            write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
-                         percent=self.metric_percent, more_metrics=tuple(getattr(self.metric, "names", ())))
-        except ImportError:
-            printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
-        except ValueError as error:
-            printer.line(f"no report.png: {error}")
-        except Exception as error:  # noqa: BLE001 - a drawing problem must not fail a finished run
-            printer.line(f"no report.png: drawing it failed ({type(error).__name__}: {error}); metrics.csv has the data")
-        else:
-            self._report_path = path
-
-    def _export_weights(self, samples_seen: int) -> None:
-        """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors``."""
-        self._weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
-                                          metadata={"samples_seen": str(samples_seen)})
-        if self.ema is not None:
-            save_weights(self.ema.module, self.run_dir / "model_ema.safetensors",
-                         metadata={"samples_seen": str(samples_seen), "ema_decay": repr(self.ema.decay),
-                                   "ema_updates": str(self.ema.updates)})
-
-    # -- printing -------------------------------------------------------------------------------
-    def _format_metric(self, value: float, details: dict[str, float] | None = None) -> str:
-        """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name, then a decoding
-        metric's other rates (``wer 28.10%, per 6.90%``)."""
-        pairs = [(self.metric_name, value), *(details or {}).items()]
-        return ", ".join(f"{name} {100 * v:.2f}%" if self.metric_percent else f"{name} {v:.4g}" for name, v in pairs)
-
-    def _profile_line(self) -> str:
-        """Where rank 0's trace went, or why there is none."""
-        traces = self._profiler.traces()
-        if traces:
-            return f"profile: {', '.join(str(path) for path in traces)} (chrome://tracing, ui.perfetto.dev, TensorBoard)"
-        first, _ = self.profile.window
-        return (f"profile: none written, the run ended after {self._profiler.steps} minibatches, before minibatch "
-                f"{first} (lower session.profile.wait or session.profile.warmup)")
-
-    def _print_summary(self, printer, result: TrainingResult, metrics: MetricsWriter) -> None:
-        if not self.comm.is_main:
-            return
-        lines = [f"finished: {result.samples_seen:,} samples in {result.minibatches:,} minibatches, "
-                 f"{format_duration(result.seconds)} ({result.samples_seen / max(result.seconds, 1e-9):,.0f} samples/s overall)"]
-        if result.test is not None and self.metric_name == "error":
-            lines.append(f"test: accuracy {100 * result.test.accuracy:.2f}% (error {100 * result.test.error:.2f}%, "
-                         f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
-        elif result.test is not None:
-            lines.append(f"test: {self._format_metric(result.test.error, result.test.details)} (loss "
-                         f"{result.test.loss:.4f}) on {result.test.num_samples:,} samples")
-        if result.test_ema is not None:
-            lines.append(f"test of the weight EMA (decay {self.ema.decay:g}): " + (
-                f"accuracy {100 * result.test_ema.accuracy:.2f}% (error {100 * result.test_ema.error:.2f}%, "
-                if self.metric_name == "error" else f"{self._format_metric(result.test_ema.error, result.test_ema.details)} (")
-                + f"loss {result.test_ema.loss:.4f})")
-        if self.loss_scaler is not None:
-            lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "
-                         f"loss scale now {self.loss_scaler.scale:g}")
-        if result.last_checkpoint is not None:
-            lines.append(f"checkpoint: {result.last_checkpoint}")
-        if self._weights_path is not None:
-            lines.append(f"weights: {self._weights_path}" + (f" (weight EMA: {self._weights_path.parent / 'model_ema.safetensors'})"
-                                                              if self.ema is not None else ""))
-        if self._report_path is not None:
-            lines.append(f"report: {self._report_path}")
-        if self._profiler is not None:
-            lines.append(self._profile_line())
-        lines.append(f"metrics: {metrics.jsonl_path}, {metrics.csv_path.name}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
-                     + (" (no TensorBoard events: pip install 'dtrain[tensorboard]')" if self._tensorboard_hint else ""))
-        for line in lines:
-            printer.line(line)
-
 
 #: CNTK's name for building a session: ``training_session(model, loss, learner, source, size, ...).train()``
 training_session = TrainingSession
-
-
-def _dtrain_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("dtrain")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 __all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]

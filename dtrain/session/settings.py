@@ -3,15 +3,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from dtrain import checks
 from dtrain.data.settings import _stream_reference_problems
-from dtrain.rules import StrictBool, key_problems as _check, plain as _plain
-from dtrain.session.configs import CheckpointConfig, checkpoint_problems
+from dtrain.rules import KeyChecks, StrictBool, key_problems as _check, plain as _plain, settings_problems
+from dtrain.session.configs import CROSS_VALIDATION, TEST, CheckpointConfig, checkpoint_problems
 from dtrain.session.lr_scaling import lr_scaling_problems
+from dtrain.session.profiling import PROFILE
 from dtrain.session.weight_ema import check_ema_decay
 
 
@@ -154,41 +156,35 @@ def _schedule_problems(name: str, schedule: DictConfig, value_check: Callable[[s
     return problems
 
 
+#: the value rules of ``TrainingSession``'s own arguments, used by its constructor and by ``validate``
+TRAINING_SESSION: KeyChecks = {
+    "minibatch_size": checks.sample_count,
+    "max_samples": partial(checks.sample_count, allow_none=True),
+    "progress_frequency": partial(checks.sample_count, allow_none=True, allow_zero=True),
+    "micro_batch_size": partial(checks.sample_count, allow_none=True),
+    "clip_grad_norm": partial(checks.positive_number, allow_none=True),
+    "precision": checks.precision,
+    "compile": checks.boolean,
+}
+#: the command line's own ``session.*`` settings, which ``TrainingSession`` does not take or check
+_COMMAND_LINE_SESSION: KeyChecks = {
+    "num_threads": partial(checks.whole_number, low=1, allow_none=True, unit="threads"),
+    "keep_host_memory": checks.boolean,
+    "unit_gain_momentum": checks.boolean,
+    "tensorboard": partial(checks.boolean, allow_none=True),
+    "progress_bar": partial(checks.boolean, allow_none=True),
+    "epoch_size": partial(checks.sample_count, allow_none=True),
+}
+
+
 def session_problems(session: DictConfig) -> list[str]:
     """One line per problem of the ``session`` section (its sizes, switches, checkpoint, cv, test, profile, schedules)."""
-    problems = _check(
-        session, "session",
-        ("minibatch_size", checks.sample_count, {}),
-        ("max_samples", checks.sample_count, {"allow_none": True}),
-        ("progress_frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
-        ("num_threads", checks.whole_number, {"low": 1, "allow_none": True, "unit": "threads"}),
-        ("keep_host_memory", checks.boolean, {}),
-        ("unit_gain_momentum", checks.boolean, {}),
-        ("tensorboard", checks.boolean, {"allow_none": True}),
-        ("progress_bar", checks.boolean, {"allow_none": True}),
-        ("micro_batch_size", checks.sample_count, {"allow_none": True}),
-        ("clip_grad_norm", checks.positive_number, {"allow_none": True}),
-        ("precision", checks.precision, {}),
-        ("compile", checks.boolean, {}),
-        ("epoch_size", checks.sample_count, {"allow_none": True}),
-    )
+    problems = settings_problems({**TRAINING_SESSION, **_COMMAND_LINE_SESSION}, session, "session")
     problems += _device_problems(session.device)
-    problems += _check(
-        session.profile, "session.profile",
-        ("enabled", checks.boolean, {}),
-        ("wait", checks.whole_number, {"low": 0, "unit": "minibatches"}),
-        ("warmup", checks.whole_number, {"low": 0, "unit": "minibatches"}),
-        ("active", checks.whole_number, {"low": 1, "unit": "minibatches"}),
-        ("ranks", checks.choice, {"choices": checks.PROFILE_RANKS}),
-    )
+    problems += settings_problems({"enabled": checks.boolean, **PROFILE}, session.profile, "session.profile")
     problems += checkpoint_problems(session.checkpoint, "session.checkpoint")
-    problems += _check(
-        session.cv, "session.cv",
-        ("frequency", checks.sample_count, {"allow_none": True, "allow_zero": True}),
-        ("minibatch_size", checks.sample_count, {}),
-        ("max_samples", checks.sample_count, {"allow_none": True}),
-    )
-    problems += _check(session.test, "session.test", ("minibatch_size", checks.sample_count, {}))
+    problems += settings_problems(CROSS_VALIDATION, session.cv, "session.cv")
+    problems += settings_problems(TEST, session.test, "session.test")
     problems += _session_streams_problems(session)
     problems += lr_scaling_problems(session) + checks.collect([lambda: check_ema_decay("session.ema_decay",
                                                                                        session.ema_decay)])

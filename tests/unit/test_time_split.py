@@ -113,7 +113,7 @@ def test_report_draws_exchange_and_optimizer_and_reads_records_of_older_runs(tmp
 
 
 def test_the_training_clock_stops_before_the_weights_and_the_report_are_written(tmp_path, monkeypatch):
-    from dtrain.session import session as session_module
+    from dtrain.session import summary as summary_module
 
     drawn = []
 
@@ -122,7 +122,7 @@ def test_the_training_clock_stops_before_the_weights_and_the_report_are_written(
         drawn.append(True)
         return tmp_path / "report.png"
 
-    monkeypatch.setattr(session_module, "write_report", slow_report)
+    monkeypatch.setattr(summary_module, "write_report", slow_report)
     generator = np.random.default_rng(0)
     features = generator.normal(size=(64, 6)).astype(np.float32)
     labels = (features[:, 0] > 0).astype(np.int64)

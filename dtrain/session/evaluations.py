@@ -1,0 +1,79 @@
+"""The evaluation passes of a training run: cross-validation during training, and at the end the test of the
+model (and of its weight EMA), with BatchNorm statistics recomputed first when asked."""
+from __future__ import annotations
+
+import torch
+
+from dtrain.session.batchnorm_recompute import recompute_batchnorm_statistics
+from dtrain.session.evaluate import Evaluation, evaluate
+from dtrain.session.metrics import MetricsWriter
+from dtrain.session.results import TrainingCollapsed
+
+
+class EvaluationPasses:
+    """Cross-validation and test of :class:`~dtrain.session.TrainingSession` (mixed into it: it uses the session's
+    model, loss, metric, configs, binding and collapse watch)."""
+
+    def _cross_validate(self, printer, metrics) -> tuple[Evaluation | None, bool]:
+        config = self.cv_config
+        result = None
+        if config.minibatch_source is not None:
+            self.learner.synchronize()  # evaluate the one model every worker agrees on
+            result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
+                              self.comm, self.device, max_samples=config.max_samples, binding=self.binding)
+            printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
+                         f"loss {result.loss:.4f} | {self._format_metric(result.error, result.details)} over "
+                         f"{result.num_samples} samples")
+            metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
+                          **result.details, num_samples=result.num_samples)
+        keep_going = True
+        if config.callback is not None:
+            answer = config.callback(self.cv_index, result.error if result else 0.0,  # CNTK: 0 without a source
+                                     result.num_samples if result else 0, result.num_minibatches if result else 0)
+            keep_going = answer is not False
+            if not keep_going:
+                printer.line(f"cross-validation callback stopped training at {self.learner.samples_seen} samples")
+        self.cv_index += 1
+        return result, keep_going
+
+    def _test(self, printer, metrics: MetricsWriter, samples_seen: int) -> tuple[Evaluation, Evaluation | None]:
+        """The test passes at the end of training: the weight EMA's (when kept) and the model's, each written to
+        the metrics; a test accuracy back at chance after the loss had fallen raises ``TrainingCollapsed``."""
+        test_ema = None
+        if self.ema is not None:
+            self.ema.take_rank0s(self.comm)  # evaluated in shares by every rank: one average
+            if self.batchnorm_statistics == "recomputed":  # the average's own statistics, not the live model's
+                self._recompute_batchnorm(printer, samples_seen, self.ema.module, "of the weight EMA ")
+            test_ema = self._test_pass(self.ema.module, metrics, "test_ema", samples_seen)
+        test = self._test_pass(self.model, metrics, "test", samples_seen)
+        judged_accuracy = test.accuracy if self.metric_name == "error" else None  # else the loss alone decides
+        if self._collapse.evaluation_collapsed(test.loss, judged_accuracy, self.comm):
+            measured = (f"test accuracy {100 * test.accuracy:.2f}%" if judged_accuracy is not None else
+                        f"test loss {test.loss:.4f} ({self._format_metric(test.error, test.details)})")
+            raise TrainingCollapsed(
+                f"training collapsed: {measured} is chance for {self._collapse.num_classes} classes (ln "
+                f"{self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) after the training loss had "
+                f"fallen; {self._advice()}")
+        return test, test_ema
+
+    def _test_pass(self, model: torch.nn.Module, metrics: MetricsWriter, kind: str, samples_seen: int) -> Evaluation:
+        """One test pass of ``model``, written to the metrics as ``kind`` (``test`` or ``test_ema``)."""
+        result = evaluate(model, self.test_config.minibatch_source, self.test_config.minibatch_size,
+                          self.loss, self.metric, self.comm, self.device, binding=self.binding)
+        accuracy = {"accuracy": result.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
+        self._start_outputs(metrics)
+        metrics.write(kind, samples_seen, loss=result.loss, **{self.metric_name: result.error}, **accuracy,
+                      **result.details, num_samples=result.num_samples)
+        return result
+
+    def _recompute_batchnorm(self, printer, samples_seen: int, model: torch.nn.Module | None = None,
+                             whose: str = "") -> None:
+        """``batchnorm_statistics=recomputed``: exact statistics of the final model (or of ``model``, the
+        weight EMA) before the test and the export (after the last checkpoint, which keeps the running
+        ones training resumes with)."""
+        used = recompute_batchnorm_statistics(
+            self.model if model is None else model, self.source, int(self.minibatch_size(samples_seen)), self.batchnorm_recompute_samples,
+            self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision)
+        printer.line(f"BatchNorm statistics {whose}recomputed over {used:,} training samples"
+                     + (f" (the data ended before {self.batchnorm_recompute_samples:,})"
+                        if used < self.batchnorm_recompute_samples else ""))

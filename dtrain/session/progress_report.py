@@ -1,0 +1,57 @@
+"""The training loop's progress points: the period's loss and metric summed over every rank, checked for a
+divergence or a collapse, then printed and written to the metrics."""
+from __future__ import annotations
+
+import math
+
+from dtrain.session.evaluate import metric_average
+from dtrain.session.metrics import PhaseTimer
+from dtrain.session.minibatch_step import PeriodSums
+from dtrain.session.progress import Throughput
+from dtrain.session.results import TrainingCollapsed, TrainingDiverged
+
+
+class ProgressReports:
+    """The progress points of :class:`~dtrain.session.TrainingSession` (mixed into it: it uses the session's
+    learner, communicator, metric and collapse watch)."""
+
+    def _report_progress(self, printer, metrics, sums: PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
+        """Rank totals of the period's sums: refuses a diverged or collapsed run, else prints the progress line
+        and writes the ``train`` metrics record, then starts the next period."""
+        totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
+        samples = float(totals[2])
+        loss = float(totals[0]) / samples if samples else float("nan")
+        error = metric_average(self.metric, float(totals[1]) / float(totals[3])) if float(totals[3]) else float("nan")
+        padding = float(totals[4]) / float(totals[5]) if float(totals[5]) else None
+        if samples and not math.isfinite(loss):
+            # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
+            raise TrainingDiverged(
+                f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
+                f"{self.learner.samples_seen} samples); {self._advice()}")
+        if samples:
+            self._last_training_error = error
+        if samples and self._collapse.loss_collapsed(loss, self.comm):
+            raise TrainingCollapsed(
+                f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is back at chance "
+                f"(ln {self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) at {self.learner.samples_seen} "
+                f"samples after having fallen; {self._advice()}")
+        rate = throughput.rate()
+        learning_rate = self.learner.optimizer.param_groups[0]["lr"]
+        extra = timer.take(throughput.period_elapsed())
+        note = self.learner.progress_note()
+        if padding is not None:
+            note = f"padding {100 * padding:.0f}%" + (f" | {note}" if note else "")
+            extra["padding"] = padding
+        printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
+                         note=note, metric_name=self.metric_name, percent=self.metric_percent,
+                         time_split=extra)
+        bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
+        if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
+            extra["bytes_sent_per_step"] = bytes_sent
+        between = getattr(self.learner, "bytes_between_hosts_last_step", None)  # two levels: what crossed hosts
+        if isinstance(between, int) and not isinstance(between, bool):
+            extra["bytes_between_hosts_per_step"] = between
+        metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
+                      lr=learning_rate, **extra)
+        sums.reset()
+        throughput.new_period()
