@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dtrain.testing.netns import sent_bytes  # the hosts' eth0 counters
+
 REPO = Path(__file__).resolve().parents[1]
 
 RECIPES = {

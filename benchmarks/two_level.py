@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -65,6 +66,14 @@ def chosen(learners: str | None) -> list[str]:
     return [flat, *(name for name in names if name != flat)]
 
 
+def median_quality(qualities: list[str]) -> str:
+    """``"99.66%"`` or ``"loss 1.2345"`` per seed -> their median with each in brackets."""
+    unit = "%" if qualities[0].endswith("%") else ""
+    values = [float(quality.removeprefix("loss ").removesuffix("%")) for quality in qualities]
+    each = " ".join(f"{value:g}" for value in values)
+    return f"{'' if unit else 'loss '}{statistics.median(values):g}{unit} [{each}]"
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -100,6 +109,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
     parser.add_argument("--ranks-per-host", type=int, default=2, choices=(1, 2),
                         help="1: each rank has a core of its own on a 2-core machine, for the compute utilisation")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="seeds of the full runs: the test figure is their median [each]; bytes and times are "
+                             "the first seed's")
     parser.add_argument("--learners", default=None,
                         help="comma-separated learner= names to run (default: every row); flat data_parallel always runs")
     args = parser.parse_args()
@@ -114,7 +126,11 @@ def main() -> None:
                                                                            slots=args.ranks_per_host) as cluster:
         for recipe in args.recipes.split(","):
             for name in chosen(args.learners):
-                rows.append(run_one(cluster, recipe, name, Path(workdir), args.timeout, (), args.ranks_per_host))
+                runs = [run_one(cluster, recipe, name, Path(workdir), args.timeout, (f"seed={seed}",),
+                                args.ranks_per_host) for seed in args.seeds]
+                rows.append(runs[0])
+                if len(runs) > 1:
+                    rows[-1]["quality"] = median_quality([run["quality"] for run in runs])
                 # the same job stopped after one minibatch: start-up, checkpoint and test, the fixed cost
                 fixed = run_one(cluster, recipe, name, Path(workdir), args.timeout, SHORT[recipe], args.ranks_per_host)
                 rows[-1]["net_mb"] = rows[-1]["between_hosts_mb"] - fixed["between_hosts_mb"]

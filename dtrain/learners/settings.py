@@ -130,6 +130,7 @@ DISTRIBUTED_AFTER: KeyChecks = {"distributed_after": partial(_samples_or_auto, a
 QUANTIZATION_BITS: KeyChecks = {"num_quantization_bits": partial(checks.whole_number, low=1, high=32, unit="bits")}
 BUCKETS: KeyChecks = {"bucket_size_mb": partial(checks.positive_number, unit="MiB")}
 DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **QUANTIZATION_BITS, **BUCKETS, "error_feedback": checks.boolean}
+TWO_LEVEL_DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **BUCKETS}
 BLOCK_SIZE: KeyChecks = {"block_size": _samples_or_auto}
 BLOCK_SYNC: KeyChecks = {"reset_sgd_momentum_after_aggregation": checks.boolean,
                          "local_learning_rate": partial(checks.choice, choices=checks.LOCAL_LEARNING_RATES)}
@@ -157,10 +158,8 @@ def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
 
 @register_rule("dtrain.learners.TwoLevelDataParallelLearner")
 def _two_level_data_parallel_rules(node: DictConfig, name: str) -> list[str]:
-    return _distributed_after(node, name) + _check(
-        node, name, ("bucket_size_mb", checks.positive_number, {"unit": "MB"}),
-    ) + checks.collect([lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"),
-                                                       prefix=f"{name}.")])
+    return settings_problems(TWO_LEVEL_DATA_PARALLEL, node, name) + checks.collect([
+        lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"), prefix=f"{name}.")])
 
 
 def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:
