@@ -16,7 +16,7 @@ from dtrain.comm.base import first_line
 from dtrain.failures import USER_ERRORS, UserError, exit_preempted
 from dtrain.host_memory import keep_freed_host_memory
 from dtrain.optim import optimizer_parameters
-from dtrain.schedules import Schedule
+from dtrain.schedules import Schedule, schedule_values
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
 from dtrain.session.binding import StreamBinding
@@ -24,7 +24,6 @@ from dtrain.session.checkpoint_state import DEFAULTS_KEY
 from dtrain.session.configs import device_and_profile_options
 from dtrain.session.lr_scaling import LearningRateScaling
 from dtrain.session.safe_files import create_new
-from dtrain.session.settings import schedule_values
 from dtrain.sweep import SweepJob
 
 

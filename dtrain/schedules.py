@@ -130,3 +130,9 @@ def momentum_from_time_constant(time_constant: float, minibatch_size: int) -> fl
     if time_constant == 0:
         return 0.0
     return math.exp(-minibatch_size / time_constant)
+
+
+def schedule_values(setting) -> object:
+    """A schedule setting's ``values`` (``session.lr_schedule`` and the like), or None when the schedule is off:
+    the setting null, or its ``values`` null (the session's default)."""
+    return None if setting is None else setting.get("values")

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from dtrain import checks
+from dtrain.schedules import schedule_values
 
 #: the values of ``session.lr_scaling``
 RULES = ("none", "linear", "sqrt")
@@ -67,7 +68,7 @@ def lr_scaling_problems(session) -> list[str]:
     elif rule != "none" and reference is None:
         problems.append(f"session.lr_scaling={rule}: expected session.lr_reference_minibatch_size=SAMPLES, the "
                         f"global minibatch the learning rate was tuned at")
-    elif rule != "none" and (session.get("minibatch_size_schedule") or {}).get("values") is not None:
+    elif rule != "none" and schedule_values(session.get("minibatch_size_schedule")) is not None:
         problems.append(f"session.lr_scaling={rule} with session.minibatch_size_schedule: the minibatch size changes "
                         f"during the run, so the scaling would be ambiguous; expected session.lr_scaling=none (scale "
                         f"with session.lr_schedule instead) or a fixed session.minibatch_size")

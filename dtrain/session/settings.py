@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dtrain import checks
 from dtrain.data.settings import _stream_reference_problems
@@ -122,22 +122,19 @@ def _session_streams_problems(session: DictConfig) -> list[str]:
 
 
 # -- the sections that are not components: session, comm, seed, run directory
-def schedule_values(schedule: DictConfig | None) -> Any:
-    """A schedule node's ``values``, or None when the schedule is off (the node or its values null)."""
-    return None if schedule is None else schedule.get("values")
-
-
 def _schedule_problems(name: str, schedule: DictConfig, value_check: Callable[[str, Any], Any]) -> list[str]:
     problems = _check(schedule, name, ("epoch_size", checks.sample_count, {"allow_none": True}),
                       ("warmup_samples", checks.sample_count, {"allow_zero": True}))
-    if OmegaConf.is_missing(schedule, "values") or schedule["values"] is None:
+    values_missing = OmegaConf.is_missing(schedule, "values")
+    if values_missing or schedule["values"] is None:
         # a warm-up alone is the lr's (a ramp to 1x); anything else set without values would be ignored
         alone = {"epoch_size": None} if name.endswith(".lr_schedule") else {"epoch_size": None, "warmup_samples": 0}
-        set_alone = [key for key, default in alone.items() if schedule.get(key) != default]
-        if OmegaConf.is_missing(schedule, "values") or set_alone:
-            shown = f"{name}.{set_alone[0]}={schedule[set_alone[0]]} is set but {name}.values is not" if set_alone \
-                else f"{name}.values is not set"
-            return problems + [f"{shown}: expected a list of values or [count, value] pairs"]
+        ignored = [key for key, default in alone.items() if schedule.get(key) != default]
+        if ignored:
+            return problems + [f"{name}.{ignored[0]}={schedule[ignored[0]]} is set but {name}.values is not: "
+                               f"expected a list of values or [count, value] pairs"]
+        if values_missing:
+            return problems + [f"{name}.values is not set: expected a list of values or [count, value] pairs"]
         return problems
     values = schedule["values"]
     if not isinstance(values, ListConfig) or len(values) == 0:
