@@ -31,10 +31,7 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-from dtrain.testing.netns import sent_bytes  # the hosts' eth0 counters
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,14 +72,9 @@ def run_one(cluster, recipe: str, per_host: int, hierarchical: str, workdir: Pat
     args = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", "learner=data_parallel", "comm.backend=gloo",
             f"comm.hierarchical={hierarchical}", "session.num_threads=1", "session.tensorboard=false",
             *RECIPES[recipe], f"run_dir={run_dir}"]
-    env = {"PYTHONPATH": str(REPO)}
-    before = sum(sent_bytes(host.netns) for host in cluster.hosts)
-    started = time.monotonic()
-    result = cluster.run(cluster.mpiexec_args(npernode=per_host, export=list(env)) + args, timeout=timeout, env=env)
-    wall = time.monotonic() - started
+    result, wall, sent = cluster.run_counting_traffic(args, per_host, timeout, env={"PYTHONPATH": str(REPO)})
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.report()}")
-    sent = sum(sent_bytes(host.netns) for host in cluster.hosts) - before
     config = OmegaConf.load(run_dir / "config.yaml")
     minibatch, samples = config.session.minibatch_size, config.session.max_samples
     period = last_period(run_dir)
@@ -110,7 +102,7 @@ def main() -> None:
     parser.add_argument("--recipes", default="digits,shakespeare_char", help="comma-separated recipes")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per run")
     args = parser.parse_args()
-    from dtrain.testing.netns import NamespaceCluster, available, sent_bytes
+    from dtrain.testing.netns import NamespaceCluster, available
 
     ok, reason = available()
     if not ok:

@@ -25,10 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-from dtrain.testing.netns import sent_bytes  # the hosts' eth0 counters
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,14 +80,9 @@ def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float, extr
     run_dir = workdir / f"{recipe}-{len(os.listdir(workdir))}"
     args = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", *LEARNERS[name], "comm.backend=gloo",
             "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe], *extra, f"run_dir={run_dir}"]
-    env = {"PYTHONPATH": str(REPO)}
-    before = sum(sent_bytes(host.netns) for host in cluster.hosts)
-    started = time.monotonic()
-    result = cluster.run(cluster.mpiexec_args(npernode=ranks_per_host, export=list(env)) + args, timeout=timeout, env=env)
-    wall = time.monotonic() - started
+    result, wall, sent = cluster.run_counting_traffic(args, ranks_per_host, timeout, env={"PYTHONPATH": str(REPO)})
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.report()}")
-    sent = sum(sent_bytes(host.netns) for host in cluster.hosts) - before
     rows = records(run_dir)
     train = [row for row in rows if row.get("kind") == "train"]
     test = ([row for row in rows if row.get("kind") == "test"] or [row for row in rows if row.get("kind") == "cv"])[-1]

@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,6 +474,17 @@ class NamespaceCluster:
         """
         full_env = {**os.environ, **self.env(), **(env or {})}
         return run_in_new_session(self.exec_args(host, command), full_env, timeout, kill=self._kill_run, shown=command)
+
+    def run_counting_traffic(self, program: Sequence[str], npernode: int, timeout: float = 300,
+                             env: Mapping[str, str] | None = None) -> tuple[MpiResult, float, int]:
+        """Run ``program`` under this cluster's mpiexec (``npernode`` ranks per host, ``env`` exported to
+        them): its result, its wall seconds, and the bytes every host's ``eth0`` sent meanwhile."""
+        before = sum(sent_bytes(host.netns) for host in self.hosts)
+        started = time.monotonic()
+        result = self.run(self.mpiexec_args(npernode=npernode, export=list(env or {})) + list(program),
+                          timeout=timeout, env=env)
+        wall = time.monotonic() - started
+        return result, wall, sum(sent_bytes(host.netns) for host in self.hosts) - before
 
     def _kill_run(self, process: subprocess.Popen) -> None:
         """Ends a run of :meth:`run`: its ranks in every host, and the launcher's own session."""
