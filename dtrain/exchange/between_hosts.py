@@ -88,8 +88,9 @@ class BetweenHosts(ThreadedExchange):
         self.inner.plan(facts, steps=steps, step_name=step_name)
 
     def identity(self) -> dict[str, Any]:
-        """This wrapper's name and the wrapped strategy's identity (its state only fits the same one)."""
-        return {"name": self.name, "inner": self.inner.identity()}
+        """The wrapped strategy's identity (its state only fits the same one), marked as between hosts. Flat,
+        so a refused resume names the setting as the user gives it (``learner.exchange.num_bits``)."""
+        return {**self.inner.identity(), "between_hosts": True}
 
     def describe(self) -> str:
         """``1-bit between the 2 host leaders`` and so on (off the leaders without the count)."""

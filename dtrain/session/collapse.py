@@ -7,8 +7,11 @@ a NaN check does not see it, because every number stays finite. :class:`Collapse
 the training loss per minibatch ON the device (no synchronisation per step) and, at progress
 points and after the test pass, answers whether the run collapsed: the loss had clearly fallen
 below chance (an exponential average at most half of ``ln C``) and has come back to it (a whole
-progress period's mean loss at 90% of ``ln C`` or more), or a test pass is at chance (loss at 90%
-of ``ln C`` or more, accuracy at most ``2 / C``) after the loss had fallen.
+progress period's mean loss at 90% of ``ln C`` or more), or the final test pass is at chance (loss
+at 90% of ``ln C`` or more, accuracy at most ``2 / C``) after the loss had left chance either way:
+fallen to 85% of ``ln C`` or less, or diverged to 150% or more (and half of ``ln C`` above where it started),
+judged after 20 minibatches or more (after fewer, only a fall to half of ``ln C`` counts). A test pass at chance after a loss
+that never left it is "never learned": told, not raised (a smoke test of a few minibatches is one).
 
 Only classification is watched: a 2-D output of C >= 2 columns, integer class labels and a loss
 that gives a uniform prediction ``ln C`` (cross-entropy), or a sequence of class ids per step
@@ -28,8 +31,31 @@ from dtrain.session.objectives import SequenceCrossEntropy
 FALLEN_FRACTION = 0.5
 #: a progress period's mean loss at or above this fraction of ln C is back at chance
 CHANCE_FRACTION = 0.9
-#: weight of the newest minibatch in the running average (about 20 minibatches)
+#: the running average ending at RISE_FACTOR times its lowest or more, and higher by RISE_FRACTION of ln C
+#: or more: training became unstable (told as a warning at the end)
+RISE_FACTOR = 2.0
+RISE_FRACTION = 0.1
+#: a final test pass at chance after the running average reached this fraction of ln C: it had learned
+LEARNED_FRACTION = 0.85
+#: a final test pass at chance after the running average reached this multiple of ln C, and rose by
+#: DIVERGED_RISE of ln C above the first minibatch's loss: it had diverged (an initialisation whose
+#: loss starts above ln C, e.g. a ResNet's, and falls from there has not)
+DIVERGED_FRACTION = 1.5
+DIVERGED_RISE = 0.5
+#: those two end-of-run rules need this many minibatches (a smoke run of a few is judged only by the
+#: fall to half of ln C)
+END_RULES_MINIBATCHES = 20
+#: weight of the newest minibatch in the running average (about 20 minibatches) when minibatches are small
 AVERAGE_WEIGHT = 0.05
+#: larger minibatches weigh ``1 - exp(-n / AVERAGE_SAMPLES)`` for n samples (sequences), so the average spans
+#: about this many samples: 20 minibatches of 512 would be a third of a run, smoothing a fall or a divergence away
+AVERAGE_SAMPLES = 640
+
+
+def average_weight(samples: int) -> float:
+    """The running average's weight of a minibatch of ``samples`` samples (on this rank): at least
+    :data:`AVERAGE_WEIGHT`, and ``1 - exp(-samples / AVERAGE_SAMPLES)`` beyond (below 1)."""
+    return min(max(AVERAGE_WEIGHT, -math.expm1(-samples / AVERAGE_SAMPLES)), 1.0 - 1e-9)
 
 
 def training_advice(learner, precision: str = "32") -> str:
@@ -81,8 +107,15 @@ class CollapseWatch:
         self._judged = False  # the task was inspected (first non-empty minibatch)
         self._average: torch.Tensor | None = None
         self._lowest = torch.tensor(math.inf, dtype=torch.float64, device=device)
+        self._highest = torch.tensor(-math.inf, dtype=torch.float64, device=device)
+        self._first = torch.tensor(-math.inf, dtype=torch.float64, device=device)  # the first minibatch's loss
+        self._minibatches = 0  # observed (the same count on every rank: they step together)
+        # progress periods' mean losses (all ranks'), lowest and highest: with large minibatches the running
+        # average spans a good part of the run and smooths a short fall or a divergence away
+        self._period_extremes = (math.inf, -math.inf)
         self._pending: list[torch.Tensor] = []  # detached losses not yet in the average
-        self._operators: tuple[torch.Tensor, torch.Tensor] | None = None  # for fold_every losses; fewer take a slice
+        self._pending_weights: list[float] = []  # and their weights (from their sizes: no read-back)
+        self._operators: tuple[tuple[float, ...], torch.Tensor, torch.Tensor] | None = None  # the last weights' operators
 
     def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
         """Adds one minibatch's mean loss (a detached tensor, kept as it is; nothing is read back to the
@@ -109,45 +142,61 @@ class CollapseWatch:
         if self.chance_loss is None:
             return
         self._pending.append(loss)
+        self._minibatches += 1
+        self._pending_weights.append(average_weight(int(labels.data.shape[0] if isinstance(labels, Sequences)
+                                                        else labels.shape[0])))
         if len(self._pending) >= self.fold_every:
             self._fold()
 
     def _fold(self) -> None:
-        """Advances the running average ``a <- (1 - w) a + w x`` over the kept losses, all at once,
-        and the lowest average with every intermediate value (the first loss starts the average)."""
+        """Advances the running average ``a <- (1 - w) a + w x`` over the kept losses, all at once, and the
+        lowest and highest average with every intermediate value (the first loss starts the average)."""
         if not self._pending:
             return
         values = torch.stack(self._pending).reshape(-1).to(torch.float64)
-        self._pending = []
+        weights = tuple(self._pending_weights)
+        self._pending, self._pending_weights = [], []
         if self._average is None:
             self._average = values[0].clone()
+            self._first = values[0].clone()
             torch.minimum(self._lowest, self._average, out=self._lowest)
-            values = values[1:]
+            torch.maximum(self._highest, self._average, out=self._highest)
+            values, weights = values[1:], weights[1:]
         if values.numel() == 0:
             return
-        decay, weights = self._ema_operators(values.numel())
-        averages = decay * self._average + weights @ values  # averages[t]: after values[0..t]
+        decay, mixing = self._ema_operators(weights)
+        averages = decay * self._average + mixing @ values  # averages[t]: after values[0..t]
         self._average = averages[-1].clone()
         torch.minimum(self._lowest, averages.min(), out=self._lowest)
+        torch.maximum(self._highest, averages.max(), out=self._highest)
 
-    def _ema_operators(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decay[t] = (1 - w)^(t + 1)`` and ``weights[t, s] = w (1 - w)^(t - s)`` for ``s <= t < count``
-        (``count`` at most ``fold_every``): the leading part of the operators made once for ``fold_every``."""
-        if self._operators is None:
-            steps = torch.arange(self.fold_every, dtype=torch.float64, device=self.device)
-            keep = 1.0 - AVERAGE_WEIGHT
-            lag = steps[:, None] - steps[None, :]
-            self._operators = (keep ** (steps + 1), AVERAGE_WEIGHT * keep ** lag.clamp(min=0) * (lag >= 0))
-        decay, weights = self._operators
-        return decay[:count], weights[:count, :count]
+    def _ema_operators(self, weights: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decay[t] = prod_{s <= t} (1 - w_s)`` and ``mixing[t, s] = w_s prod_{s < r <= t} (1 - w_r)`` for
+        ``s <= t``, from the kept losses' weights (made on the host; kept for the next fold with the same ones)."""
+        if self._operators is None or self._operators[0] != weights:
+            w = torch.tensor(weights, dtype=torch.float64)
+            kept = torch.cumsum(torch.log1p(-w), 0)  # log prod_{r <= t} (1 - w_r)
+            lag = kept[:, None] - kept[None, :]  # log prod_{s < r <= t} (1 - w_r)
+            steps = torch.arange(len(weights))
+            mixing = torch.where(steps[:, None] >= steps[None, :], w[None, :] * lag.clamp(max=0).exp(), 0.0)
+            self._operators = (weights, kept.exp().to(self.device), mixing.to(self.device))
+        return self._operators[1], self._operators[2]
 
     def lowest_average(self, comm) -> float:
         """The lowest running loss so far, the largest over ranks (a collective when several run)."""
+        return self.extremes(comm)[0]
+
+    def extremes(self, comm) -> tuple[float, float, float]:
+        """The lowest and the highest training loss so far, and the first minibatch's: of the running
+        average (the largest lowest, the smallest highest and the largest first over ranks, so every rank
+        judges alike) and of the progress periods' means (the same on every rank). One collective when
+        several ranks run."""
         self._fold()
-        lowest = self._lowest.clone()
+        values = torch.stack([self._lowest, -self._highest, self._first])
         if comm.size > 1:
-            lowest = comm.allreduce(lowest.to(comm.device), op="max")
-        return float(lowest)
+            values = comm.allreduce(values.to(comm.device), op="max")
+        return (min(float(values[0]), self._period_extremes[0]), max(-float(values[1]), self._period_extremes[1]),
+                float(values[2]))
 
     def watching(self, comm) -> bool:
         """Whether a collapse can be judged (classification on every rank; a collective when several run)."""
@@ -159,25 +208,61 @@ class CollapseWatch:
     def loss_collapsed(self, period_loss: float, comm) -> bool:
         """Whether a progress period's mean loss (the same on every rank) is back at chance after
         having clearly fallen. A collective when several ranks run, at progress points only."""
+        if math.isfinite(period_loss):
+            low, high = self._period_extremes
+            self._period_extremes = (min(low, period_loss), max(high, period_loss))
         if not self.watching(comm):
             return False
         fell = self.lowest_average(comm) <= FALLEN_FRACTION * self.chance_loss
         return fell and period_loss >= CHANCE_FRACTION * self.chance_loss
 
-    def evaluation_collapsed(self, loss: float, accuracy: float | None, comm) -> bool:
-        """Whether an evaluation (test or CV pass) is at chance after the training loss had clearly
-        fallen: its mean loss at 90% of ``ln C`` or more and its accuracy at most ``2 / C`` (a
-        collapsed model predicts one class, whose share of an unbalanced set can exceed ``1 / C``).
-        ``accuracy`` ``None`` (a sequence model reported by another metric): the loss alone decides.
-        A collective when several ranks run."""
+    def rise_at_the_end(self, comm) -> tuple[float, float] | None:
+        """``(final, lowest)`` running average when training ended well above its best (at least twice the
+        lowest and higher by a tenth of ``ln C``): the run became unstable and its model is worse than it
+        was. ``None`` otherwise, when the task is not judged, or after fewer than 20 minibatches. A collective
+        when several ranks run."""
+        if not self.watching(comm) or self._minibatches < END_RULES_MINIBATCHES:
+            return None
+        self._fold()
+        final = self._average if self._average is not None else torch.tensor(math.nan, dtype=torch.float64)
+        both = torch.stack([self._lowest, -final.to(self._lowest.device)])
+        if comm.size > 1:  # the largest lowest and the smallest final: only a rise every rank saw
+            both = comm.allreduce(both.to(comm.device), op="max")
+        lowest, final = float(both[0]), -float(both[1])
+        if final >= RISE_FACTOR * lowest and final >= lowest + RISE_FRACTION * self.chance_loss:
+            return final, lowest
+        return None
+
+    def judge_evaluation(self, loss: float, accuracy: float | None, comm) -> str | None:
+        """How a final evaluation (the test pass) stands against chance: ``None`` when it is not at chance
+        (or the task is not judged); else ``"fallen"`` or ``"diverged"`` when the running training loss
+        had left chance (at most 85% of ``ln C``, or at least 150% of it and half of it above the first minibatch's loss, after
+        20 minibatches or more; at most half of ``ln C`` after fewer: the run is refused), or
+        ``"never_learned"`` (told as a warning). At chance: a mean loss of 90% of ``ln C`` or more and
+        an accuracy of at most ``2 / C`` (a collapsed model predicts one class, whose share of an
+        unbalanced set can exceed ``1 / C``). ``accuracy`` ``None`` (a sequence model reported by
+        another metric): the loss alone decides. A collective when several ranks run."""
         if not self.watching(comm) or not (math.isfinite(loss) and (accuracy is None or math.isfinite(accuracy))):
-            return False
-        fell = self.lowest_average(comm) <= FALLEN_FRACTION * self.chance_loss
-        return fell and loss >= CHANCE_FRACTION * self.chance_loss and (accuracy is None
-                                                                          or accuracy <= 2.0 / self.num_classes)
+            return None
+        lowest, highest, first = self.extremes(comm)
+        at_chance = loss >= CHANCE_FRACTION * self.chance_loss and (accuracy is None
+                                                                      or accuracy <= 2.0 / self.num_classes)
+        if not at_chance:
+            return None
+        enough = self._minibatches >= END_RULES_MINIBATCHES
+        if lowest <= (LEARNED_FRACTION if enough else FALLEN_FRACTION) * self.chance_loss:
+            return "fallen"
+        diverged = (enough and highest >= DIVERGED_FRACTION * self.chance_loss
+                    and highest >= first + DIVERGED_RISE * self.chance_loss)
+        return "diverged" if diverged else "never_learned"
+
+    def evaluation_collapsed(self, loss: float, accuracy: float | None, comm) -> bool:
+        """Whether a final evaluation is at chance after the training loss had left it (see
+        :meth:`judge_evaluation`). A collective when several ranks run."""
+        return self.judge_evaluation(loss, accuracy, comm) in ("fallen", "diverged")
 
 
-__all__ = ["CollapseWatch", "training_advice"]
+__all__ = ["CollapseWatch", "average_weight", "training_advice"]
 
 
 def _is_cross_entropy(loss_function) -> bool:

@@ -38,7 +38,8 @@ class EvaluationPasses:
 
     def _test(self, printer, metrics: MetricsWriter, samples_seen: int) -> tuple[Evaluation, Evaluation | None]:
         """The test passes at the end of training: the weight EMA's (when kept) and the model's, each written to
-        the metrics; a test accuracy back at chance after the loss had fallen raises ``TrainingCollapsed``."""
+        the metrics; a test pass at chance after the training loss had left chance (fallen, or diverged) raises
+        ``TrainingCollapsed``, one that never left it is told as a warning."""
         test_ema = None
         if self.ema is not None:
             self.ema.take_rank0s(self.comm)  # evaluated in shares by every rank: one average
@@ -47,14 +48,33 @@ class EvaluationPasses:
             test_ema = self._test_pass(self.ema.module, metrics, "test_ema", samples_seen)
         test = self._test_pass(self.model, metrics, "test", samples_seen)
         judged_accuracy = test.accuracy if self.metric_name == "error" else None  # else the loss alone decides
-        if self._collapse.evaluation_collapsed(test.loss, judged_accuracy, self.comm):
+        verdict = self._collapse.judge_evaluation(test.loss, judged_accuracy, self.comm)
+        if verdict is not None:
+            watch = self._collapse
             measured = (f"test accuracy {100 * test.accuracy:.2f}%" if judged_accuracy is not None else
                         f"test loss {test.loss:.4f} ({self._format_metric(test.error, test.details)})")
-            raise TrainingCollapsed(
-                f"training collapsed: {measured} is chance for {self._collapse.num_classes} classes (ln "
-                f"{self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) after the training loss had "
-                f"fallen; {self._advice()}")
+            chance = f"chance for {watch.num_classes} classes (ln {watch.num_classes} = {watch.chance_loss:.4f})"
+            lowest, highest, _ = watch.extremes(self.comm)
+            if verdict == "never_learned":
+                self._end_warnings.append(
+                    f"warning: {measured} is {chance}: the training loss never left chance ({lowest:.4f} at its "
+                    f"lowest), so the model learned nothing; too few samples, a learning rate too low or too high, "
+                    f"or labels unrelated to the inputs")
+            else:
+                how = (f"fallen to {lowest:.4f}" if verdict == "fallen" else f"diverged to {highest:.4f}")
+                raise TrainingCollapsed(f"training collapsed: {measured} is {chance} after the training loss "
+                                        f"had {how}; {self._advice()}")
         return test, test_ema
+
+    def _note_a_rise_at_the_end(self) -> None:
+        """A warning in the summary when the training loss ended far above its best (a run that became
+        unstable without reaching chance or NaN: its model is worse than the one it had)."""
+        rise = self._collapse.rise_at_the_end(self.comm)
+        if rise is not None:
+            self._end_warnings.append(
+                f"warning: the training loss ended at {rise[0]:.4f} (running average), {rise[0] / rise[1]:.1f} times "
+                f"its lowest ({rise[1]:.4f}): training became unstable and the final model is worse than it was; "
+                f"{self._advice()}")
 
     def _test_pass(self, model: torch.nn.Module, metrics: MetricsWriter, kind: str, samples_seen: int) -> Evaluation:
         """One test pass of ``model``, written to the metrics as ``kind`` (``test`` or ``test_ema``)."""

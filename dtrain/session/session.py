@@ -254,6 +254,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self.run_dir = Path(run_dir)
         self.tensorboard = resolve_tensorboard(tensorboard)  # None: when the package is installed
         self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
+        self._end_warnings: list[str] = []  # said in the summary, after the test lines they are about
         self.config_fingerprint = config_fingerprint
         # what a checkpoint must match (model, learner, data, and the caller's own) and what may change
         self.checkpoint_identity = checkpoint_state.identity(model, learner, minibatch_source, checkpoint_identity)
@@ -446,6 +447,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
 
         test = test_ema = None  # the model was synchronised above
         if not preempted:
+            self._note_a_rise_at_the_end()
             if self.batchnorm_statistics == "recomputed":
                 self._recompute_batchnorm(printer, seen)
             if self.test_config is not None:

@@ -68,6 +68,7 @@ class RunSummary:
                 f"accuracy {100 * result.test_ema.accuracy:.2f}% (error {100 * result.test_ema.error:.2f}%, "
                 if self.metric_name == "error" else f"{self._format_metric(result.test_ema.error, result.test_ema.details)} (")
                 + f"loss {result.test_ema.loss:.4f})")
+        lines.extend(self._end_warnings)
         if self.loss_scaler is not None:
             lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "
                          f"loss scale now {self.loss_scaler.scale:g}")

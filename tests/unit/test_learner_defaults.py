@@ -2,6 +2,8 @@
 and a collapsed classifier that ends the run with one line instead of a normal-looking result."""
 from __future__ import annotations
 
+import io
+import itertools
 import math
 import warnings
 
@@ -226,7 +228,8 @@ class CollapsingLearner(LocalLearner):
                     parameter.zero_()
 
 
-def _session(tmp_path, collapse_at, labels_as_float=False, progress_frequency=400, test=False, learnable=True):
+def _session(tmp_path, collapse_at, labels_as_float=False, progress_frequency=400, test=False, learnable=True,
+             stream=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4))
     data = four_class_data(400)
@@ -243,7 +246,7 @@ def _session(tmp_path, collapse_at, labels_as_float=False, progress_frequency=40
     return training_session(model=model, loss=loss, learner=learner,
                             minibatch_source=MinibatchSource(data, randomize=True, randomization_seed=1), minibatch_size=16,
                             max_samples=4000, progress_frequency=progress_frequency, test_config=test_config,
-                            run_dir=tmp_path, tensorboard=False, stream=open("/dev/null", "w"))
+                            run_dir=tmp_path, tensorboard=False, stream=stream or open("/dev/null", "w"))
 
 
 def test_a_loss_back_at_chance_after_falling_stops_training_with_one_line(tmp_path):
@@ -273,22 +276,40 @@ def test_no_false_alarm(tmp_path, case):
         _session(tmp_path, collapse_at=None, learnable=False).train()  # at chance all along: nothing fell, no alarm
 
 
+def test_a_test_pass_at_chance_after_a_loss_that_never_left_it_is_told_in_the_summary(tmp_path):
+    output = io.StringIO()
+    result = _session(tmp_path, collapse_at=None, learnable=False, test=True, stream=output).train()
+    assert result.test.accuracy <= 0.5
+    [line] = [line for line in output.getvalue().splitlines() if line.startswith("warning:")]
+    assert line.startswith(f"warning: test accuracy {100 * result.test.accuracy:.2f}% is chance for 4 classes "
+                           "(ln 4 = 1.3863): the training loss never left chance")
+    assert output.getvalue().index("test: accuracy") < output.getvalue().index(line)  # after the line it is about
+
+
 @pytest.mark.parametrize("fold_every", [1, 7, 64])
 def test_the_running_loss_folded_in_blocks_is_the_step_by_step_average(fold_every):
     """The watch keeps each minibatch's loss and folds a block at a time in one matrix product: the lowest
-    running average is the one ``a <- 0.95 a + 0.05 x`` gives minibatch by minibatch (to float64 rounding)."""
+    and highest running average are the ones ``a <- (1 - w) a + w x`` gives minibatch by minibatch (to float64
+    rounding), with ``w`` 0.05 for a small minibatch and ``1 - exp(-n / 640)`` for n samples beyond."""
     from dtrain.comm import LocalCommunicator
-    from dtrain.session.collapse import AVERAGE_WEIGHT, CollapseWatch
+    from dtrain.session.collapse import CollapseWatch
 
-    losses = torch.rand(300, generator=torch.Generator().manual_seed(0)) * 3
+    generator = torch.Generator().manual_seed(0)
+    losses = torch.rand(300, generator=generator) * 3
+    sizes = [4] * 150 + [int(n) for n in torch.randint(1, 2048, (150,), generator=generator)]  # a size schedule
     watch = CollapseWatch(torch.device("cpu"), fold_every=fold_every)
-    average, lowest = None, math.inf
-    for loss in losses:
-        watch.observe(torch.zeros(4, 10), torch.zeros(4, dtype=torch.int64), loss, nn.functional.cross_entropy)
-        average = float(loss) if average is None else (1 - AVERAGE_WEIGHT) * average + AVERAGE_WEIGHT * float(loss)
-        lowest = min(lowest, average)
+    average, lowest, highest = None, math.inf, -math.inf
+    fixed = list(itertools.accumulate((float(x) for x in losses), lambda a, x: 0.95 * a + 0.05 * x))
+    for loss, size in zip(losses, sizes):
+        watch.observe(torch.zeros(size, 10), torch.zeros(size, dtype=torch.int64), loss, nn.functional.cross_entropy)
+        weight = 0.05 if size <= 32 else 1 - math.exp(-size / 640)
+        average = float(loss) if average is None else (1 - weight) * average + weight * float(loss)
+        lowest, highest = min(lowest, average), max(highest, average)
+    assert watch.extremes(LocalCommunicator()) == pytest.approx((lowest, highest, float(losses[0])), rel=1e-12)
     assert watch.lowest_average(LocalCommunicator()) == pytest.approx(lowest, rel=1e-12)
-    assert lowest > float(losses.min()) + 0.5  # an average, well above the smallest single loss
+    assert highest > max(fixed) + 0.5  # the large minibatches weigh more than a fixed 0.05 would give them
+    assert lowest > float(losses.min()) + 0.01  # still an average, above the smallest single loss
+
 
 def test_a_resumed_run_keeps_the_warm_start_it_was_planned_with():
     first = QuantizedDataParallelLearner(sgd(), _Comm(2))
@@ -297,3 +318,55 @@ def test_a_resumed_run_keeps_the_warm_start_it_was_planned_with():
     resumed.load_state_dict(first.state_dict())
     resumed.plan(RunFacts(samples_per_sweep=1500, max_samples=60000, minibatch_size=32))  # a longer run now
     assert resumed.distributed_after == first.distributed_after == 7520
+
+
+def _watch_after(losses, size=4, classes=10):
+    """A collapse watch that saw ``losses``, one minibatch of ``size`` samples each, of a ``classes``-way task."""
+    from dtrain.session.collapse import CollapseWatch
+
+    watch = CollapseWatch(torch.device("cpu"), fold_every=16)
+    for loss in losses:
+        watch.observe(torch.zeros(size, classes), torch.zeros(size, dtype=torch.int64), torch.tensor(float(loss)),
+                      nn.functional.cross_entropy)
+    return watch
+
+
+@pytest.mark.parametrize("losses, size, verdict", [
+    ([2.3] * 50 + [1.9] * 40 + [2.3] * 100, 4, "fallen"),        # learned a little (0.83 ln 10), then back at chance
+    ([2.3] * 50 + [4.0] * 60 + [2.3] * 100, 4, "diverged"),      # 1.7 ln 10, then chance
+    ([2.3] * 5 + [1.9, 6.3] + [2.3] * 50, 512, "diverged"),     # a spike of two large minibatches is not smoothed away
+    ([2.3] * 5 + [1.85, 1.8] + [2.3] * 50, 512, "fallen"),
+    ([2.3] * 5 + [1.85, 1.8] + [2.3] * 50, 4, "never_learned"),  # two small minibatches are noise
+    ([2.3] * 200, 4, "never_learned"),
+    ([4.0] * 30 + [2.3] * 100, 4, "never_learned"),            # started high (a ResNet's initialisation) and fell
+    ([2.3, 4.0, 4.0, 1.8], 1024, "never_learned"),                # a smoke run of 4 minibatches: too few to judge ...
+    ([2.3, 1.0, 1.0, 1.0], 1024, "fallen"),                      # ... but for a fall to half of ln C
+])
+def test_a_final_test_pass_at_chance_is_judged_by_where_the_training_loss_had_been(losses, size, verdict):
+    from dtrain.comm import LocalCommunicator
+
+    watch = _watch_after(losses, size)
+    assert watch.judge_evaluation(2.30, 0.10, LocalCommunicator()) == verdict
+    assert watch.evaluation_collapsed(2.30, 0.10, LocalCommunicator()) == (verdict != "never_learned")
+    assert watch.judge_evaluation(2.30, 0.25, LocalCommunicator()) is None  # above 2 / C: not chance
+    assert watch.judge_evaluation(2.00, 0.10, LocalCommunicator()) is None  # loss below 90% of ln C
+
+
+def test_a_progress_period_mean_counts_as_where_the_loss_had_been():
+    from dtrain.comm import LocalCommunicator
+
+    watch = _watch_after([2.3] * 100)
+    watch.loss_collapsed(5.0, LocalCommunicator())  # a period whose mean diverged (between two folds' worth)
+    assert watch.judge_evaluation(2.30, 0.10, LocalCommunicator()) == "diverged"
+
+
+@pytest.mark.parametrize("tail, rose", [([1.2] * 100, True), ([0.25] * 100, False), ([0.3] * 3, False)])
+def test_a_training_loss_that_ends_far_above_its_best_is_noticed(tail, rose):
+    from dtrain.comm import LocalCommunicator
+
+    rise = _watch_after([2.3] * 20 + [0.2] * 200 + tail).rise_at_the_end(LocalCommunicator())
+    if rose:
+        final, lowest = rise
+        assert final == pytest.approx(1.2, abs=0.01) and lowest == pytest.approx(0.2, abs=1e-3)
+    else:
+        assert rise is None

@@ -38,7 +38,7 @@ def test_the_wrapper_takes_only_a_plain_strategy() -> None:
         BetweenHosts(BetweenHosts(Quantized(), groups), groups)
     wrapper = BetweenHosts(Quantized(num_bits=2), groups)
     assert (wrapper.lossless, wrapper.stateful, wrapper.needs_warm_start) == (False, True, True)
-    assert wrapper.identity() == {"name": "between_hosts", "inner": {"name": "quantized", "num_bits": 2}}
+    assert wrapper.identity() == {"name": "quantized", "num_bits": 2, "between_hosts": True}  # keys as the user sets them
 
 
 @pytest.mark.parametrize("preset, expected", [
