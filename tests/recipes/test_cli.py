@@ -45,6 +45,20 @@ def test_digits_recipe_reaches_97_percent_and_says_where_outputs_went(tmp_path):
     assert len((run / "metrics.csv").read_text().splitlines()) == len(records) + 1  # a header, then one row each
 
 
+@pytest.mark.slow
+def test_a_large_minibatch_run_that_diverges_to_chance_ends_in_one_line_with_exit_2(tmp_path):
+    """16x the minibatch at 16x the lr: the loss falls a little (to 0.8 ln 10), diverges and sits at chance for
+    the rest of the run; the test pass at chance is an error, not a normal end with 10.10% accuracy."""
+    result = run_dtrain("+recipe=digits", "run_dir=run", "session.minibatch_size=512", "session.lr_scaling=linear",
+                        "session.lr_reference_minibatch_size=32", "session.lr_schedule.warmup_samples=3000", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:]
+    [line] = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"dtrain: error: training collapsed: test accuracy \d+\.\d\d% is chance for 10 classes \(ln 10 "
+                        r"= 2\.3026\) after the training loss had (fallen to|diverged to) \d\.\d{4}; the likely cause is "
+                        r"a learning rate too high for this learner; lower optimizer.lr", line), line
+    assert (tmp_path / "run" / "checkpoint-30000.pt").is_file()  # what was written is kept
+
+
 def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
     write_cifar10_binary(tmp_path / "cifar", num_train=300, num_test=40)
     common = ("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", "session.progress_frequency=128",
