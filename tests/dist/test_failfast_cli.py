@@ -90,6 +90,7 @@ def test_a_stopped_rank_ends_the_job_within_60_s_by_default(tmp_path):
     _assert_stopped_rank_ended_the_job(result, seconds, 1, 2, 60)
 
 
+@pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_a_slow_step_is_not_taken_for_a_hang(tmp_path):
     # one minibatch takes 8 s, longer than the 4 s heartbeat bound: the heartbeat thread keeps beating
     result, _ = run_failing(tmp_path, 2, "slow", "comm.heartbeat_timeout_s=4", "session.max_samples=320",

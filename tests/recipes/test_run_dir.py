@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from dtrain.session import checkpoint
@@ -34,6 +35,7 @@ def test_resuming_with_changed_optimizer_settings_uses_them_says_so_and_records_
     assert (recorded["lr"], recorded["momentum"], recorded["weight_decay"]) == (0.001, 0.0, 0.5)
 
 
+@pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_settings_that_cannot_change_are_refused_naming_them(tmp_path):
     assert run_dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path).returncode == 0
     for override, fragment in (("seed=1", "seed was 0 in the checkpoint's run and is 1 now"),
@@ -45,6 +47,7 @@ def test_settings_that_cannot_change_are_refused_naming_them(tmp_path):
         assert len(lines) == 1 and fragment in lines[0], result.stderr
 
 
+@pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_a_second_job_into_the_same_run_directory_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path):
     command = [sys.executable, "-m", "dtrain", *TINY, "run_dir=run", "session.max_samples=4000000",
                "session.checkpoint.preemption_signal=null"]
