@@ -4,6 +4,7 @@
     python benchmarks/learner_accuracy.py --ranks 2 --seeds 0 --only data_parallel quantized
     python benchmarks/learner_accuracy.py --recipe shakespeare_char --only defaults   # validation loss, nats/char
     python benchmarks/learner_accuracy.py --recipe cmudict_g2p --only defaults        # word error rate %
+    python benchmarks/learner_accuracy.py --recipe conv1d_adam --ranks 2 --only defaults  # Adam inner steps
 
 Every row trains the `digits` recipe (30,000 samples = 20 sweeps) with the same global minibatch,
 learning-rate schedule and number of samples; only the learner (and the one setting named in
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 from _mpiexec import mpi_environment, mpiexec_command
 
@@ -48,6 +50,7 @@ CONFIGS = {
     "block_momentum, 4-bit outer": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
     "block_momentum, 8-bit outer": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=8"],
     "diloco, 4-bit outer": ["learner=diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
+    "block_momentum, local lr share": ["learner=block_momentum", "learner.local_learning_rate=share"],
 }
 DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum", "powersgd", "diloco"]
 #: the sequence recipes' default rows also hold the block learners with 4-bit outer exchange
@@ -59,20 +62,27 @@ RECIPES = {
     "digits": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
     "shakespeare_char": ("validation loss, nats per character", r"test: perplexity [\d.]+ \(loss ([\d.]+)\)", 3),
     "cmudict_g2p": ("word error rate %", r"test: wer ([\d.]+)%", 2),
+    "conv1d_adam": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
 }
+#: recipes of benchmarks/conf (the 1-D convolutional task with Adam, benchmarks/conv1d_task.py): run from
+#: benchmarks/ with --config-dir, on arrays written once to a temporary directory
+BENCHMARK_RECIPES = {"conv1d_adam"}
+HERE = Path(__file__).resolve().parent
 
 
 def run(ranks: int, overrides: list[str], seed: int, samples: int | None,
-        recipe: str = "digits") -> tuple[float | str, float]:
+        recipe: str = "digits", data_root: str | None = None) -> tuple[float | str, float]:
     """Trains once; returns (the recipe's figure, or 'collapsed'/'diverged', wall seconds)."""
     length = [f"session.max_samples={samples}"] if samples else []
+    own = ["--config-dir", str(HERE / "conf")] if recipe in BENCHMARK_RECIPES else []
+    data = [f"data.root={data_root}"] if data_root else []
     with tempfile.TemporaryDirectory() as run_dir:
-        command = mpiexec_command(ranks, ["-m", "dtrain", f"+recipe={recipe}", *overrides, f"seed={seed}",
-                                          *length, "session.checkpoint.frequency=0",
+        command = mpiexec_command(ranks, ["-m", "dtrain", *own, f"+recipe={recipe}", *overrides, f"seed={seed}",
+                                          *data, *length, "session.checkpoint.frequency=0",
                                           "session.tensorboard=false", f"run_dir={run_dir}"])
         started = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True, env=mpi_environment(OMP_NUM_THREADS="1"),
-                                timeout=7200)
+                                timeout=7200, cwd=HERE if own else None)
         seconds = time.perf_counter() - started
     output = result.stdout + result.stderr
     for outcome in ("collapsed", "diverged"):
@@ -90,7 +100,7 @@ def summarize(outcomes: list[float | str], recipe: str = "digits") -> tuple[floa
     failures = [outcome for outcome in outcomes if isinstance(outcome, str)]
     if len(failures) * 2 > len(outcomes) or not figures:
         return None, f"{failures[0]} ({len(failures)}/{len(outcomes)})"
-    worst = 0.0 if recipe == "digits" else float("inf")  # a failed run counts as the worst
+    worst = 0.0 if RECIPES[recipe][0].endswith("accuracy %") else float("inf")  # a failed run counts as the worst
     median = statistics.median(figures + [worst] * len(failures))
     decimals = RECIPES[recipe][2]
     values = " ".join(f"{outcome:.{decimals}f}" if isinstance(outcome, float) else outcome for outcome in outcomes)
@@ -109,11 +119,17 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only or list(CONFIGS)
     if names == ["defaults"]:
-        names = DEFAULTS if args.recipe == "digits" else SEQUENCE_DEFAULTS
+        names = SEQUENCE_DEFAULTS if args.recipe in ("shakespeare_char", "cmudict_g2p") else DEFAULTS
     if "data_parallel" not in names:
         names = ["data_parallel", *names]  # the reference every gap is measured against
     if args.recipe == "digits" and args.samples is None:
         args.samples = 30000
+    data_root = None
+    if args.recipe in BENCHMARK_RECIPES:
+        import conv1d_task
+
+        data_root = tempfile.mkdtemp(prefix="conv1d_task_")
+        conv1d_task.write_arrays(Path(data_root))
     length = f"{args.samples:,} samples" if args.samples else "the recipe's samples"
     print(f"{args.recipe} recipe, {length}, median {RECIPES[args.recipe][0]} over seeds {args.seeds} "
           f"[each seed], gap to data_parallel")
@@ -124,7 +140,7 @@ def main() -> None:
     for name in names:
         cells = []
         for ranks in args.ranks:
-            outcomes = [run(ranks, CONFIGS[name], seed, args.samples, args.recipe)[0] for seed in args.seeds]
+            outcomes = [run(ranks, CONFIGS[name], seed, args.samples, args.recipe, data_root)[0] for seed in args.seeds]
             median, text = summarize(outcomes, args.recipe)
             if name == "data_parallel" and median is not None:
                 reference[ranks] = median

@@ -21,6 +21,7 @@ a regression loss, one-hot labels or any other shape is never judged.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -88,6 +89,16 @@ def training_advice(learner, precision: str = "32") -> str:
 
 def _listed(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f", or {items[-1]}"
+
+
+class LossRecord(NamedTuple):
+    """Where a run's training loss has been: its lowest and highest (running average or progress period),
+    its first minibatch's, and the running average at the end."""
+
+    lowest: float
+    highest: float
+    first: float
+    final: float
 
 
 class CollapseWatch:
@@ -184,19 +195,20 @@ class CollapseWatch:
 
     def lowest_average(self, comm) -> float:
         """The lowest running loss so far, the largest over ranks (a collective when several run)."""
-        return self.extremes(comm)[0]
+        return self.record(comm).lowest
 
-    def extremes(self, comm) -> tuple[float, float, float]:
-        """The lowest and the highest training loss so far, and the first minibatch's: of the running
-        average (the largest lowest, the smallest highest and the largest first over ranks, so every rank
-        judges alike) and of the progress periods' means (the same on every rank). One collective when
-        several ranks run."""
+    def record(self, comm) -> LossRecord:
+        """Where the training loss has been (:class:`LossRecord`): of the running average, the largest
+        lowest, the smallest highest, the largest first and the smallest final over ranks (so every rank
+        judges alike, on what all saw), with the progress periods' means (the same on every rank) in the
+        lowest and highest. One collective when several ranks run."""
         self._fold()
-        values = torch.stack([self._lowest, -self._highest, self._first])
+        final = self._average if self._average is not None else torch.tensor(-math.inf, dtype=torch.float64)
+        values = torch.stack([self._lowest, -self._highest, self._first, -final.to(self._lowest.device)])
         if comm.size > 1:
             values = comm.allreduce(values.to(comm.device), op="max")
-        return (min(float(values[0]), self._period_extremes[0]), max(-float(values[1]), self._period_extremes[1]),
-                float(values[2]))
+        lowest, highest, first, final = (float(value) for value in values)
+        return LossRecord(min(lowest, self._period_extremes[0]), max(-highest, self._period_extremes[1]), first, -final)
 
     def watching(self, comm) -> bool:
         """Whether a collapse can be judged (classification on every rank; a collective when several run)."""
@@ -223,38 +235,41 @@ class CollapseWatch:
         when several ranks run."""
         if not self.watching(comm) or self._minibatches < END_RULES_MINIBATCHES:
             return None
-        self._fold()
-        final = self._average if self._average is not None else torch.tensor(math.nan, dtype=torch.float64)
-        both = torch.stack([self._lowest, -final.to(self._lowest.device)])
-        if comm.size > 1:  # the largest lowest and the smallest final: only a rise every rank saw
-            both = comm.allreduce(both.to(comm.device), op="max")
-        lowest, final = float(both[0]), -float(both[1])
-        if final >= RISE_FACTOR * lowest and final >= lowest + RISE_FRACTION * self.chance_loss:
-            return final, lowest
+        record = self.record(comm)
+        lowest = min(record.lowest, record.final)  # (the lowest running average, not a period's mean)
+        if record.final >= RISE_FACTOR * lowest and record.final >= lowest + RISE_FRACTION * self.chance_loss:
+            return record.final, lowest
         return None
 
     def judge_evaluation(self, loss: float, accuracy: float | None, comm) -> str | None:
         """How a final evaluation (the test pass) stands against chance: ``None`` when it is not at chance
         (or the task is not judged); else ``"fallen"`` or ``"diverged"`` when the running training loss
-        had left chance (at most 85% of ``ln C``, or at least 150% of it and half of it above the first minibatch's loss, after
-        20 minibatches or more; at most half of ``ln C`` after fewer: the run is refused), or
-        ``"never_learned"`` (told as a warning). At chance: a mean loss of 90% of ``ln C`` or more and
+        had left chance (at most half of ``ln C``; or, after 20 minibatches or more and with the running
+        average back at 90% of ``ln C`` at the end, at most 85% of it, or at least 150% of it and half of it
+        above the first minibatch's loss: the run is refused); ``"only_training"`` when the training loss fell
+        that far but does not end at chance (the model does not generalise), or ``"never_learned"`` (both
+        told as a warning). At chance: a mean loss of 90% of ``ln C`` or more and
         an accuracy of at most ``2 / C`` (a collapsed model predicts one class, whose share of an
         unbalanced set can exceed ``1 / C``). ``accuracy`` ``None`` (a sequence model reported by
         another metric): the loss alone decides. A collective when several ranks run."""
         if not self.watching(comm) or not (math.isfinite(loss) and (accuracy is None or math.isfinite(accuracy))):
             return None
-        lowest, highest, first = self.extremes(comm)
+        record = self.record(comm)
         at_chance = loss >= CHANCE_FRACTION * self.chance_loss and (accuracy is None
                                                                       or accuracy <= 2.0 / self.num_classes)
         if not at_chance:
             return None
-        enough = self._minibatches >= END_RULES_MINIBATCHES
-        if lowest <= (LEARNED_FRACTION if enough else FALLEN_FRACTION) * self.chance_loss:
+        if record.lowest <= FALLEN_FRACTION * self.chance_loss:
             return "fallen"
-        diverged = (enough and highest >= DIVERGED_FRACTION * self.chance_loss
-                    and highest >= first + DIVERGED_RISE * self.chance_loss)
-        return "diverged" if diverged else "never_learned"
+        # the rules for a smaller fall or a divergence ask more: enough minibatches, and the training loss
+        # itself back at chance at the end (a hard task that overfits ends low on training data)
+        if self._minibatches >= END_RULES_MINIBATCHES and record.final >= CHANCE_FRACTION * self.chance_loss:
+            if record.lowest <= LEARNED_FRACTION * self.chance_loss:
+                return "fallen"
+            if (record.highest >= DIVERGED_FRACTION * self.chance_loss
+                    and record.highest >= record.first + DIVERGED_RISE * self.chance_loss):
+                return "diverged"
+        return "only_training" if record.lowest <= LEARNED_FRACTION * self.chance_loss else "never_learned"
 
     def evaluation_collapsed(self, loss: float, accuracy: float | None, comm) -> bool:
         """Whether a final evaluation is at chance after the training loss had left it (see
@@ -262,7 +277,7 @@ class CollapseWatch:
         return self.judge_evaluation(loss, accuracy, comm) in ("fallen", "diverged")
 
 
-__all__ = ["CollapseWatch", "average_weight", "training_advice"]
+__all__ = ["CollapseWatch", "LossRecord", "average_weight", "training_advice"]
 
 
 def _is_cross_entropy(loss_function) -> bool:

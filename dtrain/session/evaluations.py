@@ -54,14 +54,19 @@ class EvaluationPasses:
             measured = (f"test accuracy {100 * test.accuracy:.2f}%" if judged_accuracy is not None else
                         f"test loss {test.loss:.4f} ({self._format_metric(test.error, test.details)})")
             chance = f"chance for {watch.num_classes} classes (ln {watch.num_classes} = {watch.chance_loss:.4f})"
-            lowest, highest, _ = watch.extremes(self.comm)
+            record = watch.record(self.comm)
             if verdict == "never_learned":
                 self._end_warnings.append(
-                    f"warning: {measured} is {chance}: the training loss never left chance ({lowest:.4f} at its "
+                    f"warning: {measured} is {chance}: the training loss never left chance ({record.lowest:.4f} at its "
                     f"lowest), so the model learned nothing; too few samples, a learning rate too low or too high, "
                     f"or labels unrelated to the inputs")
+            elif verdict == "only_training":
+                self._end_warnings.append(
+                    f"warning: {measured} is near {chance}, although the training loss fell to {record.lowest:.4f} and "
+                    f"ends at {record.final:.4f}: the model does not generalise (it overfits the training data, or "
+                    f"the test data is unlike it)")
             else:
-                how = (f"fallen to {lowest:.4f}" if verdict == "fallen" else f"diverged to {highest:.4f}")
+                how = f"fallen to {record.lowest:.4f}" if verdict == "fallen" else f"diverged to {record.highest:.4f}"
                 raise TrainingCollapsed(f"training collapsed: {measured} is {chance} after the training loss "
                                         f"had {how}; {self._advice()}")
         return test, test_ema

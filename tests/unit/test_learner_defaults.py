@@ -305,7 +305,8 @@ def test_the_running_loss_folded_in_blocks_is_the_step_by_step_average(fold_ever
         weight = 0.05 if size <= 32 else 1 - math.exp(-size / 640)
         average = float(loss) if average is None else (1 - weight) * average + weight * float(loss)
         lowest, highest = min(lowest, average), max(highest, average)
-    assert watch.extremes(LocalCommunicator()) == pytest.approx((lowest, highest, float(losses[0])), rel=1e-12)
+    assert tuple(watch.record(LocalCommunicator())) == pytest.approx((lowest, highest, float(losses[0]), average),
+                                                                     rel=1e-12)
     assert watch.lowest_average(LocalCommunicator()) == pytest.approx(lowest, rel=1e-12)
     assert highest > max(fixed) + 0.5  # the large minibatches weigh more than a fixed 0.05 would give them
     assert lowest > float(losses.min()) + 0.01  # still an average, above the smallest single loss
@@ -337,6 +338,7 @@ def _watch_after(losses, size=4, classes=10):
     ([2.3] * 5 + [1.9, 6.3] + [2.3] * 50, 512, "diverged"),     # a spike of two large minibatches is not smoothed away
     ([2.3] * 5 + [1.85, 1.8] + [2.3] * 50, 512, "fallen"),
     ([2.3] * 5 + [1.85, 1.8] + [2.3] * 50, 4, "never_learned"),  # two small minibatches are noise
+    ([2.3] * 50 + [1.9] * 140, 4, "only_training"),             # learned a little and stays there: no collapse
     ([2.3] * 200, 4, "never_learned"),
     ([4.0] * 30 + [2.3] * 100, 4, "never_learned"),            # started high (a ResNet's initialisation) and fell
     ([2.3, 4.0, 4.0, 1.8], 1024, "never_learned"),                # a smoke run of 4 minibatches: too few to judge ...
@@ -347,7 +349,7 @@ def test_a_final_test_pass_at_chance_is_judged_by_where_the_training_loss_had_be
 
     watch = _watch_after(losses, size)
     assert watch.judge_evaluation(2.30, 0.10, LocalCommunicator()) == verdict
-    assert watch.evaluation_collapsed(2.30, 0.10, LocalCommunicator()) == (verdict != "never_learned")
+    assert watch.evaluation_collapsed(2.30, 0.10, LocalCommunicator()) == (verdict in ("fallen", "diverged"))
     assert watch.judge_evaluation(2.30, 0.25, LocalCommunicator()) is None  # above 2 / C: not chance
     assert watch.judge_evaluation(2.00, 0.10, LocalCommunicator()) is None  # loss below 90% of ln C
 
