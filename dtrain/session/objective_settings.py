@@ -8,7 +8,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_rule
+from dtrain.rules import KeyChecks, fraction as _fraction, register_rule, settings_rule
 
 
 # -- losses and metrics (conf/loss, conf/metric) ----------------------------------------------------
