@@ -1,5 +1,6 @@
 """Worker run by tests/dist/test_two_level_gradients.py under ``mpiexec -n 4``: two hosts of two ranks
-(``ranks_per_host=2``), a small MLP trained by :class:`TwoLevelDataParallelLearner` in two buckets.
+(``ranks_per_host=2``), a small MLP trained by :class:`TwoLevelDataParallelLearner` in two buckets; or
+under ``mpiexec -n 3`` (hosts of 2 and 1 rank: unequal). ``python WORKER [BACKEND]``: gloo by default.
 
 Checks (each returns a summary the test asserts on):
 
@@ -57,8 +58,9 @@ def build(comm, case: str, seed: int):
     model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     warm = 2 * GLOBAL if case == "quantized" else 0
+    # 4 ranks: 2 x 2 from comm.ranks_per_host=2; 3 ranks: hosts of 2 and 1, as a launcher's node labels give them
     learner = TwoLevelDataParallelLearner(optimizer, comm, distributed_after=warm, bucket_size_mb=BUCKET_MB,
-                                          exchange=strategy(case), ranks_per_host=2)
+                                          exchange=strategy(case), ranks_per_host=2 if comm.size % 2 == 0 else None)
     return model, learner
 
 
@@ -82,6 +84,11 @@ def train(learner, model, steps: int, position: int = 0, before_step=None) -> in
     return position
 
 
+def host_ranks(size: int) -> list[list[int]]:
+    """The ranks of each host with ``ranks_per_host=2``: [[0, 1], [2, 3]] of 4, [[0, 1], [2]] of 3."""
+    return [list(range(first, min(first + 2, size))) for first in range(0, size, 2)]
+
+
 def rank_gradients(model: nn.Module, position: int, rank: int, size: int, bucket) -> list[torch.Tensor]:
     """Rank ``rank``'s bucket gradients as the learner packs them: of its mean loss, times its share."""
     copy = make_model(0)
@@ -95,21 +102,23 @@ def rank_gradients(model: nn.Module, position: int, rank: int, size: int, bucket
 class Reference:
     """The step's expected gradient per bucket: host sums, then the hosts' exchange written out here."""
 
-    def __init__(self, case: str, learner) -> None:
-        self.case, self.learner = case, learner
-        self.quantized = [ReferenceExchange(StripeLayout([tuple(s) for s in bucket.shapes], 2), 1)
+    def __init__(self, case: str, learner, size: int) -> None:
+        self.case, self.learner, self.size = case, learner, size
+        self.hosts = host_ranks(size)
+        self.quantized = [ReferenceExchange(StripeLayout([tuple(s) for s in bucket.shapes], len(self.hosts)), 1)
                           for bucket in learner.buckets]
-        self.powersgd = [strategy(case) for _ in range(2)]  # the flat strategy on 2 "hosts" (threads)
+        self.powersgd = [strategy(case) for _ in self.hosts]  # the flat strategy on the "hosts" (threads)
 
     def expected(self, model: nn.Module, position: int) -> list[torch.Tensor]:
         learner = self.learner
         hosts_by_bucket = []
         for bucket in learner.buckets:
-            ranks = [rank_gradients(model, position, rank, 4, bucket) for rank in range(4)]
-            hosts_by_bucket.append([[a + b for a, b in zip(ranks[0], ranks[1])],
-                                    [a + b for a, b in zip(ranks[2], ranks[3])]])
+            ranks = [rank_gradients(model, position, rank, self.size, bucket) for rank in range(self.size)]
+            hosts_by_bucket.append([[functools.reduce(torch.add, tensors) for tensors in zip(*(ranks[r] for r in host))]
+                                    for host in self.hosts])  # in rank order, as the reduce onto the leader sums
         if learner.in_full_precision_warm_start():
-            return [torch.cat([(a + b).reshape(-1) for a, b in zip(*hosts)]) for hosts in hosts_by_bucket]
+            return [torch.cat([functools.reduce(torch.add, tensors).reshape(-1) for tensors in zip(*hosts)])
+                    for hosts in hosts_by_bucket]
         if self.case == "quantized":
             return [reference.step(hosts) for reference, hosts in zip(self.quantized, hosts_by_bucket)]
 
@@ -122,13 +131,13 @@ class Reference:
                 flat = torch.cat([tensor.reshape(-1) for tensor in hosts[comm.rank]])
                 results.append(flat_strategy.allreduce_(index, flat, bucket.shapes).clone())
             return results
-        return FakeWorld(2).run(exchange)[0]
+        return FakeWorld(len(self.hosts)).run(exchange)[0]
 
 
 def check_case(comm, case: str) -> dict:
     model, learner = build(comm, case, seed=comm.rank)  # different per rank: prepare() broadcasts rank 0's
     learner.prepare(model)
-    reference = Reference(case, learner)
+    reference = Reference(case, learner, comm.size)
     seen: dict = {}
 
     def expect(position: int) -> None:
@@ -169,7 +178,10 @@ def check_resume(comm, case: str) -> None:
 
 
 def main() -> None:
-    comm = create_communicator(backend="gloo", timeout_s=60, hierarchical=False)
+    comm = create_communicator(backend=sys.argv[1] if len(sys.argv) > 1 else "gloo", timeout_s=60, hierarchical=False)
+    if comm.size % 2:  # what a launcher reports for unequal nodes: ranks 0 and 1 on one, the last rank alone
+        comm.node_label = f"node-{comm.rank // 2}"
+        comm._local_rank, comm._local_size = comm.rank % 2, min(2, comm.size - 2 * (comm.rank // 2))
     install_fail_fast(comm)
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
     cases = ("quantized", "powersgd")

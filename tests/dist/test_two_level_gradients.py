@@ -33,6 +33,24 @@ def test_every_step_is_the_reference_and_identical_on_every_rank(launch: CheckLa
     assert other["sent"] > 0  # a non-leader sends its gradient to the leader
 
 
+@pytest.fixture(scope="module")
+def launch_unequal(tmp_path_factory) -> CheckLaunch:
+    """The same checks on 3 ranks over MPI: hosts of 2 ranks and of 1 (``comm.ranks_per_host=2``)."""
+    return launch_checks(3, [WORKER, "mpi"], tmp_path_factory.mktemp("two_level_gradients_unequal"), timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["quantized", "powersgd"])
+def test_unequal_hosts_over_mpi_step_as_the_reference(launch_unequal: CheckLaunch, case: str) -> None:
+    """Hosts of 2 and 1 ranks on the MPI backend: every step the reference's (host sums of 2 and of 1), one
+    model on every rank; the lone rank leads its host and sends only between hosts."""
+    results = launch_unequal.results(case)
+    assert [result["leader"] for result in results] == [True, False, True]
+    assert all(between > 0 for between in results[2]["between"]) and set(results[1]["between"]) == {0}
+    launch_unequal.results(f"resume_{case}")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("case", ["quantized", "powersgd"])
