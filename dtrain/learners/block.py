@@ -188,8 +188,13 @@ class BlockLearner(Learner):
         steps are the syncs (e.g. PowerSGD's start counts syncs)."""
         super().plan(facts)
         if self.block_size_is_auto:
-            self.set_block_size(auto_block_size(facts, self.model_replicas()))
+            self.set_block_size(self.auto_block_size(facts))
         self.exchange.plan(facts, steps=self.expected_syncs(facts), step_name="sync")
+
+    def auto_block_size(self, facts: RunFacts) -> int:
+        """What ``block_size="auto"`` stands for in a run of ``facts`` (the warm start is known by now):
+        :func:`auto_block_size` (CNTK's bound for block momentum) here."""
+        return auto_block_size(facts, self.model_replicas())
 
     def expected_syncs(self, facts: RunFacts) -> int | None:
         """The syncs a run of ``facts`` makes after the warm start (None when its length is unknown):
