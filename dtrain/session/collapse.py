@@ -35,7 +35,7 @@ CHANCE_FRACTION = 0.9
 #: the running average ending at RISE_FACTOR times its lowest or more, and higher by RISE_FRACTION of ln C
 #: or more: training became unstable (told as a warning at the end)
 RISE_FACTOR = 2.0
-RISE_FRACTION = 0.1
+RISE_FRACTION = 0.25
 #: a final test pass at chance after the running average reached this fraction of ln C: it had learned
 LEARNED_FRACTION = 0.85
 #: a final test pass at chance after the running average reached this multiple of ln C, and rose by
@@ -230,7 +230,7 @@ class CollapseWatch:
 
     def rise_at_the_end(self, comm) -> tuple[float, float] | None:
         """``(final, lowest)`` running average when training ended well above its best (at least twice the
-        lowest and higher by a tenth of ``ln C``): the run became unstable and its model is worse than it
+        lowest and higher by a quarter of ``ln C``): the run became unstable and its model is worse than it
         was. ``None`` otherwise, when the task is not judged, or after fewer than 20 minibatches. A collective
         when several ranks run."""
         if not self.watching(comm) or self._minibatches < END_RULES_MINIBATCHES:

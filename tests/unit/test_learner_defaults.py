@@ -362,7 +362,8 @@ def test_a_progress_period_mean_counts_as_where_the_loss_had_been():
     assert watch.judge_evaluation(2.30, 0.10, LocalCommunicator()) == "diverged"
 
 
-@pytest.mark.parametrize("tail, rose", [([1.2] * 100, True), ([0.25] * 100, False), ([0.3] * 3, False)])
+@pytest.mark.parametrize("tail, rose", [([1.2] * 100, True), ([0.25] * 100, False), ([0.3] * 3, False),
+                                        ([0.7] * 100, False)])  # 3.5 times, but only 0.22 ln 10 higher
 def test_a_training_loss_that_ends_far_above_its_best_is_noticed(tail, rose):
     from dtrain.comm import LocalCommunicator
 
