@@ -7,11 +7,12 @@ a NaN check does not see it, because every number stays finite. :class:`Collapse
 the training loss per minibatch ON the device (no synchronisation per step) and, at progress
 points and after the test pass, answers whether the run collapsed: the loss had clearly fallen
 below chance (an exponential average at most half of ``ln C``) and has come back to it (a whole
-progress period's mean loss at 90% of ``ln C`` or more), or the final test pass is at chance (loss
-at 90% of ``ln C`` or more, accuracy at most ``2 / C``) after the loss had left chance either way:
-fallen to 85% of ``ln C`` or less, or diverged to 150% or more (and half of ``ln C`` above where it started),
-judged after 20 minibatches or more (after fewer, only a fall to half of ``ln C`` counts). A test pass at chance after a loss
-that never left it is "never learned": told, not raised (a smoke test of a few minibatches is one).
+progress period's mean loss at 90% of ``ln C`` or more); or the final test pass is at chance (loss
+at 90% of ``ln C`` or more, accuracy at most ``2 / C``) after that fall, or, after 20 minibatches or
+more and with the training loss back at chance too, after a smaller fall (to 85% of ``ln C``) or a
+divergence (to 150% of it, half of ``ln C`` above where it started). What is told in the summary
+instead of refused: a test at chance after a loss that never left chance (a smoke run of a few
+minibatches is one), a model that does not generalise, and a loss that ends at twice its best.
 
 Only classification is watched: a 2-D output of C >= 2 columns, integer class labels and a loss
 that gives a uniform prediction ``ln C`` (cross-entropy), or a sequence of class ids per step
