@@ -100,6 +100,7 @@ class LossRecord(NamedTuple):
     highest: float
     first: float
     final: float
+    minibatches: int  # observed, the fewest of any rank
 
 
 class CollapseWatch:
@@ -121,7 +122,7 @@ class CollapseWatch:
         self._lowest = torch.tensor(math.inf, dtype=torch.float64, device=device)
         self._highest = torch.tensor(-math.inf, dtype=torch.float64, device=device)
         self._first = torch.tensor(-math.inf, dtype=torch.float64, device=device)  # the first minibatch's loss
-        self._minibatches = 0  # observed (the same count on every rank: they step together)
+        self._minibatches = 0  # observed on this rank (one without samples in a minibatch observes none)
         # progress periods' mean losses (all ranks'), lowest and highest: with large minibatches the running
         # average spans a good part of the run and smooths a short fall or a divergence away
         self._period_extremes = (math.inf, -math.inf)
@@ -200,16 +201,18 @@ class CollapseWatch:
 
     def record(self, comm) -> LossRecord:
         """Where the training loss has been (:class:`LossRecord`): of the running average, the largest
-        lowest, the smallest highest, the largest first and the smallest final over ranks (so every rank
-        judges alike, on what all saw), with the progress periods' means (the same on every rank) in the
-        lowest and highest. One collective when several ranks run."""
+        lowest, the smallest highest, the largest first and the smallest final over ranks, and the fewest
+        minibatches observed (so every rank judges alike, on what all saw), with the progress periods'
+        means (the same on every rank) in the lowest and highest. One collective when several ranks run."""
         self._fold()
         final = self._average if self._average is not None else torch.tensor(-math.inf, dtype=torch.float64)
-        values = torch.stack([self._lowest, -self._highest, self._first, -final.to(self._lowest.device)])
+        count = torch.tensor(float(self._minibatches), dtype=torch.float64, device=self._lowest.device)
+        values = torch.stack([self._lowest, -self._highest, self._first, -final.to(self._lowest.device), -count])
         if comm.size > 1:
             values = comm.allreduce(values.to(comm.device), op="max")
-        lowest, highest, first, final = (float(value) for value in values)
-        return LossRecord(min(lowest, self._period_extremes[0]), max(-highest, self._period_extremes[1]), first, -final)
+        lowest, highest, first, final, count = (float(value) for value in values)
+        return LossRecord(min(lowest, self._period_extremes[0]), max(-highest, self._period_extremes[1]), first, -final,
+                          int(-count))
 
     def watching(self, comm) -> bool:
         """Whether a collapse can be judged (classification on every rank; a collective when several run)."""
@@ -234,9 +237,11 @@ class CollapseWatch:
         lowest and higher by a quarter of ``ln C``): the run became unstable and its model is worse than it
         was. ``None`` otherwise, when the task is not judged, or after fewer than 20 minibatches. A collective
         when several ranks run."""
-        if not self.watching(comm) or self._minibatches < END_RULES_MINIBATCHES:
+        if not self.watching(comm):
             return None
-        record = self.record(comm)
+        record = self.record(comm)  # on every rank alike (a collective), before any rank may decline
+        if record.minibatches < END_RULES_MINIBATCHES:
+            return None
         lowest = min(record.lowest, record.final)  # (the lowest running average, not a period's mean)
         if record.final >= RISE_FACTOR * lowest and record.final >= lowest + RISE_FRACTION * self.chance_loss:
             return record.final, lowest
@@ -264,7 +269,7 @@ class CollapseWatch:
             return "fallen"
         # the rules for a smaller fall or a divergence ask more: enough minibatches, and the training loss
         # itself back at chance at the end (a hard task that overfits ends low on training data)
-        if self._minibatches >= END_RULES_MINIBATCHES and record.final >= CHANCE_FRACTION * self.chance_loss:
+        if record.minibatches >= END_RULES_MINIBATCHES and record.final >= CHANCE_FRACTION * self.chance_loss:
             if record.lowest <= LEARNED_FRACTION * self.chance_loss:
                 return "fallen"
             if (record.highest >= DIVERGED_FRACTION * self.chance_loss

@@ -76,7 +76,11 @@ class FakeComm:
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.allreduce_calls += 1
-        total = torch.stack(self.allgather(tensor)).sum(0)
+        gathered = torch.stack(self.allgather(tensor))
+        if op in ("max", "min"):
+            tensor.copy_(gathered.amax(0) if op == "max" else gathered.amin(0))
+            return tensor
+        total = gathered.sum(0)
         tensor.copy_(total / self.size if op == "mean" else total)
         return tensor
 

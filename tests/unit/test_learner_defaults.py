@@ -373,3 +373,18 @@ def test_a_training_loss_that_ends_far_above_its_best_is_noticed(tail, rose):
         assert final == pytest.approx(1.2, abs=0.01) and lowest == pytest.approx(0.2, abs=1e-3)
     else:
         assert rise is None
+
+
+def test_ranks_that_observed_different_numbers_of_minibatches_judge_alike_without_hanging():
+    """A rank without samples in some minibatches observes fewer losses; the end-of-run judgements are still
+    one collective on every rank, with the fewest minibatches any rank saw (a rank that declined early on
+    its own count left the others waiting in the collective: a hang under mpiexec)."""
+    from tests.helpers.thread_world import FakeWorld
+
+    def work(comm):
+        watch = _watch_after([2.3] * 20 + [0.2] * 200 + [1.2] * (100 if comm.rank == 0 else 1))
+        return watch.rise_at_the_end(comm), watch.record(comm).minibatches, watch.judge_evaluation(2.3, 0.1, comm)
+
+    first, second = FakeWorld(2).run(work)
+    assert first == second  # the same verdicts on both ranks
+    assert first[1] == 221  # the fewest minibatches of any rank
