@@ -32,6 +32,7 @@ from dtrain.exchange import Quantized
 from dtrain.learners import TwoLevelBlockMomentumLearner, TwoLevelDiLoCoLearner, TwoLevelLocalSGDLearner
 from dtrain.learners.base import RunFacts, auto_warm_start
 from dtrain.learners.block import auto_block_size
+from dtrain.learners.diloco import auto_diloco_block_size
 
 TOLERANCE = 1e-5
 GLOBAL_SIZES = [16] * 16
@@ -137,15 +138,19 @@ def check_host_step(comm) -> float:
 
 
 def check_auto_block_size(comm) -> int:
-    """``block_size="auto"`` takes N = the hosts (the models that train apart), not the ranks."""
+    """Block momentum's ``block_size="auto"`` takes N = the hosts (the models that train apart), not the ranks;
+    DiLoCo's own (20 syncs after the warm start) does not depend on N."""
     facts = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
     model = make_model(0)
-    learner = TwoLevelDiLoCoLearner(torch.optim.AdamW(model.parameters()), comm, ranks_per_host=2)
+    learner = TwoLevelBlockMomentumLearner(torch.optim.SGD(model.parameters(), lr=0.05), comm, ranks_per_host=2)
     learner.plan(facts)
     assert auto_block_size(facts, 2) != auto_block_size(facts, 4)  # so the test can tell them apart
     assert learner.block_size == auto_block_size(facts, 2), learner.block_size
     assert learner.sync_period == learner.block_size // 4  # the job's ranks share each block
     assert learner.distributed_after == auto_warm_start(facts)
+    diloco = TwoLevelDiLoCoLearner(torch.optim.AdamW(make_model(0).parameters()), comm, ranks_per_host=2)
+    diloco.plan(facts)
+    assert diloco.block_size == auto_diloco_block_size(facts, auto_warm_start(facts), 2) == 1120, diloco.block_size
     return learner.block_size
 
 
