@@ -242,9 +242,9 @@ class CollapseWatch:
         record = self.record(comm)  # on every rank alike (a collective), before any rank may decline
         if record.minibatches < END_RULES_MINIBATCHES:
             return None
-        lowest = min(record.lowest, record.final)  # (the lowest running average, not a period's mean)
-        if record.final >= RISE_FACTOR * lowest and record.final >= lowest + RISE_FRACTION * self.chance_loss:
-            return record.final, lowest
+        lowest, final = record.lowest, record.final  # (the lowest running average or progress period's mean)
+        if final >= RISE_FACTOR * lowest and final >= lowest + RISE_FRACTION * self.chance_loss:
+            return final, lowest
         return None
 
     def judge_evaluation(self, loss: float, accuracy: float | None, comm) -> str | None:

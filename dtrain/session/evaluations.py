@@ -76,10 +76,11 @@ class EvaluationPasses:
         unstable without reaching chance or NaN: its model is worse than the one it had)."""
         rise = self._collapse.rise_at_the_end(self.comm)
         if rise is not None:
+            final, lowest = rise
+            times = f"{final / lowest:.1f} times its lowest" if lowest > 0 else "above its lowest"  # a loss may reach 0
             self._end_warnings.append(
-                f"warning: the training loss ended at {rise[0]:.4f} (running average), {rise[0] / rise[1]:.1f} times "
-                f"its lowest ({rise[1]:.4f}): training became unstable and the final model is worse than it was; "
-                f"{self._advice()}")
+                f"warning: the training loss ended at {final:.4f} (running average), {times} ({lowest:.4f}): "
+                f"training became unstable and the final model is worse than it was; {self._advice()}")
 
     def _test_pass(self, model: torch.nn.Module, metrics: MetricsWriter, kind: str, samples_seen: int) -> Evaluation:
         """One test pass of ``model``, written to the metrics as ``kind`` (``test`` or ``test_ema``)."""

@@ -389,3 +389,17 @@ def test_ranks_that_observed_different_numbers_of_minibatches_judge_alike_withou
     first, second = FakeWorld(2).run(work)
     assert first == second  # the same verdicts on both ranks
     assert first[1] == 221  # the fewest minibatches of any rank
+
+
+@pytest.mark.parametrize("lowest, said", [(0.25, "6.0 times its lowest (0.2500)"), (0.0, "above its lowest (0.0000)")])
+def test_the_rise_warning_reads_well_even_after_a_loss_of_exactly_zero(lowest, said):
+    """A training loss can underflow to 0: the warning then says "above", where a ratio would divide by zero."""
+    from types import SimpleNamespace
+
+    from dtrain.session.evaluations import EvaluationPasses
+
+    session = SimpleNamespace(_collapse=SimpleNamespace(rise_at_the_end=lambda comm: (1.5, lowest)), comm=None,
+                              _end_warnings=[], _advice=lambda: "lower optimizer.lr")
+    EvaluationPasses._note_a_rise_at_the_end(session)
+    assert session._end_warnings == [f"warning: the training loss ended at 1.5000 (running average), {said}: training "
+                                     "became unstable and the final model is worse than it was; lower optimizer.lr"]
