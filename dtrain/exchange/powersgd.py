@@ -212,11 +212,12 @@ class PowerSGD(ThreadedExchange):
             for q in qs:
                 orthogonalize_(q, self.orthogonalization_epsilon)
         else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.rng.randint(1_000_000_000))
-                for q in qs:
-                    q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
-                    orthogonalize_(q, self.orthogonalization_epsilon)
+            # a private generator, seeded as the hook seeds the global one: the same draws, and the
+            # exchange thread never touches the generator the training thread (dropout) draws from
+            generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype, generator=generator))
+                orthogonalize_(q, self.orthogonalization_epsilon)
         for matrix, q, p in zip(matrices, qs, ps):
             torch.bmm(matrix, q, out=p)
 

@@ -290,3 +290,41 @@ def test_residuals_restored_before_a_block_learners_plan_turns_error_feedback_of
     with pytest.warns(RuntimeWarning, match="^use_error_feedback=false: the error-feedback residuals"):
         resumed.plan(DIGITS_RUN, steps=44, step_name="sync")
     assert not resumed.use_error_feedback and not resumed.state_dict()["errors"]
+
+
+def test_powersgds_first_q_comes_from_its_own_seed_and_never_reseeds_the_global_generator(monkeypatch):
+    """The exchange runs on a worker thread while the training thread may draw (dropout): reseeding the
+    global generator there raced two threads (a flaky two-level test) and could hand the training thread
+    the exchange's numbers. The draw equals torch's hook (global generator seeded from the same
+    ``RandomState``) without touching the global one."""
+    import numpy as np
+
+    shapes = [torch.Size([12, 10])]  # compressed: rank 2 sends 44 numbers for 120
+    gradient = torch.randn(120, generator=torch.Generator().manual_seed(3))
+
+    def compressed(comm):
+        exchange = PowerSGD(matrix_approximation_rank=2, start_powersgd_iter=0, use_error_feedback=False,
+                            random_seed=4)
+        exchange.bind(comm)
+        exchange.begin_step()
+        result = exchange.start(0, gradient.clone(), shapes).wait().clone()
+        exchange.close()
+        return result
+
+    with torch.random.fork_rng(devices=[]):  # the hook's draw, written out: the expected value
+        torch.manual_seed(int(np.random.RandomState(4).randint(1_000_000_000)))
+        q = torch.randn(10, 2)
+    from dtrain.exchange.powersgd import orthogonalize_
+    orthogonalize_(q.unsqueeze(0), 0.0)
+    matrix = gradient.view(12, 10)
+    p = matrix @ q
+    orthogonalize_(p.unsqueeze(0), 0.0)
+    expected = (p @ (matrix.t() @ p).t()).reshape(-1)
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the exchange reseeded the global generator")
+    monkeypatch.setattr(torch, "manual_seed", refuse)
+    before = torch.get_rng_state()
+    got = FakeWorld(1).run(compressed)[0]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.allclose(got, expected, atol=1e-6), float((got - expected).abs().max())
