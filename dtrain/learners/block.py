@@ -129,6 +129,7 @@ class BlockLearner(Learner):
         self.local_learning_rate = local_learning_rate
         self.reset_sgd_momentum_after_aggregation = bool(reset_sgd_momentum_after_aggregation)
         self.block_size = self.sync_period = 0
+        self._restored_block_size: int | None = None  # what "auto" stood for in the run a checkpoint began
         if not self.block_size_is_auto:
             self.set_block_size(int(block_size))
 
@@ -188,7 +189,9 @@ class BlockLearner(Learner):
         steps are the syncs (e.g. PowerSGD's start counts syncs)."""
         super().plan(facts)
         if self.block_size_is_auto:
-            self.set_block_size(self.auto_block_size(facts))
+            # a resumed run keeps the block it was planned with (DiLoCo's depends on max_samples)
+            restored = self._restored_block_size
+            self.set_block_size(restored if restored is not None else self.auto_block_size(facts))
         self.exchange.plan(facts, steps=self.expected_syncs(facts), step_name="sync")
 
     def auto_block_size(self, facts: RunFacts) -> int:
@@ -218,7 +221,10 @@ class BlockLearner(Learner):
     def describe(self) -> str:
         """The warm start, the block size and sync period, the subclass's part and the exchange."""
         self._require_block_size()
-        auto = self.describe_auto_block_size() if self.block_size_is_auto else ""
+        auto = ""
+        if self.block_size_is_auto:
+            auto = (" (auto, as planned when the run began)" if self._restored_block_size is not None
+                    else self.describe_auto_block_size())
         own = self.describe_block()
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker "
                 f"between syncs{', ' + own if own else ''}, exchange {self.exchange.describe()}")
@@ -497,6 +503,8 @@ class BlockLearner(Learner):
             "global_samples_in_block": self.global_samples_in_block,
             "largest_share_in_block": self.largest_share_in_block,
             "syncs": self.syncs,
+            "block_size": self.block_size,  # what "auto" stood for, kept by a resume at the same replicas
+            "replicas": self.model_replicas(),
         }
         return state
 
@@ -520,6 +528,8 @@ class BlockLearner(Learner):
         self.global_samples_in_block = int(block["global_samples_in_block"])
         self.largest_share_in_block = int(block["largest_share_in_block"])
         self.syncs = int(block["syncs"])
+        if self.block_size_is_auto and block.get("block_size") and block.get("replicas") == self.model_replicas():
+            self._restored_block_size = int(block["block_size"])  # plan() keeps it, whatever max_samples is now
         if block["prev_parameters"] is None:
             return
         outer = block["smoothed_gradient"] if self.keeps_outer_state else None

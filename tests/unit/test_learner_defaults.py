@@ -322,6 +322,32 @@ def test_a_resumed_run_keeps_the_warm_start_it_was_planned_with():
     assert resumed.distributed_after == first.distributed_after == 7520
 
 
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_resumed_diloco_run_keeps_its_automatic_block_at_the_same_world_size(replicas):
+    """DiLoCo's automatic block is a twentieth of the steps after the warm start: a run resumed with a
+    larger max_samples (kept warm start) would otherwise sync on another schedule than the one it began."""
+    from dtrain.learners import DiLoCoLearner
+
+    def learner(size: int) -> DiLoCoLearner:
+        return DiLoCoLearner(torch.optim.AdamW(nn.Linear(4, 3).parameters()), _Comm(size))
+
+    first = learner(2)
+    first.plan(RunFacts(samples_per_sweep=1500, max_samples=15000, minibatch_size=32))
+    resumed = learner(replicas)
+    resumed.load_state_dict(first.state_dict())
+    longer = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
+    resumed.plan(longer)
+    fresh = learner(replicas)
+    fresh.distributed_after = first.distributed_after
+    fresh_block = fresh.auto_block_size(longer)
+    assert fresh_block != first.block_size  # the longer run alone would derive another block
+    if replicas == 2:
+        assert resumed.block_size == first.block_size == 544
+        assert "as planned when the run began" in resumed.describe()
+    else:  # another world size re-derives the block, as a fresh plan would
+        assert resumed.block_size == fresh_block
+
+
 def _watch_after(losses, size=4, classes=10):
     """A collapse watch that saw ``losses``, one minibatch of ``size`` samples each, of a ``classes``-way task."""
     from dtrain.session.collapse import CollapseWatch
