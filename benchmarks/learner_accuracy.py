@@ -124,12 +124,18 @@ def main() -> None:
         names = ["data_parallel", *names]  # the reference every gap is measured against
     if args.recipe == "digits" and args.samples is None:
         args.samples = 30000
-    data_root = None
-    if args.recipe in BENCHMARK_RECIPES:
-        import conv1d_task
+    if args.recipe not in BENCHMARK_RECIPES:
+        print_table(args, names, None)
+        return
+    import conv1d_task
 
-        data_root = tempfile.mkdtemp(prefix="conv1d_task_")
+    with tempfile.TemporaryDirectory(prefix="conv1d_task_") as data_root:  # removed at the end, or on Ctrl-C
         conv1d_task.write_arrays(Path(data_root))
+        print_table(args, names, data_root)
+
+
+def print_table(args, names: list[str], data_root: str | None) -> None:
+    """Runs every row at every world size and seed, printing each row as it completes."""
     length = f"{args.samples:,} samples" if args.samples else "the recipe's samples"
     print(f"{args.recipe} recipe, {length}, median {RECIPES[args.recipe][0]} over seeds {args.seeds} "
           f"[each seed], gap to data_parallel")
