@@ -16,8 +16,9 @@ backward, step, and ``loss.item()`` kept for logging. The session runs as the CL
 the perplexity metric, progress lines, metrics files); only checkpoints are off. Rounds alternate
 which side runs first; the table gives the medians and the median of the per-round ratios.
 
-Padding: one sweep of the G2P recipe's training minibatches (2,048 target phonemes each) as the
-recipe reads them (``length_bucketing: 2048``) and without bucketing; padding is the share of the
+Padding: one sweep of the G2P recipe's training minibatches (its ``session.minibatch_size`` target
+phonemes each, read from ``recipes/cmudict_g2p.yaml``) as the recipe reads them (its
+``length_bucketing``) and without bucketing; padding is the share of the
 padded ``[n, T]`` target positions that hold no phoneme (what the model computes for nothing).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import io
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -102,21 +104,27 @@ def throughput(args: argparse.Namespace) -> None:
 
 
 def padding() -> None:
+    from omegaconf import OmegaConf
+
     from dtrain.data import CMUDict
 
+    recipe = OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "cmudict_g2p.yaml")
+    size = int(recipe.session.minibatch_size)
+    bucketing = int(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "source" / "cmudict.yaml")
+                    .train.length_bucketing)
     data = CMUDict("train")
-    print("G2P: one sweep of training minibatches of 2,048 target phonemes (phonemes[1:])")
+    print(f"G2P: one sweep of training minibatches of {size:,} target phonemes (phonemes[1:]), the recipe's")
     print(f"{'length_bucketing':>17} {'minibatches':>12} {'padding':>8}")
-    for bucketing in (0, 2048):
+    for setting in (0, bucketing):
         source = MinibatchSource(data, randomize=True, max_sweeps=1, defining_stream="phonemes[1:]",
-                                 length_bucketing=bucketing)
+                                 length_bucketing=setting)
         padded = real = minibatches = 0
-        while (batch := source.next_minibatch(2048)) is not None:
+        while (batch := source.next_minibatch(size)) is not None:
             lengths = batch["phonemes"].lengths - 1  # the target phonemes[1:]
             padded += len(lengths) * int(lengths.max())
             real += int(lengths.sum())
             minibatches += 1
-        print(f"{bucketing:>17} {minibatches:>12,} {100 * (1 - real / padded):>7.1f}%")
+        print(f"{setting:>17} {minibatches:>12,} {100 * (1 - real / padded):>7.1f}%")
 
 
 def main() -> None:
