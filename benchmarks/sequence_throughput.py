@@ -17,7 +17,7 @@ the perplexity metric, progress lines, metrics files); only checkpoints are off.
 which side runs first; the table gives the medians and the median of the per-round ratios.
 
 Padding: one sweep of the G2P recipe's training minibatches (its ``session.minibatch_size`` target
-phonemes each, read from ``recipes/cmudict_g2p.yaml``) as the recipe reads them (its
+phonemes each, from the composed ``+recipe=cmudict_g2p``) as the recipe reads them (its
 ``length_bucketing``) and without bucketing; padding is the share of the
 padded ``[n, T]`` target positions that hold no phoneme (what the model computes for nothing).
 """
@@ -28,7 +28,6 @@ import io
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -104,14 +103,16 @@ def throughput(args: argparse.Namespace) -> None:
 
 
 def padding() -> None:
-    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_dir
 
+    from dtrain.config import register_schemas
     from dtrain.data import CMUDict
+    from dtrain.help import config_dir
 
-    recipe = OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "cmudict_g2p.yaml")
-    size = int(recipe.session.minibatch_size)
-    bucketing = int(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "source" / "cmudict.yaml")
-                    .train.length_bucketing)
+    register_schemas()  # as the CLI does before composing
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):  # the recipe as a user gets it
+        recipe = compose("config", overrides=["+recipe=cmudict_g2p"])
+    size, bucketing = int(recipe.session.minibatch_size), int(recipe.source.train.length_bucketing)
     data = CMUDict("train")
     print(f"G2P: one sweep of training minibatches of {size:,} target phonemes (phonemes[1:]), the recipe's")
     print(f"{'length_bucketing':>17} {'minibatches':>12} {'padding':>8}")
