@@ -39,7 +39,7 @@ from dtrain.optim.torch_settings import AdamConfig, AdamWConfig, SGDConfig
 from dtrain.rules import RULES, Rule, StrictBool, key_problems as _check, plain as _plain, register_rule
 from dtrain.session.batchnorm import batchnorm_setting_problems
 from dtrain.session.objective_settings import (ClassificationErrorConfig, CrossEntropyLossConfig,
-                                               GreedyDecodingErrorsConfig, MeanAbsoluteErrorConfig, MSELossConfig,
+                                               DecodingErrorsConfig, MeanAbsoluteErrorConfig, MSELossConfig,
                                                PerplexityConfig, SequenceCrossEntropyConfig, SequenceErrorConfig,
                                                TopKErrorConfig)
 from dtrain.session.configs import restore_from_problems
@@ -117,7 +117,7 @@ _SCHEMAS = {
     ("schema/metric", "top5_error"): TopKErrorConfig,
     ("schema/metric", "mean_abs_error"): MeanAbsoluteErrorConfig,
     ("schema/metric", "perplexity"): PerplexityConfig,
-    ("schema/metric", "wer"): GreedyDecodingErrorsConfig,
+    ("schema/metric", "wer"): DecodingErrorsConfig,
 }
 
 

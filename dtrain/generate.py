@@ -6,7 +6,8 @@
 The run directory's ``config.yaml`` rebuilds the model and the training data (for its vocabulary);
 the weights come from ``model.safetensors``. A language model (a model with ``generate``) samples
 ``--tokens`` characters after ``--prompt``; a model with ``greedy_decode`` over CMUDict's letters
-prints each ``--words`` word's phonemes.
+prints each ``--words`` word's phonemes, decoded as the run's test pass decodes (its
+``metric.beam_size``) unless ``--beam`` says otherwise.
 """
 from __future__ import annotations
 
@@ -53,7 +54,15 @@ def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_
     return data.decode(out[0].tolist())
 
 
-def _pronounce(model, words: list[str]) -> str:
+def _run_beam_size(run_dir: str | Path) -> int:
+    """The beam the run's decoding metric used (1, greedy, when it has none)."""
+    from omegaconf import OmegaConf
+
+    metric = OmegaConf.load(Path(run_dir) / "config.yaml").get("metric") or {}
+    return int(metric.get("beam_size", 1) or 1)
+
+
+def _pronounce(model, words: list[str], beam_size: int) -> str:
     from dtrain.data.cmudict import GRAPHEMES, PHONEMES, spelling
     from dtrain.data.streams import Sequences
 
@@ -64,7 +73,8 @@ def _pronounce(model, words: list[str]) -> str:
         if unknown:
             raise ValueError(f"word {word!r} has letters {''.join(unknown)!r} outside CMUDict's {GRAPHEMES!r}")
         ids = torch.tensor([spelling(spelled)])
-        output = model.greedy_decode(Sequences(ids, torch.tensor([len(spelled)])))[0]
+        source = Sequences(ids, torch.tensor([len(spelled)]))
+        output = (model.greedy_decode(source) if beam_size == 1 else model.beam_decode(source, beam_size))[0]
         lines.append(f"{word}\t{' '.join(PHONEMES[i - 3] if 3 <= i < 3 + len(PHONEMES) else '?' for i in output)}")
     return "\n".join(lines)
 
@@ -78,15 +88,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest characters only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--words", nargs="+", help="words to pronounce (grapheme-to-phoneme models)")
+    parser.add_argument("--beam", type=int, default=None,
+                        help="hypotheses of the beam search for --words (1: greedy; default: the run's metric.beam_size)")
     args = parser.parse_args(argv)
     try:
         if args.tokens < 1:
             raise ValueError(f"--tokens {args.tokens}: expected a positive number of characters")
+        if args.beam is not None and args.beam < 1:
+            raise ValueError(f"--beam {args.beam}: expected a positive number of hypotheses (1 decodes greedily)")
         model, data = load_run(args.run_dir)
         if args.words:
             if not hasattr(model, "greedy_decode"):
                 raise ValueError(f"--words: the run's model {type(model).__name__} does not decode words")
-            print(_pronounce(model, args.words))
+            beam_size = args.beam if args.beam is not None else _run_beam_size(args.run_dir)
+            if beam_size > 1 and not hasattr(model, "beam_decode"):
+                raise ValueError(f"--beam {beam_size}: the run's model {type(model).__name__} has no beam search; "
+                                 f"--beam 1 decodes greedily")
+            print(_pronounce(model, args.words, beam_size))
         else:
             if not hasattr(model, "generate"):
                 raise ValueError(f"the run's model {type(model).__name__} does not sample text; --words pronounces "

@@ -3,7 +3,8 @@
 Pre-norm ``torch.nn.TransformerEncoder``/``TransformerDecoder`` layers over learned token and
 position embeddings; the decoder's read-out is tied to its token embedding. ``forward(source,
 decoder_input)`` is teacher forcing (logits for every step of ``decoder_input``); ``greedy_decode``
-generates from ``<s>`` until ``</s>``, one step at a time, for the test pass's error rates.
+and ``beam_decode`` generate from ``<s>`` until ``</s>``, one step at a time, for the evaluation
+passes' error rates.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class Seq2SeqTransformer(nn.Module):
         width, heads, encoder_layers, decoder_layers, feedforward: the transformer's sizes.
         dropout: on attention, feed-forward and embeddings.
         context_length: the longest source or target sequence the learned positions cover.
-        begin, end: the target's ``<s>`` and ``</s>`` ids (what ``greedy_decode`` starts from and stops at).
+        begin, end: the target's ``<s>`` and ``</s>`` ids (what the decoders start from and stop at).
 
     Raises:
         ValueError: a size that is not a positive whole number, ``width`` not divisible by ``heads``,
@@ -105,4 +106,77 @@ class Seq2SeqTransformer(nn.Module):
                 tokens = torch.cat([tokens[keep], chosen[keep, None]], dim=1)
         finally:
             self.train(was_training)
+        return outputs
+
+    @torch.no_grad()
+    def beam_decode(self, source: Sequences, beam_size: int = 4, max_steps: int | None = None) -> list[list[int]]:
+        """Each source's likeliest output found by a beam search of ``beam_size`` hypotheses: the
+        output (``</s>`` excluded) with the largest summed log-probability among those the beam reached.
+
+        At each step every live hypothesis is extended by every token; of the ``2 * beam_size`` best
+        extensions, those ending in ``</s>`` among the first ``beam_size`` are finished outputs and
+        the best ``beam_size`` others stay in the beam. A source is done when its best finished
+        output scores at least its best live hypothesis (extending a hypothesis only lowers its
+        score, so nothing left can beat it). ``beam_size=1`` is exactly :meth:`greedy_decode`.
+        A source with no finished output after ``max_steps`` returns its best live hypothesis.
+
+        Raises:
+            ValueError: ``beam_size`` not a positive whole number.
+        """
+        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+            raise ValueError(f"beam_size={beam_size!r}: expected a positive whole number of hypotheses")
+        was_training = self.training
+        self.eval()
+        try:
+            return self._beam_search(source, beam_size, max_steps)
+        finally:
+            self.train(was_training)
+
+    def _beam_search(self, source: Sequences, k: int, max_steps: int | None) -> list[list[int]]:
+        memory, source_padding = self.encode(source)
+        n, device = memory.shape[0], memory.device
+        limit = min(max_steps or self.context_length - 1, self.context_length - 1)
+        best: list[tuple[float, list[int]] | None] = [None] * n  # each source's best finished output
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        rows = torch.arange(n, device=device)  # the sources still searching
+        memory, source_padding = memory.repeat_interleave(k, 0), source_padding.repeat_interleave(k, 0)
+        tokens = torch.full((n * k, 1), self.begin, dtype=torch.int64, device=device)
+        scores = torch.full((n, k), float("-inf"), device=device)
+        scores[:, 0] = 0.0  # one live hypothesis, <s>, until the first step fans out
+        ranks = torch.arange(2 * k, device=device)
+        for _ in range(limit):
+            log_probs = torch.log_softmax(self.decode(memory, source_padding, tokens)[:, -1].float(), dim=-1)
+            vocab = log_probs.shape[-1]
+            extended = (scores[:, :, None] + log_probs.view(len(rows), k, vocab)).view(len(rows), k * vocab)
+            top_scores, top = extended.topk(min(2 * k, k * vocab), dim=1)
+            parent, token = top // vocab, top % vocab
+            ends = (token == self.end) & (ranks[:top.shape[1]] < k) & torch.isfinite(top_scores)
+            for i, j in ends.nonzero().tolist():
+                row, score = int(rows[i]), float(top_scores[i, j])
+                if best[row] is None or score > best[row][0]:
+                    hypothesis = int(i * k + parent[i, j])
+                    best[row] = (score, tokens[hypothesis, 1:].tolist())
+            # the beam: the best k extensions that do not end (there are at least k among 2k)
+            order = (ends | (token == self.end)).to(torch.int64).mul(2 * k).add(ranks[:top.shape[1]]).argsort(dim=1)
+            kept = order[:, :k]
+            scores = top_scores.gather(1, kept)
+            chosen_parent = parent.gather(1, kept) + torch.arange(len(rows), device=device)[:, None] * k
+            tokens = torch.cat([tokens[chosen_parent.view(-1)], token.gather(1, kept).view(-1, 1)], dim=1)
+            finished = torch.tensor([best[int(r)] is not None and best[int(r)][0] >= float(s)
+                                     for r, s in zip(rows.tolist(), scores[:, 0].tolist())], device=device)
+            if bool(finished.all()):
+                rows = rows[:0]
+                break
+            if bool(finished.any()):
+                keep = ~finished
+                keep_hypotheses = keep.repeat_interleave(k)
+                rows, scores = rows[keep], scores[keep]
+                tokens, memory = tokens[keep_hypotheses], memory[keep_hypotheses]
+                source_padding = source_padding[keep_hypotheses]
+        for i, row in enumerate(rows.tolist()):  # out of steps: the best finished or live output
+            live = (float(scores[i, 0]), tokens[i * k, 1:].tolist())
+            if best[row] is None or live[0] > best[row][0]:
+                best[row] = live
+        for row in range(n):
+            outputs[row] = best[row][1] if best[row] is not None else []
         return outputs

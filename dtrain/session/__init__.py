@@ -2,13 +2,13 @@
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig
 from dtrain.session.evaluate import Evaluation, classification_errors, evaluate
 from dtrain.session.binding import StreamBinding
-from dtrain.session.decoding import GreedyDecodingErrors
+from dtrain.session.decoding import DecodingErrors, GreedyDecodingErrors
 from dtrain.session.objectives import (ClassificationError, MeanAbsoluteError, MSELoss, Perplexity,
                                       SequenceCrossEntropy, SequenceError, TopKError)
 from dtrain.session.session import TrainingCollapsed, TrainingDiverged, TrainingResult, TrainingSession, training_session
 
 __all__ = [
-    "ClassificationError", "GreedyDecodingErrors", "MSELoss", "MeanAbsoluteError", "Perplexity", "SequenceCrossEntropy", "SequenceError", "StreamBinding",
+    "ClassificationError", "DecodingErrors", "GreedyDecodingErrors", "MSELoss", "MeanAbsoluteError", "Perplexity", "SequenceCrossEntropy", "SequenceError", "StreamBinding",
     "TopKError",
     "CheckpointConfig", "CrossValidationConfig", "Evaluation", "TestConfig", "TrainingCollapsed", "TrainingDiverged",
     "TrainingResult", "TrainingSession", "classification_errors", "evaluate", "training_session",

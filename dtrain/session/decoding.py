@@ -16,7 +16,7 @@ import torch
 from dtrain.data.streams import Sequences, StreamReference
 from dtrain.session.evaluate import wrong_steps
 
-__all__ = ["GreedyDecodingErrors", "edit_distance"]
+__all__ = ["DecodingErrors", "GreedyDecodingErrors", "edit_distance"]
 
 
 def edit_distance(hypothesis: list[int] | tuple[int, ...], reference: list[int] | tuple[int, ...]) -> int:
@@ -30,10 +30,11 @@ def edit_distance(hypothesis: list[int] | tuple[int, ...], reference: list[int] 
     return previous[-1]
 
 
-class GreedyDecodingErrors:
+class DecodingErrors:
     """Word error rate (``wer``: sequences whose decoded output matches no reference) and token error
     rate (``per``: edit distance to the closest reference over that reference's tokens, summed over
-    sequences and divided by the summed reference lengths), from ``model.greedy_decode(source)``.
+    sequences and divided by the summed reference lengths), from ``model.greedy_decode(source)``, or
+    ``model.beam_decode(source, beam_size)`` when ``beam_size`` > 1.
 
     Args:
         source: the stream (or reference) the model decodes from, e.g. ``graphemes``.
@@ -41,6 +42,7 @@ class GreedyDecodingErrors:
             pronunciations is right if it matches any. ``None``: the target itself is the one reference.
         token_name: the name of the token error rate (``per`` for phonemes).
         max_steps: the longest output the decoder may produce (default: the model's limit).
+        beam_size: hypotheses the decoder's beam search keeps; 1 decodes greedily.
         end: the id that ends a target sequence (``</s>``), left out of the reference when the target is it.
 
     In training (``__call__``) the value is the share of sequences with a wrong step under teacher
@@ -51,12 +53,15 @@ class GreedyDecodingErrors:
     per = "sequence"
 
     def __init__(self, source: str, references: Mapping | None = None, name: str = "wer", token_name: str = "per",
-                 max_steps: int | None = None, end: int | None = None) -> None:
+                 max_steps: int | None = None, end: int | None = None, beam_size: int = 1) -> None:
+        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+            raise ValueError(f"metric {name}: beam_size={beam_size!r}, expected a positive whole number "
+                             f"(1 decodes greedily)")
         self.source = StreamReference.parse(source) if isinstance(source, str) else source
         self.references = None if references is None else {tuple(k): [tuple(r) for r in v]
                                                            for k, v in references.items()}
         self.name, self.names = name, (name, token_name)
-        self.max_steps, self.end = max_steps, end
+        self.max_steps, self.end, self.beam_size = max_steps, end, beam_size
 
     def __call__(self, output: torch.Tensor, target: Sequences) -> torch.Tensor:
         return wrong_steps(output, target).any(dim=1).sum()
@@ -64,11 +69,7 @@ class GreedyDecodingErrors:
     def decoded_counts(self, model: torch.nn.Module, batch, target: Sequences) -> torch.Tensor:
         """``[[wrong sequences, sequences], [token edits, reference tokens]]`` (float64) for one minibatch."""
         source = self.source.resolve(batch[self.source.name])
-        decode = getattr(model, "greedy_decode", None)
-        if decode is None:
-            raise ValueError(f"metric {self.name}: the model {type(model).__name__} has no greedy_decode(source); "
-                             f"a decoding metric needs one (see dtrain.models.Seq2SeqTransformer)")
-        outputs = decode(source) if self.max_steps is None else decode(source, self.max_steps)
+        outputs = self._decode(model, source)
         counts = torch.zeros(2, 2, dtype=torch.float64)
         for index, output in enumerate(outputs):
             references = self._references_of(source, target, index)
@@ -80,6 +81,16 @@ class GreedyDecodingErrors:
             counts[1, 0] += distances[best]
             counts[1, 1] += len(references[best])
         return counts
+
+    def _decode(self, model: torch.nn.Module, source: Sequences) -> list[list[int]]:
+        method = "greedy_decode" if self.beam_size == 1 else "beam_decode"
+        decode = getattr(model, method, None)
+        if decode is None:
+            raise ValueError(f"metric {self.name}: the model {type(model).__name__} has no {method}(source); "
+                             f"a decoding metric with beam_size={self.beam_size} needs one "
+                             f"(see dtrain.models.Seq2SeqTransformer)")
+        steps = {} if self.max_steps is None else {"max_steps": self.max_steps}
+        return decode(source, **steps) if self.beam_size == 1 else decode(source, self.beam_size, **steps)
 
     def _references_of(self, source: Sequences, target: Sequences, index: int) -> list[tuple[int, ...]]:
         if self.references is not None:
@@ -94,4 +105,7 @@ class GreedyDecodingErrors:
         return [tuple(reference)]
 
     def __repr__(self) -> str:
-        return f"GreedyDecodingErrors(source={str(self.source)!r}, names={self.names})"
+        return f"DecodingErrors(source={str(self.source)!r}, names={self.names}, beam_size={self.beam_size})"
+
+
+GreedyDecodingErrors = DecodingErrors  # the name configs written before beam search use

@@ -61,16 +61,18 @@ class PerplexityConfig:
 
 
 @dataclass
-class GreedyDecodingErrorsConfig:
-    """``dtrain.session.GreedyDecodingErrors``: word and token error rates of greedy decoding (``wer``, ``per``)."""
+class DecodingErrorsConfig:
+    """``dtrain.session.DecodingErrors``: word and token error rates of decoded outputs (``wer``, ``per``),
+    greedy or by a beam search of ``beam_size`` hypotheses."""
 
-    _target_: str = "dtrain.session.GreedyDecodingErrors"
+    _target_: str = "dtrain.session.DecodingErrors"
     source: str = MISSING
     references: Any = None
     name: str = "wer"
     token_name: str = "per"
     max_steps: Optional[int] = None
     end: Optional[int] = None
+    beam_size: int = 1
 
 
 @dataclass

@@ -81,10 +81,15 @@ def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path
     result = run_dtrain(*G2P_SHORT, f"run_dir={run_dir}", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     check_g2p_run(run_dir, result.stdout)
-    words = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello"],
-                           capture_output=True, text=True, env=plain_environment(), timeout=120)
-    assert words.returncode == 0, words.stderr
-    assert [line.split("\t")[0] for line in words.stdout.splitlines()] == ["dtrain", "hello"]
+    for beam in ([], ["--beam", "1"]):  # the recipe's beam search, and greedy decoding
+        words = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello",
+                                *beam], capture_output=True, text=True, env=plain_environment(), timeout=120)
+        assert words.returncode == 0, words.stderr
+        assert [line.split("\t")[0] for line in words.stdout.splitlines()] == ["dtrain", "hello"]
+    bad = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "hello", "--beam", "0"],
+                         capture_output=True, text=True, env=plain_environment(), timeout=120)
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "dtrain.generate: error: --beam 0: expected a positive number of hypotheses (1 decodes greedily)"], bad.stderr
 
 
 def test_the_g2p_recipe_under_two_ranks(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ import torch
 
 from dtrain.data import CharCorpus, CMUDict, DataError, Sequences
 from dtrain.data.char_corpus import SHAKESPEARE, _SHIPPED_SHA256
-from dtrain.data.cmudict import BEGIN, END, GRAPHEMES, pronunciation_table
+from dtrain.data.cmudict import BEGIN, END, pronunciation_table
 from dtrain.models import CharTransformer, Seq2SeqTransformer
-from dtrain.session import GreedyDecodingErrors, Perplexity
+from dtrain.session import DecodingErrors, GreedyDecodingErrors, Perplexity
 from dtrain.session.decoding import edit_distance
 from dtrain.session.evaluate import metric_average
 
@@ -128,6 +128,91 @@ def test_greedy_decoding_is_what_teacher_forcing_predicts_from_its_own_outputs()
     assert model.greedy_decode(alone) == decoded[1:]
 
 
+def _tiny_seq2seq(target_vocab: int = 42, context: int = 12) -> Seq2SeqTransformer:
+    torch.manual_seed(0)
+    return Seq2SeqTransformer(30, target_vocab, width=32, heads=2, encoder_layers=1, decoder_layers=1,
+                              feedforward=64, dropout=0.0, context_length=context).eval()
+
+
+def test_a_beam_of_one_is_greedy_decoding() -> None:
+    model = _tiny_seq2seq()
+    source = Sequences(torch.tensor([[3, 4, 5, 6], [7, 8, 0, 0], [9, 9, 9, 0]]), torch.tensor([4, 2, 3]))
+    assert model.beam_decode(source, 1) == model.greedy_decode(source)
+    assert model.beam_decode(source, 1, max_steps=3) == model.greedy_decode(source, max_steps=3)
+
+
+def _log_probabilities(model: Seq2SeqTransformer, source: Sequences,
+                       candidates: list[tuple[list[int], bool]]) -> list[float]:
+    """Each candidate output's summed log-probability (with its </s> when finished), in one causal pass."""
+    steps = max(len(output) for output, _ in candidates) + 1
+    inputs = torch.tensor([[BEGIN, *output] + [0] * (steps - 1 - len(output)) for output, _ in candidates])
+    sources = Sequences(source.data.expand(len(candidates), -1), source.lengths.expand(len(candidates)))
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(sources, Sequences(inputs, torch.full((len(candidates),), steps))).double(), -1)
+    return [float(sum(log_probs[i, t, token] for t, token in enumerate([*output, END] if finished else output)))
+            for i, (output, finished) in enumerate(candidates)]
+
+
+def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_likeliest_output() -> None:
+    """With 5 target ids and at most 3 steps a beam of 125 never drops a hypothesis, so the search is
+    exhaustive: its output must be the best of every sequence a brute force scores."""
+    import itertools
+
+    model = _tiny_seq2seq(target_vocab=5, context=4)
+    with torch.no_grad():  # a sharper, less uniform model, so that beams of different widths disagree
+        model.read_out.weight.mul_(40.0)
+    tokens = [t for t in range(5) if t != END]
+    for word in ([3, 4, 5], [6, 7], [8, 9, 10, 11], [12], [13, 3, 14]):
+        source = Sequences(torch.tensor([word]), torch.tensor([len(word)]))
+        candidates = [(list(c), True) for length in range(4) for c in itertools.product(tokens, repeat=length)]
+        candidates += [(list(c), False) for c in itertools.product(tokens, repeat=3)]  # out of steps
+        scored = dict(zip(((tuple(c), f) for c, f in candidates), _log_probabilities(model, source, candidates)))
+        best = max(scored.values())
+        exhaustive = model.beam_decode(source, 125, max_steps=3)[0]
+        found = max(v for (c, _), v in scored.items() if list(c) == exhaustive)
+        assert found == pytest.approx(best, abs=1e-4)
+
+
+A, B = 3, 4  # two target ids of a hand-written decoder; 0 is a third, END ends
+
+
+@pytest.mark.parametrize("after, greedy, beam", [
+    # after A every id is about as likely, after B </s> is 0.99: greedy takes A (at best 0.6 x 0.26),
+    # a beam of two keeps B and ends with it (0.4 x 0.99)
+    ({A: {0: 0.26, A: 0.25, B: 0.25, END: 0.24}, B: {END: 0.99, A: 0.01}}, [A, 0], [B]),
+    # after A, </s> (0.45) is second to 0 (0.5), and 0 then ends at 0.6: the best output, A alone
+    # (0.6 x 0.45), is found by an extension that ends at the second rank of its step
+    ({A: {0: 0.5, END: 0.45, B: 0.05}, B: {END: 0.5, A: 0.5}}, [A, 0], [A]),
+], ids=["a-later-better-branch", "ended-at-the-second-rank"])
+def test_a_beam_finds_the_likelier_output_that_greedy_decoding_misses(after, greedy, beam) -> None:
+    model = _tiny_seq2seq(target_vocab=5, context=6)
+    table = {BEGIN: {A: 0.6, B: 0.4}, 0: {END: 0.6, 0: 0.4}, **after}
+
+    def decode(memory, source_padding, decoder_input, target_padding=None):
+        """Log-probabilities of the next id given the last one."""
+        return torch.tensor([[[math.log(table.get(last, {END: 1.0}).get(token, 1e-9)) for token in range(5)]
+                              for last in prefix] for prefix in decoder_input.tolist()])
+
+    model.decode = decode
+    source = Sequences(torch.tensor([[3, 4]]), torch.tensor([2]))
+    assert model.greedy_decode(source, max_steps=4) == [greedy]
+    assert model.beam_decode(source, 1, max_steps=4) == [greedy]
+    assert model.beam_decode(source, 2, max_steps=4) == [beam]
+
+
+def test_beam_search_rows_do_not_disturb_each_other_and_a_bad_beam_is_refused() -> None:
+    model = _tiny_seq2seq()
+    source = Sequences(torch.tensor([[3, 4, 5, 6], [7, 8, 0, 0], [9, 9, 9, 0]]), torch.tensor([4, 2, 3]))
+    together = model.beam_decode(source, 4)
+    for row in range(3):
+        length = int(source.lengths[row])
+        alone = Sequences(source.data[row:row + 1, :length], source.lengths[row:row + 1])
+        assert model.beam_decode(alone, 4) == together[row:row + 1]
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"beam_size={bad!r}: expected a positive whole number"):
+            model.beam_decode(source, bad)
+
+
 # -- the metrics ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("hypothesis, reference, distance", [
@@ -147,6 +232,34 @@ class _Decoder(torch.nn.Module):
 
     def greedy_decode(self, source: Sequences) -> list[list[int]]:
         return [self.answers[int(row[0])] for row in source.data]
+
+
+class _BeamDecoder(_Decoder):
+    """Decodes greedily to one answer and with a beam to another, recording the beam asked for."""
+
+    def __init__(self, greedy: dict[int, list[int]], beam: dict[int, list[int]]):
+        super().__init__(greedy)
+        self.beam, self.beam_sizes = beam, []
+
+    def beam_decode(self, source: Sequences, beam_size: int, max_steps: int | None = None) -> list[list[int]]:
+        self.beam_sizes.append((beam_size, max_steps))
+        return [self.beam[int(row[0])] for row in source.data]
+
+
+def test_the_decoding_metric_uses_the_beam_it_is_given() -> None:
+    references = {(5,): [(10, 11)], (6,): [(20,)]}
+    batch = {"graphemes": Sequences(torch.tensor([[5], [6]]), torch.tensor([1, 1]))}
+    model = _BeamDecoder({5: [10, 12], 6: [21]}, {5: [10, 11], 6: [21]})
+    assert DecodingErrors("graphemes", references).decoded_counts(model, batch, None).tolist() == \
+        [[2.0, 2.0], [2.0, 3.0]]
+    beam = DecodingErrors("graphemes", references, beam_size=4, max_steps=32)
+    assert beam.decoded_counts(model, batch, None).tolist() == [[1.0, 2.0], [1.0, 3.0]]
+    assert model.beam_sizes == [(4, 32)]
+    with pytest.raises(ValueError, match="has no beam_decode"):
+        beam.decoded_counts(_Decoder({5: [], 6: []}), batch, None)
+    with pytest.raises(ValueError, match="beam_size=0, expected a positive whole number"):
+        DecodingErrors("graphemes", references, beam_size=0)
+    assert GreedyDecodingErrors is DecodingErrors  # configs written before beam search still load
 
 
 def test_word_and_phoneme_error_rates_accept_any_pronunciation() -> None:
