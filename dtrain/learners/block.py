@@ -130,6 +130,7 @@ class BlockLearner(Learner):
         self.reset_sgd_momentum_after_aggregation = bool(reset_sgd_momentum_after_aggregation)
         self.block_size = self.sync_period = 0
         self._restored_block_size: int | None = None  # what "auto" stood for in the run a checkpoint began
+        self._replaced_block: tuple[int, int] | None = None  # (block, replicas) of a checkpoint's other world size
         if not self.block_size_is_auto:
             self.set_block_size(int(block_size))
 
@@ -225,6 +226,10 @@ class BlockLearner(Learner):
         if self.block_size_is_auto:
             auto = (" (auto, as planned when the run began)" if self._restored_block_size is not None
                     else self.describe_auto_block_size())
+            if self._replaced_block is not None and self._replaced_block[0] != self.block_size:
+                block, replicas = self._replaced_block
+                auto += (f" [derived again for {self.model_replicas()} model replicas: the checkpoint's run had "
+                         f"{block:,} at {replicas}]")
         own = self.describe_block()
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker "
                 f"between syncs{', ' + own if own else ''}, exchange {self.exchange.describe()}")
@@ -528,8 +533,11 @@ class BlockLearner(Learner):
         self.global_samples_in_block = int(block["global_samples_in_block"])
         self.largest_share_in_block = int(block["largest_share_in_block"])
         self.syncs = int(block["syncs"])
-        if self.block_size_is_auto and block.get("block_size") and block.get("replicas") == self.model_replicas():
-            self._restored_block_size = int(block["block_size"])  # plan() keeps it, whatever max_samples is now
+        if self.block_size_is_auto and block.get("block_size"):
+            if block.get("replicas") == self.model_replicas():
+                self._restored_block_size = int(block["block_size"])  # plan() keeps it, whatever max_samples is now
+            else:
+                self._replaced_block = (int(block["block_size"]), int(block["replicas"]))
         if block["prev_parameters"] is None:
             return
         outer = block["smoothed_gradient"] if self.keeps_outer_state else None

@@ -344,8 +344,11 @@ def test_a_resumed_diloco_run_keeps_its_automatic_block_at_the_same_world_size(r
     if replicas == 2:
         assert resumed.block_size == first.block_size == 544
         assert "as planned when the run began" in resumed.describe()
-    else:  # another world size re-derives the block, as a fresh plan would
+        assert "derived again" not in resumed.describe()
+    else:  # another world size re-derives the block, as a fresh plan would, and says so
         assert resumed.block_size == fresh_block
+        assert (f"derived again for {replicas} model replicas: the checkpoint's run had 544 at 2"
+                in resumed.describe()), resumed.describe()
 
 
 def _watch_after(losses, size=4, classes=10):
