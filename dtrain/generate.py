@@ -1,10 +1,11 @@
 """Text from a finished run's ``model.safetensors``: samples of a language model, or pronunciations.
 
     python -m dtrain.generate outputs/shakespeare_char/2026-11-25_12-00-00 --prompt "ROMEO." --tokens 300
-    python -m dtrain.generate outputs/cmudict_g2p/2026-11-25_12-00-00 --words dtrain hello
+    python -m dtrain.generate outputs/cmudict_g2p/2026-11-25_12-00-00 --words dtrain hello --ema
 
 The run directory's ``config.yaml`` rebuilds the model and the training data (for its vocabulary);
-the weights come from ``model.safetensors``. A language model (a model with ``generate``) samples
+the weights come from ``model.safetensors``, or with ``--ema`` from the weight average
+``model_ema.safetensors`` (a run with ``session.ema_decay``). A language model (a model with ``generate``) samples
 ``--tokens`` characters after ``--prompt``; a model with ``greedy_decode`` over CMUDict's letters
 prints each ``--words`` word's phonemes, decoded as the run's test pass decodes (its
 ``metric.beam_size``) unless ``--beam`` says otherwise.
@@ -20,8 +21,9 @@ import torch
 __all__ = ["load_run", "main"]
 
 
-def load_run(run_dir: str | Path):
-    """``(model, training deserializer)`` of a finished run, the model in eval mode with its final weights.
+def load_run(run_dir: str | Path, ema: bool = False):
+    """``(model, training deserializer)`` of a finished run, the model in eval mode with its final
+    weights (``ema``: the weight EMA's).
 
     Raises:
         FileNotFoundError / ValueError: no such run, no weights, or weights that do not fit the model.
@@ -31,8 +33,11 @@ def load_run(run_dir: str | Path):
     from safetensors.torch import load_model
 
     run_dir = Path(run_dir)
-    config_path, weights_path = run_dir / "config.yaml", run_dir / "model.safetensors"
-    for path, what in ((config_path, "the run's config"), (weights_path, "the trained weights (written when the run ends)")):
+    config_path = run_dir / "config.yaml"
+    weights_path = run_dir / ("model_ema.safetensors" if ema else "model.safetensors")
+    weights = ("the weight EMA (written when a run with session.ema_decay ends)" if ema
+               else "the trained weights (written when the run ends)")
+    for path, what in ((config_path, "the run's config"), (weights_path, weights)):
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist; expected {what} in a finished run directory")
     config = OmegaConf.load(config_path)
@@ -87,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest character")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest characters only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ema", action="store_true",
+                        help="use the weight EMA (model_ema.safetensors) instead of the last weights")
     parser.add_argument("--words", nargs="+", help="words to pronounce (grapheme-to-phoneme models)")
     parser.add_argument("--beam", type=int, default=None,
                         help="hypotheses of the beam search for --words (1: greedy; default: the run's metric.beam_size)")
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--tokens {args.tokens}: expected a positive number of characters")
         if args.beam is not None and args.beam < 1:
             raise ValueError(f"--beam {args.beam}: expected a positive number of hypotheses (1 decodes greedily)")
-        model, data = load_run(args.run_dir)
+        model, data = load_run(args.run_dir, ema=args.ema)
         if args.words:
             if not hasattr(model, "greedy_decode"):
                 raise ValueError(f"--words: the run's model {type(model).__name__} does not decode words")

@@ -66,6 +66,10 @@ def test_the_language_model_recipe_learns_and_generate_samples_text(tmp_path: Pa
                              "80"], capture_output=True, text=True, env=plain_environment(), timeout=120)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("KING.") and len(sample.stdout.rstrip("\n")) >= 80
+    no_ema = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--ema"],
+                            capture_output=True, text=True, env=plain_environment(), timeout=120)
+    assert no_ema.returncode == 2 and len(no_ema.stderr.splitlines()) == 1, no_ema.stderr
+    assert "model_ema.safetensors does not exist; expected the weight EMA" in no_ema.stderr
 
 
 def test_the_language_model_recipe_under_two_ranks(tmp_path: Path) -> None:
@@ -81,7 +85,7 @@ def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path
     result = run_dtrain(*G2P_SHORT, f"run_dir={run_dir}", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     check_g2p_run(run_dir, result.stdout)
-    for beam in ([], ["--beam", "1"]):  # the recipe's beam search, and greedy decoding
+    for beam in ([], ["--beam", "1"], ["--ema"]):  # the recipe's beam search, greedy decoding, the weight EMA
         words = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello",
                                 *beam], capture_output=True, text=True, env=plain_environment(), timeout=120)
         assert words.returncode == 0, words.stderr
