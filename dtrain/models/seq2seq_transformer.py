@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dtrain.checks import whole_number
 from dtrain.data.streams import Sequences
 from dtrain.models._sizes import check_transformer_sizes
 
@@ -121,10 +122,9 @@ class Seq2SeqTransformer(nn.Module):
         A source with no finished output after ``max_steps`` returns its best live hypothesis.
 
         Raises:
-            ValueError: ``beam_size`` not a positive whole number.
+            ValueError: ``beam_size`` not a whole number of at least 1.
         """
-        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-            raise ValueError(f"beam_size={beam_size!r}: expected a positive whole number of hypotheses")
+        whole_number("beam_size", beam_size, 1, unit="hypotheses")
         was_training = self.training
         self.eval()
         try:
@@ -137,7 +137,6 @@ class Seq2SeqTransformer(nn.Module):
         n, device = memory.shape[0], memory.device
         limit = min(max_steps or self.context_length - 1, self.context_length - 1)
         best: list[tuple[float, list[int]] | None] = [None] * n  # each source's best finished output
-        outputs: list[list[int]] = [[] for _ in range(n)]
         rows = torch.arange(n, device=device)  # the sources still searching
         memory, source_padding = memory.repeat_interleave(k, 0), source_padding.repeat_interleave(k, 0)
         tokens = torch.full((n * k, 1), self.begin, dtype=torch.int64, device=device)
@@ -157,7 +156,7 @@ class Seq2SeqTransformer(nn.Module):
                     hypothesis = int(i * k + parent[i, j])
                     best[row] = (score, tokens[hypothesis, 1:].tolist())
             # the beam: the best k extensions that do not end (there are at least k among 2k)
-            order = (ends | (token == self.end)).to(torch.int64).mul(2 * k).add(ranks[:top.shape[1]]).argsort(dim=1)
+            order = (token == self.end).to(torch.int64).mul(2 * k).add(ranks[:top.shape[1]]).argsort(dim=1)
             kept = order[:, :k]
             scores = top_scores.gather(1, kept)
             chosen_parent = parent.gather(1, kept) + torch.arange(len(rows), device=device)[:, None] * k
@@ -177,6 +176,4 @@ class Seq2SeqTransformer(nn.Module):
             live = (float(scores[i, 0]), tokens[i * k, 1:].tolist())
             if best[row] is None or live[0] > best[row][0]:
                 best[row] = live
-        for row in range(n):
-            outputs[row] = best[row][1] if best[row] is not None else []
-        return outputs
+        return [found[1] for found in best]  # every source has one by now

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from dtrain.checks import whole_number
 from dtrain.data.streams import Sequences, StreamReference
 from dtrain.session.evaluate import wrong_steps
 
@@ -54,9 +55,7 @@ class DecodingErrors:
 
     def __init__(self, source: str, references: Mapping | None = None, name: str = "wer", token_name: str = "per",
                  max_steps: int | None = None, end: int | None = None, beam_size: int = 1) -> None:
-        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-            raise ValueError(f"metric {name}: beam_size={beam_size!r}, expected a positive whole number "
-                             f"(1 decodes greedily)")
+        whole_number(f"metric {name}: beam_size", beam_size, 1, unit="hypotheses")
         self.source = StreamReference.parse(source) if isinstance(source, str) else source
         self.references = None if references is None else {tuple(k): [tuple(r) for r in v]
                                                            for k, v in references.items()}

@@ -209,7 +209,7 @@ def test_beam_search_rows_do_not_disturb_each_other_and_a_bad_beam_is_refused() 
         alone = Sequences(source.data[row:row + 1, :length], source.lengths[row:row + 1])
         assert model.beam_decode(alone, 4) == together[row:row + 1]
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match=f"beam_size={bad!r}: expected a positive whole number"):
+        with pytest.raises(ValueError, match=f"beam_size={bad!r}: expected a whole number of hypotheses of at least 1"):
             model.beam_decode(source, bad)
 
 
@@ -257,7 +257,7 @@ def test_the_decoding_metric_uses_the_beam_it_is_given() -> None:
     assert model.beam_sizes == [(4, 32)]
     with pytest.raises(ValueError, match="has no beam_decode"):
         beam.decoded_counts(_Decoder({5: [], 6: []}), batch, None)
-    with pytest.raises(ValueError, match="beam_size=0, expected a positive whole number"):
+    with pytest.raises(ValueError, match="metric wer: beam_size=0: expected a whole number of hypotheses of at least 1"):
         DecodingErrors("graphemes", references, beam_size=0)
     assert GreedyDecodingErrors is DecodingErrors  # configs written before beam search still load
 
