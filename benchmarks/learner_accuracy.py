@@ -19,6 +19,9 @@ point), with the gap to data_parallel's median at the same number of ranks; a ru
 defaults (``--samples`` default: the recipe's ``session.max_samples``): the figure is the test pass's
 validation loss in nats per character (lower is better) or its word error rate in % (lower is
 better), and the gap is to data_parallel's median in those units.
+
+Each cell also gives the megabytes rank 0 sent to the other ranks over the run (the summary's
+``exchange:`` line; median over the seeds) and the median wall time of a run.
 """
 from __future__ import annotations
 
@@ -71,8 +74,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def run(ranks: int, overrides: list[str], seed: int, samples: int | None,
-        recipe: str = "digits", data_root: str | None = None) -> tuple[float | str, float]:
-    """Trains once; returns (the recipe's figure, or 'collapsed'/'diverged', wall seconds)."""
+        recipe: str = "digits", data_root: str | None = None) -> tuple[float | str, float, float | None]:
+    """Trains once; returns (the recipe's figure, or 'collapsed'/'diverged', wall seconds, MB rank 0 sent)."""
     length = [f"session.max_samples={samples}"] if samples else []
     own = ["--config-dir", str(HERE / "conf")] if recipe in BENCHMARK_RECIPES else []
     data = [f"data.root={data_root}"] if data_root else []
@@ -85,13 +88,15 @@ def run(ranks: int, overrides: list[str], seed: int, samples: int | None,
                                 timeout=7200, cwd=HERE if own else None)
         seconds = time.perf_counter() - started
     output = result.stdout + result.stderr
+    sent = re.search(r"exchange: rank 0 sent ([\d,.]+) MB", result.stdout)
+    megabytes = float(sent.group(1).replace(",", "")) if sent else None
     for outcome in ("collapsed", "diverged"):
         if f"training {outcome}" in output:
-            return outcome, seconds
+            return outcome, seconds, megabytes
     match = re.search(RECIPES[recipe][1], result.stdout)
     if result.returncode != 0 or match is None:
         raise RuntimeError(f"{' '.join(overrides)} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    return float(match.group(1)), seconds
+    return float(match.group(1)), seconds, megabytes
 
 
 def summarize(outcomes: list[float | str], recipe: str = "digits") -> tuple[float | None, str]:
@@ -138,22 +143,27 @@ def print_table(args, names: list[str], data_root: str | None) -> None:
     """Runs every row at every world size and seed, printing each row as it completes."""
     length = f"{args.samples:,} samples" if args.samples else "the recipe's samples"
     print(f"{args.recipe} recipe, {length}, median {RECIPES[args.recipe][0]} over seeds {args.seeds} "
-          f"[each seed], gap to data_parallel")
-    header = f"| {'learner':<30} |" + "".join(f" {f'{n} ranks':<34} | {'gap':>6} |" for n in args.ranks)
-    print(header)
-    print("|" + "---|" * (1 + 2 * len(args.ranks)))
+          f"[each seed], gap to data_parallel, MB rank 0 sent over the run (median), wall time (median)")
+    header = f"| {'learner':<30} |" + "".join(f" {f'{n} ranks':<34} | {'gap':>6} | {'MB sent':>9} | {'time':>6} |"
+                                              for n in args.ranks)
+    print(header, flush=True)
+    print("|" + "---|" * (1 + 4 * len(args.ranks)), flush=True)
     reference: dict[int, float] = {}
     for name in names:
         cells = []
         for ranks in args.ranks:
-            outcomes = [run(ranks, CONFIGS[name], seed, args.samples, args.recipe, data_root)[0] for seed in args.seeds]
+            runs = [run(ranks, CONFIGS[name], seed, args.samples, args.recipe, data_root) for seed in args.seeds]
+            outcomes = [outcome for outcome, _, _ in runs]
             median, text = summarize(outcomes, args.recipe)
+            sent = [megabytes for _, _, megabytes in runs if megabytes is not None]
+            sent_text = f"{statistics.median(sent):,.1f}" if sent else "-"
+            seconds = f"{statistics.median(s for _, s, _ in runs):.0f} s"
             if name == "data_parallel" and median is not None:
                 reference[ranks] = median
             decimals = RECIPES[args.recipe][2]
             gap = (f"{median - reference[ranks]:+.{decimals}f}" if median is not None and ranks in reference
                    else "-")
-            cells.append(f" {text:<34} | {gap:>6} |")
+            cells.append(f" {text:<34} | {gap:>6} | {sent_text:>9} | {seconds:>6} |")
         print(f"| {name:<30} |" + "".join(cells), flush=True)
 
 

@@ -108,6 +108,29 @@ def sweep_run_dir(cfg: DictConfig) -> str | None:
     return hydra_cfg.runtime.output_dir
 
 
+def hydra_run_dir(cfg: DictConfig) -> str | None:
+    """``hydra.run.dir=DIR`` on the command line of a single run: ``DIR``, which dtrain takes as ``run_dir``
+    (Hydra's own way to name a run's directory must not be accepted and ignored); ``None`` otherwise.
+
+    Raises:
+        UserError: both ``hydra.run.dir`` and ``run_dir`` were given, naming different directories.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+        return None
+    hydra_cfg = HydraConfig.get()
+    if not any(override.lstrip("+~").split("=", 1)[0] == "hydra.run.dir" for override in hydra_cfg.overrides.hydra):
+        return None
+    chosen = hydra_cfg.runtime.output_dir
+    if any(override.lstrip("+~").split("=", 1)[0] == "run_dir" for override in hydra_cfg.overrides.task) and \
+            os.path.abspath(cfg.run_dir) != os.path.abspath(chosen):
+        raise UserError(f"hydra.run.dir={chosen} and run_dir={cfg.run_dir} name different run directories; "
+                        f"expected one of them (dtrain writes into run_dir; hydra.run.dir=DIR is taken as run_dir=DIR)")
+    return chosen
+
+
 _RUN_DIR_IN_SWEEP = ("run_dir cannot be set in a sweep (-m): every job gets its own directory, hydra.sweep.dir/<job "
                      "number>; choose where with hydra.sweep.dir=DIR (the same DIR again resumes each job)")
 
@@ -124,7 +147,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     if job is not None:
         return run_sweep_job(cfg, job)
     try:
-        job_dir = sweep_run_dir(cfg)
+        job_dir = sweep_run_dir(cfg) or hydra_run_dir(cfg)
     except UserError as error:
         exit_bad_input(str(error))
     if job_dir is not None:

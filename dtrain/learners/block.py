@@ -436,6 +436,7 @@ class BlockLearner(Learner):
                 extra_bytes = full_precision_allreduce_bytes(buffers.numel(), comm.size) * buffers.element_size() // 4
         unpack(buffers.div_(comm.size), self._float_buffers)
         self._bytes_sent_last_sync = self.exchange.bytes_sent_last_step + extra_bytes
+        self.bytes_sent_total += self._bytes_sent_last_sync
         self._full_precision_bytes_last_sync = self.exchange.full_precision_bytes_last_step + extra_bytes
         self.exchange_seconds_last_step = time.perf_counter() - started
 

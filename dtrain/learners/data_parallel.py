@@ -289,6 +289,7 @@ class DataParallelLearner(ReplicatedLearner):
                 bucket.flags.copy_(summed)
         for bucket in self.buckets:
             bucket.assign_grads()
+        self.bytes_sent_total += self.bytes_sent_last_step
         self._reducing = False
         self.exchange_seconds_last_step = time.perf_counter() - started
         self._step_optimizer(gradients_unscaled=True)

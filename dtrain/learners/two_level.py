@@ -188,6 +188,7 @@ class TwoLevel:
         self.host.broadcast(scratch, root=0)
         unpack(buffers.div_(self.comm.size), self._float_buffers)
         self._bytes_sent_last_sync, self._full_precision_bytes_last_sync = sent, full
+        self.bytes_sent_total += sent
         self.exchange_seconds_last_step += time.perf_counter() - started  # after this step's host all-reduce
 
     # -- checkpoints ------------------------------------------------------------------------------

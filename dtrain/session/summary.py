@@ -68,6 +68,9 @@ class RunSummary:
                 f"accuracy {100 * result.test_ema.accuracy:.2f}% (error {100 * result.test_ema.error:.2f}%, "
                 if self.metric_name == "error" else f"{self._format_metric(result.test_ema.error, result.test_ema.details)} (")
                 + f"loss {result.test_ema.loss:.4f})")
+        if self.comm.size > 1:
+            lines.append(f"exchange: rank 0 sent {self.learner.bytes_sent_total / 1e6:,.1f} MB to the other ranks in "
+                         f"this job ({self.learner.kind})")
         lines.extend(self._end_warnings)
         if self.loss_scaler is not None:
             lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "

@@ -5,6 +5,7 @@ than the checks); each check is asserted in its own test (``tests.helpers.checks
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -66,3 +67,11 @@ def test_cli_trains_digits_on_two_ranks_and_rank_0_alone_reports(run_dir: Path) 
     assert len(test_lines) == 1, result.report()
     assert float(test_lines[0]) > 50.0, result.report()  # 2 sweeps of digits: far above chance (10%)
     assert (run_dir / "metrics.jsonl").is_file()
+    # the run's total exchange: every minibatch's float32 all-reduce, as many bytes each as the progress records say
+    minibatches = int(re.search(r"^finished: [\d,]+ samples in ([\d,]+) minibatches", result.stdout,
+                                re.MULTILINE).group(1).replace(",", ""))
+    per_step = {record["bytes_sent_per_step"] for record in map(json.loads, (run_dir / "metrics.jsonl").open())
+                if record.get("kind") == "train"}
+    sent = float(re.search(r"^exchange: rank 0 sent ([\d,.]+) MB to the other ranks in this job \(data_parallel\)$",
+                           result.stdout, re.MULTILINE).group(1).replace(",", ""))
+    assert len(per_step) == 1 and sent == pytest.approx(minibatches * per_step.pop() / 1e6, abs=0.05), result.report()

@@ -36,6 +36,28 @@ def test_resuming_with_changed_optimizer_settings_uses_them_says_so_and_records_
 
 
 @pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
+def test_hydras_run_dir_override_is_where_the_run_writes(tmp_path):
+    result = run_dtrain(*TINY, "hydra.run.dir=elsewhere/run", "session.max_samples=320", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"run directory {tmp_path / 'elsewhere' / 'run'} " in result.stdout
+    assert (tmp_path / "elsewhere" / "run" / "model.safetensors").is_file()
+    assert not (tmp_path / "outputs").exists()
+    # the same directory again resumes it, as run_dir=DIR would
+    again = run_dtrain(*TINY, "hydra.run.dir=elsewhere/run", "session.max_samples=640", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "at 320 samples" in again.stdout
+
+
+def test_hydras_run_dir_and_another_run_dir_together_are_one_line_exit_2(tmp_path):
+    result = run_dtrain(*TINY, "hydra.run.dir=one", "run_dir=two", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hydra.run.dir=" in lines[0] and "run_dir=two" in lines[0], result.stderr
+    assert not (tmp_path / "two").exists()  # nothing written; Hydra itself makes hydra.run.dir, empty
+    assert not (tmp_path / "one").exists() or not any((tmp_path / "one").iterdir())
+
+
+@pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_settings_that_cannot_change_are_refused_naming_them(tmp_path):
     assert run_dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path).returncode == 0
     for override, fragment in (("seed=1", "seed was 0 in the checkpoint's run and is 1 now"),

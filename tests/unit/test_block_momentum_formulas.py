@@ -71,6 +71,12 @@ def simulate(size: int, global_sizes: list[int], **options):
     return simulate_bmuf(models, [sgd(model.parameters()) for model in models], local_loss, global_sizes, **options)
 
 
+def test_the_run_total_of_bytes_sent_counts_every_sync_including_the_final_one():
+    for _, _, learner, _, _ in run_workers(2, [8] * 12, dict(block_size=24)):
+        assert learner.syncs == 4 and learner.bytes_sent_last_step > 0
+        assert learner.bytes_sent_total == 4 * learner.bytes_sent_last_step  # the same float32 sum at every sync
+
+
 CASES = {
     # name: (workers, global minibatch sizes, learner options, expected syncs incl. the final one)
     "defaults": (2, [8] * 12, dict(block_size=24), 4),

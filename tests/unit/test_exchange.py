@@ -296,6 +296,26 @@ def test_learner_warm_start_all_reduces_float32_then_quantizes():
         assert torch.equal(state0[key]["momentum_buffer"], state1[key]["momentum_buffer"])
 
 
+def test_the_run_total_of_bytes_sent_adds_every_steps_float32_warm_start_and_quantized_exchange():
+    def work(comm):
+        model = make_model(seed=0)
+        learner = QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                               distributed_after=32, num_quantization_bits=1)
+        learner.prepare(model)
+        generator, per_step = torch.Generator().manual_seed(comm.rank), []
+        for _ in range(5):  # 13 samples a step: steps 1-3 are the float32 warm start
+            learner.begin_minibatch(8 if comm.rank == 0 else 5, 13)
+            features = torch.randn(8 if comm.rank == 0 else 5, 20, generator=generator)
+            torch.nn.functional.cross_entropy(model(features), torch.zeros(len(features), dtype=torch.long)).backward()
+            learner.step()
+            per_step.append(learner.bytes_sent_last_step)
+        return per_step, learner.bytes_sent_total
+
+    for per_step, total in FakeWorld(2).run(work):
+        assert per_step[0] == per_step[2] > per_step[3] == per_step[4] > 0  # float32, then 1-bit
+        assert total == sum(per_step)
+
+
 def test_one_worker_learner_is_the_plain_optimizer():
     model, reference = make_model(0), make_model(0)
     learner = QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), LocalCommunicator())
