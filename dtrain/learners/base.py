@@ -124,7 +124,7 @@ class Learner(abc.ABC):
         self.distributed_after = 0 if self.distributed_after_is_auto else int(distributed_after)
         self.run_facts = RunFacts()
         self.samples_seen = 0
-        self.bytes_sent_total = 0  # bytes this rank handed to the transport in this process (not checkpointed)
+        self.bytes_sent_total = 0  # bytes this rank sent in this job (not checkpointed): the summary's "exchange:" line
         self.local_samples = 0    # of the current minibatch, set by begin_minibatch
         self.global_samples = 0
         # -- micro-batch and optimizer-step seams (used by the session: micro_batch_size, clip_grad_norm)

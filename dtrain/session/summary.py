@@ -68,7 +68,7 @@ class RunSummary:
                 f"accuracy {100 * result.test_ema.accuracy:.2f}% (error {100 * result.test_ema.error:.2f}%, "
                 if self.metric_name == "error" else f"{self._format_metric(result.test_ema.error, result.test_ema.details)} (")
                 + f"loss {result.test_ema.loss:.4f})")
-        if self.comm.size > 1:
+        if self.comm.size > 1 and self.learner.bytes_sent_total:  # a learner of the user's own may not count
             lines.append(f"exchange: rank 0 sent {self.learner.bytes_sent_total / 1e6:,.1f} MB to the other ranks in "
                          f"this job ({self.learner.kind})")
         lines.extend(self._end_warnings)
