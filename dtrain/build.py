@@ -111,6 +111,16 @@ def config_path(run_dir: Path) -> Path:
     return path
 
 
+def latest_config_path(run_dir: Path) -> Path:
+    """The config of the run directory's latest job: the last ``config.<n>.yaml`` a resume wrote, else
+    ``config.yaml`` (which need not exist)."""
+    path, index = run_dir / "config.yaml", 1
+    while os.path.lexists(run_dir / f"config.{index}.yaml"):
+        path = run_dir / f"config.{index}.yaml"
+        index += 1
+    return path
+
+
 def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     """Writes the resolved config into the run directory as a new file (never over an earlier one,
     and never through a link planted at its name); returns where."""

@@ -22,8 +22,9 @@ __all__ = ["load_run", "main"]
 
 
 def load_run(run_dir: str | Path, ema: bool = False):
-    """``(model, training deserializer)`` of a finished run, the model in eval mode with its final
-    weights (``ema``: the weight EMA's).
+    """``(model, training deserializer, config)`` of a finished run, from the config of its latest job
+    (a resume's ``config.<n>.yaml``), the model in eval mode with its final weights (``ema``: the
+    weight EMA's).
 
     Raises:
         FileNotFoundError / ValueError: no such run, no weights, or weights that do not fit the model.
@@ -32,8 +33,10 @@ def load_run(run_dir: str | Path, ema: bool = False):
     from omegaconf import OmegaConf
     from safetensors.torch import load_model
 
+    from dtrain.build import latest_config_path
+
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.yaml"
+    config_path = latest_config_path(run_dir)
     weights_path = run_dir / ("model_ema.safetensors" if ema else "model.safetensors")
     weights = ("the weight EMA (written when a run with session.ema_decay ends)" if ema
                else "the trained weights (written when the run ends)")
@@ -47,7 +50,7 @@ def load_run(run_dir: str | Path, ema: bool = False):
     except (RuntimeError, KeyError) as error:
         raise ValueError(f"{weights_path} does not fit the model of {config_path}: {str(error).splitlines()[0]}") from None
     data = instantiate(config.source.train.deserializer)
-    return model.eval(), data
+    return model.eval(), data, config
 
 
 def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
@@ -59,11 +62,9 @@ def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_
     return data.decode(out[0].tolist())
 
 
-def _run_beam_size(run_dir: str | Path) -> int:
+def _run_beam_size(config) -> int:
     """The beam the run's decoding metric used (1, greedy, when it has none)."""
-    from omegaconf import OmegaConf
-
-    metric = OmegaConf.load(Path(run_dir) / "config.yaml").get("metric") or {}
+    metric = config.get("metric") or {}
     return int(metric.get("beam_size", 1) or 1)
 
 
@@ -103,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--tokens {args.tokens}: expected a positive number of characters")
         if args.beam is not None and args.beam < 1:
             raise ValueError(f"--beam {args.beam}: expected a positive number of hypotheses (1 decodes greedily)")
-        model, data = load_run(args.run_dir, ema=args.ema)
+        model, data, config = load_run(args.run_dir, ema=args.ema)
         if args.words:
             if not hasattr(model, "greedy_decode"):
                 raise ValueError(f"--words: the run's model {type(model).__name__} does not decode words")
-            beam_size = args.beam if args.beam is not None else _run_beam_size(args.run_dir)
+            beam_size = args.beam if args.beam is not None else _run_beam_size(config)
             if beam_size > 1 and not hasattr(model, "beam_decode"):
                 raise ValueError(f"--beam {beam_size}: the run's model {type(model).__name__} has no beam search; "
                                  f"--beam 1 decodes greedily")

@@ -138,3 +138,14 @@ def test_a_failed_checkpoint_write_says_what_is_left_to_fall_back_on(tmp_path, m
         tiny_session(tmp_path, 64).train()
     assert str(caught.value) == (f"checkpoint {tmp_path / 'checkpoint-64.pt'} could not be written (No space left "
                                  f"on device); there is no earlier checkpoint to fall back on")
+
+
+def test_the_latest_config_is_the_last_one_a_resume_wrote(tmp_path):
+    from dtrain.build import config_path, latest_config_path
+
+    assert latest_config_path(tmp_path) == tmp_path / "config.yaml"  # none yet: the first job's name
+    for expected in ("config.yaml", "config.1.yaml", "config.2.yaml"):
+        written = config_path(tmp_path)
+        assert written.name == expected
+        written.write_text("{}")
+        assert latest_config_path(tmp_path) == written
