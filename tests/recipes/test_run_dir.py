@@ -48,6 +48,7 @@ def test_hydras_run_dir_override_is_where_the_run_writes(tmp_path):
     assert "at 320 samples" in again.stdout
 
 
+@pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_hydras_run_dir_and_another_run_dir_together_are_one_line_exit_2(tmp_path):
     result = run_dtrain(*TINY, "hydra.run.dir=one", "run_dir=two", cwd=tmp_path)
     assert result.returncode == 2
