@@ -59,6 +59,7 @@ def test_a_large_minibatch_run_that_diverges_to_chance_ends_in_one_line_with_exi
     assert (tmp_path / "run" / "checkpoint-30000.pt").is_file()  # what was written is kept
 
 
+@pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
     write_cifar10_binary(tmp_path / "cifar", num_train=300, num_test=40)
     common = ("+recipe=cifar10", f"data.root={tmp_path / 'cifar'}", "run_dir=run", "session.progress_frequency=128",
@@ -124,6 +125,7 @@ def test_cifar10_file_of_the_wrong_size_is_named(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_sigterm_on_a_single_process_checkpoints_and_exits_75_then_resumes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))}
     command = [sys.executable, "-m", "dtrain", "+recipe=digits", "run_dir=run", "session.max_samples=400000",
