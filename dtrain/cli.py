@@ -100,12 +100,17 @@ def sweep_run_dir(cfg: DictConfig) -> str | None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     hydra_cfg = HydraConfig.get()
-    if any(override.lstrip("+~").split("=", 1)[0] == "run_dir" for override in hydra_cfg.overrides.task):
+    if _overrides_key(hydra_cfg.overrides.task, "run_dir"):
         raise UserError(_RUN_DIR_IN_SWEEP)
     tasks = os.environ.get("SUBMITIT_LOCAL_NTASKS", "1")
     if tasks != "1":
         raise UserError(_submitit_local_copies(tasks))
     return hydra_cfg.runtime.output_dir
+
+
+def _overrides_key(overrides, key: str) -> bool:
+    """Whether one of Hydra's recorded command-line overrides (``key=v``, ``+key=v``, ``~key``) sets ``key``."""
+    return any(override.lstrip("+~").split("=", 1)[0] == key for override in overrides)
 
 
 def hydra_run_dir(cfg: DictConfig) -> str | None:
@@ -121,11 +126,10 @@ def hydra_run_dir(cfg: DictConfig) -> str | None:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
         return None
     hydra_cfg = HydraConfig.get()
-    if not any(override.lstrip("+~").split("=", 1)[0] == "hydra.run.dir" for override in hydra_cfg.overrides.hydra):
+    if not _overrides_key(hydra_cfg.overrides.hydra, "hydra.run.dir"):
         return None
     chosen = hydra_cfg.runtime.output_dir
-    if any(override.lstrip("+~").split("=", 1)[0] == "run_dir" for override in hydra_cfg.overrides.task) and \
-            os.path.abspath(cfg.run_dir) != os.path.abspath(chosen):
+    if _overrides_key(hydra_cfg.overrides.task, "run_dir") and os.path.abspath(cfg.run_dir) != os.path.abspath(chosen):
         raise UserError(f"hydra.run.dir={chosen} and run_dir={cfg.run_dir} name different run directories; "
                         f"expected one of them (dtrain writes into run_dir; hydra.run.dir=DIR is taken as run_dir=DIR)")
     return chosen
