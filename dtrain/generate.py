@@ -1,11 +1,13 @@
 """Text from a finished run's ``model.safetensors``: samples of a language model, or pronunciations.
 
     python -m dtrain.generate outputs/shakespeare_char/2026-11-25_12-00-00 --prompt "ROMEO." --tokens 300
-    python -m dtrain.generate outputs/cmudict_g2p/2026-11-25_12-00-00 --words dtrain hello --ema
+    python -m dtrain.generate outputs/cmudict_g2p/2026-11-25_12-00-00 --words dtrain hello
 
-The run directory's ``config.yaml`` rebuilds the model and the training data (for its vocabulary);
-the weights come from ``model.safetensors``, or with ``--ema`` from the weight average
-``model_ema.safetensors`` (a run with ``session.ema_decay``). A language model (a model with ``generate``) samples
+The run directory's latest config rebuilds the model and the training data (for its vocabulary).
+The weights (``--weights``, one line on stderr says which): by default the weight average
+``model_ema.safetensors`` when the run's latest job kept one (``session.ema_decay``; the G2P recipe
+does, and its EMA decodes best), else the final weights ``model.safetensors``; ``--weights last`` or
+``--weights ema`` choose. A language model (a model with ``generate``) samples
 ``--tokens`` characters after ``--prompt``; a model with ``greedy_decode`` over CMUDict's letters
 prints each ``--words`` word's phonemes, decoded as the run's test pass decodes (its
 ``metric.beam_size``) unless ``--beam`` says otherwise.
@@ -21,10 +23,24 @@ import torch
 __all__ = ["load_run", "main"]
 
 
-def load_run(run_dir: str | Path, ema: bool = False):
-    """``(model, training deserializer, config)`` of a finished run, from the config of its latest job
-    (a resume's ``config.<n>.yaml``), the model in eval mode with its final weights (``ema``: the
-    weight EMA's).
+#: ``--weights``: the run's own choice (``auto``), its final weights, or its weight EMA
+WEIGHTS = ("auto", "last", "ema")
+
+
+def chosen_weights(config, weights: str) -> str:
+    """``"last"`` or ``"ema"``: ``auto`` is the EMA when the run's latest job kept one (``session.ema_decay``),
+    so an older job's ``model_ema.safetensors`` beside a newer job's weights is never taken."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    if weights != "auto":
+        return weights
+    return "ema" if (config.get("session") or {}).get("ema_decay") is not None else "last"
+
+
+def load_run(run_dir: str | Path, weights: str = "auto"):
+    """``(model, training deserializer, config, which)`` of a finished run, from the config of its latest
+    job (a resume's ``config.<n>.yaml``): the model in eval mode with the weights ``weights`` asks for
+    (:func:`chosen_weights`; ``which`` says the one loaded, ``"last"`` or ``"ema"``).
 
     Raises:
         FileNotFoundError / ValueError: no such run, no weights, or weights that do not fit the model.
@@ -37,20 +53,26 @@ def load_run(run_dir: str | Path, ema: bool = False):
 
     run_dir = Path(run_dir)
     config_path = latest_config_path(run_dir)
-    weights_path = run_dir / ("model_ema.safetensors" if ema else "model.safetensors")
-    weights = ("the weight EMA (written when a run with session.ema_decay ends)" if ema
-               else "the trained weights (written when the run ends)")
-    for path, what in ((config_path, "the run's config"), (weights_path, weights)):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; expected {what} in a finished run directory")
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist; expected the run's config in a finished run directory")
     config = OmegaConf.load(config_path)
+    which = chosen_weights(config, weights)
+    weights_path = run_dir / WEIGHT_FILES[which]
+    if not weights_path.is_file():
+        what = ("the weight EMA (written when a run with session.ema_decay ends)" if which == "ema"
+                else "the trained weights (written when the run ends)")
+        raise FileNotFoundError(f"{weights_path} does not exist; expected {what} in a finished run directory")
     model = instantiate(config.model)
     try:
         load_model(model, str(weights_path))
     except (RuntimeError, KeyError) as error:
         raise ValueError(f"{weights_path} does not fit the model of {config_path}: {str(error).splitlines()[0]}") from None
     data = instantiate(config.source.train.deserializer)
-    return model.eval(), data, config
+    return model.eval(), data, config, which
+
+
+#: the file each choice of weights reads
+WEIGHT_FILES = {"last": "model.safetensors", "ema": "model_ema.safetensors"}
 
 
 def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
@@ -93,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest character")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest characters only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ema", action="store_true",
-                        help="use the weight EMA (model_ema.safetensors) instead of the last weights")
+    parser.add_argument("--weights", choices=WEIGHTS, default="auto",
+                        help="auto (default): the weight EMA when the run kept one, else the final weights; "
+                             "last: model.safetensors; ema: model_ema.safetensors")
+    parser.add_argument("--ema", dest="weights", action="store_const", const="ema", help="the same as --weights ema")
     parser.add_argument("--words", nargs="+", help="words to pronounce (grapheme-to-phoneme models)")
     parser.add_argument("--beam", type=int, default=None,
                         help="hypotheses of the beam search for --words (1: greedy; default: the run's metric.beam_size)")
@@ -104,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--tokens {args.tokens}: expected a positive number of characters")
         if args.beam is not None and args.beam < 1:
             raise ValueError(f"--beam {args.beam}: expected a positive number of hypotheses (1 decodes greedily)")
-        model, data, config = load_run(args.run_dir, ema=args.ema)
+        model, data, config, which = load_run(args.run_dir, args.weights)
+        other = "last" if which == "ema" else "ema"
+        print(f"dtrain.generate: weights from {WEIGHT_FILES[which]} (--weights {other} for "
+              f"{WEIGHT_FILES[other]})", file=sys.stderr)
         if args.words:
             if not hasattr(model, "greedy_decode"):
                 raise ValueError(f"--words: the run's model {type(model).__name__} does not decode words")

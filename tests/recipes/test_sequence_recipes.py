@@ -66,6 +66,7 @@ def test_the_language_model_recipe_learns_and_generate_samples_text(tmp_path: Pa
                              "80"], capture_output=True, text=True, env=plain_environment(), timeout=120)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("KING.") and len(sample.stdout.rstrip("\n")) >= 80
+    assert "weights from model.safetensors" in sample.stderr  # the recipe keeps no weight EMA
     no_ema = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--ema"],
                             capture_output=True, text=True, env=plain_environment(), timeout=120)
     assert no_ema.returncode == 2 and len(no_ema.stderr.splitlines()) == 1, no_ema.stderr
@@ -90,6 +91,7 @@ def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path
                                 *beam], capture_output=True, text=True, env=plain_environment(), timeout=120)
         assert words.returncode == 0, words.stderr
         assert [line.split("\t")[0] for line in words.stdout.splitlines()] == ["dtrain", "hello"]
+        assert "weights from model_ema.safetensors" in words.stderr  # the recipe's EMA, by default or asked for
     bad = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "hello", "--beam", "0"],
                          capture_output=True, text=True, env=plain_environment(), timeout=120)
     assert bad.returncode == 2 and bad.stderr.splitlines() == [

@@ -149,3 +149,30 @@ def test_the_latest_config_is_the_last_one_a_resume_wrote(tmp_path):
         assert written.name == expected
         written.write_text("{}")
         assert latest_config_path(tmp_path) == written
+
+
+def test_generate_takes_the_weight_ema_only_when_the_latest_job_kept_one(tmp_path):
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_model
+
+    from dtrain.generate import load_run
+
+    final, average = nn.Linear(2, 1), nn.Linear(2, 1)
+    save_model(final, str(tmp_path / "model.safetensors"))
+    save_model(average, str(tmp_path / "model_ema.safetensors"))
+    job = {"model": {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 1},
+           "source": {"train": {"deserializer": {"_target_": "builtins.dict"}}}, "session": {"ema_decay": 0.999}}
+    OmegaConf.save(OmegaConf.create(job), tmp_path / "config.yaml")
+
+    def loaded(weights):
+        model, _, _, which = load_run(tmp_path, weights)
+        return model.weight, which
+
+    assert torch.equal(loaded("auto")[0], average.weight) and loaded("auto")[1] == "ema"
+    assert torch.equal(loaded("last")[0], final.weight)
+    # a resume without the EMA: the first job's model_ema.safetensors is older than model.safetensors
+    OmegaConf.save(OmegaConf.create({**job, "session": {"ema_decay": None}}), tmp_path / "config.1.yaml")
+    assert torch.equal(loaded("auto")[0], final.weight) and loaded("auto")[1] == "last"
+    assert torch.equal(loaded("ema")[0], average.weight)  # asked for by name, it is still there
+    with pytest.raises(ValueError, match="weights 'best': expected one of auto, last, ema"):
+        load_run(tmp_path, "best")
