@@ -111,6 +111,15 @@ def boolean(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
     return bool(value)
 
 
+def boolean_or_auto(name: str, value: Any) -> bool | str:
+    """``True``, ``False`` or ``"auto"`` (the learner decides from its other settings and says so)."""
+    if value == "auto":
+        return "auto"
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise _fail(name, value, "true, false or auto")
+    return bool(value)
+
+
 def collect(checks: Iterable[Callable[[], Any]]) -> list[str]:
     """Runs every check (a callable with no arguments) and returns each one's problem line."""
     problems = []

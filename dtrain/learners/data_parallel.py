@@ -20,6 +20,7 @@ from dtrain import checks
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+from dtrain.learners.frozen_variance import FrozenVariance, keeps_variance
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 from dtrain.learners.settings import DATA_PARALLEL, QUANTIZATION_BITS
 from dtrain.rules import check_settings
@@ -83,6 +84,11 @@ class DataParallelLearner(ReplicatedLearner):
             ``"allreduce"`` (float32 gradients, each rank on its share; None: this) or ``"local"`` (CNTK's).
         warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias; it is
             not PowerSGD's boolean ``warm_start``).
+        freeze_variance: with an Adam-family optimizer (its groups have ``betas``) and a lossy strategy,
+            hold the optimizer's variance (``exp_avg_sq``) where the float32 warm start left it, from the
+            first step the strategy exchanges (1-bit Adam's rule: :mod:`dtrain.learners.frozen_variance`);
+            ``"auto"`` (the default): for the strategies that ask for a warm start (k-bit), not for
+            PowerSGD, bf16/fp16 or float32; ``True``: for any lossy strategy; ``False``: never.
         overlap_backward: start each bucket's exchange during backward (the default); ``False``
             starts them all after backward, only to measure what the overlap saves.
 
@@ -97,9 +103,11 @@ class DataParallelLearner(ReplicatedLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = 0,
                  bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
-                 warm_start_mode: str | None = None, warm_start: str | None = None):
+                 warm_start_mode: str | None = None, warm_start: str | None = None,
+                 freeze_variance: bool | str = AUTO):
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
         self.warm_start_mode = checks.warm_start_mode(warm_start_mode, warm_start)
+        freeze_variance = checks.boolean_or_auto("freeze_variance", freeze_variance)
         self.overlap_backward = checks.boolean("overlap_backward", overlap_backward)
         self.exchange = exchange = bind_exchange(exchange, self.comm)
         # a compressing strategy's warm start: float32 all-reduce steps until ``distributed_after``
@@ -107,6 +115,10 @@ class DataParallelLearner(ReplicatedLearner):
         if self.warm_start_exchange is not None:
             self.warm_start_exchange.bind(self.comm)
         self._active = self.exchange     # state: the strategy of this minibatch (the warm start's, or the strategy)
+        #: Adam's variance frozen while the lossy strategy exchanges (``freeze_variance``; "auto": k-bit only)
+        self.freeze_variance = (exchange.needs_warm_start if freeze_variance == AUTO else freeze_variance) \
+            and not exchange.lossless and keeps_variance(optimizer)
+        self.frozen_variance = FrozenVariance(optimizer)
         self.buckets: list[GradientBucket | InPlaceBucket] = []
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
@@ -192,8 +204,9 @@ class DataParallelLearner(ReplicatedLearner):
         """The learner, its warm start, and the exchange strategy when it is not the float32 all-reduce."""
         if self.warm_start_exchange is not None and self.comm.size > 1 and self.distributed_after:
             auto = " (auto)" if self.distributed_after_is_auto else ""
+            frozen = ", the optimizer's variance frozen from then on" if self.freeze_variance else ""
             return (f"learner {self.kind}, warm start of {self.distributed_after:,} samples{auto} with float32 "
-                    f"all-reduce, then gradients exchanged by {self.exchange.describe()}")
+                    f"all-reduce, then gradients exchanged by {self.exchange.describe()}{frozen}")
         line = super().describe()
         if self.comm.size > 1 and not isinstance(self.exchange, AllReduce):
             line += f", gradients exchanged by {self.exchange.describe()}"
@@ -292,7 +305,12 @@ class DataParallelLearner(ReplicatedLearner):
         self.bytes_sent_total += self.bytes_sent_last_step
         self._reducing = False
         self.exchange_seconds_last_step = time.perf_counter() - started
+        freezing = self.freeze_variance and self._active is self.exchange
+        if freezing:
+            self.frozen_variance.hold()
         self._step_optimizer(gradients_unscaled=True)
+        if freezing:
+            self.frozen_variance.restore()
 
     # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint_identity(self) -> dict[str, Any]:
@@ -312,6 +330,7 @@ class DataParallelLearner(ReplicatedLearner):
         """
         super().load_state_dict(state)
         self.exchange.reset()
+        self.frozen_variance.release()  # the optimizer's state is new: the next lossy step holds its variance
         saved = state.get("exchange_world_size")
         if saved is not None and saved != self.comm.size and self.exchange.stateful \
                 and self.comm.is_main:
@@ -360,6 +379,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
         bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
         warm_start_mode: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
         warm_start: the old spelling of ``warm_start_mode`` (an alias).
+        freeze_variance: an Adam-family optimizer's variance frozen at the warm start's end (``"auto"``,
+            the default: on; see :class:`DataParallelLearner`).
 
     Raises:
         ValueError: ``num_quantization_bits`` outside 1..32 or a negative ``distributed_after``.
@@ -370,11 +391,12 @@ class QuantizedDataParallelLearner(DataParallelLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0,
-                 warm_start_mode: str | None = None, warm_start: str | None = None):
+                 warm_start_mode: str | None = None, warm_start: str | None = None,
+                 freeze_variance: bool | str = AUTO):
         check_settings(QUANTIZATION_BITS, num_quantization_bits=num_quantization_bits)
         bits = int(num_quantization_bits)
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb, exchange=Quantized(bits, error_feedback),
-                         warm_start_mode=warm_start_mode, warm_start=warm_start)
+                         warm_start_mode=warm_start_mode, warm_start=warm_start, freeze_variance=freeze_variance)
 
     @property
     def num_quantization_bits(self) -> int:
@@ -393,7 +415,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
                                       num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
                                       error_feedback: bool = True, exchange: Exchange | None = None,
-                                      warm_start_mode: str | None = None, warm_start: str | None = None) -> Learner:
+                                      warm_start_mode: str | None = None, warm_start: str | None = None,
+                                      freeze_variance: bool | str = AUTO) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
@@ -416,6 +439,8 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
             (CNTK's: every rank on the full stream, no communication); the float32 all-reduce's
             own warm start is always local (all-reducing it would be no warm start at all).
         warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias).
+        freeze_variance: with an Adam-family optimizer and a lossy exchange, hold its variance where the
+            warm start left it (1-bit Adam's rule); ``"auto"`` (default): for k-bit gradients only.
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
@@ -427,7 +452,7 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         TypeError: ``optimizer`` is not a torch optimizer, or ``exchange`` not an exchange strategy.
     """
     check_settings(DATA_PARALLEL, num_quantization_bits=num_quantization_bits, bucket_size_mb=bucket_size_mb,
-                   distributed_after=distributed_after, error_feedback=error_feedback)
+                   distributed_after=distributed_after, error_feedback=error_feedback, freeze_variance=freeze_variance)
     num_quantization_bits, error_feedback = int(num_quantization_bits), bool(error_feedback)
     if distributed_after != AUTO:
         distributed_after = int(distributed_after)
@@ -442,9 +467,11 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         return QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
                                             num_quantization_bits=int(num_quantization_bits),
                                             error_feedback=error_feedback, bucket_size_mb=bucket_size_mb,
-                                            warm_start_mode=warm_start_mode, warm_start=warm_start)
+                                            warm_start_mode=warm_start_mode, warm_start=warm_start,
+                                            freeze_variance=freeze_variance)
     return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb,
-                               exchange=exchange, warm_start_mode=warm_start_mode, warm_start=warm_start)
+                               exchange=exchange, warm_start_mode=warm_start_mode, warm_start=warm_start,
+                               freeze_variance=freeze_variance)
 
 
 __all__ = ["DataParallelLearner", "QuantizedDataParallelLearner", "data_parallel_distributed_learner"]

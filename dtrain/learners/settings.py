@@ -39,6 +39,7 @@ class DataParallelLearnerConfig:
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
     warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
+    freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: k-bit only
 
 
 @dataclass
@@ -112,6 +113,7 @@ class TwoLevelDataParallelLearnerConfig:
     exchange: Any = None                # learner/exchange=NAME: the strategy between the host leaders (float32 when unset)
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local
     warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias)
+    freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: k-bit only
 
 
 # -- learners
@@ -129,8 +131,10 @@ def _samples_or_auto(name: str, value, **options):
 DISTRIBUTED_AFTER: KeyChecks = {"distributed_after": partial(_samples_or_auto, allow_zero=True)}
 QUANTIZATION_BITS: KeyChecks = {"num_quantization_bits": partial(checks.whole_number, low=1, high=32, unit="bits")}
 BUCKETS: KeyChecks = {"bucket_size_mb": partial(checks.positive_number, unit="MiB")}
-DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **QUANTIZATION_BITS, **BUCKETS, "error_feedback": checks.boolean}
-TWO_LEVEL_DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **BUCKETS}
+FREEZE_VARIANCE: KeyChecks = {"freeze_variance": checks.boolean_or_auto}
+DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **QUANTIZATION_BITS, **BUCKETS, **FREEZE_VARIANCE,
+                            "error_feedback": checks.boolean}
+TWO_LEVEL_DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **BUCKETS, **FREEZE_VARIANCE}
 BLOCK_SIZE: KeyChecks = {"block_size": _samples_or_auto}
 BLOCK_SYNC: KeyChecks = {"reset_sgd_momentum_after_aggregation": checks.boolean,
                          "local_learning_rate": partial(checks.choice, choices=checks.LOCAL_LEARNING_RATES)}

@@ -266,7 +266,7 @@ class TwoLevelDataParallelLearner(DataParallelLearner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
                  warm_start_mode: str | None = None, warm_start: str | None = None,
-                 ranks_per_host: int | None = None):
+                 ranks_per_host: int | None = None, freeze_variance: bool | str = AUTO):
         comm = comm if comm is not None else LocalCommunicator()
         if ranks_per_host is None:
             ranks_per_host = getattr(comm, "ranks_per_host", None)
@@ -275,7 +275,8 @@ class TwoLevelDataParallelLearner(DataParallelLearner):
         groups = comm.host_groups(ranks_per_host)
         between = BetweenHosts(exchange if exchange is not None else AllReduce(), groups)
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb, exchange=between,
-                         overlap_backward=overlap_backward, warm_start_mode=warm_start_mode, warm_start=warm_start)
+                         overlap_backward=overlap_backward, warm_start_mode=warm_start_mode, warm_start=warm_start,
+                         freeze_variance=freeze_variance)
         if self.warm_start_exchange is not None:  # float32 warm start: the same three steps, exact
             self.warm_start_exchange = BetweenHosts(AllReduce(), groups)
             self.warm_start_exchange.bind(self.comm)

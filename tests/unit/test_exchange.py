@@ -344,3 +344,97 @@ def test_error_feedback_that_is_not_a_bool_is_refused_not_taken_as_true():
     with pytest.raises(ValueError, match="error_feedback='no': expected true or false"):
         QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=1,
                                      error_feedback="no")
+
+
+# -- Adam's variance frozen under k-bit gradients (1-bit Adam) -------------------------------------------
+
+
+#: one initial model for every run (threads share torch's global generator, so none is drawn in them)
+ADAM_START = make_model(seed=0).state_dict()
+
+
+def train_adam_steps(comm, steps: int, freeze_variance="auto", resume_after: int | None = None):
+    """Adam under the 1-bit learner (warm start: 3 steps of 13 samples); the variances and parameters after
+    each step. ``resume_after``: a checkpoint's state loaded into a new learner there, as a resumed job does."""
+    def build(model):
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99))
+        learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=32, num_quantization_bits=1,
+                                               freeze_variance=freeze_variance)
+        learner.prepare(model)
+        return learner
+
+    model = make_model(seed=0)
+    model.load_state_dict(ADAM_START)
+    learner = build(model)
+    generator, local_sizes, variances, parameters = torch.Generator().manual_seed(comm.rank), (8, 5), [], []
+    for step in range(steps):
+        if step == resume_after:
+            saved, local = copy.deepcopy(learner.state_dict()), copy.deepcopy(learner.local_state_dict())
+            learner.finalize()
+            learner = build(model)
+            learner.load_state_dict(saved)
+            learner.load_local_state_dict(local)
+        features = torch.randn(local_sizes[comm.rank], 20, generator=generator)
+        labels = torch.randint(0, 3, (local_sizes[comm.rank],), generator=generator)
+        learner.begin_minibatch(local_sizes[comm.rank], sum(local_sizes))
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        learner.step()
+        variances.append(torch.cat([learner.optimizer.state[p]["exp_avg_sq"].reshape(-1).clone()
+                                    for p in model.parameters()]))
+        parameters.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    learner.finalize()
+    return variances, parameters, learner.describe()
+
+
+def test_adams_variance_stays_where_the_float32_warm_start_left_it_under_1_bit_gradients():
+    frozen = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6))
+    moving = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6, freeze_variance=False))
+    for variances, parameters, describe in frozen:
+        assert not torch.equal(variances[1], variances[2])  # the warm start's steps move it
+        assert all(torch.equal(variance, variances[2]) for variance in variances[3:])  # then it is held
+        assert all(torch.equal(a, b) for a, b in zip(parameters, frozen[0][1]))  # one model on both ranks
+        assert "variance frozen" in describe
+    variances, parameters, describe = moving[0]
+    assert torch.equal(variances[2], frozen[0][0][2])  # the same warm start ...
+    assert not torch.equal(variances[4], variances[2]) and "variance frozen" not in describe  # ... never held
+    assert not torch.equal(parameters[5], frozen[0][1][5])  # and the updates differ
+
+
+def test_a_resumed_job_holds_the_same_frozen_variance_bit_for_bit():
+    straight = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6))
+    resumed = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6, resume_after=4))
+    for (variances, parameters, _), (variances_again, parameters_again, _) in zip(straight, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(parameters, parameters_again))
+        assert all(torch.equal(a, b) for a, b in zip(variances, variances_again))
+
+
+@pytest.mark.parametrize("optimizer, exchange, freeze, expected", [
+    ("adamw", None, "auto", False),             # float32 all-reduce: nothing to freeze against
+    ("adamw", "quantized", "auto", True),       # k-bit: on by default
+    ("sgd", "quantized", "auto", False),        # no variance to hold
+    ("adamw", "powersgd", "auto", False),       # not measured to help PowerSGD: off unless asked
+    ("adamw", "powersgd", True, True),
+    ("adamw", "bf16", True, True),
+    ("adamw", "quantized", False, False),
+])
+def test_freeze_variance_auto_is_on_for_k_bit_gradients_and_adam_family_optimizers(optimizer, exchange, freeze,
+                                                                                   expected):
+    from dtrain.exchange import CompressedAllReduce, PowerSGD, Quantized
+    from dtrain.learners import data_parallel_distributed_learner
+
+    model = make_model(0)
+    torch_optimizer = (torch.optim.AdamW(model.parameters()) if optimizer == "adamw"
+                       else torch.optim.SGD(model.parameters(), lr=0.1))
+    strategy = {None: None, "quantized": Quantized(1), "powersgd": PowerSGD(1),
+                "bf16": CompressedAllReduce("bf16")}[exchange]
+    learner = data_parallel_distributed_learner(torch_optimizer, exchange=strategy, freeze_variance=freeze)
+    assert learner.freeze_variance is expected
+
+
+def test_freeze_variance_that_is_not_a_switch_is_refused_in_one_line():
+    from dtrain.learners import data_parallel_distributed_learner
+
+    model = make_model(0)
+    with pytest.raises(ValueError, match="freeze_variance='yes': expected true, false or auto"):
+        data_parallel_distributed_learner(torch.optim.AdamW(model.parameters()), num_quantization_bits=1,
+                                          freeze_variance="yes")
