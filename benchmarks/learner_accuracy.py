@@ -54,6 +54,11 @@ CONFIGS = {
     "block_momentum, 8-bit outer": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=8"],
     "diloco, 4-bit outer": ["learner=diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
     "block_momentum, local lr share": ["learner=block_momentum", "learner.local_learning_rate=share"],
+    "block_momentum, no momentum reset": ["learner=block_momentum", "learner.reset_sgd_momentum_after_aggregation=false"],
+    "quantized, variance not frozen": ["learner=quantized", "learner.freeze_variance=false"],
+    "powersgd rank 8": ["learner=powersgd", "learner.exchange.matrix_approximation_rank=8"],
+    "powersgd rank 16": ["learner=powersgd", "learner.exchange.matrix_approximation_rank=16"],
+    "powersgd, variance frozen": ["learner=powersgd", "learner.freeze_variance=true"],
 }
 DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum", "powersgd", "diloco"]
 #: the sequence recipes' default rows also hold the block learners with 4-bit outer exchange
