@@ -20,9 +20,9 @@ class FrozenVariance:
     after each step by :meth:`restore` (so a checkpoint's optimizer state holds the frozen values, and a
     resumed run freezes the same ones).
 
-    torch's step first mixes the step's own gradient into the variance (weight ``1 - beta2``) and
-    then divides by it; the copy is put back after the step, so each step's variance is the frozen
-    one plus that single step's share, and nothing accumulates.
+    torch's step first mixes the step's own gradient into the variance and then divides by it; the
+    copy is put back after the step, so every step divides by ``beta2 * frozen + (1 - beta2) * g**2``
+    with its own ``g`` alone, and nothing accumulates from one step to the next.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
