@@ -25,6 +25,8 @@ __all__ = ["load_run", "main"]
 
 #: ``--weights``: the run's own choice (``auto``), its final weights, or its weight EMA
 WEIGHTS = ("auto", "last", "ema")
+#: the file each choice of weights reads
+WEIGHT_FILES = {"last": "model.safetensors", "ema": "model_ema.safetensors"}
 
 
 def chosen_weights(config, weights: str) -> str:
@@ -70,9 +72,6 @@ def load_run(run_dir: str | Path, weights: str = "auto"):
     data = instantiate(config.source.train.deserializer)
     return model.eval(), data, config, which
 
-
-#: the file each choice of weights reads
-WEIGHT_FILES = {"last": "model.safetensors", "ema": "model_ema.safetensors"}
 
 
 def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:

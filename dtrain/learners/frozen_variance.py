@@ -29,11 +29,6 @@ class FrozenVariance:
         self.optimizer = optimizer
         self._kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    @property
-    def is_held(self) -> bool:
-        """Whether a copy has been taken (the first lossy step has come)."""
-        return self._kept is not None
-
     def hold(self) -> None:
         """Copies the variances now in the optimizer's state (the first call that finds any; before the
         optimizer's first step there are none, and the copy waits for the next call)."""
