@@ -50,7 +50,8 @@ class SyncBatchNorm(_BatchNorm):
 
     Same parameters, buffers and ``state_dict`` keys as the ``nn.BatchNorm*d`` it replaces. In eval
     mode (or without running statistics in eval) it is a plain local ``batch_norm``: no traffic.
-    Statistics are computed in float32 whatever the input dtype (bf16 autocast included).
+    Statistics are computed in float32 for float32 and narrower inputs (bf16 autocast included), in float64
+    for float64 inputs.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
@@ -100,7 +101,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, running_mean, running_var, eps, factor, sync):  # noqa: A002
-        x = input.float()
+        compute = torch.promote_types(input.dtype, torch.float32)  # float32 at least; float64 kept
+        x = input.to(compute)
         channels = x.shape[1]
         dims = _reduced_dims(x)
         # float64 sums: sum(x^2)/n - mean^2 keeps float32 accuracy for any realistic minibatch
@@ -113,7 +115,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                              f"{int(count)} (input size {list(input.shape)} on this rank)")
         mean64 = stats[:channels] / count
         var64 = (stats[channels:2 * channels] / count - mean64.square()).clamp_min(0.0)  # biased, for normalising
-        mean, var = mean64.float(), var64.float()
+        mean, var = mean64.to(compute), var64.to(compute)
         invstd = torch.rsqrt(var + eps)
         if running_mean is not None:
             with torch.no_grad():  # one process's update: unbiased variance over the global count
@@ -122,9 +124,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         xhat = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
         output = xhat
         if weight is not None:
-            output = output * _per_channel(weight.float(), x)
+            output = output * _per_channel(weight.to(compute), x)
         if bias is not None:
-            output = output + _per_channel(bias.float(), x)
+            output = output + _per_channel(bias.to(compute), x)
         ctx.save_for_backward(xhat, weight, invstd)
         ctx.count = count
         ctx.sync = sync
@@ -135,7 +137,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         xhat, weight, invstd = ctx.saved_tensors
         sync = ctx.sync
-        dy = grad_output.float()
+        dy = grad_output.to(xhat.dtype)
         dims = _reduced_dims(dy)
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
@@ -145,8 +147,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             factor = sync.gradient_factor
             local = torch.cat([sum_dy, sum_dy_xhat]).double()
             reduced = sync.allreduce(local / factor if factor != 1.0 else local) * (factor / ctx.count)
-            mean_dy, mean_dy_xhat = reduced.float().chunk(2)
-            scale = invstd if weight is None else invstd * weight.float()
+            mean_dy, mean_dy_xhat = reduced.to(dy.dtype).chunk(2)
+            scale = invstd if weight is None else invstd * weight.to(dy.dtype)
             grad_input = _per_channel(scale, dy) * (dy - _per_channel(mean_dy, dy)
                                                    - xhat * _per_channel(mean_dy_xhat, dy))
             grad_input = grad_input.to(ctx.input_dtype)

@@ -45,11 +45,13 @@ def test_resume_with_the_optimizer_state_and_the_ema_is_bit_identical_on_two_ran
 
 @pytest.mark.slow
 def test_data_parallel_on_two_ranks_averages_the_weights_of_one_process(tmp_path):
+    """Through the warm-up (640 samples, 10 steps), where 1 and 2 ranks differ by float32 rounding (4e-7);
+    at LARS's full rate the next steps amplify that (1e-4 two steps later, 2e-2 at 1280 on an AVX2 CPU)."""
     overrides = LEARNERS["data_parallel_lars"]
-    _job(1, tmp_path / "one", *overrides, "session.max_samples=1280")
-    _job(2, tmp_path / "two", *overrides, "session.max_samples=1280")
-    one = checkpoint.load(tmp_path / "one" / "checkpoint-1280.pt")["weight_ema"]
-    two = checkpoint.load(tmp_path / "two" / "checkpoint-1280.pt")["weight_ema"]
-    assert int(one["n_averaged"]) == int(two["n_averaged"]) == 20
+    _job(1, tmp_path / "one", *overrides, "session.max_samples=640")
+    _job(2, tmp_path / "two", *overrides, "session.max_samples=640")
+    one = checkpoint.load(tmp_path / "one" / "checkpoint-640.pt")["weight_ema"]
+    two = checkpoint.load(tmp_path / "two" / "checkpoint-640.pt")["weight_ema"]
+    assert int(one["n_averaged"]) == int(two["n_averaged"]) == 10
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
