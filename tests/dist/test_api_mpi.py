@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.mpi import run_mpi
 
 WORKER = Path(__file__).with_name("_api_worker.py")
 
 
+@pytest.mark.slow
 def test_the_one_process_api_under_mpiexec_is_refused_instead_of_training_copies(run_dir):
     result = run_mpi(2, [WORKER, "single", run_dir], timeout=180)
     assert result.returncode != 0, result.report()

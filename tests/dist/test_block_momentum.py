@@ -45,6 +45,7 @@ def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_cli_trains_digits_with_block_momentum_on_two_ranks(run_dir: Path) -> None:
     result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "learner=block_momentum", "learner.block_size=640",
                          "session.max_samples=3000", f"run_dir={run_dir}"], timeout=200)

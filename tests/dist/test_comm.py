@@ -75,8 +75,12 @@ def _ops_under_emulated_srun(results_dir: Path) -> CheckLaunch:
     return CheckLaunch.read(results_dir, 2, returncode, report)
 
 
-@pytest.fixture(scope="module", params=["mpiexec-1", "mpiexec-2", pytest.param("mpiexec-4", marks=pytest.mark.slow), "mpiexec-2-mpi",
-                                        pytest.param("mpiexec-4-mpi", marks=pytest.mark.slow), "torchrun-2", "srun-2"])
+@pytest.fixture(scope="module", params=[pytest.param("mpiexec-1", marks=pytest.mark.slow), "mpiexec-2",
+                                        pytest.param("mpiexec-4", marks=pytest.mark.slow),
+                                        pytest.param("mpiexec-2-mpi", marks=pytest.mark.slow),
+                                        pytest.param("mpiexec-4-mpi", marks=pytest.mark.slow),
+                                        pytest.param("torchrun-2", marks=pytest.mark.slow),
+                                        pytest.param("srun-2", marks=pytest.mark.slow)])
 def ops_launch(request, tmp_path_factory) -> CheckLaunch:
     """One run of ``_comm_worker.py ops`` under a launcher and world size (``LAUNCHER-N[-BACKEND]``,
     Gloo unless named)."""
@@ -101,9 +105,6 @@ def test_communicator_under_a_launcher(ops_launch: CheckLaunch, check: str) -> N
 @pytest.mark.timeout(120)
 def test_the_ops_launch_ends_cleanly(ops_launch: CheckLaunch) -> None:
     assert ops_launch.returncode == 0, ops_launch.output
-
-
-BACKENDS = pytest.mark.parametrize("backend", ["gloo", "mpi"])  # where rank 0's tensors wait
 
 
 FAILURES = [("raise", 1, "[rank 1/2] ValueError: boom from rank 1"),
@@ -141,7 +142,7 @@ def test_sigkilled_rank_ends_the_job(backend: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@BACKENDS
+@pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.slow), "mpi"])  # where rank 0 waits
 def test_stalled_peer_times_out_instead_of_hanging(backend: str) -> None:
     """Rank 1 stays alive but never joins: rank 0's allreduce times out (3 s here) and aborts the job
     (Gloo's own timeout; MPI has none, the communicator's wait watch ends the job)."""

@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("_dp_worker.py")
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.fixture(scope="module", params=[(1, "gloo"), (2, "gloo"), (2, "mpi"), pytest.param((4, "gloo"), marks=pytest.mark.slow),
+@pytest.fixture(scope="module", params=[pytest.param((1, "gloo"), marks=pytest.mark.slow), pytest.param((2, "gloo"), marks=pytest.mark.slow), (2, "mpi"), pytest.param((4, "gloo"), marks=pytest.mark.slow),
                                         pytest.param((4, "mpi"), marks=pytest.mark.slow)],
                 ids=lambda param: f"nprocs={param[0]}-{param[1]}")
 def launch(request, tmp_path_factory) -> CheckLaunch:

@@ -85,7 +85,8 @@ def _run_on_terminal_once(command: list[str], run_dir: Path, signum: int, timeou
     return output.decode(errors="replace"), status
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                    pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_signalled_mpiexec_tells_the_terminal_where_the_checkpoint_is_and_how_to_continue(tmp_path, signum):
     if mpiexec_path() is None:
         pytest.skip("mpiexec not found")

@@ -59,7 +59,7 @@ def _run_on_cluster(cluster: NamespaceCluster, program: list[str], env: dict[str
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("rendezvous", ["automatic", "DTRAIN_MASTER_ADDR"])
+@pytest.mark.parametrize("rendezvous", ["automatic", pytest.param("DTRAIN_MASTER_ADDR", marks=pytest.mark.slow)])
 def test_communicator_spans_two_hosts(cluster: NamespaceCluster, rendezvous: str) -> None:
     """One rank per host: local size 1, rank 0's cluster address announced, allreduce correct and
     no faster than the 1 Gbit/s link allows (so it went over the shaped veths, not loopback)."""

@@ -71,7 +71,8 @@ def test_restoring_at_another_world_size_continues_and_says_so(tmp_path):
     assert state["source"]["position"] == 1280  # the global position carried over
 
 
-@pytest.mark.parametrize("learner", ["data_parallel", pytest.param("block_momentum", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("learner", [pytest.param("data_parallel", marks=pytest.mark.slow),
+                                     pytest.param("block_momentum", marks=pytest.mark.slow)])
 def test_sigterm_on_one_rank_checkpoints_all_and_exits_75_then_resumes(tmp_path, learner):
     """Block momentum (its defaults: a warm start, then blocks) agrees on the signal only where
     the ranks meet, at most a block later; the job still checkpoints and exits 75."""
@@ -100,14 +101,15 @@ def test_sigterm_on_one_rank_checkpoints_all_and_exits_75_then_resumes(tmp_path,
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["learner=nope"], "Could not find 'learner/nope'"),
-    (["session.minibatch_size=-64"], "session.minibatch_size=-64"),
-    (["learner=quantized", "learner.num_quantization_bits=0"], "num_quantization_bits=0"),
-    (["learner=block_momentum", "learner.block_size=1"], "block_size"),
-    (["+recipe=cifar10", "data.root=/nonexistent/cifar", "+source.train.deserializer.url=http://127.0.0.1:9/x.tgz"],
-     "cifar-10-batches-bin"),
+    pytest.param(["learner=nope"], "Could not find 'learner/nope'", marks=pytest.mark.slow),
+    pytest.param(["session.minibatch_size=-64"], "session.minibatch_size=-64", marks=pytest.mark.slow),
+    pytest.param(["learner=quantized", "learner.num_quantization_bits=0"], "num_quantization_bits=0", marks=pytest.mark.slow),
+    pytest.param(["learner=block_momentum", "learner.block_size=1"], "block_size", marks=pytest.mark.slow),
+    pytest.param(["+recipe=cifar10", "data.root=/nonexistent/cifar", "+source.train.deserializer.url=http://127.0.0.1:9/x.tgz"],
+                 "cifar-10-batches-bin", marks=pytest.mark.slow),
     (["learner=data_parallel"], "checkpoint-64.pt could not be read"),
-    (["learner=block_momentum", "learner.block_size=640", "session.checkpoint.restore=false"], "already exists"),
+    pytest.param(["learner=block_momentum", "learner.block_size=640", "session.checkpoint.restore=false"], "already exists",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_input_under_mpiexec_is_one_line_and_changes_nothing(overrides, fragment, tmp_path):
     run = tmp_path / "run"

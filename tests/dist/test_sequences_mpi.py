@@ -16,7 +16,7 @@ WORKER = Path(__file__).with_name("_sequence_worker.py")
 pytestmark = pytest.mark.timeout(200)
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"nprocs={n}")
 def launch(request, tmp_path_factory) -> CheckLaunch:
     run_dir = tmp_path_factory.mktemp(f"sequences{request.param}")
     return launch_checks(request.param, [WORKER, run_dir / "runs"], run_dir / "checks", timeout=190)

@@ -14,7 +14,7 @@ from tests.helpers.checks import CheckLaunch, launch_checks
 
 WORKER = Path(__file__).with_name("_session_options_worker.py")
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 
 @pytest.fixture(scope="module")

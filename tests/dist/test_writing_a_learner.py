@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from dtrain.exchange import Quantized
@@ -32,6 +33,7 @@ def test_the_page_shows_the_tested_example_unchanged():
     assert len((EXAMPLE / "outer_sgd.py").read_text().splitlines()) <= 35  # short enough to read at once
 
 
+@pytest.mark.slow
 def test_outer_sgd_from_a_config_dir_trains_to_max_samples_under_mpiexec(run_dir):
     result = run_mpi(2, ["-m", "dtrain", "--config-dir", str(EXAMPLE / "conf"), "+recipe=digits",
                          "learner=outer_sgd", "learner.outer_learning_rate=0.8", "learner.block_size=320",

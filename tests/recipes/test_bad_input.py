@@ -208,14 +208,25 @@ def mlp_problems(node, name):
     return checks.collect([lambda: checks.whole_number(f"{name}.hidden", node.hidden, low=1, unit="units")])
 """
 
+#: the cases the default suite runs: one or two of each kind, each refused at another point (validation, composition,
+#: instantiation, the run directory, the checkpoint, the first minibatch); the slow set runs every case
+DEFAULT_CASES = {
+    "minibatch-0", "two-problems-at-once", "threads-0", "lr-schedule-word", "lr-nan", "optimizer-unknown",
+    "lars-eta-negative", "hidden-negative", "user-model-rule", "classes-vs-data", "compile-2", "device-malformed",
+    "inputs-unknown-stream", "backend-unknown", "bits-0", "exchange-on-local", "plus-misspelt-session", "misspelt",
+    "group-list", "recipe-unknown", "recipe-missing", "run-dir-empty-string", "run-dir-is-file", "run-dir-below-file",
+    "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
+    "metric-k-nothing-to-train", "minibatch-too-large"}
+
 # every case without a recipe of its own uses the digits recipe
 _RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule"}  # the last names the recipe after --config-dir
 
 # under mpiexec: failures before the communicator exists (validation, composition, the recipe) and
 # after it (instantiation, the checkpoint, training), each reported once, by rank 0
-MPI_CASES = ["lr-nan", "group-list", "plus-misspelt-session", "hidden-negative", "classes-vs-data",
-             "run-dir-is-file", "run-dir-empty-string", "lr-schedule-word", "threads-0",
-             "minibatch-too-large", "restore-off", "recipe-unknown",
+#: the default suite keeps one of each kind (before the communicator: lr-nan; after: restore-off), the slow set the rest
+MPI_CASES = ["lr-nan", "restore-off", *(pytest.param(case, marks=pytest.mark.slow) for case in (
+             "group-list", "plus-misspelt-session", "hidden-negative", "classes-vs-data", "run-dir-is-file",
+             "run-dir-empty-string", "lr-schedule-word", "threads-0", "minibatch-too-large", "recipe-unknown")),
              pytest.param("hierarchical-true-one-host", marks=pytest.mark.slow),
              pytest.param("ranks-per-host-not-dividing", marks=pytest.mark.slow)]
 
@@ -250,8 +261,11 @@ def places(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def single_process_results(places) -> dict[str, dict]:
-    """Every single-process case, run by two forking runners side by side, each on its own copy of the run."""
+def single_process_results(places, request) -> dict[str, dict]:
+    """Every selected single-process case, run by two forking runners side by side, each on its own copy of the run."""
+    selected = {item.callspec.params["case_id"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_bad_input_in_one_process"}
+    cases = [case for case in CASES if case[0] in selected]
     base = Path(places["base"])
     runners, requests = [], {}
     for index in range(2):
@@ -260,7 +274,7 @@ def single_process_results(places) -> dict[str, dict]:
         process = subprocess.Popen([sys.executable, str(RUNNER)], cwd=base, env=plain_environment(),
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         runners.append((process, {**places, "run": str(run)}))
-    for number, (case_id, arguments, _) in enumerate(CASES):
+    for number, (case_id, arguments, _) in enumerate(cases):
         process, where = runners[number % 2]
         watch = [where["run"], where["file"], where["empty"]]
         process.stdin.write(json.dumps({"argv": _arguments(case_id, arguments, where), "cwd": str(base),
@@ -269,7 +283,7 @@ def single_process_results(places) -> dict[str, dict]:
     results = {}
     for index, (process, _) in enumerate(runners):
         process.stdin.close()
-        for case_id, where in requests[index]:
+        for case_id, where in requests.get(index, []):
             line = process.stdout.readline()
             assert line, f"runner {index} ended early"
             results[case_id] = {**json.loads(line), "places": where}
@@ -297,7 +311,8 @@ def _check(case_id: str, result: dict, fragments: list[str], places: dict[str, s
     assert result.get("added", []) == [], f"files added: {result['added']}\n{report}"  # byte-identical directories
 
 
-@pytest.mark.parametrize("case_id, arguments, fragments", CASES, ids=[case[0] for case in CASES])
+@pytest.mark.parametrize("case_id, arguments, fragments", [
+    pytest.param(*case, id=case[0], marks=() if case[0] in DEFAULT_CASES else pytest.mark.slow) for case in CASES])
 def test_bad_input_in_one_process(case_id, arguments, fragments, single_process_results):
     if case_id == "run-dir-read-only" and os.geteuid() == 0:
         pytest.skip("root may write into a read-only directory; the rule is covered by test_config")

@@ -94,11 +94,15 @@ def existing_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("+recipe=imagenette",), "unknown recipe 'imagenette'; expected one of cifar10, cmudict_g2p, digits"),
-    (("+recipe=digits", "session.minibatch_sise=5"), "Key 'minibatch_sise' not in 'SessionConfig'"),
-    (("+recipe=digits", "session.minibatch_size=-5"), "session.minibatch_size=-5: expected a positive"),
-    (("+recipe=digits", "learner=nope"), "Could not find 'learner/nope'"),
-    (("+recipe=digits",), "checkpoint-100.pt could not be read (not a dtrain checkpoint"),
+    # the slow set: the same one-line rules as tests/recipes/test_bad_input.py's one-process cases
+    pytest.param(("+recipe=imagenette",), "unknown recipe 'imagenette'; expected one of cifar10, cmudict_g2p, digits",
+                 marks=pytest.mark.slow),
+    pytest.param(("+recipe=digits", "session.minibatch_sise=5"), "Key 'minibatch_sise' not in 'SessionConfig'",
+                 marks=pytest.mark.slow),
+    pytest.param(("+recipe=digits", "session.minibatch_size=-5"), "session.minibatch_size=-5: expected a positive",
+                 marks=pytest.mark.slow),
+    pytest.param(("+recipe=digits", "learner=nope"), "Could not find 'learner/nope'", marks=pytest.mark.slow),
+    pytest.param(("+recipe=digits",), "checkpoint-100.pt could not be read (not a dtrain checkpoint", marks=pytest.mark.slow),
     (("+recipe=digits", "session.checkpoint.restore=false"), "already exists and restore is off"),
 ])
 def test_bad_input_is_one_line_nonzero_exit_and_nothing_overwritten(args, fragment, existing_run):
@@ -108,6 +112,7 @@ def test_bad_input_is_one_line_nonzero_exit_and_nothing_overwritten(args, fragme
     assert snapshot(existing_run) == before
 
 
+@pytest.mark.slow
 def test_missing_cifar10_without_network_says_where_to_put_the_files(tmp_path):
     line = _one_error_line(run_dtrain(
         "+recipe=cifar10", f"data.root={tmp_path / 'nowhere'}", "run_dir=run",
@@ -116,6 +121,7 @@ def test_missing_cifar10_without_network_says_where_to_put_the_files(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_cifar10_file_of_the_wrong_size_is_named(tmp_path):
     batches = write_cifar10_binary(tmp_path / "cifar", num_train=50, num_test=10)
     with open(batches / "data_batch_3.bin", "ab") as stream:
@@ -151,6 +157,7 @@ def test_sigterm_on_a_single_process_checkpoints_and_exits_75_then_resumes(tmp_p
     assert f"at {saved[0]} samples" in resumed.stdout, resumed.stdout
 
 
+@pytest.mark.slow
 def test_loss_and_metric_are_config_nodes_and_the_outputs_name_the_metric(tmp_path):
     result = run_dtrain("+recipe=digits", "run_dir=run", "metric=top5_error", "metric.k=3", "loss.label_smoothing=0.1",
                         "session.max_samples=1500", "session.progress_frequency=750", "session.tensorboard=false",

@@ -21,7 +21,7 @@ def run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("command", [
     (sys.executable, "-m", "dtrain", "--help"),
     (sys.executable, "-m", "dtrain", "-h"),
-    (str(CONSOLE_SCRIPT), "--help"),
+    pytest.param((str(CONSOLE_SCRIPT), "--help"), marks=pytest.mark.slow),  # the default set starts it in --version's test
     (sys.executable, "-m", "dtrain", "+recipe=digits", "--help"),
 ], ids=["python-m-help", "python-m-h", "console-script", "after-overrides"])
 def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, tmp_path):
@@ -58,13 +58,15 @@ def test_help_lists_the_recipes_and_options_of_a_config_dir(tmp_path):
     assert re.search(r"\n +local_sgd +Local SGD, averaged every k steps\.", result.stdout)  # the config dir's own
 
 
+@pytest.mark.slow
 def test_hydra_help_is_still_hydras(tmp_path):
     result = run(sys.executable, "-m", "dtrain", "--hydra-help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Hydra" in result.stdout
 
 
-@pytest.mark.parametrize("command", [(sys.executable, "-m", "dtrain", "--version"), (str(CONSOLE_SCRIPT), "--version")],
+@pytest.mark.parametrize("command", [(sys.executable, "-m", "dtrain", "--version"),
+                                     (str(CONSOLE_SCRIPT), "--version")],
                          ids=["python-m", "console-script"])
 def test_version_prints_dtrains_version_and_exits_0(command, tmp_path):
     if not Path(command[0]).exists():

@@ -17,6 +17,7 @@ from tests.helpers.mpi import plain_environment
 TINY = ("+recipe=digits", "session.progress_frequency=320", "session.tensorboard=false", "model.hidden=32")
 
 
+@pytest.mark.slow
 def test_resuming_with_changed_optimizer_settings_uses_them_says_so_and_records_them(tmp_path):
     first = run_dtrain(*TINY, "run_dir=run", "session.max_samples=640", cwd=tmp_path)
     assert first.returncode == 0, first.stderr

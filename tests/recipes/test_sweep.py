@@ -26,6 +26,7 @@ def summary(sweep: Path) -> list[dict]:
         return list(csv.DictReader(table))
 
 
+@pytest.mark.slow
 def test_a_sweep_trains_each_job_in_its_own_directory_and_goes_on_past_failing_and_diverging_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     result = run_dtrain("-m", *TINY, "optimizer.lr=0.02,-1,1e9,0.05", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -61,6 +62,7 @@ def test_a_sweep_trains_each_job_in_its_own_directory_and_goes_on_past_failing_a
     assert [row["status"] for row in summary(sweep)] == ["finished", "failed", "diverged", "finished"]
 
 
+@pytest.mark.slow
 def test_an_optuna_sweep_minimises_the_returned_test_error_and_goes_on_past_a_diverging_trial(tmp_path):
     sweep = tmp_path / "optuna"
     # seed 2 draws 0.02, then the diverging 1e9, then 0.05, one trial per batch
@@ -94,8 +96,10 @@ def test_a_sweep_through_submitit_trains_distinct_runs(tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (("run_dir=fixed",), "run_dir cannot be set in a sweep"),
-    (("hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"), "starts 2 independent copies of each job"),
-    (("optimizer.lrr=0.1",), "Could not override 'optimizer.lrr'. (Key 'lrr' not in 'SGDConfig')"),  # Hydra's own error
+    pytest.param(("hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"), "starts 2 independent copies of each job",
+                 marks=pytest.mark.slow),
+    pytest.param(("optimizer.lrr=0.1",), "Could not override 'optimizer.lrr'. (Key 'lrr' not in 'SGDConfig')",
+                 marks=pytest.mark.slow),  # Hydra's own error
 ])
 def test_a_sweep_that_would_share_or_copy_a_run_is_refused_in_one_line(tmp_path, args, fragment):
     result = run_dtrain("-m", *TINY, *args, "optimizer.lr=0.02,0.05", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)

@@ -18,12 +18,14 @@ from dtrain.config import validate
 
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 LEARNERS = sorted(p.stem for p in (CONF / "learner").glob("*.yaml"))
-#: recipes whose pairs with every learner run in the slow set (the default one keeps their data_parallel pair)
-SLOW_RECIPES = {"cmudict_g2p", "imagenet", "shakespeare_char"}  # imagenet: a ResNet-50 per pair
+#: recipes whose pairs with every learner run in the slow set (the default one keeps their data_parallel pair, but
+#: imagenet's: a ResNet-50 per pair, 22 s)
+SLOW_RECIPES = {"cmudict_g2p", "imagenet", "shakespeare_char"}
 
 
 def recipe_learner_pairs() -> list:
     return [pytest.param(recipe, learner, marks=pytest.mark.slow if (recipe in SLOW_RECIPES and learner != "data_parallel")
+                         or recipe == "imagenet"
                          or (learner.startswith("two_level") and recipe != "digits") else ())
             for recipe in RECIPES for learner in LEARNERS]
 

@@ -61,6 +61,7 @@ def test_a_silent_rank_is_reported_once_by_rank_0_within_the_bound(store):
     assert reports.messages[0].startswith("rank 1 of 3 has sent no heartbeat") and "comm.heartbeat_timeout_s=2" in reports.messages[0]
 
 
+@pytest.mark.slow
 def test_a_store_that_never_answers_is_reported_by_the_watchdog():
     server = subprocess.Popen([sys.executable, "-c", (
         "import datetime, time, torch.distributed as d\n"

@@ -36,6 +36,7 @@ def test_wheel_holds_every_package_and_the_config_tree(wheel):
             assert f"dtrain/docs/{page.relative_to(ROOT / 'docs')}" in names
 
 
+@pytest.mark.slow
 def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],

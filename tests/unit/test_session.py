@@ -746,6 +746,7 @@ except MetricsWriteError as error:
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_writing_metrics_is_one_line_and_leaves_no_torn_record(tmp_path):
     import subprocess
     import sys

@@ -177,6 +177,7 @@ def test_fp16_loss_scale_is_checkpointed_and_resumes_bit_exactly(tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_compile_trains_and_its_checkpoint_restores_into_a_plain_run(tmp_path):
     from dtrain import CheckpointConfig
     from dtrain.session import checkpoint
@@ -199,6 +200,7 @@ def test_compile_trains_and_its_checkpoint_restores_into_a_plain_run(tmp_path):
     assert result.restored_from is not None and result.samples_seen == 80
 
 
+@pytest.mark.slow
 def test_an_already_compiled_model_is_trained_and_saved_under_its_plain_names(tmp_path):
     model = make_model()
     learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
