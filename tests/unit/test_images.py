@@ -122,7 +122,7 @@ def test_bad_options_are_refused(kwargs, error):
         ImageAugmentation(**kwargs)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("native", marks=pytest.mark.slow), "dali"])
+@pytest.mark.parametrize("backend", ["native", pytest.param("dali", marks=pytest.mark.slow)])
 def test_imagenet_recipe_runs_end_to_end_on_a_tiny_map_file_set(tmp_path, backend):
     import subprocess
     import sys
