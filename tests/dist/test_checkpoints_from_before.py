@@ -11,9 +11,8 @@ momentum, 0.75-0.90 without the error-feedback residuals, 3.6 without the block'
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import pytest
 import torch
