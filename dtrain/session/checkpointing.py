@@ -74,6 +74,12 @@ class CheckpointHandling:
         if start.state is None:
             return None
         path, state = start.path, start.state
+        seen = self.learner.samples_seen
+        if self.max_samples is not None and seen > self.max_samples:  # it would be reported as this run's model
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} has trained on {seen:,} samples, past session.max_samples={self.max_samples}; "
+                f"set session.max_samples to at least {seen:,} to continue it, or use a new run directory "
+                f"(or session.checkpoint.restore_from= an earlier checkpoint)")
         if not same_world and self.comm.is_main:
             print(f"dtrain: restoring a checkpoint of {state['world_size']} workers on {self.comm.size}: the data "
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
@@ -85,7 +91,6 @@ class CheckpointHandling:
             self.ema.load_state_dict(state["weight_ema"])  # a checkpoint without one: the average starts afresh
         self.minibatches = int(state["minibatches"])
         self.cv_index = int(state["cv_index"])
-        seen = self.learner.samples_seen
         for period in (self.progress_period, self.checkpoint_period, self.cv_period):
             period.reset(seen)
         return path

@@ -74,3 +74,22 @@ def test_the_start_up_says_why_no_checkpoint_was_restored_and_names_a_checkpoint
                                             f"checkpoint-<samples>.pt, so it is not restored; to start from it, name "
                                             f"it in session.checkpoint.restore_from"):
         assert session.train().restored_from == tmp_path / "checkpoint-64.pt"
+
+
+def test_a_checkpoint_past_max_samples_is_refused_and_one_at_it_finishes_the_run(tmp_path):
+    session_into(tmp_path, 128)[0].train()
+    written = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    # a shorter run would report a model trained on 128 samples as one of 64
+    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path / 'checkpoint-128.pt'} has trained on 128 "
+                                              r"samples, past session.max_samples=64; set session.max_samples to at "
+                                              r"least 128 to continue it, or use a new run directory"):
+        session_into(tmp_path, 64)[0].train()
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == written
+    restored = tmp_path / "checkpoint-64.pt"
+    with pytest.raises(CheckpointError, match="has trained on 128 samples, past session.max_samples=100"):
+        session_into(tmp_path, 100, restore_from=restored)[0].train()  # the run's own newest is restored first
+    # the same length again: nothing left to train, the restored model is the run's
+    session, out = session_into(tmp_path, 128)
+    result = session.train()
+    assert result.restored_from == tmp_path / "checkpoint-128.pt"
+    assert session.learner.samples_seen == 128
