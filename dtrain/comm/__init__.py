@@ -17,6 +17,7 @@ from dtrain.comm.failfast import (
     add_signal_callback,
     install_fail_fast,
     install_signal_handlers,
+    release_signal_handlers,
     remove_signal_callback,
     uninstall_fail_fast,
 )
@@ -31,7 +32,8 @@ __all__ = [
     "BACKENDS", "REDUCE_OPS", "AsyncHandle", "Communicator", "Heartbeat", "HierarchicalCommunicator", "HostGroups",
     "LaunchInfo", "LocalCommunicator",
     "MPICommunicator", "TorchDistCommunicator", "add_signal_callback", "create_communicator", "detect_launcher",
-    "install_fail_fast", "install_signal_handlers", "job_id_from_env", "remove_signal_callback",
+    "install_fail_fast", "install_signal_handlers", "job_id_from_env", "release_signal_handlers",
+    "remove_signal_callback",
     "resolve_backend", "start_heartbeat", "uninstall_fail_fast",
 ]
 

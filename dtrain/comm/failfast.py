@@ -72,20 +72,34 @@ def install_fail_fast(comm: Communicator, signals: Iterable[int] = DEFAULT_SIGNA
     install_signal_handlers(signals)
 
 
-def install_signal_handlers(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+def install_signal_handlers(signals: Iterable[int] = DEFAULT_SIGNALS) -> frozenset[int]:
     """Route ``signals`` to :func:`handle_signal` through the watcher thread (main thread only).
 
     Separate from :func:`install_fail_fast` so later code can add signals (e.g. SIGUSR1
-    for a preemption warning) without touching the exception hooks.
+    for a preemption warning) without touching the exception hooks. Returns the signals this call
+    routed (those not routed already), for :func:`release_signal_handlers`.
     """
     wanted = frozenset(int(signum) for signum in signals)
     if _installed.watcher is None:
         _installed.watcher = _SignalWatcher()
     _installed.watcher.attach()
-    for signum in wanted - _installed.signals:
+    added = wanted - _installed.signals
+    for signum in added:
         _installed.previous_handlers.setdefault(signum, signal.getsignal(signum))
         signal.signal(signum, _python_handler)
     _installed.signals = _installed.signals | wanted
+    return added
+
+
+def release_signal_handlers(signals: Iterable[int]) -> None:
+    """Give ``signals`` back the handlers they had before :func:`install_signal_handlers` routed them
+    (main thread only), so a training session run from a notebook or a script leaves no handler behind."""
+    released = frozenset(int(signum) for signum in signals) & _installed.signals
+    for signum in released:
+        signal.signal(signum, _installed.previous_handlers.pop(signum, signal.SIG_DFL))
+    _installed.signals = _installed.signals - released
+    if released and not _installed.signals and _installed.watcher is not None:
+        _installed.watcher.detach()
 
 
 def uninstall_fail_fast() -> None:

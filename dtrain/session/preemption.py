@@ -7,7 +7,8 @@ import threading
 
 import torch
 
-from dtrain.comm.failfast import add_signal_callback, install_signal_handlers, remove_signal_callback
+from dtrain.comm.failfast import (add_signal_callback, install_signal_handlers, release_signal_handlers,
+                                  remove_signal_callback)
 from dtrain.session.configs import signal_from_name
 
 
@@ -30,12 +31,13 @@ class PreemptionHandling:
             self._preemption.set()
             return True
 
-        install_signal_handlers([wanted])
+        routed = install_signal_handlers([wanted])  # nothing when fail-fast routes it already (the command line)
         add_signal_callback(claim)
         try:
             yield
         finally:
             remove_signal_callback(claim)
+            release_signal_handlers(routed)
 
     def _preemption_requested(self) -> bool:
         """Whether any rank got the preemption signal (a collective when several ranks run)."""

@@ -1,15 +1,20 @@
 """Fail-fast hooks, driven in-process with a communicator whose abort only records."""
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
 import threading
 
 import pytest
+import torch
 
+from dtrain import CheckpointConfig, LocalLearner, MinibatchSource, training_session
 from dtrain.comm import LocalCommunicator, add_signal_callback, install_fail_fast, remove_signal_callback
 from dtrain.comm.failfast import exception_message, uninstall_fail_fast
+
+from tests.helpers.toy_data import four_class_data
 
 
 class RecordingComm(LocalCommunicator):
@@ -159,3 +164,31 @@ def _child_reports_defaults(ready) -> None:
     assert threading.excepthook is not failfast._threading_excepthook
     ready.set()
     time.sleep(30)
+
+
+def test_a_training_session_gives_the_preemption_signal_its_handler_back(tmp_path) -> None:
+    """Run from a script or a notebook (no fail-fast), a session routes SIGTERM to its preemption flag only
+    while it trains; after it, a SIGTERM does what it did before, not os._exit(143)."""
+    def train(run_dir) -> None:  # checkpoints, so the preemption signal (SIGTERM) is handled while it trains
+        model = torch.nn.Linear(6, 4)
+        training_session(model, torch.nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                         MinibatchSource(four_class_data()), 16, max_samples=32, progress_frequency=0,
+                         checkpoint_config=CheckpointConfig("checkpoint.pt"), run_dir=run_dir, tensorboard=False,
+                         stream=io.StringIO()).train()
+
+    def own(signum, frame):  # the script's own handler
+        pass
+
+    before = signal.signal(signal.SIGTERM, own)
+    try:
+        train(tmp_path)
+        assert signal.getsignal(signal.SIGTERM) is own
+        install_fail_fast(RecordingComm())  # the command line: fail-fast owns SIGTERM, before and after the session
+        try:
+            train(tmp_path / "cli")
+            assert signal.getsignal(signal.SIGTERM) is not own
+        finally:
+            uninstall_fail_fast()
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, before)
