@@ -204,13 +204,15 @@ class DataParallelLearner(ReplicatedLearner):
         """The learner, its warm start, and the exchange strategy when it is not the float32 all-reduce."""
         if self.warm_start_exchange is not None and self.comm.size > 1 and self.distributed_after:
             auto = " (auto)" if self.distributed_after_is_auto else ""
-            frozen = ", the optimizer's variance frozen from then on" if self.freeze_variance else ""
             return (f"learner {self.kind}, warm start of {self.distributed_after:,} samples{auto} with float32 "
-                    f"all-reduce, then gradients exchanged by {self.exchange.describe()}{frozen}")
+                    f"all-reduce, then gradients exchanged by {self.exchange.describe()}{self._frozen_note()}")
         line = super().describe()
         if self.comm.size > 1 and not isinstance(self.exchange, AllReduce):
-            line += f", gradients exchanged by {self.exchange.describe()}"
+            line += f", gradients exchanged by {self.exchange.describe()}{self._frozen_note()}"
         return line
+
+    def _frozen_note(self) -> str:
+        return ", the optimizer's variance frozen from then on" if self.freeze_variance else ""
 
     # -- statistics --------------------------------------------------------------------------------
     @property

@@ -353,13 +353,14 @@ def test_error_feedback_that_is_not_a_bool_is_refused_not_taken_as_true():
 ADAM_START = make_model(seed=0).state_dict()
 
 
-def train_adam_steps(comm, steps: int, freeze_variance="auto", resume_after: int | None = None):
+def train_adam_steps(comm, steps: int, freeze_variance="auto", resume_after: int | None = None,
+                     warm_start_mode: str = "allreduce"):
     """Adam under the 1-bit learner (warm start: 3 steps of 13 samples); the variances and parameters after
     each step. ``resume_after``: a checkpoint's state loaded into a new learner there, as a resumed job does."""
     def build(model):
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99))
         learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=32, num_quantization_bits=1,
-                                               freeze_variance=freeze_variance)
+                                               freeze_variance=freeze_variance, warm_start_mode=warm_start_mode)
         learner.prepare(model)
         return learner
 
@@ -386,13 +387,18 @@ def train_adam_steps(comm, steps: int, freeze_variance="auto", resume_after: int
     return variances, parameters, learner.describe()
 
 
-def test_adams_variance_stays_where_the_float32_warm_start_left_it_under_1_bit_gradients():
-    frozen = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6))
-    moving = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6, freeze_variance=False))
+@pytest.mark.parametrize("warm_start_mode", ["allreduce", "local"])
+def test_adams_variance_stays_where_the_float32_warm_start_left_it_under_1_bit_gradients(warm_start_mode):
+    frozen = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6, warm_start_mode=warm_start_mode))
+    moving = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6, freeze_variance=False,
+                                                            warm_start_mode=warm_start_mode))
+    # CNTK's local warm start: each rank steps alone, then rank 0's model and optimizer state go to all
+    together_from = 0 if warm_start_mode == "allreduce" else 3
     for variances, parameters, describe in frozen:
         assert not torch.equal(variances[1], variances[2])  # the warm start's steps move it
-        assert all(torch.equal(variance, variances[2]) for variance in variances[3:])  # then it is held
-        assert all(torch.equal(a, b) for a, b in zip(parameters, frozen[0][1]))  # one model on both ranks
+        # then held where rank 0's warm start left it, on both ranks
+        assert all(torch.equal(variance, frozen[0][0][2]) for variance in variances[3:])
+        assert all(torch.equal(a, b) for a, b in zip(parameters[together_from:], frozen[0][1][together_from:]))
         assert "variance frozen" in describe
     variances, parameters, describe = moving[0]
     assert torch.equal(variances[2], frozen[0][0][2])  # the same warm start ...
