@@ -49,15 +49,17 @@ def make_model(seed: int) -> nn.Module:
 
 
 def strategy(case: str):
-    if case == "quantized":
+    if case.startswith("quantized"):
         return Quantized(num_bits=1)
     return PowerSGD(matrix_approximation_rank=2, start_powersgd_iter=1, use_error_feedback=True)
 
 
 def build(comm, case: str, seed: int):
     model = make_model(seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    warm = 2 * GLOBAL if case == "quantized" else 0
+    # quantized_adamw: AdamW's variance frozen after the warm start (freeze_variance auto), on every rank
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01) if case.endswith("adamw") else \
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    warm = 2 * GLOBAL if case.startswith("quantized") else 0
     # 4 ranks: 2 x 2 from comm.ranks_per_host=2; 3 ranks: hosts of 2 and 1, as a launcher's node labels give them
     learner = TwoLevelDataParallelLearner(optimizer, comm, distributed_after=warm, bucket_size_mb=BUCKET_MB,
                                           exchange=strategy(case), ranks_per_host=2 if comm.size % 2 == 0 else None)
@@ -119,7 +121,7 @@ class Reference:
         if learner.in_full_precision_warm_start():
             return [torch.cat([functools.reduce(torch.add, tensors).reshape(-1) for tensors in zip(*hosts)])
                     for hosts in hosts_by_bucket]
-        if self.case == "quantized":
+        if self.case.startswith("quantized"):
             return [reference.step(hosts) for reference, hosts in zip(self.quantized, hosts_by_bucket)]
 
         def exchange(comm):
@@ -143,19 +145,27 @@ def check_case(comm, case: str) -> dict:
     def expect(position: int) -> None:
         seen["expected"] = reference.expected(model, position)
 
-    worst, between, position = 0.0, [], 0
+    worst, between, position, variances = 0.0, [], 0, []
     for _ in range(STEPS):
         position = train(learner, model, 1, position, before_step=expect)
         everyone = comm.allgather(flat(model.parameters()))
         assert all(torch.equal(everyone[0], theirs) for theirs in everyone), f"{case}: ranks differ after a step"
+        if case.endswith("adamw"):
+            variances.append(torch.cat([learner.optimizer.state[p]["exp_avg_sq"].reshape(-1).clone()
+                                        for p in model.parameters()]))
+            everyone = comm.allgather(variances[-1])
+            assert all(torch.equal(everyone[0], theirs) for theirs in everyone), f"{case}: variances differ"
         for bucket, expected in zip(learner.buckets, seen["expected"]):
             got = torch.cat([p.grad.reshape(-1) for p in bucket.parameters])
             worst = max(worst, float((got - expected).abs().max()))
             assert torch.equal(got, expected), f"{case}: step at {position - GLOBAL} differs by {worst}"
         between.append(learner.bytes_between_hosts_last_step)
     comm.barrier()
+    # the warm start's 2 steps move the variance; from the first 1-bit step on it is held where they left it
+    held = bool(variances) and not torch.equal(variances[0], variances[1]) and all(
+        torch.equal(variance, variances[1]) for variance in variances[2:])
     return {"between": between, "sent": learner.bytes_sent_last_step, "leader": learner.is_leader,
-            "compressed": between[-1] < learner.exchange.full_precision_bytes_last_step}
+            "compressed": between[-1] < learner.exchange.full_precision_bytes_last_step, "variance_held": held}
 
 
 def check_resume(comm, case: str) -> None:
@@ -185,7 +195,7 @@ def main() -> None:
     install_fail_fast(comm)
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
     cases = ("quantized", "powersgd")
-    run_checks(comm, {**{case: functools.partial(check_case, case=case) for case in cases},
+    run_checks(comm, {**{case: functools.partial(check_case, case=case) for case in (*cases, "quantized_adamw")},
                       **{f"resume_{case}": functools.partial(check_resume, case=case) for case in cases}})
     comm.finalize()
 

@@ -23,7 +23,7 @@ def launch(tmp_path_factory) -> CheckLaunch:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", ["quantized", "powersgd"])
+@pytest.mark.parametrize("case", ["quantized", "powersgd", "quantized_adamw"])
 def test_every_step_is_the_reference_and_identical_on_every_rank(launch: CheckLaunch, case: str) -> None:
     results = launch.results(case)
     leader, other = results[0], results[1]  # rank 0 leads host 0, rank 1 does not
@@ -31,6 +31,8 @@ def test_every_step_is_the_reference_and_identical_on_every_rank(launch: CheckLa
     assert all(between > 0 for between in leader["between"]) and set(other["between"]) == {0}
     assert leader["compressed"], leader
     assert other["sent"] > 0  # a non-leader sends its gradient to the leader
+    # AdamW under 1-bit between hosts: its variance held from the first 1-bit step, the same on every rank
+    assert all(result["variance_held"] for result in results) == (case == "quantized_adamw")
 
 
 @pytest.fixture(scope="module")
