@@ -141,8 +141,10 @@ class ThreadedExchange(Exchange):
 
     Subclasses implement :meth:`exchange_now` (the blocking exchange, run on the worker thread
     in launch order). With ``loss_scaled`` set, the worker first agrees with every rank whether
-    any rank's input holds an inf or NaN (one tiny all-reduce); if so the result is NaN on every
+    any rank's input holds an inf or NaN (one tiny all-reduce); if so the result is inf on every
     rank (the learner then skips the step everywhere) and the strategy's state is not touched.
+    Inf, not NaN: a lossless strategy's input carries the "has a gradient" flags (``> 0``), which
+    must still say "present", so that the learner sees the inf and skips the step.
     """
 
     lossless = False
@@ -163,7 +165,7 @@ class ThreadedExchange(Exchange):
         if self.loss_scaled:
             bad = torch.tensor([0.0 if bool(torch.isfinite(flat).all()) else 1.0], device=flat.device)
             if self.comm.allreduce(bad, op="max").item():
-                return flat.fill_(float("nan"))
+                return flat.fill_(float("inf"))
         return self.exchange_now(key, flat, shapes)
 
     @abc.abstractmethod

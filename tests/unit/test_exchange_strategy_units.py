@@ -12,9 +12,9 @@ from hydra.utils import instantiate
 
 from tests.helpers.config import compose_config
 from tests.helpers.thread_world import FakeComm, FakeWorld
-from dtrain.comm import LocalCommunicator
+from dtrain.comm import HostGroups, LocalCommunicator
 from dtrain.config import validate
-from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
+from dtrain.exchange import AllReduce, BetweenHosts, CompressedAllReduce, PowerSGD, Quantized
 from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner, data_parallel_distributed_learner
 from dtrain.learners.base import Learner, RunFacts
 
@@ -198,10 +198,10 @@ def test_an_inf_under_loss_scaling_reaches_every_rank_but_not_the_state(make):
         result = exchange.start(0, bad, shapes).wait()
         state_after = repr(exchange.state_dict())
         exchange.close()
-        return bool(torch.isnan(result).all()), state_before.replace("steps_begun': 1", "steps_begun': 2") \
+        return bool(torch.isinf(result).all()), state_before.replace("steps_begun': 1", "steps_begun': 2") \
             == state_after
-    for all_nan, state_kept in FakeWorld(2).run(work):
-        assert all_nan and state_kept
+    for all_inf, state_kept in FakeWorld(2).run(work):
+        assert all_inf and state_kept
 
 
 def test_the_learner_reports_exchange_seconds_for_the_session():
@@ -328,3 +328,31 @@ def test_powersgds_first_q_comes_from_its_own_seed_and_never_reseeds_the_global_
     got = FakeWorld(1).run(compressed)[0]
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.allclose(got, expected, atol=1e-6), float((got - expected).abs().max())
+
+
+def test_an_inf_under_loss_scaling_skips_the_step_on_every_rank_through_a_lossless_threaded_exchange():
+    """Two hosts of one rank, float32 between them (``BetweenHosts(AllReduce())``: a two-level learner's
+    warm start): the "has a gradient" flags ride in the same buffer as the gradients. One rank's inf
+    must skip the step everywhere, not turn the flags into "no gradient" and step on nothing."""
+    def work(comm):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        exchange = BetweenHosts(AllReduce(), HostGroups(LocalCommunicator(), comm))
+        learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, exchange=exchange)
+        learner.prepare(model)
+        learner.loss_scale = 1024.0
+        before = [parameter.detach().clone() for parameter in model.parameters()]
+        learner.begin_minibatch(4, 8)
+        loss = model(torch.randn(4, 8)).sum() * 1024.0
+        if comm.rank == 1:
+            loss = loss * float("inf")
+        loss.backward()
+        learner.step()
+        skipped = learner.found_inf and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        learner.begin_minibatch(4, 8)
+        (model(torch.randn(4, 8)).sum() * 1024.0).backward()
+        learner.step()
+        stepped = not learner.found_inf and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        learner.finalize()
+        return skipped, stepped
+    assert FakeWorld(2).run(work) == [(True, True), (True, True)]
