@@ -1,8 +1,10 @@
 """Time to accuracy on a 2-host cluster with a shaped link: which learner reaches data_parallel's
-digits test accuracy first, at 1 Gbit/s and at 100 Mbit/s.
+final quality first (digits test accuracy, or the language model's validation loss), at 1 Gbit/s
+and at 100 Mbit/s.
 
     sudo python benchmarks/time_to_accuracy.py                        # 1gbit and 100mbit, every learner
     sudo python benchmarks/time_to_accuracy.py --rate 100mbit --learners data_parallel,powersgd,ddp_powersgd
+    sudo python benchmarks/time_to_accuracy.py --recipe shakespeare_char --rate 100mbit   # validation loss + 0.03
 
 Needs root (network namespaces; see ``dtrain/testing/netns.py``). For each ``--rate`` a 2-host
 ``NamespaceCluster`` is built (one rank and one thread per host, ``tbf`` at that rate on each
@@ -15,6 +17,10 @@ do before any evaluation).
 The target is data_parallel's final test accuracy at that rate minus ``--tolerance`` points;
 a learner's time to accuracy is the wall time from the start of training (the first progress
 period's start, from ``metrics.jsonl``) to the first evaluation at or above the target.
+``--recipe shakespeare_char`` trains the language model at its full length instead, evaluating the
+whole held-out validation text every ``--eval-every`` characters (default: the recipe's epoch,
+512,000, so 10 evaluations); its target is data_parallel's final validation loss plus
+``--tolerance`` nats (default 0.03), and "reached" means a validation loss at or below it.
 ``ddp_powersgd`` is the outside reference: torch ``DistributedDataParallel`` with torch's own
 ``powerSGD_hook`` set up like ``learner=powersgd``'s defaults, the same model, initial weights,
 minibatch, optimizer and learning-rate schedule as the recipe (its own shuffling), in a hand-written loop (this script's ``--ddp-worker``), evaluated at the same
@@ -24,17 +30,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import re
 import os
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DTRAIN_LEARNERS = ("data_parallel", "quantized", "powersgd", "block_momentum", "diloco")
 REFERENCE = "ddp_powersgd"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a recipe's figure is and how a run of it is evaluated along the way."""
+    name: str
+    figure: str  # the metrics record's value compared with the target ("accuracy" is 1 - "error")
+    higher_is_better: bool
+    eval_every: int  # samples between evaluations
+    tolerance: float  # in the figure's unit (accuracy: a fraction)
+    unit: str  # the tolerance's, as printed and given on the command line (accuracy: points)
+    cv_overrides: tuple[str, ...]  # the evaluation along the way
+
+
+RECIPES = {
+    "digits": Recipe("digits", "accuracy", True, 1500, 0.005, "point",
+                     ("source.cv=${source.test}",)),  # the test set, so the test accuracy is known along the way
+    # the recipe's cv source is the held-out validation text the test pass reads: read it whole each time
+    "shakespeare_char": Recipe("shakespeare_char", "loss", False, 512000, 0.03, "nats", ("session.cv.max_samples=null",)),
+}
 
 
 # -- the outside reference: torch DDP with torch's PowerSGD hook -------------------------------------
@@ -119,23 +146,29 @@ def _arrays(deserializer):
 
 
 # -- driver ---------------------------------------------------------------------------------------
-def dtrain_command(learner: str, run_dir: Path, eval_every: int) -> list[str]:
+def dtrain_command(learner: str, run_dir: Path, eval_every: int, recipe: Recipe = RECIPES["digits"],
+                   samples: int | None = None) -> list[str]:
     """The user's command for ``learner`` with its defaults, plus the evaluation along the way."""
-    return [sys.executable, "-m", "dtrain", "+recipe=digits", f"learner={learner}", f"run_dir={run_dir}",
-            "source.cv=${source.test}", f"session.cv.frequency={eval_every}", f"session.progress_frequency={eval_every}",
-            "session.checkpoint.frequency=0", "session.num_threads=1"]
+    length = [f"session.max_samples={samples}"] if samples else []
+    return [sys.executable, "-m", "dtrain", f"+recipe={recipe.name}", f"learner={learner}", f"run_dir={run_dir}",
+            *recipe.cv_overrides, f"session.cv.frequency={eval_every}", f"session.progress_frequency={eval_every}",
+            "session.checkpoint.frequency=0", "session.num_threads=1", "session.tensorboard=false", *length]
 
 
-def read_dtrain_run(run_dir: Path) -> dict:
-    """Start time, evaluations (samples, time, accuracy) and final test accuracy from a run's metrics.jsonl."""
+def figure_of(record: dict, recipe: Recipe) -> float:
+    return 1.0 - record["error"] if recipe.figure == "accuracy" else record[recipe.figure]
+
+
+def read_dtrain_run(run_dir: Path, recipe: Recipe = RECIPES["digits"]) -> dict:
+    """Start time, evaluations (samples, time, figure) and the final test figure from a run's metrics.jsonl."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [record for record in records if record["kind"] == "train"]
     start = train[0]["time"] - train[0]["period_s"]
-    evaluations = [(record["samples"], record["time"] - start, 1.0 - record["error"])
+    evaluations = [(record["samples"], record["time"] - start, figure_of(record, recipe))
                    for record in records if record["kind"] == "cv"]
     test = [record for record in records if record["kind"] == "test"]
     bytes_per_step = [record.get("bytes_sent_per_step") for record in train if record.get("bytes_sent_per_step")]
-    return {"evaluations": evaluations, "final": test[-1]["accuracy"] if test else evaluations[-1][2],
+    return {"evaluations": evaluations, "final": figure_of(test[-1], recipe) if test else evaluations[-1][2],
             "train_s": train[-1]["time"] - start, "bytes_per_step": bytes_per_step[-1] if bytes_per_step else None}
 
 
@@ -146,10 +179,11 @@ def read_reference_run(path: Path) -> dict:
     return {"evaluations": evaluations, "final": evaluations[-1][2], "train_s": evaluations[-1][1], "bytes_per_step": None}
 
 
-def time_to(target: float, evaluations: list[tuple[int, float, float]]) -> tuple[float, int] | None:
-    """(seconds, samples) of the first evaluation at or above ``target``; None if never."""
-    for samples, seconds, accuracy in evaluations:
-        if accuracy >= target - 1e-9:
+def time_to(target: float, evaluations: list[tuple[int, float, float]],
+            higher_is_better: bool = True) -> tuple[float, int] | None:
+    """(seconds, samples) of the first evaluation at or beyond ``target``; None if never."""
+    for samples, seconds, value in evaluations:
+        if (value >= target - 1e-9) if higher_is_better else (value <= target + 1e-9):
             return seconds, samples
     return None
 
@@ -171,48 +205,69 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, dict]:
                     command = [sys.executable, str(Path(__file__).resolve()), "--ddp-worker", "--out", str(out),
                                "--eval-every", str(args.eval_every)]
                 else:
-                    command = dtrain_command(learner, run_dir, args.eval_every)
+                    command = dtrain_command(learner, run_dir, args.eval_every, args.recipe, args.samples)
                 began = time.monotonic()
                 result = cluster.run(launcher + command, timeout=args.timeout, env=env)
                 if result.returncode != 0:
                     print(f"  {learner}: failed (exit {result.returncode}); its output:\n{result.report()}", flush=True)
                     continue
-                results[learner] = read_reference_run(out) if learner == REFERENCE else read_dtrain_run(run_dir)
+                results[learner] = read_reference_run(out) if learner == REFERENCE else read_dtrain_run(run_dir, args.recipe)
                 results[learner]["wall_s"] = time.monotonic() - began
-                print(f"  {rate} {learner}: final test accuracy {results[learner]['final']:.2%}, "
-                      f"{results[learner]['train_s']:.1f} s of training", flush=True)
+                sent = re.search(r"exchange: rank 0 sent ([\d,.]+) MB", result.stdout)
+                results[learner]["mb_sent"] = float(sent.group(1).replace(",", "")) if sent else None
+                evaluations = " ".join(f"{samples}:{seconds:.0f}s:{value:.4f}"
+                                       for samples, seconds, value in results[learner]["evaluations"])
+                print(f"  {rate} {learner}: final {args.recipe.figure} {results[learner]['final']:.4f}, "
+                      f"{results[learner]['train_s']:.1f} s of training; evaluations (samples:time:figure) "
+                      f"{evaluations}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return results
 
 
-def print_table(rate: str, results: dict[str, dict], tolerance: float) -> None:
+def scale(recipe: Recipe) -> float:
+    """The tolerance's command-line unit per figure unit (points per accuracy fraction)."""
+    return 100.0 if recipe.figure == "accuracy" else 1.0
+
+
+def print_table(rate: str, results: dict[str, dict], recipe: Recipe, tolerance: float) -> None:
     baseline = results.get("data_parallel")
     if baseline is None:
         print(f"\n{rate}: data_parallel did not finish, so there is no target")
         return
-    target = baseline["final"] - tolerance / 100
-    reference_time = time_to(target, baseline["evaluations"])
-    print(f"\n=== {rate}: target = data_parallel's final test accuracy {baseline['final']:.2%} - {tolerance} point "
-          f"= {target:.2%} ===")
-    print(f"{'learner':<16}{'final acc':>10}{'time to target (s)':>20}{'samples':>9}{'vs data_parallel':>18}"
-          f"{'train (s)':>11}{'kB sent/step':>14}")
+    better = 1 if recipe.higher_is_better else -1
+    target = baseline["final"] - better * tolerance
+    reference_time = time_to(target, baseline["evaluations"], recipe.higher_is_better)
+    shown = (lambda value: f"{value:.2%}") if recipe.figure == "accuracy" else (lambda value: f"{value:.4f}")
+    print(f"\n=== {rate}: target = data_parallel's final {recipe.figure} {shown(baseline['final'])} "
+          f"{'-' if recipe.higher_is_better else '+'} {tolerance * scale(recipe):g} {recipe.unit} = {shown(target)} ===")
+    print(f"{'learner':<16}{'final ' + recipe.figure:>15}{'time to target (s)':>20}{'samples':>10}{'vs data_parallel':>18}"
+          f"{'train (s)':>11}{'kB sent/step':>14}{'MB sent':>10}")
     for learner, row in results.items():
-        reached = time_to(target, row["evaluations"])
+        reached = time_to(target, row["evaluations"], recipe.higher_is_better)
         seconds = f"{reached[0]:.1f}" if reached else "not reached"
         samples = f"{reached[1]}" if reached else "-"
         ratio = f"{reached[0] / reference_time[0]:.2f}x" if reached and reference_time else "-"
-        sent = f"{row['bytes_per_step'] / 1e3:,.1f}" if row.get("bytes_per_step") else "-"
-        print(f"{learner:<16}{row['final']:>10.2%}{seconds:>20}{samples:>9}{ratio:>18}{row['train_s']:>11.1f}{sent:>14}")
+        per_step = f"{row['bytes_per_step'] / 1e3:,.1f}" if row.get("bytes_per_step") else "-"
+        sent = f"{row['mb_sent']:,.1f}" if row.get("mb_sent") is not None else "-"
+        print(f"{learner:<16}{shown(row['final']):>15}{seconds:>20}{samples:>10}{ratio:>18}{row['train_s']:>11.1f}"
+              f"{per_step:>14}{sent:>10}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", action="append", help="tc rate per host link, repeatable (default: 1gbit and 100mbit)")
-    parser.add_argument("--learners", default=",".join((*DTRAIN_LEARNERS, REFERENCE)),
-                        help="comma-separated; data_parallel sets the target")
-    parser.add_argument("--eval-every", type=int, default=1500, help="samples between test evaluations (one sweep)")
-    parser.add_argument("--tolerance", type=float, default=0.5, help="points below data_parallel's accuracy")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="digits")
+    parser.add_argument("--learners", default=None,
+                        help="comma-separated; data_parallel sets the target (default: every dtrain learner, and "
+                             f"{REFERENCE} on digits)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="samples between evaluations (default: digits 1,500, a sweep; shakespeare_char 512,000)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="global samples per dtrain run (default: the recipe's own; a quick look, not the figure)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="distance from data_parallel's final figure (default: digits 0.5 point, "
+                             "shakespeare_char 0.03 nats)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -220,7 +275,13 @@ def main() -> None:
     if args.ddp_worker:
         ddp_worker(args)
         return
-    args.learners = [name for name in args.learners.split(",") if name]
+    args.recipe = RECIPES[args.recipe]
+    args.eval_every = args.eval_every or args.recipe.eval_every
+    tolerance = args.recipe.tolerance if args.tolerance is None else args.tolerance / scale(args.recipe)
+    default_learners = (*DTRAIN_LEARNERS, REFERENCE) if args.recipe.name == "digits" else DTRAIN_LEARNERS
+    args.learners = [name for name in (args.learners or ",".join(default_learners)).split(",") if name]
+    if REFERENCE in args.learners and (args.recipe.name != "digits" or args.samples):
+        parser.error(f"{REFERENCE} trains the digits recipe at its own length only")
     if "data_parallel" in args.learners:
         args.learners.remove("data_parallel")
     args.learners.insert(0, "data_parallel")
@@ -228,7 +289,7 @@ def main() -> None:
         load = os.getloadavg()[0]
         results = run_rate(rate, args)
         print(f"(1-min load average {load:.1f} before the runs at {rate}; 2 of it is ours)")
-        print_table(rate, results, args.tolerance)
+        print_table(rate, results, args.recipe, tolerance)
 
 
 if __name__ == "__main__":
