@@ -108,8 +108,7 @@ def uninstall_fail_fast() -> None:
         return
     sys.excepthook = _installed.previous_excepthook
     threading.excepthook = _installed.previous_threading_excepthook
-    for signum, handler in _installed.previous_handlers.items():
-        signal.signal(signum, handler)
+    release_signal_handlers(_installed.signals)
     if _installed.watcher is not None:
         _installed.watcher.detach()
     _installed.comm, _installed.signals, _installed.previous_handlers = None, frozenset(), {}
