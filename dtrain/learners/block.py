@@ -131,6 +131,7 @@ class BlockLearner(Learner):
         self.block_size = self.sync_period = 0
         self._restored_block_size: int | None = None  # what "auto" stood for in the run a checkpoint began
         self._replaced_block: tuple[int, int] | None = None  # (block, replicas) of a checkpoint's other world size
+        self._planned_minibatch: int | None = None  # the run's global minibatch, for the start-up line
         if not self.block_size_is_auto:
             self.set_block_size(int(block_size))
 
@@ -189,6 +190,7 @@ class BlockLearner(Learner):
         """Derives ``block_size="auto"`` (:func:`auto_block_size`), then plans the exchange, whose
         steps are the syncs (e.g. PowerSGD's start counts syncs)."""
         super().plan(facts)
+        self._planned_minibatch = facts.minibatch_size
         if self.block_size_is_auto:
             # a resumed run keeps the block it was planned with (DiLoCo's depends on max_samples)
             restored = self._restored_block_size
@@ -232,7 +234,22 @@ class BlockLearner(Learner):
                          f"{block:,} at {replicas}]")
         own = self.describe_block()
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker "
-                f"between syncs{', ' + own if own else ''}, exchange {self.exchange.describe()}")
+                f"between syncs{self.describe_minibatch_rounding()}{', ' + own if own else ''}, "
+                f"exchange {self.exchange.describe()}")
+
+    def describe_minibatch_rounding(self) -> str:
+        """Where a block does not end at a minibatch's end: the syncs as they happen (a block is complete
+        at the first minibatch end past ``sync_period``, CNTK's rule), so the line says what the run does."""
+        minibatch = self._planned_minibatch
+        if not minibatch:
+            return ""
+        share = -(-minibatch // self.comm.size)
+        minibatches = -(-self.sync_period // share)
+        if minibatches * share == self.sync_period:
+            return ""
+        plural = "es" if minibatches > 1 else ""
+        return (f" (blocks end at a minibatch's end: a sync every {minibatches:,} minibatch{plural} of {minibatch:,}, "
+                f"{minibatches * minibatch:,} samples)")
 
     def describe_auto_block_size(self) -> str:
         """How ``block_size="auto"`` was derived, for :meth:`describe`."""

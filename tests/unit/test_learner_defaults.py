@@ -432,3 +432,28 @@ def test_the_rise_warning_reads_well_even_after_a_loss_of_exactly_zero(lowest, s
     EvaluationPasses._note_a_rise_at_the_end(session)
     assert session._end_warnings == [f"warning: the training loss ended at 1.5000 (running average), {said}: training "
                                      "became unstable and the final model is worse than it was; lower optimizer.lr"]
+
+
+def test_a_block_that_ends_inside_a_minibatch_is_described_as_the_syncs_the_run_makes(tmp_path):
+    """block_size=100 at 2 workers and a global minibatch of 32: a block is complete at the first
+    minibatch end past 50 per worker, so a sync every 4 minibatches (128 samples); the line says so."""
+    def worker(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+        learner = BlockMomentumLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, block_size=100,
+                                       distributed_after=0)
+        training_session(
+            model=model, loss=nn.functional.cross_entropy, learner=learner,
+            minibatch_source=MinibatchSource(four_class_data(640), randomize=True, randomization_seed=1),
+            minibatch_size=32, max_samples=640, progress_frequency=0,
+            checkpoint_config=CheckpointConfig(tmp_path / f"rank{comm.rank}" / "ckpt.pt", frequency=0),
+            run_dir=tmp_path / f"rank{comm.rank}", tensorboard=False, stream=open("/dev/null", "w")).train()
+        return learner.syncs, learner.describe()
+
+    for syncs, line in FakeWorld(2).run(worker):
+        assert syncs == 640 // 128
+        assert "block of 100 samples = 50 per worker between syncs (blocks end at a minibatch's end: a sync " \
+               "every 4 minibatches of 32, 128 samples)" in line, line
+    on_the_boundary = BlockMomentumLearner(sgd(), _Comm(2), block_size=128)
+    on_the_boundary.plan(DIGITS)
+    assert "= 64 per worker between syncs, " in on_the_boundary.describe()  # nothing to add
