@@ -114,6 +114,11 @@ LOST_PEER_GRACE_S = 5.0
 #: same problem, rank 0's report ends the job and the user reads it once
 PEER_REPORT_DELAY_S = 2.0
 
+#: the same before a communicator exists (a bad config): the ranks have not met yet, and reaching the
+#: check after importing torch took rank 0 over 2 s longer than rank 1 on a loaded machine (rank 1's
+#: line then came first); a problem only one rank has is reported this much later
+PEER_REPORT_DELAY_BEFORE_JOB_S = 5.0
+
 
 def is_lost_peer(error: BaseException) -> bool:
     """Whether ``error`` is a collective failing because another rank died, stopped or aborted."""
@@ -155,7 +160,7 @@ def exit_bad_input(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     rank, size = launch_position()
     line = f"dtrain: error: {message}"
     if size > 1 and rank != 0:
-        time.sleep(PEER_REPORT_DELAY_S)
+        time.sleep(PEER_REPORT_DELAY_BEFORE_JOB_S)
         line = format_rank_message(rank, size, line)
     sys.stdout.flush()
     print(line, file=sys.stderr, flush=True)
