@@ -245,7 +245,7 @@ class BlockLearner(Learner):
             return ""
         share = -(-minibatch // self.comm.size)
         minibatches = -(-self.sync_period // share)
-        if minibatches * share == self.sync_period:
+        if minibatches * minibatch == self.block_size:  # the block asked for (uneven shares included)
             return ""
         plural = "es" if minibatches > 1 else ""
         return (f" (blocks end at a minibatch's end: a sync every {minibatches:,} minibatch{plural} of {minibatch:,}, "

@@ -457,3 +457,10 @@ def test_a_block_that_ends_inside_a_minibatch_is_described_as_the_syncs_the_run_
     on_the_boundary = BlockMomentumLearner(sgd(), _Comm(2), block_size=128)
     on_the_boundary.plan(DIGITS)
     assert "= 64 per worker between syncs, " in on_the_boundary.describe()  # nothing to add
+
+
+def test_an_auto_block_at_3_workers_gets_no_rounding_note():
+    """Shares of 11, 11, 10 at 3 workers: the auto block (whole minibatches) is what the run syncs on."""
+    learner = BlockMomentumLearner(sgd(), _Comm(3))
+    learner.plan(DIGITS)
+    assert learner.block_size % 32 == 0 and "blocks end at a minibatch's end" not in learner.describe()
