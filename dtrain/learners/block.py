@@ -131,7 +131,6 @@ class BlockLearner(Learner):
         self.block_size = self.sync_period = 0
         self._restored_block_size: int | None = None  # what "auto" stood for in the run a checkpoint began
         self._replaced_block: tuple[int, int] | None = None  # (block, replicas) of a checkpoint's other world size
-        self._planned_minibatch: int | None = None  # the run's global minibatch, for the start-up line
         if not self.block_size_is_auto:
             self.set_block_size(int(block_size))
 
@@ -190,7 +189,6 @@ class BlockLearner(Learner):
         """Derives ``block_size="auto"`` (:func:`auto_block_size`), then plans the exchange, whose
         steps are the syncs (e.g. PowerSGD's start counts syncs)."""
         super().plan(facts)
-        self._planned_minibatch = facts.minibatch_size
         if self.block_size_is_auto:
             # a resumed run keeps the block it was planned with (DiLoCo's depends on max_samples)
             restored = self._restored_block_size
@@ -208,8 +206,12 @@ class BlockLearner(Learner):
         if not facts.max_samples or not facts.minibatch_size or not self.block_size:
             return None
         minibatches = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
-        per_sync = math.ceil(self.sync_period / math.ceil(facts.minibatch_size / self.comm.size))
-        return math.ceil(minibatches / per_sync)
+        return math.ceil(minibatches / self.minibatches_per_sync(facts.minibatch_size))
+
+    def minibatches_per_sync(self, minibatch_size: int) -> int:
+        """Global minibatches of ``minibatch_size`` from one sync to the next: a block is complete at the
+        first minibatch end where the most-loaded worker's ``ceil(B / N)`` per minibatch reach ``sync_period``."""
+        return math.ceil(self.sync_period / math.ceil(minibatch_size / self.comm.size))
 
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """``distributed_after="auto"``: :func:`~dtrain.learners.base.auto_warm_start` (0 with one
@@ -240,11 +242,10 @@ class BlockLearner(Learner):
     def describe_minibatch_rounding(self) -> str:
         """Where a block does not end at a minibatch's end: the syncs as they happen (a block is complete
         at the first minibatch end past ``sync_period``, CNTK's rule), so the line says what the run does."""
-        minibatch = self._planned_minibatch
+        minibatch = self.run_facts.minibatch_size
         if not minibatch:
             return ""
-        share = -(-minibatch // self.comm.size)
-        minibatches = -(-self.sync_period // share)
+        minibatches = self.minibatches_per_sync(minibatch)
         if minibatches * minibatch == self.block_size:  # the block asked for (uneven shares included)
             return ""
         plural = "es" if minibatches > 1 else ""
