@@ -319,6 +319,17 @@ def check_sweep_arguments(argv: list[str]) -> str | None:
     return None
 
 
+def flags_before_overrides(argv: list[str]) -> list[str]:
+    """``argv`` with Hydra's flags (``-m``, ``--cfg job``, ...) moved ahead of the overrides, each group in
+    its order: Hydra's parser takes the overrides as one run of positionals, so ``seed=1 -m lr=2`` would
+    stop at ``lr=2`` with an argparse usage block. An override is ``key=value`` or ``~key``; anything else
+    (a flag, or a flag's value such as ``job``) is Hydra's."""
+    def is_override(argument: str) -> bool:
+        return not argument.startswith("-") and ("=" in argument or argument.startswith("~"))
+
+    return [a for a in argv if not is_override(a)] + [a for a in argv if is_override(a)]
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"dtrain: warning: {message}\n"
 
@@ -330,7 +341,7 @@ def main() -> None:
         # the installed `dtrain` command imports your modules (model: {_target_: mymodels.MLP}) from the working
         # directory, as `python -m dtrain` does
         sys.path.insert(0, os.getcwd())
-    argv = sys.argv[1:]
+    argv = sys.argv[1:] = flags_before_overrides(sys.argv[1:])
     try:
         answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help), --help TOPIC and --version
     except UnknownTopic as error:

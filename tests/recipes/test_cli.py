@@ -170,3 +170,11 @@ def test_loss_and_metric_are_config_nodes_and_the_outputs_name_the_metric(tmp_pa
     assert header[:5] == ["kind", "samples", "time", "loss", "top3_error"]
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "_target_: dtrain.session.TopKError" in config and "label_smoothing: 0.1" in config
+
+
+def test_hydra_flags_after_overrides_are_taken_as_if_given_first(tmp_path):
+    """``+recipe=digits --cfg job seed=3`` (a flag between overrides) prints the config with seed 3,
+    not Hydra's argparse usage block and ``unrecognized arguments: seed=3``."""
+    result = run_dtrain("+recipe=digits", "--cfg", "job", "seed=3", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^seed: 3$", result.stdout, re.MULTILINE), result.stdout

@@ -262,3 +262,13 @@ def test_run_dir_on_a_read_only_file_system_is_refused_before_anything_is_writte
 def test_heartbeat_timeout_is_at_least_a_second():
     problems = validate(compose_config("+recipe=digits", "comm.heartbeat_timeout_s=0.5"), check_run_dir=False)
     assert problems == ["comm.heartbeat_timeout_s=0.5: expected at least 1 second"]
+
+
+def test_hydra_flags_move_ahead_of_the_overrides_in_their_order():
+    from dtrain.cli import flags_before_overrides
+
+    assert flags_before_overrides(["+recipe=digits", "seed=1,2", "-m", "optimizer.lr=0.1", "~session.seed"]) == [
+        "-m", "+recipe=digits", "seed=1,2", "optimizer.lr=0.1", "~session.seed"]
+    assert flags_before_overrides(["lr=1", "--cfg", "job", "seed=3", "--info", "defaults"]) == [
+        "--cfg", "job", "--info", "defaults", "lr=1", "seed=3"]
+    assert flags_before_overrides(["--multirun", "a=1"]) == ["--multirun", "a=1"]
