@@ -29,6 +29,7 @@ import argparse
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -160,7 +161,13 @@ def print_table(args, names: list[str], data_root: str | None) -> None:
     for name in names:
         cells = []
         for ranks in args.ranks:
-            runs = [run(ranks, CONFIGS[name], seed, args.samples, args.recipe, data_root) for seed in args.seeds]
+            runs = []
+            for seed in args.seeds:
+                runs.append(run(ranks, CONFIGS[name], seed, args.samples, args.recipe, data_root))
+                outcome, seconds, megabytes = runs[-1]
+                # each run as it ends, on stderr: a sequence recipe's row takes hours, and a run stopped later keeps these
+                print(f"# {name}, {ranks} ranks, seed {seed}: {outcome}, {megabytes} MB sent, {seconds:.0f} s",
+                      file=sys.stderr, flush=True)
             outcomes = [outcome for outcome, _, _ in runs]
             median, text = summarize(outcomes, args.recipe)
             sent = [megabytes for _, _, megabytes in runs if megabytes is not None]
