@@ -253,6 +253,19 @@ def _summary_csv(outcomes: list[JobOutcome]) -> bytes:
     return text.getvalue().encode()
 
 
+def keep_earlier_summary(where: Path) -> Path | None:
+    """Renames an earlier run's summary at ``where`` (the same sweep directory, run again) to the first free
+    ``sweep_summary.N.csv`` and returns that path (``None`` when there was none): a sweep run again, e.g. to
+    continue its jobs, writes its own table and keeps the one before."""
+    if not where.exists():
+        return None
+    number = 1
+    while (kept := where.with_name(f"{where.stem}.{number}{where.suffix}")).exists():
+        number += 1
+    os.replace(where, kept)
+    return kept
+
+
 def finish_sweep(is_main: bool, stopped_by: str | None = None) -> int:
     """After the sweep: rank 0 prints the table of its jobs and writes it to ``sweep_summary.csv``
     (with a last line on stderr when jobs failed); every rank returns the sweep's exit status.
@@ -268,16 +281,18 @@ def finish_sweep(is_main: bool, stopped_by: str | None = None) -> int:
         return status
     failed = [outcome for outcome in outcomes if outcome.status != "finished"]
     sweep_dir = Path(_sweep_dir[0]) if _sweep_dir else Path(outcomes[0].run_dir).parent
-    where = sweep_dir / SUMMARY_FILE
+    where, kept = sweep_dir / SUMMARY_FILE, None
     try:
+        kept = keep_earlier_summary(where)
         replace_file(where, _summary_csv(outcomes))
     except OSError as error:
         where = None
         print(f"dtrain: warning: {sweep_dir / SUMMARY_FILE} could not be written ({error.strerror or error})",
               file=sys.stderr, flush=True)
     counts = f"{len(outcomes) - len(failed)} finished" + (f", {len(failed)} failed" if failed else "")
+    earlier = f"; the earlier run's kept as {kept.name}" if where and kept else ""
     print(f"dtrain: sweep of {len(outcomes)} job{'s' if len(outcomes) != 1 else ''}: {counts}"
-          + (f" (summary in {where})" if where else ""), flush=True)
+          + (f" (summary in {where}{earlier})" if where else ""), flush=True)
     print(summary_table(outcomes), flush=True)
     if failed or stopped_by:
         jobs = ", ".join(str(outcome.job) for outcome in failed)

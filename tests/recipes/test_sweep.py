@@ -53,6 +53,7 @@ def test_a_sweep_trains_each_job_in_its_own_directory_and_goes_on_past_failing_a
         ("2", "optimizer.lr=1000000000.0", "diverged", "2", str(sweep / "2")),
         ("3", "optimizer.lr=0.05", "finished", "0", str(sweep / "3"))]
     assert float(rows[3]["objective"]) == final_test_error(sweep / "3")
+    first_summary = (sweep / "sweep_summary.csv").read_bytes()
     # the same command with the same sweep directory continues each job from its own checkpoint
     again = run_dtrain("-m", *TINY[:-3], "session.max_samples=960", "session.tensorboard=false",
                        "optimizer.lr=0.02,-1,1e9,0.05", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -60,6 +61,9 @@ def test_a_sweep_trains_each_job_in_its_own_directory_and_goes_on_past_failing_a
     for job in (0, 3):
         assert f"restored {sweep / str(job) / 'checkpoint-640.pt'} at 640 samples" in again.stdout
     assert [row["status"] for row in summary(sweep)] == ["finished", "failed", "diverged", "finished"]
+    # the first run's table is kept beside the new one
+    assert "the earlier run's kept as sweep_summary.1.csv" in again.stdout
+    assert (sweep / "sweep_summary.1.csv").read_bytes() == first_summary
 
 
 @pytest.mark.slow

@@ -86,3 +86,16 @@ def test_a_preempted_sweep_is_continued_by_the_same_sweep_with_its_directory_pin
         "python -m dtrain -m +recipe=digits optimizer.lr=0.02,0.05 hydra.sweep.dir=/abs/sweeps/lr"
     assert continue_command(one_process, "/abs/run", ["+recipe=digits", "run_dir=run"]) == \
         "python -m dtrain +recipe=digits run_dir=/abs/run"
+
+
+def test_an_earlier_summary_is_kept_under_the_first_free_number(tmp_path):
+    from dtrain.sweep.outcomes import keep_earlier_summary
+
+    where = tmp_path / "sweep_summary.csv"
+    assert keep_earlier_summary(where) is None
+    for text in ("first\n", "second\n", "third\n"):
+        where.write_text(text)
+        kept = keep_earlier_summary(where)
+        assert not where.exists() and kept.read_text() == text
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "sweep_summary.1.csv", "sweep_summary.2.csv", "sweep_summary.3.csv"]
