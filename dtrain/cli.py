@@ -323,11 +323,20 @@ def flags_before_overrides(argv: list[str]) -> list[str]:
     """``argv`` with Hydra's flags (``-m``, ``--cfg job``, ...) moved ahead of the overrides, each group in
     its order: Hydra's parser takes the overrides as one run of positionals, so ``seed=1 -m lr=2`` would
     stop at ``lr=2`` with an argparse usage block. An override is ``key=value`` or ``~key``; anything else
-    (a flag, or a flag's value such as ``job``) is Hydra's."""
-    def is_override(argument: str) -> bool:
-        return not argument.startswith("-") and ("=" in argument or argument.startswith("~"))
+    (a flag, or a flag's value: ``job`` after ``--cfg``, the path after ``--config-dir`` even with an ``=``)
+    is Hydra's."""
+    flags, overrides = [], []
+    for index, argument in enumerate(argv):
+        value_of_a_flag = index > 0 and argv[index - 1] in _HYDRA_OPTIONS_WITH_A_VALUE
+        is_override = (not value_of_a_flag and not argument.startswith("-")
+                       and ("=" in argument or argument.startswith("~")))
+        (overrides if is_override else flags).append(argument)
+    return flags + overrides
 
-    return [a for a in argv if not is_override(a)] + [a for a in argv if is_override(a)]
+
+#: Hydra's options whose value is the next argument (``hydra --help``)
+_HYDRA_OPTIONS_WITH_A_VALUE = frozenset({"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                                         "--config-dir", "-cd", "--experimental-rerun"})
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -272,3 +272,4 @@ def test_hydra_flags_move_ahead_of_the_overrides_in_their_order():
     assert flags_before_overrides(["lr=1", "--cfg", "job", "seed=3", "--info", "defaults"]) == [
         "--cfg", "job", "--info", "defaults", "lr=1", "seed=3"]
     assert flags_before_overrides(["--multirun", "a=1"]) == ["--multirun", "a=1"]
+    assert flags_before_overrides(["a=1", "--config-dir", "/conf/x=y", "b=2"]) == ["--config-dir", "/conf/x=y", "a=1", "b=2"]
