@@ -23,7 +23,7 @@ from dtrain.session.binding import StreamBinding
 from dtrain.session.checkpoint_state import DEFAULTS_KEY
 from dtrain.session.configs import device_and_profile_options
 from dtrain.session.lr_scaling import LearningRateScaling
-from dtrain.session.safe_files import create_new
+from dtrain.session.safe_files import create_new, first_free_name
 from dtrain.sweep import SweepJob
 
 
@@ -104,11 +104,7 @@ def _instantiate(node, what: str, **kwargs):
 def config_path(run_dir: Path) -> Path:
     """Where this run's resolved config goes: ``config.yaml``, or for a resumed run the first free
     ``config.<n>.yaml`` (an earlier run's is never replaced)."""
-    path, index = run_dir / "config.yaml", 1
-    while os.path.lexists(path):
-        path = run_dir / f"config.{index}.yaml"
-        index += 1
-    return path
+    return first_free_name(run_dir / "config.yaml")
 
 
 def latest_config_path(run_dir: Path) -> Path:

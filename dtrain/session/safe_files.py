@@ -77,6 +77,16 @@ def check_directory(path: str | Path, what: str = "directory") -> None:
                            f"a link: remove it, or choose another run_dir")
 
 
+def first_free_name(path: Path) -> Path:
+    """``path`` if nothing is at that name (not even a link), else the first free ``<stem>.<n><suffix>``
+    beside it (n = 1, 2, ...): where a file goes that must not replace an earlier one."""
+    candidate, number = path, 1
+    while os.path.lexists(candidate):
+        candidate = path.with_name(f"{path.stem}.{number}{path.suffix}")
+        number += 1
+    return candidate
+
+
 def create_new(path: str | Path) -> IO[bytes]:
     """Opens a new file at ``path`` for writing; FileExistsError if the name exists (even as a link)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

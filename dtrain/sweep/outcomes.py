@@ -23,7 +23,7 @@ from pathlib import Path
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 
-from dtrain.session.safe_files import open_append, replace_file
+from dtrain.session.safe_files import first_free_name, open_append, replace_file
 
 #: the environment variable that carries the sweep's id, job count and command-line overrides to its jobs
 ENVIRONMENT = "DTRAIN_SWEEP"
@@ -257,11 +257,9 @@ def keep_earlier_summary(where: Path) -> Path | None:
     """Renames an earlier run's summary at ``where`` (the same sweep directory, run again) to the first free
     ``sweep_summary.N.csv`` and returns that path (``None`` when there was none): a sweep run again, e.g. to
     continue its jobs, writes its own table and keeps the one before."""
-    if not where.exists():
+    if not os.path.lexists(where):
         return None
-    number = 1
-    while (kept := where.with_name(f"{where.stem}.{number}{where.suffix}")).exists():
-        number += 1
+    kept = first_free_name(where)
     os.replace(where, kept)
     return kept
 

@@ -99,3 +99,7 @@ def test_an_earlier_summary_is_kept_under_the_first_free_number(tmp_path):
         assert not where.exists() and kept.read_text() == text
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "sweep_summary.1.csv", "sweep_summary.2.csv", "sweep_summary.3.csv"]
+    (tmp_path / "sweep_summary.4.csv").symlink_to(tmp_path / "elsewhere.csv")  # a link, even dangling, is taken
+    where.write_text("fourth\n")
+    assert keep_earlier_summary(where).name == "sweep_summary.5.csv"
+    assert (tmp_path / "sweep_summary.4.csv").is_symlink()
