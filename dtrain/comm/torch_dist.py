@@ -80,6 +80,9 @@ class TorchDistCommunicator(Communicator):
         self._job_rank, self._job_size = rank, size  # named in abort lines
         self._group: Any = None  # the process group of the collectives: None is the job's (default) group
         self._members = list(range(size))  # global rank of each rank of this communicator
+        #: this communicator's rank r is rank ``_group_ranks[r]`` of ``_group`` (None: the same): a group's
+        #: ranks are its members sorted, as torch.distributed numbers them, and a split's order is MPI's
+        self._group_ranks: list[int] | None = None
         self._timeout_s = timeout_s
         self.launcher = launcher
         self._finalized = False
@@ -148,7 +151,7 @@ class TorchDistCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``root``'s values on every rank; return it."""
         self._check_root(root)
-        dist.broadcast(tensor, group=self._group, group_src=root)
+        dist.broadcast(tensor, group=self._group, group_src=self._group_rank(root))
         return tensor
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum") -> torch.Tensor:
@@ -156,7 +159,7 @@ class TorchDistCommunicator(Communicator):
         ``tensor`` is left undefined (Gloo and NCCL may use it as scratch). Returns ``tensor``."""
         self._check_reduce(tensor, op)
         self._check_root(root)
-        dist.reduce(tensor, op=_TORCH_OPS[op], group=self._group, group_dst=root)
+        dist.reduce(tensor, op=_TORCH_OPS[op], group=self._group, group_dst=self._group_rank(root))
         if op == "mean" and self._rank == root:
             tensor.div_(self._size)
         return tensor
@@ -165,7 +168,7 @@ class TorchDistCommunicator(Communicator):
         """Return every rank's tensor (same shape and dtype on all ranks), indexed by rank."""
         gathered = [torch.empty_like(tensor) for _ in range(self._size)]
         dist.all_gather(gathered, tensor, group=self._group)
-        return gathered
+        return self._in_rank_order(gathered)
 
     def all_to_all(self, sends: list[torch.Tensor], receive_sizes: list[int] | None = None) -> list[torch.Tensor]:
         """``sends[j]`` to rank j through ``all_to_all_single`` with per-peer sizes (alltoallv).
@@ -175,7 +178,8 @@ class TorchDistCommunicator(Communicator):
         Without ``receive_sizes`` the lengths are exchanged first with a small all-to-all.
         """
         self._check_sends(sends)
-        send_sizes = [message.numel() for message in sends]
+        group_sends = self._in_group_order(sends)
+        send_sizes = [message.numel() for message in group_sends]
         if receive_sizes is None:
             size_out = torch.empty(self._size, dtype=torch.int64, device=self.device)
             try:
@@ -183,32 +187,35 @@ class TorchDistCommunicator(Communicator):
                                        group=self._group)
             except (RuntimeError, NotImplementedError):  # no all-to-all in this backend: the allgather form
                 return super().all_to_all(sends)
-            receive_sizes = [int(size) for size in size_out.tolist()]
-        received = torch.empty(sum(receive_sizes), dtype=sends[0].dtype, device=self.device)
-        dist.all_to_all_single(received, torch.cat([message.reshape(-1) for message in sends]),
-                               output_split_sizes=receive_sizes, input_split_sizes=send_sizes, group=self._group)
-        return list(received.split(receive_sizes))
+            group_receive_sizes = [int(size) for size in size_out.tolist()]
+        else:
+            group_receive_sizes = self._in_group_order(list(receive_sizes))
+        received = torch.empty(sum(group_receive_sizes), dtype=sends[0].dtype, device=self.device)
+        dist.all_to_all_single(received, torch.cat([message.reshape(-1) for message in group_sends]),
+                               output_split_sizes=group_receive_sizes, input_split_sizes=send_sizes,
+                               group=self._group)
+        return self._in_rank_order(list(received.split(group_receive_sizes)))
 
     # -- object collectives -----------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return every rank's picklable object, indexed by rank."""
         gathered: list[Any] = [None] * self._size
         dist.all_gather_object(gathered, obj, group=self._group)
-        return gathered
+        return self._in_rank_order(gathered)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Return rank ``root``'s picklable object on every rank."""
         self._check_root(root)
         box = [obj if self._rank == root else None]
-        dist.broadcast_object_list(box, group=self._group, group_src=root)
+        dist.broadcast_object_list(box, group=self._group, group_src=self._group_rank(root))
         return box[0]
 
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         """Return every rank's picklable object on ``root`` (indexed by rank); None on other ranks."""
         self._check_root(root)
         gathered: list[Any] | None = [None] * self._size if self._rank == root else None
-        dist.gather_object(obj, gathered, group=self._group, group_dst=root)
-        return gathered
+        dist.gather_object(obj, gathered, group=self._group, group_dst=self._group_rank(root))
+        return self._in_rank_order(gathered) if gathered is not None else None
 
     # -- sub-communicators ----------------------------------------------------------------------
     def split(self, color: int | None, key: int = 0) -> TorchDistCommunicator | None:
@@ -217,26 +224,26 @@ class TorchDistCommunicator(Communicator):
         in the same order as its other collectives. Its collectives have this communicator's timeout
         and its ``abort`` ends the whole job.
 
-        Each group is a ``torch.distributed.new_group``: from the job's communicator every rank
-        creates every group in the same order (torch's rule); a split of a sub-communicator creates
-        only its own group (``use_local_synchronization``), and refuses to create a second group of
-        exactly the same ranks there (torch names such groups by their ranks). Raises ValueError for
-        a negative ``color``."""
+        Each group is a ``torch.distributed.new_group`` of the members' global ranks, which torch numbers
+        in ascending order; the sub-communicator maps its ranks (MPI's order) onto the group's in every
+        collective, so any torch 2.x behaves alike. From the job's communicator every rank creates every
+        group in the same order (torch's rule); a split of a sub-communicator creates only its own group
+        (``use_local_synchronization``), and refuses to create a second group of exactly the same ranks
+        there (torch names such groups by their ranks). Raises ValueError for a negative ``color``."""
         plan = self._split_plan(color, key)
         groups = {}
+        timeout = datetime.timedelta(seconds=self._timeout_s)
         for group_color, members in plan.items():
-            global_ranks = [self._members[member] for member in members]
+            global_ranks = sorted(self._members[member] for member in members)
             if self._group is None:  # every rank of the job creates every group, in color order
-                groups[group_color] = dist.new_group(global_ranks, timeout=datetime.timedelta(seconds=self._timeout_s),
-                                                     sort_ranks=False)
+                groups[group_color] = dist.new_group(global_ranks, timeout=timeout)
             elif group_color == color:
                 name = dist.distributed_c10d._hash_ranks_to_str(global_ranks)
                 if name in dist.distributed_c10d._world.pg_names.values():
                     raise ValueError(f"split(color={color}) of a sub-communicator would create a second group of "
                                      f"ranks {global_ranks}; torch.distributed names such groups by their ranks: "
                                      "reuse the sub-communicator made first")
-                groups[group_color] = dist.new_group(global_ranks, timeout=datetime.timedelta(seconds=self._timeout_s),
-                                                     sort_ranks=False, use_local_synchronization=True)
+                groups[group_color] = dist.new_group(global_ranks, timeout=timeout, use_local_synchronization=True)
         if color is None:
             return None
         members = plan[color]
@@ -249,11 +256,30 @@ class TorchDistCommunicator(Communicator):
         sub.__dict__.update(self.__dict__)
         sub.__dict__.pop("_host_groups", None)  # the parent's host groups are not the sub's
         sub._group, sub._members, sub._rank, sub._size = group, global_ranks, rank, len(global_ranks)
+        in_group = sorted(global_ranks)  # torch.distributed's numbering of the group's ranks
+        sub._group_ranks = None if in_group == global_ranks else [in_group.index(member) for member in global_ranks]
         sub._finalized, sub.heartbeat = False, None
         labels = self._split_labels  # node of each member, gathered by _split_plan
         same_node = [member for member in global_ranks if labels[member] == self.node_label]
         sub._local_rank, sub._local_size = same_node.index(global_ranks[rank]), len(same_node)
         return sub
+
+    def _group_rank(self, rank: int) -> int:
+        """The rank of ``_group`` that this communicator's ``rank`` is."""
+        return rank if self._group_ranks is None else self._group_ranks[rank]
+
+    def _in_rank_order(self, items: list[Any]) -> list[Any]:
+        """``items`` indexed by the group's ranks, re-indexed by this communicator's."""
+        return items if self._group_ranks is None else [items[index] for index in self._group_ranks]
+
+    def _in_group_order(self, items: list[Any]) -> list[Any]:
+        """``items`` indexed by this communicator's ranks, re-indexed by the group's."""
+        if self._group_ranks is None:
+            return items
+        ordered: list[Any] = [None] * len(items)
+        for rank, index in enumerate(self._group_ranks):
+            ordered[index] = items[rank]
+        return ordered
 
     def _split_plan(self, color: int | None, key: int) -> dict[int, list[int]]:
         """Every color's members (this communicator's ranks, ordered by (key, rank)), colors ascending;

@@ -49,19 +49,7 @@ def check_sub_collectives(comm) -> None:
     assert mean.tolist() == [sum(members) / 2] * 3, mean
     largest = local.allreduce(torch.tensor([comm.rank]), op="max")
     assert largest.item() == members[1]
-    reduced = local.reduce(torch.full((4,), float(comm.rank)), root=1)
-    if local.rank == 1:
-        assert reduced.tolist() == [float(sum(members))] * 4, reduced
-    sent = torch.full((6,), float(comm.rank))
-    assert local.broadcast(sent, root=1).tolist() == [float(members[1])] * 6
-    gathered = local.allgather(torch.tensor([comm.rank, comm.rank * 10]))
-    assert [g.tolist() for g in gathered] == [[m, m * 10] for m in members], gathered
-    assert local.allgather_object(("r", comm.rank)) == [("r", m) for m in members]
-    assert local.broadcast_object({"from": comm.rank} if local.rank == 1 else None, root=1) == {"from": members[1]}
-    at_root = local.gather_object(comm.rank, root=0)
-    assert at_root == (members if local.rank == 0 else None), at_root
-    received = local.all_to_all([torch.full((local.rank + 1 + j,), float(comm.rank)) for j in range(2)])
-    assert [r.tolist() for r in received] == [[float(m)] * (local.rank + 1 + j) for j, m in enumerate(members)]
+    check_ordered_collectives(local, members, comm.rank)
     local.barrier()
     try:
         local.broadcast(torch.zeros(1), root=2)
@@ -71,12 +59,36 @@ def check_sub_collectives(comm) -> None:
         raise AssertionError("a root outside the sub-communicator was accepted")
 
 
+def check_ordered_collectives(sub, members: list[int], job_rank: int) -> None:
+    """The collectives whose result depends on rank order act in ``sub``'s order (``members``: the job
+    rank of each of its ranks), with roots named by its ranks; in float32 and bfloat16 (which leaves MPI)."""
+    last = len(members) - 1
+    for dtype in (torch.float32, torch.bfloat16):
+        reduced = sub.reduce(torch.full((4,), float(job_rank), dtype=dtype), root=last)
+        if sub.rank == last:
+            assert reduced.tolist() == [float(sum(members))] * 4, (dtype, reduced)
+        sent = torch.full((6,), float(job_rank), dtype=dtype)
+        assert sub.broadcast(sent, root=last).tolist() == [float(members[last])] * 6, dtype
+        gathered = sub.allgather(torch.tensor([job_rank, job_rank * 10], dtype=dtype))
+        assert [g.tolist() for g in gathered] == [[m, m * 10] for m in members], (dtype, gathered)
+    assert sub.allgather_object(("r", job_rank)) == [("r", m) for m in members]
+    assert sub.broadcast_object({"from": job_rank} if sub.rank == last else None, root=last) == {"from": members[last]}
+    at_root = sub.gather_object(job_rank, root=0)
+    assert at_root == (members if sub.rank == 0 else None), at_root
+    sends = [torch.full((sub.rank + 1 + j,), float(job_rank)) for j in range(len(members))]
+    expected = [[float(m)] * (r + 1 + sub.rank) for r, m in enumerate(members)]
+    assert [r.tolist() for r in sub.all_to_all(sends)] == expected
+    told = sub.all_to_all(sends, receive_sizes=[r + 1 + sub.rank for r in range(len(members))])
+    assert [r.tolist() for r in told] == expected
+
+
 def check_split_order_and_undefined(comm) -> dict:
     """MPI's rules: members ordered by (key, rank); color None gets None; the others go on without it."""
     reverse = comm.split(comm.rank % 2, key=-comm.rank)
     order = reverse.allgather_object(comm.rank)
     expected = sorted((r for r in range(comm.size) if r % 2 == comm.rank % 2), key=lambda r: -r)
     assert order == expected and reverse.rank == expected.index(comm.rank), (order, reverse.rank)
+    check_ordered_collectives(reverse, expected, comm.rank)  # its ranks run against the job's order
     without_last = comm.split(None if comm.rank == 3 else 7, key=0)
     if comm.rank == 3:
         assert without_last is None

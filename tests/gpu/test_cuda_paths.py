@@ -119,6 +119,15 @@ def test_nccl_world_of_one_runs_every_collective_and_a_learner_step():
             plain.step()
             plain.zero_grad()
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+        sub = comm.split(0)  # a sub-communicator is an NCCL group of its own, on the same GPU
+        assert (sub.rank, sub.size, sub.device) == (0, 1, comm.device)
+        assert torch.equal(sub.allreduce(tensor.clone(), op="sum"), tensor)
+        assert comm.split(None) is None
+        local, leaders = comm.host_groups()
+        assert local.size == 1 and leaders is not None and leaders.size == 1
+        assert torch.equal(leaders.allreduce(tensor.clone(), op="sum"), tensor)
+        local.barrier()
     finally:
         comm.finalize()
 
@@ -136,6 +145,15 @@ def test_digits_recipe_trains_on_the_gpu_and_resumes_on_the_cpu(tmp_path):
                         cwd=tmp_path)
     assert on_cpu.returncode == 0, on_cpu.stderr
     assert "restored" in on_cpu.stdout and "at 9000 samples" in on_cpu.stdout, on_cpu.stdout
+
+
+def test_synchronized_batchnorm_trains_on_the_gpu(tmp_path):
+    """``session.sync_batchnorm=true`` on a BatchNorm model: the session's synchronized layers run on CUDA."""
+    result = run_dtrain("+recipe=digits", "model.batch_norm=true", "session.sync_batchnorm=true", "run_dir=run",
+                        "session.max_samples=9000", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "parameters on cuda:0" in result.stdout, result.stdout
+    assert float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1)) >= 95.0, result.stdout
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
