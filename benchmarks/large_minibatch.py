@@ -4,14 +4,15 @@ small-minibatch baseline in the same number of samples (docs/large-minibatch.md)
     python benchmarks/large_minibatch.py                      # digits rows (one process each)
     python benchmarks/large_minibatch.py --recipe shakespeare_char --epoch-size 51200   # the LM, shortened
     python benchmarks/large_minibatch.py --only baseline lars
+    python benchmarks/large_minibatch.py --recipe cmudict_g2p --seeds 0 --only lamb   # G2P, full length
 
 Each row is one ``python -m dtrain`` run in one process (data_parallel on N ranks computes the same
 update as one process: docs/semantics.md), so the global minibatch is the only thing that grows.
 Every row of a recipe trains the same number of samples; the large rows take 1/16 of the steps.
-The figure is the test error in % (digits) or the validation loss in nats per character (the
-language model), the MEDIAN over ``--seeds`` (each seed in brackets: digits tests on 297 images, so
+The figure is the test error in % (digits), the validation loss in nats per character (the
+language model) or the test word error rate in % (G2P), the MEDIAN over ``--seeds`` (each seed in brackets: digits tests on 297 images, so
 one image is 0.34 point and one seed's luck moves a row by a point), with the gap between medians to
-the recipe's baseline; goals: within 0.5 point / 0.05 nats.
+the recipe's baseline; goals: within 0.5 point / 0.05 nats / 0.5 point of WER.
 A row whose override the config refuses (``model.batch_norm`` before the BatchNorm variant of the
 digits CNN exists) is skipped with the reason printed.
 """
@@ -32,8 +33,9 @@ RECIPES = {
     "digits": ("test error %", r"test: accuracy [\d.]+% \(error ([\d.]+)%", 2, 0.5, 32, 3000),
     "shakespeare_char": ("validation loss (nats/char)", r"test: perplexity [\d.]+ \(loss ([\d.]+)\)", 3, 0.05, 2048,
                          None),
+    "cmudict_g2p": ("word error rate %", r"test: wer ([\d.]+)%", 2, 0.5, 512, None),
 }
-EMA_PATTERN = r"test of the weight EMA \(decay [\d.]+\): (?:accuracy [\d.]+% \(error ([\d.]+)%|perplexity [\d.]+ \(loss ([\d.]+))"
+EMA_PATTERN = r"test of the weight EMA \(decay [\d.]+\): (?:accuracy [\d.]+% \(error ([\d.]+)%|perplexity [\d.]+ \(loss ([\d.]+)|wer ([\d.]+)%)"
 
 
 def large(optimizer: list[str], rule: str, recipe: str, base_minibatch: int, warmup: int | None) -> list[str]:
@@ -68,6 +70,12 @@ def rows(recipe: str, base_minibatch: int, warmup: int | None) -> list[tuple[str
                                                             *big(["optimizer=lars"], "linear")]),
             ("BN: lamb (the recipe's lr), linear scaling + warm-up", ["model.batch_norm=true",
                                                                       *big(["optimizer=lamb"], "linear")]),
+        ]
+    if recipe == "cmudict_g2p":  # AdamW, with the recipe's warm-up over half a sweep in every row
+        return [
+            ("baseline: adamw, minibatch 512", []),
+            ("adamw, sqrt scaling + warm-up", big([], "sqrt")),
+            ("lamb, sqrt scaling + warm-up", big(["optimizer=lamb", "optimizer.lr=0.002"], "sqrt")),
         ]
     return [  # shakespeare_char: its preset is AdamW, with its own warm-up in lr_schedule.warmup_samples
         ("baseline: adamw, minibatch 2048", [f"session.lr_schedule.warmup_samples={warmup}"] if warmup else []),
@@ -106,6 +114,9 @@ def main() -> None:
                         help="session.epoch_size: shortens a recipe whose sizes count in epochs (the LM: 51200)")
     parser.add_argument("--only", nargs="*", default=None, help="rows whose setting contains one of these words")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--baseline", type=float, default=None,
+                        help="the baseline row's figure from an earlier run of it: its row is not run again "
+                             "(a full-length G2P run takes about 45 minutes on 2 cores)")
     args = parser.parse_args()
     name, pattern, decimals, goal, base_minibatch, warmup = RECIPES[args.recipe]
     if args.recipe == "shakespeare_char" and args.epoch_size:
@@ -117,6 +128,11 @@ def main() -> None:
           f"{name}, median of seeds {args.seeds}, goal: gap within {goal}")
     print(f"{'setting':<50} {'minibatch':>9} {'lr':<28} {name + ' [seeds]':>30} {'gap':>7} {'EMA':>8} {'seconds':>7}")
     baselines: dict[str, float] = {}
+    if args.baseline is not None:
+        setting, _ = table.pop(0)
+        baselines[""] = args.baseline
+        print(f"{setting:<50} {base_minibatch:>9} {'(--baseline, an earlier run)':<28} {args.baseline:>30.{decimals}f}",
+              flush=True)
     for setting, overrides in table:
         started = time.time()
         results = [run(args.recipe, overrides, args.epoch_size, pattern, seed) for seed in args.seeds]

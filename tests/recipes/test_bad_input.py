@@ -271,8 +271,11 @@ def single_process_results(places, request) -> dict[str, dict]:
     for index in range(2):
         run = base / f"run{index}"
         shutil.copytree(places["finished"], run)
-        process = subprocess.Popen([sys.executable, str(RUNNER)], cwd=base, env=plain_environment(),
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # no GPU for the runner: the cases are a CPU machine's (as in CI), and a CUDA driver started in the
+        # runner would not survive its forks
+        process = subprocess.Popen([sys.executable, str(RUNNER)], cwd=base,
+                                   env=plain_environment(CUDA_VISIBLE_DEVICES=""), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
         runners.append((process, {**places, "run": str(run)}))
     for number, (case_id, arguments, _) in enumerate(cases):
         process, where = runners[number % 2]
