@@ -84,12 +84,14 @@ def rows(recipe: str, base_minibatch: int, warmup: int | None) -> list[tuple[str
     ]
 
 
-def run(recipe: str, overrides: list[str], epoch_size: int | None, pattern: str, seed: int) -> tuple[
-        str, float | None, float | None, str]:
+def run(recipe: str, overrides: list[str], epoch_size: int | None, pattern: str, seed: int,
+        threads: int | None = None) -> tuple[str, float | None, float | None, str]:
     """One run: (status, figure, EMA figure, lr line)."""
     with tempfile.TemporaryDirectory() as run_dir:
         extra = [f"session.epoch_size={epoch_size}"] if epoch_size else []
         extra.append(f"seed={seed}")
+        if threads is not None:
+            extra.append(f"session.num_threads={threads}")
         command = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", f"run_dir={run_dir}", "session.progress_bar=false",
                    "session.tensorboard=false", "session.checkpoint.frequency=0", *extra, *overrides]
         done = subprocess.run(command, capture_output=True, text=True)
@@ -114,6 +116,8 @@ def main() -> None:
                         help="session.epoch_size: shortens a recipe whose sizes count in epochs (the LM: 51200)")
     parser.add_argument("--only", nargs="*", default=None, help="rows whose setting contains one of these words")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="session.num_threads of every run (default: dtrain's choice from the machine's load)")
     parser.add_argument("--baseline", type=float, default=None,
                         help="the baseline row's figure from an earlier run of it: its row is not run again "
                              "(a full-length G2P run takes about 45 minutes on 2 cores)")
@@ -135,7 +139,7 @@ def main() -> None:
               flush=True)
     for setting, overrides in table:
         started = time.time()
-        results = [run(args.recipe, overrides, args.epoch_size, pattern, seed) for seed in args.seeds]
+        results = [run(args.recipe, overrides, args.epoch_size, pattern, seed, args.threads) for seed in args.seeds]
         seconds = (time.time() - started) / len(args.seeds)
         minibatch = next((int(o.split("=")[1]) for o in overrides if o.startswith("session.minibatch_size=")),
                          base_minibatch)
