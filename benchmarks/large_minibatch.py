@@ -76,6 +76,7 @@ def rows(recipe: str, base_minibatch: int, warmup: int | None) -> list[tuple[str
             ("baseline: adamw, minibatch 512", []),
             ("adamw, sqrt scaling + warm-up", big([], "sqrt")),
             ("lamb, sqrt scaling + warm-up", big(["optimizer=lamb", "optimizer.lr=0.002"], "sqrt")),
+            ("lamb, linear scaling + warm-up", big(["optimizer=lamb", "optimizer.lr=0.002"], "linear")),
         ]
     return [  # shakespeare_char: its preset is AdamW, with its own warm-up in lr_schedule.warmup_samples
         ("baseline: adamw, minibatch 2048", [f"session.lr_schedule.warmup_samples={warmup}"] if warmup else []),
