@@ -10,9 +10,10 @@ Each row is one ``python -m dtrain`` run in one process (data_parallel on N rank
 update as one process: docs/semantics.md), so the global minibatch is the only thing that grows.
 Every row of a recipe trains the same number of samples; the large rows take 1/16 of the steps.
 The figure is the test error in % (digits), the validation loss in nats per character (the
-language model) or the test word error rate in % (G2P), the MEDIAN over ``--seeds`` (each seed in brackets: digits tests on 297 images, so
-one image is 0.34 point and one seed's luck moves a row by a point), with the gap between medians to
-the recipe's baseline; goals: within 0.5 point / 0.05 nats / 0.5 point of WER.
+language model) or the test word error rate in % (G2P), the MEDIAN over ``--seeds`` (each seed in
+brackets: digits tests on 297 images, so one image is 0.34 point and one seed's luck moves a row by a
+point), with the gap between medians to the recipe's baseline; goals: within 0.5 point / 0.05 nats /
+0.5 point of WER.
 A row whose override the config refuses (``model.batch_norm`` before the BatchNorm variant of the
 digits CNN exists) is skipped with the reason printed.
 """
