@@ -5,6 +5,8 @@ flat 1-bit quantized on two simulated hosts: bytes between hosts, test quality, 
     sudo python benchmarks/two_level.py                                   # 100mbit, digits
     sudo python benchmarks/two_level.py --rate 100mbit --recipes digits,shakespeare_char
     sudo python benchmarks/two_level.py --learners data_parallel,quantized,two_level_quantized,two_level_powersgd
+    sudo python benchmarks/two_level.py --recipes shakespeare_char --full-length --ranks-per-host 1 \
+        --learners two_level_diloco --timeout 2400                          # the language model's own length
 
 Needs root (network namespaces; see dtrain/testing/netns.py). A 2-host ``NamespaceCluster`` (``tbf``
 at ``--rate`` on each host's egress) runs each recipe under ``mpiexec`` with the cluster's hostfile,
@@ -32,10 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 # checkpoints only at the end: a mid-run checkpoint gathers every rank's optimizer state on rank 0
 RECIPES = {
     "digits": ["session.checkpoint.frequency=null"],
-    # shortened: about a tenth of the recipe
-    "shakespeare_char": ["session.max_samples=81920", "session.epoch_size=40960", "session.cv.frequency=0",
-                         "session.checkpoint.frequency=null"],
+    "shakespeare_char": ["session.cv.frequency=0", "session.checkpoint.frequency=null"],
 }
+#: without --full-length: 81,920 characters, 1.6% of the language model's run (a look at bytes and times)
+SHORTENED = {"shakespeare_char": ["session.max_samples=81920", "session.epoch_size=40960"]}
 SHORT = {"digits": ("session.max_samples=32",), "shakespeare_char": ("session.max_samples=2048",)}
 LEARNERS = {
     "flat data_parallel fp32": ["learner=data_parallel", "comm.hierarchical=false"],
@@ -54,11 +56,15 @@ LEARNERS = {
 }
 
 
-def chosen(learners: str | None) -> list[str]:
-    """The rows of :data:`LEARNERS` whose ``learner=NAME`` is in the comma-separated ``learners`` (all when None);
-    the flat float32 row always runs first: every ratio is against it."""
-    names = [name for name in LEARNERS
-             if learners is None or LEARNERS[name][0].removeprefix("learner=") in learners.split(",")]
+#: rows whose settings are sized for one recipe (4,096 samples: 128 of digits' minibatches, 2 of the language model's)
+ONLY_FOR = {"two_level_diloco 4-bit, block 4096": "digits", "two_level_diloco 4-bit, block 4096, inner SGD": "digits"}
+
+
+def chosen(learners: str | None, recipe: str) -> list[str]:
+    """The rows of :data:`LEARNERS` for ``recipe`` whose ``learner=NAME`` is in the comma-separated ``learners``
+    (all when None); the flat float32 row always runs first: every ratio is against it."""
+    names = [name for name in LEARNERS if ONLY_FOR.get(name, recipe) == recipe
+             and (learners is None or LEARNERS[name][0].removeprefix("learner=") in learners.split(","))]
     flat = next(iter(LEARNERS))
     return [flat, *(name for name in names if name != flat)]
 
@@ -76,10 +82,11 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def run_one(cluster, recipe: str, name: str, workdir: Path, timeout: float, extra: tuple[str, ...] = (),
-            ranks_per_host: int = 2) -> dict:
+            ranks_per_host: int = 2, full_length: bool = False) -> dict:
     run_dir = workdir / f"{recipe}-{len(os.listdir(workdir))}"
     args = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", *LEARNERS[name], "comm.backend=gloo",
-            "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe], *extra, f"run_dir={run_dir}"]
+            "session.num_threads=1", "session.tensorboard=false", *RECIPES[recipe],
+            *(() if full_length else SHORTENED.get(recipe, ())), *extra, f"run_dir={run_dir}"]
     result, wall, sent = cluster.run_counting_traffic(args, ranks_per_host, timeout, env={"PYTHONPATH": str(REPO)})
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.report()}")
@@ -106,6 +113,8 @@ def main() -> None:
                              "the first seed's")
     parser.add_argument("--learners", default=None,
                         help="comma-separated learner= names to run (default: every row); flat data_parallel always runs")
+    parser.add_argument("--full-length", action="store_true",
+                        help="the language model at the recipe's own length (5,120,000 characters; default: 81,920)")
     args = parser.parse_args()
     from dtrain.testing.netns import NamespaceCluster, available
 
@@ -117,9 +126,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir, NamespaceCluster(num_hosts=2, rate=args.rate,
                                                                            slots=args.ranks_per_host) as cluster:
         for recipe in args.recipes.split(","):
-            for name in chosen(args.learners):
+            for name in chosen(args.learners, recipe):
                 runs = [run_one(cluster, recipe, name, Path(workdir), args.timeout, (f"seed={seed}",),
-                                args.ranks_per_host) for seed in args.seeds]
+                                args.ranks_per_host, args.full_length) for seed in args.seeds]
                 rows.append(runs[0])
                 if len(runs) > 1:
                     rows[-1]["quality"] = median_quality([run["quality"] for run in runs])

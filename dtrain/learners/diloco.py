@@ -27,20 +27,32 @@ DILOCO_INNER_STEPS = 500
 #: momentum (0.9) averages over about 10 of them, and blocks of a few inner steps make its steps
 #: several times too long (a 1-D convolutional task at 4 ranks and 2 inner steps collapsed to chance)
 DILOCO_MIN_SYNCS = 20
+#: ... at up to this many workers; beyond it ``H`` shrinks as ``DILOCO_REFERENCE_WORKERS / N``. The
+#: global minibatch stays the same at any world size, so each worker's inner step sees ``B / N``
+#: samples, and the workers' models drift apart in proportion to ``H`` times their steps' variance,
+#: which grows with ``N``: a constant ``H·N`` keeps the drift of 2 workers (the language model at 4
+#: ranks: 93 inner steps +0.094 nats to data_parallel, 46 inner steps +0.024; docs/semantics.md#diloco)
+DILOCO_REFERENCE_WORKERS = 2
+
+
+def auto_diloco_inner_steps(steps: int | None, num_workers: int) -> int:
+    """DiLoCo's automatic ``H`` for a run of ``steps`` global minibatches after the warm start (None:
+    unknown): ``min(500, steps / 20)`` at 1 or 2 workers, times ``2 / N`` beyond, at least 1."""
+    scale = max(num_workers, DILOCO_REFERENCE_WORKERS)
+    cap = DILOCO_INNER_STEPS * DILOCO_REFERENCE_WORKERS // scale
+    if steps is None:
+        return max(1, cap)
+    return max(1, min(cap, steps * DILOCO_REFERENCE_WORKERS // (DILOCO_MIN_SYNCS * scale)))
 
 
 def auto_diloco_block_size(facts: RunFacts, distributed_after: int, num_workers: int) -> int:
-    """``block_size="auto"`` for DiLoCo, in global samples: ``H`` global minibatches with ``H = min(500, S /
-    20)`` for the run's ``S`` minibatches after the warm start (at least 1), so a short run still makes
-    20 syncs and a long one syncs every 500 inner steps as the DiLoCo paper does; 500 minibatches when
-    the run's length is unknown. Never below ``num_workers`` samples."""
+    """``block_size="auto"`` for DiLoCo, in global samples: ``H`` global minibatches (:func:`auto_diloco_inner_steps`:
+    ``H = min(500, S / 20)`` for the run's ``S`` minibatches after the warm start, so a short run still makes
+    20 syncs and a long one syncs every 500 inner steps as the DiLoCo paper does, both times ``2 / N`` beyond 2
+    workers; 500 minibatches when the run's length is unknown). Never below ``num_workers`` samples."""
     minibatch = facts.minibatch_size or num_workers
-    if facts.max_samples:
-        steps = max(facts.max_samples - distributed_after, 0) // minibatch
-        inner_steps = max(1, min(DILOCO_INNER_STEPS, steps // DILOCO_MIN_SYNCS))
-    else:
-        inner_steps = DILOCO_INNER_STEPS
-    return max(inner_steps * minibatch, num_workers)
+    steps = max(facts.max_samples - distributed_after, 0) // minibatch if facts.max_samples else None
+    return max(auto_diloco_inner_steps(steps, num_workers) * minibatch, num_workers)
 
 
 class DiLoCoLearner(BlockLearner):
@@ -66,7 +78,8 @@ class DiLoCoLearner(BlockLearner):
         optimizer: the inner optimizer, a ``torch.optim.Optimizer`` of the model's parameters.
         comm: the job's communicator (None: a size-1 ``LocalCommunicator``).
         block_size: global samples per block (``H`` inner steps = ``block_size`` / global minibatch);
-            ``"auto"``: :func:`auto_diloco_block_size` of the run's facts (``H = min(500, steps / 20)``).
+            ``"auto"``: :func:`auto_diloco_block_size` of the run's facts (``H = min(500, steps / 20)``,
+            times ``2 / N`` beyond 2 workers).
         outer_learning_rate: the outer SGD learning rate (> 0); DiLoCo's 0.7.
         outer_momentum: the outer SGD momentum ``mu`` in [0, 1); DiLoCo's 0.9.
         outer_nesterov: Nesterov momentum in the outer step (DiLoCo: on).
@@ -101,7 +114,12 @@ class DiLoCoLearner(BlockLearner):
 
     def describe_auto_block_size(self) -> str:
         """How the automatic block size was derived."""
-        return f" (auto: {DILOCO_MIN_SYNCS} syncs after the warm start, at most {DILOCO_INNER_STEPS} inner steps each)"
+        workers = self.model_replicas()
+        if workers <= DILOCO_REFERENCE_WORKERS:
+            return (f" (auto: {DILOCO_MIN_SYNCS} syncs after the warm start, at most {DILOCO_INNER_STEPS} "
+                    f"inner steps each)")
+        return (f" (auto: {DILOCO_MIN_SYNCS} syncs after the warm start, at most {DILOCO_INNER_STEPS} inner steps "
+                f"each, times {DILOCO_REFERENCE_WORKERS}/{workers} for {workers} workers)")
 
     def describe_block(self) -> str:
         """The outer optimizer and the inner one."""
@@ -123,4 +141,5 @@ class DiLoCoLearner(BlockLearner):
         self.prev_parameters.add_(outer_gradient, alpha=-self.outer_learning_rate)
 
 
-__all__ = ["DILOCO_INNER_STEPS", "DILOCO_MIN_SYNCS", "DiLoCoLearner", "auto_diloco_block_size"]
+__all__ = ["DILOCO_INNER_STEPS", "DILOCO_MIN_SYNCS", "DILOCO_REFERENCE_WORKERS", "DiLoCoLearner",
+           "auto_diloco_block_size", "auto_diloco_inner_steps"]

@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -256,6 +257,22 @@ def choose_subnet(seed: int) -> ipaddress.IPv4Network:
     raise RuntimeError(f"every /24 of {_SUBNET_POOL} is already used on this machine")
 
 
+def _exit_on_sigterm():
+    """Make SIGTERM (``kill``, a batch system's stop) raise ``SystemExit`` in the main thread, so the
+    cluster's ``with`` block still kills its hosts' processes and deletes its namespaces; Python's
+    default would end the process there and leave both behind. Returns the handler to restore, or
+    None when one was set already (by the program) or this is not the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
 class NamespaceCluster:
     """``num_hosts`` simulated hosts joined by a bridge, each link shaped to ``rate``.
 
@@ -293,9 +310,11 @@ class NamespaceCluster:
         self.hosts: list[Host] = []
         self.workdir: Path | None = None
         self._created: list[str] = []  # namespaces, in creation order
+        self._previous_sigterm = None  # SIGTERM's handler before __enter__, restored by close()
 
     # -- life cycle -------------------------------------------------------------------------
     def __enter__(self) -> NamespaceCluster:
+        self._previous_sigterm = _exit_on_sigterm()
         try:
             self.start()
         except BaseException:
@@ -329,6 +348,9 @@ class NamespaceCluster:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+        previous, self._previous_sigterm = self._previous_sigterm, None
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
     def _add_namespace(self, netns: str) -> None:
         _run("ip", "netns", "add", netns)

@@ -139,7 +139,7 @@ def check_host_step(comm) -> float:
 
 def check_auto_block_size(comm) -> int:
     """Block momentum's ``block_size="auto"`` takes N = the hosts (the models that train apart), not the ranks;
-    DiLoCo's own (20 syncs after the warm start) does not depend on N."""
+    so does DiLoCo's own (20 syncs after the warm start at 2 workers, ``H`` times 2/N beyond)."""
     facts = RunFacts(samples_per_sweep=1500, max_samples=30000, minibatch_size=32)
     model = make_model(0)
     learner = TwoLevelBlockMomentumLearner(torch.optim.SGD(model.parameters(), lr=0.05), comm, ranks_per_host=2)
@@ -150,7 +150,9 @@ def check_auto_block_size(comm) -> int:
     assert learner.distributed_after == auto_warm_start(facts)
     diloco = TwoLevelDiLoCoLearner(torch.optim.AdamW(make_model(0).parameters()), comm, ranks_per_host=2)
     diloco.plan(facts)
-    assert diloco.block_size == auto_diloco_block_size(facts, auto_warm_start(facts), 2) == 1120, diloco.block_size
+    warm_start = auto_warm_start(facts)
+    assert auto_diloco_block_size(facts, warm_start, 4) == 544  # so the test can tell hosts from ranks
+    assert diloco.block_size == auto_diloco_block_size(facts, warm_start, 2) == 1120, diloco.block_size
     return learner.block_size
 
 

@@ -12,6 +12,7 @@ Run as root: ``pytest tests/dist/test_multihost.py -m "slow or not slow"``. Skip
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 
 from dtrain.session.checkpoint import load as load_checkpoint
 from tests.helpers.mpi import mpiexec_path, run_mpi
-from dtrain.testing.netns import NamespaceCluster, available, parse_rate
+from dtrain.testing.netns import NamespaceCluster, _delete_namespace, available, parse_rate
 
 WORKER = str(Path(__file__).with_name("_multihost_worker.py"))
 REPO = Path(__file__).resolve().parents[2]
@@ -124,3 +125,43 @@ def test_digits_on_two_hosts_equals_two_ranks_on_one_host(cluster: NamespaceClus
     assert two_hosts.keys() == one_host.keys()
     differing = [name for name in two_hosts if not torch.equal(two_hosts[name], one_host[name])]
     assert differing == [], f"parameters differ between 2 hosts and 1 host: {differing}"
+
+
+_TERMINATED_CLUSTER = """
+import subprocess, sys, time
+from dtrain.testing.netns import NamespaceCluster
+with NamespaceCluster(num_hosts=2, rate="1gbit", prefix=sys.argv[1]) as cluster:
+    sleeper = subprocess.Popen(["ip", "netns", "exec", cluster.hosts[0].netns, "sleep", "300"])
+    time.sleep(0.5)
+    print(sleeper.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_cluster_stopped_by_sigterm_deletes_its_namespaces_and_processes() -> None:
+    """``kill`` on a benchmark that holds a cluster (SIGTERM) still ends its hosts' processes and deletes its
+    namespaces, as an exception or Ctrl-C does; Python's default SIGTERM would leave both behind."""
+    ok, reason = available()
+    if not ok:
+        pytest.skip(reason)
+    prefix = f"dts{os.getpid() % 10**8}"
+    owner = subprocess.Popen([sys.executable, "-c", _TERMINATED_CLUSTER, prefix], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO)
+    try:
+        sleeper = int(owner.stdout.readline())
+        assert f"{prefix}h0" in _namespaces()
+        owner.terminate()
+        assert owner.wait(timeout=30) == 128 + 15
+        assert not [netns for netns in _namespaces() if netns.startswith(prefix)]
+        assert not Path(f"/proc/{sleeper}").exists() or "zombie" in Path(f"/proc/{sleeper}/status").read_text()
+    finally:  # a failed check leaves nothing behind either
+        owner.kill()
+        for netns in _namespaces():
+            if netns.startswith(prefix):
+                _delete_namespace(netns)
+
+
+def _namespaces() -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.strip()]
