@@ -5,6 +5,7 @@
     python benchmarks/learner_accuracy.py --recipe shakespeare_char --only defaults   # validation loss, nats/char
     python benchmarks/learner_accuracy.py --recipe cmudict_g2p --only defaults        # word error rate %
     python benchmarks/learner_accuracy.py --recipe conv1d_adam --ranks 2 --only defaults  # Adam inner steps
+    python benchmarks/learner_accuracy.py --ranks 8 --only diloco --row "diloco, block 1120: learner=diloco learner.block_size=1120"
 
 Every row trains the `digits` recipe (30,000 samples = 20 sweeps) with the same global minibatch,
 learning-rate schedule and number of samples; only the learner (and the one setting named in
@@ -121,6 +122,15 @@ def summarize(outcomes: list[float | str], recipe: str = "digits") -> tuple[floa
     return median, f"{median:.{decimals}f} [{values}]"
 
 
+def parse_row(row: str) -> tuple[str, list[str]]:
+    """``'NAME: learner=diloco learner.block_size=1120'`` -> (NAME, its overrides)."""
+    name, separator, overrides = row.partition(":")
+    if not separator or not name.strip() or not overrides.split():
+        raise SystemExit(f"--row {row!r}: expected 'NAME: OVERRIDE [OVERRIDE ...]', e.g. "
+                         f"'diloco, block 1120: learner=diloco learner.block_size=1120'")
+    return name.strip(), overrides.split()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -130,10 +140,16 @@ def main() -> None:
                         help="global samples per run (default: digits 30,000 = 20 sweeps; the sequence recipes' own)")
     parser.add_argument("--only", nargs="*", default=None, help="row names to run (default: all; 'defaults': the "
                                                                  "three default rows)")
+    parser.add_argument("--row", action="append", default=[], metavar="'NAME: OVERRIDE ...'",
+                        help="a row of your own, run after --only's, e.g. 'diloco, block 1120: learner=diloco "
+                             "learner.block_size=1120' (repeatable)")
     args = parser.parse_args()
-    names = args.only or list(CONFIGS)
+    own_rows = dict(parse_row(row) for row in args.row)
+    CONFIGS.update(own_rows)
+    names = args.only or ([] if own_rows else list(CONFIGS))
     if names == ["defaults"]:
         names = SEQUENCE_DEFAULTS if args.recipe in ("shakespeare_char", "cmudict_g2p") else DEFAULTS
+    names = [*names, *(name for name in own_rows if name not in names)]
     if "data_parallel" not in names:
         names = ["data_parallel", *names]  # the reference every gap is measured against
     if args.recipe == "digits" and args.samples is None:
