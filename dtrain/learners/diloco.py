@@ -115,11 +115,10 @@ class DiLoCoLearner(BlockLearner):
     def describe_auto_block_size(self) -> str:
         """How the automatic block size was derived."""
         workers = self.model_replicas()
-        if workers <= DILOCO_REFERENCE_WORKERS:
-            return (f" (auto: {DILOCO_MIN_SYNCS} syncs after the warm start, at most {DILOCO_INNER_STEPS} "
-                    f"inner steps each)")
+        scaled = (f", times {DILOCO_REFERENCE_WORKERS}/{workers} for {workers} workers"
+                  if workers > DILOCO_REFERENCE_WORKERS else "")
         return (f" (auto: {DILOCO_MIN_SYNCS} syncs after the warm start, at most {DILOCO_INNER_STEPS} inner steps "
-                f"each, times {DILOCO_REFERENCE_WORKERS}/{workers} for {workers} workers)")
+                f"each{scaled})")
 
     def describe_block(self) -> str:
         """The outer optimizer and the inner one."""

@@ -195,6 +195,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def namespaces() -> list[str]:
+    """The machine's network namespaces by name, sorted (``ip netns list``)."""
+    listing = _run("ip", "netns", "list", check=False).stdout
+    return sorted({line.split()[0] for line in listing.splitlines() if line.strip()})
+
+
 def cleanup_stale() -> list[str]:
     """Delete namespaces (and their ``/etc/netns`` files) that a killed run of this module left.
 
@@ -202,8 +208,7 @@ def cleanup_stale() -> list[str]:
     the namespaces deleted.
     """
     deleted = []
-    listing = _run("ip", "netns", "list", check=False).stdout
-    for netns in sorted({line.split()[0] for line in listing.splitlines() if line.strip()}):
+    for netns in namespaces():
         found = re.fullmatch(r"dtr(\d+)(h\d+|sw|probe)", netns)
         if found and not _pid_alive(int(found.group(1))):
             _delete_namespace(netns)

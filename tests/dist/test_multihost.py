@@ -12,7 +12,6 @@ Run as root: ``pytest tests/dist/test_multihost.py -m "slow or not slow"``. Skip
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 
 from dtrain.session.checkpoint import load as load_checkpoint
 from tests.helpers.mpi import mpiexec_path, run_mpi
-from dtrain.testing.netns import NamespaceCluster, _delete_namespace, available, parse_rate
+from dtrain.testing.netns import NamespaceCluster, available, cleanup_stale, namespaces, parse_rate
 
 WORKER = str(Path(__file__).with_name("_multihost_worker.py"))
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +129,7 @@ def test_digits_on_two_hosts_equals_two_ranks_on_one_host(cluster: NamespaceClus
 _TERMINATED_CLUSTER = """
 import subprocess, sys, time
 from dtrain.testing.netns import NamespaceCluster
-with NamespaceCluster(num_hosts=2, rate="1gbit", prefix=sys.argv[1]) as cluster:
+with NamespaceCluster(num_hosts=2, rate="1gbit") as cluster:  # namespaces dtr<this pid>...
     sleeper = subprocess.Popen(["ip", "netns", "exec", cluster.hosts[0].netns, "sleep", "300"])
     time.sleep(0.5)
     print(sleeper.pid, flush=True)
@@ -145,23 +144,17 @@ def test_a_cluster_stopped_by_sigterm_deletes_its_namespaces_and_processes() -> 
     ok, reason = available()
     if not ok:
         pytest.skip(reason)
-    prefix = f"dts{os.getpid() % 10**8}"
-    owner = subprocess.Popen([sys.executable, "-c", _TERMINATED_CLUSTER, prefix], stdout=subprocess.PIPE,
-                             text=True, cwd=REPO)
+    owner = subprocess.Popen([sys.executable, "-c", _TERMINATED_CLUSTER], stdout=subprocess.PIPE, text=True,
+                             cwd=REPO)
+    prefix = f"dtr{owner.pid}"
     try:
         sleeper = int(owner.stdout.readline())
-        assert f"{prefix}h0" in _namespaces()
+        assert f"{prefix}h0" in namespaces()
         owner.terminate()
         assert owner.wait(timeout=30) == 128 + 15
-        assert not [netns for netns in _namespaces() if netns.startswith(prefix)]
+        assert not [netns for netns in namespaces() if netns.startswith(prefix)]
         assert not Path(f"/proc/{sleeper}").exists() or "zombie" in Path(f"/proc/{sleeper}/status").read_text()
-    finally:  # a failed check leaves nothing behind either
+    finally:  # a failed check leaves nothing behind either: the owner's namespaces are stale once it is gone
         owner.kill()
-        for netns in _namespaces():
-            if netns.startswith(prefix):
-                _delete_namespace(netns)
-
-
-def _namespaces() -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.strip()]
+        owner.wait()
+        cleanup_stale()
