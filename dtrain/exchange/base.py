@@ -114,6 +114,10 @@ class Exchange(ByteCounters, abc.ABC):
         """A few words for progress lines and the start-up summary (e.g. ``powersgd rank 1``)."""
         return self.name
 
+    def describe_plan(self) -> str:
+        """The start-up summary's words: :meth:`describe` and, where a strategy has one, how it runs on this job."""
+        return self.describe()
+
     def plan(self, facts: Any, steps: int | None = None, step_name: str = "step") -> None:
         """Told the run's facts (a :class:`dtrain.learners.base.RunFacts`) by the learner's ``plan``,
         before training, to derive ``"auto"`` settings: ``steps`` is how many exchange steps

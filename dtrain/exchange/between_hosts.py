@@ -97,6 +97,11 @@ class BetweenHosts(ThreadedExchange):
         count = f" {self.leaders.size}" if self.leaders is not None else ""
         return f"{self.inner.describe()} between the{count} host leaders"
 
+    def describe_plan(self) -> str:
+        """:meth:`describe` with the wrapped strategy's plan among the host leaders."""
+        count = f" {self.leaders.size}" if self.leaders is not None else ""
+        return f"{self.inner.describe_plan()} between the{count} host leaders"
+
     # -- the exchange --------------------------------------------------------------------------------
     def exchange_now(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:
         """Exact sum onto the leader, the wrapped strategy between leaders, broadcast in the host; blocking."""

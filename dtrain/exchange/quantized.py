@@ -17,6 +17,14 @@ data (``docs/semantics.md#two-phase-exchange``):
    them, quantizes the sum plus its *owner residual*, and all-gathers the result.
 4. Every worker unquantizes all stripes; every rank therefore ends with the same bits.
 
+With ``requantize_sum=False`` step 3 is left out: every worker all-gathers every worker's codes of
+step 2 (all stripes) and sums the N unquantized copies itself, in rank order, so each value is
+quantized once. That sends ``(N - 1) k`` bits per value against the two phases' ``2 (N - 1) / N k``:
+the same bytes at 2 workers, twice at 4, four times at 8. ``"auto"`` (:func:`requantizes_sum`)
+re-quantizes only beyond 8 workers: the second quantization's error is the size of the whole
+update, not of one worker's share of it, and with momentum it made 1-bit SGD unstable at 2, 4 and 8
+workers (``docs/semantics.md#two-phase-exchange``).
+
 What travels for a stripe is one uint8 message: ``lower`` (float32 per column) | ``upper``
 (float32 per column) | the packed codes (``bitpack``).
 
@@ -46,6 +54,20 @@ from dtrain.exchange.base import (
 )
 from dtrain.exchange.settings import QUANTIZED
 from dtrain.rules import check_settings
+
+#: ``requantize_sum="auto"``: the owner re-quantizes the summed stripe (CNTK's two phases) beyond this many
+#: workers; up to it every worker sums every worker's codes (gathering costs N / 2 times the two phases' bytes:
+#: at 8 workers 1-bit gathered codes still send 8x fewer bytes than a float32 all-reduce, at 64 as many)
+GATHER_UP_TO_WORKERS = 8
+
+
+def requantizes_sum(requantize_sum: bool | str, num_workers: int) -> bool:
+    """Whether the owner of a stripe re-quantizes its sum (CNTK's phase 2): ``requantize_sum`` itself, or
+    for ``"auto"`` only beyond :data:`GATHER_UP_TO_WORKERS` workers."""
+    if requantize_sum == "auto":
+        return num_workers > GATHER_UP_TO_WORKERS
+    return bool(requantize_sum)
+
 
 ALL_TO_ALL_CHOICES = ("auto", "torch", "allgather")
 """How phase 1 travels: ``torch`` (the communicator's ``all_to_all``: ``all_to_all_single`` on a
@@ -103,13 +125,17 @@ class QuantizedExchange(ByteCounters):
             (N times the bytes).
         error_feedback: carry each step's quantization error into the next (1-bit SGD needs it);
             ``False`` drops it, to show what error feedback is worth.
+        requantize_sum: the owner of each stripe re-quantizes the sum (CNTK's phase 2, with the owner
+            residual); ``False``: every rank sums every rank's codes (no second quantization, ``N / 2``
+            times the bytes); ``"auto"``: :func:`requantizes_sum`.
 
     Raises:
-        ValueError: ``num_bits`` outside 1..32, an unknown ``all_to_all``, or ``torch`` without a
-            torch.distributed communicator.
+        ValueError: ``num_bits`` outside 1..32, an unknown ``all_to_all``, ``torch`` without a
+            torch.distributed communicator, or ``requantize_sum`` neither a boolean nor ``"auto"``.
     """
 
-    def __init__(self, comm, num_bits: int, all_to_all: str = "auto", error_feedback: bool = True):
+    def __init__(self, comm, num_bits: int, all_to_all: str = "auto", error_feedback: bool = True,
+                 requantize_sum: bool | str = "auto"):
         if all_to_all not in ALL_TO_ALL_CHOICES:
             raise ValueError(f"all_to_all={all_to_all!r} is not one of {', '.join(ALL_TO_ALL_CHOICES)}")
         has_native = getattr(comm, "native_all_to_all", False)
@@ -118,8 +144,10 @@ class QuantizedExchange(ByteCounters):
                              f"all-to-all), got {type(comm).__name__}; use all_to_all='allgather'")
         # -- hyper-parameters
         self.comm = comm
-        check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback)
+        check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback, requantize_sum=requantize_sum)
         self.num_bits = int(num_bits)
+        self.requantize_sum_setting = requantize_sum  # as given: "auto" follows a restored run's own (load_state_dict)
+        self.requantize_sum = requantizes_sum(requantize_sum, comm.size)
         if all_to_all == "auto":
             all_to_all = "torch" if has_native else "allgather"
         self.all_to_all = all_to_all
@@ -129,7 +157,8 @@ class QuantizedExchange(ByteCounters):
         self.worker_residual: torch.Tensor | None = None  # [layout.numel] stripe-major: what quantizing
         #                                                   this rank's gradient lost, added back next step
         self.owner_residual: torch.Tensor | None = None   # [own stripe's values]: what re-quantizing the
-        #                                                   summed stripe this rank owns lost
+        #                                                   summed stripe this rank owns lost (zero when the
+        #                                                   sum is not re-quantized)
         # -- statistics (bytes_sent_last_step, full_precision_bytes_last_step: ByteCounters)
         ByteCounters.__init__(self)
         self.seconds_last_step = 0.0                 # wall-clock seconds of the last exchange
@@ -186,6 +215,9 @@ class QuantizedExchange(ByteCounters):
         # phase 1: quantize everything with the worker residual; stripe j goes to its owner j
         quantized = quantize_with_feedback(flat, self.worker_residual, layout.columns, bits, workspace)
         sends = [encode_message(stripe_of(quantized, layout, stripe)) for stripe in range(size)]
+        if not self.requantize_sum:
+            sent, transport = self._sum_gathered(sends, sizes, result)
+            return self._finish(sent, transport, started, result)
         transport_started = time.perf_counter()
         if self.all_to_all == "torch":
             received, sent_phase1 = _all_to_all_native(self.comm, sends, [sizes[rank]] * size)
@@ -209,8 +241,31 @@ class QuantizedExchange(ByteCounters):
             part = layout.stripe(stripe)
             dequantize(decode_message(message, part, bits), part, dtype=flat.dtype, out=result[start:end])
 
-        self.bytes_sent_last_step = sent_phase1 + sent_phase2
-        self.full_precision_bytes_last_step = full_precision_allreduce_bytes(layout.numel, size)
+        return self._finish(sent_phase1 + sent_phase2, transport, started, result)
+
+    def _sum_gathered(self, sends: list[torch.Tensor], sizes: list[int], result: torch.Tensor) -> tuple[int, float]:
+        """Every rank's messages (all stripes) to every rank, summed into ``result`` in rank order (so all ranks
+        hold the same bits); returns (bytes sent, seconds in the collective). No owner re-quantization."""
+        layout, bits, workspace = self.layout, self.num_bits, self._workspace
+        transport_started = time.perf_counter()
+        gathered, sent = _all_gather_padded(self.comm, torch.cat(sends), [sum(sizes)] * self.comm.size)
+        transport = time.perf_counter() - transport_started
+        first = 0
+        for stripe, (start, end) in enumerate(layout.stripe_values):
+            part, target = layout.stripe(stripe), result[start:end]
+            for source, data in enumerate(gathered):
+                codes = decode_message(data[first:first + sizes[stripe]], part, bits)
+                if source == 0:
+                    dequantize(codes, part, dtype=result.dtype, out=target)
+                else:
+                    target += dequantize(codes, part, dtype=result.dtype, workspace=workspace)
+            first += sizes[stripe]
+        return sent, transport
+
+    def _finish(self, sent: int, transport: float, started: float, result: torch.Tensor) -> torch.Tensor:
+        """Records the step's bytes and seconds; returns ``result``."""
+        self.bytes_sent_last_step = sent
+        self.full_precision_bytes_last_step = full_precision_allreduce_bytes(self.layout.numel, self.comm.size)
         self.transport_seconds_last_step = transport
         self.seconds_last_step = time.perf_counter() - started
         return result
@@ -230,6 +285,7 @@ class QuantizedExchange(ByteCounters):
         Before the first exchange both are None.
         """
         state: dict[str, Any] = {"num_bits": self.num_bits, "world_size": self.comm.size, "rank": self.comm.rank,
+                                 "requantize_sum": self.requantize_sum,
                                  "shapes": None, "worker_residual": None, "owner_residual": None}
         if self.layout is None or self.worker_residual is None:
             return state
@@ -244,9 +300,14 @@ class QuantizedExchange(ByteCounters):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore residuals saved by :meth:`state_dict` (at this or another world size).
 
-        The owner residual keeps the part of the saved one that falls in this rank's stripe now.
+        The owner residual keeps the part of the saved one that falls in this rank's stripe now; when this
+        exchange does not re-quantize sums, that part is added to the worker residual instead (nothing is lost).
+        With ``requantize_sum="auto"`` at the saved world size, the run goes on forming its sums as it began
+        (a checkpoint from before the setting existed: re-quantized), so a resume continues bit for bit.
         Raises ValueError when the saved shapes differ from the tensors this exchange was set up for.
         """
+        if self.requantize_sum_setting == "auto" and state.get("world_size") == self.comm.size:
+            self.requantize_sum = bool(state.get("requantize_sum", True))
         if state.get("shapes") is None:
             self.worker_residual = self.owner_residual = None
             return
@@ -259,6 +320,9 @@ class QuantizedExchange(ByteCounters):
         self.worker_residual = self._from_tensor_order(worker)
         start, end = layout.stripe_values[self.comm.rank]
         self.owner_residual = self._from_tensor_order(owner)[start:end].clone()
+        if not self.requantize_sum:  # (saved by a re-quantizing run) carried in this rank's codes instead: the
+            self.worker_residual[start:end] += self.owner_residual  # sum sees each value's error once all the same
+            self.owner_residual.zero_()
 
     # -- helpers -----------------------------------------------------------------------------------
     def _layout_for(self, shapes: list[tuple[int, ...]]) -> StripeLayout:
@@ -302,19 +366,24 @@ class Quantized(ThreadedExchange):
     Args:
         num_bits: bits per value on the wire, 1 to 32.
         error_feedback: carry each step's quantization error into the next (``False``: ablation).
+        requantize_sum: CNTK's phase 2 (the owner of each stripe re-quantizes its sum), or ``False``: every
+            worker sums every worker's codes; ``"auto"``: re-quantize beyond 8 workers only (:func:`requantizes_sum`).
 
     Raises:
-        ValueError: ``num_bits`` outside 1..32 or ``error_feedback`` not a boolean.
+        ValueError: ``num_bits`` outside 1..32, ``error_feedback`` not a boolean or ``requantize_sum``
+            neither a boolean nor ``"auto"``.
     """
 
     name = "quantized"
     needs_warm_start = True
 
-    def __init__(self, num_bits: int = 1, error_feedback: bool = True):
+    def __init__(self, num_bits: int = 1, error_feedback: bool = True, requantize_sum: bool | str = "auto"):
         super().__init__()
-        check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback)
+        check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback, requantize_sum=requantize_sum)
         self.num_bits = int(num_bits)
         self.error_feedback = bool(error_feedback)
+        self.requantize_sum = requantize_sum  # True, False or "auto" (resolved against the communicator's size)
+        self.restored_requantize_sum: bool | None = None  # "auto" as a restored run began (load_state_dict)
         self._exchanges: dict[Hashable, QuantizedExchange] = {}
         self.seconds_last_step = 0.0  # wall-clock seconds of this step's exchanges (on the worker thread)
         self.transport_seconds_last_step = 0.0  # ... of which in their collectives (waiting for peers included)
@@ -338,11 +407,33 @@ class Quantized(ThreadedExchange):
         """``1-bit`` and so on."""
         return f"{self.num_bits}-bit"
 
+    def describe_plan(self) -> str:
+        """``1-bit`` and how the sum is formed on this many workers (re-quantized by each stripe's owner or not)."""
+        if self.comm is None or self.comm.size == 1:
+            return self.describe()
+        if self._requantizes():
+            how = "two phases: each stripe's owner re-quantizes the sum"
+        else:
+            how = "every worker sums every worker's codes"
+        auto = ", auto" if self.requantize_sum == "auto" else ""
+        if self.restored_requantize_sum is not None:
+            auto = ", auto, as the checkpoint's run began"
+        return f"{self.describe()} ({how}{auto})"
+
+    def _requantizes(self) -> bool:
+        """Whether sums are re-quantized on this job (a restored run's own choice under ``"auto"``)."""
+        if self.restored_requantize_sum is not None:
+            return self.restored_requantize_sum
+        return requantizes_sum(self.requantize_sum, self.comm.size)
+
     def _exchange_for(self, key: Hashable) -> QuantizedExchange:
         exchange = self._exchanges.get(key)
         if exchange is None:
             exchange = self._exchanges[key] = QuantizedExchange(self.comm, self.num_bits,
-                                                                error_feedback=self.error_feedback)
+                                                                error_feedback=self.error_feedback,
+                                                                requantize_sum=self.requantize_sum)
+            if self.restored_requantize_sum is not None:
+                exchange.requantize_sum = self.restored_requantize_sum
         return exchange
 
     def exchange_now(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:
@@ -369,7 +460,10 @@ class Quantized(ThreadedExchange):
                 warn_residuals_dropped(self, "error_feedback")
             return
         for key, saved in saved_keys.items():
-            self._exchange_for(key).load_state_dict(saved)
+            exchange = self._exchange_for(key)
+            exchange.load_state_dict(saved)
+            if self.requantize_sum == "auto" and saved.get("world_size") == self.comm.size:
+                self.restored_requantize_sum = exchange.requantize_sum
 
     def reset(self) -> None:
         """Forgets every key's residuals (they start again at zero), after any exchange still running."""

@@ -27,6 +27,8 @@ class QuantizedExchangeConfig:
     _target_: str = "dtrain.exchange.Quantized"
     num_bits: int = 1
     error_feedback: StrictBool = True
+    requantize_sum: Any = "auto"        # true: CNTK's two phases; false: every worker sums every worker's codes;
+    #                                     auto: false up to 8 workers (docs/semantics.md#two-phase-exchange)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class PowerSGDExchangeConfig:
 QUANTIZED: KeyChecks = {
     "num_bits": partial(checks.whole_number, low=1, high=32, unit="bits"),
     "error_feedback": checks.boolean,
+    "requantize_sum": checks.boolean_or_auto,
 }
 
 

@@ -237,7 +237,7 @@ class BlockLearner(Learner):
         own = self.describe_block()
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker "
                 f"between syncs{self.describe_minibatch_rounding()}{', ' + own if own else ''}, "
-                f"exchange {self.exchange.describe()}")
+                f"exchange {self.exchange.describe_plan()}")
 
     def describe_minibatch_rounding(self) -> str:
         """Where a block does not end at a minibatch's end: the syncs as they happen (a block is complete

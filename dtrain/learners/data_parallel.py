@@ -205,10 +205,10 @@ class DataParallelLearner(ReplicatedLearner):
         if self.warm_start_exchange is not None and self.comm.size > 1 and self.distributed_after:
             auto = " (auto)" if self.distributed_after_is_auto else ""
             return (f"learner {self.kind}, warm start of {self.distributed_after:,} samples{auto} with float32 "
-                    f"all-reduce, then gradients exchanged by {self.exchange.describe()}{self._frozen_note()}")
+                    f"all-reduce, then gradients exchanged by {self.exchange.describe_plan()}{self._frozen_note()}")
         line = super().describe()
         if self.comm.size > 1 and not isinstance(self.exchange, AllReduce):
-            line += f", gradients exchanged by {self.exchange.describe()}{self._frozen_note()}"
+            line += f", gradients exchanged by {self.exchange.describe_plan()}{self._frozen_note()}"
         return line
 
     def _frozen_note(self) -> str:
@@ -378,6 +378,9 @@ class QuantizedDataParallelLearner(DataParallelLearner):
             only useful for comparison: ``data_parallel_distributed_learner`` uses a plain
             all-reduce for 32).
         error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
+        requantize_sum: CNTK's second phase, in which the owner of each stripe re-quantizes the sum; ``False``:
+            every rank sums every rank's codes; ``"auto"`` (the default): re-quantize beyond 8 workers only
+            (:func:`dtrain.exchange.quantized.requantizes_sum`).
         bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
         warm_start_mode: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
         warm_start: the old spelling of ``warm_start_mode`` (an alias).
@@ -394,10 +397,11 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0,
                  warm_start_mode: str | None = None, warm_start: str | None = None,
-                 freeze_variance: bool | str = AUTO):
+                 freeze_variance: bool | str = AUTO, requantize_sum: bool | str = AUTO):
         check_settings(QUANTIZATION_BITS, num_quantization_bits=num_quantization_bits)
         bits = int(num_quantization_bits)
-        super().__init__(optimizer, comm, distributed_after, bucket_size_mb, exchange=Quantized(bits, error_feedback),
+        super().__init__(optimizer, comm, distributed_after, bucket_size_mb,
+                         exchange=Quantized(bits, error_feedback, requantize_sum=requantize_sum),
                          warm_start_mode=warm_start_mode, warm_start=warm_start, freeze_variance=freeze_variance)
 
     @property
@@ -418,7 +422,7 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
                                       num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
                                       error_feedback: bool = True, exchange: Exchange | None = None,
                                       warm_start_mode: str | None = None, warm_start: str | None = None,
-                                      freeze_variance: bool | str = AUTO) -> Learner:
+                                      freeze_variance: bool | str = AUTO, requantize_sum: bool | str = AUTO) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
@@ -443,6 +447,8 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias).
         freeze_variance: with an Adam-family optimizer and a lossy exchange, hold its variance where the
             warm start left it (1-bit Adam's rule); ``"auto"`` (default): for k-bit gradients only.
+        requantize_sum: k-bit only: the owner of each stripe re-quantizes the summed stripe (CNTK's two
+            phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): beyond 8 workers only.
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
@@ -454,13 +460,18 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         TypeError: ``optimizer`` is not a torch optimizer, or ``exchange`` not an exchange strategy.
     """
     check_settings(DATA_PARALLEL, num_quantization_bits=num_quantization_bits, bucket_size_mb=bucket_size_mb,
-                   distributed_after=distributed_after, error_feedback=error_feedback, freeze_variance=freeze_variance)
+                   distributed_after=distributed_after, error_feedback=error_feedback, freeze_variance=freeze_variance,
+                   requantize_sum=requantize_sum)
     num_quantization_bits, error_feedback = int(num_quantization_bits), bool(error_feedback)
     if distributed_after != AUTO:
         distributed_after = int(distributed_after)
     if not error_feedback and num_quantization_bits == 32:
         raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
                          "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")
+    if requantize_sum != AUTO and (num_quantization_bits == 32 or exchange is not None):
+        where = (f"beside exchange={exchange.describe()}; set it on the exchange (learner.exchange.requantize_sum)"
+                 if exchange is not None else "with num_quantization_bits=32, where nothing is quantized")
+        raise ValueError(f"requantize_sum={requantize_sum}: expected auto {where}")
     if exchange is not None and not isinstance(exchange, AllReduce) and num_quantization_bits < 32:
         raise ValueError(f"num_quantization_bits={num_quantization_bits} and exchange={exchange.describe()} both choose "
                          f"the exchange; use learner/exchange=quantized with learner.exchange.num_bits, or drop the "
@@ -470,7 +481,7 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
                                             num_quantization_bits=int(num_quantization_bits),
                                             error_feedback=error_feedback, bucket_size_mb=bucket_size_mb,
                                             warm_start_mode=warm_start_mode, warm_start=warm_start,
-                                            freeze_variance=freeze_variance)
+                                            freeze_variance=freeze_variance, requantize_sum=requantize_sum)
     return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb,
                                exchange=exchange, warm_start_mode=warm_start_mode, warm_start=warm_start,
                                freeze_variance=freeze_variance)

@@ -40,6 +40,7 @@ class DataParallelLearnerConfig:
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
     warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
     freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: k-bit only
+    requantize_sum: Any = "auto"        # k-bit only: CNTK's owner re-quantization of the sum; auto: beyond 8 workers
 
 
 @dataclass
@@ -133,7 +134,7 @@ QUANTIZATION_BITS: KeyChecks = {"num_quantization_bits": partial(checks.whole_nu
 BUCKETS: KeyChecks = {"bucket_size_mb": partial(checks.positive_number, unit="MiB")}
 FREEZE_VARIANCE: KeyChecks = {"freeze_variance": checks.boolean_or_auto}
 DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **QUANTIZATION_BITS, **BUCKETS, **FREEZE_VARIANCE,
-                            "error_feedback": checks.boolean}
+                            "error_feedback": checks.boolean, "requantize_sum": checks.boolean_or_auto}
 TWO_LEVEL_DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **BUCKETS, **FREEZE_VARIANCE}
 BLOCK_SIZE: KeyChecks = {"block_size": _samples_or_auto}
 BLOCK_SYNC: KeyChecks = {"reset_sgd_momentum_after_aggregation": checks.boolean,

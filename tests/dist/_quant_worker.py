@@ -48,11 +48,12 @@ def check_exchange(comm) -> dict[str, dict[str, int]]:
     """Returns the bytes each way of exchanging sent in its last step, by number of bits."""
     bytes_sent = {}
     # (a single bias is one column: every stripe but rank 0's is empty, so messages of 0 bytes travel)
-    for bits, shapes in ((1, SHAPES), (3, SHAPES), (8, SHAPES), (2, [(5,)])):
+    for bits, shapes, requantize in ((1, SHAPES, True), (3, SHAPES, True), (8, SHAPES, True), (2, [(5,)], True),
+                                     (1, SHAPES, False), (2, [(5,)], False)):
         layout = StripeLayout(shapes, comm.size)
-        via_torch = QuantizedExchange(comm, bits, all_to_all="torch")
-        via_allgather = QuantizedExchange(comm, bits, all_to_all="allgather")
-        reference = ReferenceExchange(layout, bits)
+        via_torch = QuantizedExchange(comm, bits, all_to_all="torch", requantize_sum=requantize)
+        via_allgather = QuantizedExchange(comm, bits, all_to_all="allgather", requantize_sum=requantize)
+        reference = ReferenceExchange(layout, bits, requantize)
         for step in range(3):
             # the direct computation, from every rank's gradients (all ranks can make them)
             expected = reference.step([gradients_of(rank, step, shapes) for rank in range(comm.size)])
@@ -64,11 +65,13 @@ def check_exchange(comm) -> dict[str, dict[str, int]]:
                     raise AssertionError(f"{bits}-bit exchange via {exchange.all_to_all} differs from the direct "
                                          f"computation at step {step} by {float((result - expected).abs().max())}")
                 assert_same_on_all_ranks(comm, result, f"{bits}-bit exchange result")
-        if shapes is SHAPES:
+        if shapes is SHAPES and requantize:
             bytes_sent[str(bits)] = {"torch": via_torch.bytes_sent_last_step,
                                      "allgather": via_allgather.bytes_sent_last_step}
         # the fallback sends every message to every rank; all_to_all_single sends each message once
         assert via_torch.bytes_sent_last_step <= via_allgather.bytes_sent_last_step
+        if not requantize:  # one all-gather of every message, whichever phase-1 transport was asked for
+            assert via_torch.bytes_sent_last_step == via_allgather.bytes_sent_last_step
     return bytes_sent
 
 

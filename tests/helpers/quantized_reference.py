@@ -3,7 +3,8 @@
 The independent reference both the unit tests and the mpiexec worker compare
 ``QuantizedExchange`` with: every rank's gradients are visible at once, so phase 1 (each
 worker quantizes its whole buffer, with its residual) and phase 2 (each stripe's owner sums
-the decoded stripe and re-quantizes it, with its own residual) are plain loops.
+the decoded stripe and re-quantizes it, with its own residual) are plain loops. With
+``requantize_sum=False`` there is no phase 2: the result is the sum of the decoded buffers, in rank order.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from dtrain.compress import StripeLayout, dequantize, quantize
 class ReferenceExchange:
     """One reference exchange: ``worker_residuals`` per rank and ``owner_residuals`` per stripe carry over steps."""
 
-    def __init__(self, layout: StripeLayout, bits: int):
-        self.layout, self.bits = layout, bits
+    def __init__(self, layout: StripeLayout, bits: int, requantize_sum: bool = True):
+        self.layout, self.bits, self.requantize_sum = layout, bits, requantize_sum
         self.worker_residuals = [torch.zeros(layout.numel) for _ in range(layout.num_stripes)]
         self.owner_residuals = [torch.zeros(end - start) for start, end in layout.stripe_values]
 
@@ -31,6 +32,11 @@ class ReferenceExchange:
             sent = dequantize(quantize(values, layout.columns, bits), layout.columns)
             self.worker_residuals[rank] = values - sent
             decoded.append(sent)
+        if not self.requantize_sum:
+            result = decoded[0].clone()
+            for sent in decoded[1:]:
+                result += sent
+            return result
         result = torch.empty(layout.numel)
         for stripe, (start, end) in enumerate(layout.stripe_values):
             total = torch.zeros(end - start)

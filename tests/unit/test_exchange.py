@@ -74,21 +74,22 @@ def test_message_round_trip_and_size(bits):
 # -- the exchange against a direct computation -------------------------------------------------------
 
 
-def reference_exchange(num_workers: int, bits: int, steps: int):
-    """The two phases written out directly on whole buffers: results and final residuals."""
+def reference_exchange(num_workers: int, bits: int, steps: int, requantize_sum: bool = True):
+    """The two phases (or the gathered sum) written out directly on whole buffers: results and final residuals."""
     layout = StripeLayout(SHAPES, num_workers)
-    reference = ReferenceExchange(layout, bits)
+    reference = ReferenceExchange(layout, bits, requantize_sum)
     results = [reference.step([make_gradients(step, rank) for rank in range(num_workers)]) for step in range(steps)]
     return layout, results, reference.worker_residuals, reference.owner_residuals
 
 
+@pytest.mark.parametrize("requantize_sum", [True, False])
 @pytest.mark.parametrize("num_workers, bits", [(2, 1), (3, 1), (4, 2), (3, 3), (2, 8)])
-def test_threaded_exchange_equals_the_direct_computation(num_workers, bits):
+def test_threaded_exchange_equals_the_direct_computation(num_workers, bits, requantize_sum):
     steps = 3
-    layout, expected, worker_residuals, owner_residuals = reference_exchange(num_workers, bits, steps)
+    layout, expected, worker_residuals, owner_residuals = reference_exchange(num_workers, bits, steps, requantize_sum)
 
     def work(comm):
-        exchange = QuantizedExchange(comm, bits)
+        exchange = QuantizedExchange(comm, bits, requantize_sum=requantize_sum)
         outputs = []
         for step in range(steps):
             gradients = make_gradients(step, comm.rank)
@@ -104,12 +105,13 @@ def test_threaded_exchange_equals_the_direct_computation(num_workers, bits):
         assert torch.equal(exchange.owner_residual, owner_residuals[rank])
 
 
-def test_error_feedback_invariant_across_both_residuals():
+@pytest.mark.parametrize("requantize_sum", [True, False])
+def test_error_feedback_invariant_across_both_residuals(requantize_sum):
     """Σ_t result_t + Σ_ranks worker residual + owner residuals == Σ_t Σ_ranks gradient_t."""
     num_workers, steps = 3, 6
 
     def work(comm):
-        exchange = QuantizedExchange(comm, 1)
+        exchange = QuantizedExchange(comm, 1, requantize_sum=requantize_sum)
         results, inputs = 0, 0
         for step in range(steps):
             gradients = make_gradients(step, comm.rank)
@@ -140,20 +142,23 @@ def test_thirty_two_bits_is_the_exact_sum_and_scale_applies_before_the_sum():
         torch.testing.assert_close(per_rank[1][index], expected)
 
 
+@pytest.mark.parametrize("requantize_sum", [True, False])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_bytes_sent_are_counted_and_smaller_than_full_precision(bits):
+def test_bytes_sent_are_counted_and_smaller_than_full_precision(bits, requantize_sum):
     num_workers = 3
     layout = StripeLayout(SHAPES, num_workers)
     sizes = layout.message_sizes(bits)
 
     def work(comm):
-        exchange = QuantizedExchange(comm, bits)
+        exchange = QuantizedExchange(comm, bits, requantize_sum=requantize_sum)
         exchange.allreduce_(make_gradients(0, comm.rank))
         return exchange.bytes_sent_last_step, exchange.full_precision_bytes_last_step, exchange.compression_ratio
 
     for sent, full, ratio in FakeWorld(num_workers).run(work):
-        # all-gather fallback for phase 1 (every rank's N messages to everyone), padded all-gather for phase 2
-        assert sent == (num_workers - 1) * sum(sizes) + (num_workers - 1) * max(sizes)
+        # all-gather fallback for phase 1 (every rank's N messages to everyone), padded all-gather for phase 2;
+        # the gathered sum: one all-gather of every rank's N messages
+        phase2 = (num_workers - 1) * max(sizes) if requantize_sum else 0
+        assert sent == (num_workers - 1) * sum(sizes) + phase2
         assert full == full_precision_allreduce_bytes(layout.numel, num_workers) == round(2 * 2 / 3 * 4 * layout.numel)
         assert ratio == pytest.approx(full / sent)
 
@@ -186,7 +191,7 @@ def test_bad_arguments_and_changed_shapes_are_rejected():
 def test_residual_state_round_trips_and_loads_at_another_world_size():
     def run_steps(world_size: int, state_by_rank=None, steps: int = 2):
         def work(comm):
-            exchange = QuantizedExchange(comm, 1)
+            exchange = QuantizedExchange(comm, 1, requantize_sum=True)
             if state_by_rank is not None:
                 exchange.load_state_dict(state_by_rank[comm.rank])
             for step in range(steps):
@@ -444,3 +449,108 @@ def test_freeze_variance_that_is_not_a_switch_is_refused_in_one_line():
     with pytest.raises(ValueError, match="freeze_variance='yes': expected true, false or auto"):
         data_parallel_distributed_learner(torch.optim.AdamW(model.parameters()), num_quantization_bits=1,
                                           freeze_variance="yes")
+
+
+# -- whether the owner re-quantizes the sum -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers, requantized", [(2, False), (4, False), (8, False), (9, True), (16, True)])
+def test_the_sum_is_requantized_by_default_only_beyond_eight_workers(workers, requantized):
+    from dtrain.exchange.quantized import requantizes_sum
+
+    assert requantizes_sum("auto", workers) is requantized
+    assert requantizes_sum(True, 2) is True and requantizes_sum(False, 8) is False
+
+
+def test_the_start_up_line_says_how_the_sum_is_formed():
+    from dtrain.exchange import Quantized
+
+    def describe(comm, requantize_sum="auto"):
+        strategy = Quantized(1, requantize_sum=requantize_sum)
+        strategy.bind(comm)
+        return strategy.describe_plan()
+
+    assert FakeWorld(2).run(describe)[0] == "1-bit (every worker sums every worker's codes, auto)"
+    assert FakeWorld(2).run(lambda comm: describe(comm, True))[0] == \
+        "1-bit (two phases: each stripe's owner re-quantizes the sum)"
+    assert FakeWorld(9).run(describe)[0] == "1-bit (two phases: each stripe's owner re-quantizes the sum, auto)"
+    assert describe(LocalCommunicator()) == "1-bit"
+
+
+def test_a_requantizing_runs_residuals_resume_into_a_gathered_sum_without_losing_any_error():
+    """The owner residual a re-quantizing run saved goes into the worker residual of a run that gathers, so the
+    error still to be sent (summed over ranks) is the same, and every rank then decodes the same bits."""
+    num_workers = 3
+
+    def run(requantize_sum, states=None, steps=2):
+        def work(comm):
+            exchange = QuantizedExchange(comm, 1, requantize_sum=requantize_sum)
+            if states is not None:
+                exchange.load_state_dict(states[comm.rank])
+            outputs = []
+            for step in range(steps):
+                gradients = make_gradients(10 + step, comm.rank)
+                exchange.allreduce_(gradients)
+                outputs.append(torch.cat([g.reshape(-1) for g in gradients]))
+            return exchange.state_dict(), outputs
+        return FakeWorld(num_workers).run(work)
+
+    saved = [state for state, _ in run(True)]
+    assert any(bool(state["owner_residual"].abs().sum()) for state in saved)
+    loaded = [state for state, _ in run(False, saved, steps=0)]
+    assert all(not state["owner_residual"].abs().sum() for state in loaded)
+    torch.testing.assert_close(sum(state["worker_residual"] for state in loaded),
+                               sum(state["worker_residual"] + state["owner_residual"] for state in saved))
+    continued = run(False, saved)
+    assert all(torch.equal(outputs[-1], continued[0][1][-1]) for _, outputs in continued)
+
+
+def test_requantize_sum_is_refused_where_nothing_is_requantized_or_it_is_not_a_switch():
+    from dtrain.exchange import Quantized
+    from dtrain.learners import data_parallel_distributed_learner
+
+    model = make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="requantize_sum='maybe': expected true, false or auto"):
+        data_parallel_distributed_learner(optimizer, num_quantization_bits=1, requantize_sum="maybe")
+    with pytest.raises(ValueError, match="requantize_sum=False: expected auto with num_quantization_bits=32"):
+        data_parallel_distributed_learner(optimizer, requantize_sum=False)
+    with pytest.raises(ValueError, match=r"learner.exchange.requantize_sum"):
+        data_parallel_distributed_learner(optimizer, exchange=Quantized(2), requantize_sum=True)
+    with pytest.raises(ValueError, match="requantize_sum=1: expected true, false or auto"):
+        Quantized(1, requantize_sum=1)
+
+
+def test_a_resumed_run_forms_its_sums_as_it_began_under_auto():
+    """A run that re-quantized its sums (the default before, or ``requantize_sum=true``) and is resumed with
+    ``"auto"`` at the same world size goes on re-quantizing, bit for bit with the uninterrupted run; a
+    checkpoint from before the setting existed (no ``requantize_sum`` in it) did re-quantize."""
+    from dtrain.exchange import Quantized
+
+    def run(setting, states=None, steps=2, first_step=0, drop_key=False):
+        def work(comm):
+            strategy = Quantized(1, requantize_sum=setting)
+            strategy.bind(comm)
+            if states is not None:
+                state = copy.deepcopy(states[comm.rank])
+                if drop_key:
+                    for saved in state["per_key"].values():
+                        del saved["requantize_sum"]
+                strategy.load_state_dict(state)
+            outputs = []
+            for step in range(first_step, first_step + steps):
+                flat = torch.cat([g.reshape(-1) for g in make_gradients(step, comm.rank)])
+                strategy.begin_step()
+                strategy.allreduce_("bucket", flat, [torch.Size(shape) for shape in SHAPES])
+                outputs.append(flat.clone())
+            return strategy.state_dict(), outputs, strategy.describe_plan()
+        return FakeWorld(2).run(work)
+
+    uninterrupted = run(True, steps=4)[0][1]
+    saved = [state for state, _, _ in run(True, steps=2)]
+    for drop_key in (False, True):
+        resumed = run("auto", saved, first_step=2, drop_key=drop_key)
+        assert all(torch.equal(a, b) for a, b in zip(resumed[0][1], uninterrupted[2:])), drop_key
+        assert resumed[0][2] == "1-bit (two phases: each stripe's owner re-quantizes the sum, auto, as the checkpoint's run began)"
+    # the user's explicit choice wins over the checkpoint's
+    assert not torch.equal(run(False, saved, first_step=2)[0][1][0], uninterrupted[2])

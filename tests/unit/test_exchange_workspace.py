@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from tests.helpers.thread_world import FakeWorld
@@ -40,13 +41,15 @@ class _SlowWorld(FakeWorld):
         return super().gather(rank, item)
 
 
-def test_exchange_splits_its_time_into_compute_and_transport():
+@pytest.mark.parametrize("requantize_sum, collectives", [(True, 2), (False, 1)])
+def test_exchange_splits_its_time_into_compute_and_transport(requantize_sum, collectives):
     def work(comm):
-        exchange = QuantizedExchange(comm, 1)
+        exchange = QuantizedExchange(comm, 1, requantize_sum=requantize_sum)
         gradients = [torch.randn(shape) for shape in SHAPES]
         exchange.allreduce_(gradients)
         return exchange.seconds_last_step, exchange.transport_seconds_last_step, exchange.compute_seconds_last_step
 
     for total, transport, compute in _SlowWorld(2).run(work):
-        assert transport >= 2 * _SlowWorld.delay  # two phases, each one collective here
+        # two phases, each one collective here; the gathered sum one all-gather
+        assert collectives * _SlowWorld.delay <= transport < (collectives + 1) * _SlowWorld.delay
         assert 0 <= compute < total and abs(compute + transport - total) < 1e-9
