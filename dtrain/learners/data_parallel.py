@@ -360,8 +360,9 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     Each rank back-propagates the mean loss over its ``local_samples``; every gradient bucket is
     scaled by ``local_samples / global_samples`` (so the SUM over ranks is the gradient of the
     mean loss over the global minibatch, dtrain's convention) and summed over ranks through the
-    two-phase k-bit exchange on a background thread while backward goes on. All ranks decode the
-    same bytes, so their parameters stay bit-identical.
+    k-bit exchange (every rank summing every rank's codes up to 8 ranks, CNTK's two phases beyond:
+    ``requantize_sum``) on a background thread while backward goes on. All ranks decode the same
+    bytes, so their parameters stay bit-identical.
 
     Warm start: while ``samples_seen < distributed_after`` the gradients are all-reduced in
     float32 (each rank reading its partition): the exact update of the global minibatch, which
