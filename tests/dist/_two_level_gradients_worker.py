@@ -33,6 +33,7 @@ from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.compress import StripeLayout
 from dtrain.data.partition import partition_slice
 from dtrain.exchange import PowerSGD, Quantized
+from dtrain.exchange.quantized import requantizes_sum
 from dtrain.learners import TwoLevelDataParallelLearner
 
 GLOBAL = 16
@@ -107,8 +108,10 @@ class Reference:
     def __init__(self, case: str, learner, size: int) -> None:
         self.case, self.learner, self.size = case, learner, size
         self.hosts = host_ranks(size)
-        self.quantized = [ReferenceExchange(StripeLayout([tuple(s) for s in bucket.shapes], len(self.hosts)), 1)
-                          for bucket in learner.buckets]
+        # the hosts' exchange forms its sums as "auto" does for this many hosts
+        requantize = requantizes_sum("auto", len(self.hosts))
+        self.quantized = [ReferenceExchange(StripeLayout([tuple(s) for s in bucket.shapes], len(self.hosts)), 1,
+                                            requantize) for bucket in learner.buckets]
         self.powersgd = [strategy(case) for _ in self.hosts]  # the flat strategy on the "hosts" (threads)
 
     def expected(self, model: nn.Module, position: int) -> list[torch.Tensor]:
