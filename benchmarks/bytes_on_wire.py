@@ -11,11 +11,13 @@ minibatch. Rows:
 * ``32 (all-reduce)``: ``comm.allreduce`` of the flat float32 gradient, as the data-parallel
   learner does. Its bytes are the ring all-reduce's 2(N-1)/N * 4 bytes per value (Gloo does not
   report what it sends).
-* ``32 (two-phase)``: the quantized exchange in its lossless 32-bit mode: measured bytes, which
-  should match the line above plus 8 bytes per column of scales.
-* ``k``: ``QuantizedExchange`` at k bits (phase 1 through ``all_to_all_single``); bytes are what
-  this rank hands to the transport in both phases, measured by the exchange.
-* ``1 (all-gather a2a)``: the same at 1 bit with phase 1 built from all-gather (the fallback).
+* ``32 (two-phase)``: the quantized exchange in its lossless 32-bit mode, CNTK's two phases: measured
+  bytes, which should match the line above plus 8 bytes per column of scales.
+* ``k``: ``QuantizedExchange`` at k bits with its default (up to 8 ranks every rank's codes
+  all-gathered and summed by every rank, CNTK's two phases beyond); bytes are what this rank hands
+  to the transport, measured by the exchange.
+* ``1 (two phases)``: 1 bit with each stripe's sum re-quantized (phase 1 through ``all_to_all_single``).
+* ``1 (all-gather a2a)``: the same with phase 1 built from all-gather (the fallback).
 * ``bf16`` / ``fp16``: :class:`dtrain.exchange.CompressedAllReduce` (the all-reduce in 16 bits).
 * ``powersgd rR``: :class:`dtrain.exchange.PowerSGD` at rank R from the first step (the learner's
   ``start_powersgd_iter`` all-reduce phase skipped), the whole gradient as one bucket; bytes are
@@ -106,18 +108,19 @@ def main() -> None:
     seconds = timed(comm, lambda: comm.allreduce(flat.clone(), op="sum"), args.repeats)
     rows.append(("32 (all-reduce)", full_bytes, seconds, 0.0))
 
-    def quantized_row(label: str, bits: int, all_to_all: str = "torch") -> None:
-        first = QuantizedExchange(comm, bits, all_to_all=all_to_all)
+    def quantized_row(label: str, bits: int, all_to_all: str = "torch", requantize_sum: bool | str = "auto") -> None:
+        first = QuantizedExchange(comm, bits, all_to_all=all_to_all, requantize_sum=requantize_sum)
         result = first.allreduce_([gradient.clone() for gradient in gradients])
         error = float((torch.cat([r.reshape(-1) for r in result]) - exact).norm() / exact.norm())
-        exchange = QuantizedExchange(comm, bits, all_to_all=all_to_all)
+        exchange = QuantizedExchange(comm, bits, all_to_all=all_to_all, requantize_sum=requantize_sum)
         seconds = timed(comm, lambda: exchange.allreduce_([gradient.clone() for gradient in gradients]), args.repeats)
         rows.append((label, exchange.bytes_sent_last_step, seconds, error))
 
-    quantized_row("32 (two-phase)", 32)
+    quantized_row("32 (two-phase)", 32, requantize_sum=True)
     for bits in args.bits:
         quantized_row(str(bits), bits)
-    quantized_row("1 (all-gather a2a)", 1, all_to_all="allgather")
+    quantized_row("1 (two phases)", 1, requantize_sum=True)
+    quantized_row("1 (all-gather a2a)", 1, all_to_all="allgather", requantize_sum=True)
 
     shapes = [gradient.shape for gradient in gradients]
 
