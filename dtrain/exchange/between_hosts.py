@@ -94,13 +94,15 @@ class BetweenHosts(ThreadedExchange):
 
     def describe(self) -> str:
         """``1-bit between the 2 host leaders`` and so on (off the leaders without the count)."""
-        count = f" {self.leaders.size}" if self.leaders is not None else ""
-        return f"{self.inner.describe()} between the{count} host leaders"
+        return self._between_leaders(self.inner.describe())
 
     def describe_plan(self) -> str:
         """:meth:`describe` with the wrapped strategy's plan among the host leaders."""
+        return self._between_leaders(self.inner.describe_plan())
+
+    def _between_leaders(self, words: str) -> str:
         count = f" {self.leaders.size}" if self.leaders is not None else ""
-        return f"{self.inner.describe_plan()} between the{count} host leaders"
+        return f"{words} between the{count} host leaders"
 
     # -- the exchange --------------------------------------------------------------------------------
     def exchange_now(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:

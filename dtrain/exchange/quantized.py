@@ -69,6 +69,15 @@ def requantizes_sum(requantize_sum: bool | str, num_workers: int) -> bool:
     return bool(requantize_sum)
 
 
+def restored_requantize_sum(requantize_sum: bool | str, saved: dict[str, Any], num_workers: int) -> bool | None:
+    """How a run resumed from ``saved`` (a :meth:`QuantizedExchange.state_dict`) forms its sums when that differs
+    from the setting's own rule: under ``"auto"`` at the saved world size, as the saved run did (a state from
+    before the setting existed: re-quantized), so the resume continues bit for bit. ``None``: the setting decides."""
+    if requantize_sum != "auto" or saved.get("world_size") != num_workers:
+        return None
+    return bool(saved.get("requantize_sum", True))
+
+
 ALL_TO_ALL_CHOICES = ("auto", "torch", "allgather")
 """How phase 1 travels: ``torch`` (the communicator's ``all_to_all``: ``all_to_all_single`` on a
 torch.distributed one), ``allgather`` (the fallback), ``auto`` (``all_to_all`` when the communicator has one)."""
@@ -147,7 +156,7 @@ class QuantizedExchange(ByteCounters):
         check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback, requantize_sum=requantize_sum)
         self.num_bits = int(num_bits)
         self.requantize_sum_setting = requantize_sum  # as given: "auto" follows a restored run's own (load_state_dict)
-        self.requantize_sum = requantizes_sum(requantize_sum, comm.size)
+        self.requantize_sum = requantizes_sum(requantize_sum, comm.size)  # resolved
         if all_to_all == "auto":
             all_to_all = "torch" if has_native else "allgather"
         self.all_to_all = all_to_all
@@ -306,8 +315,9 @@ class QuantizedExchange(ByteCounters):
         (a checkpoint from before the setting existed: re-quantized), so a resume continues bit for bit.
         Raises ValueError when the saved shapes differ from the tensors this exchange was set up for.
         """
-        if self.requantize_sum_setting == "auto" and state.get("world_size") == self.comm.size:
-            self.requantize_sum = bool(state.get("requantize_sum", True))
+        restored = restored_requantize_sum(self.requantize_sum_setting, state, self.comm.size)
+        if restored is not None:
+            self.requantize_sum = restored
         if state.get("shapes") is None:
             self.worker_residual = self.owner_residual = None
             return
@@ -429,11 +439,10 @@ class Quantized(ThreadedExchange):
     def _exchange_for(self, key: Hashable) -> QuantizedExchange:
         exchange = self._exchanges.get(key)
         if exchange is None:
+            requantize_sum = self.requantize_sum if self.restored_requantize_sum is None else self.restored_requantize_sum
             exchange = self._exchanges[key] = QuantizedExchange(self.comm, self.num_bits,
                                                                 error_feedback=self.error_feedback,
-                                                                requantize_sum=self.requantize_sum)
-            if self.restored_requantize_sum is not None:
-                exchange.requantize_sum = self.restored_requantize_sum
+                                                                requantize_sum=requantize_sum)
         return exchange
 
     def exchange_now(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:
@@ -455,15 +464,15 @@ class Quantized(ThreadedExchange):
         """Restores :meth:`state_dict`'s output (needs ``bind`` first). With error feedback off the
         saved residuals are not used: they are dropped, and a warning says so (rank 0, one line)."""
         saved_keys = state.get("per_key", {})
+        first = next(iter(saved_keys.values()), None)  # decided before any key's exchange is made: all alike
+        if first is not None:
+            self.restored_requantize_sum = restored_requantize_sum(self.requantize_sum, first, self.comm.size)
         if not self.error_feedback:
             if any(saved.get("worker_residual") is not None for saved in saved_keys.values()):
                 warn_residuals_dropped(self, "error_feedback")
             return
         for key, saved in saved_keys.items():
-            exchange = self._exchange_for(key)
-            exchange.load_state_dict(saved)
-            if self.requantize_sum == "auto" and saved.get("world_size") == self.comm.size:
-                self.restored_requantize_sum = exchange.requantize_sum
+            self._exchange_for(key).load_state_dict(saved)
 
     def reset(self) -> None:
         """Forgets every key's residuals (they start again at zero), after any exchange still running."""
@@ -471,4 +480,4 @@ class Quantized(ThreadedExchange):
         self._exchanges.clear()
 
 
-__all__ = ["ALL_TO_ALL_CHOICES", "Quantized", "QuantizedExchange"]
+__all__ = ["ALL_TO_ALL_CHOICES", "Quantized", "QuantizedExchange", "requantizes_sum", "restored_requantize_sum"]
