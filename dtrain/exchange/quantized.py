@@ -421,7 +421,7 @@ class Quantized(ThreadedExchange):
         """``1-bit`` and how the sum is formed on this many workers (re-quantized by each stripe's owner or not)."""
         if self.comm is None or self.comm.size == 1:
             return self.describe()
-        if self._requantizes():
+        if self.requantizes_sums():
             how = "two phases: each stripe's owner re-quantizes the sum"
         else:
             how = "every worker sums every worker's codes"
@@ -430,8 +430,11 @@ class Quantized(ThreadedExchange):
             auto = ", auto, as the checkpoint's run began"
         return f"{self.describe()} ({how}{auto})"
 
-    def _requantizes(self) -> bool:
-        """Whether sums are re-quantized on this job (a restored run's own choice under ``"auto"``)."""
+    def requantizes_sums(self) -> bool:
+        """Whether sums are re-quantized on this job (a restored run's own choice under ``"auto"``); False before
+        ``bind`` or with one worker, where nothing is exchanged."""
+        if self.comm is None or self.comm.size == 1:
+            return False
         if self.restored_requantize_sum is not None:
             return self.restored_requantize_sum
         return requantizes_sum(self.requantize_sum, self.comm.size)

@@ -75,6 +75,9 @@ def training_advice(learner, precision: str = "32") -> str:
         if bits is not None and bits < 32:
             changes.append(f"use more bits ({bits + 1} or more: learner.num_quantization_bits, or learner.exchange.num_bits "
                            f"with learner/exchange=quantized)")
+        if getattr(exchange, "requantizes_sums", lambda: False)():
+            changes.append("sum the workers' codes without re-quantizing them (learner.requantize_sum=false, or "
+                           "learner.exchange.requantize_sum=false with learner/exchange=quantized)")
     elif several and exchange is not None and not getattr(exchange, "lossless", True):
         causes.append(f"gradients compressed by {exchange.describe()}")
         changes.append("exchange them in float32 (learner/exchange=allreduce)")

@@ -47,6 +47,12 @@ def test_each_cause_is_named_only_where_the_run_has_it():
     one_bit = training_advice(learner("quantized", 2, Quantized(1)))
     assert "1-bit gradients started too early" in one_bit and "learner.distributed_after=SAMPLES" in one_bit
     assert "use more bits (2 or more: learner.num_quantization_bits" in one_bit
+    assert "requantize_sum" not in one_bit  # (not bound to a job: nothing is known to be re-quantized)
+    for setting, told in (("auto", False), (True, True)):  # at 2 workers "auto" sums without re-quantizing
+        strategy = Quantized(1, requantize_sum=setting)
+        strategy.bind(SimpleNamespace(size=2))
+        advice = training_advice(learner("quantized", 2, strategy))
+        assert ("sum the workers' codes without re-quantizing them (learner.requantize_sum=false" in advice) is told
     powersgd = training_advice(learner("data_parallel", 2, PowerSGD()))
     assert "gradients compressed by powersgd rank 1" in powersgd and "learner/exchange=allreduce" in powersgd
     assert "bits" not in powersgd and "distributed_after" not in powersgd
