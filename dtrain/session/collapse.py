@@ -10,9 +10,12 @@ below chance (an exponential average at most half of ``ln C``) and has come back
 progress period's mean loss at 90% of ``ln C`` or more); or the final test pass is at chance (loss
 at 90% of ``ln C`` or more, accuracy at most ``2 / C``) after that fall, or, after 20 minibatches or
 more and with the training loss back at chance too, after a smaller fall (to 85% of ``ln C``) or a
-divergence (to 150% of it, half of ``ln C`` above where it started). What is told in the summary
+divergence (to 150% of it, half of ``ln C`` above where it started); or the final test loss is
+at 90% of ``ln C`` or more at any accuracy after the training loss had fallen to 85% of ``ln C``
+and then ended at twice its lowest or more. What is told in the summary
 instead of refused: a test at chance after a loss that never left chance (a smoke run of a few
-minibatches is one), a model that does not generalise, and a loss that ends at twice its best.
+minibatches is one), a model that does not generalise, and a loss that ends at twice its best
+with a test loss below 90% of ``ln C``.
 
 Only classification is watched: a 2-D output of C >= 2 columns, integer class labels and a loss
 that gives a uniform prediction ``ln C`` (cross-entropy), or a sequence of class ids per step
@@ -44,7 +47,11 @@ LEARNED_FRACTION = 0.85
 #: loss starts above ln C, e.g. a ResNet's, and falls from there has not)
 DIVERGED_FRACTION = 1.5
 DIVERGED_RISE = 0.5
-#: those two end-of-run rules need this many minibatches (a smoke run of a few is judged only by the
+#: a final test loss at this fraction of ln C or more (chance's loss), whatever the accuracy, after the training
+#: loss had learned (LEARNED_FRACTION) and then rose at the end (RISE_FACTOR, RISE_FRACTION): training diverged
+#: before it ended, and the run is refused rather than warned about
+UNSTABLE_TEST_FRACTION = CHANCE_FRACTION
+#: those end-of-run rules need this many minibatches (a smoke run of a few is judged only by the
 #: fall to half of ln C)
 END_RULES_MINIBATCHES = 20
 #: weight of the newest minibatch in the running average (about 20 minibatches) when minibatches are small
@@ -245,17 +252,23 @@ class CollapseWatch:
         record = self.record(comm)  # on every rank alike (a collective), before any rank may decline
         if record.minibatches < END_RULES_MINIBATCHES:
             return None
-        lowest, final = record.lowest, record.final  # (the lowest running average or progress period's mean)
-        if final >= RISE_FACTOR * lowest and final >= lowest + RISE_FRACTION * self.chance_loss:
-            return final, lowest
-        return None
+        return (record.final, record.lowest) if self._rose_at_the_end(record) else None
+
+    def _rose_at_the_end(self, record: LossRecord) -> bool:
+        """Whether the running average ended at twice its lowest (or progress period's mean) or more, and a
+        quarter of ``ln C`` above it, after 20 minibatches or more."""
+        lowest, final = record.lowest, record.final
+        return (record.minibatches >= END_RULES_MINIBATCHES and final >= RISE_FACTOR * lowest
+                and final >= lowest + RISE_FRACTION * self.chance_loss)
 
     def judge_evaluation(self, loss: float, accuracy: float | None, comm) -> str | None:
-        """How a final evaluation (the test pass) stands against chance: ``None`` when it is not at chance
-        (or the task is not judged); else ``"fallen"`` or ``"diverged"`` when the running training loss
+        """How a final evaluation (the test pass) stands against chance: ``None`` when it is neither at chance
+        nor unstable (or the task is not judged); else ``"fallen"`` or ``"diverged"`` when the running training loss
         had left chance (at most half of ``ln C``; or, after 20 minibatches or more and with the running
         average back at 90% of ``ln C`` at the end, at most 85% of it, or at least 150% of it and half of it
-        above the first minibatch's loss: the run is refused); ``"only_training"`` when the training loss fell
+        above the first minibatch's loss: the run is refused); else ``"unstable"`` when its loss is at 90% of
+        ``ln C`` or more (at any accuracy) after the training loss had fallen to 85% of ``ln C`` and
+        then rose at the end (:meth:`rise_at_the_end`; refused too); ``"only_training"`` when the training loss fell
         that far but does not end at chance (the model does not generalise), or ``"never_learned"`` (both
         told as a warning). At chance: a mean loss of 90% of ``ln C`` or more and
         an accuracy of at most ``2 / C`` (a collapsed model predicts one class, whose share of an
@@ -264,26 +277,32 @@ class CollapseWatch:
         if not self.watching(comm) or not (math.isfinite(loss) and (accuracy is None or math.isfinite(accuracy))):
             return None
         record = self.record(comm)
+        # chance's loss after the training loss learned and then rose: refused at any accuracy
+        unstable = (loss >= UNSTABLE_TEST_FRACTION * self.chance_loss
+                    and record.lowest <= LEARNED_FRACTION * self.chance_loss and self._rose_at_the_end(record))
         at_chance = loss >= CHANCE_FRACTION * self.chance_loss and (accuracy is None
                                                                       or accuracy <= 2.0 / self.num_classes)
+        if at_chance:
+            if record.lowest <= FALLEN_FRACTION * self.chance_loss:
+                return "fallen"
+            # the rules for a smaller fall or a divergence ask more: enough minibatches, and the training loss
+            # itself back at chance at the end (a hard task that overfits ends low on training data)
+            if record.minibatches >= END_RULES_MINIBATCHES and record.final >= CHANCE_FRACTION * self.chance_loss:
+                if record.lowest <= LEARNED_FRACTION * self.chance_loss:
+                    return "fallen"
+                if (record.highest >= DIVERGED_FRACTION * self.chance_loss
+                        and record.highest >= record.first + DIVERGED_RISE * self.chance_loss):
+                    return "diverged"
+        if unstable:
+            return "unstable"
         if not at_chance:
             return None
-        if record.lowest <= FALLEN_FRACTION * self.chance_loss:
-            return "fallen"
-        # the rules for a smaller fall or a divergence ask more: enough minibatches, and the training loss
-        # itself back at chance at the end (a hard task that overfits ends low on training data)
-        if record.minibatches >= END_RULES_MINIBATCHES and record.final >= CHANCE_FRACTION * self.chance_loss:
-            if record.lowest <= LEARNED_FRACTION * self.chance_loss:
-                return "fallen"
-            if (record.highest >= DIVERGED_FRACTION * self.chance_loss
-                    and record.highest >= record.first + DIVERGED_RISE * self.chance_loss):
-                return "diverged"
         return "only_training" if record.lowest <= LEARNED_FRACTION * self.chance_loss else "never_learned"
 
     def evaluation_collapsed(self, loss: float, accuracy: float | None, comm) -> bool:
         """Whether a final evaluation is at chance after the training loss had left it (see
         :meth:`judge_evaluation`). A collective when several ranks run."""
-        return self.judge_evaluation(loss, accuracy, comm) in ("fallen", "diverged")
+        return self.judge_evaluation(loss, accuracy, comm) in ("fallen", "diverged", "unstable")
 
 
 __all__ = ["CollapseWatch", "LossRecord", "average_weight", "training_advice"]

@@ -65,6 +65,14 @@ class EvaluationPasses:
                     f"warning: {measured} is near {chance}, although the training loss fell to {record.lowest:.4f} and "
                     f"ends at {record.final:.4f}: the model does not generalise (it overfits the training data, or "
                     f"the test data is unlike it)")
+            elif verdict == "unstable":
+                metric = (f"accuracy {100 * test.accuracy:.2f}%" if judged_accuracy is not None else
+                          self._format_metric(test.error, test.details))
+                raise TrainingCollapsed(
+                    f"training became unstable: test loss {test.loss:.4f} ({metric}) is as high as chance's for "
+                    f"{watch.num_classes} classes (90% of ln {watch.num_classes} = {watch.chance_loss:.4f} or more) "
+                    f"after the training loss had fallen to {record.lowest:.4f} and then risen to {record.final:.4f} "
+                    f"(running average) by the end; {self._advice()}")
             else:
                 how = f"fallen to {record.lowest:.4f}" if verdict == "fallen" else f"diverged to {record.highest:.4f}"
                 raise TrainingCollapsed(f"training collapsed: {measured} is {chance} after the training loss "

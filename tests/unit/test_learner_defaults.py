@@ -446,6 +446,46 @@ def test_a_training_loss_that_ends_far_above_its_best_is_noticed(tail, rose):
         assert rise is None
 
 
+@pytest.mark.parametrize("tail, test_loss, accuracy, verdict", [
+    ([1.2] * 100, 4.95, 0.202, "unstable"),     # rose at the end, then a test loss above ln 10 at 20.2%: refused
+    ([1.2] * 100, 2.08, 0.55, "unstable"),      # at 90% of ln 10 and at any accuracy
+    ([1.2] * 100, 4.95, None, "fallen"),        # a sequence model (the loss alone): at chance already
+    ([1.2] * 100, 2.05, 0.30, None),            # rose, but the test loss is below 90% of ln 10: a warning
+    ([0.25] * 100, 4.95, 0.70, None),           # no rise: an overconfident model that overfits is not refused
+    ([2.3] * 100, 2.31, 0.10, "fallen"),        # back at chance: the collapse verdict comes first
+])
+def test_a_test_loss_at_chance_after_the_training_loss_rose_at_the_end_is_refused_at_any_accuracy(
+        tail, test_loss, accuracy, verdict):
+    from dtrain.comm import LocalCommunicator
+
+    watch = _watch_after([2.3] * 20 + [0.2] * 200 + tail)
+    assert watch.judge_evaluation(test_loss, accuracy, LocalCommunicator()) == verdict
+    assert watch.evaluation_collapsed(test_loss, accuracy, LocalCommunicator()) == (verdict is not None)
+
+
+def test_the_unstable_verdict_stops_the_run_with_one_line_naming_the_figures():
+    from types import SimpleNamespace
+
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session import TrainingCollapsed
+    from dtrain.session.evaluate import Evaluation
+    from dtrain.session.evaluations import EvaluationPasses
+
+    session = SimpleNamespace(
+        ema=None, model=None, metric_name="error", comm=LocalCommunicator(), _end_warnings=[],
+        _collapse=_watch_after([2.3] * 20 + [0.2] * 200 + [1.2] * 100), _advice=lambda: "lower optimizer.lr",
+        _test_pass=lambda *args: Evaluation(loss=4.95, error=0.798, num_samples=297, num_minibatches=3))
+    with pytest.raises(TrainingCollapsed) as raised:
+        EvaluationPasses._test(session, None, None, 12000)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "training became unstable: test loss 4.9500 (accuracy 20.20%) is as high as chance's for 10 classes (90% of "
+        "ln 10 = 2.3026 or more) after the training loss had fallen to 0.2001 and then risen to 1.1941 (running "
+        "average) by the end"), message
+    assert message.endswith("; lower optimizer.lr"), message
+
+
 def test_ranks_that_observed_different_numbers_of_minibatches_judge_alike_without_hanging():
     """A rank without samples in some minibatches observes fewer losses; the end-of-run judgements are still
     one collective on every rank, with the fewest minibatches any rank saw (a rank that declined early on
