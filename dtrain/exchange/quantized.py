@@ -21,9 +21,10 @@ With ``requantize_sum=False`` step 3 is left out: every worker all-gathers every
 step 2 (all stripes) and sums the N unquantized copies itself, in rank order, so each value is
 quantized once. That sends ``(N - 1) k`` bits per value against the two phases' ``2 (N - 1) / N k``:
 the same bytes at 2 workers, twice at 4, four times at 8. ``"auto"`` (:func:`requantizes_sum`)
-re-quantizes only beyond 8 workers: the second quantization's error is the size of the whole
-update, not of one worker's share of it, and with momentum it made 1-bit SGD unstable at 2, 4 and 8
-workers (``docs/semantics.md#two-phase-exchange``).
+gathers at 2 workers, and at 1 bit up to 8 workers: a second 1-bit quantization's error is the size
+of the whole update, not of one worker's share of it, and with momentum it made 1-bit SGD unstable at
+2, 4 and 8 workers; at 2 bits or more the second error is a third of a step or less, and the two
+phases' fewer bytes win (``docs/semantics.md#two-phase-exchange``).
 
 What travels for a stripe is one uint8 message: ``lower`` (float32 per column) | ``upper``
 (float32 per column) | the packed codes (``bitpack``).
@@ -55,17 +56,22 @@ from dtrain.exchange.base import (
 from dtrain.exchange.settings import QUANTIZED
 from dtrain.rules import check_settings
 
-#: ``requantize_sum="auto"``: the owner re-quantizes the summed stripe (CNTK's two phases) beyond this many
-#: workers; up to it every worker sums every worker's codes (gathering costs N / 2 times the two phases' bytes:
+#: ``requantize_sum="auto"`` at 1 bit: every worker sums every worker's codes up to this many workers, the owner
+#: re-quantizes the summed stripe (CNTK's two phases) beyond (gathering costs N / 2 times the two phases' bytes:
 #: at 8 workers 1-bit gathered codes still send 8x fewer bytes than a float32 all-reduce, at 64 as many)
 GATHER_UP_TO_WORKERS = 8
 
 
-def requantizes_sum(requantize_sum: bool | str, num_workers: int) -> bool:
-    """Whether the owner of a stripe re-quantizes its sum (CNTK's phase 2): ``requantize_sum`` itself, or
-    for ``"auto"`` only beyond :data:`GATHER_UP_TO_WORKERS` workers."""
+def requantizes_sum(requantize_sum: bool | str, num_workers: int, num_bits: int) -> bool:
+    """Whether the owner of a stripe re-quantizes its sum (CNTK's phase 2): ``requantize_sum`` itself, or for
+    ``"auto"``: never at 2 workers (both forms send the same bytes there, and gathering quantizes once), at 1 bit
+    only beyond :data:`GATHER_UP_TO_WORKERS` workers (a second 1-bit quantization, the size of the whole update,
+    made 1-bit SGD unstable), and at 2 bits or more always (the second error is a third of a step or less and
+    trained as data_parallel did at 4 and 8 workers, for half the bytes or fewer; docs/semantics.md#two-phase-exchange)."""
     if requantize_sum == "auto":
-        return num_workers > GATHER_UP_TO_WORKERS
+        if num_workers <= 2:
+            return False
+        return num_bits > 1 or num_workers > GATHER_UP_TO_WORKERS
     return bool(requantize_sum)
 
 
@@ -156,7 +162,7 @@ class QuantizedExchange(ByteCounters):
         check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback, requantize_sum=requantize_sum)
         self.num_bits = int(num_bits)
         self.requantize_sum_setting = requantize_sum  # as given: "auto" follows a restored run's own (load_state_dict)
-        self.requantize_sum = requantizes_sum(requantize_sum, comm.size)  # resolved
+        self.requantize_sum = requantizes_sum(requantize_sum, comm.size, self.num_bits)  # resolved
         if all_to_all == "auto":
             all_to_all = "torch" if has_native else "allgather"
         self.all_to_all = all_to_all
@@ -377,7 +383,7 @@ class Quantized(ThreadedExchange):
         num_bits: bits per value on the wire, 1 to 32.
         error_feedback: carry each step's quantization error into the next (``False``: ablation).
         requantize_sum: CNTK's phase 2 (the owner of each stripe re-quantizes its sum), or ``False``: every
-            worker sums every worker's codes; ``"auto"``: re-quantize beyond 8 workers only (:func:`requantizes_sum`).
+            worker sums every worker's codes; ``"auto"``: gather at 2 workers and at 1 bit up to 8 (:func:`requantizes_sum`).
 
     Raises:
         ValueError: ``num_bits`` outside 1..32, ``error_feedback`` not a boolean or ``requantize_sum``
@@ -437,7 +443,7 @@ class Quantized(ThreadedExchange):
             return False
         if self.restored_requantize_sum is not None:
             return self.restored_requantize_sum
-        return requantizes_sum(self.requantize_sum, self.comm.size)
+        return requantizes_sum(self.requantize_sum, self.comm.size, self.num_bits)
 
     def _exchange_for(self, key: Hashable) -> QuantizedExchange:
         exchange = self._exchanges.get(key)

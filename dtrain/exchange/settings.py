@@ -28,7 +28,7 @@ class QuantizedExchangeConfig:
     num_bits: int = 1
     error_feedback: StrictBool = True
     requantize_sum: Any = "auto"        # true: CNTK's two phases; false: every worker sums every worker's codes;
-    #                                     auto: false up to 8 workers (docs/semantics.md#two-phase-exchange)
+    #                                     auto: false at 2 workers and at 1 bit up to 8 (docs/semantics.md#two-phase-exchange)
 
 
 @dataclass

@@ -360,8 +360,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
     Each rank back-propagates the mean loss over its ``local_samples``; every gradient bucket is
     scaled by ``local_samples / global_samples`` (so the SUM over ranks is the gradient of the
     mean loss over the global minibatch, dtrain's convention) and summed over ranks through the
-    k-bit exchange (every rank summing every rank's codes up to 8 ranks, CNTK's two phases beyond:
-    ``requantize_sum``) on a background thread while backward goes on. All ranks decode the same
+    k-bit exchange (every rank summing every rank's codes at 2 ranks and at 1 bit up to 8, CNTK's two
+    phases otherwise: ``requantize_sum``) on a background thread while backward goes on. All ranks decode the same
     bytes, so their parameters stay bit-identical.
 
     Warm start: while ``samples_seen < distributed_after`` the gradients are all-reduced in
@@ -380,8 +380,8 @@ class QuantizedDataParallelLearner(DataParallelLearner):
             all-reduce for 32).
         error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
         requantize_sum: CNTK's second phase, in which the owner of each stripe re-quantizes the sum; ``False``:
-            every rank sums every rank's codes; ``"auto"`` (the default): re-quantize beyond 8 workers only
-            (:func:`dtrain.exchange.quantized.requantizes_sum`).
+            every rank sums every rank's codes; ``"auto"`` (the default): sum every rank's codes at 2 ranks and
+            at 1 bit up to 8, re-quantize otherwise (:func:`dtrain.exchange.quantized.requantizes_sum`).
         bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
         warm_start_mode: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
         warm_start: the old spelling of ``warm_start_mode`` (an alias).
@@ -449,7 +449,8 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         freeze_variance: with an Adam-family optimizer and a lossy exchange, hold its variance where the
             warm start left it (1-bit Adam's rule); ``"auto"`` (default): for k-bit gradients only.
         requantize_sum: k-bit only: the owner of each stripe re-quantizes the summed stripe (CNTK's two
-            phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): beyond 8 workers only.
+            phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): re-quantize beyond 2
+            ranks at 2 bits or more and beyond 8 ranks at 1 bit.
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.

@@ -40,7 +40,7 @@ class DataParallelLearnerConfig:
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
     warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
     freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: k-bit only
-    requantize_sum: Any = "auto"        # k-bit only: CNTK's owner re-quantization of the sum; auto: beyond 8 workers
+    requantize_sum: Any = "auto"        # k-bit: CNTK's re-quantized sum; auto: beyond 8 workers at 1 bit, 2 at 2+ bits
 
 
 @dataclass

@@ -108,8 +108,8 @@ class Reference:
     def __init__(self, case: str, learner, size: int) -> None:
         self.case, self.learner, self.size = case, learner, size
         self.hosts = host_ranks(size)
-        # the hosts' exchange forms its sums as "auto" does for this many hosts
-        requantize = requantizes_sum("auto", len(self.hosts))
+        # the hosts' 1-bit exchange forms its sums as "auto" does for this many hosts
+        requantize = requantizes_sum("auto", len(self.hosts), 1)
         self.quantized = [ReferenceExchange(StripeLayout([tuple(s) for s in bucket.shapes], len(self.hosts)), 1,
                                             requantize) for bucket in learner.buckets]
         self.powersgd = [strategy(case) for _ in self.hosts]  # the flat strategy on the "hosts" (threads)

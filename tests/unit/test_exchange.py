@@ -454,19 +454,23 @@ def test_freeze_variance_that_is_not_a_switch_is_refused_in_one_line():
 # -- whether the owner re-quantizes the sum -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workers, requantized", [(2, False), (4, False), (8, False), (9, True), (16, True)])
-def test_the_sum_is_requantized_by_default_only_beyond_eight_workers(workers, requantized):
+@pytest.mark.parametrize("bits, workers, requantized", [
+    (1, 2, False), (1, 4, False), (1, 8, False), (1, 9, True), (1, 16, True),  # 1 bit: gathered up to 8 workers
+    (2, 2, False), (2, 3, True), (2, 4, True), (8, 4, True), (32, 2, False), (32, 8, True),  # 2+: beyond 2
+])
+def test_auto_requantizes_the_sum_beyond_eight_workers_at_one_bit_and_beyond_two_at_more_bits(bits, workers,
+                                                                                             requantized):
     from dtrain.exchange.quantized import requantizes_sum
 
-    assert requantizes_sum("auto", workers) is requantized
-    assert requantizes_sum(True, 2) is True and requantizes_sum(False, 8) is False
+    assert requantizes_sum("auto", workers, bits) is requantized
+    assert requantizes_sum(True, 2, 1) is True and requantizes_sum(False, 8, 4) is False
 
 
 def test_the_start_up_line_says_how_the_sum_is_formed():
     from dtrain.exchange import Quantized
 
-    def describe(comm, requantize_sum="auto"):
-        strategy = Quantized(1, requantize_sum=requantize_sum)
+    def describe(comm, requantize_sum="auto", bits=1):
+        strategy = Quantized(bits, requantize_sum=requantize_sum)
         strategy.bind(comm)
         return strategy.describe_plan()
 
@@ -474,6 +478,8 @@ def test_the_start_up_line_says_how_the_sum_is_formed():
     assert FakeWorld(2).run(lambda comm: describe(comm, True))[0] == \
         "1-bit (two phases: each stripe's owner re-quantizes the sum)"
     assert FakeWorld(9).run(describe)[0] == "1-bit (two phases: each stripe's owner re-quantizes the sum, auto)"
+    assert FakeWorld(4).run(lambda comm: describe(comm, bits=4))[0] == \
+        "4-bit (two phases: each stripe's owner re-quantizes the sum, auto)"
     assert describe(LocalCommunicator()) == "1-bit"
 
 
