@@ -230,7 +230,8 @@ def _train_epoch(comm, kind: str, samples: int, block_size: int) -> dict:
     split = {}
     if kind.startswith("quantized"):  # the 1-bit exchange's compute vs wire of its last step
         split = {"exchange_compute_s": learner.exchange.compute_seconds_last_step,
-                 "exchange_transport_s": learner.exchange.transport_seconds_last_step}
+                 "exchange_transport_s": learner.exchange.transport_seconds_last_step,
+                 "messages_per_step": 2 if learner.exchange.requantizes_sums() else 1}  # per peer, on 2 ranks
     warm = -(-getattr(learner, "distributed_after", 0) // GLOBAL_MINIBATCH)
     float32_warm = getattr(learner, "warm_start_exchange", None) is not None
     return {"seconds": max(comm.allgather_object(result.seconds)), "minibatches": result.minibatches,
@@ -339,14 +340,15 @@ def epoch_model_seconds(row: dict, step: dict, bits_per_s: float, alpha: float, 
     if row["learner"] == "data_parallel":
         communication = row["minibatches"] * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
     elif row["learner"].startswith("quantized") and row.get("bytes_sent_per_step"):
-        # the float32 warm start's all-reduces, then two phases per step (reduce-scatter, then
-        # all-gather of packed bits): 2(N-1) messages
+        # the float32 warm start's all-reduces, then per step one all-gather of every rank's packed bits
+        # (N - 1 messages), or CNTK's two phases (reduce-scatter, all-gather: 2(N - 1)) where sums are re-quantized
         warm = min(row.get("warm_start_minibatches", 0), row["minibatches"])
         local = min(row.get("local_warm_start_minibatches", 0), row["minibatches"])  # each rank computes 2 shares
         communication = (warm * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
                          + local * row["local_seconds"] / row["minibatches"]
                          + (row["minibatches"] - warm - local)
-                         * (transfer_seconds(row["bytes_sent_per_step"], bits_per_s) + 2 * alpha))
+                         * (transfer_seconds(row["bytes_sent_per_step"], bits_per_s)
+                            + row.get("messages_per_step", 2) * alpha))
     elif row["learner"] == "block_momentum":
         communication = samples // block_size * ring_allreduce_seconds(gradient_bytes, 2, bits_per_s, alpha)
     else:
