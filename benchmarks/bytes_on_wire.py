@@ -14,8 +14,8 @@ minibatch. Rows:
 * ``32 (two-phase)``: the quantized exchange in its lossless 32-bit mode, CNTK's two phases: measured
   bytes, which should match the line above plus 8 bytes per column of scales.
 * ``k``: ``QuantizedExchange`` at k bits with its default (on 2 ranks, and at 1 bit up to 8, every
-  rank's codes all-gathered and summed by every rank, CNTK's two phases otherwise); bytes are what this rank hands
-  to the transport, measured by the exchange.
+  rank's codes all-gathered and summed by every rank, two phases otherwise, at 1 bit with the sum at
+  2 bits); bytes are what this rank hands to the transport, measured by the exchange.
 * ``1 (two phases)``: 1 bit with each stripe's sum re-quantized (phase 1 through ``all_to_all_single``).
 * ``1 (all-gather a2a)``: the same with phase 1 built from all-gather (the fallback).
 * ``bf16`` / ``fp16``: :class:`dtrain.exchange.CompressedAllReduce` (the all-reduce in 16 bits).

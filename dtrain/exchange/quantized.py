@@ -20,11 +20,12 @@ data (``docs/semantics.md#two-phase-exchange``):
 With ``requantize_sum=False`` step 3 is left out: every worker all-gathers every worker's codes of
 step 2 (all stripes) and sums the N unquantized copies itself, in rank order, so each value is
 quantized once. That sends ``(N - 1) k`` bits per value against the two phases' ``2 (N - 1) / N k``:
-the same bytes at 2 workers, twice at 4, four times at 8. ``"auto"`` (:func:`requantizes_sum`)
+the same bytes at 2 workers, twice at 4, four times at 8. ``"auto"`` (:func:`sum_form`)
 gathers at 2 workers, and at 1 bit up to 8 workers: a second 1-bit quantization's error is the size
 of the whole update, not of one worker's share of it, and with momentum it made 1-bit SGD unstable at
-2, 4 and 8 workers; at 2 bits or more the second error is a third of a step or less, and the two
-phases' fewer bytes win (``docs/semantics.md#two-phase-exchange``).
+2, 4 and 8 workers. Beyond 8 at 1 bit the owner re-quantizes the sum at 2 bits (``owner_bits``:
+``3 (N - 1) / N`` bits per value, flat in N); at 2 bits or more the second error is a third of a step
+or less, and CNTK's two phases' fewer bytes win (``docs/semantics.md#two-phase-exchange``).
 
 What travels for a stripe is one uint8 message: ``lower`` (float32 per column) | ``upper``
 (float32 per column) | the packed codes (``bitpack``).
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,31 +58,55 @@ from dtrain.exchange.settings import QUANTIZED
 from dtrain.rules import check_settings
 
 #: ``requantize_sum="auto"`` at 1 bit: every worker sums every worker's codes up to this many workers, the owner
-#: re-quantizes the summed stripe (CNTK's two phases) beyond (gathering costs N / 2 times the two phases' bytes:
+#: re-quantizes the summed stripe (two phases) beyond (gathering costs N / 2 times the two phases' bytes:
 #: at 8 workers 1-bit gathered codes still send 8x fewer bytes than a float32 all-reduce, at 64 as many)
 GATHER_UP_TO_WORKERS = 8
+#: ``requantize_sum="auto"`` at 1 bit beyond GATHER_UP_TO_WORKERS: the bits of the owner's re-quantized sum (a
+#: second 1-bit quantization made 1-bit SGD unstable; at 2 bits its error is a third of a step or less)
+AUTO_OWNER_BITS = 2
+
+
+class SumForm(NamedTuple):
+    """How a k-bit exchange forms its sums: each stripe's owner re-quantizes the summed stripe at ``owner_bits``
+    (two phases), or, with ``requantize`` False, every worker sums every worker's codes."""
+
+    requantize: bool
+    owner_bits: int
+
+
+def sum_form(requantize_sum: bool | str, num_workers: int, num_bits: int) -> SumForm:
+    """How the sums are formed for the setting ``requantize_sum`` on ``num_workers`` at ``num_bits``: ``True`` is
+    CNTK's two phases (the owner re-quantizes at ``num_bits``), ``False`` gathers. ``"auto"``: gathered on 2
+    workers (both forms send the same bytes there, and gathering quantizes once) and at 1 bit up to
+    :data:`GATHER_UP_TO_WORKERS` workers (a second 1-bit quantization, the size of the whole update, made 1-bit
+    SGD unstable); beyond that at 1 bit, two phases with the sum re-quantized at :data:`AUTO_OWNER_BITS` bits;
+    at 2 bits or more, CNTK's two phases (the second error is a third of a step or less, and they trained as
+    data_parallel did at 4 and 8 workers, for half the bytes or fewer; docs/semantics.md#two-phase-exchange)."""
+    if requantize_sum == "auto":
+        if num_workers <= 2:
+            return SumForm(False, num_bits)
+        if num_bits == 1:
+            return SumForm(True, AUTO_OWNER_BITS) if num_workers > GATHER_UP_TO_WORKERS else SumForm(False, 1)
+        return SumForm(True, num_bits)
+    return SumForm(bool(requantize_sum), num_bits)
 
 
 def requantizes_sum(requantize_sum: bool | str, num_workers: int, num_bits: int) -> bool:
-    """Whether the owner of a stripe re-quantizes its sum (CNTK's phase 2): ``requantize_sum`` itself, or for
-    ``"auto"``: never at 2 workers (both forms send the same bytes there, and gathering quantizes once), at 1 bit
-    only beyond :data:`GATHER_UP_TO_WORKERS` workers (a second 1-bit quantization, the size of the whole update,
-    made 1-bit SGD unstable), and at 2 bits or more always (the second error is a third of a step or less and
-    trained as data_parallel did at 4 and 8 workers, for half the bytes or fewer; docs/semantics.md#two-phase-exchange)."""
-    if requantize_sum == "auto":
-        if num_workers <= 2:
-            return False
-        return num_bits > 1 or num_workers > GATHER_UP_TO_WORKERS
-    return bool(requantize_sum)
+    """Whether the owner of a stripe re-quantizes its sum (see :func:`sum_form`)."""
+    return sum_form(requantize_sum, num_workers, num_bits).requantize
 
 
-def restored_requantize_sum(requantize_sum: bool | str, saved: dict[str, Any], num_workers: int) -> bool | None:
+def restored_sum_form(requantize_sum: bool | str, saved: dict[str, Any], num_workers: int,
+                      num_bits: int) -> SumForm | None:
     """How a run resumed from ``saved`` (a :meth:`QuantizedExchange.state_dict`) forms its sums when that differs
-    from the setting's own rule: under ``"auto"`` at the saved world size, as the saved run did (a state from
-    before the setting existed: re-quantized), so the resume continues bit for bit. ``None``: the setting decides."""
-    if requantize_sum != "auto" or saved.get("world_size") != num_workers:
+    from the setting's own rule: under ``"auto"`` at the saved world size and bits, as the saved run did (a state
+    from before the setting existed: re-quantized at its own bits), so the resume continues bit for bit.
+    ``None``: the setting decides."""
+    if (requantize_sum != "auto" or saved.get("world_size") != num_workers
+            or saved.get("num_bits", num_bits) != num_bits):
         return None
-    return bool(saved.get("requantize_sum", True))
+    form = SumForm(bool(saved.get("requantize_sum", True)), int(saved.get("owner_bits", num_bits)))
+    return None if form == sum_form(requantize_sum, num_workers, num_bits) else form
 
 
 ALL_TO_ALL_CHOICES = ("auto", "torch", "allgather")
@@ -142,15 +167,17 @@ class QuantizedExchange(ByteCounters):
             ``False`` drops it, to show what error feedback is worth.
         requantize_sum: the owner of each stripe re-quantizes the sum (CNTK's phase 2, with the owner
             residual); ``False``: every rank sums every rank's codes (no second quantization, ``N / 2``
-            times the bytes); ``"auto"``: :func:`requantizes_sum`.
+            times the bytes); ``"auto"``: :func:`sum_form`.
+        owner_bits: the bits of the owner's re-quantized sum; ``None``: as ``requantize_sum`` resolves
+            (``num_bits``, but for ``"auto"`` at 1 bit beyond 8 workers).
 
     Raises:
-        ValueError: ``num_bits`` outside 1..32, an unknown ``all_to_all``, ``torch`` without a
+        ValueError: ``num_bits`` or ``owner_bits`` outside 1..32, an unknown ``all_to_all``, ``torch`` without a
             torch.distributed communicator, or ``requantize_sum`` neither a boolean nor ``"auto"``.
     """
 
     def __init__(self, comm, num_bits: int, all_to_all: str = "auto", error_feedback: bool = True,
-                 requantize_sum: bool | str = "auto"):
+                 requantize_sum: bool | str = "auto", owner_bits: int | None = None):
         if all_to_all not in ALL_TO_ALL_CHOICES:
             raise ValueError(f"all_to_all={all_to_all!r} is not one of {', '.join(ALL_TO_ALL_CHOICES)}")
         has_native = getattr(comm, "native_all_to_all", False)
@@ -162,7 +189,12 @@ class QuantizedExchange(ByteCounters):
         check_settings(QUANTIZED, num_bits=num_bits, error_feedback=error_feedback, requantize_sum=requantize_sum)
         self.num_bits = int(num_bits)
         self.requantize_sum_setting = requantize_sum  # as given: "auto" follows a restored run's own (load_state_dict)
-        self.requantize_sum = requantizes_sum(requantize_sum, comm.size, self.num_bits)  # resolved
+        form = sum_form(requantize_sum, comm.size, self.num_bits)
+        if owner_bits is not None:
+            if isinstance(owner_bits, bool) or not isinstance(owner_bits, int) or not 1 <= owner_bits <= 32:
+                raise ValueError(f"owner_bits={owner_bits!r}: expected an integer from 1 to 32")
+            form = form._replace(owner_bits=owner_bits)
+        self.requantize_sum, self.owner_bits = form  # resolved (owner_bits: of phase 2, when there is one)
         if all_to_all == "auto":
             all_to_all = "torch" if has_native else "allgather"
         self.all_to_all = all_to_all
@@ -240,21 +272,21 @@ class QuantizedExchange(ByteCounters):
             received, sent_phase1 = _all_to_all_allgather(self.comm, sends, [sizes] * size)
         transport = time.perf_counter() - transport_started
 
-        # the owner: sum the N quantized copies of its stripe, re-quantize with the owner residual
-        own = layout.stripe(rank)
+        # the owner: sum the N quantized copies of its stripe, re-quantize (at owner_bits) with the owner residual
+        own, owner_bits = layout.stripe(rank), self.owner_bits
         total = workspace.take("total", own.numel, flat.dtype, flat.device).zero_()
         for message in received:
             total += dequantize(decode_message(message, own, bits), own, dtype=flat.dtype, workspace=workspace)
-        summed = encode_message(quantize_with_feedback(total, self.owner_residual, own, bits, workspace))
+        summed = encode_message(quantize_with_feedback(total, self.owner_residual, own, owner_bits, workspace))
 
         # phase 2: every owner's summed stripe to everyone; all ranks decode the same bytes
         transport_started = time.perf_counter()
-        gathered, sent_phase2 = _all_gather_padded(self.comm, summed, sizes)
+        gathered, sent_phase2 = _all_gather_padded(self.comm, summed, layout.message_sizes(owner_bits))
         transport += time.perf_counter() - transport_started
         for stripe, message in enumerate(gathered):
             start, end = layout.stripe_values[stripe]
             part = layout.stripe(stripe)
-            dequantize(decode_message(message, part, bits), part, dtype=flat.dtype, out=result[start:end])
+            dequantize(decode_message(message, part, owner_bits), part, dtype=flat.dtype, out=result[start:end])
 
         return self._finish(sent_phase1 + sent_phase2, transport, started, result)
 
@@ -300,7 +332,7 @@ class QuantizedExchange(ByteCounters):
         Before the first exchange both are None.
         """
         state: dict[str, Any] = {"num_bits": self.num_bits, "world_size": self.comm.size, "rank": self.comm.rank,
-                                 "requantize_sum": self.requantize_sum,
+                                 "requantize_sum": self.requantize_sum, "owner_bits": self.owner_bits,
                                  "shapes": None, "worker_residual": None, "owner_residual": None}
         if self.layout is None or self.worker_residual is None:
             return state
@@ -321,9 +353,9 @@ class QuantizedExchange(ByteCounters):
         (a checkpoint from before the setting existed: re-quantized), so a resume continues bit for bit.
         Raises ValueError when the saved shapes differ from the tensors this exchange was set up for.
         """
-        restored = restored_requantize_sum(self.requantize_sum_setting, state, self.comm.size)
+        restored = restored_sum_form(self.requantize_sum_setting, state, self.comm.size, self.num_bits)
         if restored is not None:
-            self.requantize_sum = restored
+            self.requantize_sum, self.owner_bits = restored
         if state.get("shapes") is None:
             self.worker_residual = self.owner_residual = None
             return
@@ -383,7 +415,7 @@ class Quantized(ThreadedExchange):
         num_bits: bits per value on the wire, 1 to 32.
         error_feedback: carry each step's quantization error into the next (``False``: ablation).
         requantize_sum: CNTK's phase 2 (the owner of each stripe re-quantizes its sum), or ``False``: every
-            worker sums every worker's codes; ``"auto"``: gather at 2 workers and at 1 bit up to 8 (:func:`requantizes_sum`).
+            worker sums every worker's codes; ``"auto"``: gather at 2 workers and at 1 bit up to 8 (:func:`sum_form`).
 
     Raises:
         ValueError: ``num_bits`` outside 1..32, ``error_feedback`` not a boolean or ``requantize_sum``
@@ -399,7 +431,7 @@ class Quantized(ThreadedExchange):
         self.num_bits = int(num_bits)
         self.error_feedback = bool(error_feedback)
         self.requantize_sum = requantize_sum  # True, False or "auto" (resolved against the communicator's size)
-        self.restored_requantize_sum: bool | None = None  # "auto" as a restored run began (load_state_dict)
+        self.restored_sum_form: SumForm | None = None  # "auto" as a restored run began (load_state_dict)
         self._exchanges: dict[Hashable, QuantizedExchange] = {}
         self.seconds_last_step = 0.0  # wall-clock seconds of this step's exchanges (on the worker thread)
         self.transport_seconds_last_step = 0.0  # ... of which in their collectives (waiting for peers included)
@@ -427,31 +459,39 @@ class Quantized(ThreadedExchange):
         """``1-bit`` and how the sum is formed on this many workers (re-quantized by each stripe's owner or not)."""
         if self.comm is None or self.comm.size == 1:
             return self.describe()
-        if self.requantizes_sums():
+        form = self.sum_form()
+        if form.requantize:
             how = "two phases: each stripe's owner re-quantizes the sum"
+            if form.owner_bits != self.num_bits:
+                how += f" at {form.owner_bits} bits"
         else:
             how = "every worker sums every worker's codes"
         auto = ", auto" if self.requantize_sum == "auto" else ""
-        if self.restored_requantize_sum is not None:
+        if self.restored_sum_form is not None:
             auto = ", auto, as the checkpoint's run began"
         return f"{self.describe()} ({how}{auto})"
 
-    def requantizes_sums(self) -> bool:
-        """Whether sums are re-quantized on this job (a restored run's own choice under ``"auto"``); False before
-        ``bind`` or with one worker, where nothing is exchanged."""
+    def sum_form(self) -> SumForm:
+        """How sums are formed on this job (a restored run's own form under ``"auto"``); gathered before ``bind``
+        or with one worker, where nothing is exchanged."""
         if self.comm is None or self.comm.size == 1:
-            return False
-        if self.restored_requantize_sum is not None:
-            return self.restored_requantize_sum
-        return requantizes_sum(self.requantize_sum, self.comm.size, self.num_bits)
+            return SumForm(False, self.num_bits)
+        if self.restored_sum_form is not None:
+            return self.restored_sum_form
+        return sum_form(self.requantize_sum, self.comm.size, self.num_bits)
+
+    def requantizes_sums(self) -> bool:
+        """Whether sums are re-quantized on this job (see :meth:`sum_form`)."""
+        return self.sum_form().requantize
 
     def _exchange_for(self, key: Hashable) -> QuantizedExchange:
         exchange = self._exchanges.get(key)
         if exchange is None:
-            requantize_sum = self.requantize_sum if self.restored_requantize_sum is None else self.restored_requantize_sum
-            exchange = self._exchanges[key] = QuantizedExchange(self.comm, self.num_bits,
-                                                                error_feedback=self.error_feedback,
-                                                                requantize_sum=requantize_sum)
+            form = self.restored_sum_form
+            exchange = self._exchanges[key] = QuantizedExchange(
+                self.comm, self.num_bits, error_feedback=self.error_feedback,
+                requantize_sum=self.requantize_sum if form is None else form.requantize,
+                owner_bits=None if form is None else form.owner_bits)
         return exchange
 
     def exchange_now(self, key: Hashable, flat: torch.Tensor, shapes: list[torch.Size]) -> torch.Tensor:
@@ -475,7 +515,7 @@ class Quantized(ThreadedExchange):
         saved_keys = state.get("per_key", {})
         first = next(iter(saved_keys.values()), None)  # decided before any key's exchange is made: all alike
         if first is not None:
-            self.restored_requantize_sum = restored_requantize_sum(self.requantize_sum, first, self.comm.size)
+            self.restored_sum_form = restored_sum_form(self.requantize_sum, first, self.comm.size, self.num_bits)
         if not self.error_feedback:
             if any(saved.get("worker_residual") is not None for saved in saved_keys.values()):
                 warn_residuals_dropped(self, "error_feedback")
@@ -489,4 +529,5 @@ class Quantized(ThreadedExchange):
         self._exchanges.clear()
 
 
-__all__ = ["ALL_TO_ALL_CHOICES", "Quantized", "QuantizedExchange", "requantizes_sum", "restored_requantize_sum"]
+__all__ = ["ALL_TO_ALL_CHOICES", "Quantized", "QuantizedExchange", "SumForm", "requantizes_sum", "restored_sum_form",
+           "sum_form"]

@@ -381,7 +381,7 @@ class QuantizedDataParallelLearner(DataParallelLearner):
         error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
         requantize_sum: CNTK's second phase, in which the owner of each stripe re-quantizes the sum; ``False``:
             every rank sums every rank's codes; ``"auto"`` (the default): sum every rank's codes at 2 ranks and
-            at 1 bit up to 8, re-quantize otherwise (:func:`dtrain.exchange.quantized.requantizes_sum`).
+            at 1 bit up to 8, re-quantize otherwise (at 1 bit, to 2 bits: :func:`dtrain.exchange.quantized.sum_form`).
         bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
         warm_start_mode: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
         warm_start: the old spelling of ``warm_start_mode`` (an alias).
@@ -450,7 +450,7 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
             warm start left it (1-bit Adam's rule); ``"auto"`` (default): for k-bit gradients only.
         requantize_sum: k-bit only: the owner of each stripe re-quantizes the summed stripe (CNTK's two
             phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): re-quantize beyond 2
-            ranks at 2 bits or more and beyond 8 ranks at 1 bit.
+            ranks at 2 bits or more and beyond 8 ranks at 1 bit (the sum then at 2 bits).
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.

@@ -48,12 +48,15 @@ def check_exchange(comm) -> dict[str, dict[str, int]]:
     """Returns the bytes each way of exchanging sent in its last step, by number of bits."""
     bytes_sent = {}
     # (a single bias is one column: every stripe but rank 0's is empty, so messages of 0 bytes travel)
-    for bits, shapes, requantize in ((1, SHAPES, True), (3, SHAPES, True), (8, SHAPES, True), (2, [(5,)], True),
-                                     (1, SHAPES, False), (2, [(5,)], False)):
+    # (owner bits None: the workers' own; 2 at 1 bit: auto's form beyond 8 workers)
+    for bits, shapes, requantize, owner_bits in (
+            (1, SHAPES, True, None), (3, SHAPES, True, None), (8, SHAPES, True, None), (2, [(5,)], True, None),
+            (1, SHAPES, False, None), (2, [(5,)], False, None), (1, SHAPES, True, 2)):
         layout = StripeLayout(shapes, comm.size)
-        via_torch = QuantizedExchange(comm, bits, all_to_all="torch", requantize_sum=requantize)
-        via_allgather = QuantizedExchange(comm, bits, all_to_all="allgather", requantize_sum=requantize)
-        reference = ReferenceExchange(layout, bits, requantize)
+        via_torch = QuantizedExchange(comm, bits, all_to_all="torch", requantize_sum=requantize, owner_bits=owner_bits)
+        via_allgather = QuantizedExchange(comm, bits, all_to_all="allgather", requantize_sum=requantize,
+                                          owner_bits=owner_bits)
+        reference = ReferenceExchange(layout, bits, requantize, owner_bits)
         for step in range(3):
             # the direct computation, from every rank's gradients (all ranks can make them)
             expected = reference.step([gradients_of(rank, step, shapes) for rank in range(comm.size)])
@@ -65,7 +68,7 @@ def check_exchange(comm) -> dict[str, dict[str, int]]:
                     raise AssertionError(f"{bits}-bit exchange via {exchange.all_to_all} differs from the direct "
                                          f"computation at step {step} by {float((result - expected).abs().max())}")
                 assert_same_on_all_ranks(comm, result, f"{bits}-bit exchange result")
-        if shapes is SHAPES and requantize:
+        if shapes is SHAPES and requantize and owner_bits is None:
             bytes_sent[str(bits)] = {"torch": via_torch.bytes_sent_last_step,
                                      "allgather": via_allgather.bytes_sent_last_step}
         # the fallback sends every message to every rank; all_to_all_single sends each message once

@@ -74,22 +74,29 @@ def test_message_round_trip_and_size(bits):
 # -- the exchange against a direct computation -------------------------------------------------------
 
 
-def reference_exchange(num_workers: int, bits: int, steps: int, requantize_sum: bool = True):
+def reference_exchange(num_workers: int, bits: int, steps: int, requantize_sum: bool = True,
+                       owner_bits: int | None = None):
     """The two phases (or the gathered sum) written out directly on whole buffers: results and final residuals."""
     layout = StripeLayout(SHAPES, num_workers)
-    reference = ReferenceExchange(layout, bits, requantize_sum)
+    reference = ReferenceExchange(layout, bits, requantize_sum, owner_bits)
     results = [reference.step([make_gradients(step, rank) for rank in range(num_workers)]) for step in range(steps)]
     return layout, results, reference.worker_residuals, reference.owner_residuals
 
 
-@pytest.mark.parametrize("requantize_sum", [True, False])
+# CNTK's two phases, the gathered sum, and the two phases with the owner's sum at one bit more (auto beyond 8 at 1 bit)
+SUM_FORMS = [(True, 0), (False, 0), (True, 1)]
+
+
+@pytest.mark.parametrize("requantize_sum, owner_extra_bits", SUM_FORMS)
 @pytest.mark.parametrize("num_workers, bits", [(2, 1), (3, 1), (4, 2), (3, 3), (2, 8)])
-def test_threaded_exchange_equals_the_direct_computation(num_workers, bits, requantize_sum):
+def test_threaded_exchange_equals_the_direct_computation(num_workers, bits, requantize_sum, owner_extra_bits):
     steps = 3
-    layout, expected, worker_residuals, owner_residuals = reference_exchange(num_workers, bits, steps, requantize_sum)
+    owner_bits = bits + owner_extra_bits if owner_extra_bits else None
+    layout, expected, worker_residuals, owner_residuals = reference_exchange(num_workers, bits, steps, requantize_sum,
+                                                                             owner_bits)
 
     def work(comm):
-        exchange = QuantizedExchange(comm, bits, requantize_sum=requantize_sum)
+        exchange = QuantizedExchange(comm, bits, requantize_sum=requantize_sum, owner_bits=owner_bits)
         outputs = []
         for step in range(steps):
             gradients = make_gradients(step, comm.rank)
@@ -105,13 +112,13 @@ def test_threaded_exchange_equals_the_direct_computation(num_workers, bits, requ
         assert torch.equal(exchange.owner_residual, owner_residuals[rank])
 
 
-@pytest.mark.parametrize("requantize_sum", [True, False])
-def test_error_feedback_invariant_across_both_residuals(requantize_sum):
+@pytest.mark.parametrize("requantize_sum, owner_extra_bits", SUM_FORMS)
+def test_error_feedback_invariant_across_both_residuals(requantize_sum, owner_extra_bits):
     """Σ_t result_t + Σ_ranks worker residual + owner residuals == Σ_t Σ_ranks gradient_t."""
     num_workers, steps = 3, 6
 
     def work(comm):
-        exchange = QuantizedExchange(comm, 1, requantize_sum=requantize_sum)
+        exchange = QuantizedExchange(comm, 1, requantize_sum=requantize_sum, owner_bits=1 + owner_extra_bits)
         results, inputs = 0, 0
         for step in range(steps):
             gradients = make_gradients(step, comm.rank)
@@ -142,22 +149,22 @@ def test_thirty_two_bits_is_the_exact_sum_and_scale_applies_before_the_sum():
         torch.testing.assert_close(per_rank[1][index], expected)
 
 
-@pytest.mark.parametrize("requantize_sum", [True, False])
+@pytest.mark.parametrize("requantize_sum, owner_extra_bits", SUM_FORMS)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_bytes_sent_are_counted_and_smaller_than_full_precision(bits, requantize_sum):
+def test_bytes_sent_are_counted_and_smaller_than_full_precision(bits, requantize_sum, owner_extra_bits):
     num_workers = 3
     layout = StripeLayout(SHAPES, num_workers)
-    sizes = layout.message_sizes(bits)
+    sizes, owner_sizes = layout.message_sizes(bits), layout.message_sizes(bits + owner_extra_bits)
 
     def work(comm):
-        exchange = QuantizedExchange(comm, bits, requantize_sum=requantize_sum)
+        exchange = QuantizedExchange(comm, bits, requantize_sum=requantize_sum, owner_bits=bits + owner_extra_bits)
         exchange.allreduce_(make_gradients(0, comm.rank))
         return exchange.bytes_sent_last_step, exchange.full_precision_bytes_last_step, exchange.compression_ratio
 
     for sent, full, ratio in FakeWorld(num_workers).run(work):
         # all-gather fallback for phase 1 (every rank's N messages to everyone), padded all-gather for phase 2;
         # the gathered sum: one all-gather of every rank's N messages
-        phase2 = (num_workers - 1) * max(sizes) if requantize_sum else 0
+        phase2 = (num_workers - 1) * max(owner_sizes) if requantize_sum else 0
         assert sent == (num_workers - 1) * sum(sizes) + phase2
         assert full == full_precision_allreduce_bytes(layout.numel, num_workers) == round(2 * 2 / 3 * 4 * layout.numel)
         assert ratio == pytest.approx(full / sent)
@@ -454,16 +461,68 @@ def test_freeze_variance_that_is_not_a_switch_is_refused_in_one_line():
 # -- whether the owner re-quantizes the sum -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits, workers, requantized", [
-    (1, 2, False), (1, 4, False), (1, 8, False), (1, 9, True), (1, 16, True),  # 1 bit: gathered up to 8 workers
-    (2, 2, False), (2, 3, True), (2, 4, True), (8, 4, True), (32, 2, False), (32, 8, True),  # 2+: beyond 2
+@pytest.mark.parametrize("bits, workers, requantized, owner_bits", [
+    (1, 2, False, 1), (1, 4, False, 1), (1, 8, False, 1),  # 1 bit: gathered up to 8 workers,
+    (1, 9, True, 2), (1, 16, True, 2),                      # beyond, the owner's sum at 2 bits
+    (2, 2, False, 2), (2, 3, True, 2), (2, 4, True, 2), (8, 4, True, 8), (32, 2, False, 32), (32, 8, True, 32),
 ])
-def test_auto_requantizes_the_sum_beyond_eight_workers_at_one_bit_and_beyond_two_at_more_bits(bits, workers,
-                                                                                             requantized):
-    from dtrain.exchange.quantized import requantizes_sum
+def test_auto_forms_the_sum_by_the_number_of_workers_and_bits(bits, workers, requantized, owner_bits):
+    from dtrain.exchange.quantized import SumForm, requantizes_sum, sum_form
 
+    assert sum_form("auto", workers, bits) == SumForm(requantized, owner_bits)
     assert requantizes_sum("auto", workers, bits) is requantized
-    assert requantizes_sum(True, 2, 1) is True and requantizes_sum(False, 8, 4) is False
+    assert sum_form(True, 16, 1) == SumForm(True, 1)  # true is CNTK's exchange: the owner at the workers' bits
+    assert sum_form(False, 16, 4) == SumForm(False, 4)
+
+
+def test_a_restored_run_under_auto_keeps_its_saved_form_only_at_the_same_world_size_and_bits():
+    from dtrain.exchange.quantized import SumForm, restored_sum_form
+
+    old = {"world_size": 16, "num_bits": 1}  # from before either setting: CNTK's two phases at its own bits
+    assert restored_sum_form("auto", old, 16, 1) == SumForm(True, 1)
+    assert restored_sum_form("auto", {**old, "world_size": 4}, 4, 1) == SumForm(True, 1)
+    assert restored_sum_form("auto", old, 8, 1) is None  # another world size: the rule decides
+    assert restored_sum_form("auto", old, 16, 2) is None  # other bits: the rule decides
+    assert restored_sum_form(False, old, 16, 1) is None  # an explicit setting wins
+    today = {"world_size": 16, "num_bits": 1, "requantize_sum": True, "owner_bits": 2}
+    assert restored_sum_form("auto", today, 16, 1) is None  # what the rule gives anyway: nothing to restore
+
+
+def test_beyond_eight_workers_auto_one_bit_sums_are_re_quantized_at_two_bits_and_resume_bit_for_bit():
+    """The strategy at 9 workers under ``auto``: the two phases with the owner's sum at 2 bits, equal to the
+    reference; its state records the form, and a resume continues the uninterrupted run bit for bit."""
+    from dtrain.exchange import Quantized
+
+    workers = 9
+    layout, stripe_major, _, _ = reference_exchange(workers, 1, 4, requantize_sum=True, owner_bits=2)
+    expected = []  # in tensor order, as the strategy's flat bucket holds them
+    for result in stripe_major:
+        tensors = [torch.empty(shape) for shape in SHAPES]
+        layout.unflatten_(result, tensors)
+        expected.append(torch.cat([tensor.reshape(-1) for tensor in tensors]))
+
+    def run(states=None, first_step=0, steps=4):
+        def work(comm):
+            strategy = Quantized(1)
+            strategy.bind(comm)
+            if states is not None:
+                strategy.load_state_dict(copy.deepcopy(states[comm.rank]))
+            outputs = []
+            for step in range(first_step, first_step + steps):
+                flat = torch.cat([g.reshape(-1) for g in make_gradients(step, comm.rank)])
+                strategy.begin_step()
+                strategy.allreduce_("bucket", flat, [torch.Size(shape) for shape in SHAPES])
+                strategy.drain()
+                outputs.append(flat.clone())
+            return strategy.state_dict(), outputs
+        return FakeWorld(workers).run(work)
+
+    uninterrupted = run()
+    assert all(torch.equal(output, reference) for output, reference in zip(uninterrupted[0][1], expected))
+    assert uninterrupted[0][0]["per_key"]["bucket"]["owner_bits"] == 2
+    saved = [state for state, _ in run(steps=2)]
+    resumed = run(saved, first_step=2, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(resumed[3][1], uninterrupted[3][1][2:]))
 
 
 def test_the_start_up_line_says_how_the_sum_is_formed():
@@ -477,7 +536,10 @@ def test_the_start_up_line_says_how_the_sum_is_formed():
     assert FakeWorld(2).run(describe)[0] == "1-bit (every worker sums every worker's codes, auto)"
     assert FakeWorld(2).run(lambda comm: describe(comm, True))[0] == \
         "1-bit (two phases: each stripe's owner re-quantizes the sum)"
-    assert FakeWorld(9).run(describe)[0] == "1-bit (two phases: each stripe's owner re-quantizes the sum, auto)"
+    assert FakeWorld(9).run(describe)[0] == \
+        "1-bit (two phases: each stripe's owner re-quantizes the sum at 2 bits, auto)"
+    assert FakeWorld(9).run(lambda comm: describe(comm, True))[0] == \
+        "1-bit (two phases: each stripe's owner re-quantizes the sum)"
     assert FakeWorld(4).run(lambda comm: describe(comm, bits=4))[0] == \
         "4-bit (two phases: each stripe's owner re-quantizes the sum, auto)"
     assert describe(LocalCommunicator()) == "1-bit"
@@ -541,7 +603,7 @@ def test_a_resumed_run_forms_its_sums_as_it_began_under_auto():
                 state = copy.deepcopy(states[comm.rank])
                 if drop_key:
                     for saved in state["per_key"].values():
-                        del saved["requantize_sum"]
+                        del saved["requantize_sum"], saved["owner_bits"]
                 strategy.load_state_dict(state)
             outputs = []
             for step in range(first_step, first_step + steps):
