@@ -250,8 +250,6 @@ class CollapseWatch:
         if not self.watching(comm):
             return None
         record = self.record(comm)  # on every rank alike (a collective), before any rank may decline
-        if record.minibatches < END_RULES_MINIBATCHES:
-            return None
         return (record.final, record.lowest) if self._rose_at_the_end(record) else None
 
     def _rose_at_the_end(self, record: LossRecord) -> bool:

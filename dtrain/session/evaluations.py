@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dtrain.session.batchnorm_recompute import recompute_batchnorm_statistics
+from dtrain.session.collapse import UNSTABLE_TEST_FRACTION
 from dtrain.session.evaluate import Evaluation, evaluate
 from dtrain.session.metrics import MetricsWriter
 from dtrain.session.results import TrainingCollapsed
@@ -70,7 +71,8 @@ class EvaluationPasses:
                           self._format_metric(test.error, test.details))
                 raise TrainingCollapsed(
                     f"training became unstable: test loss {test.loss:.4f} ({metric}) is as high as chance's for "
-                    f"{watch.num_classes} classes (90% of ln {watch.num_classes} = {watch.chance_loss:.4f} or more) "
+                    f"{watch.num_classes} classes ({UNSTABLE_TEST_FRACTION:.0%} of ln {watch.num_classes} = "
+                    f"{watch.chance_loss:.4f} or more) "
                     f"after the training loss had fallen to {record.lowest:.4f} and then risen to {record.final:.4f} "
                     f"(running average) by the end; {self._advice()}")
             else:
