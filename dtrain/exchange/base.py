@@ -84,6 +84,10 @@ class Exchange(ByteCounters, abc.ABC):
     needs_warm_start: bool = False
     """Whether the learner should start with a full-precision warm start (``distributed_after="auto"``)."""
 
+    holds_adam_variance: bool = False
+    """Whether ``freeze_variance="auto"`` holds an Adam-family optimizer's variance under this strategy: where
+    every value of the sums carries its column's 1-bit magnitude (``dtrain.learners.frozen_variance``)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.comm = None

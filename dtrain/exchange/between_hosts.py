@@ -67,6 +67,11 @@ class BetweenHosts(ThreadedExchange):
         return self.inner.needs_warm_start
 
     @property
+    def holds_adam_variance(self) -> bool:  # type: ignore[override]
+        """The wrapped strategy's among the leaders (off them it sees the host's size: the learner takes rank 0's)."""
+        return self.inner.holds_adam_variance
+
+    @property
     def is_leader(self) -> bool:
         """Whether this rank exchanges its host's sum with the other hosts."""
         return self.leaders is not None

@@ -480,6 +480,15 @@ class Quantized(ThreadedExchange):
             return self.restored_sum_form
         return sum_form(self.requantize_sum, self.comm.size, self.num_bits)
 
+    @property
+    def holds_adam_variance(self) -> bool:  # type: ignore[override]
+        """Whether the sums are 1-bit values (1 bit, gathered or re-quantized at 1 bit): the form under which an
+        Adam-family optimizer's variance is held by default. Sparser sums (2 bits or more, or the 2-bit owner
+        beyond 8 workers at 1 bit: most values at the column's middle level, a few a step away) left Adam's
+        momentum dividing bursts by a variance that never saw them, and the digits recipe with AdamW diverged
+        (``freeze_variance`` in docs/learners.md)."""
+        return self.num_bits == 1 and self.sum_form().owner_bits == 1
+
     def requantizes_sums(self) -> bool:
         """Whether sums are re-quantized on this job (see :meth:`sum_form`)."""
         return self.sum_form().requantize

@@ -85,9 +85,10 @@ class DataParallelLearner(ReplicatedLearner):
         warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias; it is
             not PowerSGD's boolean ``warm_start``).
         freeze_variance: with an Adam-family optimizer (its groups have ``betas``) and a lossy strategy,
-            hold the optimizer's variance (``exp_avg_sq``) where the float32 warm start left it, from the
+            hold the optimizer's bias-corrected variance where the float32 warm start left it, from the
             first step the strategy exchanges (1-bit Adam's rule: :mod:`dtrain.learners.frozen_variance`);
-            ``"auto"`` (the default): for the strategies that ask for a warm start (k-bit), not for
+            ``"auto"`` (the default): where the strategy's sums are 1-bit values
+            (``Exchange.holds_adam_variance``: 1-bit gradients up to 8 workers), not for 2 bits or more,
             PowerSGD, bf16/fp16 or float32; ``True``: for any lossy strategy; ``False``: never.
         overlap_backward: start each bucket's exchange during backward (the default); ``False``
             starts them all after backward, only to measure what the overlap saves.
@@ -115,10 +116,9 @@ class DataParallelLearner(ReplicatedLearner):
         if self.warm_start_exchange is not None:
             self.warm_start_exchange.bind(self.comm)
         self._active = self.exchange     # state: the strategy of this minibatch (the warm start's, or the strategy)
-        #: Adam's variance frozen while the lossy strategy exchanges (``freeze_variance``; "auto": k-bit only)
-        self.freeze_variance = (exchange.needs_warm_start if freeze_variance == AUTO else freeze_variance) \
-            and not exchange.lossless and keeps_variance(optimizer)
+        self.freeze_variance_setting = freeze_variance  # True, False or "auto" (see :attr:`freeze_variance`)
         self.frozen_variance = FrozenVariance(optimizer)
+        self._variance_held: bool | None = None  # state: :attr:`freeze_variance` as rank 0 saw it at the first lossy step
         self.buckets: list[GradientBucket | InPlaceBucket] = []
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
@@ -210,6 +210,23 @@ class DataParallelLearner(ReplicatedLearner):
         if self.comm.size > 1 and not isinstance(self.exchange, AllReduce):
             line += f", gradients exchanged by {self.exchange.describe_plan()}{self._frozen_note()}"
         return line
+
+    @property
+    def freeze_variance(self) -> bool:
+        """Whether Adam's variance is held while the lossy strategy exchanges: ``freeze_variance`` true, or
+        ``"auto"`` where the strategy's sums are 1-bit values (``Exchange.holds_adam_variance``), with an
+        Adam-family optimizer. Evaluated now: a restored run's sum form decides it."""
+        setting = self.freeze_variance_setting
+        wanted = self.exchange.holds_adam_variance if setting == AUTO else setting
+        return bool(wanted) and not self.exchange.lossless and keeps_variance(self.optimizer)
+
+    def _holds_variance(self) -> bool:
+        """:attr:`freeze_variance` as rank 0 sees it, agreed by every rank once (a collective, at the first lossy
+        step): a two-level exchange knows its sums' form on the host leaders only."""
+        if self._variance_held is None:
+            held = self.freeze_variance
+            self._variance_held = bool(self.comm.broadcast_object(held) if self.comm.size > 1 else held)
+        return self._variance_held
 
     def _frozen_note(self) -> str:
         return ", the optimizer's variance frozen from then on" if self.freeze_variance else ""
@@ -307,7 +324,7 @@ class DataParallelLearner(ReplicatedLearner):
         self.bytes_sent_total += self.bytes_sent_last_step
         self._reducing = False
         self.exchange_seconds_last_step = time.perf_counter() - started
-        freezing = self.freeze_variance and self._active is self.exchange
+        freezing = self._active is self.exchange and self._holds_variance()
         if freezing:
             self.frozen_variance.hold()
         self._step_optimizer(gradients_unscaled=True)
@@ -321,7 +338,8 @@ class DataParallelLearner(ReplicatedLearner):
 
     def state_dict(self) -> dict[str, Any]:
         """The replicated state, plus the world size the exchange's per-rank state belongs to."""
-        return {**super().state_dict(), "exchange_world_size": self.comm.size}
+        return {**super().state_dict(), "exchange_world_size": self.comm.size,
+                "frozen_variance": self.frozen_variance.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the replicated state and resets the exchange's per-rank state.
@@ -332,7 +350,9 @@ class DataParallelLearner(ReplicatedLearner):
         """
         super().load_state_dict(state)
         self.exchange.reset()
-        self.frozen_variance.release()  # the optimizer's state is new: the next lossy step holds its variance
+        # the optimizer's state is new: the next lossy step holds its variance, corrected as the saved run's was
+        self.frozen_variance.load_state_dict(state.get("frozen_variance") or {})
+        self._variance_held = None  # decided again: a restored exchange may form its sums as the saved run did
         saved = state.get("exchange_world_size")
         if saved is not None and saved != self.comm.size and self.exchange.stateful \
                 and self.comm.is_main:
@@ -386,7 +406,7 @@ class QuantizedDataParallelLearner(DataParallelLearner):
         warm_start_mode: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
         warm_start: the old spelling of ``warm_start_mode`` (an alias).
         freeze_variance: an Adam-family optimizer's variance frozen at the warm start's end (``"auto"``,
-            the default: on; see :class:`DataParallelLearner`).
+            the default: where the sums are 1-bit values; see :class:`DataParallelLearner`).
 
     Raises:
         ValueError: ``num_quantization_bits`` outside 1..32 or a negative ``distributed_after``.
@@ -447,7 +467,7 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
             own warm start is always local (all-reducing it would be no warm start at all).
         warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias).
         freeze_variance: with an Adam-family optimizer and a lossy exchange, hold its variance where the
-            warm start left it (1-bit Adam's rule); ``"auto"`` (default): for k-bit gradients only.
+            warm start left it (1-bit Adam's rule); ``"auto"`` (default): where the sums are 1-bit values.
         requantize_sum: k-bit only: the owner of each stripe re-quantizes the summed stripe (CNTK's two
             phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): re-quantize beyond 2
             ranks at 2 bits or more and beyond 8 ranks at 1 bit (the sum then at 2 bits).

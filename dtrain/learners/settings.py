@@ -39,7 +39,7 @@ class DataParallelLearnerConfig:
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
     warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
-    freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: k-bit only
+    freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: 1-bit sums only
     requantize_sum: Any = "auto"        # k-bit: CNTK's re-quantized sum; auto: beyond 8 workers at 1 bit, 2 at 2+ bits
 
 
@@ -114,7 +114,7 @@ class TwoLevelDataParallelLearnerConfig:
     exchange: Any = None                # learner/exchange=NAME: the strategy between the host leaders (float32 when unset)
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local
     warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias)
-    freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: k-bit only
+    freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: 1-bit sums only
 
 
 # -- learners

@@ -82,6 +82,8 @@ def training_advice(learner, precision: str = "32") -> str:
         if bits is not None and bits < 32:
             changes.append(f"use more bits ({bits + 1} or more: learner.num_quantization_bits, or learner.exchange.num_bits "
                            f"with learner/exchange=quantized)")
+        if getattr(learner, "freeze_variance", False):
+            changes.append("let the optimizer's variance follow the gradients (learner.freeze_variance=false)")
         if getattr(exchange, "requantizes_sums", lambda: False)():
             changes.append("sum the workers' codes without re-quantizing them (learner.requantize_sum=false, or "
                            "learner.exchange.requantize_sum=false with learner/exchange=quantized)")

@@ -428,25 +428,43 @@ def test_a_resumed_job_holds_the_same_frozen_variance_bit_for_bit():
 
 @pytest.mark.parametrize("optimizer, exchange, freeze, expected", [
     ("adamw", None, "auto", False),             # float32 all-reduce: nothing to freeze against
-    ("adamw", "quantized", "auto", True),       # k-bit: on by default
+    ("adamw", "quantized", "auto", True),       # 1-bit sums: on by default
+    ("adamw", "quantized2", "auto", False),     # 2-bit sums: off (most values at the middle level)
+    ("adamw", "quantized2", True, True),
     ("sgd", "quantized", "auto", False),        # no variance to hold
     ("adamw", "powersgd", "auto", False),       # not measured to help PowerSGD: off unless asked
     ("adamw", "powersgd", True, True),
     ("adamw", "bf16", True, True),
     ("adamw", "quantized", False, False),
 ])
-def test_freeze_variance_auto_is_on_for_k_bit_gradients_and_adam_family_optimizers(optimizer, exchange, freeze,
-                                                                                   expected):
+def test_freeze_variance_auto_is_on_for_1_bit_sums_and_adam_family_optimizers(optimizer, exchange, freeze, expected):
     from dtrain.exchange import CompressedAllReduce, PowerSGD, Quantized
     from dtrain.learners import data_parallel_distributed_learner
 
     model = make_model(0)
     torch_optimizer = (torch.optim.AdamW(model.parameters()) if optimizer == "adamw"
                        else torch.optim.SGD(model.parameters(), lr=0.1))
-    strategy = {None: None, "quantized": Quantized(1), "powersgd": PowerSGD(1),
+    strategy = {None: None, "quantized": Quantized(1), "quantized2": Quantized(2), "powersgd": PowerSGD(1),
                 "bf16": CompressedAllReduce("bf16")}[exchange]
     learner = data_parallel_distributed_learner(torch_optimizer, exchange=strategy, freeze_variance=freeze)
     assert learner.freeze_variance is expected
+
+
+@pytest.mark.parametrize("bits, workers, requantize_sum, held", [
+    (1, 2, "auto", True), (1, 8, "auto", True),       # every worker's 1-bit codes summed
+    (1, 9, "auto", False), (1, 16, "auto", False),    # the owner's sum at 2 bits: sparse
+    (1, 16, False, True), (1, 4, True, True),         # gathered, or CNTK's owner at 1 bit
+    (2, 2, "auto", False), (4, 4, "auto", False), (8, 4, False, False),
+])
+def test_the_variance_is_held_by_default_where_every_summed_value_is_a_1_bit_value(bits, workers, requantize_sum,
+                                                                                    held):
+    from types import SimpleNamespace
+
+    from dtrain.exchange import Quantized
+
+    strategy = Quantized(bits, requantize_sum=requantize_sum)
+    strategy.comm = SimpleNamespace(size=workers)
+    assert strategy.holds_adam_variance is held
 
 
 def test_freeze_variance_that_is_not_a_switch_is_refused_in_one_line():

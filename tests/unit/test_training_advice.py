@@ -17,9 +17,10 @@ from dtrain.session.collapse import training_advice
 from tests.helpers.toy_data import four_class_data
 
 
-def learner(kind: str, size: int, exchange=None) -> SimpleNamespace:
+def learner(kind: str, size: int, exchange=None, freeze_variance: bool = False) -> SimpleNamespace:
     """What ``training_advice`` reads of a learner."""
-    return SimpleNamespace(kind=kind, comm=SimpleNamespace(size=size), exchange=exchange)
+    return SimpleNamespace(kind=kind, comm=SimpleNamespace(size=size), exchange=exchange,
+                           freeze_variance=freeze_variance)
 
 
 @pytest.mark.parametrize("precision_setting", ["32", "bf16", "fp16"])
@@ -53,6 +54,9 @@ def test_each_cause_is_named_only_where_the_run_has_it():
         strategy.bind(SimpleNamespace(size=2))
         advice = training_advice(learner("quantized", 2, strategy))
         assert ("sum the workers' codes without re-quantizing them (learner.requantize_sum=false" in advice) is told
+    assert "freeze_variance" not in one_bit  # SGD, or the variance not held
+    held = training_advice(learner("quantized", 2, Quantized(1), freeze_variance=True))
+    assert "let the optimizer's variance follow the gradients (learner.freeze_variance=false)" in held
     powersgd = training_advice(learner("data_parallel", 2, PowerSGD()))
     assert "gradients compressed by powersgd rank 1" in powersgd and "learner/exchange=allreduce" in powersgd
     assert "bits" not in powersgd and "distributed_after" not in powersgd
