@@ -199,7 +199,8 @@ def main() -> None:
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
     cases = ("quantized", "powersgd")
     run_checks(comm, {**{case: functools.partial(check_case, case=case) for case in (*cases, "quantized_adamw")},
-                      **{f"resume_{case}": functools.partial(check_resume, case=case) for case in cases}})
+                      **{f"resume_{case}": functools.partial(check_resume, case=case)
+                         for case in (*cases, "quantized_adamw")}})
     comm.finalize()
 
 
