@@ -221,11 +221,13 @@ class DataParallelLearner(ReplicatedLearner):
         return bool(wanted) and not self.exchange.lossless and keeps_variance(self.optimizer)
 
     def _holds_variance(self) -> bool:
-        """:attr:`freeze_variance` as rank 0 sees it, agreed by every rank once (a collective, at the first lossy
-        step): a two-level exchange knows its sums' form on the host leaders only."""
+        """:attr:`freeze_variance` as rank 0 sees it: under ``"auto"`` agreed by every rank once (a collective, at
+        the first lossy step), since a two-level exchange knows its sums' form on the host leaders only."""
         if self._variance_held is None:
             held = self.freeze_variance
-            self._variance_held = bool(self.comm.broadcast_object(held) if self.comm.size > 1 else held)
+            if self.freeze_variance_setting == AUTO and self.comm.size > 1:
+                held = self.comm.broadcast_object(held)
+            self._variance_held = bool(held)
         return self._variance_held
 
     def _frozen_note(self) -> str:

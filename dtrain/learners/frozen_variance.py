@@ -54,11 +54,6 @@ class FrozenVariance:
         for held in self._kept or ():
             held.live.copy_(held.kept)
 
-    def release(self) -> None:
-        """Forgets the copy (the optimizer's state was replaced, e.g. by a checkpoint): the next
-        :meth:`hold` copies again."""
-        self._kept = None
-
     def state_dict(self) -> dict[str, Any]:
         """The step counts the copy was taken at (empty before the first :meth:`hold`), for a resumed run."""
         if self._kept is None:
@@ -66,7 +61,8 @@ class FrozenVariance:
         return {"held_at_steps": [held.held_at_step for held in self._kept]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Takes :meth:`state_dict`'s output: the next :meth:`hold` copies the (restored) variances and
+        """Forgets the copy (the optimizer's state was replaced by a checkpoint's) and takes :meth:`state_dict`'s
+        output: the next :meth:`hold` copies the (restored) variances and
         corrects them as from those step counts. Without it (a checkpoint written before they were
         saved) the copy is corrected as from the step it is taken at."""
         self._kept = None

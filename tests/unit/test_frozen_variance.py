@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -35,7 +34,8 @@ def test_each_held_step_divides_by_the_warm_starts_bias_corrected_variance_and_i
     parameter, optimizer, generator = adam_with_warm_start(torch.optim.Adam, warm_steps)
     state = optimizer.state[parameter]
     beta1, beta2 = BETAS
-    held = state["exp_avg_sq"].clone() / (1 - beta2 ** warm_steps)  # what the last warm step divided by
+    stored = state["exp_avg_sq"].clone()
+    held = stored / (1 - beta2 ** warm_steps)  # what the last warm step divided by
     frozen = FrozenVariance(optimizer)
     for step in range(warm_steps + 1, warm_steps + 60):
         gradient = torch.randn(3, 4, generator=generator) * 10.0 ** (step % 3 - 1)  # sizes that differ from v's
@@ -46,8 +46,7 @@ def test_each_held_step_divides_by_the_warm_starts_bias_corrected_variance_and_i
         expected = before - LR / (1 - beta1 ** step) * exp_avg / denominator
         torch.testing.assert_close(parameter.detach(), expected, rtol=1e-5, atol=1e-7)
         # the state keeps the warm start's own variance, as stored, between steps (what checkpoints hold)
-        assert torch.equal(state["exp_avg_sq"], held * (1 - beta2 ** warm_steps)) or \
-            torch.allclose(state["exp_avg_sq"], held * (1 - beta2 ** warm_steps), rtol=1e-6, atol=0)
+        assert torch.equal(state["exp_avg_sq"], stored)
 
 
 def test_the_variance_held_as_stored_would_let_the_denominator_shrink_which_the_correction_prevents():
@@ -65,7 +64,7 @@ def test_the_variance_held_as_stored_would_let_the_denominator_shrink_which_the_
     frozen.restore()
     # the next step (201) divides live by 1 - beta2**201: the same as the warm start's v / (1 - beta2**30)
     torch.testing.assert_close(live / (1 - BETAS[1] ** 201), state["exp_avg_sq"] / (1 - BETAS[1] ** 30))
-    assert math.sqrt((1 - BETAS[1] ** 201) / (1 - BETAS[1] ** 30)) > 2.4
+    assert bool((live / state["exp_avg_sq"]).sqrt().min() > 2.4)  # the stored v alone: 2.4x larger steps
 
 
 def test_a_restored_copy_is_corrected_from_the_step_it_was_first_taken_at_bit_for_bit():
