@@ -1,0 +1,215 @@
+"""How large a minibatch a model can use: the gradient noise scale at a run's checkpoints.
+
+    python -m dtrain.noise_scale outputs/shakespeare_char/2026-11-25_12-00-00
+    python -m dtrain.noise_scale RUN_DIR --minibatches 64 --scale 16
+
+The simple noise scale ``B_simple = tr(Sigma) / |G|^2`` of McCandlish et al. 2018 ("An Empirical Model
+of Large-Batch Training", appendix A) compares the variance of one sample's gradient (``tr Sigma``) with
+the squared norm of the true gradient (``|G|^2``). Below about ``B_simple`` samples a larger minibatch
+buys nearly proportionally fewer steps; well above it, more samples per step buy almost nothing, so a
+run with the same number of samples ends worse. Both quantities are estimated without bias from
+``--minibatches`` gradients of the run's own minibatch size ``b`` at the same weights: the mean
+squared norm of one minibatch's gradient is ``|G|^2 + tr(Sigma) / b``, and that of their average
+(``B = M b`` samples) ``|G|^2 + tr(Sigma) / B``.
+
+Every checkpoint the run kept is measured (``session.checkpoint.preserve_all=true`` keeps them all),
+with the model in training mode (dropout as in training) on the run's training data, read from its
+start with the run's seed, so every checkpoint sees the same minibatches. The model, loss, data and
+stream binding come from the run directory's latest config, as ``python -m dtrain.generate`` reads them.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["NoiseScale", "simple_noise_scale", "samples_ratio", "measure", "main"]
+
+
+@dataclass(frozen=True)
+class NoiseScale:
+    """Estimates at one set of weights: ``|G|^2``, ``tr(Sigma)`` (per sample) and their ratio ``B_simple``
+    (in samples), with the ratio's jackknife standard error over groups of minibatches (``nan`` with
+    fewer than two groups)."""
+
+    gradient_norm_sq: float
+    trace_sigma: float
+    b_simple: float
+    b_simple_se: float
+
+
+def _estimates(small_norm_sq_mean: float, big_norm_sq: float, b: float, big: float) -> tuple[float, float]:
+    """``(|G|^2, tr Sigma)`` from the mean squared norm of ``b``-sample gradients and the squared norm of
+    their ``big``-sample average (McCandlish et al., equations A.2 and A.3)."""
+    gradient_norm_sq = (big * big_norm_sq - b * small_norm_sq_mean) / (big - b)
+    trace_sigma = (small_norm_sq_mean - big_norm_sq) / (1.0 / b - 1.0 / big)
+    return gradient_norm_sq, trace_sigma
+
+
+def simple_noise_scale(gradients: torch.Tensor, samples: torch.Tensor, groups: int = 8) -> NoiseScale:
+    """``B_simple`` from ``gradients`` ``[M, P]``, each the mean-loss gradient of one minibatch of
+    ``samples[i]`` samples drawn independently at the same weights.
+
+    The large gradient is the sample-weighted average of all ``M`` (as a data-parallel step weights its
+    shares), and the small minibatch size the harmonic mean of ``samples`` (what makes the mean squared
+    norm of uneven minibatches' gradients an unbiased estimate). The standard error comes from
+    leaving out one of ``groups`` equal groups of minibatches at a time (delete-a-group jackknife).
+
+    Raises:
+        ValueError: fewer than two minibatches, or shapes that do not fit.
+    """
+    if gradients.dim() != 2 or gradients.shape[0] < 2:
+        raise ValueError(f"gradients of shape {tuple(gradients.shape)}: expected [minibatches >= 2, parameters]")
+    samples = torch.as_tensor(samples, dtype=torch.float64).flatten()
+    if samples.numel() != gradients.shape[0] or bool((samples <= 0).any()):
+        raise ValueError(f"samples {samples.tolist()}: expected one positive count per gradient ({gradients.shape[0]})")
+    gradients = gradients.double()
+
+    def estimate(keep: torch.Tensor) -> tuple[float, float]:
+        g, n = gradients[keep], samples[keep]
+        big = float(n.sum())
+        mean_gradient = (n[:, None] * g).sum(0) / big
+        harmonic = float(len(n) / (1.0 / n).sum())  # E|g_i|^2 = |G|^2 + tr(Sigma) / n_i, averaged over i
+        return _estimates(float(g.square().sum(1).mean()), float(mean_gradient.square().sum()), harmonic, big)
+
+    count = gradients.shape[0]
+    norm_sq, trace = estimate(torch.ones(count, dtype=torch.bool))
+    groups = min(groups, count // 2)
+    se = math.nan
+    if groups >= 2:
+        labels = torch.arange(count) % groups
+        ratios = []
+        for left_out in range(groups):
+            g_sq, tr = estimate(labels != left_out)
+            ratios.append(tr / g_sq if g_sq > 0 else math.inf)
+        ratios_t = torch.tensor(ratios, dtype=torch.float64)
+        se = math.sqrt((groups - 1) / groups * float((ratios_t - ratios_t.mean()).square().sum()))
+    return NoiseScale(norm_sq, trace, trace / norm_sq if norm_sq > 0 else math.inf, se)
+
+
+def samples_ratio(b_noise: float, minibatch: float, scale: float) -> float:
+    """Samples a ``scale`` times larger minibatch needs to reach the same loss, as a multiple of what
+    ``minibatch`` needs, from McCandlish et al.'s ``E = E_min (1 + B / B_noise)``."""
+    return (1.0 + scale * minibatch / b_noise) / (1.0 + minibatch / b_noise)
+
+
+def _flat_gradient(parameters: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, parameters, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for g, p in zip(grads, parameters)])
+
+
+def measure(model: torch.nn.Module, loss_fn, source, binding, minibatch_size: int, minibatches: int,
+            groups: int = 8) -> tuple[NoiseScale, float, float]:
+    """``(noise scale, mean training loss, mean samples per minibatch)`` of ``model`` at its weights over
+    the next ``minibatches`` minibatches of ``minibatch_size`` samples of ``source`` (one partition)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    gradients, samples, losses = [], [], []
+    model.train()
+    for _ in range(minibatches):
+        batch = source.next_minibatch(minibatch_size, 1, 0)
+        if batch is None:
+            raise ValueError(f"the training data ended after {len(gradients)} minibatches; expected {minibatches} "
+                             f"(ask for fewer with --minibatches)")
+        target, count, _ = binding.target_and_counts(batch)
+        loss = loss_fn(binding.forward(model, batch), target)
+        gradients.append(_flat_gradient(parameters, loss))
+        samples.append(count)
+        losses.append(float(loss.detach()))
+    estimate = simple_noise_scale(torch.stack(gradients), torch.tensor(samples), groups)
+    return estimate, sum(losses) / len(losses), sum(samples) / len(samples)
+
+
+def _row(samples_seen: int, mean_loss: float, estimate: NoiseScale, minibatch: float, scale: float) -> str:
+    """One table row. Near a minimum ``|G|^2`` is small and its estimate noisy, even negative: the noise
+    scale is then printed as unmeasurable, and a standard error that some group's estimate made
+    infinite as ``n/a``."""
+    if not (estimate.gradient_norm_sq > 0 and estimate.trace_sigma > 0):
+        return f"| {samples_seen:,} | {mean_loss:.4f} | not measurable (|G|^2 estimated at {estimate.gradient_norm_sq:.3g}) | | |"
+    se = f"{estimate.b_simple_se:,.0f}" if math.isfinite(estimate.b_simple_se) else "n/a"
+    return (f"| {samples_seen:,} | {mean_loss:.4f} | {estimate.b_simple:,.0f} +- {se} | {estimate.b_simple / minibatch:.2f} | "
+            f"{samples_ratio(estimate.b_simple, minibatch, scale):.2f} |")
+
+
+def _checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
+    from dtrain.session.checkpoint import CheckpointFiles
+
+    return CheckpointFiles(run_dir / filename).by_content()
+
+
+def _load_setup(run_dir: Path):
+    """``(config, model, loss, training source, binding)`` from the run directory's latest config."""
+    from hydra.utils import instantiate
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    from dtrain.build import latest_config_path
+    from dtrain.session.binding import StreamBinding
+
+    config_path = latest_config_path(run_dir)
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist; expected the config of a run directory")
+    config = OmegaConf.load(config_path)
+    torch.manual_seed(int(config.get("seed", 0)))
+    model = instantiate(config.model)
+    loss_fn = instantiate(config.loss)
+    source = instantiate(config.source.train)
+    inputs = config.session.inputs
+    inputs = OmegaConf.to_container(inputs, resolve=True) if isinstance(inputs, (DictConfig, ListConfig)) else inputs
+    return config, model, loss_fn, source, StreamBinding(inputs, config.session.target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtrain.noise_scale", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="a run directory (config.yaml and checkpoint-<samples>.pt files)")
+    parser.add_argument("--minibatches", type=int, default=64,
+                        help="gradients measured at each checkpoint (default 64); the large batch is all of them")
+    parser.add_argument("--minibatch-size", type=int, default=None,
+                        help="samples per measured gradient (default: the run's session.minibatch_size)")
+    parser.add_argument("--scale", type=float, default=16.0,
+                        help="the larger minibatch to predict for, as a multiple of the minibatch size (default 16)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    try:
+        if args.minibatches < 4:
+            raise ValueError(f"--minibatches {args.minibatches}: expected at least 4")
+        if args.minibatch_size is not None and args.minibatch_size < 1:
+            raise ValueError(f"--minibatch-size {args.minibatch_size}: expected a positive number of samples")
+        if not args.scale > 1:
+            raise ValueError(f"--scale {args.scale}: expected a multiple above 1")
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        run_dir = Path(args.run_dir)
+        config, model, loss_fn, source, binding = _load_setup(run_dir)
+        minibatch_size = args.minibatch_size or int(config.session.minibatch_size)
+        checkpoints = _checkpoints(run_dir, str(config.session.checkpoint.filename))
+        if not checkpoints:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint-<samples>.pt; expected a run's checkpoints "
+                                    f"(session.checkpoint.preserve_all=true keeps every one)")
+    except (OSError, ValueError) as error:
+        print(f"python -m dtrain.noise_scale: error: {error}", file=sys.stderr)
+        return 2
+    from dtrain.session.checkpoint import load
+
+    start = source.get_checkpoint_state()
+    print(f"gradient noise scale of {run_dir}: {args.minibatches} gradients of {minibatch_size} samples per checkpoint")
+    print(f"| samples trained | training loss | B_simple (samples) | B_simple / minibatch | samples a {args.scale:g}x "
+          f"minibatch needs, x |")
+    print("|---:|---:|---:|---:|---:|")
+    for samples_seen, path in checkpoints:
+        try:
+            model.load_state_dict(load(path)["model"])
+        except Exception as error:  # noqa: BLE001 - one line naming the file, whatever went wrong
+            print(f"python -m dtrain.noise_scale: error: {path}: {str(error).splitlines()[0]}", file=sys.stderr)
+            return 2
+        source.restore_from_checkpoint(start)
+        estimate, mean_loss, mean_samples = measure(model, loss_fn, source, binding, minibatch_size, args.minibatches)
+        print(_row(samples_seen, mean_loss, estimate, mean_samples, args.scale), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
