@@ -14,7 +14,8 @@ squared norm of one minibatch's gradient is ``|G|^2 + tr(Sigma) / b``, and that 
 
 Every checkpoint the run kept is measured (``session.checkpoint.preserve_all=true`` keeps them all),
 with the model in training mode (dropout as in training) on the run's training data, read from its
-start with the run's seed, so every checkpoint sees the same minibatches. The model, loss, data and
+start with the run's seed, so every checkpoint sees the same minibatches; ``--device cuda`` computes
+the gradients on a GPU. Memory beyond the model's: 8 sums of its gradient in float64. The model, loss, data and
 stream binding come from the run directory's latest config, as ``python -m dtrain.generate`` reads them.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NoiseScale", "simple_noise_scale", "samples_ratio", "measure", "main"]
+__all__ = ["GradientSums", "NoiseScale", "simple_noise_scale", "samples_ratio", "measure", "main"]
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,73 @@ def _estimates(small_norm_sq_mean: float, big_norm_sq: float, b: float, big: flo
     return gradient_norm_sq, trace_sigma
 
 
+class GradientSums:
+    """What the estimate needs from a stream of minibatch gradients, in ``groups x P`` memory: each group's
+    sample-weighted gradient sum, and every gradient's squared norm and sample count. Gradient ``i``
+    goes to group ``i mod groups``; the groups make the jackknife's standard error."""
+
+    def __init__(self, groups: int = 8) -> None:
+        if groups < 1:
+            raise ValueError(f"groups {groups}: expected at least 1")
+        self.groups = groups
+        self.group_sums: torch.Tensor | None = None  # [groups, P], float64
+        self.norms_sq: list[float] = []
+        self.samples: list[float] = []
+
+    def add(self, gradient: torch.Tensor, samples: float) -> None:
+        """One minibatch's mean-loss gradient (any shape; flattened) over ``samples`` samples."""
+        if not samples > 0:
+            raise ValueError(f"samples {samples}: expected a positive count for each gradient")
+        flat = gradient.detach().reshape(-1).double()
+        if self.group_sums is None:
+            self.group_sums = torch.zeros(self.groups, flat.numel(), dtype=torch.float64, device=flat.device)
+        elif flat.numel() != self.group_sums.shape[1]:
+            raise ValueError(f"a gradient of {flat.numel()} values after ones of {self.group_sums.shape[1]}")
+        self.group_sums[len(self.norms_sq) % self.groups].add_(flat, alpha=float(samples))
+        self.norms_sq.append(float(flat.square().sum()))
+        self.samples.append(float(samples))
+
+    def _estimate(self, left_out: int | None) -> tuple[float, float]:
+        keep = [i for i in range(len(self.norms_sq)) if left_out is None or i % self.groups != left_out]
+        n = torch.tensor([self.samples[i] for i in keep], dtype=torch.float64)
+        big = float(n.sum())
+        total = self.group_sums.sum(0) if left_out is None else \
+            self.group_sums.sum(0) - self.group_sums[left_out]
+        big_norm_sq = float((total / big).square().sum())
+        small_norm_sq = sum(self.norms_sq[i] for i in keep) / len(keep)
+        harmonic = float(len(keep) / (1.0 / n).sum())  # E|g_i|^2 = |G|^2 + tr(Sigma) / n_i, averaged over i
+        return _estimates(small_norm_sq, big_norm_sq, harmonic, big)
+
+    def estimate(self) -> NoiseScale:
+        """The noise scale from every gradient added; the standard error from leaving out one group at a time
+        (delete-a-group jackknife; ``nan`` with fewer than two groups holding two gradients each).
+
+        Raises:
+            ValueError: fewer than two gradients.
+        """
+        if len(self.norms_sq) < 2:
+            raise ValueError(f"{len(self.norms_sq)} gradient(s): expected at least 2 minibatches at the same weights")
+        norm_sq, trace = self._estimate(None)
+        se = math.nan
+        groups = min(self.groups, len(self.norms_sq))
+        if groups >= 2 and len(self.norms_sq) >= 2 * groups:
+            ratios = []
+            for left_out in range(groups):
+                g_sq, tr = self._estimate(left_out)
+                ratios.append(tr / g_sq if g_sq > 0 else math.inf)
+            ratios_t = torch.tensor(ratios, dtype=torch.float64)
+            se = math.sqrt((groups - 1) / groups * float((ratios_t - ratios_t.mean()).square().sum()))
+        return NoiseScale(norm_sq, trace, trace / norm_sq if norm_sq > 0 else math.inf, se)
+
+
 def simple_noise_scale(gradients: torch.Tensor, samples: torch.Tensor, groups: int = 8) -> NoiseScale:
     """``B_simple`` from ``gradients`` ``[M, P]``, each the mean-loss gradient of one minibatch of
-    ``samples[i]`` samples drawn independently at the same weights.
+    ``samples[i]`` samples drawn independently at the same weights (:class:`GradientSums` one by one).
 
     The large gradient is the sample-weighted average of all ``M`` (as a data-parallel step weights its
     shares), and the small minibatch size the harmonic mean of ``samples`` (what makes the mean squared
     norm of uneven minibatches' gradients an unbiased estimate). The standard error comes from
-    leaving out one of ``groups`` equal groups of minibatches at a time (delete-a-group jackknife).
+    leaving out one of ``groups`` groups of minibatches at a time (delete-a-group jackknife).
 
     Raises:
         ValueError: fewer than two minibatches, or shapes that do not fit.
@@ -67,28 +127,10 @@ def simple_noise_scale(gradients: torch.Tensor, samples: torch.Tensor, groups: i
     samples = torch.as_tensor(samples, dtype=torch.float64).flatten()
     if samples.numel() != gradients.shape[0] or bool((samples <= 0).any()):
         raise ValueError(f"samples {samples.tolist()}: expected one positive count per gradient ({gradients.shape[0]})")
-    gradients = gradients.double()
-
-    def estimate(keep: torch.Tensor) -> tuple[float, float]:
-        g, n = gradients[keep], samples[keep]
-        big = float(n.sum())
-        mean_gradient = (n[:, None] * g).sum(0) / big
-        harmonic = float(len(n) / (1.0 / n).sum())  # E|g_i|^2 = |G|^2 + tr(Sigma) / n_i, averaged over i
-        return _estimates(float(g.square().sum(1).mean()), float(mean_gradient.square().sum()), harmonic, big)
-
-    count = gradients.shape[0]
-    norm_sq, trace = estimate(torch.ones(count, dtype=torch.bool))
-    groups = min(groups, count // 2)
-    se = math.nan
-    if groups >= 2:
-        labels = torch.arange(count) % groups
-        ratios = []
-        for left_out in range(groups):
-            g_sq, tr = estimate(labels != left_out)
-            ratios.append(tr / g_sq if g_sq > 0 else math.inf)
-        ratios_t = torch.tensor(ratios, dtype=torch.float64)
-        se = math.sqrt((groups - 1) / groups * float((ratios_t - ratios_t.mean()).square().sum()))
-    return NoiseScale(norm_sq, trace, trace / norm_sq if norm_sq > 0 else math.inf, se)
+    sums = GradientSums(min(groups, gradients.shape[0] // 2) or 1)
+    for gradient, count in zip(gradients, samples.tolist()):
+        sums.add(gradient, count)
+    return sums.estimate()
 
 
 def samples_ratio(b_noise: float, minibatch: float, scale: float) -> float:
@@ -99,29 +141,29 @@ def samples_ratio(b_noise: float, minibatch: float, scale: float) -> float:
 
 def _flat_gradient(parameters: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
     grads = torch.autograd.grad(loss, parameters, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
                       for g, p in zip(grads, parameters)])
 
 
 def measure(model: torch.nn.Module, loss_fn, source, binding, minibatch_size: int, minibatches: int,
-            groups: int = 8) -> tuple[NoiseScale, float, float]:
-    """``(noise scale, mean training loss, mean samples per minibatch)`` of ``model`` at its weights over
-    the next ``minibatches`` minibatches of ``minibatch_size`` samples of ``source`` (one partition)."""
+            groups: int = 8, device: torch.device | str = "cpu") -> tuple[NoiseScale, float, float]:
+    """``(noise scale, mean training loss, mean samples per minibatch)`` of ``model`` (on ``device``) at its
+    weights over the next ``minibatches`` minibatches of ``minibatch_size`` samples of ``source`` (one
+    partition)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
-    gradients, samples, losses = [], [], []
+    sums, losses = GradientSums(min(groups, minibatches // 2) or 1), []
     model.train()
     for _ in range(minibatches):
         batch = source.next_minibatch(minibatch_size, 1, 0)
         if batch is None:
-            raise ValueError(f"the training data ended after {len(gradients)} minibatches; expected {minibatches} "
+            raise ValueError(f"the training data ended after {len(losses)} minibatches; expected {minibatches} "
                              f"(ask for fewer with --minibatches)")
+        batch = batch.to(torch.device(device))
         target, count, _ = binding.target_and_counts(batch)
         loss = loss_fn(binding.forward(model, batch), target)
-        gradients.append(_flat_gradient(parameters, loss))
-        samples.append(count)
+        sums.add(_flat_gradient(parameters, loss), count)
         losses.append(float(loss.detach()))
-    estimate = simple_noise_scale(torch.stack(gradients), torch.tensor(samples), groups)
-    return estimate, sum(losses) / len(losses), sum(samples) / len(samples)
+    return sums.estimate(), sum(losses) / len(losses), sum(sums.samples) / len(sums.samples)
 
 
 def _row(samples_seen: int, mean_loss: float, estimate: NoiseScale, minibatch: float, scale: float) -> str:
@@ -133,6 +175,18 @@ def _row(samples_seen: int, mean_loss: float, estimate: NoiseScale, minibatch: f
     se = f"{estimate.b_simple_se:,.0f}" if math.isfinite(estimate.b_simple_se) else "n/a"
     return (f"| {samples_seen:,} | {mean_loss:.4f} | {estimate.b_simple:,.0f} +- {se} | {estimate.b_simple / minibatch:.2f} | "
             f"{samples_ratio(estimate.b_simple, minibatch, scale):.2f} |")
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: expected cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA device; expected cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: expected cpu or cuda[:N]")
+    return device
 
 
 def _checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
@@ -172,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=16.0,
                         help="the larger minibatch to predict for, as a multiple of the minibatch size (default 16)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="where the gradients are computed: cpu (default), cuda, cuda:1, ...")
     args = parser.parse_args(argv)
     try:
         if args.minibatches < 4:
@@ -182,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--scale {args.scale}: expected a multiple above 1")
         if args.threads is not None:
             torch.set_num_threads(args.threads)
+        device = _device(args.device)
         run_dir = Path(args.run_dir)
         config, model, loss_fn, source, binding = _load_setup(run_dir)
+        model.to(device)
         minibatch_size = args.minibatch_size or int(config.session.minibatch_size)
         checkpoints = _checkpoints(run_dir, str(config.session.checkpoint.filename))
         if not checkpoints:
@@ -201,12 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|---:|")
     for samples_seen, path in checkpoints:
         try:
-            model.load_state_dict(load(path)["model"])
+            model.load_state_dict(load(path)["model"])  # copied onto the model's device
         except Exception as error:  # noqa: BLE001 - one line naming the file, whatever went wrong
             print(f"python -m dtrain.noise_scale: error: {path}: {str(error).splitlines()[0]}", file=sys.stderr)
             return 2
         source.restore_from_checkpoint(start)
-        estimate, mean_loss, mean_samples = measure(model, loss_fn, source, binding, minibatch_size, args.minibatches)
+        estimate, mean_loss, mean_samples = measure(model, loss_fn, source, binding, minibatch_size, args.minibatches,
+                                                    device=device)
         print(_row(samples_seen, mean_loss, estimate, mean_samples, args.scale), flush=True)
     return 0
 

@@ -193,3 +193,18 @@ def test_a_sequence_model_trains_on_the_gpu_as_on_the_cpu(tmp_path):
     torch.manual_seed(0)
     moved = _largest_difference(finals[0], [p.detach() for p in TinyCausalLM().parameters()])
     assert _largest_difference(*finals) <= 1e-3 * max(moved, 1.0)
+
+
+def test_the_noise_scale_on_the_gpu_is_the_cpu_one(tmp_path, capsys):
+    from dtrain.noise_scale import main as noise_scale
+
+    run_dir = tmp_path / "run"
+    trained = run_dtrain("+recipe=digits", "session.max_samples=640", "session.checkpoint.frequency=640",
+                         f"run_dir={run_dir}", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    rows = []
+    for device in ("cpu", "cuda"):
+        assert noise_scale([str(run_dir), "--minibatches", "16", "--device", device]) == 0
+        rows.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 640 |")])
+    cpu, cuda = (float(row[0].split("|")[3].split("+-")[0].replace(",", "")) for row in rows)
+    assert cuda == pytest.approx(cpu, rel=0.05)  # cuDNN may convolve in TF32: the ratio of differences amplifies it

@@ -128,3 +128,28 @@ def test_a_row_near_a_minimum_says_the_noise_scale_is_not_measurable() -> None:
     assert "not measurable (|G|^2 estimated at -1e-06)" in row
     measured = _row(9000, 0.0002, NoiseScale(1e-3, 0.5, 500.0, math.inf), 32.0, 16.0)
     assert "| 500 +- n/a | 15.62 |" in measured and f"{samples_ratio(500.0, 32.0, 16.0):.2f}" in measured
+
+
+def test_the_streaming_sums_give_the_estimate_of_the_whole_matrix() -> None:
+    from dtrain.noise_scale import GradientSums
+
+    samples = torch.randint(8, 40, (24,), generator=torch.Generator().manual_seed(2))
+    gradients = noisy_gradients(torch.full((300,), 0.1, dtype=torch.float64), 0.3, samples, seed=4)
+    sums = GradientSums(groups=6)
+    for gradient, count in zip(gradients.float(), samples.tolist()):
+        sums.add(gradient.reshape(10, 30), count)  # any shape: flattened
+    streamed, whole = sums.estimate(), simple_noise_scale(gradients, samples, groups=6)
+    assert streamed.b_simple == pytest.approx(whole.b_simple, rel=1e-5)
+    assert streamed.b_simple_se == pytest.approx(whole.b_simple_se, rel=1e-4)
+    assert sums.group_sums.shape == (6, 300)  # memory: one sum per group, not one row per minibatch
+    with pytest.raises(ValueError, match="a gradient of 7 values after ones of 300"):
+        sums.add(torch.zeros(7), 4)
+
+
+def test_a_device_that_is_not_there_is_refused(tmp_path: Path, capsys) -> None:
+    assert main([str(tmp_path), "--device", "tpu"]) == 2
+    assert "--device 'tpu': expected cpu or cuda[:N]" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([str(tmp_path), "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.strip() == ("python -m dtrain.noise_scale: error: --device cuda: this machine "
+                                                   "has no CUDA device; expected cpu")
