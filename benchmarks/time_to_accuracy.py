@@ -230,17 +230,25 @@ def scale(recipe: Recipe) -> float:
     return 100.0 if recipe.figure == "accuracy" else 1.0
 
 
-def print_table(rate: str, results: dict[str, dict], recipe: Recipe, tolerance: float) -> None:
+def print_table(rate: str, results: dict[str, dict], recipe: Recipe, tolerance: float,
+                target: float | None = None) -> None:
+    """The table at one rate; the target is data_parallel's final figure within ``tolerance``, or ``target``
+    (an earlier run's, in the figure's units) when given, with no data_parallel row to compare times."""
+    shown = (lambda value: f"{value:.2%}") if recipe.figure == "accuracy" else (lambda value: f"{value:.4f}")
     baseline = results.get("data_parallel")
-    if baseline is None:
+    if target is not None:
+        reference_time = None
+        print(f"\n=== {rate}: target {recipe.figure} {shown(target)} (--target: an earlier data_parallel run's) ===")
+    elif baseline is None:
         print(f"\n{rate}: data_parallel did not finish, so there is no target")
         return
-    better = 1 if recipe.higher_is_better else -1
-    target = baseline["final"] - better * tolerance
-    reference_time = time_to(target, baseline["evaluations"], recipe.higher_is_better)
-    shown = (lambda value: f"{value:.2%}") if recipe.figure == "accuracy" else (lambda value: f"{value:.4f}")
-    print(f"\n=== {rate}: target = data_parallel's final {recipe.figure} {shown(baseline['final'])} "
-          f"{'-' if recipe.higher_is_better else '+'} {tolerance * scale(recipe):g} {recipe.unit} = {shown(target)} ===")
+    else:
+        better = 1 if recipe.higher_is_better else -1
+        target = baseline["final"] - better * tolerance
+        reference_time = time_to(target, baseline["evaluations"], recipe.higher_is_better)
+        print(f"\n=== {rate}: target = data_parallel's final {recipe.figure} {shown(baseline['final'])} "
+              f"{'-' if recipe.higher_is_better else '+'} {tolerance * scale(recipe):g} {recipe.unit} = "
+              f"{shown(target)} ===")
     print(f"{'learner':<16}{'final ' + recipe.figure:>15}{'time to target (s)':>20}{'samples':>10}{'vs data_parallel':>18}"
           f"{'train (s)':>11}{'kB sent/step':>14}{'MB sent':>10}")
     for learner, row in results.items():
@@ -268,6 +276,9 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=None,
                         help="distance from data_parallel's final figure (default: digits 0.5 point, "
                              "shakespeare_char 0.03 nats)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="the figure to reach, from an earlier data_parallel run at this rate (digits: accuracy "
+                             "in %%; shakespeare_char: validation loss); data_parallel is then not run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -284,12 +295,16 @@ def main() -> None:
         parser.error(f"{REFERENCE} trains the digits recipe at its own length only")
     if "data_parallel" in args.learners:
         args.learners.remove("data_parallel")
-    args.learners.insert(0, "data_parallel")
+    if args.target is None:
+        args.learners.insert(0, "data_parallel")
+    elif not args.learners:
+        parser.error("--target without --learners: name the learners to time against it")
     for rate in args.rate or ["1gbit", "100mbit"]:
         load = os.getloadavg()[0]
         results = run_rate(rate, args)
         print(f"(1-min load average {load:.1f} before the runs at {rate}; 2 of it is ours)")
-        print_table(rate, results, args.recipe, tolerance)
+        target = None if args.target is None else args.target / scale(args.recipe)
+        print_table(rate, results, args.recipe, tolerance, target)
 
 
 if __name__ == "__main__":
