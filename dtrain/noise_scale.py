@@ -15,8 +15,9 @@ squared norm of one minibatch's gradient is ``|G|^2 + tr(Sigma) / b``, and that 
 Every checkpoint the run kept is measured (``session.checkpoint.preserve_all=true`` keeps them all),
 with the model in training mode (dropout as in training) on the run's training data, read from its
 start with the run's seed, so every checkpoint sees the same minibatches; ``--device cuda`` computes
-the gradients on a GPU. Memory beyond the model's: 8 sums of its gradient in float64. The model, loss, data and
-stream binding come from the run directory's latest config, as ``python -m dtrain.generate`` reads them.
+the gradients on a GPU. Memory beyond the model's: 8 sums of its gradient in float64. The model, loss,
+data and stream binding come from the run directory's latest config, as ``python -m dtrain.generate``
+reads them.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class NoiseScale:
 
 def _estimates(small_norm_sq_mean: float, big_norm_sq: float, b: float, big: float) -> tuple[float, float]:
     """``(|G|^2, tr Sigma)`` from the mean squared norm of ``b``-sample gradients and the squared norm of
-    their ``big``-sample average (McCandlish et al., equations A.2 and A.3)."""
+    their ``big``-sample average (McCandlish et al., appendix A.1)."""
     gradient_norm_sq = (big * big_norm_sq - b * small_norm_sq_mean) / (big - b)
     trace_sigma = (small_norm_sq_mean - big_norm_sq) / (1.0 / b - 1.0 / big)
     return gradient_norm_sq, trace_sigma
