@@ -198,9 +198,9 @@ def _checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
 
 def _load_setup(run_dir: Path):
     """``(config, model, loss, training source, binding)`` from the run directory's latest config."""
-    from hydra.utils import instantiate
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
+    from dtrain.build import _instantiate as instantiate  # a component's own error as one line naming it
     from dtrain.build import latest_config_path
     from dtrain.session.binding import StreamBinding
 
@@ -209,9 +209,9 @@ def _load_setup(run_dir: Path):
         raise FileNotFoundError(f"{config_path} does not exist; expected the config of a run directory")
     config = OmegaConf.load(config_path)
     torch.manual_seed(int(config.get("seed", 0)))
-    model = instantiate(config.model)
-    loss_fn = instantiate(config.loss)
-    source = instantiate(config.source.train)
+    model = instantiate(config.model, "model")
+    loss_fn = instantiate(config.loss, "loss")
+    source = instantiate(config.source.train, f"source.train of {config_path}")
     inputs = config.session.inputs
     inputs = OmegaConf.to_container(inputs, resolve=True) if isinstance(inputs, (DictConfig, ListConfig)) else inputs
     return config, model, loss_fn, source, StreamBinding(inputs, config.session.target)
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cpu", help="where the gradients are computed: cpu (default), cuda, cuda:1, ...")
     args = parser.parse_args(argv)
+    from dtrain.failures import UserError
+
     try:
         if args.minibatches < 4:
             raise ValueError(f"--minibatches {args.minibatches}: expected at least 4")
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         if not checkpoints:
             raise FileNotFoundError(f"{run_dir} has no checkpoint-<samples>.pt; expected a run's checkpoints "
                                     f"(session.checkpoint.preserve_all=true keeps every one)")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, UserError) as error:
         print(f"python -m dtrain.noise_scale: error: {error}", file=sys.stderr)
         return 2
     from dtrain.session.checkpoint import load

@@ -107,6 +107,15 @@ def test_the_command_measures_every_checkpoint_of_a_run(tmp_path: Path, capsys) 
         # the ratio column is the empirical model's prediction for this noise scale and minibatch 32
         assert float(cells[4]) == pytest.approx(samples_ratio(b_simple, 32, 16), abs=0.01 + 0.01 * float(cells[4]))
 
+    # the run's data cannot be built (here: a split the deserializer does not have): one line naming it, exit 2
+    config = (run_dir / "config.yaml").read_text()
+    assert config.count("split: train") == 1
+    (run_dir / "config.yaml").write_text(config.replace("split: train", "split: training"))
+    assert main([str(run_dir), "--minibatches", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"python -m dtrain.noise_scale: error: source.train of "
+                                                         f"{run_dir / 'config.yaml'}: "), err
+
 
 def test_bad_input_gives_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     assert main([str(tmp_path / "missing")]) == 2
