@@ -117,6 +117,25 @@ def latest_config_path(run_dir: Path) -> Path:
     return path
 
 
+def load_run_config(run_dir: Path) -> tuple[Path, DictConfig]:
+    """``(path, config)`` of the run directory's latest job (:func:`latest_config_path`), for the tools that
+    read a run (``dtrain.generate``, ``dtrain.noise_scale``).
+
+    Raises:
+        FileNotFoundError: the run directory has no config.
+    """
+    path = latest_config_path(Path(run_dir))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; expected the run's config in a run directory")
+    return path, OmegaConf.load(path)
+
+
+def session_inputs(session: DictConfig):
+    """``session.inputs`` as :class:`StreamBinding` takes it: a plain list or mapping, or the string it is."""
+    inputs = session.inputs
+    return OmegaConf.to_container(inputs, resolve=True) if isinstance(inputs, (DictConfig, ListConfig)) else inputs
+
+
 def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     """Writes the resolved config into the run directory as a new file (never over an earlier one,
     and never through a link planted at its name); returns where."""
@@ -154,8 +173,7 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
     test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
     cv_source = _instantiate(cfg.source.cv, "source.cv") if cfg.source.cv is not None else None
-    inputs = OmegaConf.to_container(cfg.session.inputs, resolve=True) \
-        if isinstance(cfg.session.inputs, (DictConfig, ListConfig)) else cfg.session.inputs
+    inputs = session_inputs(cfg.session)
     check_model_outputs(model, train_source, cfg.model.get("num_classes"), StreamBinding(inputs, cfg.session.target))
     torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
 

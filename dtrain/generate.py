@@ -48,16 +48,12 @@ def load_run(run_dir: str | Path, weights: str = "auto"):
         FileNotFoundError / ValueError: no such run, no weights, or weights that do not fit the model.
     """
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
     from safetensors.torch import load_model
 
-    from dtrain.build import latest_config_path
+    from dtrain.build import load_run_config
 
     run_dir = Path(run_dir)
-    config_path = latest_config_path(run_dir)
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist; expected the run's config in a finished run directory")
-    config = OmegaConf.load(config_path)
+    config_path, config = load_run_config(run_dir)
     which = chosen_weights(config, weights)
     weights_path = run_dir / WEIGHT_FILES[which]
     if not weights_path.is_file():

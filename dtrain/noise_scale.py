@@ -78,12 +78,13 @@ class GradientSums:
         self.norms_sq.append(float(flat.square().sum()))
         self.samples.append(float(samples))
 
-    def _estimate(self, left_out: int | None) -> tuple[float, float]:
+    def _estimate(self, total: torch.Tensor, left_out: int | None) -> tuple[float, float]:
+        """The estimate from every gradient (``total``: the sum of all groups), or without group ``left_out``."""
         keep = [i for i in range(len(self.norms_sq)) if left_out is None or i % self.groups != left_out]
         n = torch.tensor([self.samples[i] for i in keep], dtype=torch.float64)
         big = float(n.sum())
-        total = self.group_sums.sum(0) if left_out is None else \
-            self.group_sums.sum(0) - self.group_sums[left_out]
+        if left_out is not None:
+            total = total - self.group_sums[left_out]
         big_norm_sq = float((total / big).square().sum())
         small_norm_sq = sum(self.norms_sq[i] for i in keep) / len(keep)
         harmonic = float(len(keep) / (1.0 / n).sum())  # E|g_i|^2 = |G|^2 + tr(Sigma) / n_i, averaged over i
@@ -98,13 +99,14 @@ class GradientSums:
         """
         if len(self.norms_sq) < 2:
             raise ValueError(f"{len(self.norms_sq)} gradient(s): expected at least 2 minibatches at the same weights")
-        norm_sq, trace = self._estimate(None)
+        total = self.group_sums.sum(0)
+        norm_sq, trace = self._estimate(total, None)
         se = math.nan
         groups = min(self.groups, len(self.norms_sq))
         if groups >= 2 and len(self.norms_sq) >= 2 * groups:
             ratios = []
             for left_out in range(groups):
-                g_sq, tr = self._estimate(left_out)
+                g_sq, tr = self._estimate(total, left_out)
                 ratios.append(tr / g_sq if g_sq > 0 else math.inf)
             ratios_t = torch.tensor(ratios, dtype=torch.float64)
             se = math.sqrt((groups - 1) / groups * float((ratios_t - ratios_t.mean()).square().sum()))
@@ -198,23 +200,16 @@ def _checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
 
 def _load_setup(run_dir: Path):
     """``(config, model, loss, training source, binding)`` from the run directory's latest config."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
     from dtrain.build import _instantiate as instantiate  # a component's own error as one line naming it
-    from dtrain.build import latest_config_path
+    from dtrain.build import load_run_config, session_inputs
     from dtrain.session.binding import StreamBinding
 
-    config_path = latest_config_path(run_dir)
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist; expected the config of a run directory")
-    config = OmegaConf.load(config_path)
+    config_path, config = load_run_config(run_dir)
     torch.manual_seed(int(config.get("seed", 0)))
     model = instantiate(config.model, "model")
     loss_fn = instantiate(config.loss, "loss")
     source = instantiate(config.source.train, f"source.train of {config_path}")
-    inputs = config.session.inputs
-    inputs = OmegaConf.to_container(inputs, resolve=True) if isinstance(inputs, (DictConfig, ListConfig)) else inputs
-    return config, model, loss_fn, source, StreamBinding(inputs, config.session.target)
+    return config, model, loss_fn, source, StreamBinding(session_inputs(config.session), config.session.target)
 
 
 def main(argv: list[str] | None = None) -> int:
