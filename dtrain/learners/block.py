@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from dtrain.exchange import Exchange, full_precision_allreduce_bytes
 from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
-from dtrain.learners.settings import BLOCK_SIZE, BLOCK_SYNC
+from dtrain.learners.settings import BLOCK_SIZE, BLOCK_SYNC, MOMENTUM_CORRECTION
 from dtrain.rules import check_settings
 
 #: Optimizer state entries the momentum reset zeroes: the first-moment (momentum) buffers of
@@ -29,6 +30,32 @@ from dtrain.rules import check_settings
 #: they scale the steps, and zeroing them while bias correction is already ~1 would make the next
 #: steps several times larger than the learning rate asks for.
 MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")
+
+
+@dataclass
+class LearningRateTrace:
+    """The inner learning rate over one block's local steps, for the momentum correction.
+
+    Its :meth:`mean` is the value itself when the rate did not change in the block (so a constant rate
+    gives a correction of exactly 1), else the mean over the steps.
+    """
+
+    total: float = 0.0
+    steps: int = 0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, lr: float) -> None:
+        """Counts one local step at ``lr``."""
+        self.total += lr
+        self.steps += 1
+        self.low, self.high = min(self.low, lr), max(self.high, lr)
+
+    def mean(self) -> float | None:
+        """The block's learning rate (None: no step counted)."""
+        if self.steps == 0:
+            return None
+        return self.low if self.low == self.high else self.total / self.steps
 
 
 def largest_block_size(samples_per_sweep: int, num_workers: int) -> float:
@@ -105,6 +132,8 @@ class BlockLearner(Learner):
         local_learning_rate: ``"full"`` or ``"share"`` (``checks.LOCAL_LEARNING_RATES``).
         reset_sgd_momentum_after_aggregation: zero the optimizer's momentum buffers at each sync.
         outer_comm: the communicator of the delta exchange (None: ``comm``).
+        momentum_correction: at each sync, before the outer update, scale the outer state by the
+            ratio of this block's inner learning rate to the last block's (:meth:`correct_outer_momentum`).
 
     Raises:
         ValueError: a value out of range, or ``block_size // N`` is 0.
@@ -118,15 +147,17 @@ class BlockLearner(Learner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
                  local_learning_rate: str = "full", reset_sgd_momentum_after_aggregation: bool = False,
-                 outer_comm=None):
+                 outer_comm=None, momentum_correction: bool = False):
         super().__init__(optimizer, comm, distributed_after)
         self.outer_comm = self.comm if outer_comm is None else outer_comm
         # before any restore: a strategy's state loads onto its communicator
         self.exchange = bind_exchange(exchange, self.outer_comm)
         self.block_size_is_auto = block_size == AUTO
-        check_settings({**BLOCK_SYNC, **BLOCK_SIZE}, local_learning_rate=local_learning_rate, block_size=block_size,
-                       reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation)
+        check_settings({**BLOCK_SYNC, **BLOCK_SIZE, **MOMENTUM_CORRECTION}, local_learning_rate=local_learning_rate, block_size=block_size,
+                       reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
+                       momentum_correction=momentum_correction)
         self.local_learning_rate = local_learning_rate
+        self.momentum_correction = bool(momentum_correction)
         self.reset_sgd_momentum_after_aggregation = bool(reset_sgd_momentum_after_aggregation)
         self.block_size = self.sync_period = 0
         self._restored_block_size: int | None = None  # what "auto" stood for in the run a checkpoint began
@@ -141,6 +172,8 @@ class BlockLearner(Learner):
         self.syncs = 0                      # block syncs done so far
         self.prev_parameters: torch.Tensor | None = None     # W_prev, flat: the model of the last sync
         self.smoothed_gradient: torch.Tensor | None = None   # the outer step's flat state (keeps_outer_state)
+        self.block_lr = LearningRateTrace()                  # the inner lr over this block's local steps
+        self.previous_block_lr: float | None = None          # the last block's (momentum_correction)
 
         # -- working memory, set by prepare()
         self._model: torch.nn.Module | None = None
@@ -256,6 +289,10 @@ class BlockLearner(Learner):
         """How ``block_size="auto"`` was derived, for :meth:`describe`."""
         return " (auto)"
 
+    def describe_momentum_correction(self) -> str:
+        """Whether the outer state follows the inner learning rate's schedule (start-up line)."""
+        return f"momentum correction {'on' if self.momentum_correction else 'off'}"
+
     def describe_local_steps(self) -> str:
         """The local steps' learning rate, in words."""
         if self.local_learning_rate == "share":
@@ -336,6 +373,7 @@ class BlockLearner(Learner):
         self.exchange_seconds_last_step = 0.0
         self._local_step()
         if blocks_started:
+            self.block_lr.add(float(self.optimizer.param_groups[0]["lr"]))  # the configured lr (share restored)
             self.local_samples_in_block += self.local_samples
             self.global_samples_in_block += self.global_samples
             self.largest_share_in_block += -(-self.global_samples // self.comm.size)
@@ -424,13 +462,32 @@ class BlockLearner(Learner):
             torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
             if self.outer_comm.size > 1:
                 self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
+            self.correct_outer_momentum()
             self.outer_update(model_delta)
             unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
+        self.previous_block_lr = self.block_lr.mean()
+        self.block_lr = LearningRateTrace()
         self.syncs += 1
         if self.reset_sgd_momentum_after_aggregation:
             self.reset_local_momentum()
         self.after_sync()
+
+    def correct_outer_momentum(self) -> None:
+        """Goyal et al. 2017's momentum correction (section 2.2), at the level of blocks: with
+        ``momentum_correction``, the outer state is multiplied by ``lr_block / lr_previous_block``.
+
+        The outer state (BMUF's ``sg``, DiLoCo's velocity) is a sum of earlier blocks' model changes,
+        each in proportion to the inner learning rate its local steps took. When the schedule lowers
+        the rate, uncorrected stale changes keep moving the model at the old rate for about
+        ``1 / (1 - momentum)`` syncs, just when the schedule asks for small steps
+        (``docs/semantics.md#momentum-correction``). A constant rate gives a factor of exactly 1.
+        """
+        block_lr, previous = self.block_lr.mean(), self.previous_block_lr
+        if not self.momentum_correction or self.smoothed_gradient is None or not block_lr or not previous:
+            return
+        if block_lr != previous:
+            self.smoothed_gradient.mul_(block_lr / previous)
 
     def _exchange_model_delta(self) -> None:
         """Sums the deltas ``d_i`` (the first part of the scratch buffer) over ``outer_comm`` through
@@ -464,6 +521,7 @@ class BlockLearner(Learner):
             broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
         self.flat_parameters(out=self.prev_parameters)
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
+        self.block_lr = LearningRateTrace()
 
     def reset_local_momentum(self) -> None:
         """Zeroes the optimizer's first-moment buffers in place (CNTK's ResetSmoothedGradients)."""
@@ -527,6 +585,8 @@ class BlockLearner(Learner):
             "global_samples_in_block": self.global_samples_in_block,
             "largest_share_in_block": self.largest_share_in_block,
             "syncs": self.syncs,
+            "block_lr": astuple(self.block_lr),  # (sum, steps, low, high) of the inner lr in this block
+            "previous_block_lr": self.previous_block_lr,
             "block_size": self.block_size,  # what "auto" stood for, kept by a resume at the same replicas
             "replicas": self.model_replicas(),
         }
@@ -552,6 +612,9 @@ class BlockLearner(Learner):
         self.global_samples_in_block = int(block["global_samples_in_block"])
         self.largest_share_in_block = int(block["largest_share_in_block"])
         self.syncs = int(block["syncs"])
+        # checkpoints before the momentum correction: no rate recorded, so the first sync leaves the state
+        self.block_lr = LearningRateTrace(*block.get("block_lr", ()))
+        self.previous_block_lr = block.get("previous_block_lr")
         if self.block_size_is_auto and block.get("block_size"):
             if block.get("replicas") == self.model_replicas():
                 self._restored_block_size = int(block["block_size"])  # plan() keeps it, whatever max_samples is now

@@ -110,6 +110,9 @@ class BlockMomentumLearner(BlockLearner):
             the optimizer's times ``local_samples / global_samples`` (``checks.LOCAL_LEARNING_RATES``;
             ``docs/semantics.md#block-momentum``).
         outer_comm: the communicator of the delta exchange (None: ``comm``).
+        momentum_correction: before step 2, ``sg <- sg * lr_block / lr_previous_block`` (the inner learning
+            rate averaged over each block's local steps; :meth:`~dtrain.learners.block.BlockLearner.correct_outer_momentum`):
+            dtrain's default, not CNTK's; with a constant learning rate it changes nothing.
 
     Raises:
         ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
@@ -124,7 +127,7 @@ class BlockMomentumLearner(BlockLearner):
                  block_momentum_as_time_constant: float | None = None, use_nesterov_momentum: bool = True,
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
-                 local_learning_rate: str = "full", outer_comm=None):
+                 local_learning_rate: str = "full", outer_comm=None, momentum_correction: bool = True):
         check_settings(BLOCK_MOMENTUM, block_momentum_as_time_constant=block_momentum_as_time_constant,
                        block_learning_rate=block_learning_rate, use_nesterov_momentum=use_nesterov_momentum)
         # block_momentum_as_time_constant null: CNTK's default; 0: block momentum 0
@@ -133,7 +136,7 @@ class BlockMomentumLearner(BlockLearner):
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate=local_learning_rate,
                          reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
-                         outer_comm=outer_comm)
+                         outer_comm=outer_comm, momentum_correction=momentum_correction)
         self.use_nesterov_momentum = use_nesterov_momentum
         self.block_learning_rate = float(block_learning_rate)
 
@@ -174,7 +177,7 @@ class BlockMomentumLearner(BlockLearner):
         momentum = momentum_from_time_constant(self.time_constant / self.comm.size, self.sync_period)
         return (f"time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
                 f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}, "
-                f"{self.describe_local_steps()}")
+                f"{self.describe_momentum_correction()}, {self.describe_local_steps()}")
 
     # -- the block update (the base does the rest) -----------------------------------------------
     def _block_momentum(self) -> float:
@@ -204,7 +207,7 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
                                        reset_sgd_momentum_after_aggregation: bool = True,
                                        block_learning_rate: float = 1.0, distributed_after: int | str = AUTO,
                                        exchange: Exchange | None = None, local_learning_rate: str = "share",
-                                       **aliases: Any) -> BlockMomentumLearner:
+                                       momentum_correction: bool = False, **aliases: Any) -> BlockMomentumLearner:
     """CNTK's ``block_momentum_distributed_learner``: wraps ``optimizer`` in a ``BlockMomentumLearner``.
 
     Arguments as in ``BlockMomentumLearner`` (``block_size`` and ``distributed_after`` in global
@@ -212,7 +215,8 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
     CNTK's local steps by default (``local_learning_rate="share"``: a worker's step takes its share
     of the global minibatch's learning rate), so a CNTK configuration gives CNTK's update once its
     per-sample learning rate is converted (``lr`` = CNTK's per-sample lr x the global minibatch;
-    ``docs/semantics.md#block-momentum``): e.g. ``block_momentum_as_time_constant=0``,
+    ``docs/semantics.md#block-momentum``), and no momentum correction (``learner=block_momentum``
+    turns it on): e.g. ``block_momentum_as_time_constant=0``,
     ``block_size`` one global minibatch and ``block_learning_rate=1`` make data-parallel SGD.
     ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
     ``use_nestrov_momentum`` is accepted in its place.
@@ -236,7 +240,7 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
         use_nesterov_momentum=True if use_nesterov_momentum is None else use_nesterov_momentum,
         reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
         block_learning_rate=block_learning_rate, distributed_after=distributed_after, exchange=exchange,
-        local_learning_rate=local_learning_rate,
+        local_learning_rate=local_learning_rate, momentum_correction=momentum_correction,
     )
 
 

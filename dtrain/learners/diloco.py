@@ -7,7 +7,8 @@ copy, then the workers' model changes are averaged into an outer gradient, and a
 (SGD with Nesterov momentum 0.9, learning rate 0.7) applies it to the model of the last sync.
 :class:`DiLoCoLearner` is a :class:`~dtrain.learners.block.BlockLearner` (block counting, warm
 start, sync points, exchange strategies, checkpoints) whose outer update is DiLoCo's outer step,
-exactly as ``torch.optim.SGD(nesterov=True)`` computes it. ``docs/semantics.md#diloco`` gives the mapping
+exactly as ``torch.optim.SGD(nesterov=True)`` computes it (with the velocity rescaled when the inner
+learning rate changes: the momentum correction). ``docs/semantics.md#diloco`` gives the mapping
 to BMUF's ``block_learning_rate`` and ``block_momentum`` and where the two updates differ.
 """
 from __future__ import annotations
@@ -70,7 +71,9 @@ class DiLoCoLearner(BlockLearner):
        across syncs, as in DiLoCo.
 
     These are ``torch.optim.SGD(lr=outer_learning_rate, momentum=outer_momentum,
-    nesterov=outer_nesterov)`` stepping ``W_prev`` with ``W_prev.grad = g``, op for op. ``v``
+    nesterov=outer_nesterov)`` stepping ``W_prev`` with ``W_prev.grad = g``, op for op (with
+    ``momentum_correction``, ``v`` is first multiplied by the ratio of this block's inner learning
+    rate to the last block's, when they differ). ``v``
     is kept in ``smoothed_gradient`` (replicated, in checkpoints); the exchange strategy's
     per-rank state is in :meth:`local_state_dict`.
 
@@ -88,6 +91,9 @@ class DiLoCoLearner(BlockLearner):
         exchange: the :class:`~dtrain.exchange.Exchange` strategy that sums the model deltas
             (None: fp32 all-reduce; e.g. ``Quantized(num_bits=4)`` for 4-bit outer gradients).
         outer_comm: the communicator of the delta exchange (None: ``comm``).
+        momentum_correction: before step 2, ``v <- v * lr_block / lr_previous_block`` (the inner learning
+            rate averaged over each block's local steps; :meth:`~dtrain.learners.block.BlockLearner.correct_outer_momentum`),
+            so the velocity follows the inner schedule; with a constant learning rate it changes nothing.
 
     Raises:
         ValueError: a value is out of range or of the wrong kind, or ``block_size // N`` is 0.
@@ -98,12 +104,14 @@ class DiLoCoLearner(BlockLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
-                 distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None):
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None,
+                 momentum_correction: bool = True):
         check_settings(DILOCO, outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
                        outer_nesterov=outer_nesterov)
         # the inner optimizer steps at its own lr on every worker (DiLoCo averages the deltas)
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
-                         exchange=exchange, local_learning_rate="full", outer_comm=outer_comm)
+                         exchange=exchange, local_learning_rate="full", outer_comm=outer_comm,
+                         momentum_correction=momentum_correction)
         self.outer_learning_rate = float(outer_learning_rate)
         self.outer_momentum = float(outer_momentum)
         self.outer_nesterov = outer_nesterov
@@ -123,8 +131,8 @@ class DiLoCoLearner(BlockLearner):
     def describe_block(self) -> str:
         """The outer optimizer and the inner one."""
         return (f"outer SGD lr {self.outer_learning_rate:g} momentum {self.outer_momentum:g} Nesterov "
-                f"{'on' if self.outer_nesterov else 'off'}, inner optimizer {type(self.optimizer).__name__} "
-                f"(state kept across syncs)")
+                f"{'on' if self.outer_nesterov else 'off'}, {self.describe_momentum_correction()}, inner optimizer "
+                f"{type(self.optimizer).__name__} (state kept across syncs)")
 
     def outer_update(self, total_delta: torch.Tensor) -> None:
         """``torch.optim.SGD``'s step on ``W_prev`` with gradient ``D / N`` (steps 1-3 above), in

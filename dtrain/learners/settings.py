@@ -56,6 +56,7 @@ class BlockMomentumLearnerConfig:
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas (fp32: allreduce)
     local_learning_rate: str = "full"   # local steps at optimizer.lr, or "share": lr x the worker's share (CNTK's)
+    momentum_correction: StrictBool = True  # sg x (this block's lr / the last's) when the schedule changes the lr
 
 
 @dataclass
@@ -69,6 +70,7 @@ class DiLoCoLearnerConfig:
     outer_nesterov: StrictBool = True
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
+    momentum_correction: StrictBool = True  # velocity x (this block's lr / the last's) when the schedule changes it
 
 
 @dataclass
@@ -139,6 +141,7 @@ TWO_LEVEL_DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **BUCKETS, **FREEZE_V
 BLOCK_SIZE: KeyChecks = {"block_size": _samples_or_auto}
 BLOCK_SYNC: KeyChecks = {"reset_sgd_momentum_after_aggregation": checks.boolean,
                          "local_learning_rate": partial(checks.choice, choices=checks.LOCAL_LEARNING_RATES)}
+MOMENTUM_CORRECTION: KeyChecks = {"momentum_correction": checks.boolean}
 BLOCK_MOMENTUM: KeyChecks = {
     "block_momentum_as_time_constant": partial(checks.positive_number, allow_none=True, allow_zero=True,
                                                unit="samples"),
@@ -186,10 +189,11 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     if OmegaConf.is_missing(node, "block_size"):
         problems.append(f"{name}.block_size is not set: expected the block size in samples, "
                         f"e.g. {name}.block_size=4096")
-    return problems + settings_problems({**BLOCK_SIZE, **BLOCK_MOMENTUM, **BLOCK_SYNC}, node, name)
+    return problems + settings_problems({**BLOCK_SIZE, **BLOCK_MOMENTUM, **BLOCK_SYNC, **MOMENTUM_CORRECTION}, node,
+                                        name)
 
 
-_diloco_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO})
+_diloco_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO, **MOMENTUM_CORRECTION})
 register_rule("dtrain.learners.TwoLevelDiLoCoLearner", _diloco_rules)
 register_rule("dtrain.learners.DiLoCoLearner", _diloco_rules)
 _local_sgd_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE})
