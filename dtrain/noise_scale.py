@@ -199,17 +199,30 @@ def _checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
 
 
 def _load_setup(run_dir: Path):
-    """``(config, model, loss, training source, binding)`` from the run directory's latest config."""
+    """``(config, model, loss, training source, binding, note)`` from the run directory's latest config.
+
+    Length bucketing is turned off: a bucket's minibatches hold sequences of one length range, so a few
+    dozen of them would measure the gradient of that range, not of the data; the noise scale's
+    definition assumes minibatches drawn at random (``note`` says so when the run used it)."""
     from dtrain.build import _instantiate as instantiate  # a component's own error as one line naming it
     from dtrain.build import load_run_config, session_inputs
     from dtrain.session.binding import StreamBinding
+    from dtrain.session.stream_checks import bind_sources
+    from omegaconf import OmegaConf
 
     config_path, config = load_run_config(run_dir)
     torch.manual_seed(int(config.get("seed", 0)))
     model = instantiate(config.model, "model")
     loss_fn = instantiate(config.loss, "loss")
-    source = instantiate(config.source.train, f"source.train of {config_path}")
-    return config, model, loss_fn, source, StreamBinding(session_inputs(config.session), config.session.target)
+    train, note = config.source.train, ""
+    if train.get("length_bucketing"):
+        note = (f"length bucketing off for the measurement (the run used source.train.length_bucketing="
+                f"{train.length_bucketing}): minibatches of sequences drawn at random, as the definition assumes")
+        train = OmegaConf.merge(train, {"length_bucketing": 0})
+    source = instantiate(train, f"source.train of {config_path}")
+    binding = StreamBinding(session_inputs(config.session), config.session.target)
+    bind_sources(binding, {f"source.train of {config_path}": source})  # samples counted as the run counted them
+    return config, model, loss_fn, source, binding, note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         device = _device(args.device)
         run_dir = Path(args.run_dir)
-        config, model, loss_fn, source, binding = _load_setup(run_dir)
+        config, model, loss_fn, source, binding, note = _load_setup(run_dir)
         model.to(device)
         minibatch_size = args.minibatch_size or int(config.session.minibatch_size)
         checkpoints = _checkpoints(run_dir, str(config.session.checkpoint.filename))
@@ -251,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = source.get_checkpoint_state()
     print(f"gradient noise scale of {run_dir}: {args.minibatches} gradients of {minibatch_size} samples per checkpoint")
+    if note:
+        print(note)
     print(f"| samples trained | training loss | B_simple (samples) | B_simple / minibatch | samples a {args.scale:g}x "
           f"minibatch needs, x |")
     print("|---:|---:|---:|---:|---:|")

