@@ -9,6 +9,7 @@ on the same values, so the models must agree bit for bit.
 """
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -111,44 +112,57 @@ def train_one_worker(learner, model, lrs, start_step=0):
         learner.step()
 
 
+def one_worker_diloco(saved: dict | None = None, **options):
+    """A one-worker DiLoCo learner (its outer step moves the model even alone) and its model, prepared;
+    from ``saved`` (``{"learner": ..., "model": ...}``) when given."""
+    model = make_model()
+    if saved is not None:
+        saved = copy.deepcopy(saved)  # the optimizer keeps the loaded tensors: each learner its own
+        model.load_state_dict(saved["model"])
+    learner = DiLoCoLearner(torch.optim.AdamW(model.parameters(), lr=0.02), LocalCommunicator(), block_size=BLOCK,
+                            distributed_after=0, **options)
+    if saved is not None:
+        learner.load_state_dict(saved["learner"])
+    learner.prepare(model)
+    return learner, model
+
+
+def saved_state(learner, model) -> dict:
+    buffer = io.BytesIO()
+    torch.save({"learner": learner.state_dict(), "model": model.state_dict()}, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def test_a_resume_keeps_the_last_block_learning_rate():
     """The last block's lr is in the checkpoint: a run resumed just before the schedule's drop
     corrects at its next sync as the uninterrupted run does, bit for bit."""
-    model = make_model()
-    learner = DiLoCoLearner(torch.optim.AdamW(model.parameters(), lr=0.02), LocalCommunicator(), block_size=BLOCK,
-                            distributed_after=0)
-    learner.prepare(model)
+    learner, model = one_worker_diloco()
     train_one_worker(learner, model, SCHEDULE[:4])
-    buffer = io.BytesIO()
-    torch.save({"learner": learner.state_dict(), "model": model.state_dict()}, buffer)
+    saved = saved_state(learner, model)
     train_one_worker(learner, model, SCHEDULE[4:], start_step=4)
 
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
     assert saved["learner"]["block"]["previous_block_lr"] == BLOCK_MEANS[1]
-    model2 = make_model()
-    model2.load_state_dict(saved["model"])
-    resumed = DiLoCoLearner(torch.optim.AdamW(model2.parameters(), lr=0.02), LocalCommunicator(), block_size=BLOCK,
-                            distributed_after=0)
-    resumed.load_state_dict(saved["learner"])
-    resumed.prepare(model2)
+    resumed, model2 = one_worker_diloco(saved)
     train_one_worker(resumed, model2, SCHEDULE[4:], start_step=4)
     assert torch.equal(flat(model2.parameters()), flat(model.parameters()))
 
 
-def test_a_checkpoint_from_before_the_correction_loads_and_starts_uncorrected():
-    """Checkpoints written before the correction have no recorded lr: the next sync leaves the state."""
-    model = make_model()
-    learner = DiLoCoLearner(torch.optim.AdamW(model.parameters(), lr=0.02), LocalCommunicator(), block_size=BLOCK,
-                            distributed_after=0)
-    learner.prepare(model)
+def test_a_checkpoint_from_before_the_correction_starts_uncorrected():
+    """A checkpoint written before the correction has no recorded lr: its first sync after the resume
+    is the uncorrected one (the lr drops in that block), the later ones are corrected."""
+    learner, model = one_worker_diloco()
     train_one_worker(learner, model, SCHEDULE[:2])
-    state = learner.state_dict()
-    del state["block"]["block_lr"], state["block"]["previous_block_lr"]
-    resumed = DiLoCoLearner(torch.optim.AdamW(make_model().parameters(), lr=0.02), LocalCommunicator(),
-                            block_size=BLOCK, distributed_after=0)
-    resumed.load_state_dict(state)
+    saved = saved_state(learner, model)
+    del saved["learner"]["block"]["block_lr"], saved["learner"]["block"]["previous_block_lr"]
+
+    resumed, model_resumed = one_worker_diloco(saved)
     assert resumed.previous_block_lr is None and resumed.block_lr.mean() is None
+    uncorrected, model_uncorrected = one_worker_diloco(saved, momentum_correction=False)
+    train_one_worker(resumed, model_resumed, SCHEDULE[2:4], start_step=2)
+    train_one_worker(uncorrected, model_uncorrected, SCHEDULE[2:4], start_step=2)
+    assert torch.equal(flat(model_resumed.parameters()), flat(model_uncorrected.parameters()))
+    assert resumed.previous_block_lr == BLOCK_MEANS[1]  # recorded from here on
 
 
 def test_defaults_and_bad_values():
