@@ -153,9 +153,9 @@ class BlockLearner(Learner):
         # before any restore: a strategy's state loads onto its communicator
         self.exchange = bind_exchange(exchange, self.outer_comm)
         self.block_size_is_auto = block_size == AUTO
-        check_settings({**BLOCK_SYNC, **BLOCK_SIZE, **MOMENTUM_CORRECTION}, local_learning_rate=local_learning_rate, block_size=block_size,
-                       reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
-                       momentum_correction=momentum_correction)
+        check_settings({**BLOCK_SYNC, **BLOCK_SIZE, **MOMENTUM_CORRECTION}, local_learning_rate=local_learning_rate,
+                       block_size=block_size, momentum_correction=momentum_correction,
+                       reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation)
         self.local_learning_rate = local_learning_rate
         self.momentum_correction = bool(momentum_correction)
         self.reset_sgd_momentum_after_aggregation = bool(reset_sgd_momentum_after_aggregation)
