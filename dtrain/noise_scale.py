@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GradientSums", "NoiseScale", "simple_noise_scale", "samples_ratio", "measure", "main"]
+__all__ = ["GradientSums", "NoiseScale", "load_run_setup", "main", "measure", "run_checkpoints", "samples_ratio",
+           "simple_noise_scale"]
 
 
 @dataclass(frozen=True)
@@ -192,18 +193,20 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
+def run_checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
+    """``(samples, path)`` of every checkpoint in ``run_dir`` named after ``filename``, oldest first."""
     from dtrain.session.checkpoint import CheckpointFiles
 
     return CheckpointFiles(run_dir / filename).by_content()
 
 
-def _load_setup(run_dir: Path):
+def load_run_setup(run_dir: Path, length_bucketing: int = 0):
     """``(config, model, loss, training source, binding, note)`` from the run directory's latest config.
 
-    Length bucketing is turned off: a bucket's minibatches hold sequences of one length range, so a few
-    dozen of them would measure the gradient of that range, not of the data; the noise scale's
-    definition assumes minibatches drawn at random (``note`` says so when the run used it)."""
+    The training source reads with ``length_bucketing`` (default 0, off: a bucket's minibatches hold
+    sequences of one length range, so a few dozen of them would measure the gradient of that range,
+    not of the data; the noise scale's definition assumes minibatches drawn at random); ``note`` says
+    so when the run used another setting."""
     from dtrain.build import _instantiate as instantiate  # a component's own error as one line naming it
     from dtrain.build import load_run_config, session_inputs
     from dtrain.session.binding import StreamBinding
@@ -215,10 +218,12 @@ def _load_setup(run_dir: Path):
     model = instantiate(config.model, "model")
     loss_fn = instantiate(config.loss, "loss")
     train, note = config.source.train, ""
-    if train.get("length_bucketing"):
-        note = (f"length bucketing off for the measurement (the run used source.train.length_bucketing="
-                f"{train.length_bucketing}): minibatches of sequences drawn at random, as the definition assumes")
-        train = OmegaConf.merge(train, {"length_bucketing": 0})
+    if int(train.get("length_bucketing") or 0) != length_bucketing:
+        reading = (f"buckets of {length_bucketing} sequences" if length_bucketing else
+                   "minibatches of sequences drawn at random, as the definition assumes")
+        note = (f"length bucketing {length_bucketing or 'off'} for the measurement (the run used "
+                f"source.train.length_bucketing={train.get('length_bucketing') or 0}): {reading}")
+        train = OmegaConf.merge(train, {"length_bucketing": length_bucketing})
     source = instantiate(train, f"source.train of {config_path}")
     binding = StreamBinding(session_inputs(config.session), config.session.target)
     bind_sources(binding, {f"source.train of {config_path}": source})  # samples counted as the run counted them
@@ -250,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         device = _device(args.device)
         run_dir = Path(args.run_dir)
-        config, model, loss_fn, source, binding, note = _load_setup(run_dir)
+        config, model, loss_fn, source, binding, note = load_run_setup(run_dir)
         model.to(device)
         minibatch_size = args.minibatch_size or int(config.session.minibatch_size)
-        checkpoints = _checkpoints(run_dir, str(config.session.checkpoint.filename))
+        checkpoints = run_checkpoints(run_dir, str(config.session.checkpoint.filename))
         if not checkpoints:
             raise FileNotFoundError(f"{run_dir} has no checkpoint-<samples>.pt; expected a run's checkpoints "
                                     f"(session.checkpoint.preserve_all=true keeps every one)")

@@ -95,6 +95,15 @@ def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path
     rows = [line for line in noise.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(checkpoints) >= 2 and len(rows) == len(checkpoints), noise.stdout
     assert "8 gradients of 1024 samples" in noise.stdout
+    # the loss by word length at each checkpoint (benchmarks/loss_by_length.py): one row each, a loss per range
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_by_length.py"
+    by_length = subprocess.run([sys.executable, str(script), str(run_dir), "--minibatches", "6", "--threads", "1"],
+                               capture_output=True, text=True, env=plain_environment(), timeout=300)
+    assert by_length.returncode == 0, by_length.stderr
+    rows = [line.split(" | ") for line in by_length.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == len(checkpoints), by_length.stdout
+    overall = [float(row[-1].rstrip(" |")) for row in rows]
+    assert all(0 < loss < 5 for loss in overall) and overall[-1] < overall[0], by_length.stdout  # it learned
     for beam in ([], ["--beam", "1"], ["--ema"]):  # the recipe's beam search, greedy decoding, the weight EMA
         words = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello",
                                 *beam], capture_output=True, text=True, env=plain_environment(), timeout=120)
