@@ -194,10 +194,17 @@ def _device(name: str) -> torch.device:
 
 
 def run_checkpoints(run_dir: Path, filename: str) -> list[tuple[int, Path]]:
-    """``(samples, path)`` of every checkpoint in ``run_dir`` named after ``filename``, oldest first."""
+    """``(samples, path)`` of every checkpoint in ``run_dir`` named after ``filename``, oldest first.
+
+    Raises:
+        FileNotFoundError: there is none (a message that says how to keep them)."""
     from dtrain.session.checkpoint import CheckpointFiles
 
-    return CheckpointFiles(run_dir / filename).by_content()
+    checkpoints = CheckpointFiles(run_dir / filename).by_content()
+    if not checkpoints:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint-<samples>.pt; expected a run's checkpoints "
+                                f"(session.checkpoint.preserve_all=true keeps every one)")
+    return checkpoints
 
 
 def load_run_setup(run_dir: Path, length_bucketing: int = 0):
@@ -259,9 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         model.to(device)
         minibatch_size = args.minibatch_size or int(config.session.minibatch_size)
         checkpoints = run_checkpoints(run_dir, str(config.session.checkpoint.filename))
-        if not checkpoints:
-            raise FileNotFoundError(f"{run_dir} has no checkpoint-<samples>.pt; expected a run's checkpoints "
-                                    f"(session.checkpoint.preserve_all=true keeps every one)")
     except (OSError, ValueError, UserError) as error:
         print(f"python -m dtrain.noise_scale: error: {error}", file=sys.stderr)
         return 2
