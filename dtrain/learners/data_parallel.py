@@ -119,6 +119,7 @@ class DataParallelLearner(ReplicatedLearner):
         self.freeze_variance_setting = freeze_variance  # True, False or "auto" (see :attr:`freeze_variance`)
         self.frozen_variance = FrozenVariance(optimizer)
         self._variance_held: bool | None = None  # state: :attr:`freeze_variance` as rank 0 saw it at the first lossy step
+        self._restored_variance_held: bool | None = None  # the checkpoint's run's choice (None: none made, or unknown)
         self.buckets: list[GradientBucket | InPlaceBucket] = []
         self._hook_handles: list[Any] = []
         self._next_bucket = 0          # state: the first bucket whose all-reduce has not been launched
@@ -228,7 +229,20 @@ class DataParallelLearner(ReplicatedLearner):
             if self.freeze_variance_setting == AUTO and self.comm.size > 1:
                 held = self.comm.broadcast_object(held)
             self._variance_held = bool(held)
+            restored, self._restored_variance_held = self._restored_variance_held, None
+            if restored is not None and restored != self._variance_held and self.comm.is_main:
+                print(self._variance_change_line(restored), flush=True)
         return self._variance_held
+
+    def _variance_change_line(self, restored: bool) -> str:
+        """The one line saying a resumed run holds Adam's variance where its checkpoint's run did not, or the reverse
+        (a checkpoint of another version's ``auto``, or a world size that changes the sums' form)."""
+        was, now = ("held", "releases it") if restored else ("did not hold", "holds it")
+        why = f"freeze_variance={str(self.freeze_variance_setting).lower()}"
+        if self.freeze_variance_setting == AUTO:
+            why += f", {self.comm.size} workers, {self.exchange.describe_plan()}"
+        return (f"dtrain: the checkpoint's run {was} the optimizer's variance; this run {now} from here on: {why}; "
+                f"learner.freeze_variance={str(restored).lower()} keeps the checkpoint's choice")
 
     def _frozen_note(self) -> str:
         return ", the optimizer's variance frozen from then on" if self.freeze_variance else ""
@@ -340,8 +354,9 @@ class DataParallelLearner(ReplicatedLearner):
 
     def state_dict(self) -> dict[str, Any]:
         """The replicated state, plus the world size the exchange's per-rank state belongs to."""
+        held = self._variance_held if self._variance_held is not None else self._restored_variance_held
         return {**super().state_dict(), "exchange_world_size": self.comm.size,
-                "frozen_variance": self.frozen_variance.state_dict()}
+                "frozen_variance": {**self.frozen_variance.state_dict(), "held": held}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the replicated state and resets the exchange's per-rank state.
@@ -353,8 +368,11 @@ class DataParallelLearner(ReplicatedLearner):
         super().load_state_dict(state)
         self.exchange.reset()
         # the optimizer's state is new: the next lossy step holds its variance, corrected as the saved run's was
-        self.frozen_variance.load_state_dict(state.get("frozen_variance") or {})
+        frozen = state.get("frozen_variance") or {}
+        self.frozen_variance.load_state_dict(frozen)
         self._variance_held = None  # decided again: a restored exchange may form its sums as the saved run did
+        # the saved run's choice, said again if this one differs (checkpoints without "held": held if a copy was kept)
+        self._restored_variance_held = frozen.get("held", True if frozen.get("held_at_steps") else None)
         saved = state.get("exchange_world_size")
         if saved is not None and saved != self.comm.size and self.exchange.stateful \
                 and self.comm.is_main:

@@ -366,12 +366,14 @@ ADAM_START = make_model(seed=0).state_dict()
 
 
 def train_adam_steps(comm, steps: int, freeze_variance="auto", resume_after: int | None = None,
-                     warm_start_mode: str = "allreduce"):
+                     warm_start_mode: str = "allreduce", resume_freeze_variance=None, resume_bits: int = 1,
+                     edit_checkpoint=None):
     """Adam under the 1-bit learner (warm start: 3 steps of 13 samples); the variances and parameters after
-    each step. ``resume_after``: a checkpoint's state loaded into a new learner there, as a resumed job does."""
-    def build(model):
+    each step. ``resume_after``: a checkpoint's state loaded into a new learner there, as a resumed job does
+    (with ``resume_freeze_variance`` and ``resume_bits`` if given, the state first passed to ``edit_checkpoint``)."""
+    def build(model, freeze_variance=freeze_variance, bits=1):
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99))
-        learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=32, num_quantization_bits=1,
+        learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=32, num_quantization_bits=bits,
                                                freeze_variance=freeze_variance, warm_start_mode=warm_start_mode)
         learner.prepare(model)
         return learner
@@ -384,7 +386,10 @@ def train_adam_steps(comm, steps: int, freeze_variance="auto", resume_after: int
         if step == resume_after:
             saved, local = copy.deepcopy(learner.state_dict()), copy.deepcopy(learner.local_state_dict())
             learner.finalize()
-            learner = build(model)
+            learner = build(model, freeze_variance if resume_freeze_variance is None else resume_freeze_variance,
+                            resume_bits)
+            if edit_checkpoint is not None:
+                edit_checkpoint(saved)
             learner.load_state_dict(saved)
             learner.load_local_state_dict(local)
         features = torch.randn(local_sizes[comm.rank], 20, generator=generator)
@@ -424,6 +429,35 @@ def test_a_resumed_job_holds_the_same_frozen_variance_bit_for_bit():
     for (variances, parameters, _), (variances_again, parameters_again, _) in zip(straight, resumed):
         assert all(torch.equal(a, b) for a, b in zip(parameters, parameters_again))
         assert all(torch.equal(a, b) for a, b in zip(variances, variances_again))
+
+
+def forget_the_held_flag(state):
+    """A checkpoint as written before it said whether the variance was held (a kept copy's steps only)."""
+    del state["frozen_variance"]["held"]
+
+
+@pytest.mark.parametrize("freeze, resume_freeze, resume_bits, edit, line", [
+    ("auto", None, 1, None, None),                   # the same choice: nothing said
+    (True, False, 1, None, "the checkpoint's run held the optimizer's variance; this run releases it from here on: "
+                           "freeze_variance=false; learner.freeze_variance=true keeps the checkpoint's choice"),
+    (False, True, 1, None, "the checkpoint's run did not hold the optimizer's variance; this run holds it from here on: "
+                           "freeze_variance=true; learner.freeze_variance=false keeps the checkpoint's choice"),
+    # another version's auto held it at 2 bits, this one does not: said, though the setting is the same
+    (True, "auto", 2, forget_the_held_flag, "the checkpoint's run held the optimizer's variance; this run "
+                                            "releases it from here on: freeze_variance=auto, 2 workers, 2-bit"),
+])
+def test_a_resumed_job_says_when_it_holds_adams_variance_otherwise_than_its_checkpoints_run(
+        capsys, freeze, resume_freeze, resume_bits, edit, line):
+    runs = FakeWorld(2).run(lambda comm: train_adam_steps(comm, steps=6, freeze_variance=freeze, resume_after=4,
+                                                          resume_freeze_variance=resume_freeze,
+                                                          resume_bits=resume_bits, edit_checkpoint=edit))
+    said = [text for text in capsys.readouterr().out.splitlines() if "variance" in text]
+    if line is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith("dtrain: " + line), said  # once, from rank 0
+    held_after_resume = torch.equal(runs[0][0][5], runs[0][0][4])
+    assert held_after_resume is (resume_freeze is True or (resume_freeze is None and freeze == "auto"))
 
 
 @pytest.mark.parametrize("optimizer, exchange, freeze, expected", [
