@@ -396,8 +396,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                     break
                 self._apply_schedules(seen, size)
                 self._step.train(batch, sums, timer)
-                if self.ema is not None and self.learner.is_sync_point():
-                    self.ema.update(self.model)  # one model on every rank here (dtrain.session.weight_ema)
+                if self.ema is not None:  # taken in where every rank holds one model (dtrain.session.weight_ema)
+                    self.ema.after_step(self.model, self.learner.is_sync_point())
                 if not trained:  # the first minibatch passed every check: the run directory may change now
                     trained = True
                     self._start_outputs(metrics)
@@ -429,6 +429,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
 
             # the end: one last synchronisation, then each action once more for a partial period
             self.learner.synchronize()
+            if self.ema is not None and not preempted:  # a block learner's last, partial block
+                self.ema.after_last_sync(self.model)
             seen = self.learner.samples_seen
             if self.progress_period.frequency and throughput.period_samples > 0:
                 self._report_progress(printer, metrics, sums, throughput, timer)

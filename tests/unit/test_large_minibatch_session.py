@@ -114,6 +114,48 @@ def test_lr_scaling_rules():
         LearningRateScaling("cube", 64, 16)
 
 
+class EveryFourthStepLearner(LocalLearner):
+    """A stand-in for a block learner: the ranks "hold one model" only after every fourth step."""
+
+    def is_sync_point(self) -> bool:
+        return self.samples_seen % 64 == 0  # 4 minibatches of 16
+
+
+def test_between_syncs_the_weight_ema_counts_optimizer_steps_not_syncs(tmp_path):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    after_each_step = []
+    optimizer.register_step_post_hook(lambda *_: after_each_step.append(
+        [p.detach().clone() for p in model.parameters()]))
+    session = training_session(model, nn.functional.cross_entropy, EveryFourthStepLearner(optimizer),
+                               MinibatchSource(four_class_data(), randomization_seed=3), 16, max_samples=160,
+                               progress_frequency=0, ema_decay=0.8, run_dir=tmp_path, tensorboard=False,
+                               stream=io.StringIO())
+    session.train()
+    assert len(after_each_step) == 10
+    # taken in after steps 4 and 8 (the syncs) and 10 (the run's end): decay^4, then decay^2 for the last two
+    expected = after_each_step[3]
+    for weights, steps in ((after_each_step[7], 4), (after_each_step[9], 2)):
+        expected = [0.8 ** steps * e + (1 - 0.8 ** steps) * w for e, w in zip(expected, weights)]
+    assert session.ema.updates == 3 and session.ema.steps_since_update == 0
+    for got, want in zip(session.ema.module.parameters(), expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_steps_not_yet_taken_in_survive_a_checkpoint_and_old_checkpoints_have_none():
+    model = _model()
+    ema = WeightEMA(model, 0.9)
+    ema.after_step(model, True)
+    ema.after_step(model, False)
+    ema.after_step(model, False)
+    resumed = WeightEMA(_model(), 0.9)
+    resumed.load_state_dict(ema.state_dict())
+    assert resumed.steps_since_update == 2 and resumed.updates == 1
+    old = {key: value for key, value in ema.state_dict().items() if key != "steps_since_update"}
+    resumed.load_state_dict(old)
+    assert resumed.steps_since_update == 0
+
+
 def test_the_weight_ema_state_round_trip_continues_bit_identically():
     model = _model()
     straight, first = WeightEMA(model, 0.9), WeightEMA(model, 0.9)
