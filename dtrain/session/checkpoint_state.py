@@ -14,7 +14,8 @@ A checkpoint is a dictionary with these entries (all plain containers and tensor
 - ``settings``: the settings that may change on resume, as the run that wrote it used them;
 - ``config_fingerprint``, ``versions`` (dtrain and torch);
 - ``loss_scaler``: fp16's ``torch.amp.GradScaler`` state dict (only when training in fp16).
-- ``weight_ema``: the weight average's ``AveragedModel`` state dict (only with ``session.ema_decay``).
+- ``weight_ema``: the weight average's ``AveragedModel`` state dict and ``steps_since_update`` (only with
+  ``session.ema_decay``).
 
 Restoring refuses a checkpoint whose identity differs (naming the first difference) and
 re-applies the configured optimizer hyper-parameters after loading the optimizer state, so a
