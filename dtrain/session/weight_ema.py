@@ -45,7 +45,8 @@ class WeightEMA:
 
     def __init__(self, model: torch.nn.Module, decay: float) -> None:
         self.decay = check_ema_decay("ema_decay", decay)
-        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=False)
+        self._per_step = get_ema_multi_avg_fn(self.decay)  # every update under data-parallel learners
+        self.averaged = AveragedModel(model, multi_avg_fn=self._per_step, use_buffers=False)
         self.steps_since_update = 0  # state: optimizer steps not yet taken in (a block learner between syncs)
 
     @property
@@ -78,7 +79,7 @@ class WeightEMA:
         """Takes in ``model``'s current weights (and copies its buffers), as ``decay ** k`` for the ``k`` steps
         counted since the last update (at least one)."""
         steps = max(self.steps_since_update, 1)
-        self.averaged.multi_avg_fn = get_ema_multi_avg_fn(self.decay ** steps)
+        self.averaged.multi_avg_fn = self._per_step if steps == 1 else get_ema_multi_avg_fn(self.decay ** steps)
         self.averaged.update_parameters(model)
         self.steps_since_update = 0
 
