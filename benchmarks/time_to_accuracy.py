@@ -65,6 +65,9 @@ RECIPES = {
 
 
 # -- the outside reference: torch DDP with torch's PowerSGD hook -------------------------------------
+DIGITS_AUTO_RANK = 4
+"""The rank ``learner=powersgd`` chooses on digits (``dtrain: PowerSGD rank auto: 4, ...``), given to torch's hook."""
+
 def ddp_worker(args: argparse.Namespace) -> None:
     """Trains the digits recipe with torch DDP + ``powerSGD_hook``; rank 0 writes a metrics.jsonl."""
     import torch
@@ -90,8 +93,10 @@ def ddp_worker(args: argparse.Namespace) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     settings = instantiate(cfg.learner.exchange)  # learner=powersgd's own strategy, for its settings
     settings.plan(RunFacts(max_samples=cfg.session.max_samples, minibatch_size=cfg.session.minibatch_size))
+    # torch's hook takes a number: the rank learner=powersgd's "auto" chooses on digits (its run prints it)
+    rank = DIGITS_AUTO_RANK if settings.rank_is_auto else settings.matrix_approximation_rank
     state = powersgd.PowerSGDState(
-        process_group=None, matrix_approximation_rank=settings.matrix_approximation_rank,
+        process_group=None, matrix_approximation_rank=rank,
         start_powerSGD_iter=settings.start_powersgd_iter, min_compression_rate=settings.min_compression_rate,
         use_error_feedback=settings.use_error_feedback, warm_start=settings.warm_start,
         orthogonalization_epsilon=settings.orthogonalization_epsilon, random_seed=settings.random_seed)

@@ -52,7 +52,7 @@ LEARNERS = {
                                                "learner.warm_start_mode=local"],
     "two_level_quantized 1-bit": ["learner=two_level_quantized"],
     "two_level_quantized 1-bit, local warm start": ["learner=two_level_quantized", "learner.warm_start_mode=local"],
-    "two_level_powersgd rank 2": ["learner=two_level_powersgd"],
+    "two_level_powersgd": ["learner=two_level_powersgd"],
 }
 
 

@@ -14,6 +14,13 @@ same gradients (tested against each other). Per key (gradient bucket):
    ``Q = M^T P``, Q all-reduced, ``M ~= P Q^T``;
 4. the error (input minus this rank's share of the result) is kept for the next step.
 
+``matrix_approximation_rank="auto"`` (``learner=powersgd``'s default) chooses the rank once, from the
+all-reduced gradient of the last plain all-reduce step: the smallest power of two whose best approximation
+leaves at most :data:`~dtrain.compress.lowrank.AUTO_RANK_ERROR` of it out (relative Frobenius error, matrices
+sent whole counting as exact), so a gradient of low rank (a small CNN: rank 4) travels as few factors and one
+that is not (a transformer trained with AdamW: rank 16) keeps its quality
+(``docs/exchange-strategies.md#powersgd-rank``).
+
 The only difference to the hook is dtrain's convention: the learner hands over gradients
 already divided by the number of contributions (their SUM is the mean gradient), so nothing is
 divided by the world size afterwards, and the error is ``input - result / world_size`` (the
@@ -31,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtrain.compress.lowrank import orthogonalize_, should_compress
+from dtrain.compress.lowrank import AUTO_RANK_ERROR, CANDIDATE_RANKS, choose_rank, orthogonalize_, should_compress, \
+    tail_energies
 from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes, split_views, warn_residuals_dropped
 from dtrain.exchange.settings import POWERSGD
 from dtrain.rules import check_settings
@@ -55,7 +63,8 @@ class PowerSGD(ThreadedExchange):
     decompressed gradient.
 
     Args:
-        matrix_approximation_rank: r, the rank of the approximation (>= 1; 1-4 is typical).
+        matrix_approximation_rank: r, the rank of the approximation (>= 1; 1-4 is typical for CNNs), or ``"auto"``:
+            chosen from the gradient of the last all-reduce step (above; one more all-reduce step when there is none).
         start_powersgd_iter: exchange steps of plain all-reduce before compression starts (>= 0),
             counted as the learner exchanges: minibatches under the data-parallel learner, syncs
             under block momentum and DiLoCo (which say so at start-up). ``"auto"``: 10% of the run's
@@ -78,7 +87,7 @@ class PowerSGD(ThreadedExchange):
 
     name = "powersgd"
 
-    def __init__(self, matrix_approximation_rank: int = 1, start_powersgd_iter: int | str | None = None,
+    def __init__(self, matrix_approximation_rank: int | str = 1, start_powersgd_iter: int | str | None = None,
                  min_compression_rate: float = 2.0, use_error_feedback: bool | None = None, warm_start: bool = True,
                  orthogonalization_epsilon: float = 0.0, random_seed: int = 0):
         super().__init__()
@@ -86,7 +95,8 @@ class PowerSGD(ThreadedExchange):
                        start_powersgd_iter=start_powersgd_iter, min_compression_rate=min_compression_rate,
                        use_error_feedback=use_error_feedback, warm_start=warm_start,
                        orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed)
-        self.matrix_approximation_rank = int(matrix_approximation_rank)
+        self.rank_is_auto = matrix_approximation_rank == "auto"
+        self.matrix_approximation_rank: int | None = None if self.rank_is_auto else int(matrix_approximation_rank)
         self.start_is_auto = start_powersgd_iter == "auto"
         self.start_is_default = start_powersgd_iter is None
         self.start_powersgd_iter = DEFAULT_START_ITER if self.start_is_auto or self.start_is_default \
@@ -103,8 +113,10 @@ class PowerSGD(ThreadedExchange):
 
     # -- identity and progress -------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
-        """The name and the rank: P and Q of another rank do not fit."""
-        return {"name": self.name, "matrix_approximation_rank": self.matrix_approximation_rank}
+        """The name and the rank setting (``"auto"`` or a number): P and Q of another rank do not fit; an automatic
+        rank already chosen travels in the state."""
+        return {"name": self.name,
+                "matrix_approximation_rank": "auto" if self.rank_is_auto else self.matrix_approximation_rank}
 
     def describe(self) -> str:
         """``powersgd rank r``, and while compression has not started ``(all-reduce for the first s
@@ -114,7 +126,16 @@ class PowerSGD(ThreadedExchange):
             note = f", {self._start_note}" if self._start_note else ""
             waiting = f" (all-reduce for the first {self.start_powersgd_iter:,} {self.step_name}s{note})"
         feedback = "" if self.use_error_feedback else ", error feedback off"
-        return f"powersgd rank {self.matrix_approximation_rank}{waiting}{feedback}"
+        return f"powersgd rank {self._describe_rank()}{waiting}{feedback}"
+
+    def _describe_rank(self) -> str:
+        """The rank, and for ``"auto"`` how it was (or will be) chosen."""
+        if not self.rank_is_auto:
+            return str(self.matrix_approximation_rank)
+        if self.matrix_approximation_rank is None:
+            return (f"auto (the smallest power of two leaving at most {AUTO_RANK_ERROR} of the all-reduced "
+                    f"gradient out, chosen at the switch)")
+        return f"{self.matrix_approximation_rank} (auto)"
 
     def plan(self, facts, steps: int | None = None, step_name: str = "step") -> None:
         """Derives the start in the learner's exchange steps (``step_name``: minibatch ``"step"`` or
@@ -162,10 +183,15 @@ class PowerSGD(ThreadedExchange):
         """One bucket's PowerSGD exchange (or plain all-reduce before ``start_powersgd_iter``), blocking."""
         comm, world = self.comm, self.comm.size
         self.full_precision_bytes_last_step += full_precision_allreduce_bytes(flat.numel(), world)
-        if self.step < self.start_powersgd_iter:
+        if self.step < self.start_powersgd_iter or self._measuring_rank():
             comm.allreduce(flat, op="sum")
             self.bytes_sent_last_step += full_precision_allreduce_bytes(flat.numel(), world)
+            if self.rank_is_auto and self.matrix_approximation_rank is None \
+                    and self.step >= self.start_powersgd_iter - 1:
+                self._measure_spectrum(flat, shapes)
             return flat
+        if self.matrix_approximation_rank is None:
+            self._choose_rank()
         device, dtype = flat.device, flat.dtype
         input_copy = None
         if self.use_error_feedback:
@@ -244,6 +270,39 @@ class PowerSGD(ThreadedExchange):
                                          for count in (uncompressed_memory.numel(), p_size, q_size))
         return flat
 
+    # -- the automatic rank ----------------------------------------------------------------------
+    def _measuring_rank(self) -> bool:
+        """Whether this step is still a plain all-reduce for ``"auto"``: no all-reduce step has been measured yet
+        (``start_powersgd_iter=0``, or a checkpoint without it), or this step is the one being measured."""
+        if not self.rank_is_auto or self.matrix_approximation_rank is not None:
+            return False
+        return self._spectrum is None or self._spectrum["step"] == self.step
+
+    def _measure_spectrum(self, flat: torch.Tensor, shapes: list[torch.Size]) -> None:
+        """Adds one all-reduced bucket (the same on every rank) to this step's tail energies
+        (:func:`~dtrain.compress.lowrank.tail_energies`), each tensor viewed as the exchange views it."""
+        if self._spectrum is None or self._spectrum["step"] != self.step:
+            self._spectrum = {"step": self.step, "tails": [0.0] * len(CANDIDATE_RANKS), "total": 0.0}
+        matrices = [tensor.view(tensor.shape[0] if tensor.dim() else 1, -1) for tensor in split_views(flat, shapes)]
+        tails, total = tail_energies(matrices, self.min_compression_rate)
+        self._spectrum["tails"] = [old + tails[rank] for old, rank in zip(self._spectrum["tails"], CANDIDATE_RANKS)]
+        self._spectrum["total"] += total
+
+    def _choose_rank(self) -> None:
+        """Chooses the rank from the measured step (:func:`~dtrain.compress.lowrank.choose_rank`), rank 0's choice
+        broadcast so all ranks size P and Q alike, and says so on rank 0 (one line)."""
+        tails = dict(zip(CANDIDATE_RANKS, self._spectrum["tails"]))
+        rank, self._chosen_error = choose_rank(tails, self._spectrum["total"])
+        self.matrix_approximation_rank = int(self.comm.broadcast(torch.tensor([rank], dtype=torch.int64, device=self.comm.device)).item())
+        if self.comm.is_main:
+            total = self._spectrum["total"]
+            smaller = [f"rank {r}: {math.sqrt(tails[r] / total):.2f}" for r in CANDIDATE_RANKS
+                       if r < rank and total > 0][-2:]
+            others = f"; {', '.join(smaller)}" if smaller else ""
+            print(f"dtrain: PowerSGD rank auto: {rank}, whose best approximation leaves {self._chosen_error:.2f} of "
+                  f"{self.step_name} {self._spectrum['step'] + 1:,}'s all-reduced gradient out (at most "
+                  f"{AUTO_RANK_ERROR}{others}); learner.exchange.matrix_approximation_rank=R sets one", flush=True)
+
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: the step counter, the seed generator, and per key the error, P and Q (CPU copies)."""
@@ -251,8 +310,12 @@ class PowerSGD(ThreadedExchange):
 
         def cpu(tensors: dict) -> dict:
             return {key: tensor.detach().cpu().clone() for key, tensor in tensors.items()}
-        return {"name": self.name, "steps_begun": self.steps_begun, "rng": _rng_state(self.rng),
-                "errors": cpu(self.errors), "p_memory": cpu(self.p_memory), "q_memory": cpu(self.q_memory)}
+        state = {"name": self.name, "steps_begun": self.steps_begun, "rng": _rng_state(self.rng),
+                 "errors": cpu(self.errors), "p_memory": cpu(self.p_memory), "q_memory": cpu(self.q_memory)}
+        if self.rank_is_auto:
+            state["auto_rank"] = {"rank": self.matrix_approximation_rank, "error": self._chosen_error,
+                                  "spectrum": self._spectrum}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output (saved at the same world size). With error feedback off
@@ -267,6 +330,10 @@ class PowerSGD(ThreadedExchange):
         self.errors = {key: tensor.to(device) for key, tensor in errors.items()}
         self.p_memory = {key: tensor.to(device) for key, tensor in state["p_memory"].items()}
         self.q_memory = {key: tensor.to(device) for key, tensor in state["q_memory"].items()}
+        if self.rank_is_auto:
+            auto = state.get("auto_rank") or {"rank": None, "error": None, "spectrum": None}
+            self.matrix_approximation_rank, self._chosen_error = auto["rank"], auto["error"]
+            self._spectrum = auto["spectrum"]
 
     def reset(self) -> None:
         """Back to a fresh start: no error, new random Q, and ``start_powersgd_iter`` all-reduce steps again."""
@@ -277,6 +344,10 @@ class PowerSGD(ThreadedExchange):
         self.p_memory: dict[Hashable, torch.Tensor] = {}
         self.q_memory: dict[Hashable, torch.Tensor] = {}
         self.steps_begun = 0
+        if self.rank_is_auto:  # chosen again from the next measured step
+            self.matrix_approximation_rank = None
+        self._chosen_error: float | None = None
+        self._spectrum: dict[str, Any] | None = None  # the measured step: {"step", "tails" per CANDIDATE_RANKS, "total"}
 
 
 def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:

@@ -45,7 +45,7 @@ class PowerSGDExchangeConfig:
     (PyTorch's ``powerSGD_hook``, same defaults)."""
 
     _target_: str = "dtrain.exchange.PowerSGD"
-    matrix_approximation_rank: int = 1
+    matrix_approximation_rank: Any = 1  # or "auto": from the gradient at the switch (learner=powersgd's default)
     start_powersgd_iter: Any = None     # exchange steps (minibatches; syncs of block learners) of plain all-reduce
     #                                     first, or "auto": 10% of the run's; null: torch's 1000 minibatches, auto for syncs
     min_compression_rate: float = 2.0
@@ -89,8 +89,18 @@ def _steps_or_auto(name: str, value):
         raise ValueError(f"{error}, auto or null") from None
 
 
+def _rank_or_auto(name: str, value):
+    """A whole number >= 1, or ``"auto"`` (chosen from the gradient when compression starts)."""
+    if value == "auto":
+        return value
+    try:
+        return checks.whole_number(name, value, low=1)
+    except ValueError as error:
+        raise ValueError(f"{error} or auto") from None
+
+
 POWERSGD: KeyChecks = {
-    "matrix_approximation_rank": partial(checks.whole_number, low=1),
+    "matrix_approximation_rank": _rank_or_auto,
     "start_powersgd_iter": _steps_or_auto,
     "min_compression_rate": checks.positive_number,
     "use_error_feedback": partial(checks.boolean, allow_none=True),

@@ -43,7 +43,7 @@ def test_the_wrapper_takes_only_a_plain_strategy() -> None:
 
 @pytest.mark.parametrize("preset, expected", [
     ("two_level_quantized", {"_target_": "dtrain.exchange.Quantized", "num_bits": 1}),
-    ("two_level_powersgd", {"_target_": "dtrain.exchange.PowerSGD", "matrix_approximation_rank": 2,
+    ("two_level_powersgd", {"_target_": "dtrain.exchange.PowerSGD", "matrix_approximation_rank": "auto",
                             "start_powersgd_iter": "auto"}),
 ])
 def test_the_presets_compose_with_the_one_level_defaults(preset: str, expected: dict) -> None:
