@@ -43,9 +43,9 @@ CANDIDATE_RANKS = tuple(2 ** k for k in range(11))
 
 AUTO_RANK_ERROR = 0.2
 """``"auto"``: the largest relative error (Frobenius norm) of the exchanged gradient that the chosen rank's best
-approximation may leave. Set between what held and what lost on dtrain's recipes (docs/exchange-strategies.md#powersgd-rank):
-digits' CNN kept float32 accuracy at 0.29-0.34 (rank 2); the language model lost 0.058 nats at 0.34-0.37 (rank 8)
-and 0.023 at 0.17-0.19 (rank 16)."""
+approximation may leave. Set between what held and what lost on dtrain's recipes, measured at the switch
+(docs/exchange-strategies.md#powersgd-rank): digits' CNN kept float32 accuracy at 0.28-0.33 (rank 2); the language
+model lost 0.058 nats at 0.28-0.35 (rank 8) and stays within 0.03 at 0.14-0.18 (rank 16)."""
 
 
 def tail_energies(matrices: list[torch.Tensor], min_compression_rate: float,
