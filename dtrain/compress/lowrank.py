@@ -53,13 +53,20 @@ def tail_energies(matrices: list[torch.Tensor], min_compression_rate: float,
     """What rank-r approximations of ``matrices`` leave out, for each of ``ranks``: the squared Frobenius norm of
     the best rank-r approximation's error summed over the matrices (Eckart-Young: the squares of the singular values
     beyond the r-th), counting 0 for a matrix the exchange would send whole at that rank (:func:`should_compress`);
-    and the matrices' total squared norm. Float64 sums of the singular values of float32 (or wider) copies."""
+    and the matrices' total squared norm. The squared singular values are the eigenvalues of the float64 Gram
+    matrix of the shorter side (2-4x faster than ``svdvals`` on the CPU, within 1e-5 of the largest); a matrix sent
+    whole even at rank 1 (every vector and bias) needs only its norm."""
     tails = {rank: 0.0 for rank in ranks}
     total = 0.0
     for matrix in matrices:
         rows, cols = matrix.shape
-        squares = torch.linalg.svdvals(matrix.detach().to(torch.float64 if matrix.dtype == torch.float64
-                                                          else torch.float32)).double() ** 2
+        wide = matrix.detach().to(torch.float64)
+        if not should_compress(rows, cols, 1, min_compression_rate):
+            total += float(wide.square().sum())
+            continue
+        if rows > cols:
+            wide = wide.T
+        squares = torch.linalg.eigvalsh(wide @ wide.T).flip(0).clamp_min(0)  # descending
         energy = float(squares.sum())
         total += energy
         kept = torch.cumsum(squares, 0)
