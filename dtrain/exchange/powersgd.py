@@ -293,7 +293,8 @@ class PowerSGD(ThreadedExchange):
         broadcast so all ranks size P and Q alike, and says so on rank 0 (one line)."""
         tails = dict(zip(CANDIDATE_RANKS, self._spectrum["tails"]))
         rank, self._chosen_error = choose_rank(tails, self._spectrum["total"])
-        self.matrix_approximation_rank = int(self.comm.broadcast(torch.tensor([rank], dtype=torch.int64, device=self.comm.device)).item())
+        chosen = torch.tensor([rank], dtype=torch.int64, device=self.comm.device)
+        self.matrix_approximation_rank = int(self.comm.broadcast(chosen).item())
         if self.comm.is_main:
             total = self._spectrum["total"]
             smaller = [f"rank {r}: {math.sqrt(tails[r] / total):.2f}" for r in CANDIDATE_RANKS
