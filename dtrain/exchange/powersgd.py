@@ -292,7 +292,7 @@ class PowerSGD(ThreadedExchange):
         """Chooses the rank from the measured step (:func:`~dtrain.compress.lowrank.choose_rank`), rank 0's choice
         broadcast so all ranks size P and Q alike, and says so on rank 0 (one line)."""
         tails = dict(zip(CANDIDATE_RANKS, self._spectrum["tails"]))
-        rank, self._chosen_error = choose_rank(tails, self._spectrum["total"])
+        rank, error = choose_rank(tails, self._spectrum["total"])
         chosen = torch.tensor([rank], dtype=torch.int64, device=self.comm.device)
         self.matrix_approximation_rank = int(self.comm.broadcast(chosen).item())
         if self.comm.is_main:
@@ -300,7 +300,7 @@ class PowerSGD(ThreadedExchange):
             smaller = [f"rank {r}: {math.sqrt(tails[r] / total):.2f}" for r in CANDIDATE_RANKS
                        if r < rank and total > 0][-2:]
             others = f"; {', '.join(smaller)}" if smaller else ""
-            print(f"dtrain: PowerSGD rank auto: {rank}, whose best approximation leaves {self._chosen_error:.2f} of "
+            print(f"dtrain: PowerSGD rank auto: {rank}, whose best approximation leaves {error:.2f} of "
                   f"{self.step_name} {self._spectrum['step'] + 1:,}'s all-reduced gradient out (at most "
                   f"{AUTO_RANK_ERROR}{others}); learner.exchange.matrix_approximation_rank=R sets one", flush=True)
 
@@ -314,8 +314,7 @@ class PowerSGD(ThreadedExchange):
         state = {"name": self.name, "steps_begun": self.steps_begun, "rng": _rng_state(self.rng),
                  "errors": cpu(self.errors), "p_memory": cpu(self.p_memory), "q_memory": cpu(self.q_memory)}
         if self.rank_is_auto:
-            state["auto_rank"] = {"rank": self.matrix_approximation_rank, "error": self._chosen_error,
-                                  "spectrum": self._spectrum}
+            state["auto_rank"] = {"rank": self.matrix_approximation_rank, "spectrum": self._spectrum}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -332,9 +331,8 @@ class PowerSGD(ThreadedExchange):
         self.p_memory = {key: tensor.to(device) for key, tensor in state["p_memory"].items()}
         self.q_memory = {key: tensor.to(device) for key, tensor in state["q_memory"].items()}
         if self.rank_is_auto:
-            auto = state.get("auto_rank") or {"rank": None, "error": None, "spectrum": None}
-            self.matrix_approximation_rank, self._chosen_error = auto["rank"], auto["error"]
-            self._spectrum = auto["spectrum"]
+            auto = state.get("auto_rank") or {"rank": None, "spectrum": None}
+            self.matrix_approximation_rank, self._spectrum = auto["rank"], auto["spectrum"]
 
     def reset(self) -> None:
         """Back to a fresh start: no error, new random Q, and ``start_powersgd_iter`` all-reduce steps again."""
@@ -347,7 +345,6 @@ class PowerSGD(ThreadedExchange):
         self.steps_begun = 0
         if self.rank_is_auto:  # chosen again from the next measured step
             self.matrix_approximation_rank = None
-        self._chosen_error: float | None = None
         self._spectrum: dict[str, Any] | None = None  # the measured step: {"step", "tails" per CANDIDATE_RANKS, "total"}
 
 
