@@ -72,18 +72,30 @@ def largest_block_size(samples_per_sweep: int, num_workers: int) -> float:
     return samples_per_sweep * -math.log(1.0 - 1.0 / num_workers) / num_workers
 
 
-def auto_block_size(facts: RunFacts, num_workers: int) -> int:
-    """``block_size="auto"``: the largest whole number of global minibatches within
-    :func:`largest_block_size` (at least one minibatch, and at least ``num_workers`` samples).
+#: ``block_size="auto"`` makes at least this many syncs after the warm start (when the run's length is
+#: known): BMUF filters a stream of block updates, and a run of a few blocks leaves it little to filter.
+#: Measured on the language model at 2 ranks: CNTK's bound alone gave 10 syncs and ended 0.023 nats
+#: behind data_parallel; 52 syncs ended level with it (docs/semantics.md#block-momentum)
+BLOCK_MOMENTUM_MIN_SYNCS = 50
 
-    With the data set's size unknown: 32 global minibatches.
+
+def auto_block_size(facts: RunFacts, num_workers: int, distributed_after: int = 0) -> int:
+    """``block_size="auto"``: the largest whole number of global minibatches within
+    :func:`largest_block_size` and within ``(max_samples - distributed_after) / 50``
+    (:data:`BLOCK_MOMENTUM_MIN_SYNCS` syncs after the warm start), at least one minibatch and at
+    least ``num_workers`` samples.
+
+    With the data set's size unknown: 32 global minibatches (or fewer, for 50 syncs).
     """
     minibatch = facts.minibatch_size or num_workers
     if facts.samples_per_sweep is None:
-        return max(32 * minibatch, num_workers)
-    bound = largest_block_size(facts.samples_per_sweep, num_workers)
-    if math.isinf(bound):
-        return max(facts.samples_per_sweep, num_workers)
+        bound = 32 * minibatch
+    else:
+        bound = largest_block_size(facts.samples_per_sweep, num_workers)
+        if math.isinf(bound):
+            bound = facts.samples_per_sweep
+    if facts.max_samples:
+        bound = min(bound, max(facts.max_samples - distributed_after, 0) / BLOCK_MOMENTUM_MIN_SYNCS)
     return max(int(bound // minibatch) * minibatch, minibatch, num_workers)
 
 
@@ -230,8 +242,8 @@ class BlockLearner(Learner):
 
     def auto_block_size(self, facts: RunFacts) -> int:
         """What ``block_size="auto"`` stands for in a run of ``facts`` (the warm start is known by now):
-        :func:`auto_block_size` (CNTK's bound for block momentum) here."""
-        return auto_block_size(facts, self.model_replicas())
+        :func:`auto_block_size` (CNTK's bound for block momentum, and 50 syncs) here."""
+        return auto_block_size(facts, self.model_replicas(), self.distributed_after)
 
     def expected_syncs(self, facts: RunFacts) -> int | None:
         """The syncs a run of ``facts`` makes after the warm start (None when its length is unknown):
@@ -436,7 +448,7 @@ class BlockLearner(Learner):
             return
         if self.blocks_started():
             if self.global_samples_in_block > 0:
-                self._sync()  # float buffers are averaged inside it
+                self._sync(end_of_block=False)  # float buffers are averaged inside it
             if self.comm.size > 1 and self._other_buffers:
                 broadcast(self._other_buffers, self.comm)
         elif self.comm.size > 1:
@@ -448,12 +460,28 @@ class BlockLearner(Learner):
         # not is_distributed(): one worker runs blocks too (CNTK resets momentum at its syncs)
         return self.samples_seen + after >= self.distributed_after
 
-    def _sync(self) -> None:
-        """The block sync (steps 1-3 of the class docstring), on every rank at once."""
+    def _sync(self, end_of_block: bool = True) -> None:
+        """The block sync (steps 1-3 of the class docstring), on every rank at once.
+
+        A sync before the block is complete (``end_of_block=False``: :meth:`synchronize` at the end
+        of training, or when training stops early) takes no outer step: the workers' models are
+        averaged, ``W = W_prev - D / N``, and the outer state is kept as it is. An outer step there
+        would apply a whole block's momentum after a fraction of a block (block momentum's
+        ``bm = exp(-n / (TC / N))`` even grows as the block shrinks): measured on the language model,
+        the last, partial block of a run raised the validation loss by 0.024 to 0.09 nats that way
+        (``docs/semantics.md#the-last-partial-block``).
+        """
         scratch, parameter_count = self._scratch, self._num_parameter_elements
         model_delta = scratch[:parameter_count]
         self.flat_parameters(out=model_delta)  # W_i for now
-        if self.sync_keeps_model():
+        if not end_of_block and self.outer_comm.size == 1:
+            self.prev_parameters.copy_(model_delta)  # one model: the mean is the model itself
+        elif not end_of_block:
+            torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
+            self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
+            self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)  # the workers' mean
+            unpack(self.prev_parameters, self.parameters)
+        elif self.sync_keeps_model():
             # outer state = D = W_prev - W and W <- W_prev - D = W: the model stays as it is
             if self.smoothed_gradient is not None:
                 torch.sub(self.prev_parameters, model_delta, out=self.smoothed_gradient)
@@ -466,7 +494,8 @@ class BlockLearner(Learner):
             self.outer_update(model_delta)
             unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
-        self.previous_block_lr = self.block_lr.mean()
+        if end_of_block:  # the outer state's learning rate (the momentum correction's reference)
+            self.previous_block_lr = self.block_lr.mean()
         self.block_lr = LearningRateTrace()
         self.syncs += 1
         if self.reset_sgd_momentum_after_aggregation:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from dtrain.learners.base import AUTO, RunFacts
 from dtrain.learners.block import (  # noqa: F401  (auto_block_size, largest_block_size: their home before the base)
     MOMENTUM_STATE_KEYS,
     BlockLearner,
+    BLOCK_MOMENTUM_MIN_SYNCS,
     auto_block_size,
     largest_block_size,
 )
@@ -132,6 +134,7 @@ class BlockMomentumLearner(BlockLearner):
                        block_learning_rate=block_learning_rate, use_nesterov_momentum=use_nesterov_momentum)
         # block_momentum_as_time_constant null: CNTK's default; 0: block momentum 0
         self._time_constant_setting = block_momentum_as_time_constant  # read by set_block_size
+        self._block_set_by_syncs = False  # whether block_size="auto" came from the 50 syncs (start-up line)
         self.time_constant = 0.0
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate=local_learning_rate,
@@ -168,8 +171,17 @@ class BlockMomentumLearner(BlockLearner):
                 f"({needed:,.0f}), i.e. a block of at most about {bound:,.0f} samples; expect lower accuracy, or "
                 f"use learner.block_size=auto", RuntimeWarning, stacklevel=3)
 
+    def auto_block_size(self, facts: RunFacts) -> int:
+        """The base's rule (:func:`auto_block_size`); notes whether the 50 syncs or CNTK's bound set it."""
+        block = super().auto_block_size(facts)
+        self._block_set_by_syncs = block < auto_block_size(replace(facts, max_samples=None), self.model_replicas())
+        return block
+
     def describe_auto_block_size(self) -> str:
         """How the automatic block size was derived."""
+        if self._block_set_by_syncs:
+            return (f" (auto: {BLOCK_MOMENTUM_MIN_SYNCS} syncs after the warm start, within CNTK's bound "
+                    f"samples/sweep >= time constant x workers)")
         return " (auto: CNTK's bound samples/sweep >= time constant x workers)"
 
     def describe_block(self) -> str:

@@ -42,17 +42,20 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
     local_counts = [0] * size
     samples_seen, position, snapshots = 0, 0, []
 
-    def sync() -> None:
+    def sync(partial: bool = False) -> None:
         mean_local = sum(local_counts) / size
         momentum = 0.0 if time_constant == 0 else math.exp(-mean_local / (time_constant / size))
         parameters = [list(model.parameters()) for model in models]
         with torch.no_grad():
             for j in range(len(prev)):
                 total_delta = sum(prev[j] - parameters[k][j] for k in range(size))  # SUM, not mean
-                smoothed[j] = momentum * smoothed[j] + (1 - momentum) * block_learning_rate * total_delta
-                new = prev[j] - smoothed[j]
-                if use_nesterov_momentum:
-                    new = new - momentum * smoothed[j]
+                if partial:  # the last block ended early: the workers' mean, the filter's state kept
+                    new = prev[j] - total_delta / size
+                else:
+                    smoothed[j] = momentum * smoothed[j] + (1 - momentum) * block_learning_rate * total_delta
+                    new = prev[j] - smoothed[j]
+                    if use_nesterov_momentum:
+                        new = new - momentum * smoothed[j]
                 prev[j] = new
                 for k in range(size):
                     parameters[k][j].copy_(new)
@@ -92,7 +95,7 @@ def simulate_bmuf(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.
         elif not warm and max(local_counts) >= sync_period:  # the first worker to reach it decides
             sync()
     if sum(local_counts) > 0:
-        sync()
+        sync(partial=True)
     return snapshots, flat(models[0].parameters())
 
 

@@ -31,12 +31,16 @@ def simulate_diloco(models: Sequence[torch.nn.Module], inner: Sequence[torch.opt
     period = block_size // size
     largest_share, position, seen, snapshots = 0, 0, 0, []
 
-    def outer_step() -> None:
+    def outer_step(partial: bool = False) -> None:
         with torch.no_grad():
             for j, p in enumerate(prev):
                 mean_model = sum(list(model.parameters())[j] for model in models) / size
-                p.grad = p - mean_model  # DiLoCo's outer gradient
-        outer.step()
+                if partial:  # the last block ended early: the workers' mean, no outer step
+                    p.copy_(mean_model)
+                else:
+                    p.grad = p - mean_model  # DiLoCo's outer gradient
+        if not partial:
+            outer.step()
         with torch.no_grad():
             for model in models:  # every worker continues from the new global model
                 for mine, new in zip(model.parameters(), prev):
@@ -68,5 +72,5 @@ def simulate_diloco(models: Sequence[torch.nn.Module], inner: Sequence[torch.opt
             outer_step()
             largest_share = 0
     if largest_share:
-        outer_step()
+        outer_step(partial=True)
     return snapshots, flat(models[0].parameters())

@@ -7,12 +7,15 @@ run without them.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from dtrain import CheckpointConfig, CrossValidationConfig, MinibatchSource, training_session
-from dtrain.learners import DiLoCoLearner
+from dtrain.learners import BlockMomentumLearner, DiLoCoLearner
 
+from tests.helpers.bmuf_reference import flat, train_learner_shares
+from tests.helpers.thread_world import FakeWorld
 from tests.helpers.toy_data import four_class_data
 
 BLOCK = 64
@@ -43,3 +46,45 @@ def test_checkpoints_and_cv_inside_a_block_wait_for_its_end_and_leave_training_u
     assert torch.equal(evaluated, plain)
     saved = sorted(int(path.stem.split("-")[-1]) for path in (tmp_path / "evaluated").glob("ckpt-*.pt"))
     assert saved and all(samples % BLOCK == 0 for samples in saved), saved
+
+
+# -- the sync at the end of a run, on a partial block ------------------------------------------------
+
+def _double_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+
+
+@pytest.mark.parametrize("learner_class", [BlockMomentumLearner, DiLoCoLearner])
+def test_the_sync_at_the_end_of_a_partial_block_averages_the_workers_and_keeps_the_outer_state(learner_class):
+    """Two blocks and a third 3/8 done, then ``synchronize()`` (what the session calls at the end):
+    every worker holds the mean of the two workers' models, not an outer step, and the outer state
+    (BMUF's ``sg``, DiLoCo's velocity) is what the last full block left; an outer step there would
+    move the model by a whole block's momentum after three local steps."""
+    generator = torch.Generator().manual_seed(4)
+    features = torch.randn(400, 6, generator=generator, dtype=torch.float64)
+    targets = torch.randn(400, 4, generator=generator, dtype=torch.float64)
+
+    def local_loss(model, start, stop):
+        return nn.functional.mse_loss(model(features[start:stop]), targets[start:stop])
+
+    def worker(comm):
+        model = _double_model()
+        learner = learner_class(torch.optim.AdamW(model.parameters(), lr=0.02), comm, block_size=64,
+                                distributed_after=0)
+        learner.prepare(model)
+        train_learner_shares(learner, model, local_loss, [8] * 19)  # 2 blocks of 8 minibatches, then 3
+        assert learner.syncs == 2 and learner.global_samples_in_block == 24
+        outer_state = learner.smoothed_gradient.clone()
+        assert outer_state.abs().max() > 0
+        mine = flat(model.parameters())
+        learner.synchronize()
+        return mine, flat(model.parameters()), outer_state, learner.smoothed_gradient.clone(), learner.syncs
+
+    results = FakeWorld(2).run(worker)
+    mean = (results[0][0] + results[1][0]) / 2
+    assert not torch.allclose(results[0][0], results[1][0])  # the workers had drifted apart
+    for _, synced, before, after, syncs in results:
+        assert torch.allclose(synced, mean, atol=1e-14, rtol=0)
+        assert torch.equal(after, before)
+        assert syncs == 3

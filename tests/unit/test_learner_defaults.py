@@ -6,6 +6,7 @@ import io
 import itertools
 import math
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from dtrain import CheckpointConfig, MinibatchSource, TestConfig, training_sessi
 from dtrain.data import ArrayDeserializer
 from dtrain.learners import BlockMomentumLearner, LocalLearner, QuantizedDataParallelLearner
 from dtrain.learners.base import RunFacts, auto_warm_start
-from dtrain.learners.block_momentum import auto_block_size, default_time_constant, largest_block_size
+from dtrain.learners.block_momentum import (BLOCK_MOMENTUM_MIN_SYNCS, auto_block_size, default_time_constant,
+                                            largest_block_size)
 from dtrain.learners.data_parallel import data_parallel_distributed_learner
 from dtrain.session.session import TrainingCollapsed
 
@@ -81,15 +83,36 @@ def test_block_size_bound_is_cntks_samples_per_sweep_over_time_constant_times_wo
 
 
 @pytest.mark.parametrize("facts, workers, expected", [
-    (DIGITS, 2, 512), (DIGITS, 4, 96), (CIFAR10, 4, 3584), (CIFAR10, 2, 17280),
+    (DIGITS, 4, 96), (CIFAR10, 4, 3584), (CIFAR10, 2, 17280),
     (RunFacts(samples_per_sweep=100, max_samples=1000, minibatch_size=64), 8, 64),  # at least one minibatch
 ])
 def test_auto_block_size_is_whole_minibatches_within_the_bound(facts, workers, expected):
-    assert auto_block_size(facts, workers) == expected
     learner = BlockMomentumLearner(sgd(), _Comm(workers))
     learner.plan(facts)
+    assert auto_block_size(facts, workers, learner.distributed_after) == expected
     assert (learner.block_size, learner.sync_period) == (expected, expected // workers)
-    assert f"block of {expected:,} samples (auto" in learner.describe()
+    assert f"block of {expected:,} samples (auto: CNTK's bound" in learner.describe()
+
+
+#: the character language model's facts (characters): 1.06 M per sweep, 5.12 M in the run
+LANGUAGE_MODEL = RunFacts(samples_per_sweep=1_064_064, max_samples=5_120_000, minibatch_size=2048)
+
+
+@pytest.mark.parametrize("facts, workers, cntk_bound, expected", [
+    (DIGITS, 2, 512, 448),                 # (30,000 - 7,520) / 50 = 449.6: 14 minibatches of 32
+    (LANGUAGE_MODEL, 2, 368_640, 75_776),  # (5,120,000 - 1,280,000) / 50 = 76,800: 37 minibatches of 2,048
+])
+def test_auto_block_size_makes_at_least_50_syncs_after_the_warm_start(facts, workers, cntk_bound, expected):
+    assert BLOCK_MOMENTUM_MIN_SYNCS == 50
+    assert auto_block_size(replace(facts, max_samples=None), workers) == cntk_bound  # CNTK's bound alone
+    learner = BlockMomentumLearner(sgd(), _Comm(workers))
+    learner.plan(facts)
+    assert learner.block_size == expected == auto_block_size(facts, workers, learner.distributed_after)
+    assert learner.expected_syncs(facts) - 1 >= BLOCK_MOMENTUM_MIN_SYNCS  # besides the sync at the end
+    # the largest such block: one minibatch more would make fewer than 50
+    assert (facts.max_samples - learner.distributed_after) / (expected + facts.minibatch_size) < BLOCK_MOMENTUM_MIN_SYNCS
+    assert f"block of {expected:,} samples (auto: 50 syncs after the warm start, within CNTK's bound" \
+        in learner.describe(), learner.describe()
 
 
 def test_an_explicit_block_size_over_the_bound_warns_once_in_one_line():
