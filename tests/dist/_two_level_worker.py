@@ -144,13 +144,13 @@ def check_auto_block_size(comm) -> int:
     model = make_model(0)
     learner = TwoLevelBlockMomentumLearner(torch.optim.SGD(model.parameters(), lr=0.05), comm, ranks_per_host=2)
     learner.plan(facts)
-    assert auto_block_size(facts, 2) != auto_block_size(facts, 4)  # so the test can tell them apart
-    assert learner.block_size == auto_block_size(facts, 2), learner.block_size
+    warm_start = auto_warm_start(facts)
+    assert auto_block_size(facts, 2, warm_start) != auto_block_size(facts, 4, warm_start)  # so the test can tell
+    assert learner.block_size == auto_block_size(facts, 2, warm_start), learner.block_size
     assert learner.sync_period == learner.block_size // 4  # the job's ranks share each block
     assert learner.distributed_after == auto_warm_start(facts)
     diloco = TwoLevelDiLoCoLearner(torch.optim.AdamW(make_model(0).parameters()), comm, ranks_per_host=2)
     diloco.plan(facts)
-    warm_start = auto_warm_start(facts)
     assert auto_diloco_block_size(facts, warm_start, 4) == 544  # so the test can tell hosts from ranks
     assert diloco.block_size == auto_diloco_block_size(facts, warm_start, 2) == 1120, diloco.block_size
     return learner.block_size

@@ -58,13 +58,13 @@ def test_cli_trains_digits_with_block_momentum_on_two_ranks(run_dir: Path) -> No
 @pytest.mark.timeout(300)
 def test_cli_block_momentum_with_powersgd_starts_compressing_after_a_tenth_of_its_syncs(run_dir: Path) -> None:
     """``learner=block_momentum learner/exchange=powersgd`` as given: the start counts syncs (12,000 samples
-    at 2 ranks: 18 syncs after the warm start, so 2), the start-up line says so, and the syncs send a
+    at 2 ranks: blocks of 160 samples for 50 syncs after the warm start, 57 syncs, so 6), the start-up line says so, and the syncs send a
     small part of the float32 all-reduce's bytes."""
     result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "learner=block_momentum", "learner/exchange=powersgd",
                          "session.max_samples=12000", "session.progress_frequency=3000", "session.tensorboard=false",
                          f"run_dir={run_dir}"], timeout=250)
     assert result.returncode == 0, result.report()
-    assert "exchange powersgd rank 1 (all-reduce for the first 2 syncs, auto: 10% of the run's 18)" in result.stdout, \
+    assert "exchange powersgd rank 1 (all-reduce for the first 6 syncs, auto: 10% of the run's 57)" in result.stdout, \
         result.report()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     sent = [record["bytes_sent_per_step"] for record in records if record.get("bytes_sent_per_step")]
