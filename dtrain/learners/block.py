@@ -476,12 +476,7 @@ class BlockLearner(Learner):
         self.flat_parameters(out=model_delta)  # W_i for now
         if not end_of_block and self.outer_comm.size == 1:
             self.prev_parameters.copy_(model_delta)  # one model: the mean is the model itself
-        elif not end_of_block:
-            torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
-            self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
-            self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)  # the workers' mean
-            unpack(self.prev_parameters, self.parameters)
-        elif self.sync_keeps_model():
+        elif end_of_block and self.sync_keeps_model():
             # outer state = D = W_prev - W and W <- W_prev - D = W: the model stays as it is
             if self.smoothed_gradient is not None:
                 torch.sub(self.prev_parameters, model_delta, out=self.smoothed_gradient)
@@ -490,8 +485,11 @@ class BlockLearner(Learner):
             torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
             if self.outer_comm.size > 1:
                 self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
-            self.correct_outer_momentum()
-            self.outer_update(model_delta)
+            if end_of_block:
+                self.correct_outer_momentum()
+                self.outer_update(model_delta)
+            else:  # the workers' mean, the outer state kept
+                self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)
             unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
         if end_of_block:  # the outer state's learning rate (the momentum correction's reference)
