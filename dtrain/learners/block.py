@@ -81,9 +81,11 @@ BLOCK_MOMENTUM_MIN_SYNCS = 50
 
 def auto_block_size(facts: RunFacts, num_workers: int, distributed_after: int = 0) -> int:
     """``block_size="auto"``: the largest whole number of global minibatches within
-    :func:`largest_block_size` and within ``(max_samples - distributed_after) / 50``
+    :func:`largest_block_size` and, with several workers, within ``(max_samples - distributed_after) / 50``
     (:data:`BLOCK_MOMENTUM_MIN_SYNCS` syncs after the warm start), at least one minibatch and at
-    least ``num_workers`` samples.
+    least ``num_workers`` samples. One worker keeps a whole sweep: its syncs keep the model and only
+    reset the optimizer's momentum (every 3 minibatches, the digits run in one process fell from
+    98.32% to 89.90%).
 
     With the data set's size unknown: 32 global minibatches (or fewer, for 50 syncs).
     """
@@ -94,7 +96,7 @@ def auto_block_size(facts: RunFacts, num_workers: int, distributed_after: int = 
         bound = largest_block_size(facts.samples_per_sweep, num_workers)
         if math.isinf(bound):
             bound = facts.samples_per_sweep
-    if facts.max_samples:
+    if facts.max_samples and num_workers > 1:  # one worker's syncs only reset its momentum: no more of them
         bound = min(bound, max(facts.max_samples - distributed_after, 0) / BLOCK_MOMENTUM_MIN_SYNCS)
     return max(int(bound // minibatch) * minibatch, minibatch, num_workers)
 
