@@ -96,6 +96,17 @@ class Schedule:
             value *= (samples_seen + 1) / self.warmup_samples
         return value
 
+    def first_change(self) -> tuple[int, float, float] | None:
+        """``(samples, before, after)`` where the value first changes, or None for a constant (or one whose sweep
+        size is not known yet); the session says so when a run ends before it, e.g. a shortened recipe whose
+        learning rate would never drop."""
+        if self._ends is None:
+            return None
+        for end, before, after in zip(self._ends, self.values, self.values[1:]):
+            if after != before:
+                return end, before, after
+        return None
+
     def __repr__(self) -> str:
         epoch_size = "sweep" if self.counts_sweeps and len(self.values) > 1 else self.epoch_size
         return (f"Schedule(values={self.values}, ends={self._ends}, epoch_size={epoch_size}, "

@@ -41,9 +41,9 @@ class StartupLines:
                    self.ema.describe() if self.ema is not None else ""]
         if any(options):
             printer.line("dtrain: " + ", ".join(option for option in options if option))
-        note = bf16_cpu_note(self.precision, self.device)
-        if note:
-            printer.line(note)
+        for note in (bf16_cpu_note(self.precision, self.device), self._unreached_lr_change_note()):
+            if note:
+                printer.line(note)
         if restored_from is None:
             printer.line(f"dtrain: {self._restore_note}")
         else:
@@ -52,6 +52,18 @@ class StartupLines:
             if self.changed_settings:
                 printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
                              f"{'; '.join(self.changed_settings)}")
+
+    def _unreached_lr_change_note(self) -> str:
+        """A note when ``session.max_samples`` ends the run before ``session.lr_schedule``'s first change: a
+        recipe shortened on the command line keeps its full learning rate to the end (its schedule is not scaled)."""
+        first_change = getattr(self.lr_schedule, "first_change", None)  # a Schedule; a plain callable says nothing
+        change = first_change() if first_change is not None else None
+        if change is None or self.max_samples is None or change[0] < self.max_samples:
+            return ""
+        samples, before, after = change
+        return (f"dtrain: note: the run ends at {self.max_samples:,} samples, before session.lr_schedule's first "
+                f"change (x{before:g} to x{after:g} at {samples:,}): the learning rate does not change in this run; "
+                f"shorten session.lr_schedule.values with session.max_samples if it should")
 
 
 def _device_name(device: torch.device) -> str:

@@ -43,3 +43,11 @@ def test_warmup_ramps_linearly_then_hands_over_to_the_schedule():
     assert schedule(500) == 1.0 and schedule(1000) == 0.1
     with pytest.raises(ValueError, match="warmup_samples"):
         Schedule(1.0, warmup_samples=-1)
+
+
+def test_first_change_skips_repeated_values_and_needs_the_sweep_size():
+    schedule = Schedule([[2, 1.0], [1, 1.0], [1, 0.1], [1, 0.01]])  # counts sweeps
+    assert schedule.first_change() is None  # the sweep's samples are not known yet
+    schedule.set_sweep_size(100)
+    assert schedule.first_change() == (300, 1.0, 0.1)
+    assert Schedule(0.5).first_change() is None
