@@ -10,13 +10,13 @@ from dtrain.schedules import Schedule
 from tests.helpers.toy_data import four_class_data
 
 
-def start_up_lines(tmp_path, make_learner) -> list[str]:
+def start_up_lines(tmp_path, make_learner, max_samples=32, **session_args) -> list[str]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4))
     learner = make_learner(torch.optim.SGD(model.parameters(), lr=0.1))
     session = training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(four_class_data(64, 0)),
-                               minibatch_size=16, max_samples=32, run_dir=tmp_path / "run", progress_bar=False,
-                               tensorboard=False)
+                               minibatch_size=16, max_samples=max_samples, run_dir=tmp_path / "run", progress_bar=False,
+                               tensorboard=False, **session_args)
     lines = []
     session._print_start(type("Printer", (), {"line": staticmethod(lines.append)}), None)
     return lines
@@ -34,14 +34,7 @@ def test_the_local_learner_needs_no_such_note(tmp_path):
 
 
 def lr_schedule_lines(tmp_path, values, max_samples) -> list[str]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 4))
-    session = training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
-                               MinibatchSource(four_class_data(64, 0)), minibatch_size=16, max_samples=max_samples,
-                               lr_schedule=Schedule(values, epoch_size=64), run_dir=tmp_path / "run",
-                               progress_bar=False, tensorboard=False)
-    lines = []
-    session._print_start(type("Printer", (), {"line": staticmethod(lines.append)}), None)
+    lines = start_up_lines(tmp_path, LocalLearner, max_samples, lr_schedule=Schedule(values, epoch_size=64))
     return [line for line in lines if "lr_schedule" in line]
 
 
