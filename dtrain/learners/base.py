@@ -300,6 +300,10 @@ class Learner(abc.ABC):
         """A short note for progress lines (e.g. bytes sent per step); empty when there is nothing to say."""
         return ""
 
+    def summary_note(self) -> str:
+        """A line for the end-of-run summary (e.g. how often a safeguard acted); empty when there is nothing to say."""
+        return ""
+
     def finalize(self) -> None:
         """Releases hooks or buffers at the end of training."""
 

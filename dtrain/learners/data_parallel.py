@@ -268,6 +268,16 @@ class DataParallelLearner(ReplicatedLearner):
         return (f"{self.exchange.describe()}: {self.bytes_sent_last_step / 1e3:,.0f} kB sent/step "
                 f"({self.compression_ratio:.1f}x less than 32-bit)")
 
+    def summary_note(self) -> str:
+        """With the optimizer's variance held: how many of the held steps' tensor updates were clipped to a root
+        mean square of one learning rate (:mod:`dtrain.learners.frozen_variance`), in this process."""
+        frozen = self.frozen_variance
+        if not frozen.held_updates:
+            return ""
+        clipped = frozen.clipped_updates
+        return (f"variance held: {clipped:,} of {frozen.held_updates:,} tensor updates clipped to a root mean square "
+                f"of one learning rate ({100 * clipped / frozen.held_updates:.1f}%)")
+
     # -- one minibatch ------------------------------------------------------------------------------
     def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
         """Clears gradients, records the sample counts and arms the hooks for a distributed step.

@@ -11,6 +11,15 @@ What is held is the *bias-corrected* variance ``v / (1 - beta2**t)`` that the st
 Adam divides the stored ``v`` by a correction that still grows with the step count ``t``, so holding
 ``v`` alone would shrink the denominator step after step (on the digits recipe by 1.8x over the
 run) and let the updates grow until the run collapsed.
+
+A held variance is a stale second-moment estimate, and a stale estimate lets the steps outgrow the
+gradients it was taken from: after a 1-bit exchange a weight whose own gradient is small receives its
+column's magnitude, divided by its own small variance (on a 1-D convolutional classifier with Adam at
+lr 0.01 the final layer's steps reached 12 times the learning rate, and at lr 0.03 the run collapsed
+to chance). So each held step is also clipped as Adafactor clips its updates (Shazeer & Stern 2018,
+https://arxiv.org/abs/1804.04235, section 6, "update clipping", threshold 1): a tensor's update whose
+root mean square exceeds the learning rate is scaled down to it. Adam's own steps stay below that
+(their RMS is 0.1-0.6 of the learning rate on the models measured), so a healthy run is not touched.
 """
 from __future__ import annotations
 
@@ -20,6 +29,10 @@ import torch
 
 #: the optimizer state that is frozen: the second moment, as torch's Adam, AdamW, NAdam and RAdam name it
 VARIANCE_STATE_KEY = "exp_avg_sq"
+
+#: a held step's largest update, per tensor: its root mean square at most this many learning rates
+#: (Adafactor's update clipping threshold ``d = 1``)
+UPDATE_RMS_LIMIT = 1.0
 
 
 class FrozenVariance:
@@ -31,13 +44,16 @@ class FrozenVariance:
     torch's step first mixes the step's own gradient into the variance and then divides by its
     bias-corrected value; every held step therefore divides by ``beta2 * v0_hat + (1 - beta2) * g**2 /
     (1 - beta2**t)``, where ``v0_hat`` is the warm start's last bias-corrected variance and ``g`` the step's
-    own gradient: nothing accumulates from one step to the next.
+    own gradient: nothing accumulates from one step to the next. :meth:`restore` then clips each
+    tensor's update to a root mean square of :data:`UPDATE_RMS_LIMIT` learning rates.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self._kept: list[_Held] | None = None
         self._restored_steps: list[float] | None = None  # the step counts a checkpoint's run held its copy at
+        self.held_updates = 0        # statistics: tensors' updates made with the variance held, in this process
+        self._clipped: torch.Tensor | None = None  # statistics: how many of them were clipped (read on demand: no sync)
 
     def hold(self) -> None:
         """Before a step: copies the variances now in the optimizer's state (the first call that finds any;
@@ -48,11 +64,24 @@ class FrozenVariance:
         for held in self._kept or ():
             held.live.copy_(held.kept)
             held.live.mul_(held.scale_for_next_step())
+            held.before.copy_(held.parameter.detach())
 
     def restore(self) -> None:
-        """After a step: writes the copy back into the optimizer's state, in place, as it was taken."""
+        """After a step: clips each tensor's update to :data:`UPDATE_RMS_LIMIT` learning rates (root mean
+        square), then writes the copy back into the optimizer's state, in place, as it was taken."""
+        clipped = []
         for held in self._kept or ():
+            clipped.append(held.clip_update())
             held.live.copy_(held.kept)
+        if clipped:
+            self.held_updates += len(clipped)
+            count = torch.stack(clipped).sum()
+            self._clipped = count if self._clipped is None else self._clipped + count
+
+    @property
+    def clipped_updates(self) -> int:
+        """How many tensors' updates :meth:`restore` clipped in this process (a sync on a GPU: read it rarely)."""
+        return 0 if self._clipped is None else int(self._clipped)
 
     def state_dict(self) -> dict[str, Any]:
         """The step counts the copy was taken at (empty before the first :meth:`hold`), for a resumed run."""
@@ -75,7 +104,7 @@ class FrozenVariance:
             for parameter in group["params"]:
                 state = self.optimizer.state.get(parameter, {})
                 if VARIANCE_STATE_KEY in state and "step" in state:
-                    kept.append(_Held(state, group))
+                    kept.append(_Held(parameter, state, group))
         restored, self._restored_steps = self._restored_steps, None
         if restored is not None and len(restored) == len(kept):
             for held, step in zip(kept, restored):
@@ -84,9 +113,13 @@ class FrozenVariance:
 
 
 class _Held:
-    """One parameter's held variance: the live state tensor, its copy, and the step count of the copy."""
+    """One parameter's held variance: the live state tensor, its copy, and the step count of the copy; and
+    the parameter as it was before the step, to clip the step's update."""
 
-    def __init__(self, state: dict[str, Any], group: dict[str, Any]):
+    def __init__(self, parameter: torch.Tensor, state: dict[str, Any], group: dict[str, Any]):
+        self.parameter = parameter
+        self.before = parameter.detach().clone()
+        self.group = group
         self.state = state
         self.live: torch.Tensor = state[VARIANCE_STATE_KEY]
         self.kept = self.live.clone()
@@ -101,10 +134,22 @@ class _Held:
             return 1.0
         return (1.0 - self.beta2 ** (float(self.state["step"]) + 1.0)) / (1.0 - self.beta2 ** self.held_at_step)
 
+    def clip_update(self) -> torch.Tensor:
+        """Scales the step just made down to a root mean square of :data:`UPDATE_RMS_LIMIT` times the group's
+        learning rate where it was larger (on the device, without a sync); whether it was clipped (a 0-D bool).
+        An update within the limit is left bit for bit as the optimizer made it."""
+        parameter = self.parameter.detach()
+        update = parameter - self.before
+        rms = update.pow(2).mean().sqrt()
+        limit = UPDATE_RMS_LIMIT * float(self.group["lr"])
+        clipped = rms > limit
+        parameter.copy_(torch.where(clipped, self.before + update * (limit / rms.clamp_min(1e-30)), parameter))
+        return clipped
+
 
 def keeps_variance(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is of the Adam family (its groups have ``betas``), whose state has a variance."""
     return bool(optimizer.param_groups) and "betas" in optimizer.param_groups[0]
 
 
-__all__ = ["VARIANCE_STATE_KEY", "FrozenVariance", "keeps_variance"]
+__all__ = ["UPDATE_RMS_LIMIT", "VARIANCE_STATE_KEY", "FrozenVariance", "keeps_variance"]

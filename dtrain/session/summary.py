@@ -71,6 +71,9 @@ class RunSummary:
         if self.comm.size > 1 and self.learner.bytes_sent_total:  # a learner of the user's own may not count
             lines.append(f"exchange: rank 0 sent {self.learner.bytes_sent_total / 1e6:,.1f} MB to the other ranks in "
                          f"this job ({self.learner.kind})")
+        note = self.learner.summary_note()
+        if note:
+            lines.append(f"learner: {note}")
         lines.extend(self._end_warnings)
         if self.loss_scaler is not None:
             lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "

@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from dtrain.learners.frozen_variance import FrozenVariance
+from dtrain.learners import frozen_variance as frozen_variance_module
+from dtrain.learners.frozen_variance import UPDATE_RMS_LIMIT, FrozenVariance
 
 LR, BETAS, EPS = 0.01, (0.9, 0.999), 1e-8
 
@@ -43,7 +44,9 @@ def test_each_held_step_divides_by_the_warm_starts_bias_corrected_variance_and_i
         held_step(parameter, optimizer, frozen, gradient)
         exp_avg = beta1 * momentum + (1 - beta1) * gradient
         denominator = (beta2 * held + (1 - beta2) * gradient ** 2 / (1 - beta2 ** step)).sqrt() + EPS
-        expected = before - LR / (1 - beta1 ** step) * exp_avg / denominator
+        update = -LR / (1 - beta1 ** step) * exp_avg / denominator
+        rms = update.pow(2).mean().sqrt()
+        expected = before + update * min(1.0, UPDATE_RMS_LIMIT * LR / float(rms))  # clipped to RMS lr where larger
         torch.testing.assert_close(parameter.detach(), expected, rtol=1e-5, atol=1e-7)
         # the state keeps the warm start's own variance, as stored, between steps (what checkpoints hold)
         assert torch.equal(state["exp_avg_sq"], stored)
@@ -109,3 +112,57 @@ def test_nothing_is_held_before_the_optimizers_first_step_and_the_state_says_so(
     assert frozen.state_dict() == {}
     held_step(parameter, optimizer, frozen, torch.ones(2))  # copied now, at step 1
     assert frozen.state_dict() == {"held_at_steps": [1.0]}
+
+
+def test_a_held_update_that_outgrows_the_learning_rate_is_clipped_to_it_in_its_own_direction():
+    """A variance held from small gradients, then gradients 1,000 times larger (a 1-bit exchange hands a weight its
+    column's magnitude): unclipped, the step would be about 30 learning rates per weight (1 / sqrt(1 - beta2)), the
+    growth that collapsed a 1-D convolutional classifier to chance; clipped, its RMS is one learning rate."""
+    generator = torch.Generator().manual_seed(3)
+    parameter = torch.nn.Parameter(torch.randn(8, 16, generator=generator))
+    optimizer = torch.optim.Adam([parameter], lr=LR, betas=BETAS, eps=EPS)
+    for _ in range(300):
+        parameter.grad = 1e-3 * torch.randn(8, 16, generator=generator)
+        optimizer.step()
+    twin_parameter = torch.nn.Parameter(parameter.detach().clone())
+    twin_optimizer = torch.optim.Adam([twin_parameter], lr=LR, betas=BETAS, eps=EPS)
+    twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    frozen, unclipped = FrozenVariance(optimizer), FrozenVariance(twin_optimizer)
+    signs = torch.randn(8, 16, generator=generator).sign()  # a steady gradient: Adam's momentum builds up
+    for step in range(5):
+        gradient = signs * (1.0 + torch.rand(8, 16, generator=generator))
+        before = parameter.detach().clone()
+        held_step(parameter, optimizer, frozen, gradient)
+        frozen_variance_module.UPDATE_RMS_LIMIT, limit = float("inf"), frozen_variance_module.UPDATE_RMS_LIMIT
+        try:
+            twin_before = twin_parameter.detach().clone()
+            held_step(twin_parameter, twin_optimizer, unclipped, gradient)
+        finally:
+            frozen_variance_module.UPDATE_RMS_LIMIT = limit
+        wanted = twin_parameter.detach() - twin_before
+        unclipped_rms = float(wanted.pow(2).mean().sqrt())
+        assert unclipped_rms > 1.5 * LR  # what the held variance alone would do
+        made = parameter.detach() - before
+        torch.testing.assert_close(made.pow(2).mean().sqrt(), torch.tensor(LR), rtol=1e-5, atol=0.0)
+        if step == 0:  # the same state on both sides: the clipped step points where the unclipped one does
+            torch.testing.assert_close(made, wanted * (LR / wanted.pow(2).mean().sqrt()), rtol=1e-4, atol=1e-6)  # float32 at 1
+    assert unclipped_rms > 5 * LR  # and growing as the momentum builds
+    assert (frozen.clipped_updates, frozen.held_updates) == (5, 5)
+    assert (unclipped.clipped_updates, unclipped.held_updates) == (0, 5)
+
+
+def test_a_held_update_within_the_learning_rate_is_the_optimizers_own_bit_for_bit():
+    parameter, optimizer, generator = adam_with_warm_start(torch.optim.AdamW, 40)
+    twin_parameter = torch.nn.Parameter(parameter.detach().clone())
+    twin_optimizer = torch.optim.AdamW([twin_parameter], lr=LR, betas=BETAS, eps=EPS)
+    twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    frozen, twin = FrozenVariance(optimizer), FrozenVariance(twin_optimizer)
+    for _ in range(20):
+        gradient = 0.3 * torch.randn(3, 4, generator=generator)  # the warm start's scale: steps well within lr
+        held_step(parameter, optimizer, frozen, gradient)
+        twin_parameter.grad = gradient.clone()
+        twin.hold()
+        twin_optimizer.step()
+        twin_optimizer.state[twin_parameter]["exp_avg_sq"].copy_(twin._kept[0].kept)  # restore without the clip
+    assert frozen.clipped_updates == 0 and frozen.held_updates == 20
+    assert torch.equal(parameter.detach(), twin_parameter.detach())
