@@ -421,6 +421,18 @@ def test_a_numeric_label_column_is_a_float_target_as_cntk_reads_it(tmp_path):
         run_dir=tmp_path / "run", tensorboard=False, stream=io.StringIO(),
         test_config=dtrain.TestConfig(MinibatchSource(regression, randomize=False, max_sweeps=1), 60)).train()
     assert result.test.error < 0.02
+    # a loss or metric of class ids is refused before training, naming what to use
+    for options, fragment in (({"loss": torch.nn.CrossEntropyLoss(), "metric": MeanAbsoluteError()},
+                               "loss CrossEntropyLoss takes class ids, but the target 'labels' holds one torch.float32 "
+                               "number per sample"),
+                              ({"loss": MSELoss()}, "metric classification_errors takes class ids.*loss=mse and "
+                                                    "metric=mean_abs_error")):
+        loss = options.pop("loss")
+        with pytest.raises(ValueError, match=fragment):
+            dtrain.training_session(model, loss, dtrain.LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                                    MinibatchSource(regression), 10, max_samples=20, run_dir=tmp_path / "refused",
+                                    tensorboard=False, stream=io.StringIO(), **options)
+        assert not (tmp_path / "refused").exists()
     # a one-hot label (dim >= 2) is still a class id; labels=None reads every stream by its name
     named = CTFDeserializer(path, {"features": {"dim": 2}, "labels": {"dim": 1}}, labels=None)
     assert named.read(np.array([0]))["labels"].tolist() == [[3.0]]
