@@ -221,8 +221,9 @@ class CTFDeserializer(ArrayDeserializer):
 
     def _init_streams(self, features: str, labels: str | None, defining_stream: str | None) -> None:
         if features != "features" or labels not in ("labels", None):
+            reason = "labels=None" if labels is None else "a stream has sequence: true"
             raise ValueError(f"features={features!r} / labels={labels!r} pick the two streams of data without "
-                             f"sequences; with sequence streams every stream is served by its own name "
+                             f"sequences; with {reason} every stream is served by its own name "
                              f"({', '.join(self.specs)}), so leave them out")
         sequence_streams = [name for name, spec in self.specs.items() if spec["sequence"]]
         if defining_stream is not None and not sequence_streams:

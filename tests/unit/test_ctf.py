@@ -436,6 +436,9 @@ def test_a_numeric_label_column_is_a_float_target_as_cntk_reads_it(tmp_path):
     # a one-hot label (dim >= 2) is still a class id; labels=None reads every stream by its name
     named = CTFDeserializer(path, {"features": {"dim": 2}, "labels": {"dim": 1}}, labels=None)
     assert named.read(np.array([0]))["labels"].tolist() == [[3.0]]
+    with pytest.raises(ValueError, match="features='x' / labels=None pick the two streams of data without sequences; "
+                                         "with labels=None every stream is served by its own name"):
+        CTFDeserializer(path, {"x": {"field": "features", "dim": 2}}, features="x", labels=None)
     with pytest.raises(DataError, match="two.ctf:1: labels 'labels' must be one-hot.*labels=None"):
         CTFDeserializer(_write(tmp_path, "|features 1 2 |labels 0.5 0.5\n", "two.ctf"),
                         {"features": {"dim": 2}, "labels": {"dim": 2}})
