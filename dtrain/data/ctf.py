@@ -9,21 +9,27 @@ Format (``docs/semantics.md#data-formats``, CNTK ``articles/BrainScript-CNTKText
 
 Two ways of reading, chosen by the stream specs:
 
-* **Without sequences** (no spec says ``sequence: true``): one sample per sequence, served as the
-  two streams ``features`` (float32) and ``labels`` (int64 class ids) of an
-  :class:`~dtrain.data.arrays.ArrayDeserializer`; an input given on several lines of one sequence
-  is an error.
-* **With sequences** (some spec says ``sequence: true``), as CNTK's reader reads them: a
+* **Features and labels**: no spec says ``sequence: true`` and the specs hold the two streams
+  ``features`` and ``labels`` (or the two named by ``features=`` / ``labels=``). One sample per
+  sequence, served as the two streams ``features`` (float32) and ``labels`` of an
+  :class:`~dtrain.data.arrays.ArrayDeserializer`: int64 class ids of one-hot or ``i:1`` labels, or
+  float32 targets of a numeric label column (dense, ``dim: 1``: ``|labels 3.5``); an input given on
+  several lines of one sequence is an error.
+* **Named streams**, as CNTK's reader reads every file: any other specs (a spec with
+  ``sequence: true``, a single stream, inputs of other names, or ``labels=None``). A
   :class:`~dtrain.data.deserializer.StreamDeserializer` with one stream per spec, under the spec's
   name. A sequence stream has one step per line of the sequence on which its input appears, so the
   streams of one sequence may differ in length (graphemes and their phonemes); a stream that is not
-  a sequence holds one value per sequence (the class of a sequence). A sample is one step of the
-  defining stream (``docs/data.md#samples-are-steps``).
+  a sequence holds one value per sequence (the class of a sequence). With sequence streams a sample
+  is one step of the defining stream (``docs/data.md#samples-are-steps``), without them a sequence.
 
-Values are float32 vectors of the spec's ``shape`` (sparse inputs made dense), or with ``ids: true``
-int64 ids: a sparse input whose every value is one ``i:1`` entry (a token, a class), which an
-embedding or a cross-entropy takes directly. Everything is parsed in one pass into memory at
-construction; every error is one line naming ``file:line`` and what was expected.
+Values are float32 vectors of the spec's ``shape`` (CNTK's dense value: a numeric column is a
+vector of one number), or with ``ids: true`` int64 ids: a sparse input whose every value is one
+``i:1`` entry (a token, a class), which an embedding or a cross-entropy takes directly. A sparse
+input is made dense unless its spec says ``layout: sparse``: then it stays sparse, as in CNTK, as a
+torch sparse COO tensor ``[n, dim]`` that ``torch.nn.Linear`` and ``torch.sparse.mm`` take (one
+value per sequence; sequence streams are dense or ``ids``). Everything is parsed in one pass into
+memory at construction; every error is one line naming ``file:line`` and what was expected.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from dtrain.data.streams import Sequences, StreamInfo
 __all__ = ["CTFDeserializer"]
 
 _FORMATS = ("dense", "sparse")
-_SPEC_KEYS = ("dim", "format", "shape", "sequence", "field", "ids")
+_LAYOUTS = ("dense", "sparse")
+_SPEC_KEYS = ("dim", "format", "shape", "sequence", "field", "ids", "layout")
 
 
 def _check_streams(streams: Mapping) -> dict[str, dict]:
@@ -82,9 +89,31 @@ def _check_streams(streams: Mapping) -> dict[str, dict]:
         shape = tuple(spec.get("shape") or (dim,))
         if int(np.prod(shape)) != dim:
             raise ValueError(f"streams[{name!r}]['shape'] {list(shape)} must hold dim={dim} values")
+        layout = spec.get("layout", "dense")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"streams[{name!r}]['layout'] must be 'dense' (a sparse input made dense, the default) "
+                             f"or 'sparse' (kept as a torch sparse COO tensor), got {layout!r}")
+        if layout == "sparse":
+            _check_sparse_layout(str(name), fmt, ids, sequence, shape, dim)
         checked[str(name)] = {"dim": dim, "format": fmt, "shape": shape, "sequence": sequence, "field": field,
-                              "ids": ids}
+                              "ids": ids, "layout": layout}
     return checked
+
+
+def _check_sparse_layout(name: str, fmt: str, ids: bool, sequence: bool, shape: tuple, dim: int) -> None:
+    """``layout: sparse`` keeps a sparse input's values as a sparse ``[n, dim]`` tensor: one value per sequence."""
+    if fmt != "sparse":
+        raise ValueError(f"streams[{name!r}] has layout: sparse, which keeps the 'index:value' entries of a sparse "
+                         f"input; add format: sparse (a dense input is served dense)")
+    if ids:
+        raise ValueError(f"streams[{name!r}] has ids: true, served as int64 ids, and layout: sparse; use one of them")
+    if sequence:
+        raise ValueError(f"streams[{name!r}] has layout: sparse and sequence: true; a sparse tensor holds one value "
+                         f"per sequence: read a sequence of one 'index:1' token per step with ids: true, or leave "
+                         f"layout out to make its steps dense")
+    if shape != (dim,):
+        raise ValueError(f"streams[{name!r}] has layout: sparse, a sparse [n, dim] tensor; leave out shape "
+                         f"{list(shape)}")
 
 
 def _read_lines(path: str) -> list[str]:
@@ -98,17 +127,21 @@ def _read_lines(path: str) -> list[str]:
 
 
 class CTFDeserializer(ArrayDeserializer):
-    """A CTF file as a deserializer, without sequences (features and labels) or with them (named streams).
+    """A CTF file as a deserializer: features and labels, or named streams (with or without sequences).
 
-    **Without sequences** (no spec has ``sequence: true``): float32 features and int64 class labels,
-    one per sequence, served (``get``, ``num_samples``, ``mean_image``) as an
-    :class:`ArrayDeserializer` over those arrays.
+    **Features and labels** (no spec has ``sequence: true``, and ``features`` and ``labels`` are
+    streams): float32 features and labels, one per sequence, served (``get``, ``num_samples``,
+    ``mean_image``) as an :class:`ArrayDeserializer` over those arrays. Labels are int64 class ids
+    (one-hot or one ``i:1`` entry), or float32 targets ``[n, 1]`` for a numeric column (dense,
+    ``dim: 1``), the number CNTK reads.
 
-    **With sequences** (any spec has ``sequence: true``): a stream deserializer (``streams`` name ->
-    :class:`~dtrain.data.streams.StreamInfo`, ``num_sequences``, ``sequence_lengths``, ``read``,
-    ``defining_stream``) over the streams as named in ``streams``. A sequence stream has one step per
-    line of the sequence on which its input appears (at least one); a non-sequence stream exactly
-    one value per sequence. Sequence streams are read as :class:`~dtrain.data.streams.Sequences`.
+    **Named streams** (any spec has ``sequence: true``, or the specs are not a features/labels pair:
+    a single stream, other names, or ``labels=None``), as CNTK reads every file: a stream
+    deserializer (``streams`` name -> :class:`~dtrain.data.streams.StreamInfo`, ``num_sequences``,
+    ``sequence_lengths``, ``read``, ``defining_stream``) over the streams as named in ``streams``. A
+    sequence stream has one step per line of the sequence on which its input appears (at least one);
+    a non-sequence stream exactly one value per sequence. Sequence streams are read as
+    :class:`~dtrain.data.streams.Sequences`.
 
     Args:
         path: the CTF text file.
@@ -117,36 +150,41 @@ class CTFDeserializer(ArrayDeserializer):
             ``format`` (``dense`` default, or ``sparse``: made dense), ``shape`` (optional, reshapes
             a float value, e.g. ``[1, 28, 28]``), ``sequence`` (bool, default false: one step per
             line), ``field`` (the input's name in the file when it is not ``name``, CNTK's
-            ``StreamDef(field='S0')``) and ``ids`` (bool, default false: a sparse input of one
-            ``i:1`` entry per value, served as the int64 id ``i`` with ``num_classes=dim``).
-        features: without sequences, the stream used as features (with sequences: not used).
-        labels: without sequences, the stream used as labels: one-hot (dense, exactly one 1, rest 0)
-            or one sparse ``index:1`` entry; its ``dim`` is ``num_classes`` (with sequences: not used).
+            ``StreamDef(field='S0')``), ``ids`` (bool, default false: a sparse input of one
+            ``i:1`` entry per value, served as the int64 id ``i`` with ``num_classes=dim``) and
+            ``layout`` (``dense`` default: a sparse input made dense; ``sparse``: kept sparse, a
+            float32 sparse COO tensor ``[n, dim]``, for a stream with one value per sequence).
+        features: the stream served as features (only when read as features and labels).
+        labels: the stream served as labels: one-hot (dense, exactly one 1, rest 0) or one sparse
+            ``index:1`` entry, whose ``dim`` is ``num_classes``, or a dense numeric column (``dim: 1``)
+            read as a float32 target. ``None``: no labels, every stream served by its name. When
+            ``features`` and ``labels`` keep their defaults and the specs lack either stream, the
+            file is read as named streams (a single-stream file, say).
         defining_stream: with sequences, the stream whose steps count samples when the source is not
             told; default the first sequence stream of ``streams`` (CNTK counts a sequence's lines,
             the same whenever that input is on every line of a sequence).
 
     Attributes:
         specs: the checked stream specs, with their defaults filled in.
-        streams: without sequences, ``specs`` (as before sequences were read); with them, the
-            ``StreamInfo`` of each stream.
+        streams: as features and labels, ``specs``; as named streams, the ``StreamInfo`` of each.
 
     Raises:
         TypeError / ValueError: bad ``streams`` (an unknown key, a bad value, two streams of one
-            field), unknown ``features``/``labels``, ``features``/``labels`` given with sequence
-            streams, or ``defining_stream`` without them.
-        DataError: the file is missing or malformed (a wrong value count, an index out of range, an
-            input twice in a line, a non-sequence input twice in a sequence, a missing input or an
-            empty sequence, a label that is not one-hot, an ``ids`` value that is not one ``i:1``);
-            the message names the file and line.
+            field, a ``layout: sparse`` that is not a sparse input with one value per sequence),
+            unknown ``features``/``labels``, ``features``/``labels`` given for named streams, or
+            ``defining_stream`` without sequence streams.
+        DataError: the file is missing or malformed (a wrong value count, an index out of range or
+            twice in one value, an input twice in a line, a non-sequence input twice in a sequence,
+            a missing input or an empty sequence, a label that is not one-hot, an ``ids`` value
+            that is not one ``i:1``); the message names the file and line.
     """
 
     def __init__(self, path: str | os.PathLike, streams: Mapping, features: str = "features",
-                 labels: str = "labels", defining_stream: str | None = None) -> None:
+                 labels: str | None = "labels", defining_stream: str | None = None) -> None:
         self.specs = _check_streams(streams)
-        self._sequence_mode = any(spec["sequence"] for spec in self.specs.values())
+        self._named_streams = self._reads_named_streams(features, labels)
         self.path = os.fspath(path)
-        if self._sequence_mode:
+        if self._named_streams:
             self._init_streams(features, labels, defining_stream)
             return
         self.streams = self.specs
@@ -160,18 +198,39 @@ class CTFDeserializer(ArrayDeserializer):
             raise ValueError(f"streams[{features!r}] has ids: true, but the features of data without sequences are "
                              f"float32 values; leave ids out (or declare the sequence streams with sequence: true to "
                              f"read named streams)")
+        if self.specs[labels]["layout"] == "sparse":
+            raise ValueError(f"streams[{labels!r}] has layout: sparse, but labels are served as class ids; leave "
+                             f"layout out (or read the streams by name: labels=None)")
         self._features_name, self._labels_name = features, labels
         values = self._parse()
-        super().__init__(self._stack(features, values[features]), self._class_ids(values[labels]),
-                         num_classes=self.streams[labels]["dim"])
+        targets = self._numeric_labels()
+        super().__init__(self._stack(features, values[features]),
+                         self._stack(labels, values[labels]) if targets else self._class_ids(values[labels]),
+                         num_classes=None if targets else self.streams[labels]["dim"])
 
-    def _init_streams(self, features: str, labels: str, defining_stream: str | None) -> None:
-        if features != "features" or labels != "labels":
+    def _reads_named_streams(self, features: str, labels: str | None) -> bool:
+        """Whether the specs are read as named streams rather than as features and labels (see the class)."""
+        if any(spec["sequence"] for spec in self.specs.values()) or labels is None:
+            return True
+        return (features, labels) == ("features", "labels") and not {features, labels} <= set(self.specs)
+
+    def _numeric_labels(self) -> bool:
+        """A dense one-number labels input is a numeric column, read as CNTK reads it: a float target."""
+        spec = self.specs[self._labels_name]
+        return spec["format"] == "dense" and spec["dim"] == 1
+
+    def _init_streams(self, features: str, labels: str | None, defining_stream: str | None) -> None:
+        if features != "features" or labels not in ("labels", None):
+            reason = "labels=None" if labels is None else "a stream has sequence: true"
             raise ValueError(f"features={features!r} / labels={labels!r} pick the two streams of data without "
-                             f"sequences; with sequence streams every stream is served by its own name "
+                             f"sequences; with {reason} every stream is served by its own name "
                              f"({', '.join(self.specs)}), so leave them out")
-        if defining_stream is None:
-            defining_stream = next(name for name, spec in self.specs.items() if spec["sequence"])
+        sequence_streams = [name for name, spec in self.specs.items() if spec["sequence"]]
+        if defining_stream is not None and not sequence_streams:
+            raise ValueError(f"defining_stream={defining_stream!r} counts the steps of a sequence stream, and no "
+                             f"stream here has sequence: true; leave it out")
+        if defining_stream is None and sequence_streams:
+            defining_stream = sequence_streams[0]
         values = self._parse()
         arrays: dict[str, object] = {}
         for name, spec in self.specs.items():
@@ -205,15 +264,15 @@ class CTFDeserializer(ArrayDeserializer):
         return self._arrays.read(indices)
 
     def _require_streams(self, what: str) -> None:
-        if not self._sequence_mode:
-            raise TypeError(f"CTFDeserializer.{what} reads sequence streams; {self.path} is read without sequences "
+        if not self._named_streams:
+            raise TypeError(f"CTFDeserializer.{what} reads named streams; {self.path} is read as features and labels "
                             f"(no stream has sequence: true), use get()")
 
-    # -- the two-stream protocol (without sequences) ---------------------------------------------------
+    # -- the two-stream protocol (features and labels) -------------------------------------------------
     def _require_two_streams(self, what: str, error: type[Exception] = TypeError) -> None:
-        if self._sequence_mode:
-            raise error(f"CTFDeserializer.{what} is for data without sequences; {self.path} is read as the named "
-                        f"streams {', '.join(self.specs)} (num_sequences, read)")
+        if self._named_streams:
+            raise error(f"CTFDeserializer.{what} is for data without sequences read as features and labels; "
+                        f"{self.path} is read as the named streams {', '.join(self.specs)} (num_sequences, read)")
 
     @property
     def num_samples(self) -> int:
@@ -235,11 +294,16 @@ class CTFDeserializer(ArrayDeserializer):
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`get` for an int64 index tensor, without sequences (TypeError with them)."""
         self._require_two_streams("take")
+        if self._features.is_sparse:  # a sparse tensor has no indexing by a tensor, only index_select
+            return self._features.index_select(0, index), self._labels[index]
         return super().take(index)
 
     def mean_image(self) -> torch.Tensor:
         """float32 per-element mean of the features, without sequences (TypeError with them)."""
         self._require_two_streams("mean_image")
+        if self._features.is_sparse:
+            total = torch.sparse.sum(self._features.to(torch.float64), dim=0).to_dense()
+            return (total / self._features.shape[0]).to(torch.float32)
         return super().mean_image()
 
     # -- parsing ----------------------------------------------------------------------------------
@@ -263,7 +327,7 @@ class CTFDeserializer(ArrayDeserializer):
 
         def close_sequence() -> None:
             missing = [name for name in self.specs if name not in seen]
-            if missing and not self._sequence_mode:
+            if missing and not self._named_streams:
                 raise DataError(f"{self.path}:{first_line}: sequence {current_id!r} has no value for input(s) "
                                 f"{missing}; every sample needs all of {sorted(self.streams)}")
             if missing:
@@ -321,7 +385,7 @@ class CTFDeserializer(ArrayDeserializer):
 
     def _raise_repeated(self, name: str, where: str, first: int) -> None:
         field = self.specs[name]["field"]
-        if not self._sequence_mode:
+        if not self._named_streams:
             raise DataError(f"{where}: input {field!r} already has a value in this sequence (line {first}); this "
                             f"reader takes one sample per sequence unless told otherwise: declare the inputs that "
                             f"are sequences with sequence: true in their stream spec (or give each line its own "
@@ -342,6 +406,11 @@ class CTFDeserializer(ArrayDeserializer):
                 raise DataError(f"{where}: ids input {self._input(name)} has {tokens[0]!r}; expected 'index:1' (an id "
                                 f"has the value 1)")
             return index
+        if spec["layout"] == "sparse":
+            entries = [self._sparse_entry(name, token, where) for token in tokens]
+            self._check_distinct(name, [index for index, _ in entries], where)
+            return (np.array([index for index, _ in entries], dtype=np.int64),
+                    np.array([value for _, value in entries], dtype=np.float32))
         dense = np.zeros(spec["dim"], dtype=np.float32)
         if spec["format"] == "dense":
             if len(tokens) != spec["dim"]:
@@ -353,10 +422,19 @@ class CTFDeserializer(ArrayDeserializer):
                 raise DataError(f"{where}: input {self._input(name)} has a value that is not a number in "
                                 f"{' '.join(tokens)[:60]!r}") from None
         else:
-            for token in tokens:
-                index, value = self._sparse_entry(name, token, where)
+            entries = [self._sparse_entry(name, token, where) for token in tokens]
+            self._check_distinct(name, [index for index, _ in entries], where)
+            for index, value in entries:
                 dense[index] = value
         return dense
+
+    def _check_distinct(self, name: str, indices: list[int], where: str) -> None:
+        """One value per index: a repeated index would be kept once when made dense and added up when kept
+        sparse, so it is neither."""
+        if len(set(indices)) != len(indices):
+            repeated = next(index for index in indices if indices.count(index) > 1)
+            raise DataError(f"{where}: sparse input {self._input(name)} has index {repeated} twice; expected each "
+                            f"index at most once per value")
 
     def _sparse_entry(self, name: str, token: str, where: str) -> tuple[int, float]:
         index_text, colon, value_text = token.partition(":")
@@ -371,11 +449,18 @@ class CTFDeserializer(ArrayDeserializer):
             raise DataError(f"{where}: sparse input {self._input(name)} index {index} is outside [0, {dim})")
         return index, value
 
-    def _stack(self, name: str, values: list) -> np.ndarray:
-        """A stream's values as one array: int64 ids ``[n]`` or float32 ``[n, *shape]``."""
+    def _stack(self, name: str, values: list) -> np.ndarray | torch.Tensor:
+        """A stream's values as one array: int64 ids ``[n]``, float32 ``[n, *shape]``, or with ``layout:
+        sparse`` a coalesced float32 sparse COO tensor ``[n, dim]``."""
         spec = self.specs[name]
         if spec["ids"]:
             return np.asarray(values, dtype=np.int64)
+        if spec["layout"] == "sparse":
+            rows = np.repeat(np.arange(len(values), dtype=np.int64), [len(indices) for indices, _ in values])
+            columns = np.concatenate([indices for indices, _ in values])
+            entries = np.concatenate([entries for _, entries in values])
+            return torch.sparse_coo_tensor(torch.from_numpy(np.stack([rows, columns])), torch.from_numpy(entries),
+                                           (len(values), spec["dim"]), check_invariants=True).coalesce()
         return np.stack(values).reshape(len(values), *spec["shape"])
 
     def _class_ids(self, rows: list) -> np.ndarray:
@@ -389,5 +474,6 @@ class CTFDeserializer(ArrayDeserializer):
         nonzero = np.flatnonzero(row)
         if len(nonzero) != 1 or row[nonzero[0]] != 1.0:
             raise DataError(f"{where}: labels {self._labels_name!r} must be one-hot (a single 1) or one sparse "
-                            f"'index:1'; got {len(nonzero)} non-zero value(s)")
+                            f"'index:1'; got {len(nonzero)} non-zero value(s) (for float targets, read the streams "
+                            f"by name: labels=None)")
         return int(nonzero[0])

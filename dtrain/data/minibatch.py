@@ -116,7 +116,7 @@ class Minibatch(Mapping):
     def select(self, start: int, stop: int, num_samples: int) -> Minibatch:
         """Sequences ``[start, stop)`` of this share as a minibatch of ``num_samples`` samples (a micro-batch);
         the global counts stay the global minibatch's."""
-        streams = {name: value.select(start, stop) if isinstance(value, Sequences) else value[start:stop]
+        streams = {name: value.select(start, stop) if isinstance(value, Sequences) else _rows(value, start, stop)
                    for name, value in self.streams.items()}
         selected = self._with_streams(streams, num_samples, stop - start)
         selected.first_position = self.first_position + start
@@ -141,6 +141,13 @@ def on_device(value, device: torch.device):
     if isinstance(value, Sequences):
         return value.to(device)
     return value if value.device == device else value.to(device)
+
+
+def _rows(value: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a stream's tensor; a sparse one (which cannot be sliced) by index_select."""
+    if value.is_sparse:
+        return value.index_select(0, torch.arange(start, stop, device=value.device))
+    return value[start:stop]
 
 
 def _first_dimension(streams: dict) -> int:

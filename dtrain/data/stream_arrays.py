@@ -73,8 +73,9 @@ class StreamArrays:
     (the two streams of one sequence may differ in length).
 
     Args:
-        streams: name -> a numpy array or tensor (one value per sequence) or a list of them (a
-            sequence stream). Every stream has the same number of sequences.
+        streams: name -> a numpy array or tensor (one value per sequence; a sparse COO tensor is
+            served sparse) or a list of them (a sequence stream). Every stream has the same number
+            of sequences.
         num_classes: name -> the number of classes or the vocabulary of an integer stream (its
             values must lie in ``[0, num_classes)``); other integer streams are not checked.
         defining_stream: the stream whose steps count samples, when the source is not told.
@@ -132,7 +133,8 @@ class StreamArrays:
         """The streams of sequences ``indices``: tensors, and Sequences for sequence streams."""
         indices = np.asarray(indices, dtype=np.int64)
         index = torch.from_numpy(indices)
-        out: dict[str, torch.Tensor | Sequences] = {name: tensor[index] for name, tensor in self._fixed.items()}
+        out: dict[str, torch.Tensor | Sequences] = {name: tensor.index_select(0, index) if tensor.is_sparse
+                                                    else tensor[index] for name, tensor in self._fixed.items()}
         out.update((name, packed.gather(indices)) for name, packed in self._sequences.items())
         return out
 

