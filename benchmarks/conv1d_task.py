@@ -1,10 +1,12 @@
-"""A 1-D convolutional classification task made on the spot, for learners with Adam inner steps.
+"""1-D convolutional classification tasks made on the spot, for learners with Adam inner steps.
 
-Each example is 128 steps of Gaussian noise with one Hann-windowed sine burst of 32 steps at a random
-place and amplitude; the burst's frequency (one of 4) is the class. The noise makes some examples
-ambiguous and the model overfits 4,000 of them, so data-parallel Adam ends near 90% test accuracy and
-a learner that steps too far measurably below.
-``benchmarks/conf`` names the model and the arrays (``--config-dir benchmarks/conf +recipe=conv1d_adam``).
+Each example is Gaussian noise with one Hann-windowed sine burst at a random place and amplitude; the
+burst's frequency is the class. ``conv1d_adam``: 128 steps, bursts of 32, 4 classes, noise 0.5: the noise
+makes some examples ambiguous and the model overfits 4,000 of them, so data-parallel Adam ends near 90%
+test accuracy and a learner that steps too far measurably below. ``conv1d10_adam``: 40 steps, bursts of
+24, 10 classes, noise 0.35 (5,802 parameters): a short signal whose final layer sees 32 features of very
+different sizes, where a 1-bit exchange with Adam's variance held and nothing else collapsed to chance.
+``benchmarks/conf`` names the models and the arrays (``--config-dir benchmarks/conf +recipe=conv1d_adam``).
 """
 from __future__ import annotations
 
@@ -18,27 +20,34 @@ LENGTH, BURST, CLASSES = 128, 32, 4
 FREQUENCIES = (0.05, 0.12, 0.20, 0.30)  # cycles per step, one per class
 NOISE = 0.5
 
+#: task name (its recipe in benchmarks/conf) -> (signal length, burst length, frequencies: one per class, noise)
+TASKS = {
+    "conv1d_adam": (LENGTH, BURST, FREQUENCIES, NOISE),
+    "conv1d10_adam": (40, 24, tuple(np.linspace(0.05, 0.45, 10)), 0.35),
+}
 
-def make_examples(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` signals ``[count, 1, LENGTH]`` (float32) and their classes (int64), from ``seed``."""
+
+def make_examples(count: int, seed: int, task: str = "conv1d_adam") -> tuple[np.ndarray, np.ndarray]:
+    """``count`` signals ``[count, 1, length]`` (float32) and their classes (int64) of ``task``, from ``seed``."""
+    length, burst, frequencies, noise = TASKS[task]
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, CLASSES, count)
-    signals = rng.normal(0.0, NOISE, (count, LENGTH)).astype(np.float32)
-    steps = np.arange(BURST)
-    window = np.hanning(BURST)
+    labels = rng.integers(0, len(frequencies), count)
+    signals = rng.normal(0.0, noise, (count, length)).astype(np.float32)
+    steps = np.arange(burst)
+    window = np.hanning(burst)
     for row, label in enumerate(labels):
-        start = rng.integers(0, LENGTH - BURST)
+        start = rng.integers(0, length - burst)
         phase = rng.uniform(0, 2 * np.pi)
         amplitude = rng.uniform(0.6, 1.4)
-        signals[row, start:start + BURST] += amplitude * window * np.sin(2 * np.pi * FREQUENCIES[label] * steps + phase)
+        signals[row, start:start + burst] += amplitude * window * np.sin(2 * np.pi * frequencies[label] * steps + phase)
     return signals[:, None, :], labels.astype(np.int64)
 
 
-def write_arrays(root: Path, train: int = 4000, test: int = 2000) -> None:
-    """``root/train.npz`` and ``root/test.npz`` (``features``, ``labels``), for ``dtrain.data.NpzStreams``."""
+def write_arrays(root: Path, train: int = 4000, test: int = 2000, task: str = "conv1d_adam") -> None:
+    """``root/train.npz`` and ``root/test.npz`` (``features``, ``labels``) of ``task``, for ``dtrain.data.NpzStreams``."""
     root.mkdir(parents=True, exist_ok=True)
     for name, count, seed in (("train", train, 1), ("test", test, 2)):
-        features, labels = make_examples(count, seed)
+        features, labels = make_examples(count, seed, task)
         np.savez(root / f"{name}.npz", features=features, labels=labels)
 
 

@@ -5,6 +5,7 @@
     python benchmarks/learner_accuracy.py --recipe shakespeare_char --only defaults   # validation loss, nats/char
     python benchmarks/learner_accuracy.py --recipe cmudict_g2p --only defaults        # word error rate %
     python benchmarks/learner_accuracy.py --recipe conv1d_adam --ranks 2 --only defaults  # Adam inner steps
+    python benchmarks/learner_accuracy.py --recipe conv1d10_adam --ranks 2 --only "quantized (1-bit)"  # 10 classes
     python benchmarks/learner_accuracy.py --ranks 8 --only diloco --row "diloco, block 1120: learner=diloco learner.block_size=1120"
 
 Every row trains the `digits` recipe (30,000 samples = 20 sweeps) with the same global minibatch,
@@ -76,10 +77,11 @@ RECIPES = {
     "shakespeare_char": ("validation loss, nats per character", r"test: perplexity [\d.]+ \(loss ([\d.]+)\)", 3),
     "cmudict_g2p": ("word error rate %", r"test: wer ([\d.]+)%", 2),
     "conv1d_adam": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
+    "conv1d10_adam": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
 }
 #: recipes of benchmarks/conf (the 1-D convolutional task with Adam, benchmarks/conv1d_task.py): run from
 #: benchmarks/ with --config-dir, on arrays written once to a temporary directory
-BENCHMARK_RECIPES = {"conv1d_adam"}
+BENCHMARK_RECIPES = {"conv1d_adam", "conv1d10_adam"}
 HERE = Path(__file__).resolve().parent
 
 
@@ -162,7 +164,7 @@ def main() -> None:
     import conv1d_task
 
     with tempfile.TemporaryDirectory(prefix="conv1d_task_") as data_root:  # removed at the end, or on Ctrl-C
-        conv1d_task.write_arrays(Path(data_root))
+        conv1d_task.write_arrays(Path(data_root), task=args.recipe)
         print_table(args, names, data_root)
 
 
