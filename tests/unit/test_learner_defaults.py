@@ -542,6 +542,20 @@ def test_any_other_loss_is_judged_against_its_start(losses, verdict):
     assert (judged[0] if judged is not None else None) == verdict
 
 
+def test_a_classifier_with_a_loss_of_its_own_is_judged_against_its_start():
+    """The watch knows ln C only for torch's cross-entropy: a loss of your own over the same logits (the number of
+    classes unknown to it) falls back on its start, ln C here."""
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session.collapse import CollapseWatch
+
+    watch = CollapseWatch(torch.device("cpu"), fold_every=16)
+    for loss in [2.3] * 20 + [0.2] * 200 + [2.3] * 100:
+        watch.observe(torch.zeros(4, 10), torch.zeros(4, dtype=torch.int64), torch.tensor(loss),
+                      lambda output, labels: nn.functional.cross_entropy(output, labels))
+    assert watch.chance_loss is None
+    assert watch.judge_training(LocalCommunicator())[0] == "back_at_start"
+
+
 def test_the_chance_warning_says_never_left_chance_only_when_the_loss_stayed_there():
     """2 classes: a lowest of 0.6076 is 88% of ln 2, below what counts as chance (90%): the loss left chance,
     if not far enough to have learned (85%); the warning says how far it fell instead of "never left"."""
