@@ -104,8 +104,8 @@ class EvaluationPasses:
             return
         ends = f"the training loss ends at {record.final:.4f} (running average)"
         if verdict == "never_learned":
-            self._end_warnings.append(f"warning: {ends}, at {watch.chance()}; {watch.how_far_it_fell(record.lowest, 'it')}; "
-                                      f"{NEVER_LEARNED_CAUSES}")
+            self._end_warnings.append(f"warning: {ends}, at {watch.chance()}; "
+                                      f"{watch.how_far_it_fell(record.lowest, 'it')}; {NEVER_LEARNED_CAUSES}")
             return
         how = f"fallen to {record.lowest:.4f}" if verdict == "fallen" else f"diverged to {record.highest:.4f}"
         raise TrainingCollapsed(f"training collapsed: {ends}, {watch.against_chance(record.final)}, after it had "

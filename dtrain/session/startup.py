@@ -69,7 +69,8 @@ class StartupLines:
                 warmup = max(warmup, part.warmup_samples)
                 share *= part.warmup_multiplier(end - 1)
         said = f"dtrain: note: the run ends at {end:,} samples"
-        drop = f"session.lr_schedule's first change (x{change[1]:g} to x{change[2]:g} at {change[0]:,})" if unreached else ""
+        drop = (f"session.lr_schedule's first change (x{change[1]:g} to x{change[2]:g} at {change[0]:,})"
+                if unreached else "")
         if share < 1.0:
             return (f"{said}, inside the learning-rate warm-up of {warmup:,} samples: the learning rate rises all run, "
                     f"to x{share:.2g} of its peak at the end" + (f", and {drop} is not reached" if drop else "")
