@@ -91,10 +91,14 @@ class Schedule:
                                "a sweep: training_session tells it; alone, call schedule.set_sweep_size(samples) or "
                                "give epoch_size")
         index = bisect.bisect_right(self._ends, samples_seen)
-        value = self.values[min(index, len(self.values) - 1)]
+        return self.values[min(index, len(self.values) - 1)] * self.warmup_multiplier(samples_seen)
+
+    def warmup_multiplier(self, samples_seen: int) -> float:
+        """The warm-up's share of the value after ``samples_seen`` samples: ``(samples_seen + 1) / warmup_samples``
+        inside the warm-up, 1 after it (and without one)."""
         if samples_seen < self.warmup_samples:
-            value *= (samples_seen + 1) / self.warmup_samples
-        return value
+            return (samples_seen + 1) / self.warmup_samples
+        return 1.0
 
     def first_change(self) -> tuple[int, float, float] | None:
         """``(samples, before, after)`` where the value first changes, or None for a constant (or one whose sweep

@@ -17,10 +17,16 @@ instead of refused: a test at chance after a loss that never left chance (a smok
 minibatches is one), a model that does not generalise, and a loss that ends at twice its best
 with a test loss below 90% of ``ln C``.
 
-Only classification is watched: a 2-D output of C >= 2 columns, integer class labels and a loss
+At the end of training the running average alone decides too (:meth:`CollapseWatch.judge_training`),
+for a run without a test pass or progress points: back at 90% of ``ln C`` or more after the fall or the
+divergence above is a collapse; at chance without having left it is told as a warning.
+
+Chance is ``ln C`` for classification: a 2-D output of C >= 2 columns, integer class labels and a loss
 that gives a uniform prediction ``ln C`` (cross-entropy), or a sequence of class ids per step
-(``[n, T, C]`` logits, :class:`~dtrain.session.SequenceCrossEntropy`: a language model or a decoder);
-a regression loss, one-hot labels or any other shape is never judged.
+(``[n, T, C]`` logits, :class:`~dtrain.session.SequenceCrossEntropy`: a language model or a decoder).
+Any other scalar loss (a regression's, a classifier's of your own whose number of classes is not known)
+has no such level: its chance is where it started, and only the end of training judges it, as a
+collapse when the running average fell to half of the first minibatch's loss and ends at 90% of it or more.
 """
 from __future__ import annotations
 
@@ -59,6 +65,11 @@ AVERAGE_WEIGHT = 0.05
 #: larger minibatches weigh ``1 - exp(-n / AVERAGE_SAMPLES)`` for n samples (sequences), so the average spans
 #: about this many samples: 20 minibatches of 512 would be a third of a run, smoothing a fall or a divergence away
 AVERAGE_SAMPLES = 640
+#: any other loss (no ``ln C``): the running average at this fraction of the first minibatch's loss or more is
+#: back at its start ...
+START_FRACTION = CHANCE_FRACTION
+#: ... after it had fallen to this fraction of it
+START_FALLEN_FRACTION = FALLEN_FRACTION
 
 
 def average_weight(samples: int) -> float:
@@ -129,6 +140,7 @@ class CollapseWatch:
         self.fold_every = fold_every
         self.chance_loss: float | None = None
         self.num_classes = 0
+        self.from_start = False  # any other scalar loss: judged against its start, at the end of training only
         self._judged = False  # the task was inspected (first non-empty minibatch)
         self._average: torch.Tensor | None = None
         self._lowest = torch.tensor(math.inf, dtype=torch.float64, device=device)
@@ -164,12 +176,14 @@ class CollapseWatch:
                 # a sequence of class ids (next character, next phoneme): chance is ln C per step as well
                 self.num_classes = int(output.shape[-1])
                 self.chance_loss = math.log(self.num_classes)
-        if self.chance_loss is None:
+            else:  # regression, or a loss of your own: its own start is the level it must not return to
+                self.from_start = (isinstance(loss, torch.Tensor) and loss.numel() == 1
+                                   and loss.is_floating_point())
+        if self.chance_loss is None and not self.from_start:
             return
-        self._pending.append(loss)
+        self._pending.append(loss.reshape(()))
         self._minibatches += 1
-        self._pending_weights.append(average_weight(int(labels.data.shape[0] if isinstance(labels, Sequences)
-                                                        else labels.shape[0])))
+        self._pending_weights.append(average_weight(_minibatch_size(output, labels)))
         if len(self._pending) >= self.fold_every:
             self._fold()
 
@@ -225,6 +239,65 @@ class CollapseWatch:
         lowest, highest, first, final, count = (float(value) for value in values)
         return LossRecord(min(lowest, self._period_extremes[0]), max(-highest, self._period_extremes[1]), first, -final,
                           int(-count))
+
+    def judge_training(self, comm) -> tuple[str, LossRecord] | None:
+        """Where the training loss ended, from its running average alone (what a run without a test pass or
+        progress points has), with the record it was judged on. Classification, after 20 minibatches or more
+        (or after a fall to half of ``ln C``), ending at 90% of ``ln C`` or more: ``"fallen"`` when it had fallen
+        to 85% of ``ln C`` (or half of it), ``"diverged"`` when it had risen to 150% of ``ln C`` and half of
+        ``ln C`` above its first minibatch's loss (both collapses), else ``"never_learned"`` (a warning). Any
+        other loss, after 20 minibatches or more: ``"back_at_start"`` when it had fallen to half of the first
+        minibatch's loss (positive) and ends at 90% of it or more. ``None`` otherwise. A collective when several
+        ranks run (on every rank alike). ``"not_finite"``: the running average is NaN or infinite (a minibatch's
+        loss was), for any task."""
+        flags = torch.tensor([0.0 if self.chance_loss is None else 1.0, 1.0 if self.from_start else 0.0],
+                             dtype=torch.float64)
+        if comm.size > 1:
+            flags = comm.allreduce(flags.to(comm.device), op="min").cpu()
+        classes, from_start = (bool(flag) for flag in flags.tolist())
+        if not (classes or from_start):
+            return None
+        record = self.record(comm)
+        if record.minibatches == 0:
+            return None
+        if not math.isfinite(record.final):  # a NaN or infinite loss that no progress point saw
+            return "not_finite", record
+        enough = record.minibatches >= END_RULES_MINIBATCHES
+        if classes:
+            chance = self.chance_loss
+            if not record.final >= CHANCE_FRACTION * chance:
+                return None
+            if record.lowest <= FALLEN_FRACTION * chance or (enough and record.lowest <= LEARNED_FRACTION * chance):
+                return "fallen", record
+            if not enough:
+                return None
+            if record.highest >= DIVERGED_FRACTION * chance and record.highest >= record.first + DIVERGED_RISE * chance:
+                return "diverged", record
+            return "never_learned", record
+        start = record.first
+        if (enough and math.isfinite(start) and start > 0 and record.lowest <= START_FALLEN_FRACTION * start
+                and record.final >= START_FRACTION * start):
+            return "back_at_start", record
+        return None
+
+    def how_far_it_fell(self, lowest: float, subject: str = "the training loss") -> str:
+        """The training loss's lowest against chance, for a warning: "never left chance" only when it stayed at
+        90% of ``ln C`` or more (what "at chance" means here), else how far it fell."""
+        share = f"{lowest / self.chance_loss:.0%} of ln {self.num_classes}"
+        if lowest >= CHANCE_FRACTION * self.chance_loss:
+            return f"{subject} never left chance ({lowest:.4f} at its lowest, {share}), so the model learned nothing"
+        return f"{subject} fell only to {lowest:.4f} at its lowest ({share}), so the model learned almost nothing"
+
+    def chance(self) -> str:
+        """``chance for 10 classes (ln 10 = 2.3026)``, the level a classifier is judged against."""
+        return f"chance for {self.num_classes} classes (ln {self.num_classes} = {self.chance_loss:.4f})"
+
+    def against_chance(self, loss: float) -> str:
+        """Where a loss at 90% of ``ln C`` or more stands: ``back at chance for ...``, or, from 150% of ``ln C`` on,
+        ``above chance for ...: worse than a uniform guess``."""
+        if loss >= DIVERGED_FRACTION * self.chance_loss:
+            return f"above {self.chance()}: worse than a uniform guess"
+        return f"back at {self.chance()}"
 
     def watching(self, comm) -> bool:
         """Whether a collapse can be judged (classification on every rank; a collective when several run)."""
@@ -306,6 +379,15 @@ class CollapseWatch:
 
 
 __all__ = ["CollapseWatch", "LossRecord", "average_weight", "training_advice"]
+
+
+def _minibatch_size(output, labels) -> int:
+    """The samples (sequences) of one minibatch on this rank, for its weight in the running average: the
+    labels' first dimension, else the output's, else 1 (a target the loss reads from the minibatch itself)."""
+    for tensor in (labels.data if isinstance(labels, Sequences) else labels, output):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+            return int(tensor.shape[0])
+    return 1
 
 
 def _is_cross_entropy(loss_function) -> bool:

@@ -8,7 +8,10 @@ from dtrain.session.batchnorm_recompute import recompute_batchnorm_statistics
 from dtrain.session.collapse import UNSTABLE_TEST_FRACTION
 from dtrain.session.evaluate import Evaluation, evaluate
 from dtrain.session.metrics import MetricsWriter
-from dtrain.session.results import TrainingCollapsed
+from dtrain.session.results import TrainingCollapsed, TrainingDiverged
+
+#: what a classifier that never left chance may have met
+NEVER_LEARNED_CAUSES = "too few samples, a learning rate too low or too high, or labels unrelated to the inputs"
 
 
 class EvaluationPasses:
@@ -54,13 +57,11 @@ class EvaluationPasses:
             watch = self._collapse
             measured = (f"test accuracy {100 * test.accuracy:.2f}%" if judged_accuracy is not None else
                         f"test loss {test.loss:.4f} ({self._format_metric(test.error, test.details)})")
-            chance = f"chance for {watch.num_classes} classes (ln {watch.num_classes} = {watch.chance_loss:.4f})"
+            chance = watch.chance()
             record = watch.record(self.comm)
             if verdict == "never_learned":
                 self._end_warnings.append(
-                    f"warning: {measured} is {chance}: the training loss never left chance ({record.lowest:.4f} at its "
-                    f"lowest), so the model learned nothing; too few samples, a learning rate too low or too high, "
-                    f"or labels unrelated to the inputs")
+                    f"warning: {measured} is {chance}: {watch.how_far_it_fell(record.lowest)}; {NEVER_LEARNED_CAUSES}")
             elif verdict == "only_training":
                 self._end_warnings.append(
                     f"warning: {measured} is near {chance}, although the training loss fell to {record.lowest:.4f} and "
@@ -80,6 +81,35 @@ class EvaluationPasses:
                 raise TrainingCollapsed(f"training collapsed: {measured} is {chance} after the training loss "
                                         f"had {how}; {self._advice()}")
         return test, test_ema
+
+    def _judge_the_training_loss(self, tested: bool) -> None:
+        """At the end of training, before the test pass: raises ``TrainingCollapsed`` when the running training
+        loss ends back at chance after it had left it (``CollapseWatch.judge_training``), whatever the progress
+        points saw; a classifier's test pass judges it instead when there is one (it measures the final model).
+        A training loss at chance that never left it is told as a warning when no test pass will tell it."""
+        judged = self._collapse.judge_training(self.comm)
+        if judged is None:
+            return
+        verdict, record = judged
+        watch = self._collapse
+        if verdict == "not_finite":
+            raise TrainingDiverged(f"training diverged: the training loss ends at {record.final} (running average) "
+                                   f"at {self.learner.samples_seen} samples; {self._advice()}")
+        if verdict == "back_at_start":
+            raise TrainingCollapsed(
+                f"training collapsed: the training loss ends at {record.final:.4f} (running average), back at "
+                f"chance for this loss: where it started ({record.first:.4f}, the first minibatch's), after it had "
+                f"fallen to {record.lowest:.4f}; {self._advice()}")
+        if tested:
+            return
+        ends = f"the training loss ends at {record.final:.4f} (running average)"
+        if verdict == "never_learned":
+            self._end_warnings.append(f"warning: {ends}, at {watch.chance()}; "
+                                      f"{watch.how_far_it_fell(record.lowest, 'it')}; {NEVER_LEARNED_CAUSES}")
+            return
+        how = f"fallen to {record.lowest:.4f}" if verdict == "fallen" else f"diverged to {record.highest:.4f}"
+        raise TrainingCollapsed(f"training collapsed: {ends}, {watch.against_chance(record.final)}, after it had "
+                                f"{how}; {self._advice()}")
 
     def _note_a_rise_at_the_end(self) -> None:
         """A warning in the summary when the training loss ended far above its best (a run that became

@@ -49,6 +49,10 @@ class LearningRateScaling:
             return self.factor
         return 1.0 + (self.factor - 1.0) * (samples_seen + 1) / self.warmup_samples
 
+    def warmup_multiplier(self, samples_seen: int) -> float:
+        """The multiplier after ``samples_seen`` samples as a share of ``k`` (1 after the warm-up)."""
+        return self(samples_seen) / self.factor
+
     def describe(self, lr: float) -> str:
         """``lr 0.1 x 16 (linear, minibatch 1024 / reference 64) = 1.6, warm-up from 0.1 over 5,000 samples``."""
         ratio = f"minibatch {self.minibatch_size} / reference {self.reference_minibatch_size}"

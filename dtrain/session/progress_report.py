@@ -32,9 +32,9 @@ class ProgressReports:
             self._last_training_error = error
         if samples and self._collapse.loss_collapsed(loss, self.comm):
             raise TrainingCollapsed(
-                f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is back at chance "
-                f"(ln {self._collapse.num_classes} = {self._collapse.chance_loss:.4f}) at {self.learner.samples_seen} "
-                f"samples after having fallen; {self._advice()}")
+                f"training collapsed: the mean loss {loss:.4f} over the last {int(samples)} samples is "
+                f"{self._collapse.against_chance(loss)}, at {self.learner.samples_seen} samples after having fallen; "
+                f"{self._advice()}")
         rate = throughput.rate()
         learning_rate = self.learner.optimizer.param_groups[0]["lr"]
         extra = timer.take(throughput.period_elapsed())

@@ -449,6 +449,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
 
         test = test_ema = None  # the model was synchronised above
         if not preempted:
+            self._judge_the_training_loss(tested=self.test_config is not None)  # after the checkpoint: it is kept
             self._note_a_rise_at_the_end()
             if self.batchnorm_statistics == "recomputed":
                 self._recompute_batchnorm(printer, seen)

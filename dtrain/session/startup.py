@@ -54,16 +54,35 @@ class StartupLines:
                              f"{'; '.join(self.changed_settings)}")
 
     def _unreached_lr_change_note(self) -> str:
-        """A note when ``session.max_samples`` ends the run before ``session.lr_schedule``'s first change: a
-        recipe shortened on the command line keeps its full learning rate to the end (its schedule is not scaled)."""
+        """A note when ``session.max_samples`` ends the run inside the learning-rate warm-up (the rate rises all
+        run) or before ``session.lr_schedule``'s first change: a recipe shortened on the command line keeps its
+        schedule's lengths (they are not scaled), so its rate may never reach its peak, or never drop."""
+        if self.max_samples is None:
+            return ""
+        end = self.max_samples
         first_change = getattr(self.lr_schedule, "first_change", None)  # a Schedule; a plain callable says nothing
         change = first_change() if first_change is not None else None
-        if change is None or self.max_samples is None or change[0] < self.max_samples:
+        unreached = change is not None and change[0] >= end
+        warmup, share = 0, 1.0  # the longest warm-up (the schedule's, or lr_scaling's), the peak's share at the end
+        for part in (self.lr_schedule, self.lr_scaling):
+            if getattr(part, "warmup_samples", 0) and hasattr(part, "warmup_multiplier"):
+                warmup = max(warmup, part.warmup_samples)
+                share *= part.warmup_multiplier(end - 1)
+        said = f"dtrain: note: the run ends at {end:,} samples"
+        drop = (f"session.lr_schedule's first change (x{change[1]:g} to x{change[2]:g} at {change[0]:,})"
+                if unreached else "")
+        if share < 1.0:
+            return (f"{said}, inside the learning-rate warm-up of {warmup:,} samples: the learning rate rises all run, "
+                    f"to x{share:.2g} of its peak at the end" + (f", and {drop} is not reached" if drop else "")
+                    + "; shorten session.lr_schedule.warmup_samples with session.max_samples if it should")
+        if not unreached:
             return ""
-        samples, before, after = change
-        return (f"dtrain: note: the run ends at {self.max_samples:,} samples, before session.lr_schedule's first "
-                f"change (x{before:g} to x{after:g} at {samples:,}): the learning rate does not change in this run; "
-                f"shorten session.lr_schedule.values with session.max_samples if it should")
+        if warmup:
+            return (f"{said}, before {drop}: the learning rate rises over the warm-up's first {warmup:,} samples, "
+                    f"then stays at its peak to the end; shorten session.lr_schedule.values with session.max_samples "
+                    f"if it should")
+        return (f"{said}, before {drop}: the learning rate does not change in this run; shorten "
+                f"session.lr_schedule.values with session.max_samples if it should")
 
 
 def _device_name(device: torch.device) -> str:

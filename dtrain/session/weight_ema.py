@@ -1,7 +1,8 @@
 """An exponential moving average of the model's weights (``session.ema_decay``), kept beside the live model.
 
 Built on ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn(decay)``:
-``ema <- decay * ema + (1 - decay) * weights`` after each update, starting from the weights themselves.
+``ema <- decay * ema + (1 - decay) * weights`` after each update, starting from the weights after the first
+update (``AveragedModel`` copies them then): the initial weights get no weight in the average.
 Buffers (BatchNorm's running statistics) are *copied* from the live model, not averaged: they are
 already a moving average of batch statistics, and averaging integer counters is not defined; so the
 averaged weights are evaluated with the live model's statistics (an approximation, as torch's

@@ -59,6 +59,29 @@ def test_a_large_minibatch_run_that_diverges_to_chance_ends_in_one_line_with_exi
     assert (tmp_path / "run" / "checkpoint-30000.pt").is_file()  # what was written is kept
 
 
+@pytest.mark.parametrize("progress_frequency", [0, 100_000])  # no progress point; one, over the whole run
+def test_a_run_back_at_chance_without_a_test_set_ends_as_training_collapsed_with_exit_2(tmp_path, progress_frequency):
+    """Two sweeps at the recipe's lr, then one at 10x: the loss falls to 0.41 and goes back to ln 10. With no test set
+    and no progress point at chance it exited 0 with a warning ("5.6 times its lowest"); its checkpoint is kept."""
+    result = run_dtrain("+recipe=digits", "run_dir=run", "source.test=null", "session.max_samples=4500",
+                        f"session.progress_frequency={progress_frequency}", "session.lr_schedule.values=[[2,1.0],[1,10]]",
+                        cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:]
+    [line] = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"dtrain: error: training collapsed: the training loss ends at 2\.\d{4} \(running average\), "
+                        r"back at chance for 10 classes \(ln 10 = 2\.3026\), after it had fallen to 0\.\d{4}; the likely "
+                        r"cause is a learning rate too high for this learner; lower optimizer.lr", line), line
+    assert (tmp_path / "run" / "checkpoint-4500.pt").is_file()  # what was written is kept
+
+
+def test_a_good_short_run_without_a_test_set_or_progress_points_ends_with_exit_0(tmp_path):
+    result = run_dtrain("+recipe=digits", "run_dir=run", "source.test=null", "session.max_samples=3000",
+                        "session.progress_frequency=0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stdout + result.stderr, result.stdout
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
 @pytest.mark.slow  # the default suite keeps to 10 minutes on 2 cores; CI runs the slow set too
 def test_cifar10_recipe_trains_from_official_binary_files_and_resumes(tmp_path):
     write_cifar10_binary(tmp_path / "cifar", num_train=300, num_test=40)

@@ -156,6 +156,17 @@ def test_steps_not_yet_taken_in_survive_a_checkpoint_and_old_checkpoints_have_no
     assert resumed.steps_since_update == 0
 
 
+def test_the_weight_ema_starts_from_the_weights_after_the_first_update_not_the_initial_ones():
+    model = _model()
+    ema = WeightEMA(model, 0.9)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # the first optimizer step
+    ema.after_step(model, ranks_hold_one_model=True)
+    for averaged, weights in zip(ema.module.parameters(), model.parameters()):
+        assert torch.equal(averaged, weights)  # a copy: 0.9 of the initial weights would be far from it
+
+
 def test_the_weight_ema_state_round_trip_continues_bit_identically():
     model = _model()
     straight, first = WeightEMA(model, 0.9), WeightEMA(model, 0.9)

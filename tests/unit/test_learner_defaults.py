@@ -305,9 +305,52 @@ def test_no_false_alarm(tmp_path, case):
         result = _session(tmp_path, collapse_at=None, test=True).train()
         assert result.test.accuracy > 0.5
     elif case == "regression":
-        _session(tmp_path, collapse_at=2000, labels_as_float=True).train()  # loss at a constant: not chance of anything
+        _session(tmp_path, collapse_at=None, labels_as_float=True, progress_frequency=0).train()  # it learns
     else:
         _session(tmp_path, collapse_at=None, learnable=False).train()  # at chance all along: nothing fell, no alarm
+
+
+@pytest.mark.parametrize("progress_frequency", [0, 100_000])  # no progress points; one, the whole run's mean
+def test_a_collapse_without_a_test_pass_ends_the_run_whatever_the_progress_points(tmp_path, progress_frequency):
+    """The running training loss back at ln C at the end, after it had fallen, is a collapse with no test pass
+    to show it and no progress point at chance (it was only a warning: "14.6 times its lowest", exit 0)."""
+    with pytest.raises(TrainingCollapsed) as caught:
+        _session(tmp_path, collapse_at=3000, progress_frequency=progress_frequency).train()
+    message = str(caught.value)
+    assert message.startswith("training collapsed: the training loss ends at 1.3"), message
+    assert "(running average), back at chance for 4 classes (ln 4 = 1.3863), after it had fallen to 0." in message
+    assert message.endswith("; the likely cause is a learning rate too high for this learner; lower optimizer.lr")
+    assert "\n" not in message
+
+
+def test_a_regression_loss_back_at_its_start_is_a_collapse(tmp_path):
+    """No ln C for a regression: chance is where its loss started (the zeroed model predicts 0, as at the start)."""
+    with pytest.raises(TrainingCollapsed) as caught:
+        _session(tmp_path, collapse_at=2000, labels_as_float=True, progress_frequency=0).train()
+    message = str(caught.value)
+    assert message.startswith("training collapsed: the training loss ends at "), message
+    assert "back at chance for this loss: where it started (" in message and "after it had fallen to 0." in message
+
+
+def test_a_training_loss_at_chance_that_never_left_it_is_told_without_a_test_pass(tmp_path):
+    output = io.StringIO()
+    _session(tmp_path, collapse_at=None, learnable=False, stream=output).train()  # no test pass: nothing said before
+    [line] = [line for line in output.getvalue().splitlines() if line.startswith("warning:")]
+    assert line.startswith("warning: the training loss ends at 1.3"), line
+    assert "(running average), at chance for 4 classes (ln 4 = 1.3863); it never left chance (" in line, line
+
+
+def test_a_nan_loss_that_no_progress_point_saw_ends_the_run_as_diverged(tmp_path):
+    from dtrain.session import TrainingDiverged
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4))
+    session = training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=1e6)),
+                               MinibatchSource(four_class_data(400)), 16, max_samples=800, progress_frequency=0,
+                               run_dir=tmp_path, tensorboard=False, stream=io.StringIO())
+    with pytest.raises(TrainingDiverged, match=r"^training diverged: the training loss ends at nan \(running average\) "
+                                               r"at 800 samples; .*lower optimizer.lr"):
+        session.train()
 
 
 def test_a_test_pass_at_chance_after_a_loss_that_never_left_it_is_told_in_the_summary(tmp_path):
@@ -457,6 +500,87 @@ def test_a_final_test_pass_at_chance_is_judged_by_where_the_training_loss_had_be
     assert watch.evaluation_collapsed(2.30, 0.10, LocalCommunicator()) == (verdict in ("fallen", "diverged"))
     assert watch.judge_evaluation(2.30, 0.25, LocalCommunicator()) is None  # above 2 / C: not chance
     assert watch.judge_evaluation(2.00, 0.10, LocalCommunicator()) is None  # loss below 90% of ln C
+
+
+@pytest.mark.parametrize("losses, size, verdict", [
+    ([2.3] * 20 + [0.2] * 200 + [2.3] * 100, 4, "fallen"),      # learned, then back at ln 10 for good
+    ([2.3] * 20 + [0.2] * 200 + [5.0] * 100, 4, "fallen"),      # learned, then far above chance: worse
+    ([2.3] * 50 + [4.0] * 60 + [2.3] * 100, 4, "diverged"),
+    ([2.3] * 200, 4, "never_learned"),
+    ([2.3] * 20 + [0.2] * 200 + [1.9] * 100, 4, None),         # rose, but not to chance (a warning, elsewhere)
+    ([2.3] * 20 + [0.2] * 200 + [2.3] * 10, 4, None),          # the last 10 minibatches: the average lags behind
+    ([2.3, 1.0, 1.0, 2.3], 1024, None),                         # a smoke run of 4 minibatches: the last is not enough
+    ([2.3] * 5, 4, None),                                        # ... and no warning for too few to judge
+    ([2.3] * 20 + [0.2, 0.2, 0.2, 1.5] * 100, 4, None),         # noisy: a spike in every fourth minibatch, learning
+    ([2.3] * 20 + [0.2] * 200 + [math.nan], 4, "not_finite"),
+])
+def test_the_training_loss_alone_is_judged_at_the_end(losses, size, verdict):
+    from dtrain.comm import LocalCommunicator
+
+    judged = _watch_after(losses, size).judge_training(LocalCommunicator())
+    assert (judged[0] if judged is not None else None) == verdict
+
+
+@pytest.mark.parametrize("losses, verdict", [
+    ([1.0] * 20 + [0.1] * 200 + [1.0] * 100, "back_at_start"),
+    ([1.0] * 20 + [0.1] * 200 + [40.0] * 100, "back_at_start"),  # far above its start
+    ([1.0] * 20 + [0.1] * 200 + [0.5] * 100, None),             # worse than its best, still half its start
+    ([1.0] * 20 + [0.6] * 200 + [1.0] * 100, None),             # never fell to half of its start
+    ([1.0] * 20 + [0.1] * 200, None),
+    ([-1.0] * 20 + [-5.0] * 200 + [-1.0] * 100, None),          # a loss below 0 (a log-likelihood) has no such level
+    ([1.0] * 20 + [0.1] * 200 + [math.inf], "not_finite"),
+])
+def test_any_other_loss_is_judged_against_its_start(losses, verdict):
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session.collapse import CollapseWatch
+
+    watch = CollapseWatch(torch.device("cpu"), fold_every=16)
+    for loss in losses:
+        watch.observe(torch.zeros(4, 1), torch.zeros(4), torch.tensor(loss), nn.functional.mse_loss)
+    assert watch.chance_loss is None and watch.judge_evaluation(2.3, None, LocalCommunicator()) is None
+    judged = watch.judge_training(LocalCommunicator())
+    assert (judged[0] if judged is not None else None) == verdict
+
+
+def test_a_classifier_with_a_loss_of_its_own_is_judged_against_its_start():
+    """The watch knows ln C only for torch's cross-entropy: a loss of your own over the same logits (the number of
+    classes unknown to it) falls back on its start, ln C here."""
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session.collapse import CollapseWatch
+
+    watch = CollapseWatch(torch.device("cpu"), fold_every=16)
+    for loss in [2.3] * 20 + [0.2] * 200 + [2.3] * 100:
+        watch.observe(torch.zeros(4, 10), torch.zeros(4, dtype=torch.int64), torch.tensor(loss),
+                      lambda output, labels: nn.functional.cross_entropy(output, labels))
+    assert watch.chance_loss is None
+    assert watch.judge_training(LocalCommunicator())[0] == "back_at_start"
+
+
+def test_the_chance_warning_says_never_left_chance_only_when_the_loss_stayed_there():
+    """2 classes: a lowest of 0.6076 is 88% of ln 2, below what counts as chance (90%): the loss left chance,
+    if not far enough to have learned (85%); the warning says how far it fell instead of "never left"."""
+    from types import SimpleNamespace
+
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session.evaluate import Evaluation
+    from dtrain.session.evaluations import EvaluationPasses
+
+    def warning(training_losses):
+        session = SimpleNamespace(
+            ema=None, model=None, metric_name="error", comm=LocalCommunicator(), _end_warnings=[],
+            _collapse=_watch_after(training_losses, classes=2), _advice=lambda: "lower optimizer.lr",
+            _test_pass=lambda *args: Evaluation(loss=0.69, error=0.5, num_samples=200, num_minibatches=4))
+        EvaluationPasses._test(session, None, None, 4000)
+        [line] = session._end_warnings
+        return line
+
+    fell = warning([0.6931] * 20 + [0.6076] * 300 + [0.6931] * 5)
+    assert "never left chance" not in fell
+    assert ("is chance for 2 classes (ln 2 = 0.6931): the training loss fell only to 0.6076 at its lowest (88% of "
+            "ln 2), so the model learned almost nothing;") in fell, fell
+    stayed = warning([0.6931] * 20 + [0.64] * 300 + [0.6931] * 5)
+    assert "the training loss never left chance (0.6400 at its lowest, 92% of ln 2), so the model learned nothing" \
+        in stayed, stayed
 
 
 def test_a_progress_period_mean_counts_as_where_the_loss_had_been():

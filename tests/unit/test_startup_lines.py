@@ -33,8 +33,9 @@ def test_the_local_learner_needs_no_such_note(tmp_path):
     assert "dtrain: learner local" in lines
 
 
-def lr_schedule_lines(tmp_path, values, max_samples) -> list[str]:
-    lines = start_up_lines(tmp_path, LocalLearner, max_samples, lr_schedule=Schedule(values, epoch_size=64))
+def lr_schedule_lines(tmp_path, values, max_samples, warmup_samples=0, **session_args) -> list[str]:
+    lines = start_up_lines(tmp_path, LocalLearner, max_samples,
+                           lr_schedule=Schedule(values, epoch_size=64, warmup_samples=warmup_samples), **session_args)
     return [line for line in lines if "lr_schedule" in line]
 
 
@@ -48,3 +49,34 @@ def test_a_run_that_ends_before_the_lr_schedule_changes_is_told(tmp_path):
 def test_no_note_when_the_run_reaches_the_change_or_the_schedule_is_constant(tmp_path):
     assert lr_schedule_lines(tmp_path, [[3, 1.0], [1, 0.1]], max_samples=256) == []
     assert lr_schedule_lines(tmp_path, [[1, 0.5], [2, 0.5]], max_samples=64) == []
+
+
+def test_a_run_that_ends_inside_the_warm_up_is_told_its_rate_rises_all_run(tmp_path):
+    # the language model's recipe shortened: it ends at 80% of its warm-up, long before its first drop
+    (line,) = lr_schedule_lines(tmp_path, [[6, 1.0], [2, 0.3]], max_samples=128, warmup_samples=160)
+    assert line == ("dtrain: note: the run ends at 128 samples, inside the learning-rate warm-up of 160 samples: the "
+                    "learning rate rises all run, to x0.8 of its peak at the end, and session.lr_schedule's first change "
+                    "(x1 to x0.3 at 384) is not reached; shorten session.lr_schedule.warmup_samples with "
+                    "session.max_samples if it should")
+    assert "does not change" not in line
+    (constant,) = lr_schedule_lines(tmp_path, 1.0, max_samples=96, warmup_samples=128)  # a warm-up alone
+    assert "inside the learning-rate warm-up of 128 samples: the learning rate rises all run, to x0.75 of its peak " \
+           "at the end; shorten" in constant
+
+
+def test_a_run_past_the_warm_up_but_before_the_first_change_is_told_its_rate_rises_then_stays(tmp_path):
+    (line,) = lr_schedule_lines(tmp_path, [[6, 1.0], [2, 0.3]], max_samples=320, warmup_samples=160)
+    assert line.startswith("dtrain: note: the run ends at 320 samples, before session.lr_schedule's first change (x1 to "
+                           "x0.3 at 384): the learning rate rises over the warm-up's first 160 samples, then stays at its "
+                           "peak to the end;"), line
+    assert lr_schedule_lines(tmp_path, 1.0, max_samples=160, warmup_samples=160) == []  # warmed up: a constant
+
+
+def test_the_warm_up_of_lr_scaling_is_the_one_told_when_it_has_it(tmp_path):
+    from dtrain.session.lr_scaling import LearningRateScaling
+
+    scaling = LearningRateScaling("linear", minibatch_size=64, reference_minibatch_size=16, warmup_samples=256)
+    (line,) = lr_schedule_lines(tmp_path, [[6, 1.0], [2, 0.3]], max_samples=128, lr_scaling=scaling)
+    # x(1 + 3 * 128 / 256) = x2.5 of x4 at the end
+    assert "inside the learning-rate warm-up of 256 samples: the learning rate rises all run, to x0.62 of its peak" \
+           in line, line
