@@ -308,10 +308,18 @@ class BlockLearner(Learner):
         return f"momentum correction {'on' if self.momentum_correction else 'off'}"
 
     def describe_local_steps(self) -> str:
-        """The local steps' learning rate, in words."""
+        """The local steps' learning rate, in words: the rule in effect and the other one, since CNTK's factory
+        ``block_momentum_distributed_learner`` defaults to ``share`` and ``learner=block_momentum`` and
+        ``BlockMomentumLearner`` to ``full`` (``docs/semantics.md#block-momentum``)."""
+        replicas = self.model_replicas()
         if self.local_learning_rate == "share":
-            return "local steps at lr x the worker's share of the minibatch (CNTK's per-sample rate)"
-        return "local steps at the full lr"
+            here = f", lr/{replicas} at even shares" if replicas > 1 else ""
+            return (f"local steps at lr x the worker's share of the minibatch{here} (local_learning_rate=share, "
+                    f"CNTK's per-sample rate: block_momentum_distributed_learner's default; learner=block_momentum "
+                    f"and BlockMomentumLearner default to full)")
+        return ("local steps at the full lr (local_learning_rate=full: the default of learner=block_momentum and "
+                "BlockMomentumLearner; CNTK's block_momentum_distributed_learner defaults to share, lr x the "
+                "worker's share of the minibatch)")
 
     # -- statistics of the last sync --------------------------------------------------------------
     @property

@@ -20,6 +20,7 @@ from dtrain import checks
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+from dtrain.learners.cntk_keywords import synchronous_update, wrapped_optimizer
 from dtrain.learners.frozen_variance import FrozenVariance, keeps_variance
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 from dtrain.learners.settings import DATA_PARALLEL, QUANTIZATION_BITS
@@ -459,15 +460,18 @@ class QuantizedDataParallelLearner(DataParallelLearner):
         return {**super().state_dict(), "num_quantization_bits": self.num_quantization_bits}
 
 
-def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
-                                      num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
-                                      error_feedback: bool = True, exchange: Exchange | None = None,
-                                      warm_start_mode: str | None = None, warm_start: str | None = None,
-                                      freeze_variance: bool | str = AUTO, requantize_sum: bool | str = AUTO) -> Learner:
+def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer | None = None, comm=None,
+                                      distributed_after: int | str = "auto", num_quantization_bits: int = 32,
+                                      bucket_size_mb: float = 25.0, error_feedback: bool = True,
+                                      exchange: Exchange | None = None, warm_start_mode: str | None = None,
+                                      warm_start: str | None = None, freeze_variance: bool | str = AUTO,
+                                      requantize_sum: bool | str = AUTO,
+                                      use_async_buffered_parameter_update: bool = False,
+                                      learner: torch.optim.Optimizer | None = None) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
-        optimizer: the torch optimizer of the model's parameters.
+        optimizer: the torch optimizer of the model's parameters (``learner=``, CNTK's name, in its place).
         comm: the job's communicator (a size-1 local one when omitted).
         distributed_after: global samples trained with local updates before gradients are shared;
             ``"auto"`` (default): none for a full-precision or low-rank exchange, a warm start
@@ -491,6 +495,9 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         requantize_sum: k-bit only: the owner of each stripe re-quantizes the summed stripe (CNTK's two
             phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): re-quantize beyond 2
             ranks at 2 bits or more and beyond 8 ranks at 1 bit (the sum then at 2 bits).
+        use_async_buffered_parameter_update: CNTK's keyword, accepted at its default ``False`` (as CNTK's own
+            tests pass it); ``True`` is refused: dtrain's updates are synchronous.
+        learner: CNTK's name for ``optimizer`` (its local learner), accepted in its place.
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
@@ -499,8 +506,11 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         ValueError: a value out of range or of the wrong kind (one line ``name=value: expected ...``),
             or both ``exchange`` (other than float32 all-reduce, the config's default) and
             ``num_quantization_bits`` below 32.
-        TypeError: ``optimizer`` is not a torch optimizer, or ``exchange`` not an exchange strategy.
+        TypeError: ``optimizer`` is not a torch optimizer (or missing, or given twice: as ``learner`` too), or
+            ``exchange`` not an exchange strategy.
     """
+    optimizer = wrapped_optimizer("data_parallel_distributed_learner", optimizer, learner)
+    synchronous_update(use_async_buffered_parameter_update)
     check_settings(DATA_PARALLEL, num_quantization_bits=num_quantization_bits, bucket_size_mb=bucket_size_mb,
                    distributed_after=distributed_after, error_feedback=error_feedback, freeze_variance=freeze_variance,
                    requantize_sum=requantize_sum)
