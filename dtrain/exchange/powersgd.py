@@ -99,17 +99,16 @@ class PowerSGD(ThreadedExchange):
         self.matrix_approximation_rank: int | None = None if self.rank_is_auto else int(matrix_approximation_rank)
         self.start_is_auto = start_powersgd_iter == "auto"
         self.start_is_default = start_powersgd_iter is None
-        self.start_powersgd_iter = DEFAULT_START_ITER if self.start_is_auto or self.start_is_default \
-            else int(start_powersgd_iter)
-        self.step_name = "step"     # what one exchange step is: a minibatch ("step") or a block learner's "sync"
-        self._start_note = ""       # how plan() derived the start, for describe()
+        self.start_powersgd_iter = 0 if self.start_is_auto or self.start_is_default else int(start_powersgd_iter)
+        self._start_note = ""       # how the start was derived, for describe()
         self.min_compression_rate = float(min_compression_rate)
         self.error_feedback_is_default = use_error_feedback is None
-        self.use_error_feedback = True if self.error_feedback_is_default else bool(use_error_feedback)
+        self.use_error_feedback = bool(use_error_feedback)
         self.warm_start = bool(warm_start)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.random_seed = int(random_seed)
         self.reset()
+        self.count_steps_as(self.step_name)  # minibatch steps until a learner says otherwise
 
     # -- identity and progress -------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -137,31 +136,40 @@ class PowerSGD(ThreadedExchange):
                     f"gradient out, chosen at the switch)")
         return f"{self.matrix_approximation_rank} (auto)"
 
-    def plan(self, facts, steps: int | None = None, step_name: str = "step") -> None:
-        """Derives the start in the learner's exchange steps (``step_name``: minibatch ``"step"`` or
-        ``"sync"``): ``"auto"`` is 10% of the run's ``steps`` (a minibatch learner's are
-        ``max_samples / minibatch_size`` when not given); the default is the hook's 1000 minibatch
-        steps, and ``"auto"`` for syncs. Error feedback left unset is on for steps, off for syncs. Warns (rank 0, one line) when the start is not before the
-        run's last exchange step: PowerSGD would never compress."""
-        self.step_name = step_name
+    def count_steps_as(self, step_name: str) -> None:
+        """The defaults that follow from what one exchange step is (``step_name``: minibatch ``"step"`` or
+        ``"sync"``), set when the learner is built: error feedback left unset is on for steps, off for syncs;
+        the start left unset is the hook's 1000 minibatch steps, ``"auto"`` for syncs, and ``"auto"`` is
+        :data:`DEFAULT_START_ITER` steps or :data:`DEFAULT_START_SYNCS` syncs until :meth:`plan` knows the run's
+        length. A learner driven by hand, never planned, so gets what ``training_session`` gives a run of
+        unknown length."""
+        super().count_steps_as(step_name)
         if self.error_feedback_is_default:
             self.use_error_feedback = step_name == "step"
-            if not self.use_error_feedback and self.errors:  # restored before the plan: not used now
+            if not self.use_error_feedback and self.errors:  # restored before: not used now
                 warn_residuals_dropped(self, "use_error_feedback")
                 self.errors = {}
+        if self.start_is_auto or (self.start_is_default and step_name != "step"):
+            self.start_powersgd_iter = DEFAULT_START_ITER if step_name == "step" else DEFAULT_START_SYNCS
+            self._start_note = "auto: the run's length is unknown"
+        elif self.start_is_default:
+            self.start_powersgd_iter, self._start_note = DEFAULT_START_ITER, "torch's default"
+
+    def plan(self, facts, steps: int | None = None, step_name: str = "step") -> None:
+        """Derives the start in the learner's exchange steps (``step_name``: minibatch ``"step"`` or
+        ``"sync"``, whose defaults :meth:`count_steps_as` sets): ``"auto"`` (and the default for syncs) is 10%
+        of the run's ``steps`` (a minibatch learner's are ``max_samples / minibatch_size`` when not given).
+        Warns (rank 0, one line) when the start is not before the run's last exchange step: PowerSGD would
+        never compress."""
+        if step_name != self.step_name:  # a learner that did not say so when it was built
+            self.count_steps_as(step_name)
         if steps is None and step_name == "step":
             max_samples, minibatch = getattr(facts, "max_samples", None), getattr(facts, "minibatch_size", None)
             if max_samples and minibatch:
                 steps = math.ceil(max_samples / minibatch)
-        if self.start_is_auto or (self.start_is_default and step_name != "step"):
-            if steps:
-                self.start_powersgd_iter = math.ceil(AUTO_START_FRACTION * steps)
-                self._start_note = f"auto: 10% of the run's {steps:,}"
-            else:
-                self.start_powersgd_iter = DEFAULT_START_ITER if step_name == "step" else DEFAULT_START_SYNCS
-                self._start_note = "auto: the run's length is unknown"
-        elif self.start_is_default:
-            self.start_powersgd_iter, self._start_note = DEFAULT_START_ITER, "torch's default"
+        if (self.start_is_auto or (self.start_is_default and step_name != "step")) and steps:
+            self.start_powersgd_iter = math.ceil(AUTO_START_FRACTION * steps)
+            self._start_note = f"auto: 10% of the run's {steps:,}"
         if steps is not None and self.start_powersgd_iter >= steps and (self.comm is None or self.comm.is_main):
             warnings.warn(f"learner.exchange.start_powersgd_iter={self.start_powersgd_iter} {step_name}s of plain "
                           f"all-reduce, but this run makes only {steps:,} {step_name}s: PowerSGD would never "

@@ -335,8 +335,9 @@ class Learner(abc.ABC):
 
 
 
-def bind_exchange(exchange, comm):
-    """A learner's exchange strategy, bound to ``comm``: ``exchange``, or a float32
+def bind_exchange(exchange, comm, step_name: str = "step"):
+    """A learner's exchange strategy, bound to ``comm`` and told what its steps are (``step_name``: ``"step"``,
+    a minibatch; ``"sync"``, a block learner's sync): ``exchange``, or a float32
     :class:`~dtrain.exchange.AllReduce` when None (the wiring every exchanging learner shares).
 
     Raises TypeError when ``exchange`` is not a :class:`~dtrain.exchange.Exchange`."""
@@ -348,6 +349,7 @@ def bind_exchange(exchange, comm):
         raise TypeError(f"exchange must be a dtrain.exchange.Exchange strategy (e.g. dtrain.exchange.Quantized), "
                         f"got {type(exchange).__name__}")
     exchange.bind(comm)
+    exchange.count_steps_as(step_name)
     return exchange
 
 

@@ -165,7 +165,7 @@ class BlockLearner(Learner):
         super().__init__(optimizer, comm, distributed_after)
         self.outer_comm = self.comm if outer_comm is None else outer_comm
         # before any restore: a strategy's state loads onto its communicator
-        self.exchange = bind_exchange(exchange, self.outer_comm)
+        self.exchange = bind_exchange(exchange, self.outer_comm, step_name="sync")
         self.block_size_is_auto = block_size == AUTO
         check_settings({**BLOCK_SYNC, **BLOCK_SIZE, **MOMENTUM_CORRECTION}, local_learning_rate=local_learning_rate,
                        block_size=block_size, momentum_correction=momentum_correction,
