@@ -31,11 +31,17 @@ class RunFacts:
         samples_per_sweep: unique training samples (one pass over the data); ``None`` when unknown.
         max_samples: global samples the run trains on; ``None`` when it runs until the data ends.
         minibatch_size: the global minibatch size at the start, in samples.
+        warmup_samples: global samples over which the learning rate warms up from the start of the run
+            (``session.lr_schedule``'s or ``session.lr_scaling``'s warm-up, the longer); 0: none.
+        warmup_exchange_steps: what the learner tells its exchange strategy (:meth:`Exchange.plan
+            <dtrain.exchange.Exchange.plan>`): its exchange steps made before the warm-up ends (None: not known).
     """
 
     samples_per_sweep: int | None = None
     max_samples: int | None = None
     minibatch_size: int | None = None
+    warmup_samples: int = 0
+    warmup_exchange_steps: int | None = None
 
 
 #: the value of a setting a learner derives from the run's facts in :meth:`Learner.plan`

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -174,12 +175,18 @@ class DataParallelLearner(ReplicatedLearner):
 
     def plan(self, facts: RunFacts) -> None:
         """The base's plan, then the exchange's (a strategy may derive ``"auto"`` settings from the run):
-        it is told the run's minibatches after the warm start, the steps it will exchange."""
+        it is told the run's minibatches after the warm start, the steps it will exchange, and those made
+        before the learning rate's warm-up ends."""
         super().plan(facts)
-        steps = None
-        if facts.max_samples and facts.minibatch_size:
-            steps = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
-        self.exchange.plan(facts, steps=steps, step_name="step")
+        warmup = self.exchange_steps_until(facts, facts.warmup_samples) if facts.warmup_samples else 0
+        self.exchange.plan(replace(facts, warmup_exchange_steps=warmup),
+                           steps=self.exchange_steps_until(facts, facts.max_samples), step_name="step")
+
+    def exchange_steps_until(self, facts: RunFacts, samples: int | None) -> int | None:
+        """The minibatches exchanged before ``samples`` global samples (after the warm start); None when unknown."""
+        if not samples or not facts.minibatch_size:
+            return None
+        return math.ceil(max(samples - self.distributed_after, 0) / facts.minibatch_size)
 
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """``distributed_after="auto"``: a warm start (:func:`auto_warm_start`) when the exchange asks for
