@@ -14,11 +14,12 @@ same gradients (tested against each other). Per key (gradient bucket):
    ``Q = M^T P``, Q all-reduced, ``M ~= P Q^T``;
 4. the error (input minus this rank's share of the result) is kept for the next step.
 
-``matrix_approximation_rank="auto"`` (``learner=powersgd``'s default) chooses the rank once, from the
+``matrix_approximation_rank="auto"`` (``learner=powersgd``'s default) chooses the rank from the
 all-reduced gradient of the last plain all-reduce step: the smallest power of two whose best approximation
 leaves at most :data:`~dtrain.compress.lowrank.AUTO_RANK_ERROR` of it out (relative Frobenius error, matrices
 sent whole counting as exact), so a gradient of low rank (a small CNN: rank 4) travels as few factors and one
-that is not (a transformer trained with AdamW: rank 16) keeps its quality
+that is not (a transformer trained with AdamW: rank 16) keeps its quality. When that step lies inside the
+learning rate's warm-up, the rank is measured again later, up to the first step past it, and only raised
 (``docs/exchange-strategies.md#powersgd-rank``).
 
 The only difference to the hook is dtrain's convention: the learner hands over gradients
@@ -64,7 +65,8 @@ class PowerSGD(ThreadedExchange):
 
     Args:
         matrix_approximation_rank: r, the rank of the approximation (>= 1; 1-4 is typical for CNNs), or ``"auto"``:
-            chosen from the gradient of the last all-reduce step (above; one more all-reduce step when there is none).
+            chosen from the gradient of the last all-reduce step (above; one more all-reduce step when there is none),
+            and re-checked while the learning rate warms up (:meth:`_plan_rechecks`).
         start_powersgd_iter: exchange steps of plain all-reduce before compression starts (>= 0),
             counted as the learner exchanges: minibatches under the data-parallel learner, syncs
             under block momentum and DiLoCo (which say so at start-up). ``"auto"``: 10% of the run's
