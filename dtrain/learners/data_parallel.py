@@ -79,7 +79,9 @@ class DataParallelLearner(ReplicatedLearner):
         optimizer: the torch optimizer of the model's parameters (learning rate per minibatch of
             the mean loss).
         comm: the job's communicator; with size 1 this is the local learner (no hooks).
-        distributed_after: global samples of local-only training before synchronous steps begin.
+        distributed_after: global samples of local-only training before synchronous steps begin; ``"auto"`` (the
+            default, as ``data_parallel_distributed_learner``'s): :meth:`auto_distributed_after`, a warm start for an
+            exchange that asks for one (k-bit), else 0.
         bucket_size_mb: bucket size limit in MiB (> 0); a parameter larger than it gets its own bucket.
         exchange: how buckets are summed over ranks (:mod:`dtrain.exchange`); None: float32 all-reduce.
         warm_start_mode: with a compressing exchange, how the steps before ``distributed_after`` train:
@@ -104,7 +106,7 @@ class DataParallelLearner(ReplicatedLearner):
 
     kind = "data_parallel"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = 0,
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
                  warm_start_mode: str | None = None, warm_start: str | None = None,
                  freeze_variance: bool | str = AUTO):
