@@ -255,3 +255,17 @@ def test_the_session_tells_the_learner_its_learning_rate_warm_up(tmp_path):
                      minibatch_size=16, max_samples=32, lr_schedule=Schedule(1.0, warmup_samples=48),
                      progress_frequency=0, run_dir=tmp_path, tensorboard=False, stream=io.StringIO()).train()
     assert learner.run_facts.warmup_samples == 48
+
+
+def test_a_block_learner_tells_its_exchange_the_warm_up_in_syncs():
+    """Under block momentum the exchange's steps are syncs: 63 of them (4 minibatches each), the rank measured at
+    sync 7, the warm-up's 200 minibatches over after 50 syncs."""
+    from dtrain.learners import BlockMomentumLearner
+    from tests.helpers.thread_world import FakeComm
+
+    learner = BlockMomentumLearner(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                                   FakeComm(FakeWorld(2), 0), block_size=4 * 2048, distributed_after=0,
+                                   exchange=PowerSGD(matrix_approximation_rank="auto"))
+    learner.plan(RunFacts(max_samples=512_000, minibatch_size=2048, warmup_samples=409_600))
+    assert learner.exchange._recheck_steps == (13, 27, 50)
+    assert "re-checked at syncs 14, 28 and 51, as the learning rate warms up over the first 50" in learner.describe()
