@@ -86,6 +86,9 @@ class Exchange(ByteCounters, abc.ABC):
     needs_warm_start: bool = False
     """Whether the learner should start with a full-precision warm start (``distributed_after="auto"``)."""
 
+    step_name: str = "step"
+    """What one exchange step (``begin_step`` call) is: ``"step"``, a minibatch, or ``"sync"``, a block learner's sync."""
+
     holds_adam_variance: bool = False
     """Whether ``freeze_variance="auto"`` holds an Adam-family optimizer's variance under this strategy: where
     every value of the sums carries its column's 1-bit magnitude (``dtrain.learners.frozen_variance``)."""
@@ -124,9 +127,6 @@ class Exchange(ByteCounters, abc.ABC):
         """The start-up summary's words: :meth:`describe` and, where a strategy has one, how it runs on this job."""
         return self.describe()
 
-    step_name: str = "step"
-    """What one exchange step (``begin_step`` call) is: ``"step"``, a minibatch, or ``"sync"``, a block learner's sync."""
-
     def count_steps_as(self, step_name: str) -> None:
         """Told by the learner when it is built what one exchange step is (``"step"`` or ``"sync"``): a strategy
         whose defaults depend on it (PowerSGD's error feedback and start) derives them here, so that a learner
@@ -137,7 +137,8 @@ class Exchange(ByteCounters, abc.ABC):
         """Told the run's facts (a :class:`dtrain.learners.base.RunFacts`) by the learner's ``plan``,
         before training, to derive ``"auto"`` settings: ``steps`` is how many exchange steps
         (``begin_step`` calls) the run will make, when known, and ``step_name`` what one step is
-        (``"step"``: a minibatch of the data-parallel learner; ``"sync"``: a block learner's sync).
+        (``"step"``: a minibatch of the data-parallel learner; ``"sync"``: a block learner's sync), and
+        ``facts.warmup_exchange_steps`` how many of them come before the learning rate's warm-up ends.
         Nothing to derive here."""
 
     def close(self) -> None:
