@@ -177,7 +177,49 @@ def check_powersgd_defaults_by_hand(comm) -> dict:
     unknown_length = PowerSGD()
     assert torch.equal(final_model(default_start), final_model(unknown_length, RunFacts()))
     assert default_start.start_powersgd_iter == unknown_length.start_powersgd_iter == DEFAULT_START_SYNCS
-    return {"error_feedback_difference": feedback_difference}
+    return {"error_feedback_difference": feedback_difference, "session_difference": session_difference(comm)}
+
+
+def session_difference(comm) -> float:
+    """The largest difference between a block learner with PowerSGD's defaults trained by ``training_session``
+    and the same learner driven by hand through ``step()`` on the same minibatches (no plan() there); 0.0 expected:
+    error feedback off for syncs, the start explicit (a hand-driven run's length is unknown)."""
+    import tempfile
+    from pathlib import Path
+
+    from dtrain import MinibatchSource, training_session
+    from tests.helpers.toy_data import four_class_data
+
+    global_size, max_samples = 8, 128
+
+    def classifier():
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+        learner = BlockMomentumLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, block_size=16,
+                                       distributed_after=0, exchange=PowerSGD(start_powersgd_iter=2))
+        return model, learner
+
+    run_dir = comm.broadcast_object(tempfile.mkdtemp() if comm.rank == 0 else None)
+    model, learner = classifier()
+    training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(four_class_data(64), randomize=False),
+                     minibatch_size=global_size, max_samples=max_samples, progress_frequency=0,
+                     run_dir=Path(run_dir) / "session", tensorboard=False, stream=io.StringIO()).train()
+    assert not learner.exchange.use_error_feedback
+    by_session = flat(model.parameters())
+
+    model, learner = classifier()
+    source = MinibatchSource(four_class_data(64), randomize=False)
+    learner.prepare(model)
+    while learner.samples_seen < max_samples:
+        minibatch = source.next_minibatch(global_size, *learner.data_partition())
+        learner.begin_minibatch(minibatch.num_samples, minibatch.global_num_samples)
+        if minibatch.num_samples:
+            nn.functional.cross_entropy(model(minibatch.features), minibatch.labels).backward()
+        learner.step()
+    learner.synchronize()
+    learner.finalize()
+    source.close()
+    return float((flat(model.parameters()) - by_session).abs().max())
 
 
 def main() -> None:
