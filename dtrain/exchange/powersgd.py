@@ -125,21 +125,29 @@ class PowerSGD(ThreadedExchange):
     def describe(self) -> str:
         """``powersgd rank r``, and while compression has not started ``(all-reduce for the first s
         steps)`` (or syncs), with how an automatic start was derived."""
+        return self._describe(plan=False)
+
+    def describe_plan(self) -> str:
+        """:meth:`describe`, and for ``"auto"`` the re-checks planned while the learning rate warms up (start-up)."""
+        return self._describe(plan=True)
+
+    def _describe(self, plan: bool) -> str:
         waiting = ""
         if self.step < self.start_powersgd_iter:
             note = f", {self._start_note}" if self._start_note else ""
             waiting = f" (all-reduce for the first {self.start_powersgd_iter:,} {self.step_name}s{note})"
         feedback = "" if self.use_error_feedback else ", error feedback off"
-        return f"powersgd rank {self._describe_rank()}{waiting}{feedback}"
+        return f"powersgd rank {self._describe_rank(plan)}{waiting}{feedback}"
 
-    def _describe_rank(self) -> str:
-        """The rank, and for ``"auto"`` how it was (or will be) chosen."""
+    def _describe_rank(self, plan: bool) -> str:
+        """The rank, and for ``"auto"`` how it was (or will be) chosen; with ``plan`` the re-checks too."""
         if not self.rank_is_auto:
             return str(self.matrix_approximation_rank)
+        rechecks = self._describe_rechecks() if plan else ""
         if self.matrix_approximation_rank is None:
             return (f"auto (the smallest power of two leaving at most {AUTO_RANK_ERROR} of the all-reduced "
-                    f"gradient out, chosen at the switch{self._describe_rechecks()})")
-        return f"{self.matrix_approximation_rank} (auto{self._describe_rechecks()})"
+                    f"gradient out, chosen at the switch{rechecks})")
+        return f"{self.matrix_approximation_rank} (auto{rechecks})"
 
     def count_steps_as(self, step_name: str) -> None:
         """The defaults that follow from what one exchange step is (``step_name``: minibatch ``"step"`` or

@@ -179,7 +179,8 @@ def test_a_rank_measured_inside_the_warm_up_is_measured_again_after_it_and_only_
 
     exchange, ranks, results = FakeWorld(2).run(run)[0]
     assert exchange._recheck_steps == (3, 8)
-    assert "re-checked at steps 4 and 9, as the learning rate warms up over the first 8" in exchange.describe()
+    assert "re-checked at steps 4 and 9, as the learning rate warms up over the first 8" in exchange.describe_plan()
+    assert exchange.describe() == "powersgd rank 16 (auto), error feedback off"  # progress lines stay short
     assert ranks == [None, None, 4, 4, 16, 16, 16, 16, 16, 16]  # chosen at the compressed step after a measurement
     assert torch.equal(results[3], FULL_RANK) and torch.equal(results[8], LOW_RANK)  # re-checks: exact sums
 
@@ -198,7 +199,7 @@ def test_a_run_that_ends_inside_the_warm_up_re_checks_until_its_last_compressed_
 
     exchange = FakeWorld(1).run(run)[0]
     assert exchange._recheck_steps == (3, 7)  # after 4 and 8 steps; a re-check needs a compressed step after it
-    assert "this run of 10 ends inside the warm-up" in exchange.describe()
+    assert "this run of 10 ends inside the warm-up" in exchange.describe_plan()
 
 
 def test_a_checkpoint_between_a_re_check_and_the_rank_it_raises_resumes_to_the_same_result():
