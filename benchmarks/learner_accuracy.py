@@ -100,8 +100,9 @@ def run(ranks: int, overrides: list[str], seed: int, samples: int | None,
                                 timeout=7200, cwd=HERE if own else None)
         seconds = time.perf_counter() - started
     output = result.stdout + result.stderr
-    for choice in re.findall(r"dtrain: (PowerSGD rank auto: \d+, whose best approximation leaves [\d.]+)", output):
-        print(f"#   {choice} of the gradient out", flush=True)  # what an automatic rank came to
+    for choice in re.findall(r"dtrain: (PowerSGD rank auto(?: re-checked as the learning rate warms up)?: \d+, "
+                             r"whose best approximation leaves [\d.]+)", output):
+        print(f"#   {choice} of the gradient out", flush=True)  # what an automatic rank came to, and its re-checks
     sent = re.search(r"exchange: rank 0 sent ([\d,.]+) MB", result.stdout)
     megabytes = float(sent.group(1).replace(",", "")) if sent else None
     for outcome in ("collapsed", "diverged"):

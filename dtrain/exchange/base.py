@@ -8,9 +8,11 @@ error-feedback residuals, PowerSGD's P and Q). Every strategy is selectable from
 
 Contract, for anyone writing a strategy:
 
-* ``bind(comm)`` is called once by the learner before the first exchange, and ``plan(facts, steps,
-  step_name)`` once before training: the run's exchange steps (``begin_step`` calls) when known,
-  and what one is (``"step"``: a minibatch; ``"sync"``: a block learner's sync).
+* ``bind(comm)`` is called once by the learner before the first exchange, then ``count_steps_as(step_name)``
+  (what one exchange step is: ``"step"``, a minibatch; ``"sync"``, a block learner's sync), both when the
+  learner is built, so defaults that follow from them hold however the learner is driven; and
+  ``plan(facts, steps, step_name)`` once before training (``training_session`` calls the learner's
+  ``plan``): the run's exchange steps (``begin_step`` calls) when known.
 * ``start(key, flat, shapes)`` begins replacing ``flat`` (a 1-D tensor holding tensors of
   ``shapes`` back to back) by its SUM over ranks, in place, and returns an
   :class:`~dtrain.comm.AsyncHandle` whose ``wait()`` completes it and returns ``flat``. ``key``
@@ -84,6 +86,9 @@ class Exchange(ByteCounters, abc.ABC):
     needs_warm_start: bool = False
     """Whether the learner should start with a full-precision warm start (``distributed_after="auto"``)."""
 
+    step_name: str = "step"
+    """What one exchange step (``begin_step`` call) is: ``"step"``, a minibatch, or ``"sync"``, a block learner's sync."""
+
     holds_adam_variance: bool = False
     """Whether ``freeze_variance="auto"`` holds an Adam-family optimizer's variance under this strategy: where
     every value of the sums carries its column's 1-bit magnitude (``dtrain.learners.frozen_variance``)."""
@@ -122,11 +127,18 @@ class Exchange(ByteCounters, abc.ABC):
         """The start-up summary's words: :meth:`describe` and, where a strategy has one, how it runs on this job."""
         return self.describe()
 
+    def count_steps_as(self, step_name: str) -> None:
+        """Told by the learner when it is built what one exchange step is (``"step"`` or ``"sync"``): a strategy
+        whose defaults depend on it (PowerSGD's error feedback and start) derives them here, so that a learner
+        driven by hand through ``step()`` gets the same defaults as one ``training_session`` plans."""
+        self.step_name = step_name
+
     def plan(self, facts: Any, steps: int | None = None, step_name: str = "step") -> None:
         """Told the run's facts (a :class:`dtrain.learners.base.RunFacts`) by the learner's ``plan``,
         before training, to derive ``"auto"`` settings: ``steps`` is how many exchange steps
         (``begin_step`` calls) the run will make, when known, and ``step_name`` what one step is
-        (``"step"``: a minibatch of the data-parallel learner; ``"sync"``: a block learner's sync).
+        (``"step"``: a minibatch of the data-parallel learner; ``"sync"``: a block learner's sync), and
+        ``facts.warmup_exchange_steps`` how many of them come before the learning rate's warm-up ends.
         Nothing to derive here."""
 
     def close(self) -> None:

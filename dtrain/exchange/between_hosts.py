@@ -88,6 +88,11 @@ class BetweenHosts(ThreadedExchange):
         self.bytes_between_hosts_last_step = 0
         self.inner.begin_step()
 
+    def count_steps_as(self, step_name: str) -> None:
+        """The wrapped strategy counts the same steps."""
+        super().count_steps_as(step_name)
+        self.inner.count_steps_as(step_name)
+
     def plan(self, facts: Any, steps: int | None = None, step_name: str = "step") -> None:
         """The wrapped strategy's plan (e.g. PowerSGD's automatic start, in the same steps)."""
         self.inner.plan(facts, steps=steps, step_name=step_name)

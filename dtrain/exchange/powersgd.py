@@ -14,11 +14,12 @@ same gradients (tested against each other). Per key (gradient bucket):
    ``Q = M^T P``, Q all-reduced, ``M ~= P Q^T``;
 4. the error (input minus this rank's share of the result) is kept for the next step.
 
-``matrix_approximation_rank="auto"`` (``learner=powersgd``'s default) chooses the rank once, from the
+``matrix_approximation_rank="auto"`` (``learner=powersgd``'s default) chooses the rank from the
 all-reduced gradient of the last plain all-reduce step: the smallest power of two whose best approximation
 leaves at most :data:`~dtrain.compress.lowrank.AUTO_RANK_ERROR` of it out (relative Frobenius error, matrices
 sent whole counting as exact), so a gradient of low rank (a small CNN: rank 4) travels as few factors and one
-that is not (a transformer trained with AdamW: rank 16) keeps its quality
+that is not (a transformer trained with AdamW: rank 16) keeps its quality. When that step lies inside the
+learning rate's warm-up, the rank is measured again later, up to the first step past it, and only raised
 (``docs/exchange-strategies.md#powersgd-rank``).
 
 The only difference to the hook is dtrain's convention: the learner hands over gradients
@@ -64,7 +65,8 @@ class PowerSGD(ThreadedExchange):
 
     Args:
         matrix_approximation_rank: r, the rank of the approximation (>= 1; 1-4 is typical for CNNs), or ``"auto"``:
-            chosen from the gradient of the last all-reduce step (above; one more all-reduce step when there is none).
+            chosen from the gradient of the last all-reduce step (above; one more all-reduce step when there is none),
+            and re-checked while the learning rate warms up (:meth:`_plan_rechecks`).
         start_powersgd_iter: exchange steps of plain all-reduce before compression starts (>= 0),
             counted as the learner exchanges: minibatches under the data-parallel learner, syncs
             under block momentum and DiLoCo (which say so at start-up). ``"auto"``: 10% of the run's
@@ -99,17 +101,19 @@ class PowerSGD(ThreadedExchange):
         self.matrix_approximation_rank: int | None = None if self.rank_is_auto else int(matrix_approximation_rank)
         self.start_is_auto = start_powersgd_iter == "auto"
         self.start_is_default = start_powersgd_iter is None
-        self.start_powersgd_iter = DEFAULT_START_ITER if self.start_is_auto or self.start_is_default \
-            else int(start_powersgd_iter)
-        self.step_name = "step"     # what one exchange step is: a minibatch ("step") or a block learner's "sync"
-        self._start_note = ""       # how plan() derived the start, for describe()
+        self.start_powersgd_iter = 0 if self.start_is_auto or self.start_is_default else int(start_powersgd_iter)
+        self._start_note = ""       # how the start was derived, for describe()
         self.min_compression_rate = float(min_compression_rate)
         self.error_feedback_is_default = use_error_feedback is None
-        self.use_error_feedback = True if self.error_feedback_is_default else bool(use_error_feedback)
+        self.use_error_feedback = bool(use_error_feedback)
         self.warm_start = bool(warm_start)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.random_seed = int(random_seed)
+        self._recheck_steps: tuple[int, ...] = ()  # steps (0-based) re-measured while the lr warms up (plan)
+        self._warmup_steps: int | None = None      # the exchange steps made before the lr's warm-up ends (plan)
+        self._run_steps: int | None = None         # the run's exchange steps (plan)
         self.reset()
+        self.count_steps_as(self.step_name)  # minibatch steps until a learner says otherwise
 
     # -- identity and progress -------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -121,52 +125,103 @@ class PowerSGD(ThreadedExchange):
     def describe(self) -> str:
         """``powersgd rank r``, and while compression has not started ``(all-reduce for the first s
         steps)`` (or syncs), with how an automatic start was derived."""
+        return self._describe(plan=False)
+
+    def describe_plan(self) -> str:
+        """:meth:`describe`, and for ``"auto"`` the re-checks planned while the learning rate warms up (start-up)."""
+        return self._describe(plan=True)
+
+    def _describe(self, plan: bool) -> str:
         waiting = ""
         if self.step < self.start_powersgd_iter:
             note = f", {self._start_note}" if self._start_note else ""
             waiting = f" (all-reduce for the first {self.start_powersgd_iter:,} {self.step_name}s{note})"
         feedback = "" if self.use_error_feedback else ", error feedback off"
-        return f"powersgd rank {self._describe_rank()}{waiting}{feedback}"
+        return f"powersgd rank {self._describe_rank(plan)}{waiting}{feedback}"
 
-    def _describe_rank(self) -> str:
-        """The rank, and for ``"auto"`` how it was (or will be) chosen."""
+    def _describe_rank(self, plan: bool) -> str:
+        """The rank, and for ``"auto"`` how it was (or will be) chosen; with ``plan`` the re-checks too."""
         if not self.rank_is_auto:
             return str(self.matrix_approximation_rank)
+        rechecks = self._describe_rechecks() if plan else ""
         if self.matrix_approximation_rank is None:
             return (f"auto (the smallest power of two leaving at most {AUTO_RANK_ERROR} of the all-reduced "
-                    f"gradient out, chosen at the switch)")
-        return f"{self.matrix_approximation_rank} (auto)"
+                    f"gradient out, chosen at the switch{rechecks})")
+        return f"{self.matrix_approximation_rank} (auto{rechecks})"
+
+    def count_steps_as(self, step_name: str) -> None:
+        """The defaults that follow from what one exchange step is (``step_name``: minibatch ``"step"`` or
+        ``"sync"``), set when the learner is built: error feedback left unset is on for steps, off for syncs;
+        the start left unset is the hook's 1000 minibatch steps, ``"auto"`` for syncs, and ``"auto"`` is
+        :data:`DEFAULT_START_ITER` steps or :data:`DEFAULT_START_SYNCS` syncs until :meth:`plan` knows the run's
+        length. A learner driven by hand, never planned, so gets what ``training_session`` gives a run of
+        unknown length."""
+        super().count_steps_as(step_name)
+        if self.error_feedback_is_default:
+            self.use_error_feedback = step_name == "step"
+            if not self.use_error_feedback and self.errors:  # restored before: not used now
+                warn_residuals_dropped(self, "use_error_feedback")
+                self.errors = {}
+        if self.start_is_auto or (self.start_is_default and step_name != "step"):
+            self.start_powersgd_iter = DEFAULT_START_ITER if step_name == "step" else DEFAULT_START_SYNCS
+            self._start_note = "auto: the run's length is unknown"
+        elif self.start_is_default:
+            self.start_powersgd_iter, self._start_note = DEFAULT_START_ITER, "torch's default"
 
     def plan(self, facts, steps: int | None = None, step_name: str = "step") -> None:
         """Derives the start in the learner's exchange steps (``step_name``: minibatch ``"step"`` or
-        ``"sync"``): ``"auto"`` is 10% of the run's ``steps`` (a minibatch learner's are
-        ``max_samples / minibatch_size`` when not given); the default is the hook's 1000 minibatch
-        steps, and ``"auto"`` for syncs. Error feedback left unset is on for steps, off for syncs. Warns (rank 0, one line) when the start is not before the
-        run's last exchange step: PowerSGD would never compress."""
-        self.step_name = step_name
-        if self.error_feedback_is_default:
-            self.use_error_feedback = step_name == "step"
-            if not self.use_error_feedback and self.errors:  # restored before the plan: not used now
-                warn_residuals_dropped(self, "use_error_feedback")
-                self.errors = {}
+        ``"sync"``, whose defaults :meth:`count_steps_as` sets): ``"auto"`` (and the default for syncs) is 10%
+        of the run's ``steps`` (a minibatch learner's are ``max_samples / minibatch_size`` when not given).
+        Warns (rank 0, one line) when the start is not before the run's last exchange step: PowerSGD would
+        never compress."""
+        if step_name != self.step_name:  # a learner that did not say so when it was built
+            self.count_steps_as(step_name)
         if steps is None and step_name == "step":
             max_samples, minibatch = getattr(facts, "max_samples", None), getattr(facts, "minibatch_size", None)
             if max_samples and minibatch:
                 steps = math.ceil(max_samples / minibatch)
-        if self.start_is_auto or (self.start_is_default and step_name != "step"):
-            if steps:
-                self.start_powersgd_iter = math.ceil(AUTO_START_FRACTION * steps)
-                self._start_note = f"auto: 10% of the run's {steps:,}"
-            else:
-                self.start_powersgd_iter = DEFAULT_START_ITER if step_name == "step" else DEFAULT_START_SYNCS
-                self._start_note = "auto: the run's length is unknown"
-        elif self.start_is_default:
-            self.start_powersgd_iter, self._start_note = DEFAULT_START_ITER, "torch's default"
+        if (self.start_is_auto or (self.start_is_default and step_name != "step")) and steps:
+            self.start_powersgd_iter = math.ceil(AUTO_START_FRACTION * steps)
+            self._start_note = f"auto: 10% of the run's {steps:,}"
+        self._plan_rechecks(getattr(facts, "warmup_exchange_steps", None), steps)
         if steps is not None and self.start_powersgd_iter >= steps and (self.comm is None or self.comm.is_main):
             warnings.warn(f"learner.exchange.start_powersgd_iter={self.start_powersgd_iter} {step_name}s of plain "
                           f"all-reduce, but this run makes only {steps:,} {step_name}s: PowerSGD would never "
                           f"compress; use start_powersgd_iter=auto (10% of the run) or fewer",
                           RuntimeWarning, stacklevel=2)
+
+    def _plan_rechecks(self, warmup_steps: int | None, steps: int | None) -> None:
+        """``"auto"``: when the step measured for the rank (the last before the switch) lies inside the learning
+        rate's warm-up (``warmup_steps`` exchange steps), the rank is measured again, each time on one more plain
+        all-reduce step, after twice, four times, ... as many steps as that first measurement, and on the first
+        step past the warm-up, as long as a compressed step follows. Early gradients have lower rank: on the
+        language model shortened to a tenth, the measurement at 10% of the run (inside the warm-up) chose rank 2,
+        where the full run's, past its warm-up, chooses 16 (``docs/exchange-strategies.md#powersgd-rank``)."""
+        self._warmup_steps, self._run_steps, self._recheck_steps = warmup_steps, steps, ()
+        measured = max(self.start_powersgd_iter - 1, 0)
+        if not self.rank_is_auto or not warmup_steps or measured >= warmup_steps:
+            return
+        rechecks, count = [], 2 * (measured + 1)
+        while count < warmup_steps:
+            rechecks.append(count - 1)
+            count *= 2
+        rechecks.append(warmup_steps)
+        first = max(self.start_powersgd_iter, measured + 1)  # the first compressed step, at the first rank
+        last = steps - 2 if steps else math.inf  # a re-check needs a compressed step after it
+        self._recheck_steps = tuple(step for step in rechecks if first < step <= last)
+
+    def _describe_rechecks(self) -> str:
+        """The re-checks :meth:`_plan_rechecks` planned, in words (1-based steps, as the rank's line counts)."""
+        if not self._recheck_steps:
+            return ""
+        counts = [f"{step + 1:,}" for step in self._recheck_steps]
+        listed = counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} and {counts[-1]}"
+        words = (f"; re-checked at {self.step_name}s {listed}, as the learning rate warms up over the first "
+                 f"{self._warmup_steps:,}")
+        if self._run_steps is not None and self._warmup_steps >= self._run_steps - 1:
+            words += (f" (this run of {self._run_steps:,} ends inside the warm-up: a longer run's rank may be higher; "
+                      f"learner.exchange.matrix_approximation_rank=R sets one)")
+        return words
 
     @property
     def step(self) -> int:
@@ -183,15 +238,16 @@ class PowerSGD(ThreadedExchange):
         """One bucket's PowerSGD exchange (or plain all-reduce before ``start_powersgd_iter``), blocking."""
         comm, world = self.comm, self.comm.size
         self.full_precision_bytes_last_step += full_precision_allreduce_bytes(flat.numel(), world)
-        if self.step < self.start_powersgd_iter or self._measuring_rank():
+        measuring = self._measuring_rank()
+        if self.step < self.start_powersgd_iter or measuring:
             comm.allreduce(flat, op="sum")
             self.bytes_sent_last_step += full_precision_allreduce_bytes(flat.numel(), world)
-            if self.rank_is_auto and self.matrix_approximation_rank is None \
-                    and self.step >= self.start_powersgd_iter - 1:
+            if measuring or (self.rank_is_auto and self.matrix_approximation_rank is None
+                             and self.step >= self.start_powersgd_iter - 1):
                 self._measure_spectrum(flat, shapes)
             return flat
-        if self.matrix_approximation_rank is None:
-            self._choose_rank()
+        if self.rank_is_auto and self._spectrum is not None and self._spectrum["step"] != self._rank_measured_at:
+            self._choose_rank()  # from the step just measured: the first choice, or a re-check
         device, dtype = flat.device, flat.dtype
         input_copy = None
         if self.use_error_feedback:
@@ -273,10 +329,13 @@ class PowerSGD(ThreadedExchange):
     # -- the automatic rank ----------------------------------------------------------------------
     def _measuring_rank(self) -> bool:
         """Whether this step is still a plain all-reduce for ``"auto"``: no all-reduce step has been measured yet
-        (``start_powersgd_iter=0``, or a checkpoint without it), or this step is the one being measured."""
-        if not self.rank_is_auto or self.matrix_approximation_rank is not None:
+        (``start_powersgd_iter=0``, or a checkpoint without it), this step is the one being measured, or it is
+        one of the re-checks while the learning rate warms up (:meth:`plan`)."""
+        if not self.rank_is_auto:
             return False
-        return self._spectrum is None or self._spectrum["step"] == self.step
+        if self.matrix_approximation_rank is None:
+            return self._spectrum is None or self._spectrum["step"] == self.step
+        return self.step in self._recheck_steps
 
     def _measure_spectrum(self, flat: torch.Tensor, shapes: list[torch.Size]) -> None:
         """Adds one all-reduced bucket (the same on every rank) to this step's tail energies
@@ -290,19 +349,36 @@ class PowerSGD(ThreadedExchange):
 
     def _choose_rank(self) -> None:
         """Chooses the rank from the measured step (:func:`~dtrain.compress.lowrank.choose_rank`), rank 0's choice
-        broadcast so all ranks size P and Q alike, and says so on rank 0 (one line)."""
+        broadcast so all ranks size P and Q alike, and says so on rank 0 (one line). A re-check only raises the
+        rank (a gradient of higher rank is the one measured later in training); P and Q of the old rank are then
+        drawn afresh, the error kept."""
         tails = dict(zip(CANDIDATE_RANKS, self._spectrum["tails"]))
         rank, error = choose_rank(tails, self._spectrum["total"])
-        chosen = torch.tensor([rank], dtype=torch.int64, device=self.comm.device)
+        previous = self.matrix_approximation_rank
+        chosen = torch.tensor([rank if previous is None else max(rank, previous)], dtype=torch.int64,
+                              device=self.comm.device)
         self.matrix_approximation_rank = int(self.comm.broadcast(chosen).item())
+        self._rank_measured_at = self._spectrum["step"]
+        if previous is not None and self.matrix_approximation_rank != previous:
+            self.p_memory.clear()
+            self.q_memory.clear()
         if self.comm.is_main:
-            total = self._spectrum["total"]
-            smaller = [f"rank {r}: {math.sqrt(tails[r] / total):.2f}" for r in CANDIDATE_RANKS
-                       if r < rank and total > 0][-2:]
-            others = f"; {', '.join(smaller)}" if smaller else ""
-            print(f"dtrain: PowerSGD rank auto: {rank}, whose best approximation leaves {error:.2f} of "
-                  f"{self.step_name} {self._spectrum['step'] + 1:,}'s all-reduced gradient out (at most "
-                  f"{AUTO_RANK_ERROR}{others}); learner.exchange.matrix_approximation_rank=R sets one", flush=True)
+            print(self._rank_line(tails, rank, error, previous), flush=True)
+
+    def _rank_line(self, tails: dict[int, float], rank: int, error: float, previous: int | None) -> str:
+        """The line saying which rank ``"auto"`` chose (or what a re-check found) and what it leaves out."""
+        total, measured = self._spectrum["total"], f"{self.step_name} {self._spectrum['step'] + 1:,}"
+        smaller = [f"rank {r}: {math.sqrt(tails[r] / total):.2f}" for r in CANDIDATE_RANKS
+                   if r < rank and total > 0][-2:]
+        others = f"; {', '.join(smaller)}" if smaller else ""
+        leaves = (f"whose best approximation leaves {error:.2f} of {measured}'s all-reduced gradient out (at most "
+                  f"{AUTO_RANK_ERROR}{others})")
+        if previous is None:
+            return (f"dtrain: PowerSGD rank auto: {rank}, {leaves}; learner.exchange.matrix_approximation_rank=R "
+                    f"sets one")
+        now = (f"rank {self.matrix_approximation_rank} from here on" if self.matrix_approximation_rank != previous
+               else f"rank {previous} kept")
+        return f"dtrain: PowerSGD rank auto re-checked as the learning rate warms up: {rank}, {leaves}: {now}"
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -314,7 +390,8 @@ class PowerSGD(ThreadedExchange):
         state = {"name": self.name, "steps_begun": self.steps_begun, "rng": _rng_state(self.rng),
                  "errors": cpu(self.errors), "p_memory": cpu(self.p_memory), "q_memory": cpu(self.q_memory)}
         if self.rank_is_auto:
-            state["auto_rank"] = {"rank": self.matrix_approximation_rank, "spectrum": self._spectrum}
+            state["auto_rank"] = {"rank": self.matrix_approximation_rank, "spectrum": self._spectrum,
+                                  "measured_at": self._rank_measured_at}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -333,6 +410,9 @@ class PowerSGD(ThreadedExchange):
         if self.rank_is_auto:
             auto = state.get("auto_rank") or {"rank": None, "spectrum": None}
             self.matrix_approximation_rank, self._spectrum = auto["rank"], auto["spectrum"]
+            # checkpoints before re-checks: the rank came from the one step measured
+            self._rank_measured_at = auto.get("measured_at", None if auto["rank"] is None or auto["spectrum"] is None
+                                              else auto["spectrum"]["step"])
 
     def reset(self) -> None:
         """Back to a fresh start: no error, new random Q, and ``start_powersgd_iter`` all-reduce steps again."""
@@ -346,6 +426,7 @@ class PowerSGD(ThreadedExchange):
         if self.rank_is_auto:  # chosen again from the next measured step
             self.matrix_approximation_rank = None
         self._spectrum: dict[str, Any] | None = None  # the measured step: {"step", "tails" per CANDIDATE_RANKS, "total"}
+        self._rank_measured_at: int | None = None  # the step whose measurement chose the rank in use
 
 
 def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator
 import math
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -31,11 +32,17 @@ class RunFacts:
         samples_per_sweep: unique training samples (one pass over the data); ``None`` when unknown.
         max_samples: global samples the run trains on; ``None`` when it runs until the data ends.
         minibatch_size: the global minibatch size at the start, in samples.
+        warmup_samples: global samples over which the learning rate warms up from the start of the run
+            (``session.lr_schedule``'s or ``session.lr_scaling``'s warm-up, the longer); 0: none.
+        warmup_exchange_steps: what the learner tells its exchange strategy (:meth:`Exchange.plan
+            <dtrain.exchange.Exchange.plan>`): its exchange steps made before the warm-up ends (None: not known).
     """
 
     samples_per_sweep: int | None = None
     max_samples: int | None = None
     minibatch_size: int | None = None
+    warmup_samples: int = 0
+    warmup_exchange_steps: int | None = None
 
 
 #: the value of a setting a learner derives from the run's facts in :meth:`Learner.plan`
@@ -123,6 +130,7 @@ class Learner(abc.ABC):
         check_settings(DISTRIBUTED_AFTER, distributed_after=distributed_after)
         self.distributed_after = 0 if self.distributed_after_is_auto else int(distributed_after)
         self.run_facts = RunFacts()
+        self._planned = False  # whether plan() was called (training_session does); else step() says what "auto" became
         self.samples_seen = 0
         self.bytes_sent_total = 0  # bytes this rank sent in this job (not checkpointed): the summary's "exchange:" line
         self.local_samples = 0    # of the current minibatch, set by begin_minibatch
@@ -163,6 +171,7 @@ class Learner(abc.ABC):
         and resolves ``distributed_after="auto"`` through :meth:`auto_distributed_after`.
         """
         self.run_facts = facts
+        self._planned = True
         if self.distributed_after_is_auto:
             # a resumed run keeps the warm start it was planned with, even if max_samples changed
             restored = getattr(self, "_restored_distributed_after", None)
@@ -274,8 +283,24 @@ class Learner(abc.ABC):
     def step(self) -> None:
         """Applies this minibatch's update (:meth:`apply_update`), then advances ``samples_seen``
         by the minibatch's global samples. Final: the clock advances for every learner."""
+        if not self._planned:
+            self._warn_unplanned()
         self.apply_update()
         self.samples_seen += self.global_samples
+
+    def _warn_unplanned(self) -> None:
+        """Once, on rank 0, for a learner driven by hand without :meth:`plan`: ``distributed_after="auto"`` then
+        stands for no warm start, where ``training_session`` (which plans every run) would give one, so a hand-driven
+        1-bit or block learner would otherwise train differently from the same learner in a session, silently."""
+        self._planned = True
+        if not self.distributed_after_is_auto or not self.comm.is_main:
+            return
+        if self.auto_distributed_after(RunFacts(max_samples=4, minibatch_size=1)) > 0:  # a run of any known length
+            warnings.warn(f"{type(self).__name__}: distributed_after='auto' is derived from the run's facts, but "
+                          f"learner.plan(RunFacts(...)) was not called, so it trains without the warm start "
+                          f"training_session gives it; call learner.plan(RunFacts(samples_per_sweep=..., "
+                          f"max_samples=..., minibatch_size=...)) before prepare(), or give distributed_after in "
+                          f"samples (0: none)", RuntimeWarning, stacklevel=3)
 
     @abc.abstractmethod
     def apply_update(self) -> None:
@@ -339,8 +364,9 @@ class Learner(abc.ABC):
 
 
 
-def bind_exchange(exchange, comm):
-    """A learner's exchange strategy, bound to ``comm``: ``exchange``, or a float32
+def bind_exchange(exchange, comm, step_name: str = "step"):
+    """A learner's exchange strategy, bound to ``comm`` and told what its steps are (``step_name``: ``"step"``,
+    a minibatch; ``"sync"``, a block learner's sync): ``exchange``, or a float32
     :class:`~dtrain.exchange.AllReduce` when None (the wiring every exchanging learner shares).
 
     Raises TypeError when ``exchange`` is not a :class:`~dtrain.exchange.Exchange`."""
@@ -352,6 +378,7 @@ def bind_exchange(exchange, comm):
         raise TypeError(f"exchange must be a dtrain.exchange.Exchange strategy (e.g. dtrain.exchange.Quantized), "
                         f"got {type(exchange).__name__}")
     exchange.bind(comm)
+    exchange.count_steps_as(step_name)
     return exchange
 
 

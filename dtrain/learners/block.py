@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
@@ -165,7 +165,7 @@ class BlockLearner(Learner):
         super().__init__(optimizer, comm, distributed_after)
         self.outer_comm = self.comm if outer_comm is None else outer_comm
         # before any restore: a strategy's state loads onto its communicator
-        self.exchange = bind_exchange(exchange, self.outer_comm)
+        self.exchange = bind_exchange(exchange, self.outer_comm, step_name="sync")
         self.block_size_is_auto = block_size == AUTO
         check_settings({**BLOCK_SYNC, **BLOCK_SIZE, **MOMENTUM_CORRECTION}, local_learning_rate=local_learning_rate,
                        block_size=block_size, momentum_correction=momentum_correction,
@@ -240,7 +240,9 @@ class BlockLearner(Learner):
             # a resumed run keeps the block it was planned with (DiLoCo's depends on max_samples)
             restored = self._restored_block_size
             self.set_block_size(restored if restored is not None else self.auto_block_size(facts))
-        self.exchange.plan(facts, steps=self.expected_syncs(facts), step_name="sync")
+        warmup = self.exchange_steps_until(facts, facts.warmup_samples) if facts.warmup_samples else 0
+        self.exchange.plan(replace(facts, warmup_exchange_steps=warmup), steps=self.expected_syncs(facts),
+                           step_name="sync")
 
     def auto_block_size(self, facts: RunFacts) -> int:
         """What ``block_size="auto"`` stands for in a run of ``facts`` (the warm start is known by now):
@@ -250,9 +252,14 @@ class BlockLearner(Learner):
     def expected_syncs(self, facts: RunFacts) -> int | None:
         """The syncs a run of ``facts`` makes after the warm start (None when its length is unknown):
         a sync every ``ceil(sync_period / ceil(B / N))`` global minibatches of ``B``, and one at the end."""
-        if not facts.max_samples or not facts.minibatch_size or not self.block_size:
+        return self.exchange_steps_until(facts, facts.max_samples)
+
+    def exchange_steps_until(self, facts: RunFacts, samples: int | None) -> int | None:
+        """The syncs whose blocks begin before ``samples`` global samples (after the warm start; the one at a run's
+        end included); None when unknown."""
+        if not samples or not facts.minibatch_size or not self.block_size:
             return None
-        minibatches = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
+        minibatches = math.ceil(max(samples - self.distributed_after, 0) / facts.minibatch_size)
         return math.ceil(minibatches / self.minibatches_per_sync(facts.minibatch_size))
 
     def minibatches_per_sync(self, minibatch_size: int) -> int:
@@ -308,10 +315,18 @@ class BlockLearner(Learner):
         return f"momentum correction {'on' if self.momentum_correction else 'off'}"
 
     def describe_local_steps(self) -> str:
-        """The local steps' learning rate, in words."""
+        """The local steps' learning rate, in words: the rule in effect and the other one, since CNTK's factory
+        ``block_momentum_distributed_learner`` defaults to ``share`` and ``learner=block_momentum`` and
+        ``BlockMomentumLearner`` to ``full`` (``docs/semantics.md#block-momentum``)."""
+        replicas = self.model_replicas()
         if self.local_learning_rate == "share":
-            return "local steps at lr x the worker's share of the minibatch (CNTK's per-sample rate)"
-        return "local steps at the full lr"
+            here = f", lr/{replicas} at even shares" if replicas > 1 else ""
+            return (f"local steps at lr x the worker's share of the minibatch{here} (local_learning_rate=share, "
+                    f"CNTK's per-sample rate: block_momentum_distributed_learner's default; learner=block_momentum "
+                    f"and BlockMomentumLearner default to full)")
+        return ("local steps at the full lr (local_learning_rate=full: the default of learner=block_momentum and "
+                "BlockMomentumLearner; CNTK's block_momentum_distributed_learner defaults to share, lr x the "
+                "worker's share of the minibatch)")
 
     # -- statistics of the last sync --------------------------------------------------------------
     @property

@@ -26,12 +26,15 @@ from dtrain.learners.block import (  # noqa: F401  (auto_block_size, largest_blo
     auto_block_size,
     largest_block_size,
 )
+from dtrain.learners.cntk_keywords import wrapped_optimizer
 from dtrain.learners.settings import BLOCK_MOMENTUM
 from dtrain.rules import check_settings
 from dtrain.schedules import momentum_from_time_constant
 
 #: the one misspelt keyword CNTK's Python API has, accepted for ported scripts
 _NESTEROV_ALIAS = "use_nestrov_momentum"
+#: CNTK's name for the local learner (dtrain's optimizer) the factory wraps
+_LEARNER_ALIAS = "learner"
 
 
 def default_time_constant(block_size: int, num_workers: int) -> float:
@@ -213,7 +216,8 @@ class BlockMomentumLearner(BlockLearner):
             self.prev_parameters.sub_(self.smoothed_gradient, alpha=block_momentum)  # W -= bm * sg
 
 
-def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, block_size: int | str = AUTO,
+def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None = None, comm=None,
+                                       block_size: int | str = AUTO,
                                        block_momentum_as_time_constant: float | None = None,
                                        use_nesterov_momentum: bool | None = None,
                                        reset_sgd_momentum_after_aggregation: bool = True,
@@ -231,16 +235,19 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer, comm, b
     turns it on): e.g. ``block_momentum_as_time_constant=0``,
     ``block_size`` one global minibatch and ``block_learning_rate=1`` make data-parallel SGD.
     ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
-    ``use_nestrov_momentum`` is accepted in its place.
+    ``use_nestrov_momentum`` is accepted in its place, and CNTK's ``learner=`` in place of ``optimizer``
+    (as CNTK's own tests call it). ``comm`` None is a one-process communicator (a session launched on
+    several processes refuses it).
 
     Raises:
         ValueError: as ``BlockMomentumLearner``, or both spellings of the Nesterov flag are given
             with different values.
-        TypeError: an unknown keyword argument.
+        TypeError: an unknown keyword argument, or no optimizer (or two: ``optimizer`` and ``learner``).
     """
-    unknown = sorted(set(aliases) - {_NESTEROV_ALIAS})
+    unknown = sorted(set(aliases) - {_NESTEROV_ALIAS, _LEARNER_ALIAS})
     if unknown:
         raise TypeError(f"block_momentum_distributed_learner() got unexpected keyword argument(s) {unknown}")
+    optimizer = wrapped_optimizer("block_momentum_distributed_learner", optimizer, aliases.get(_LEARNER_ALIAS))
     if _NESTEROV_ALIAS in aliases:
         alias_value = aliases[_NESTEROV_ALIAS]
         if use_nesterov_momentum is not None and use_nesterov_momentum != alias_value:

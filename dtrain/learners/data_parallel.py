@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from dtrain import checks
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+from dtrain.learners.cntk_keywords import synchronous_update, wrapped_optimizer
 from dtrain.learners.frozen_variance import FrozenVariance, keeps_variance
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
 from dtrain.learners.settings import DATA_PARALLEL, QUANTIZATION_BITS
@@ -77,7 +79,9 @@ class DataParallelLearner(ReplicatedLearner):
         optimizer: the torch optimizer of the model's parameters (learning rate per minibatch of
             the mean loss).
         comm: the job's communicator; with size 1 this is the local learner (no hooks).
-        distributed_after: global samples of local-only training before synchronous steps begin.
+        distributed_after: global samples of local-only training before synchronous steps begin; ``"auto"`` (the
+            default, as ``data_parallel_distributed_learner``'s): :meth:`auto_distributed_after`, a warm start for an
+            exchange that asks for one (k-bit), else 0.
         bucket_size_mb: bucket size limit in MiB (> 0); a parameter larger than it gets its own bucket.
         exchange: how buckets are summed over ranks (:mod:`dtrain.exchange`); None: float32 all-reduce.
         warm_start_mode: with a compressing exchange, how the steps before ``distributed_after`` train:
@@ -102,7 +106,7 @@ class DataParallelLearner(ReplicatedLearner):
 
     kind = "data_parallel"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = 0,
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
                  warm_start_mode: str | None = None, warm_start: str | None = None,
                  freeze_variance: bool | str = AUTO):
@@ -173,12 +177,18 @@ class DataParallelLearner(ReplicatedLearner):
 
     def plan(self, facts: RunFacts) -> None:
         """The base's plan, then the exchange's (a strategy may derive ``"auto"`` settings from the run):
-        it is told the run's minibatches after the warm start, the steps it will exchange."""
+        it is told the run's minibatches after the warm start, the steps it will exchange, and those made
+        before the learning rate's warm-up ends."""
         super().plan(facts)
-        steps = None
-        if facts.max_samples and facts.minibatch_size:
-            steps = math.ceil(max(facts.max_samples - self.distributed_after, 0) / facts.minibatch_size)
-        self.exchange.plan(facts, steps=steps, step_name="step")
+        warmup = self.exchange_steps_until(facts, facts.warmup_samples) if facts.warmup_samples else 0
+        self.exchange.plan(replace(facts, warmup_exchange_steps=warmup),
+                           steps=self.exchange_steps_until(facts, facts.max_samples), step_name="step")
+
+    def exchange_steps_until(self, facts: RunFacts, samples: int | None) -> int | None:
+        """The minibatches exchanged before ``samples`` global samples (after the warm start); None when unknown."""
+        if not samples or not facts.minibatch_size:
+            return None
+        return math.ceil(max(samples - self.distributed_after, 0) / facts.minibatch_size)
 
     def auto_distributed_after(self, facts: RunFacts) -> int:
         """``distributed_after="auto"``: a warm start (:func:`auto_warm_start`) when the exchange asks for
@@ -469,15 +479,18 @@ class QuantizedDataParallelLearner(DataParallelLearner):
         return {**super().state_dict(), "num_quantization_bits": self.num_quantization_bits}
 
 
-def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = "auto",
-                                      num_quantization_bits: int = 32, bucket_size_mb: float = 25.0,
-                                      error_feedback: bool = True, exchange: Exchange | None = None,
-                                      warm_start_mode: str | None = None, warm_start: str | None = None,
-                                      freeze_variance: bool | str = AUTO, requantize_sum: bool | str = AUTO) -> Learner:
+def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer | None = None, comm=None,
+                                      distributed_after: int | str = "auto", num_quantization_bits: int = 32,
+                                      bucket_size_mb: float = 25.0, error_feedback: bool = True,
+                                      exchange: Exchange | None = None, warm_start_mode: str | None = None,
+                                      warm_start: str | None = None, freeze_variance: bool | str = AUTO,
+                                      requantize_sum: bool | str = AUTO,
+                                      use_async_buffered_parameter_update: bool = False,
+                                      learner: torch.optim.Optimizer | None = None) -> Learner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
-        optimizer: the torch optimizer of the model's parameters.
+        optimizer: the torch optimizer of the model's parameters (``learner=``, CNTK's name, in its place).
         comm: the job's communicator (a size-1 local one when omitted).
         distributed_after: global samples trained with local updates before gradients are shared;
             ``"auto"`` (default): none for a full-precision or low-rank exchange, a warm start
@@ -501,6 +514,9 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         requantize_sum: k-bit only: the owner of each stripe re-quantizes the summed stripe (CNTK's two
             phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): re-quantize beyond 2
             ranks at 2 bits or more and beyond 8 ranks at 1 bit (the sum then at 2 bits).
+        use_async_buffered_parameter_update: CNTK's keyword, accepted at its default ``False`` (as CNTK's own
+            tests pass it); ``True`` is refused: dtrain's updates are synchronous.
+        learner: CNTK's name for ``optimizer`` (its local learner), accepted in its place.
 
     Returns:
         A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
@@ -509,8 +525,11 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer, comm=Non
         ValueError: a value out of range or of the wrong kind (one line ``name=value: expected ...``),
             or both ``exchange`` (other than float32 all-reduce, the config's default) and
             ``num_quantization_bits`` below 32.
-        TypeError: ``optimizer`` is not a torch optimizer, or ``exchange`` not an exchange strategy.
+        TypeError: ``optimizer`` is not a torch optimizer (or missing, or given twice: as ``learner`` too), or
+            ``exchange`` not an exchange strategy.
     """
+    optimizer = wrapped_optimizer("data_parallel_distributed_learner", optimizer, learner)
+    synchronous_update(use_async_buffered_parameter_update)
     check_settings(DATA_PARALLEL, num_quantization_bits=num_quantization_bits, bucket_size_mb=bucket_size_mb,
                    distributed_after=distributed_after, error_feedback=error_feedback, freeze_variance=freeze_variance,
                    requantize_sum=requantize_sum)

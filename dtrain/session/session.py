@@ -346,7 +346,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         if self.ema is not None:
             self.ema.to(self.device)
         self.learner.plan(RunFacts(samples_per_sweep=getattr(self.source, "samples_per_sweep", None),
-                                   max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0))))
+                                   max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0)),
+                                   warmup_samples=self._lr_warmup_samples()))
         self.learner.prepare(self.model)
         self.model.train()
         remove_clipping = self.learner.add_before_optimizer_step(self._clip_gradients) \
@@ -511,6 +512,12 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         gradients = [parameter for parameter in learner.parameters if parameter.grad is not None]
         if gradients:
             torch.nn.utils.clip_grad_norm_(gradients, self.clip_grad_norm)
+
+    def _lr_warmup_samples(self) -> int:
+        """The samples over which the learning rate warms up from the start: ``lr_schedule``'s or ``lr_scaling``'s
+        warm-up, the longer (0: none; a plain callable as the schedule says nothing)."""
+        return max(int(getattr(self.lr_schedule, "warmup_samples", 0) or 0),
+                   int(getattr(self.lr_scaling, "warmup_samples", 0) or 0))
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""

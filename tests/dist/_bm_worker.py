@@ -9,6 +9,9 @@ against it to 1e-5. Each configuration is one named check (``tests.helpers.check
 is the list of differences after each sync. A last check, ``cntk_data_parallel_sgd``, trains with
 CNTK's settings for data-parallel SGD (block momentum 0, a block of one global minibatch, block
 learning rate 1) through the CNTK factory and compares with ``data_parallel_distributed_learner``.
+``powersgd_defaults_by_hand`` drives a block learner with PowerSGD by hand (never planned, as a user of the
+Python API without ``training_session`` does) and checks that it trains the model the session's plan and
+the documented defaults for syncs (error feedback off) give.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from torch import nn
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.data.partition import partition_slice
+from dtrain.exchange import PowerSGD
+from dtrain.exchange.powersgd import DEFAULT_START_SYNCS
+from dtrain.learners.base import RunFacts
 from dtrain.learners import BlockMomentumLearner, block_momentum_distributed_learner, data_parallel_distributed_learner
 
 from tests.helpers.bmuf_reference import flat, simulate_bmuf, train_learner_shares
@@ -137,12 +143,92 @@ def check_cntk_data_parallel_sgd(comm) -> dict:
     return {"max_difference": difference, "moved": float((data_parallel - flat(make_model(0).parameters())).abs().max())}
 
 
+def check_powersgd_defaults_by_hand(comm) -> dict:
+    """PowerSGD's defaults under a block learner hold whatever drives it: by hand (never planned) the syncs'
+    error feedback is off and the start is 10 syncs, as the session plans a run of unknown length; with the
+    start set, the model is the one the session's plan of a known run gives, bit for bit."""
+    global_size, steps = 8, 32  # the 256 samples once; blocks of 16: a sync every 2 minibatches, 16 syncs
+
+    def final_model(exchange: PowerSGD, facts: RunFacts | None = None) -> torch.Tensor:
+        def build(model):
+            learner = BlockMomentumLearner(make_optimizer(model), comm, block_size=16, distributed_after=0,
+                                           exchange=exchange)
+            if facts is not None:
+                learner.plan(facts)  # what training_session does before prepare()
+            return learner
+        try:
+            return train_steps(comm, build, global_size, steps)
+        finally:
+            exchange.close()
+
+    by_hand = PowerSGD(start_powersgd_iter=2)
+    hand_driven = final_model(by_hand)
+    assert not by_hand.use_error_feedback and by_hand.step_name == "sync", by_hand.describe()
+    planned = final_model(PowerSGD(start_powersgd_iter=2), RunFacts(max_samples=global_size * steps,
+                                                                    minibatch_size=global_size))
+    documented = final_model(PowerSGD(start_powersgd_iter=2, use_error_feedback=False))
+    with_feedback = final_model(PowerSGD(start_powersgd_iter=2, use_error_feedback=True))
+    assert torch.equal(hand_driven, planned), float((hand_driven - planned).abs().max())
+    assert torch.equal(hand_driven, documented), float((hand_driven - documented).abs().max())
+    feedback_difference = float((with_feedback - documented).abs().max())
+    assert feedback_difference > 1e-3, feedback_difference  # the setting matters here: the check can tell
+
+    default_start = PowerSGD()
+    unknown_length = PowerSGD()
+    assert torch.equal(final_model(default_start), final_model(unknown_length, RunFacts()))
+    assert default_start.start_powersgd_iter == unknown_length.start_powersgd_iter == DEFAULT_START_SYNCS
+    return {"error_feedback_difference": feedback_difference, "session_difference": session_difference(comm)}
+
+
+def session_difference(comm) -> float:
+    """The largest difference between a block learner with PowerSGD's defaults trained by ``training_session``
+    and the same learner driven by hand through ``step()`` on the same minibatches (no plan() there); 0.0 expected:
+    error feedback off for syncs, the start explicit (a hand-driven run's length is unknown)."""
+    import tempfile
+    from pathlib import Path
+
+    from dtrain import MinibatchSource, training_session
+    from tests.helpers.toy_data import four_class_data
+
+    global_size, max_samples = 8, 128
+
+    def classifier():
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+        learner = BlockMomentumLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, block_size=16,
+                                       distributed_after=0, exchange=PowerSGD(start_powersgd_iter=2))
+        return model, learner
+
+    run_dir = comm.broadcast_object(tempfile.mkdtemp() if comm.rank == 0 else None)
+    model, learner = classifier()
+    training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(four_class_data(64), randomize=False),
+                     minibatch_size=global_size, max_samples=max_samples, progress_frequency=0,
+                     run_dir=Path(run_dir) / "session", tensorboard=False, stream=io.StringIO()).train()
+    assert not learner.exchange.use_error_feedback
+    by_session = flat(model.parameters())
+
+    model, learner = classifier()
+    source = MinibatchSource(four_class_data(64), randomize=False)
+    learner.prepare(model)
+    while learner.samples_seen < max_samples:
+        minibatch = source.next_minibatch(global_size, *learner.data_partition())
+        learner.begin_minibatch(minibatch.num_samples, minibatch.global_num_samples)
+        if minibatch.num_samples:
+            nn.functional.cross_entropy(model(minibatch.features), minibatch.labels).backward()
+        learner.step()
+    learner.synchronize()
+    learner.finalize()
+    source.close()
+    return float((flat(model.parameters()) - by_session).abs().max())
+
+
 def main() -> None:
     comm = create_communicator(backend="gloo", timeout_s=60)
     install_fail_fast(comm)
     torch.set_num_threads(1)  # oversubscribed ranks on a small machine
     run_checks(comm, {**{case: partial(check_case, case=case) for case in CASES},
-                      "cntk_data_parallel_sgd": check_cntk_data_parallel_sgd})
+                      "cntk_data_parallel_sgd": check_cntk_data_parallel_sgd,
+                      "powersgd_defaults_by_hand": check_powersgd_defaults_by_hand})
     comm.finalize()
 
 

@@ -40,6 +40,15 @@ def test_cntk_settings_for_data_parallel_sgd_give_its_parameters(launch: CheckLa
 
 
 @pytest.mark.timeout(150)
+def test_powersgd_defaults_under_a_hand_driven_block_learner_are_the_sessions(launch: CheckLaunch) -> None:
+    """Driven through ``step()`` without ``plan()``, PowerSGD under block momentum keeps error feedback off for
+    syncs (the documented default): the model equals the planned one, the explicit default's and the one
+    training_session trains on the same minibatches, bit for bit."""
+    result = launch.result("powersgd_defaults_by_hand")
+    assert result["error_feedback_difference"] > 1e-3 and result["session_difference"] == 0.0, result
+
+
+@pytest.mark.timeout(150)
 def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
     assert launch.returncode == 0, launch.output
 

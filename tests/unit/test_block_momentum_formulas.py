@@ -306,6 +306,24 @@ def test_cntk_misspelt_nesterov_keyword_is_accepted():
         block_momentum_distributed_learner(sgd(parameters), None, 16, block_sise=3)
 
 
+def test_the_start_up_line_names_the_local_learning_rate_rule_in_effect_and_the_other_entry_points():
+    """CNTK's factory steps at lr/N by default, BlockMomentumLearner and learner=block_momentum at lr: one name,
+    two rules, so the line says which one this learner follows."""
+    def line(build, **options) -> str:
+        return build(sgd(make_model().parameters()), FakeComm(FakeWorld(2), 0), block_size=32, **options).describe()
+
+    cntk = line(block_momentum_distributed_learner)
+    assert ("local steps at lr x the worker's share of the minibatch, lr/2 at even shares (local_learning_rate=share, "
+            "CNTK's per-sample rate: block_momentum_distributed_learner's default; learner=block_momentum and "
+            "BlockMomentumLearner default to full)") in cntk
+    assert "momentum correction off" in cntk
+    full = ("local steps at the full lr (local_learning_rate=full: the default of learner=block_momentum and "
+            "BlockMomentumLearner; CNTK's block_momentum_distributed_learner defaults to share")
+    assert full in line(BlockMomentumLearner) and "momentum correction on" in line(BlockMomentumLearner)
+    assert full in line(block_momentum_distributed_learner, local_learning_rate="full")
+    assert "lr/2" in line(BlockMomentumLearner, local_learning_rate="share")
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(block_size=0), "block_size=0: expected a positive"),
     (dict(block_size=-8), "block_size=-8"),

@@ -1,6 +1,7 @@
 """Details of CNTK's API that ported code relies on: a settable ``MinibatchSource.current_position``,
 ``FULL_DATA_SWEEP`` and ``INFINITELY_REPEAT``, schedules that change once per sweep without an
-``epoch_size``, and a cross-validation callback told 0 (not NaN) when there is no source."""
+``epoch_size``, a cross-validation callback told 0 (not NaN) when there is no source, and the distributed
+learners' factories called with CNTK's keywords as CNTK's own ``distributed_test.py`` calls them."""
 from __future__ import annotations
 
 import io
@@ -13,6 +14,8 @@ from torch import nn
 
 import dtrain.data
 from dtrain import CrossValidationConfig, LocalLearner, MinibatchSource, Schedule, training_session
+from dtrain.learners import (BlockMomentumLearner, DataParallelLearner, QuantizedDataParallelLearner,
+                             block_momentum_distributed_learner, data_parallel_distributed_learner)
 from dtrain.data import FULL_DATA_SWEEP, INFINITELY_REPEAT, StreamArrays
 
 from tests.helpers.toy_data import four_class_data
@@ -146,3 +149,50 @@ def test_the_cross_validation_callback_without_a_source_gets_zeros_as_cntks(tmp_
 def test_the_constants_are_where_cntk_users_look():
     """``cntk.io.FULL_DATA_SWEEP`` and ``cntk.io.INFINITELY_REPEAT``: ``dtrain.data``, beside ``MinibatchSource``."""
     assert {"FULL_DATA_SWEEP", "INFINITELY_REPEAT", "MinibatchSource"} <= set(dtrain.data.__all__)
+
+
+# -- the distributed learners' factories, with CNTK's keywords --------------------------------------------
+#: CNTK's distributed_test.py, its four factory calls as written there (the local learner passed as ``learner=``)
+CNTK_FACTORY_CALLS = {
+    "data_parallel": (DataParallelLearner, lambda learner: data_parallel_distributed_learner(
+        learner=learner, distributed_after=0, use_async_buffered_parameter_update=False, num_quantization_bits=32)),
+    "quantized": (QuantizedDataParallelLearner, lambda learner: data_parallel_distributed_learner(
+        learner=learner, distributed_after=100, use_async_buffered_parameter_update=False, num_quantization_bits=1)),
+    "block_momentum": (BlockMomentumLearner, lambda learner: block_momentum_distributed_learner(
+        learner=learner, block_size=1024, distributed_after=100)),
+    "block_momentum_with_time_constant": (BlockMomentumLearner, lambda learner: block_momentum_distributed_learner(
+        learner=learner, block_size=1024, block_momentum_as_time_constant=4096, distributed_after=100)),
+}
+
+
+@pytest.mark.parametrize("name", CNTK_FACTORY_CALLS)
+def test_cntks_own_factory_calls_build_a_learner_that_trains(tmp_path, name):
+    kind, create = CNTK_FACTORY_CALLS[name]
+    model = nn.Linear(6, 4)
+    learner = create(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert type(learner) is kind and learner.distributed_after == (0 if name == "data_parallel" else 100)
+    result = training_session(model, nn.functional.cross_entropy, learner, plain_source(), minibatch_size=10,
+                              max_samples=40, progress_frequency=0, run_dir=tmp_path, tensorboard=False,
+                              stream=io.StringIO()).train()
+    assert result.samples_seen == learner.samples_seen == 40 and not result.stopped_early
+
+
+@pytest.mark.parametrize("value, message", [
+    (True, "use_async_buffered_parameter_update=True: expected False (CNTK's default): dtrain's data-parallel "
+           "updates are synchronous"),
+    ("false", "use_async_buffered_parameter_update='false': expected true or false"),
+])
+def test_the_asynchronous_buffered_update_is_refused_in_one_line(value, message):
+    with pytest.raises(ValueError) as error:
+        data_parallel_distributed_learner(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                                          use_async_buffered_parameter_update=value)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("factory", [data_parallel_distributed_learner, block_momentum_distributed_learner])
+def test_the_optimizer_is_given_once_under_either_name(factory):
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="got both optimizer and learner"):
+        factory(optimizer, learner=optimizer)
+    with pytest.raises(TypeError, match="missing the optimizer to wrap"):
+        factory()

@@ -703,3 +703,54 @@ def test_an_auto_block_at_3_workers_gets_no_rounding_note():
     learner = BlockMomentumLearner(sgd(), _Comm(3))
     learner.plan(DIGITS)
     assert learner.block_size % 32 == 0 and "blocks end at a minibatch's end" not in learner.describe()
+
+
+# -- a learner driven by hand, without plan() -------------------------------------------------------------------
+def hand_driven_warnings(build, size: int = 2, plan: RunFacts | None = None) -> list[str]:
+    """The warnings of two minibatches on ``size`` thread ranks with the learner ``build(optimizer, comm)`` makes,
+    driven by hand: prepare(), begin_minibatch(), backward, step(); planned first only when ``plan`` is given."""
+    def work(comm):
+        model = nn.Linear(2, 2)
+        learner = build(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+        if plan is not None:
+            learner.plan(plan)
+        learner.prepare(model)
+        for _ in range(2):
+            learner.begin_minibatch(4, 4 * size)
+            model(torch.ones(4, 2)).square().mean().backward()
+            learner.step()
+        learner.finalize()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FakeWorld(size).run(work)
+    return [str(warning.message) for warning in caught if "distributed_after" in str(warning.message)]
+
+
+def test_a_learner_whose_auto_warm_start_needs_the_runs_facts_says_so_when_stepped_without_a_plan():
+    """training_session plans every run; a hand-driven k-bit or block learner would otherwise train without the
+    warm start the session gives it, silently. Rank 0 says it, once."""
+    from dtrain.learners import DataParallelLearner
+
+    (quantized,) = hand_driven_warnings(QuantizedDataParallelLearner)
+    assert quantized.startswith("QuantizedDataParallelLearner: distributed_after='auto' is derived from the run's "
+                                "facts, but learner.plan(RunFacts(...)) was not called") and "\n" not in quantized
+    assert len(hand_driven_warnings(lambda optimizer, comm: BlockMomentumLearner(optimizer, comm, block_size=8))) == 1
+    quiet = [lambda optimizer, comm: BlockMomentumLearner(optimizer, comm, block_size=8, distributed_after=0),
+             DataParallelLearner]  # given, or float32: no warm start whatever the run
+    for build in quiet:
+        assert hand_driven_warnings(build) == []
+    assert hand_driven_warnings(lambda optimizer, comm: BlockMomentumLearner(optimizer, comm, block_size=8),
+                                size=1) == []  # one worker: no warm start whatever the run
+    assert hand_driven_warnings(QuantizedDataParallelLearner, plan=DIGITS) == []  # planned: the session's way
+
+
+def test_the_data_parallel_class_and_its_factory_share_the_automatic_warm_start():
+    from dtrain.exchange import Quantized
+    from dtrain.learners import DataParallelLearner
+
+    by_class = DataParallelLearner(sgd(), _Comm(2), exchange=Quantized(1))
+    by_factory = data_parallel_distributed_learner(sgd(), _Comm(2), exchange=Quantized(1))
+    for learner in (by_class, by_factory):
+        learner.plan(DIGITS)
+    assert by_class.distributed_after == by_factory.distributed_after > 0

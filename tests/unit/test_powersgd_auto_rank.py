@@ -11,6 +11,7 @@ from tests.helpers.config import compose_config
 from tests.helpers.thread_world import FakeWorld
 from dtrain.compress.lowrank import CANDIDATE_RANKS, choose_rank, tail_energies
 from dtrain.exchange import PowerSGD
+from dtrain.learners.base import RunFacts
 
 
 def matrix_with_singular_values(values, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -146,3 +147,126 @@ def test_identity_says_auto_and_the_presets_choose_it():
 def test_a_rank_that_is_neither_a_number_nor_auto_is_refused():
     with pytest.raises(ValueError, match=r"matrix_approximation_rank='most'.*whole number of at least 1 or auto"):
         PowerSGD(matrix_approximation_rank="most")
+
+
+# -- re-checks while the learning rate warms up ------------------------------------------------------------
+LOW_RANK = gradient_of([3.0, 2.0, 1.0, 0.1, 0.1], seed=1)   # rank 4
+FULL_RANK = gradient_of([1.0] * 40, seed=0)                 # rank 16: sent whole
+
+
+def planned(comm, warmup_steps: int | None, steps: int = 12, start: int = 2) -> PowerSGD:
+    """An auto-rank PowerSGD bound to ``comm`` and planned as a learner plans it (``warmup_exchange_steps``)."""
+    exchange = PowerSGD(matrix_approximation_rank="auto", use_error_feedback=False, start_powersgd_iter=start)
+    exchange.bind(comm)
+    exchange.plan(RunFacts(warmup_exchange_steps=warmup_steps), steps=steps)
+    return exchange
+
+
+def test_a_rank_measured_inside_the_warm_up_is_measured_again_after_it_and_only_raised():
+    """Measured at step 2 of a warm-up of 8 steps: re-measured at step 4 (twice as many steps) and at step 9
+    (the first past the warm-up), each on a plain all-reduce step; the later, higher-rank gradient raises the
+    rank, a later lower-rank one does not lower it."""
+    gradients = [LOW_RANK, LOW_RANK, LOW_RANK, FULL_RANK, LOW_RANK, LOW_RANK, LOW_RANK, LOW_RANK, LOW_RANK, LOW_RANK]
+
+    def run(comm):
+        exchange = planned(comm, warmup_steps=8)
+        ranks = []
+        results = []
+        for gradient in gradients:
+            results.append(exchange_steps(comm, [gradient / 2], SHAPES, exchange=exchange)[1][0])
+            ranks.append(exchange.matrix_approximation_rank)
+        return exchange, ranks, results
+
+    exchange, ranks, results = FakeWorld(2).run(run)[0]
+    assert exchange._recheck_steps == (3, 8)
+    assert "re-checked at steps 4 and 9, as the learning rate warms up over the first 8" in exchange.describe_plan()
+    assert exchange.describe() == "powersgd rank 16 (auto), error feedback off"  # progress lines stay short
+    assert ranks == [None, None, 4, 4, 16, 16, 16, 16, 16, 16]  # chosen at the compressed step after a measurement
+    assert torch.equal(results[3], FULL_RANK) and torch.equal(results[8], LOW_RANK)  # re-checks: exact sums
+
+
+def test_no_re_check_when_the_rank_is_measured_past_the_warm_up_or_there_is_none():
+    def run(comm):
+        return [planned(comm, warmup_steps=warmup, start=start)._recheck_steps
+                for warmup, start in ((4, 5), (4, 6), (0, 2), (None, 2))]
+
+    assert FakeWorld(1).run(run)[0] == [(), (), (), ()]
+
+
+def test_a_run_that_ends_inside_the_warm_up_re_checks_until_its_last_compressed_step_and_says_so():
+    def run(comm):
+        return planned(comm, warmup_steps=20, steps=10, start=1)
+
+    exchange = FakeWorld(1).run(run)[0]
+    assert exchange._recheck_steps == (3, 7)  # after 4 and 8 steps; a re-check needs a compressed step after it
+    assert "this run of 10 ends inside the warm-up" in exchange.describe_plan()
+
+
+def test_a_checkpoint_between_a_re_check_and_the_rank_it_raises_resumes_to_the_same_result():
+    gradients = [LOW_RANK, LOW_RANK, FULL_RANK, FULL_RANK, LOW_RANK, FULL_RANK, LOW_RANK]
+
+    def straight(comm):
+        exchange = planned(comm, warmup_steps=8)
+        return exchange_steps(comm, gradients, SHAPES, exchange=exchange)[1]
+
+    def resumed(comm):
+        exchange = planned(comm, warmup_steps=8)
+        first = exchange_steps(comm, gradients[:4], SHAPES, exchange=exchange)[1]
+        assert exchange.matrix_approximation_rank == 4 and exchange._spectrum["step"] == 3  # re-measured, not applied
+        state = exchange.state_dict()
+        exchange.close()
+        again = planned(comm, warmup_steps=8)
+        again.load_state_dict(state)
+        rest = exchange_steps(comm, gradients[4:], SHAPES, exchange=again)[1]
+        assert again.matrix_approximation_rank == 16
+        return first + rest
+
+    for want, have in zip(FakeWorld(1).run(straight)[0], FakeWorld(1).run(resumed)[0]):
+        assert torch.equal(want, have)
+
+
+def test_the_learner_tells_its_exchange_the_steps_the_learning_rate_warms_up_over():
+    """The language model shortened to a tenth (512,000 samples, minibatch 2,048, warm-up 409,600): the rank is
+    measured at step 25 of 250, inside the warm-up of 200 steps, so re-checked at steps 50, 100 and 201."""
+    from dtrain.learners import DataParallelLearner
+    from tests.helpers.thread_world import FakeComm
+
+    learner = DataParallelLearner(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                                  FakeComm(FakeWorld(2), 0), exchange=PowerSGD(matrix_approximation_rank="auto",
+                                                                               start_powersgd_iter="auto"))
+    learner.plan(RunFacts(max_samples=512_000, minibatch_size=2048, warmup_samples=409_600))
+    assert learner.exchange._recheck_steps == (49, 99, 200)
+    assert "re-checked at steps 50, 100 and 201, as the learning rate warms up over the first 200" in learner.describe()
+    full_run = DataParallelLearner(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                                   FakeComm(FakeWorld(2), 0), exchange=PowerSGD(matrix_approximation_rank="auto",
+                                                                                start_powersgd_iter="auto"))
+    full_run.plan(RunFacts(max_samples=5_120_000, minibatch_size=2048, warmup_samples=409_600))
+    assert full_run.exchange._recheck_steps == ()  # measured at step 250, past the warm-up: as before
+
+
+def test_the_session_tells_the_learner_its_learning_rate_warm_up(tmp_path):
+    import io
+
+    from dtrain import LocalLearner, MinibatchSource, Schedule, training_session
+    from tests.helpers.toy_data import four_class_data
+
+    model = torch.nn.Linear(6, 4)
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    training_session(model, torch.nn.functional.cross_entropy, learner, MinibatchSource(four_class_data(64, 0)),
+                     minibatch_size=16, max_samples=32, lr_schedule=Schedule(1.0, warmup_samples=48),
+                     progress_frequency=0, run_dir=tmp_path, tensorboard=False, stream=io.StringIO()).train()
+    assert learner.run_facts.warmup_samples == 48
+
+
+def test_a_block_learner_tells_its_exchange_the_warm_up_in_syncs():
+    """Under block momentum the exchange's steps are syncs: 63 of them (4 minibatches each), the rank measured at
+    sync 7, the warm-up's 200 minibatches over after 50 syncs."""
+    from dtrain.learners import BlockMomentumLearner
+    from tests.helpers.thread_world import FakeComm
+
+    learner = BlockMomentumLearner(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                                   FakeComm(FakeWorld(2), 0), block_size=4 * 2048, distributed_after=0,
+                                   exchange=PowerSGD(matrix_approximation_rank="auto"))
+    learner.plan(RunFacts(max_samples=512_000, minibatch_size=2048, warmup_samples=409_600))
+    assert learner.exchange._recheck_steps == (13, 27, 50)
+    assert "re-checked at syncs 14, 28 and 51, as the learning rate warms up over the first 50" in learner.describe()
