@@ -75,7 +75,10 @@ class CheckpointHandling:
             return None
         path, state = start.path, start.state
         seen = self.learner.samples_seen
-        if self.max_samples is not None and seen > self.max_samples:  # it would be reported as this run's model
+        # a model trained past max_samples would be reported as this run's, unless the checkpoint is the end of a
+        # run to this same max_samples, which whole sequences overshoot: then there is nothing left to train
+        if self.max_samples is not None and seen > self.max_samples \
+                and checkpoint_state.max_samples_of(state) != self.max_samples:
             raise checkpoint.CheckpointError(
                 f"checkpoint {path} has trained on {seen:,} samples, past session.max_samples={self.max_samples}; "
                 f"set session.max_samples to at least {seen:,} to continue it, or use a new run directory "

@@ -176,6 +176,34 @@ def test_resuming_with_samples_counted_differently_is_refused_naming_the_checkpo
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
 
 
+def test_a_finished_run_whose_whole_sequences_overshot_max_samples_runs_again_training_nothing(tmp_path):
+    """Whole sequences end the run past max_samples; the same run again restores its end and trains nothing (as
+    CNTK does), while a run asked for fewer samples than a checkpoint holds is still refused."""
+    def run(max_samples: int):
+        torch.manual_seed(0)
+        model = TinyCausalLM()
+        return model, session(model, MinibatchSource(token_sequences(), randomization_seed=2), tmp_path,
+                              max_samples=max_samples, checkpoint_config=dtrain.CheckpointConfig("ckpt.pt"))
+
+    model, first = run(100)
+    ended = first.train()
+    assert ended.samples_seen > 100  # the last minibatch's whole sequences overshot it
+    end = tmp_path / f"ckpt-{ended.samples_seen}.pt"
+    assert ended.last_checkpoint == end
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    again_model, again = run(100)
+    result = again.train()
+    assert result.restored_from == end and result.samples_seen == ended.samples_seen
+    assert result.minibatches == ended.minibatches and result.last_checkpoint == end  # nothing trained
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again_model.parameters()))
+    assert {path.name: path.read_bytes() for path in tmp_path.glob("ckpt-*.pt")} == \
+        {name: data for name, data in before.items() if name.startswith("ckpt-")}
+    # a lower max_samples than the run that wrote the checkpoint: it would report a longer run as this one
+    with pytest.raises(dtrain.CheckpointError, match=rf"has trained on {ended.samples_seen} samples, past "
+                                                     rf"session.max_samples=99"):
+        run(99)[1].train()
+
+
 def test_a_stream_missing_from_the_test_data_names_that_data(tmp_path):
     test = MinibatchSource(StreamArrays({"words": [np.arange(3) % VOCABULARY]}), randomize=False, max_sweeps=1)
     with pytest.raises(ValueError, match=r"session.inputs\[0\]='text\[:-1\]': the test data has no stream 'text'; "
