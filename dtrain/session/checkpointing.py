@@ -33,6 +33,7 @@ class CheckpointHandling:
             weight_ema=self.ema.state_dict() if self.ema is not None else None)
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
+            self._saved_checkpoint = True  # from here on the run directory holds a run to resume: it is kept
             checkpoint.save_atomic(state, path, previous=self.checkpoint_files.newest())
             self.checkpoint_files.prune(0 if self.checkpoint_config.preserve_all else self.checkpoint_config.keep_last)
             printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
@@ -57,7 +58,8 @@ class CheckpointHandling:
         self._restore_attempted = True
         try:
             self._restored_from = self._load_latest()
-        except BaseException:
+        except BaseException as error:
+            self._abandon_run_dir(error)  # a directory the lock created goes again
             self.release_run_dir()
             raise
         return self._restored_from
