@@ -180,7 +180,7 @@ def test_generate_takes_the_weight_ema_only_when_the_latest_job_kept_one(tmp_pat
 
 
 class _BadAt(torch.utils.data.Dataset):
-    """256 samples of 6 features and 4 classes; ``dataset[bad_at]`` raises, or has another shape."""
+    """256 samples of 6 features and 4 classes; ``dataset[bad_at]`` raises, has another shape, or holds NaN."""
 
     def __init__(self, bad_at: int | None = None, problem: str = "raise"):
         generator = torch.Generator().manual_seed(0)
@@ -194,6 +194,8 @@ class _BadAt(torch.utils.data.Dataset):
         if index == self.bad_at:
             if self.problem == "raise":
                 raise OSError("corrupt record")
+            if self.problem == "nan":
+                return self.features[index] * float("nan"), int(self.labels[index])
             return self.features[index][:3], int(self.labels[index])
         return self.features[index], int(self.labels[index])
 
@@ -212,6 +214,8 @@ def dataset_session(run_dir: Path, dataset: _BadAt, max_samples: int, checkpoint
     (137, "raise", r"_BadAt\[137\] raised OSError: corrupt record"),
     (50, "shape", r"stream 'features': _BadAt\[50\] has shape \[3\] but sample 0 has \[6\]"),
     (3, "raise", r"_BadAt\[3\] raised OSError"),  # in the first minibatch: refused before anything is written
+    # named as the data's problem, not as a divergence of training
+    (137, "nan", r"stream 'features': _BadAt\[137\] \(timeline position 137\) holds NaN; expected finite numbers"),
 ])
 def test_a_run_refused_by_its_data_leaves_no_new_run_directory_behind(tmp_path, bad_at, problem, message):
     run_dir = tmp_path / "outputs" / "run"
