@@ -21,6 +21,7 @@ from dtrain.session import compile_check
 from dtrain.session.collapse import CollapseWatch
 from dtrain.session.evaluate import metric_counts_sequences
 from dtrain.session.metrics import PhaseTimer
+from dtrain.session.stream_checks import ids_past_the_model
 from dtrain.session.precision import LossScaler, autocast
 
 
@@ -371,13 +372,20 @@ class MinibatchStep:
         backward on the pass's mean loss weighted by its share and by the learner's ``gradient_scale``
         (``Learner.fold_gradient_scale``), loss and metric sums into ``sums``."""
         forward = self.forward_model if self._forward_checked else self._checked_forward
-        if self.precision == "32":
-            output = self.binding.forward(forward, batch)
-            loss = self.loss(output, target)
-        else:
-            with autocast(self.precision, self.device):
+        output = None
+        try:
+            if self.precision == "32":
                 output = self.binding.forward(forward, batch)
                 loss = self.loss(output, target)
+            else:
+                with autocast(self.precision, self.device):
+                    output = self.binding.forward(forward, batch)
+                    loss = self.loss(output, target)
+        except IndexError as error:  # torch's embedding or loss on an id the model has no room for
+            problem = ids_past_the_model(self.model, self.binding, batch, output)
+            if problem is None:
+                raise
+            raise DataError(problem) from error
         weight = gradient_scale if samples == local_samples else samples / local_samples * gradient_scale
         weighted = loss if weight == 1.0 else loss * weight
         if self.loss_scaler is not None:

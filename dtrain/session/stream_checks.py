@@ -3,7 +3,8 @@ every stream named exists, samples are counted in the target's steps, no sequenc
 than the model's context, and the first minibatch's ids lie within their vocabularies.
 
 Each problem is one line naming the setting (``session.inputs[0]``, ``session.target``) or the
-stream, and what was expected (``docs/data.md#checks``).
+stream, and what was expected (``docs/data.md#checks``). Ids past the model's size in data that
+declares no ``num_classes`` are found where torch's embedding or loss fails on them (``ids_past_the_model``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 from dtrain.session.binding import StreamBinding
 
-__all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "first_minibatch_check"]
+__all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "first_minibatch_check",
+           "ids_past_the_model"]
 
 
 def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
@@ -130,3 +132,34 @@ def check_loss_takes_target(loss, metric, binding: StreamBinding, source) -> Non
                 f"{what} {name}: torch's {what}es take tensors, but the target {binding.target.text!r} is a sequence "
                 f"stream (dtrain.data.Sequences: padded data and lengths); use loss=sequence_cross_entropy "
                 f"(dtrain.session.SequenceCrossEntropy) or a {what} of your own that reads target.data and target.mask")
+
+
+def ids_past_the_model(model: torch.nn.Module, binding: StreamBinding, minibatch, output=None) -> str | None:
+    """Why the forward or the loss raised IndexError on ``minibatch``, when its ids do not fit the model: a
+    target id at or past the model's outputs (``output``'s last dimension), or an input id at or past its
+    token embedding (``model.vocab_size``, else its first ``nn.Embedding``); one line naming the value, the
+    stream and the size. ``None`` when the ids fit (the IndexError is the model's own)."""
+    embeddings = [module.num_embeddings for module in model.modules() if isinstance(module, torch.nn.Embedding)]
+    vocabulary = getattr(model, "vocab_size", None) or (embeddings[0] if embeddings else None)
+    checks = [(f"session.inputs={reference.text!r}", reference, vocabulary, "the model's token embedding takes")
+              for reference in binding.input_references]
+    if binding.target is not None and isinstance(output, torch.Tensor) and output.dim():
+        checks.append((f"session.target={binding.target.text!r}", binding.target, int(output.shape[-1]),
+                       "the model has"))
+    for setting, reference, size, model_has in checks:
+        value = minibatch.streams.get(reference.name)
+        if size is None or value is None:
+            continue
+        value = reference.resolve(value)
+        ids = value.data[value.mask] if isinstance(value, Sequences) else value
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dtype == torch.bool or not ids.numel():
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and high < int(size):
+            continue
+        bad = low if low < 0 else high
+        outputs = "outputs" if model_has == "the model has" else "ids"
+        return (f"{setting}: stream {reference.name!r} holds the id {bad}, but {model_has} {int(size)} {outputs}; "
+                f"expected ids in [0, {int(size)}) (declare the stream's num_classes to have every read checked, or "
+                f"give the model {max(high + 1, int(size))} {outputs})")
+    return None

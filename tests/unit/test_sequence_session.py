@@ -141,6 +141,32 @@ def test_a_token_outside_the_vocabulary_is_refused_on_the_first_minibatch(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
 
 
+class _WideEmbedding(TinyCausalLM):
+    """Takes token ids up to 39 but predicts only VOCABULARY classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(40, 16)
+
+
+@pytest.mark.parametrize("model, message", [
+    (TinyCausalLM, r"^session.inputs='text\[:-1\]': stream 'text' holds the id 3\d, but the model's token embedding "
+                   r"takes 13 ids; expected ids in \[0, 13\)"),
+    (_WideEmbedding, r"^session.target='text\[1:\]': stream 'text' holds the id 3\d, but the model has 13 outputs; "
+                     r"expected ids in \[0, 13\) \(declare the stream's num_classes"),
+])
+def test_ids_past_the_models_size_without_num_classes_are_named_as_the_datas_problem(tmp_path, model, message):
+    """No num_classes declared: the ids are found where torch's embedding or loss fails on them, at the fifth
+    minibatch, and named in one line (not an IndexError); the run directory it created goes again."""
+    text = [(start + np.arange(6)) % VOCABULARY for start in range(40)]
+    text[30] = np.array([1, 2, 33, 4, 35])  # read with the fifth minibatch of 40 steps, in order
+    source = MinibatchSource(StreamArrays({"text": text}), randomize=False)
+    run_dir = tmp_path / "run"
+    with pytest.raises(DataError, match=message) as error:
+        session(model(), source, run_dir, max_samples=200, progress_frequency=40).train()
+    assert "\n" not in str(error.value) and not run_dir.exists()
+
+
 def test_a_run_resumed_mid_sweep_from_a_checkpoint_ends_bit_identical(tmp_path):
     """Checkpoints every 300 tokens: the run restored from its second-to-last checkpoint ends with the
     parameters of the uninterrupted run, bit for bit (data position, optimizer and RNG restored)."""
