@@ -21,7 +21,7 @@ from dtrain.session import compile_check
 from dtrain.session.collapse import CollapseWatch
 from dtrain.session.evaluate import metric_counts_sequences
 from dtrain.session.metrics import PhaseTimer
-from dtrain.session.stream_checks import ids_past_the_model
+from dtrain.session.stream_checks import check_target_steps, ids_past_the_model
 from dtrain.session.precision import LossScaler, autocast
 
 
@@ -386,6 +386,8 @@ class MinibatchStep:
             if problem is None:
                 raise
             raise DataError(problem) from error
+        if type(target) is Sequences:  # a per-step target: a step for every output step (no silent truncation)
+            check_target_steps(output, target, batch, self.binding)
         weight = gradient_scale if samples == local_samples else samples / local_samples * gradient_scale
         weighted = loss if weight == 1.0 else loss * weight
         if self.loss_scaler is not None:

@@ -17,8 +17,8 @@ from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 from dtrain.session.binding import StreamBinding
 
-__all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "first_minibatch_check",
-           "ids_past_the_model"]
+__all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "check_target_steps",
+           "first_minibatch_check", "ids_past_the_model"]
 
 
 def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
@@ -163,3 +163,42 @@ def ids_past_the_model(model: torch.nn.Module, binding: StreamBinding, minibatch
                 f"expected ids in [0, {int(size)}) (declare the stream's num_classes to have every read checked, or "
                 f"give the model {max(high + 1, int(size))} {outputs})")
     return None
+
+
+def check_target_steps(output, target: Sequences, minibatch, binding: StreamBinding) -> None:
+    """Refuses a per-step target that does not cover the model's per-step output: ``output`` ``[n, T', ...]``
+    longer than the target's ``T`` steps, or, where inputs with ``T'`` steps fed the model, a sequence whose
+    target is shorter than each of those inputs (its last outputs would silently go untrained).
+
+    Raises:
+        DataError: one line naming the target, the steps and the input it falls short of.
+    """
+    if not isinstance(output, torch.Tensor) or output.dim() < 3:
+        return
+    steps = int(output.shape[1])
+    if steps > int(target.data.shape[1]):
+        raise DataError(
+            f"session.target={binding.target.text!r}: the model outputs {steps} steps per sequence but the target has "
+            f"at most {int(target.data.shape[1])}; expected a target step for every output step (a step slice that "
+            f"matches the inputs', e.g. inputs text[:-1] with target text[1:])")
+    shorter = None
+    wanted = target.lengths.numpy()
+    for reference in binding.input_references:
+        value = minibatch.streams.get(reference.name)
+        if not isinstance(value, Sequences) or reference.part is not None:
+            continue
+        lengths = reference.step_counts(value.lengths.numpy())  # a slice's, without cutting its data
+        width = (int(lengths.max()) if len(lengths) else 0) if reference.is_view else int(value.data.shape[1])
+        if width != steps:
+            continue  # not an input whose steps the output follows
+        if np.array_equal(lengths, wanted):
+            return  # the target has a step for every step of this input
+        if shorter is None:
+            shorter = (reference, lengths)
+    if shorter is not None:
+        reference, lengths = shorter
+        row = int(np.flatnonzero(wanted != lengths)[0])
+        raise DataError(
+            f"session.target={binding.target.text!r}: sequence {row} of the minibatch has {int(wanted[row])} "
+            f"target steps but {int(lengths[row])} steps of the input {reference.text!r}; expected a target step for "
+            f"every input step (a target stream of the inputs' lengths, or a step slice that matches theirs)")

@@ -167,6 +167,34 @@ def test_ids_past_the_models_size_without_num_classes_are_named_as_the_datas_pro
     assert "\n" not in str(error.value) and not run_dir.exists()
 
 
+class _Tagger(torch.nn.Module):
+    """Per-step logits over VOCABULARY tags for every step of ``words``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCABULARY, VOCABULARY)
+
+    def forward(self, words: Sequences) -> torch.Tensor:
+        return self.embedding(words.data)
+
+
+def test_a_per_step_target_shorter_than_the_models_output_or_its_input_is_refused(tmp_path):
+    """A target that leaves output steps without a target would train on part of the output silently."""
+    with pytest.raises(DataError, match=r"^session.target='text\[2:\]': the model outputs \d+ steps per sequence but "
+                                        r"the target has at most \d+; expected a target step for every output step"):
+        session(TinyCausalLM(), MinibatchSource(token_sequences()), tmp_path / "a", max_samples=100,
+                target="text[2:]").train()
+    words = [(start + np.arange(6)) % VOCABULARY for start in range(40)]
+    tags = [word.copy() for word in words]
+    tags[3] = tags[3][:4]  # a tag sequence two steps shorter than its words
+    source = MinibatchSource(StreamArrays({"words": words, "tags": tags}), randomize=False, defining_stream="tags")
+    with pytest.raises(DataError, match=r"^session.target='tags': sequence 3 of the minibatch has 4 target steps but 6 "
+                                        r"steps of the input 'words'; expected a target step for every input step"):
+        session(_Tagger(), source, tmp_path / "b", max_samples=100, inputs=["words"], target="tags").train()
+    source = MinibatchSource(StreamArrays({"words": words, "tags": [word.copy() for word in words]}), randomize=False)
+    session(_Tagger(), source, tmp_path / "c", max_samples=100, inputs=["words"], target="tags").train()  # aligned
+
+
 def test_a_run_resumed_mid_sweep_from_a_checkpoint_ends_bit_identical(tmp_path):
     """Checkpoints every 300 tokens: the run restored from its second-to-last checkpoint ends with the
     parameters of the uninterrupted run, bit for bit (data position, optimizer and RNG restored)."""
