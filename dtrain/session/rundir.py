@@ -95,7 +95,15 @@ class RunDirectoryLock:
         if self._descriptor is None:
             return
         if self.created is not None:
-            shutil.rmtree(self.created, ignore_errors=True)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            # the parents it created, while empty: another job may have started a run directory beside it
+            for parent in self.run_dir.absolute().parents:
+                if not parent.is_relative_to(self.created.absolute()):
+                    break
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
             return
         for path in sorted(_entries(self.run_dir) - self._found, key=lambda entry: len(entry.parts), reverse=True):
             if path.name == HOLDER_FILE and path.parent == self.run_dir:

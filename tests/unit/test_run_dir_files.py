@@ -240,3 +240,15 @@ def test_a_run_that_saved_a_checkpoint_before_its_data_failed_keeps_its_director
     with pytest.raises(DataError, match=r"_BadAt\[137\]"):
         dataset_session(tmp_path / "run", _BadAt(137), 256, checkpoint_frequency=64).train()
     assert sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*.pt")) == ["checkpoint-128.pt", "checkpoint-64.pt"]
+
+
+def test_a_run_refused_by_its_data_keeps_a_run_directory_that_another_job_started_beside_it(tmp_path):
+    """Both jobs' directories lie in outputs/, which the refused one created: the other one's stays."""
+    session = dataset_session(tmp_path / "outputs" / "refused", _BadAt(137), 256, checkpoint_frequency=1000)
+    session.restore()  # locks (and creates) its run directory, as train() does first
+    (tmp_path / "outputs" / "other").mkdir()
+    (tmp_path / "outputs" / "other" / "config.yaml").write_text("another job's\n")
+    with pytest.raises(DataError, match=r"_BadAt\[137\]"):
+        session.train()
+    assert [path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*")] == \
+        ["outputs", "outputs/other", "outputs/other/config.yaml"]
