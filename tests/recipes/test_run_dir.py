@@ -106,22 +106,27 @@ from pathlib import Path
 import torch
 from dtrain.data import Digits
 
-BAD_AT = Path(__file__).with_name("bad_at.txt")  # the bad record's index; the config stays the run's
+BAD_AT = Path(__file__).with_name("bad_at.txt")  # the bad record's index and problem; the config stays the run's
 
 
 class DigitsWithABadRecord(torch.utils.data.Dataset):
     def __init__(self):
         digits = Digits("train")
         self.features, self.labels = digits.get(list(range(digits.num_samples)))
-        self.bad_at = int(BAD_AT.read_text()) if BAD_AT.exists() else -1
+        bad = BAD_AT.read_text().split() if BAD_AT.exists() else ["-1"]
+        self.bad_at, self.problem = int(bad[0]), (bad[1:] or ["raise"])[0]
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, index):
-        if index == self.bad_at:
-            raise OSError("corrupt record")
-        return self.features[index], int(self.labels[index])
+        if index != self.bad_at:
+            return self.features[index], int(self.labels[index])
+        if self.problem == "nan":
+            return self.features[index] * float("nan"), int(self.labels[index])
+        if self.problem == "label":
+            return self.features[index], 12  # the model has 10 outputs, and no num_classes is declared
+        raise OSError("corrupt record")
 '''
 
 BAD_RECORD_RECIPE = '''# @package _global_
@@ -144,7 +149,7 @@ session:
 '''
 
 
-def bad_record_project(tmp_path, bad_at: int | None = None):
+def bad_record_project(tmp_path, bad_at: int | str | None = None):
     (tmp_path / "bad_record_data.py").write_text(BAD_RECORD_DATA)
     if bad_at is not None:
         (tmp_path / "bad_at.txt").write_text(str(bad_at))
@@ -190,3 +195,17 @@ def test_a_bad_record_under_mpiexec_ends_every_rank_with_one_line(tmp_path, bad_
     assert f"DigitsWithABadRecord[{bad_at}] raised OSError: corrupt record" in lines[0]
     if bad_at == 20:  # found on the first minibatch, agreed by both ranks: nothing was written
         assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("problem, fragment", [
+    ("nan", "stream 'features': DigitsWithABadRecord[137] (timeline position 137) holds NaN; expected finite numbers"),
+    ("label", "session.target='labels': stream 'labels' holds the id 12, but the model has 10 outputs; expected ids "
+              "in [0, 10)"),
+])
+def test_nan_in_the_data_and_labels_past_the_model_are_named_as_data_problems(tmp_path, problem, fragment):
+    """Not a divergence to be fixed with the learning rate, not an IndexError: one line, exit 2, nothing left."""
+    recipe = bad_record_project(tmp_path, f"137 {problem}")
+    result = run_dtrain(*recipe, "run_dir=outputs/run", cwd=tmp_path)
+    one_line_error(result, fragment)
+    assert not (tmp_path / "outputs").exists()
