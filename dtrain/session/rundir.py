@@ -40,8 +40,9 @@ class RunDirectoryLock:
         self._descriptor: int | None = descriptor
         self._recorded = False  # state: this process wrote run_dir/.lock
         self.created = created  # the outermost directory that taking the lock created (None: run_dir existed)
-        # what the directory held when locked: a job takes back only what is not in here
-        self._found = set() if created is not None else _entries(run_dir)
+        # what the directory held when locked, by path and inode: a job takes back only what is not in here (a
+        # file renamed since, such as a damaged metrics log set aside, keeps its inode and stays)
+        self._found = {} if created is not None else _entries(run_dir)
 
     @classmethod
     def acquire(cls, run_dir: str | Path) -> RunDirectoryLock:
@@ -105,9 +106,11 @@ class RunDirectoryLock:
                 except OSError:
                     break
             return
-        for path in sorted(_entries(self.run_dir) - self._found, key=lambda entry: len(entry.parts), reverse=True):
-            if path.name == HOLDER_FILE and path.parent == self.run_dir:
-                continue  # release() removes the holder's line
+        inodes = set(self._found.values())
+        now = _entries(self.run_dir)
+        for path in sorted(set(now) - set(self._found), key=lambda entry: len(entry.parts), reverse=True):
+            if (path.name == HOLDER_FILE and path.parent == self.run_dir) or now[path] in inodes:
+                continue  # release() removes the holder's line; a file that was there, renamed, stays
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -139,9 +142,15 @@ def _outermost_missing(path: Path) -> Path | None:
     return missing
 
 
-def _entries(directory: Path) -> set[Path]:
-    """Every file and directory below ``directory`` (links are listed, never followed)."""
-    found = set()
+def _entries(directory: Path) -> dict[Path, tuple[int, int]]:
+    """Every file and directory below ``directory`` with its ``(device, inode)`` (links are listed, never followed)."""
+    found = {}
     for root, directories, files in os.walk(directory):
-        found.update(Path(root, name) for name in (*directories, *files))
+        for name in (*directories, *files):
+            path = Path(root, name)
+            try:
+                status = path.lstat()
+            except OSError:
+                continue  # gone meanwhile
+            found[path] = (status.st_dev, status.st_ino)
     return found

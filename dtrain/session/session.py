@@ -304,6 +304,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self._on_checks_passed: list[Callable[[], None]] = []
         self._outputs_started = False
         self._saved_checkpoint = False  # whether this run wrote a checkpoint (its run directory is then kept)
+        self._metrics: MetricsWriter | None = None
         self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
         self._collapse = CollapseWatch(self.device)
@@ -346,6 +347,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         if self._run_dir_lock is None or self._saved_checkpoint:
             return
         if not self._outputs_started or isinstance(error, DataError):
+            if self._metrics is not None:
+                self._metrics.take_back()  # a resumed run's metrics.jsonl and metrics.csv as they were
             self._run_dir_lock.remove_this_jobs_files()
 
     def release_run_dir(self) -> None:
@@ -383,6 +386,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
     def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=self.comm.is_main,
                                 metric_name=self.metric_name)
+        self._metrics = metrics  # taken back if the data fails (_abandon_run_dir)
         try:
             return self._train_with(restored_from, metrics)
         finally:
