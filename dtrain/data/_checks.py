@@ -57,8 +57,9 @@ def check_finite(streams: Mapping[str, object], describe: Callable[[int], str]) 
     """Raises DataError when a floating stream of a minibatch (on the CPU) holds NaN or an infinity.
 
     One sum per stream (NaN and infinities survive it; about 20 µs for the digits' 32 x 64 values, 0.1% of
-    their training step), and only when it is not finite a pass that finds the first such sample: ``describe(row)`` names that row of the minibatch in the message. Streams on an
-    accelerator are not read here (that would wait for the device every minibatch).
+    their training step), and only when it is not finite a pass that finds the first such sample:
+    ``describe(row)`` names that row of the minibatch in the message. Streams on an accelerator are not
+    read here (that would wait for the device every minibatch).
     """
     for name, value in streams.items():
         data = value.data if isinstance(value, Sequences) else value

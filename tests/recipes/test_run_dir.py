@@ -188,7 +188,8 @@ def test_a_bad_record_under_mpiexec_ends_every_rank_with_one_line(tmp_path, bad_
     from tests.helpers.mpi import run_mpi
 
     recipe = bad_record_project(tmp_path, bad_at)
-    result = run_mpi(2, ["-m", "dtrain", *recipe, f"run_dir={tmp_path / 'outputs' / 'run'}"], env={"PYTHONPATH": str(tmp_path)}, timeout=180)
+    result = run_mpi(2, ["-m", "dtrain", *recipe, f"run_dir={tmp_path / 'outputs' / 'run'}"],
+                     env={"PYTHONPATH": str(tmp_path)}, timeout=180)
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "dtrain: error:" in line]
     assert result.returncode == 2 and len(lines) == 1, result.report()
     assert f"DigitsWithABadRecord[{bad_at}] raised OSError: corrupt record" in lines[0]

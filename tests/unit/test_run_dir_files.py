@@ -184,7 +184,8 @@ class _BadAt(torch.utils.data.Dataset):
 
     def __init__(self, bad_at: int | None = None, problem: str = "raise"):
         generator = torch.Generator().manual_seed(0)
-        self.features, self.labels = torch.randn(256, 6, generator=generator), torch.randint(0, 4, (256,), generator=generator)
+        self.features = torch.randn(256, 6, generator=generator)
+        self.labels = torch.randint(0, 4, (256,), generator=generator)
         self.bad_at, self.problem = bad_at, problem
 
     def __len__(self):
@@ -203,10 +204,10 @@ class _BadAt(torch.utils.data.Dataset):
 def dataset_session(run_dir: Path, dataset: _BadAt, max_samples: int, checkpoint_frequency: int = 64):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
-    return training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
-                            MinibatchSource(dataset, randomize=False), 16, max_samples=max_samples,
-                            progress_frequency=32, checkpoint_config=CheckpointConfig("checkpoint.pt",
-                                                                                      frequency=checkpoint_frequency),
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    return training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(dataset, randomize=False), 16,
+                            max_samples=max_samples, progress_frequency=32,
+                            checkpoint_config=CheckpointConfig("checkpoint.pt", frequency=checkpoint_frequency),
                             run_dir=run_dir, tensorboard=False, stream=io.StringIO())
 
 
@@ -237,7 +238,8 @@ def test_a_resumed_run_refused_by_its_data_loses_nothing_that_was_in_its_directo
 def test_a_run_that_saved_a_checkpoint_before_its_data_failed_keeps_its_directory(tmp_path):
     with pytest.raises(DataError, match=r"_BadAt\[137\]"):
         dataset_session(tmp_path / "run", _BadAt(137), 256, checkpoint_frequency=64).train()
-    assert sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*.pt")) == ["checkpoint-128.pt", "checkpoint-64.pt"]
+    kept = sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*.pt"))
+    assert kept == ["checkpoint-128.pt", "checkpoint-64.pt"]  # to resume from once the data is fixed
 
 
 def test_a_run_refused_by_its_data_keeps_a_run_directory_that_another_job_started_beside_it(tmp_path):
