@@ -1,12 +1,19 @@
-"""Argument checks shared by the data modules: one-line messages naming the value and the fix."""
+"""Argument checks shared by the data modules, and the check of the values a minibatch holds: one-line
+messages naming the value and the fix."""
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Callable, Mapping
 
 import numpy as np
+import torch
 
-__all__ = ["check_bool", "check_int", "check_partition"]
+from dtrain.data.errors import DataError
+from dtrain.data.streams import Sequences
+
+__all__ = ["check_bool", "check_finite", "check_int", "check_partition"]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -40,3 +47,33 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return bool(value)
+
+
+#: float types whose sum over a minibatch may overflow their own range: summed in float32
+_NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def check_finite(streams: Mapping[str, object], describe: Callable[[int], str]) -> None:
+    """Raises DataError when a floating stream of a minibatch (on the CPU) holds NaN or an infinity.
+
+    One sum per stream (NaN and infinities survive it; about 20 µs for the digits' 32 x 64 values, 0.1% of
+    their training step), and only when it is not finite a pass that finds the first such sample:
+    ``describe(row)`` names that row of the minibatch in the message. Streams on an accelerator are not
+    read here (that would wait for the device every minibatch).
+    """
+    for name, value in streams.items():
+        data = value.data if isinstance(value, Sequences) else value
+        if not isinstance(data, torch.Tensor) or not data.is_floating_point() or data.device.type != "cpu" \
+                or data.numel() == 0:
+            continue
+        total = data.sum(dtype=torch.float32) if data.dtype in _NARROW_FLOATS else data.sum()
+        if math.isfinite(float(total)):
+            continue
+        rows = data.reshape(data.shape[0], -1)
+        bad = ~torch.isfinite(rows).all(dim=1)
+        if not bool(bad.any()):
+            continue  # finite values whose sum overflowed
+        row = int(bad.nonzero()[0, 0])
+        what = "NaN" if bool(torch.isnan(rows[row]).any()) else "an infinite value"
+        raise DataError(f"stream {name!r}: {describe(row)} holds {what}; expected finite numbers (the data holds "
+                        f"NaN or inf, which training would report as a divergence: fix or drop that sample)")

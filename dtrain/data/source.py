@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_bool, check_int, check_partition
+from dtrain.data._checks import check_bool, check_finite, check_int, check_partition
 from dtrain.data.deserializer import (Deserializer, FeaturesAndLabels, StreamDeserializer, label_tensor,
                                       as_stream_deserializer)
 from dtrain.data.errors import DataError
@@ -384,7 +384,19 @@ class MinibatchSource:
                               global_num_sequences=span.stop - span.start)
         if self._transform is not None:
             minibatch.features = self._apply_transform(minibatch.features, minibatch)
+        check_finite(minibatch.streams, lambda row: self._describe_sample(timeline, start + row))
         return minibatch
+
+    def _describe_sample(self, timeline, position: int) -> str:
+        """``sample 137 of Digits (timeline position 1,637)``, or ``MyDataset[137] (...)`` for a torch Dataset: a
+        sequence by its index in the data, for messages."""
+        index = int(timeline.indices(position, position + 1)[0])
+        dataset = getattr(self._deserializer, "dataset", None)
+        if dataset is not None:
+            where = f"{type(dataset).__name__}[{index}]"
+        else:
+            where = f"{'sequence' if self._lengths else 'sample'} {index} of {type(self._deserializer).__name__}"
+        return f"{where} (timeline position {position:,})"
 
     def _checked_read(self, indices: np.ndarray, count: int) -> dict:
         """The deserializer's streams of ``indices``, with sequence streams as Sequences, checked against

@@ -204,6 +204,14 @@ def changed_settings(saved: dict[str, Any] | None, current: dict[str, Any]) -> l
     return changes
 
 
+def max_samples_of(state: dict[str, Any]) -> int | None:
+    """The ``max_samples`` the run that wrote ``state`` trained to (``None``: until its data ended, or not recorded).
+
+    A checkpoint past it is that run's end: its last minibatch of whole sequences overshot it."""
+    session = (state.get("settings") or {}).get("session") or {}
+    return session.get("max_samples") if isinstance(session, dict) else None
+
+
 def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch.nn.Module, learner, source, comm,
              expected_identity: dict[str, Any], settings: dict[str, Any], config_fingerprint: str,
              versions: dict[str, str], loss_scaler: dict[str, Any] | None = None,

@@ -33,6 +33,7 @@ class CheckpointHandling:
             weight_ema=self.ema.state_dict() if self.ema is not None else None)
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
+            self._saved_checkpoint = True  # from here on the run directory holds a run to resume: it is kept
             checkpoint.save_atomic(state, path, previous=self.checkpoint_files.newest())
             self.checkpoint_files.prune(0 if self.checkpoint_config.preserve_all else self.checkpoint_config.keep_last)
             printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
@@ -57,7 +58,8 @@ class CheckpointHandling:
         self._restore_attempted = True
         try:
             self._restored_from = self._load_latest()
-        except BaseException:
+        except BaseException as error:
+            self._abandon_run_dir(error)  # a directory the lock created goes again
             self.release_run_dir()
             raise
         return self._restored_from
@@ -75,7 +77,10 @@ class CheckpointHandling:
             return None
         path, state = start.path, start.state
         seen = self.learner.samples_seen
-        if self.max_samples is not None and seen > self.max_samples:  # it would be reported as this run's model
+        # a model trained past max_samples would be reported as this run's, unless the checkpoint is the end of a
+        # run to this same max_samples, which whole sequences overshoot: then there is nothing left to train
+        if self.max_samples is not None and seen > self.max_samples \
+                and checkpoint_state.max_samples_of(state) != self.max_samples:
             raise checkpoint.CheckpointError(
                 f"checkpoint {path} has trained on {seen:,} samples, past session.max_samples={self.max_samples}; "
                 f"set session.max_samples to at least {seen:,} to continue it, or use a new run directory "

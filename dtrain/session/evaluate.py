@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 from dtrain.session.binding import StreamBinding, count_steps
+from dtrain.session.stream_checks import ids_past_the_model
 
 
 def wrong_steps(logits: torch.Tensor, target: Sequences) -> torch.Tensor:
@@ -103,8 +105,15 @@ def evaluate(
                 samples, sequences = count_steps(target)
                 if samples == 0:
                     continue
-                output = binding.forward(model, batch)
-                totals[0] += float(loss_fn(output, target)) * samples
+                output = None
+                try:
+                    output = binding.forward(model, batch)
+                    totals[0] += float(loss_fn(output, target)) * samples
+                except IndexError as error:  # an id the model has no room for (see ids_past_the_model)
+                    problem = ids_past_the_model(model, binding, batch, output)
+                    if problem is None:
+                        raise
+                    raise DataError(problem) from error
                 if decoded_counts is None:
                     totals[1] += float(metric_fn(output, target))
                 else:

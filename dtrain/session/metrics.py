@@ -105,6 +105,10 @@ class MetricsWriter:
         if not self.enabled or self._opened:
             return
         self._opened = True
+        # what the files held before this run, for take_back()
+        self._jsonl_bytes_before = self.jsonl_path.stat().st_size \
+            if self._damage is None and self.jsonl_path.is_file() else None  # a damaged log is set aside whole
+        self._csv_before = self.csv_path.read_bytes() if self.csv_path.is_file() else None
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             if self._damage is not None:
@@ -208,6 +212,21 @@ class MetricsWriter:
                                     f"{self.jsonl_path.name} has every record so far") from None
         self._csv = text
         self._csv_writer = csv.DictWriter(self._csv, fieldnames=self._columns, restval="")
+
+    def take_back(self) -> None:
+        """Closes the files and puts ``metrics.jsonl`` and ``metrics.csv`` back as they were before ``open()``
+        (a run refused by its data leaves no records); files this run created are left to the caller."""
+        self.close()
+        if not self._opened:
+            return
+        if self._jsonl_bytes_before is not None:
+            descriptor = os.open(self.jsonl_path, os.O_WRONLY | os.O_NOFOLLOW)  # never through a link
+            try:
+                os.ftruncate(descriptor, self._jsonl_bytes_before)
+            finally:
+                os.close(descriptor)
+        if self._csv_before is not None:
+            replace_file(self.csv_path, self._csv_before)
 
     def close(self) -> None:
         """Closes the files (records written so far stay readable)."""

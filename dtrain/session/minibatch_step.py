@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from dtrain.data.errors import DataError
 from dtrain.data.minibatch import Minibatch
 from dtrain.data.streams import Sequences
 from dtrain.learners.base import Learner
@@ -20,6 +21,7 @@ from dtrain.session import compile_check
 from dtrain.session.collapse import CollapseWatch
 from dtrain.session.evaluate import metric_counts_sequences
 from dtrain.session.metrics import PhaseTimer
+from dtrain.session.stream_checks import check_target_steps, ids_past_the_model
 from dtrain.session.precision import LossScaler, autocast
 
 
@@ -164,7 +166,8 @@ class MinibatchStep:
             becomes one clear ValueError.
         binding: which streams feed the model, and which is the target (default: features -> labels).
         check_first: called with the first non-empty minibatch before its forward (the session checks
-            token ids against their vocabularies there).
+            token ids against their vocabularies there); a DataError it raises on the first minibatch is
+            raised on every rank.
         count_padding: add each minibatch's padded positions to the period's sums (sequence data).
         batchnorm_sync: the model's synchronized BatchNorm layers' shared state (``None``: none). With
             ``sync_batchnorm`` every rank makes the same number of passes per distributed minibatch (empty
@@ -198,13 +201,40 @@ class MinibatchStep:
         self._metric_per_sequence = metric_counts_sequences(metric)
         self._defer_metric = False
         self.batchnorm_sync = batchnorm_sync
+        self._first_read = True
 
     def read(self, source, size: int, timer: PhaseTimer):
         """The next minibatch of ``size`` global samples (this rank's share), or ``None`` at the end of
-        the data; the wait counts as ``data`` time."""
+        the data; the wait counts as ``data`` time. The first is read and checked on every rank before any
+        raises (``_read_first``)."""
         timer.mark()
-        batch = source.next_minibatch(size, *self.learner.data_partition())
+        if self._first_read:
+            batch = self._read_first(source, size)
+        else:
+            batch = source.next_minibatch(size, *self.learner.data_partition())
         timer.lap("data")
+        return batch
+
+    def _read_first(self, source, size: int):
+        """The first minibatch, read and checked (``check_first``) on every rank, which then agree: a
+        DataError on any rank is raised on every rank, with the first such rank's line, before any step
+        (so no rank waits in a collective for one that stopped, and the run is refused as a whole)."""
+        self._first_read = False
+        problem = None
+        batch = None
+        try:
+            batch = source.next_minibatch(size, *self.learner.data_partition())
+            if batch is not None and batch.num_samples > 0 and self._check_first is not None:
+                check, self._check_first = self._check_first, None
+                check(batch)
+        except DataError as error:
+            problem = error
+        if self.comm.size > 1:
+            found = [line for line in self.comm.allgather_object(None if problem is None else str(problem)) if line]
+            if found and problem is None:
+                raise DataError(found[0])
+        if problem is not None:
+            raise problem
         return batch
 
     def train(self, batch: Minibatch, sums: PeriodSums, timer: PhaseTimer) -> None:
@@ -342,13 +372,22 @@ class MinibatchStep:
         backward on the pass's mean loss weighted by its share and by the learner's ``gradient_scale``
         (``Learner.fold_gradient_scale``), loss and metric sums into ``sums``."""
         forward = self.forward_model if self._forward_checked else self._checked_forward
-        if self.precision == "32":
-            output = self.binding.forward(forward, batch)
-            loss = self.loss(output, target)
-        else:
-            with autocast(self.precision, self.device):
+        output = None
+        try:
+            if self.precision == "32":
                 output = self.binding.forward(forward, batch)
                 loss = self.loss(output, target)
+            else:
+                with autocast(self.precision, self.device):
+                    output = self.binding.forward(forward, batch)
+                    loss = self.loss(output, target)
+        except IndexError as error:  # torch's embedding or loss on an id the model has no room for
+            problem = ids_past_the_model(self.model, self.binding, batch, output)
+            if problem is None:
+                raise
+            raise DataError(problem) from error
+        if type(target) is Sequences:  # a per-step target: a step for every output step (no silent truncation)
+            check_target_steps(output, target, batch, self.binding)
         weight = gradient_scale if samples == local_samples else samples / local_samples * gradient_scale
         weighted = loss if weight == 1.0 else loss * weight
         if self.loss_scaler is not None:

@@ -44,7 +44,8 @@ class SequenceCrossEntropy:
     sequence (token-weighted), so a long sequence counts by its length, as the data-parallel learner
     weights ranks by their steps.
 
-    ``output`` is ``[n, T', C]`` logits with ``T' >= T`` (the target's padded length); a tensor target
+    ``output`` is ``[n, T', C]`` logits with ``T' >= T`` (the target's padded length; a training session
+    refuses ``T' > T``, output steps without a target: ``stream_checks.check_target_steps``); a tensor target
     ``[n]`` (one class per sample) with ``[n, C]`` logits is plain cross-entropy. A share with no real
     step gives 0 (its weight in the global mean is 0 too).
 

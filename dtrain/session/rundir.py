@@ -8,12 +8,17 @@ the lock when the holder exits or dies, so a lock left by a dead job is simply t
 second live job into the same directory is refused with one line naming the holder. The
 ``.lock`` file is never written through a link: one that is not a regular file is refused with
 one line, and the holder's line is written to a new file renamed over it.
+
+The lock also notes what was there when it was taken (the directories it created, the files the
+directory held), so that a job refused by its data can take back what it wrote
+(:meth:`RunDirectoryLock.remove_this_jobs_files`) and never touch what was there before.
 """
 from __future__ import annotations
 
 import datetime
 import fcntl
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -30,10 +35,14 @@ class RunDirectoryInUse(CheckpointError):
 class RunDirectoryLock:
     """An exclusive lock on one run directory; release it (or exit) to let another job in."""
 
-    def __init__(self, run_dir: Path, descriptor: int):
+    def __init__(self, run_dir: Path, descriptor: int, created: Path | None = None):
         self.run_dir = run_dir
         self._descriptor: int | None = descriptor
         self._recorded = False  # state: this process wrote run_dir/.lock
+        self.created = created  # the outermost directory that taking the lock created (None: run_dir existed)
+        # what the directory held when locked, by path and inode: a job takes back only what is not in here (a
+        # file renamed since, such as a damaged metrics log set aside, keeps its inode and stays)
+        self._found = {} if created is not None else _entries(run_dir)
 
     @classmethod
     def acquire(cls, run_dir: str | Path) -> RunDirectoryLock:
@@ -45,6 +54,7 @@ class RunDirectoryLock:
                 regular file (a link planted there would make the holder's line overwrite its target).
         """
         run_dir = Path(run_dir)
+        created = _outermost_missing(run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             descriptor = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -69,7 +79,7 @@ class RunDirectoryLock:
             os.close(descriptor)
             raise CheckpointError(f"run directory {run_dir} cannot be locked ({error.strerror or error}); "
                                   f"choose a run_dir on a file system with file locks") from None
-        return cls(run_dir, descriptor)
+        return cls(run_dir, descriptor, created)
 
     def record_holder(self) -> None:
         """Writes this process's pid, host and start time to ``run_dir/.lock`` for a refused job to name
@@ -78,6 +88,33 @@ class RunDirectoryLock:
         replace_file(self.run_dir / HOLDER_FILE,
                      f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode())
         self._recorded = True
+
+    def remove_this_jobs_files(self) -> None:
+        """Removes what this job wrote into the run directory (every file and directory it did not hold
+        when locked) and the directories taking the lock created, while still locked; what was there
+        before is never touched. For a job that failed before writing anything worth keeping."""
+        if self._descriptor is None:
+            return
+        if self.created is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            # the parents it created, while empty: another job may have started a run directory beside it
+            for parent in self.run_dir.absolute().parents:
+                if not parent.is_relative_to(self.created.absolute()):
+                    break
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+            return
+        inodes = set(self._found.values())
+        now = _entries(self.run_dir)
+        for path in sorted(set(now) - set(self._found), key=lambda entry: len(entry.parts), reverse=True):
+            if (path.name == HOLDER_FILE and path.parent == self.run_dir) or now[path] in inodes:
+                continue  # release() removes the holder's line; a file that was there, renamed, stays
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def release(self) -> None:
         """Removes the ``.lock`` this process wrote, then unlocks (idempotent)."""
@@ -93,3 +130,27 @@ class RunDirectoryLock:
             self.release()
         except Exception:  # at interpreter exit the os module may already be gone; exit releases it anyway
             pass
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    """The outermost directory that ``path.mkdir(parents=True)`` would create (``None``: ``path`` exists)."""
+    missing = None
+    for candidate in (path, *path.absolute().parents):
+        if os.path.lexists(candidate):
+            return missing
+        missing = candidate
+    return missing
+
+
+def _entries(directory: Path) -> dict[Path, tuple[int, int]]:
+    """Every file and directory below ``directory`` with its ``(device, inode)`` (links are listed, never followed)."""
+    found = {}
+    for root, directories, files in os.walk(directory):
+        for name in (*directories, *files):
+            path = Path(root, name)
+            try:
+                status = path.lstat()
+            except OSError:
+                continue  # gone meanwhile
+            found[path] = (status.st_dev, status.st_ino)
+    return found

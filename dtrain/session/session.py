@@ -19,6 +19,7 @@ import torch
 
 from dtrain import checks
 from dtrain.comm.launcher import detect_launcher
+from dtrain.data.errors import DataError
 from dtrain.learners.base import Learner, RunFacts
 from dtrain.rules import check_settings
 from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
@@ -302,6 +303,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self._report_path: Path | None = None
         self._on_checks_passed: list[Callable[[], None]] = []
         self._outputs_started = False
+        self._saved_checkpoint = False  # whether this run wrote a checkpoint (its run directory is then kept)
+        self._metrics: MetricsWriter | None = None
         self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
         self._collapse = CollapseWatch(self.device)
@@ -325,12 +328,28 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
     def train(self) -> TrainingResult:
         """Runs training to ``max_samples`` (or the end of the data, or a CV callback's stop).
 
-        Rank 0 holds the run directory's lock from ``restore()`` until this returns or raises.
+        Rank 0 holds the run directory's lock from ``restore()`` until this returns or raises. A run that
+        fails before its first checkpoint, on bad data or before its first write, leaves the directory as it
+        found it (``_abandon_run_dir``).
         """
         try:
             return self._train()
+        except BaseException as error:
+            self._abandon_run_dir(error)
+            raise
         finally:
             self.release_run_dir()
+
+    def _abandon_run_dir(self, error: BaseException) -> None:
+        """Rank 0, on a failure: takes back what this run wrote into its run directory (the directory too,
+        when this run created it) if it wrote nothing yet, or if the data failed before any checkpoint of this
+        run; what the directory held before is kept, and so is a run that has checkpoints to resume from."""
+        if self._run_dir_lock is None or self._saved_checkpoint:
+            return
+        if not self._outputs_started or isinstance(error, DataError):
+            if self._metrics is not None:
+                self._metrics.take_back()  # a resumed run's metrics.jsonl and metrics.csv as they were
+            self._run_dir_lock.remove_this_jobs_files()
 
     def release_run_dir(self) -> None:
         """Lets another job use the run directory (done by ``train()``; idempotent)."""
@@ -368,6 +387,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
     def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=self.comm.is_main,
                                 metric_name=self.metric_name)
+        self._metrics = metrics  # taken back if the data fails (_abandon_run_dir)
         try:
             return self._train_with(restored_from, metrics)
         finally:

@@ -3,7 +3,8 @@ every stream named exists, samples are counted in the target's steps, no sequenc
 than the model's context, and the first minibatch's ids lie within their vocabularies.
 
 Each problem is one line naming the setting (``session.inputs[0]``, ``session.target``) or the
-stream, and what was expected (``docs/data.md#checks``).
+stream, and what was expected (``docs/data.md#checks``). Ids past the model's size in data that
+declares no ``num_classes`` are found where torch's embedding or loss fails on them (``ids_past_the_model``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 from dtrain.session.binding import StreamBinding
 
-__all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "first_minibatch_check"]
+__all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "check_target_steps",
+           "first_minibatch_check", "ids_past_the_model"]
 
 
 def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
@@ -160,3 +162,73 @@ def _check_class_ids_target(loss, metric, binding: StreamBinding, info) -> None:
                 f"number per sample (a regression target, such as a CTF numeric label column); use loss=mse and "
                 f"metric=mean_abs_error for regression, or give the labels as class ids (integers, one-hot, or in "
                 f"CTF one sparse 'index:1' entry)")
+
+
+def ids_past_the_model(model: torch.nn.Module, binding: StreamBinding, minibatch, output=None) -> str | None:
+    """Why the forward or the loss raised IndexError on ``minibatch``, when its ids do not fit the model: a
+    target id at or past the model's outputs (``output``'s last dimension), or an input id at or past its
+    token embedding (``model.vocab_size``, else its first ``nn.Embedding``); one line naming the value, the
+    stream and the size. ``None`` when the ids fit (the IndexError is the model's own)."""
+    embeddings = [module.num_embeddings for module in model.modules() if isinstance(module, torch.nn.Embedding)]
+    vocabulary = getattr(model, "vocab_size", None) or (embeddings[0] if embeddings else None)
+    checks = [(f"session.inputs={reference.text!r}", reference, vocabulary, "the model's token embedding takes")
+              for reference in binding.input_references]
+    if binding.target is not None and isinstance(output, torch.Tensor) and output.dim():
+        checks.append((f"session.target={binding.target.text!r}", binding.target, int(output.shape[-1]),
+                       "the model has"))
+    for setting, reference, size, model_has in checks:
+        value = minibatch.streams.get(reference.name)
+        if size is None or value is None:
+            continue
+        value = reference.resolve(value)
+        ids = value.data[value.mask] if isinstance(value, Sequences) else value
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dtype == torch.bool or not ids.numel():
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and high < int(size):
+            continue
+        bad = low if low < 0 else high
+        outputs = "outputs" if model_has == "the model has" else "ids"
+        return (f"{setting}: stream {reference.name!r} holds the id {bad}, but {model_has} {int(size)} {outputs}; "
+                f"expected ids in [0, {int(size)}) (declare the stream's num_classes to have every read checked, or "
+                f"give the model {max(high + 1, int(size))} {outputs})")
+    return None
+
+
+def check_target_steps(output, target: Sequences, minibatch, binding: StreamBinding) -> None:
+    """Refuses a per-step target that does not cover the model's per-step output: ``output`` ``[n, T', ...]``
+    longer than the target's ``T`` steps, or, where inputs with ``T'`` steps fed the model, a sequence whose
+    target is shorter than each of those inputs (its last outputs would silently go untrained).
+
+    Raises:
+        DataError: one line naming the target, the steps and the input it falls short of.
+    """
+    if not isinstance(output, torch.Tensor) or output.dim() < 3:
+        return
+    steps = int(output.shape[1])
+    if steps > int(target.data.shape[1]):
+        raise DataError(
+            f"session.target={binding.target.text!r}: the model outputs {steps} steps per sequence but the target has "
+            f"at most {int(target.data.shape[1])}; expected a target step for every output step (a step slice that "
+            f"matches the inputs', e.g. inputs text[:-1] with target text[1:])")
+    shorter = None
+    wanted = target.lengths.numpy()
+    for reference in binding.input_references:
+        value = minibatch.streams.get(reference.name)
+        if not isinstance(value, Sequences) or reference.part is not None:
+            continue
+        lengths = reference.step_counts(value.lengths.numpy())  # a slice's, without cutting its data
+        width = (int(lengths.max()) if len(lengths) else 0) if reference.is_view else int(value.data.shape[1])
+        if width != steps:
+            continue  # not an input whose steps the output follows
+        if np.array_equal(lengths, wanted):
+            return  # the target has a step for every step of this input
+        if shorter is None:
+            shorter = (reference, lengths)
+    if shorter is not None:
+        reference, lengths = shorter
+        row = int(np.flatnonzero(wanted != lengths)[0])
+        raise DataError(
+            f"session.target={binding.target.text!r}: sequence {row} of the minibatch has {int(wanted[row])} "
+            f"target steps but {int(lengths[row])} steps of the input {reference.text!r}; expected a target step for "
+            f"every input step (a target stream of the inputs' lengths, or a step slice that matches theirs)")

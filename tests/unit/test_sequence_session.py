@@ -142,6 +142,60 @@ def test_a_token_outside_the_vocabulary_is_refused_on_the_first_minibatch(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
 
 
+class _WideEmbedding(TinyCausalLM):
+    """Takes token ids up to 39 but predicts only VOCABULARY classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(40, 16)
+
+
+@pytest.mark.parametrize("model, message", [
+    (TinyCausalLM, r"^session.inputs='text\[:-1\]': stream 'text' holds the id 3\d, but the model's token embedding "
+                   r"takes 13 ids; expected ids in \[0, 13\)"),
+    (_WideEmbedding, r"^session.target='text\[1:\]': stream 'text' holds the id 3\d, but the model has 13 outputs; "
+                     r"expected ids in \[0, 13\) \(declare the stream's num_classes"),
+])
+def test_ids_past_the_models_size_without_num_classes_are_named_as_the_datas_problem(tmp_path, model, message):
+    """No num_classes declared: the ids are found where torch's embedding or loss fails on them, at the fifth
+    minibatch, and named in one line (not an IndexError); the run directory it created goes again."""
+    text = [(start + np.arange(6)) % VOCABULARY for start in range(40)]
+    text[30] = np.array([1, 2, 33, 4, 35])  # read with the fifth minibatch of 40 steps, in order
+    source = MinibatchSource(StreamArrays({"text": text}), randomize=False)
+    run_dir = tmp_path / "run"
+    with pytest.raises(DataError, match=message) as error:
+        session(model(), source, run_dir, max_samples=200, progress_frequency=40).train()
+    assert "\n" not in str(error.value) and not run_dir.exists()
+
+
+class _Tagger(torch.nn.Module):
+    """Per-step logits over VOCABULARY tags for every step of ``words``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCABULARY, VOCABULARY)
+
+    def forward(self, words: Sequences) -> torch.Tensor:
+        return self.embedding(words.data)
+
+
+def test_a_per_step_target_shorter_than_the_models_output_or_its_input_is_refused(tmp_path):
+    """A target that leaves output steps without a target would train on part of the output silently."""
+    with pytest.raises(DataError, match=r"^session.target='text\[2:\]': the model outputs \d+ steps per sequence but "
+                                        r"the target has at most \d+; expected a target step for every output step"):
+        session(TinyCausalLM(), MinibatchSource(token_sequences()), tmp_path / "a", max_samples=100,
+                target="text[2:]").train()
+    words = [(start + np.arange(6)) % VOCABULARY for start in range(40)]
+    tags = [word.copy() for word in words]
+    tags[3] = tags[3][:4]  # a tag sequence two steps shorter than its words
+    source = MinibatchSource(StreamArrays({"words": words, "tags": tags}), randomize=False, defining_stream="tags")
+    with pytest.raises(DataError, match=r"^session.target='tags': sequence 3 of the minibatch has 4 target steps but 6 "
+                                        r"steps of the input 'words'; expected a target step for every input step"):
+        session(_Tagger(), source, tmp_path / "b", max_samples=100, inputs=["words"], target="tags").train()
+    source = MinibatchSource(StreamArrays({"words": words, "tags": [word.copy() for word in words]}), randomize=False)
+    session(_Tagger(), source, tmp_path / "c", max_samples=100, inputs=["words"], target="tags").train()  # aligned
+
+
 def test_a_run_resumed_mid_sweep_from_a_checkpoint_ends_bit_identical(tmp_path):
     """Checkpoints every 300 tokens: the run restored from its second-to-last checkpoint ends with the
     parameters of the uninterrupted run, bit for bit (data position, optimizer and RNG restored)."""
@@ -176,6 +230,34 @@ def test_resuming_with_samples_counted_differently_is_refused_naming_the_checkpo
                                                      r"checkpoint state counts samples in steps of 'text\[1:\]'"):
         changed.train()
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
+
+
+def test_a_finished_run_whose_whole_sequences_overshot_max_samples_runs_again_training_nothing(tmp_path):
+    """Whole sequences end the run past max_samples; the same run again restores its end and trains nothing (as
+    CNTK does), while a run asked for fewer samples than a checkpoint holds is still refused."""
+    def run(max_samples: int):
+        torch.manual_seed(0)
+        model = TinyCausalLM()
+        return model, session(model, MinibatchSource(token_sequences(), randomization_seed=2), tmp_path,
+                              max_samples=max_samples, checkpoint_config=dtrain.CheckpointConfig("ckpt.pt"))
+
+    model, first = run(100)
+    ended = first.train()
+    assert ended.samples_seen > 100  # the last minibatch's whole sequences overshot it
+    end = tmp_path / f"ckpt-{ended.samples_seen}.pt"
+    assert ended.last_checkpoint == end
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    again_model, again = run(100)
+    result = again.train()
+    assert result.restored_from == end and result.samples_seen == ended.samples_seen
+    assert result.minibatches == ended.minibatches and result.last_checkpoint == end  # nothing trained
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again_model.parameters()))
+    assert {path.name: path.read_bytes() for path in tmp_path.glob("ckpt-*.pt")} == \
+        {name: data for name, data in before.items() if name.startswith("ckpt-")}
+    # a lower max_samples than the run that wrote the checkpoint: it would report a longer run as this one
+    with pytest.raises(dtrain.CheckpointError, match=rf"has trained on {ended.samples_seen} samples, past "
+                                                     rf"session.max_samples=99"):
+        run(99)[1].train()
 
 
 def test_a_stream_missing_from_the_test_data_names_that_data(tmp_path):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtrain.data import ArrayDeserializer, ImageTransform, Minibatch, MinibatchSource
+from dtrain.data import ArrayDeserializer, DataError, ImageTransform, Minibatch, MinibatchSource
 
 
 def make_deserializer(num_samples: int) -> ArrayDeserializer:
@@ -376,3 +376,22 @@ def test_reading_by_index_tensor_gives_the_stream_of_index_arrays(randomize):
         [[sample_ids(minibatch) for minibatch in call] for call in by_array]
     assert [[minibatch.labels.tolist() for minibatch in call] for call in by_tensor] == \
         [[minibatch.labels.tolist() for minibatch in call] for call in by_array]
+
+
+@pytest.mark.parametrize("bad, named", [(float("nan"), "NaN"), (float("inf"), "an infinite value"),
+                                        (-float("inf"), "an infinite value")])
+def test_a_sample_holding_nan_or_inf_is_named_when_its_minibatch_is_read(bad, named):
+    features = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
+    features[23, 1] = bad
+    source = MinibatchSource(ArrayDeserializer(features, np.arange(40) % 3, num_classes=3), randomization_seed=4)
+    position = int(np.argsort(source._timeline.indices(0, 40))[23])  # where sample 23 comes in the first sweep
+    with pytest.raises(DataError, match=rf"^stream 'features': sample 23 of ArrayDeserializer \(timeline position "
+                                        rf"{position}\) holds {named}; expected finite numbers"):
+        for _ in range(40):
+            source.next_minibatch(5, 2, 1 if position % 5 >= 2 else 0)  # the partition that reads it
+
+
+def test_finite_values_whose_sum_overflows_are_not_refused():
+    features = np.full((8, 2), np.finfo(np.float32).max, dtype=np.float32)
+    source = MinibatchSource(ArrayDeserializer(features, np.zeros(8, dtype=np.int64), num_classes=1), randomize=False)
+    assert source.next_minibatch(8).features.shape == (8, 2)
