@@ -378,6 +378,24 @@ def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
+def replacing_overrides(argv: list[str]) -> list[str]:
+    """``argv`` with each override of a key in :data:`REPLACED_KEYS` by a list or a mapping preceded by one setting
+    that key to ``null``: the value given then replaces the config's instead of being merged into it (Hydra
+    merges a mapping into a mapping key by key, and cannot merge a mapping into a list or a list into a mapping:
+    ``session.inputs={x: x}`` over a recipe's ``{src: ..., tgt: ...}`` would pass ``src`` and ``tgt`` too)."""
+    replaced = []
+    for argument in argv:
+        key, _, value = argument.partition("=")
+        if key.lstrip("+") in REPLACED_KEYS and value.lstrip().startswith(("[", "{")):
+            replaced.append(f"{key.lstrip('+')}=null")
+        replaced.append(argument)
+    return replaced
+
+
+#: the settings whose value on the command line replaces the config's whole, whatever its kind (list or mapping)
+REPLACED_KEYS = frozenset({"session.inputs"})
+
+
 #: Hydra's options whose value is the next argument (``hydra --help``)
 _HYDRA_OPTIONS_WITH_A_VALUE = frozenset({"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                                          "--config-dir", "-cd", "--experimental-rerun"})
@@ -394,7 +412,8 @@ def main() -> None:
         # the installed `dtrain` command imports your modules (model: {_target_: mymodels.MLP}) from the working
         # directory, as `python -m dtrain` does
         sys.path.insert(0, os.getcwd())
-    argv = sys.argv[1:] = flags_before_overrides(sys.argv[1:])
+    flags, overrides = split_arguments(sys.argv[1:])  # flags ahead (flags_before_overrides)
+    argv = sys.argv[1:] = flags + replacing_overrides(overrides)
     try:
         answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help), --help TOPIC and --version
     except UnknownTopic as error:

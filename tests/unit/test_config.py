@@ -14,6 +14,7 @@ from tests.helpers.config import CONF, compose_config
 from dtrain.testing.cifar_files import write_cifar10_binary
 from dtrain.testing.image_files import write_image_map_files
 from dtrain.comm import LocalCommunicator
+from dtrain.build import session_inputs
 from dtrain.config import register_schemas, validate
 
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
@@ -51,7 +52,7 @@ def test_every_recipe_instantiates_with_every_learner(recipe, learner, tmp_path)
         return
     learner_object = instantiate(cfg.learner, optimizer=optimizer, comm=LocalCommunicator())
     assert learner_object.optimizer is optimizer
-    binding = StreamBinding(OmegaConf.to_container(cfg.session.inputs), cfg.session.target)
+    binding = StreamBinding(session_inputs(cfg.session), cfg.session.target)  # as dtrain.build reads it
     for name in ("train", "test", "cv"):
         if cfg.source[name] is not None:
             source = instantiate(cfg.source[name])
@@ -303,3 +304,26 @@ def test_a_config_dir_joins_the_composition_check(tmp_path):
     problem = check_overrides(["--config-dir", str(tmp_path / "nope"), "+recipe=digits"])
     assert problem == (f"--config-dir {tmp_path / 'nope'}: no such directory; expected a directory of configs "
                        f"(recipe/NAME.yaml, ...)")
+
+
+@pytest.mark.parametrize("recipe, override, composed", [
+    ("digits", "session.inputs={x: features}", {"x": "features"}),                      # over the default
+    ("shakespeare_char", 'session.inputs={x: "text[:-1]"}', {"x": "text[:-1]"}),        # over a recipe's list
+    ("cmudict_g2p", "session.inputs={src: graphemes}", {"src": "graphemes"}),           # replaced, not merged
+    ("digits", "session.inputs=[features]", ["features"]),
+])
+def test_session_inputs_on_the_command_line_replaces_the_configs_whatever_its_kind(recipe, override, composed):
+    from omegaconf import OmegaConf
+
+    from dtrain.cli import replacing_overrides
+
+    overrides = replacing_overrides([f"+recipe={recipe}", override])
+    assert overrides == [f"+recipe={recipe}", "session.inputs=null", override]
+    cfg = compose_config(*overrides)
+    assert OmegaConf.to_container(cfg.session.inputs) == composed
+    assert validate(cfg, check_run_dir=False) == []
+
+
+def test_the_default_inputs_are_the_features_stream():
+    cfg = compose_config("+recipe=digits")
+    assert cfg.session.inputs == "features" and validate(cfg, check_run_dir=False) == []
