@@ -152,9 +152,9 @@ def _as_tensor(name: str, value: object) -> torch.Tensor:
 
 
 def _check_ids(name: str, values: torch.Tensor, num_classes: int) -> None:
-    if values.dtype.is_floating_point or values.dtype == torch.bool:
-        raise DataError(f"stream {name!r} has num_classes={num_classes} but holds {values.dtype} values; class ids "
-                        f"and token ids are integers")
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise DataError(f"stream {name!r} has num_classes={num_classes} but holds "
+                        f"{str(values.dtype).replace('torch.', '')} values; expected integer class or token ids")
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_classes):
         raise DataError(f"stream {name!r} holds ids in [{int(values.min())}, {int(values.max())}], outside its "
                         f"vocabulary [0, {num_classes})")
