@@ -285,6 +285,13 @@ class StreamReference:
             raise ValueError(f"{what}={self.text!r}: {data} has no stream {self.name!r}; it has "
                              f"{', '.join(repr(name) for name in streams)}")
         if (self.sliced or self.part is not None) and not info.is_sequence:
+            if info.shape:  # values with a first dimension: steps, if the deserializer was not told they vary
+                raise ValueError(
+                    f"{what}={self.text!r}: {self.name!r} is declared with one value of shape {list(info.shape)} per "
+                    f"sample, so it has no steps to slice and no lengths or mask; if its first dimension is steps "
+                    f"(samples of different lengths), declare it a sequence stream (sequences=[{self.name!r}] of "
+                    f"DatasetDeserializer or NpzStreams, sequences: [{self.name}] in a config), else name it as "
+                    f"{self.name!r}")
             raise ValueError(f"{what}={self.text!r}: {self.name!r} is not a sequence stream (one value per sample), "
                              f"so it has no steps to slice and no lengths or mask; name it as {self.name!r}")
 

@@ -158,6 +158,21 @@ def test_complex_ids_are_refused_in_one_line(tmp_path):
         MinibatchSource(ComplexIds())
 
 
+def test_a_variable_length_stream_left_out_of_sequences_is_told_to_declare_it_before_training(tmp_path):
+    class Lines(torch.utils.data.Dataset):  # token lines of different lengths, as a user's Dataset serves them
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, index):
+            return {"text": torch.arange(2 + index % 5) % VOCABULARY}
+
+    data = dtrain.data.DatasetDeserializer(Lines(), num_classes={"text": VOCABULARY})  # sequences=["text"] forgotten
+    with pytest.raises(ValueError, match=r"session.inputs\[0\]='text\[:-1\]': 'text' is declared with one value of "
+                                         r"shape \[2\] per sample.*declare it a sequence stream \(sequences=\['text'\]"):
+        session(TinyCausalLM(), MinibatchSource(data), tmp_path, max_samples=10)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_a_sequence_longer_than_the_models_context_is_refused(tmp_path):
     long = StreamArrays({"text": [np.arange(5) % VOCABULARY, np.arange(80) % VOCABULARY]},
                         num_classes={"text": VOCABULARY})
