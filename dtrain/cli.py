@@ -260,6 +260,8 @@ def check_overrides(argv: list[str]) -> str | None:
     from hydra.errors import HydraException
 
     flags, overrides = split_arguments(argv)
+    if any(flag in ("--shell-completion", "-sc") for flag in flags):
+        return None  # its query=... is Hydra's completion request, not an override
     directories = config_directories(config_dir(), flags)
     missing = next((directory for directory in directories[1:] if not directory.is_dir()), None)
     if missing is not None:
