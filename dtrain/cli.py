@@ -266,8 +266,12 @@ def check_overrides(argv: list[str]) -> str | None:
     missing = next((directory for directory in directories[1:] if not directory.is_dir()), None)
     if missing is not None:
         return f"--config-dir {missing}: no such directory; expected a directory of configs (recipe/NAME.yaml, ...)"
+    # a word that is neither a flag, a flag's value nor key=value (a forgotten =) is read as Hydra reads it: an override
+    strays = [word for index, word in enumerate(flags) if not word.startswith("-") and not (
+        index > 0 and (flags[index - 1] in _HYDRA_OPTIONS_WITH_A_VALUE
+                       or flags[index - 1] in ("--info", "-i") and word in _HYDRA_INFO_CHOICES))]
     parser, parsed = OverridesParser.create(), []
-    for argument in overrides:
+    for argument in [*overrides, *strays]:
         try:
             parsed.append(parser.parse_override(argument))
         except HydraException as error:
@@ -278,7 +282,8 @@ def check_overrides(argv: list[str]) -> str | None:
         if key in groups and not isinstance(override.value(), str) and not override.is_sweep_override():
             options = sorted({p.stem for directory in directories for p in (directory / key).glob("*.yaml")})
             return f"{override.input_line}: expected the name of one {key} option ({', '.join(options)})"
-    if any(flag not in _CONFIG_DIR_FLAGS and not flag.startswith("--config-dir=") for flag in _flag_names(flags)):
+    if any(flag.startswith("-") and flag not in _CONFIG_DIR_FLAGS and not flag.startswith("--config-dir=")
+           for flag in _flag_names(flags)):
         return None
     return _composition_problem(overrides, directories)
 
@@ -290,6 +295,9 @@ def _unreadable_override(argument: str, error: Exception) -> str:
         key = argument.split("=", 1)[0]
         return (f"{argument}: a value with brackets (a step slice) must be quoted on the command line; expected "
                 f"'{key}=\"{value}\"' ({first_line(error)})")
+    if "=" not in argument and not argument.startswith("~"):
+        return (f"{argument}: not an override ({first_line(error)}); expected key=value (or +recipe=NAME, "
+                f"group=option, ~key) (python -m dtrain --help lists the recipes and groups)")
     return (f"{argument}: not a readable override ({first_line(error)}); expected key=value, with a list as [a,b], a "
             f"mapping as {{k: v}} and a value holding brackets, braces or spaces quoted "
             f"(python -m dtrain +recipe=NAME --cfg job lists every key)")
@@ -332,6 +340,10 @@ def _composition_problem(overrides: list[str], directories: list[Path]) -> str |
         return (f"{where} could not be composed into a config ({type(error).__name__}: {first_line(error)}); "
                 f"expected key=value pairs of the keys that python -m dtrain +recipe=NAME --cfg job lists")
     return None
+
+
+#: what Hydra's ``--info`` may be followed by (its value is optional)
+_HYDRA_INFO_CHOICES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
 
 
 #: the flags after which dtrain still composes the config itself (a directory of the user's configs)

@@ -327,3 +327,14 @@ def test_session_inputs_on_the_command_line_replaces_the_configs_whatever_its_ki
 def test_the_default_inputs_are_the_features_stream():
     cfg = compose_config("+recipe=digits")
     assert cfg.session.inputs == "features" and validate(cfg, check_run_dir=False) == []
+
+
+def test_a_word_without_an_equals_sign_is_one_line_but_a_flags_value_is_left_to_hydra():
+    from dtrain.cli import check_overrides
+
+    for flags in ([], ["-m"]):
+        assert check_overrides([*flags, "+recipe=digits", "foo"]) == (
+            "foo: not an override (missing EQUAL at '<EOF>'); expected key=value (or +recipe=NAME, group=option, ~key) "
+            "(python -m dtrain --help lists the recipes and groups)")
+    assert check_overrides(["+recipe=digits", "--cfg", "job", "--package", "session"]) is None
+    assert check_overrides(["+recipe=digits", "--info", "defaults"]) is None
