@@ -55,6 +55,9 @@ def load_run(run_dir: str | Path, weights: str = "auto"):
 
     run_dir = Path(run_dir)
     config_path, config = load_run_config(run_dir)
+    deserializer = config.source.train.get("deserializer")
+    if deserializer is None:
+        raise ValueError(f"{config_path}: source.train has no deserializer; expected the config a dtrain run writes")
     which = chosen_weights(config, weights)
     weights_path = run_dir / WEIGHT_FILES[which]
     if not weights_path.is_file():
@@ -63,7 +66,7 @@ def load_run(run_dir: str | Path, weights: str = "auto"):
         raise FileNotFoundError(f"{weights_path} does not exist; expected {what} in a finished run directory")
     model = instantiate(config.model, f"model of {config_path}")
     load_weights(model, weights_path, f"the model of {config_path}")
-    data = instantiate(config.source.train.deserializer, f"source.train.deserializer of {config_path}")
+    data = instantiate(deserializer, f"source.train.deserializer of {config_path}")
     return model.eval(), data, config, which
 
 

@@ -253,3 +253,13 @@ def test_the_tools_refuse_a_config_that_is_not_a_runs_in_one_line(tmp_path, caps
     assert len(err.splitlines()) == 1, err
     assert f"error: {tmp_path / 'config.yaml'}: {message}" in err, err
     assert err.endswith("expected the config a dtrain run writes") or "(its model, source and session)" in err, err
+
+
+def test_generate_refuses_a_config_whose_training_data_has_no_deserializer(tmp_path, capsys):
+    from dtrain.generate import main
+
+    _linear_run(tmp_path, ema=False)
+    (tmp_path / "config.yaml").write_text("model: {_target_: torch.nn.Identity}\nsource: {train: {x: 1}}\nsession: {}\n")
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dtrain.generate: error: {tmp_path / 'config.yaml'}: source.train has no "
+                                               f"deserializer; expected the config a dtrain run writes")
