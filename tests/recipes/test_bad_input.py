@@ -308,7 +308,10 @@ class ForkedResults:
         while case_id not in self._results:
             line = self._runners[runner].stdout.readline()
             assert line, f"runner {runner} ended before case {case_id} (exit code {self._runners[runner].poll()})"
-            result = json.loads(line)
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:  # the rest of a line whose reading a timed-out test interrupted: its case fails alone
+                continue
             self._results[result["id"]] = {**result, "places": self._places[str(runner)]}
         return self._results[case_id]
 
