@@ -117,17 +117,38 @@ def latest_config_path(run_dir: Path) -> Path:
     return path
 
 
+#: what every config a run writes holds, and what the tools that read a run take from it
+RUN_CONFIG_KEYS = ("model._target_", "source.train", "session")
+
+
 def load_run_config(run_dir: Path) -> tuple[Path, DictConfig]:
     """``(path, config)`` of the run directory's latest job (:func:`latest_config_path`), for the tools that
     read a run (``dtrain.generate``, ``dtrain.noise_scale``).
 
     Raises:
         FileNotFoundError: the run directory has no config.
+        ValueError: one line naming the file: not YAML (or not text), or not a run's config (a key of
+            :data:`RUN_CONFIG_KEYS` missing).
     """
+    import yaml
+
     path = latest_config_path(Path(run_dir))
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; expected the run's config in a run directory")
-    return path, OmegaConf.load(path)
+    expected = "expected the config a dtrain run writes"
+    try:
+        config = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML ({error.problem or first_line(error)}{where}); {expected}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not a YAML text file ({first_line(error)}); {expected}") from None
+    missing = list(RUN_CONFIG_KEYS) if not isinstance(config, DictConfig) else \
+        [key for key in RUN_CONFIG_KEYS if OmegaConf.select(config, key, default=None) is None]
+    if missing:
+        raise ValueError(f"{path}: has no {', '.join(missing)}; {expected} (its model, source and session)")
+    return path, config
 
 
 def session_inputs(session: DictConfig):

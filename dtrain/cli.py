@@ -248,40 +248,78 @@ def config_groups() -> list[str]:
 
 
 def check_overrides(argv: list[str]) -> str | None:
-    """Composes the config once to turn Hydra's multi-line override errors into one line.
+    """Parses the overrides of ``argv``, then composes the config once, to turn Hydra's multi-line override
+    errors into one line.
 
-    Skipped when Hydra flags (``--cfg``, ``-m``, ...) are present: Hydra then reports by itself.
+    The parse runs whatever flags are given (a typo is the same typo with ``-m`` or ``--cfg job``); the
+    composition runs when the only flags are ``--config-dir``/``-cd`` (whose directory joins the search
+    path, as Hydra's own run does): with any other flag (``--cfg``, ``-m``, ...) Hydra composes and reports
+    by itself.
     """
-    if any(argument.startswith("-") for argument in argv):
-        return None
-    from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    flags, overrides = split_arguments(argv)
+    if any(flag in ("--shell-completion", "-sc") for flag in flags):
+        return None  # its query=... is Hydra's completion request, not an override
+    directories = config_directories(config_dir(), flags)
+    missing = next((directory for directory in directories[1:] if not directory.is_dir()), None)
+    if missing is not None:
+        return f"--config-dir {missing}: no such directory; expected a directory of configs (recipe/NAME.yaml, ...)"
+    # a word that is neither a flag, a flag's value nor key=value (a forgotten =) is read as Hydra reads it: an override
+    strays = [word for index, word in enumerate(flags) if not word.startswith("-") and not (
+        index > 0 and (flags[index - 1] in _HYDRA_OPTIONS_WITH_A_VALUE
+                       or flags[index - 1] in ("--info", "-i") and word in _HYDRA_INFO_CHOICES))]
+    parser, parsed = OverridesParser.create(), []
+    for argument in [*overrides, *strays]:
+        try:
+            parsed.append(parser.parse_override(argument))
+        except HydraException as error:
+            return _unreadable_override(argument, error)
+    groups = config_groups()
+    for override in parsed:
+        key = override.key_or_group
+        if key in groups and not isinstance(override.value(), str) and not override.is_sweep_override():
+            options = sorted({p.stem for directory in directories for p in (directory / key).glob("*.yaml")})
+            return f"{override.input_line}: expected the name of one {key} option ({', '.join(options)})"
+    if any(flag.startswith("-") and flag not in _CONFIG_DIR_FLAGS and not flag.startswith("--config-dir=")
+           for flag in _flag_names(flags)):
+        return None
+    return _composition_problem(overrides, directories)
+
+
+def _unreadable_override(argument: str, error: Exception) -> str:
+    """One line for an override Hydra's grammar cannot read, naming it."""
+    value = argument.split("=", 1)[1] if "=" in argument else ""
+    if "[" in value and not value.startswith(("[", "'", '"')):  # session.target=text[1:]: [ starts a list
+        key = argument.split("=", 1)[0]
+        return (f"{argument}: a value with brackets (a step slice) must be quoted on the command line; expected "
+                f"'{key}=\"{value}\"' ({first_line(error)})")
+    if "=" not in argument and not argument.startswith("~"):
+        return (f"{argument}: not an override ({first_line(error)}); expected key=value (or +recipe=NAME, "
+                f"group=option, ~key) (python -m dtrain --help lists the recipes and groups)")
+    return (f"{argument}: not a readable override ({first_line(error)}); expected key=value, with a list as [a,b], a "
+            f"mapping as {{k: v}} and a value holding brackets, braces or spaces quoted "
+            f"(python -m dtrain +recipe=NAME --cfg job lists every key)")
+
+
+def _composition_problem(overrides: list[str], directories: list[Path]) -> str | None:
+    """Composes the config from ``overrides`` with ``directories`` (the shipped tree first) on the search path:
+    Hydra's multi-line error as one line, or ``None``."""
+    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    try:
-        overrides = OverridesParser.create().parse_overrides(argv)
-    except HydraException as error:
-        sliced = next((argument for argument in argv if "=" in argument and "[" in argument.split("=", 1)[1]
-                       and not argument.split("=", 1)[1].startswith(("[", "'", '"'))), None)
-        if sliced is not None:  # session.target=text[1:]: Hydra reads [ as the start of a list
-            key, value = sliced.split("=", 1)
-            return (f"{sliced}: a value with brackets (a step slice) must be quoted on the command line; expected "
-                    f"'{key}=\"{value}\"' ({first_line(error)})")
-        return f"{first_line(error)} (python -m dtrain +recipe=NAME --cfg job lists every key)"
-    groups = config_groups()
-    for override in overrides:
-        key = override.key_or_group
-        if key in groups and not isinstance(override.value(), str):
-            return (f"{override.input_line}: expected the name of one {key} option "
-                    f"({', '.join(sorted(p.stem for p in (Path(config_dir()) / key).glob('*.yaml')))})")
+    search = list(overrides)
+    if len(directories) > 1 and not any(argument.lstrip("+").startswith("hydra.searchpath=") for argument in overrides):
+        search.append("hydra.searchpath=[" + ",".join(f"file://{d.resolve()}" for d in directories[1:]) + "]")
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            compose("config", overrides=argv)
+            compose("config", overrides=search)
     except (HydraException, OmegaConfBaseException) as error:
         lines = str(error).strip().splitlines()
         parts = [lines[0]]
-        hint = nested_group_hint(config_dir(), lines[0], argv)
+        hint = nested_group_hint(config_dir(), lines[0], overrides)
         if hint:
             parts.append(hint)
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
@@ -298,10 +336,24 @@ def check_overrides(argv: list[str]) -> str | None:
         return " ".join(parts)
     except Exception as error:  # noqa: BLE001 -- Hydra lets some malformed overrides through as raw errors
         found = re.search(r"full_key: (\S+)", str(error))
-        where = f"the override of {found.group(1)}" if found else f"the command line {' '.join(argv)!r}"
+        where = f"the override of {found.group(1)}" if found else f"the command line {' '.join(overrides)!r}"
         return (f"{where} could not be composed into a config ({type(error).__name__}: {first_line(error)}); "
                 f"expected key=value pairs of the keys that python -m dtrain +recipe=NAME --cfg job lists")
     return None
+
+
+#: what Hydra's ``--info`` may be followed by (its value is optional)
+_HYDRA_INFO_CHOICES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
+
+
+#: the flags after which dtrain still composes the config itself (a directory of the user's configs)
+_CONFIG_DIR_FLAGS = frozenset({"--config-dir", "-cd"})
+
+
+def _flag_names(flags: list[str]) -> list[str]:
+    """The flags themselves, without the values of those that take one (``--cfg job``: ``--cfg``)."""
+    return [flag for index, flag in enumerate(flags)
+            if not (index > 0 and flags[index - 1] in _HYDRA_OPTIONS_WITH_A_VALUE)]
 
 
 def check_sweep_arguments(argv: list[str]) -> str | None:
@@ -322,16 +374,40 @@ def check_sweep_arguments(argv: list[str]) -> str | None:
 def flags_before_overrides(argv: list[str]) -> list[str]:
     """``argv`` with Hydra's flags (``-m``, ``--cfg job``, ...) moved ahead of the overrides, each group in
     its order: Hydra's parser takes the overrides as one run of positionals, so ``seed=1 -m lr=2`` would
-    stop at ``lr=2`` with an argparse usage block. An override is ``key=value`` or ``~key``; anything else
-    (a flag, or a flag's value: ``job`` after ``--cfg``, the path after ``--config-dir`` even with an ``=``)
-    is Hydra's."""
+    stop at ``lr=2`` with an argparse usage block."""
+    flags, overrides = split_arguments(argv)
+    return flags + overrides
+
+
+def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(flags, overrides)`` of a command line, each in its order. An override is ``key=value`` or ``~key``;
+    anything else (a flag, or a flag's value: ``job`` after ``--cfg``, the path after ``--config-dir`` even
+    with an ``=``) is Hydra's."""
     flags, overrides = [], []
     for index, argument in enumerate(argv):
         value_of_a_flag = index > 0 and argv[index - 1] in _HYDRA_OPTIONS_WITH_A_VALUE
         is_override = (not value_of_a_flag and not argument.startswith("-")
                        and ("=" in argument or argument.startswith("~")))
         (overrides if is_override else flags).append(argument)
-    return flags + overrides
+    return flags, overrides
+
+
+def replacing_overrides(argv: list[str]) -> list[str]:
+    """``argv`` with each override of a key in :data:`REPLACED_KEYS` by a list or a mapping preceded by one setting
+    that key to ``null``: the value given then replaces the config's instead of being merged into it (Hydra
+    merges a mapping into a mapping key by key, and cannot merge a mapping into a list or a list into a mapping:
+    ``session.inputs={x: x}`` over a recipe's ``{src: ..., tgt: ...}`` would pass ``src`` and ``tgt`` too)."""
+    replaced = []
+    for argument in argv:
+        key, _, value = argument.partition("=")
+        if key.lstrip("+") in REPLACED_KEYS and value.lstrip().startswith(("[", "{")):
+            replaced.append(f"{key.lstrip('+')}=null")
+        replaced.append(argument)
+    return replaced
+
+
+#: the settings whose value on the command line replaces the config's whole, whatever its kind (list or mapping)
+REPLACED_KEYS = frozenset({"session.inputs"})
 
 
 #: Hydra's options whose value is the next argument (``hydra --help``)
@@ -350,7 +426,8 @@ def main() -> None:
         # the installed `dtrain` command imports your modules (model: {_target_: mymodels.MLP}) from the working
         # directory, as `python -m dtrain` does
         sys.path.insert(0, os.getcwd())
-    argv = sys.argv[1:] = flags_before_overrides(sys.argv[1:])
+    flags, overrides = split_arguments(sys.argv[1:])  # flags ahead (flags_before_overrides)
+    argv = sys.argv[1:] = flags + replacing_overrides(overrides)
     try:
         answer = quick_answer(argv)  # dtrain's own --help (Hydra's stays at --hydra-help), --help TOPIC and --version
     except UnknownTopic as error:

@@ -45,29 +45,38 @@ def load_run(run_dir: str | Path, weights: str = "auto"):
     (:func:`chosen_weights`; ``which`` says the one loaded, ``"last"`` or ``"ema"``).
 
     Raises:
-        FileNotFoundError / ValueError: no such run, no weights, or weights that do not fit the model.
+        FileNotFoundError / ValueError: no such run, no weights, a config or weights that cannot be read, or
+            weights that do not fit the model (one line each, naming the file).
+        UserError: the config's model or data cannot be built (one line naming it).
     """
-    from hydra.utils import instantiate
-    from safetensors.torch import load_model
-
+    from dtrain.build import _instantiate as instantiate  # a component's own error as one line naming it
     from dtrain.build import load_run_config
+    from dtrain.session.weights import load_weights
 
     run_dir = Path(run_dir)
     config_path, config = load_run_config(run_dir)
+    deserializer = config.source.train.get("deserializer")
+    if deserializer is None:
+        raise ValueError(f"{config_path}: source.train has no deserializer; expected the config a dtrain run writes")
     which = chosen_weights(config, weights)
     weights_path = run_dir / WEIGHT_FILES[which]
     if not weights_path.is_file():
         what = ("the weight EMA (written when a run with session.ema_decay ends)" if which == "ema"
                 else "the trained weights (written when the run ends)")
         raise FileNotFoundError(f"{weights_path} does not exist; expected {what} in a finished run directory")
-    model = instantiate(config.model)
-    try:
-        load_model(model, str(weights_path))
-    except (RuntimeError, KeyError) as error:
-        raise ValueError(f"{weights_path} does not fit the model of {config_path}: {str(error).splitlines()[0]}") from None
-    data = instantiate(config.source.train.deserializer)
+    model = instantiate(config.model, f"model of {config_path}")
+    load_weights(model, weights_path, f"the model of {config_path}")
+    data = instantiate(deserializer, f"source.train.deserializer of {config_path}")
     return model.eval(), data, config, which
 
+
+
+def _weights_line(run_dir: Path, which: str) -> str:
+    """Which weights were loaded, and the other choice where the run has its file (a run without a weight EMA
+    is not told to ask for one)."""
+    other = "last" if which == "ema" else "ema"
+    line = f"weights from {WEIGHT_FILES[which]}"
+    return line + (f" (--weights {other} for {WEIGHT_FILES[other]})" if (run_dir / WEIGHT_FILES[other]).is_file() else "")
 
 
 def _sample_text(model, data, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
@@ -118,15 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beam", type=int, default=None,
                         help="hypotheses of the beam search for --words (1: greedy; default: the run's metric.beam_size)")
     args = parser.parse_args(argv)
+    from dtrain.failures import UserError
+
     try:
         if args.tokens < 1:
             raise ValueError(f"--tokens {args.tokens}: expected a positive number of characters")
         if args.beam is not None and args.beam < 1:
             raise ValueError(f"--beam {args.beam}: expected a positive number of hypotheses (1 decodes greedily)")
         model, data, config, which = load_run(args.run_dir, args.weights)
-        other = "last" if which == "ema" else "ema"
-        print(f"dtrain.generate: weights from {WEIGHT_FILES[which]} (--weights {other} for "
-              f"{WEIGHT_FILES[other]})", file=sys.stderr)
+        print(f"dtrain.generate: {_weights_line(Path(args.run_dir), which)}", file=sys.stderr)
         if args.words:
             if not hasattr(model, "greedy_decode"):
                 raise ValueError(f"--words: the run's model {type(model).__name__} does not decode words")
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"the run's model {type(model).__name__} does not sample text; --words pronounces "
                                  f"words with a grapheme-to-phoneme model")
             print(_sample_text(model, data, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, UserError) as error:
         print(f"dtrain.generate: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -42,9 +42,9 @@ _EXAMPLES = """\
   python -m dtrain --config-dir my_conf +recipe=mine         your own recipe/model/learner YAMLs"""
 
 _MORE_HEAD = """\
-  README.md                 installation, your own model and data, choosing a learner, several nodes
-  python -m dtrain --help TOPIC  prints one of these pages, which are docs/TOPIC.md in the repository
-                                 (--help semantics: docs/semantics.md); also after a wheel install:"""
+  python -m dtrain --help TOPIC  prints one of these pages, installed with dtrain (docs/TOPIC.md in the
+                                 repository; --help semantics: docs/semantics.md). Start with
+                                 your-model-and-data, learners (choosing one) and multi-host (several nodes):"""
 
 _MORE_TAIL = """\
   python -m dtrain +recipe=NAME --cfg job    every key of a composed config and its value"""

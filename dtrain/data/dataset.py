@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from dtrain.data._checks import check_int
+from dtrain.data.deserializer import check_not_a_data_loader
 from dtrain.data.errors import DataError
 from dtrain.data.streams import PADDING_VALUE, Sequences, StreamInfo, StreamReference
 
@@ -729,7 +730,8 @@ def _padded(values: torch.Tensor, lengths: torch.Tensor, info: StreamInfo) -> Se
 # -- checks and messages ------------------------------------------------------------------------------------
 
 def _check_map_style(dataset: object) -> None:
-    """Raises TypeError for an IterableDataset or anything without ``__getitem__`` and ``__len__``."""
+    """Raises TypeError for a DataLoader, an IterableDataset or anything without ``__getitem__`` and ``__len__``."""
+    check_not_a_data_loader(dataset)
     why = ("dtrain reads samples by index, so that each rank reads its share exactly once per sweep, sweeps are "
            "shuffled and a checkpoint resumes mid-sweep")
     instead = ("give a map-style Dataset (__getitem__(index) and __len__), e.g. materialise the stream into a list "

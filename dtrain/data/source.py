@@ -35,6 +35,15 @@ _STATE_KEYS = ("position", "seed", "samples_per_sweep", "randomize")
 _SEQUENCE_STATE_KEYS = _STATE_KEYS + ("sequences_per_sweep", "defining_stream", "length_bucketing")
 
 
+def _check_id_dtype(info: StreamInfo, data: str) -> None:
+    """A stream that declares ``num_classes`` holds integer ids (a class, a token): anything else is refused
+    before it reaches a range check or an embedding."""
+    if info.num_classes is not None and (info.dtype.is_floating_point or info.dtype.is_complex
+                                         or info.dtype == torch.bool):
+        raise DataError(f"stream {info.name!r} of {data} declares num_classes={info.num_classes} but holds "
+                        f"{str(info.dtype).replace('torch.', '')} values; expected integer class or token ids")
+
+
 class MinibatchSource:
     """Read a deserializer as an infinite sequence of sweeps, in global minibatches.
 
@@ -108,6 +117,8 @@ class MinibatchSource:
                              f"least one")
         self._sequences_per_sweep = check_int(f"{type(self._deserializer).__name__}.num_sequences",
                                               self._data.num_sequences, 1)
+        for info in self._streams.values():
+            _check_id_dtype(info, type(self._deserializer).__name__)
         self._lengths = {name: self._checked_lengths(name) for name, info in self._streams.items() if info.is_sequence}
         self._length_bucketing = check_int("length_bucketing", length_bucketing, 0)
         if self._length_bucketing and not self._lengths:
@@ -176,6 +187,12 @@ class MinibatchSource:
             raise ValueError(f"{what}={text!r}: samples are counted in steps of a stream (or a step slice of it), "
                              f"not of its {reference.part}")
         reference.check_against(self._streams.get(reference.name), list(self._streams), what)
+        lengths = self._lengths.get(reference.name)
+        if lengths is not None:
+            try:
+                reference.check_keeps_steps(lengths, what, type(self._deserializer).__name__, "there is no sample to count")
+            except ValueError as error:
+                raise DataError(str(error)) from None
         self._defining = reference
 
     # -- what the data is ------------------------------------------------------------------------------

@@ -154,9 +154,9 @@ def _as_tensor(name: str, value: object) -> torch.Tensor:
 
 
 def _check_ids(name: str, values: torch.Tensor, num_classes: int) -> None:
-    if values.dtype.is_floating_point or values.dtype == torch.bool:
-        raise DataError(f"stream {name!r} has num_classes={num_classes} but holds {values.dtype} values; class ids "
-                        f"and token ids are integers")
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise DataError(f"stream {name!r} has num_classes={num_classes} but holds "
+                        f"{str(values.dtype).replace('torch.', '')} values; expected integer class or token ids")
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_classes):
         raise DataError(f"stream {name!r} holds ids in [{int(values.min())}, {int(values.max())}], outside its "
                         f"vocabulary [0, {num_classes})")
@@ -204,5 +204,20 @@ class NpzStreams(StreamArrays):
                 raise DataError(f"{self.path}: {lengths_name} adds up to {int(lengths.sum())} steps but {name!r} has "
                                 f"{len(values)}; expected one length per sequence, summing to the steps")
             streams[name] = np.split(values, np.cumsum(lengths)[:-1])
+        _check_undeclared_sequences(self.path, arrays)
         streams.update(arrays)
         super().__init__(streams, num_classes=num_classes, defining_stream=defining_stream)
+
+
+def _check_undeclared_sequences(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Raises DataError for a sequence stream stored flat (``name`` beside ``name_lengths`` that adds up to its
+    steps) but not named in ``sequences``: read as streams of one value per sequence, their sizes would
+    disagree, and the line would not say why."""
+    for name, values in arrays.items():
+        lengths = arrays.get(f"{name}_lengths")
+        if lengths is None or lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer) \
+                or len(lengths) == len(values) or int(lengths.sum()) != len(values):
+            continue
+        raise DataError(f"{path}: {name!r} holds {len(values)} steps that {name}_lengths splits into {len(lengths)} "
+                        f"sequences, a sequence stream stored flat; expected it declared as one: "
+                        f"sequences=[{name!r}] (sequences: [{name}] in a config)")

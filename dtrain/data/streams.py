@@ -253,6 +253,30 @@ class StreamReference:
         """Steps of this view for sequences of ``lengths`` (the stream's own lengths when not sliced)."""
         return step_counts(lengths, self.start, self.stop) if self.is_view else np.asarray(lengths, dtype=np.int64)
 
+    def check_keeps_steps(self, lengths: np.ndarray, what: str, data: str, consequence: str) -> None:
+        """Raises ValueError when this view keeps no step of any sequence of ``lengths`` (every sequence of
+        ``data`` too short for the slice): ``consequence`` says what that would mean (no sample to count,
+        nothing for the model), and the line what length the sequences need."""
+        if self.step_counts(lengths).any():
+            return
+        longest = int(np.max(lengths)) if len(lengths) else 0
+        shortest = self._shortest_with_a_step()
+        expected = (f"sequences of at least {shortest} steps of {self.name!r}" if shortest is not None
+                    else "a slice that keeps some steps")
+        raise ValueError(f"{what}={self.text!r}: no sequence of {data} has a step in {self.text!r} (the longest has "
+                         f"{longest} step{'s' if longest != 1 else ''} of {self.name!r}), so {consequence}; "
+                         f"expected {expected}")
+
+    def _shortest_with_a_step(self) -> int | None:
+        """The fewest steps a sequence needs for this view to keep one; None when no length does."""
+        if not self.is_view:
+            return 1
+        if self.stop is None:
+            return self.start + 1
+        if self.stop >= 0:
+            return self.start + 1 if self.stop > self.start else None
+        return self.start - self.stop + 1
+
     def check_against(self, info: StreamInfo | None, streams: SequenceType[str], what: str,
                       data: str = "the data") -> None:
         """Raises ValueError when the stream does not exist in ``data`` (listing those that do) or a slice or
@@ -261,6 +285,13 @@ class StreamReference:
             raise ValueError(f"{what}={self.text!r}: {data} has no stream {self.name!r}; it has "
                              f"{', '.join(repr(name) for name in streams)}")
         if (self.sliced or self.part is not None) and not info.is_sequence:
+            if info.shape:  # values with a first dimension: steps, if the deserializer was not told they vary
+                raise ValueError(
+                    f"{what}={self.text!r}: {self.name!r} is declared with one value of shape {list(info.shape)} per "
+                    f"sample, so it has no steps to slice and no lengths or mask; if its first dimension is steps "
+                    f"(samples of different lengths), declare it a sequence stream (sequences=[{self.name!r}] of "
+                    f"DatasetDeserializer or NpzStreams, sequences: [{self.name}] in a config), else name it as "
+                    f"{self.name!r}")
             raise ValueError(f"{what}={self.text!r}: {self.name!r} is not a sequence stream (one value per sample), "
                              f"so it has no steps to slice and no lengths or mask; name it as {self.name!r}")
 

@@ -80,7 +80,10 @@ class SessionConfig:
     clip_grad_norm: Optional[float] = None  # max global L2 norm of the gradient before each optimizer step; null = off
     precision: Any = "32"               # 32 | bf16 | fp16 (autocast forward; fp16 with a loss scale)
     compile: StrictBool = False         # train through torch.compile(model) (inductor)
-    inputs: Any = field(default_factory=lambda: ["features"])  # streams model.forward takes: a list, {arg: stream}, or minibatch
+    # streams model.forward takes: one stream, a list (positional), {arg: stream} (keyword), or minibatch; the
+    # default is one stream, not a list, so that a config or recipe may set a mapping over it (OmegaConf cannot
+    # merge a mapping into a list)
+    inputs: Any = "features"
     target: str = "labels"              # the stream the loss and the metric take (text[1:]: a step slice), or minibatch
     epoch_size: Optional[int] = None    # samples per epoch (CNTK's -e), for ${session.epoch_size} and ${epochs:N}
     device: str = "auto"                # auto (the local rank's GPU with CUDA, else the CPU) | cpu | cuda | cuda:N

@@ -31,14 +31,23 @@ def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
 
     Raises:
         ValueError: a stream that does not exist (the message lists those that do), a slice of a stream
-            without steps, or sequence data whose samples cannot be counted (several sequence streams
-            and a whole-minibatch target).
+            without steps, a slice that every sequence is too short for (``text[1:]`` of one-step sequences),
+            or sequence data whose samples cannot be counted (several sequence streams and a
+            whole-minibatch target).
     """
     for what, source in sources.items():
         streams = getattr(source, "streams", None) if source is not None else None
         if streams is None:
             continue
         binding.check(streams, what)
+        for key, reference in binding.references:  # a step slice that every sequence is too short for
+            if not (reference.is_view and streams[reference.name].is_sequence and hasattr(source, "sequence_lengths")):
+                continue
+            lengths = source.sequence_lengths(reference.name)
+            if lengths is not None:
+                reference.check_keeps_steps(lengths, f"session.{key}", what,
+                                            "the model would read no step" if key != "target" else
+                                            "the loss would have no target")
         if getattr(source, "has_sequences", False) and not source.defining_stream_is_explicit \
                 and binding.target is not None:
             source.use_defining_stream(binding.target.text, "session.target")

@@ -1,10 +1,10 @@
 """Runs many ``python -m dtrain ARGS`` command lines fast: one interpreter imports dtrain once and
 forks a fresh child per command line, which runs exactly what ``python -m dtrain`` runs.
 
-Protocol: one JSON object per line on stdin, ``{"argv": [...], "cwd": "...", "watch": ["dir", ...]}``;
-for each, one JSON line on stdout: ``{"returncode", "stdout", "stderr", "changed", "added"}``, where
-``changed`` lists the files under the ``watch`` paths whose bytes differ afterwards (or vanished) and
-``added`` the files that appeared there.
+Protocol: one JSON object per line on stdin, ``{"argv": [...], "cwd": "...", "watch": ["dir", ...], "id": ...}``;
+for each, one JSON line on stdout: ``{"id", "returncode", "stdout", "stderr", "changed", "added"}``, where
+``id`` is the request's own (``None`` without one), ``changed`` lists the files under the ``watch`` paths
+whose bytes differ afterwards (or vanished) and ``added`` the files that appeared there.
 Imports cost seconds on a small machine; a fork costs milliseconds, so a parametrized test of
 dozens of bad inputs stays quick while each case still runs in its own process.
 """
@@ -87,7 +87,7 @@ def main() -> None:
         after = snapshot(request.get("watch", []))
         changed = sorted(path for path, digest in before.items() if after.get(path) != digest)
         added = sorted(set(after) - set(before))
-        print(json.dumps({"returncode": code, "stdout": stdout, "stderr": stderr, "changed": changed, "added": added}),
+        print(json.dumps({"id": request.get("id"), "returncode": code, "stdout": stdout, "stderr": stderr, "changed": changed, "added": added}),
               flush=True)
 
 

@@ -110,6 +110,13 @@ CASES = [
     ("target-unparsed", ["session.target=a.b"], ["session.target='a.b': expected a stream name"]),
     ("target-slice-unquoted", ["session.target=labels[1:]"],
      ["session.target=labels[1:]: a value with brackets", "expected 'session.target=\"labels[1:]\"'"]),
+    # the same typos with a directory of the user's configs (--config-dir): still one line each
+    ("config-dir-list-unclosed", ["--config-dir", "{base}/user_conf", "+recipe=digits", "optimizer.lr=[1"],
+     ["optimizer.lr=[1: not a readable override", "expected key=value"]),
+    ("config-dir-slice-unquoted", ["--config-dir", "{base}/user_conf", "+recipe=digits", "session.target=labels[1:]"],
+     ["session.target=labels[1:]: a value with brackets", "expected 'session.target=\"labels[1:]\"'"]),
+    ("config-dir-unknown-option", ["-cd", "{base}/user_conf", "+recipe=digits", "model=user_mpl"],
+     ["model/user_mpl", "available:", "user_mlp"]),
     ("target-slice-no-steps", ['session.target="labels[1:]"'], ["'labels' is not a sequence stream"]),
     ("defining-stream-unknown", ["source.train.defining_stream=nope"], ["defining_stream='nope': the data has no stream"]),
     ("bucketing-without-sequences", ["source.train.length_bucketing=4"],
@@ -216,10 +223,13 @@ DEFAULT_CASES = {
     "inputs-unknown-stream", "backend-unknown", "bits-0", "exchange-on-local", "plus-misspelt-session", "misspelt",
     "group-list", "recipe-unknown", "recipe-missing", "run-dir-empty-string", "run-dir-is-file", "run-dir-below-file",
     "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
-    "metric-k-nothing-to-train", "minibatch-too-large"}
+    "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
+    "config-dir-unknown-option"}
 
 # every case without a recipe of its own uses the digits recipe
-_RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule"}  # the last names the recipe after --config-dir
+# the last ones name the recipe after --config-dir
+_RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule", "config-dir-list-unclosed",
+                "config-dir-slice-unquoted", "config-dir-unknown-option"}
 
 # under mpiexec: failures before the communicator exists (validation, composition, the recipe) and
 # after it (instantiation, the checkpoint, training), each reported once, by rank 0
@@ -260,38 +270,74 @@ def places(tmp_path_factory) -> dict[str, str]:
             "empty": str(base / "empty"), "readonly": str(readonly)}
 
 
+class ForkedResults:
+    """The single-process cases, run by two forking runners side by side, each on its own copy of the run.
+
+    Every case is sent at once and the runners work through them in the background, but each test waits
+    for its own result only (:meth:`get`): on a busy machine a slow case makes its own test slow, within
+    that test's timeout, instead of making the shared fixture's setup run past it and error every test.
+    """
+
+    def __init__(self, places: dict[str, str], cases: list[tuple]) -> None:
+        base = Path(places["base"])
+        self._runners: list[subprocess.Popen] = []
+        self._places: dict[str, dict[str, str]] = {}
+        self._results: dict[str, dict] = {}
+        self._runner_of: dict[str, int] = {}
+        for index in range(2):
+            run = base / f"run{index}"
+            shutil.copytree(places["finished"], run)
+            # no GPU for the runner: the cases are a CPU machine's (as in CI), and a CUDA driver started in the
+            # runner would not survive its forks
+            self._runners.append(subprocess.Popen([sys.executable, str(RUNNER)], cwd=base,
+                                                  env=plain_environment(CUDA_VISIBLE_DEVICES=""),
+                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            self._places[str(index)] = {**places, "run": str(run)}
+        for number, (case_id, arguments, _) in enumerate(cases):
+            runner, where = number % 2, self._places[str(number % 2)]
+            self._runner_of[case_id] = runner
+            watch = [where["run"], where["file"], where["empty"]]
+            self._runners[runner].stdin.write(json.dumps({"id": case_id, "argv": _arguments(case_id, arguments, where),
+                                                          "cwd": str(base), "watch": watch}) + "\n")
+        for process in self._runners:
+            process.stdin.close()  # the runner ends after the last case
+
+    def get(self, case_id: str) -> dict:
+        """The result of ``case_id`` (with the ``places`` it ran against), waiting for its runner to reach it."""
+        runner = self._runner_of[case_id]
+        while case_id not in self._results:
+            line = self._runners[runner].stdout.readline()
+            assert line, f"runner {runner} ended before case {case_id} (exit code {self._runners[runner].poll()})"
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:  # the rest of a line whose reading a timed-out test interrupted: its case fails alone
+                continue
+            self._results[result["id"]] = {**result, "places": self._places[str(runner)]}
+        return self._results[case_id]
+
+    def close(self) -> None:
+        """Ends the runners: one whose every result was read must have ended cleanly; one whose tests were stopped
+        early is ended at once."""
+        codes = []
+        for runner, process in enumerate(self._runners):
+            sent = [case_id for case_id, index in self._runner_of.items() if index == runner]
+            if all(case_id in self._results for case_id in sent):
+                codes.append(process.wait(timeout=60))
+            else:
+                process.kill()
+                process.wait()
+            process.stdout.close()
+        assert not any(codes), f"runners exited with {codes}"
+
+
 @pytest.fixture(scope="module")
-def single_process_results(places, request) -> dict[str, dict]:
-    """Every selected single-process case, run by two forking runners side by side, each on its own copy of the run."""
+def single_process_results(places, request):
+    """Every selected single-process case, started at once (:class:`ForkedResults`); each test waits for its own."""
     selected = {item.callspec.params["case_id"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_bad_input_in_one_process"}
-    cases = [case for case in CASES if case[0] in selected]
-    base = Path(places["base"])
-    runners, requests = [], {}
-    for index in range(2):
-        run = base / f"run{index}"
-        shutil.copytree(places["finished"], run)
-        # no GPU for the runner: the cases are a CPU machine's (as in CI), and a CUDA driver started in the
-        # runner would not survive its forks
-        process = subprocess.Popen([sys.executable, str(RUNNER)], cwd=base,
-                                   env=plain_environment(CUDA_VISIBLE_DEVICES=""), stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True)
-        runners.append((process, {**places, "run": str(run)}))
-    for number, (case_id, arguments, _) in enumerate(cases):
-        process, where = runners[number % 2]
-        watch = [where["run"], where["file"], where["empty"]]
-        process.stdin.write(json.dumps({"argv": _arguments(case_id, arguments, where), "cwd": str(base),
-                                        "watch": watch}) + "\n")
-        requests.setdefault(number % 2, []).append((case_id, where))
-    results = {}
-    for index, (process, _) in enumerate(runners):
-        process.stdin.close()
-        for case_id, where in requests.get(index, []):
-            line = process.stdout.readline()
-            assert line, f"runner {index} ended early"
-            results[case_id] = {**json.loads(line), "places": where}
-        assert process.wait(timeout=60) == 0
-    return results
+    results = ForkedResults(places, [case for case in CASES if case[0] in selected])
+    yield results
+    results.close()
 
 
 def _check(case_id: str, result: dict, fragments: list[str], places: dict[str, str], *, mpi: bool = False) -> None:
@@ -319,7 +365,7 @@ def _check(case_id: str, result: dict, fragments: list[str], places: dict[str, s
 def test_bad_input_in_one_process(case_id, arguments, fragments, single_process_results):
     if case_id == "run-dir-read-only" and os.geteuid() == 0:
         pytest.skip("root may write into a read-only directory; the rule is covered by test_config")
-    result = single_process_results[case_id]
+    result = single_process_results.get(case_id)
     _check(case_id, result, fragments, result["places"])
 
 

@@ -201,3 +201,56 @@ def test_hydra_flags_after_overrides_are_taken_as_if_given_first(tmp_path):
     result = run_dtrain("+recipe=digits", "--cfg", "job", "seed=3", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"^seed: 3$", result.stdout, re.MULTILINE), result.stdout
+
+
+#: a model of the user's that takes its streams by keyword, and a recipe that names them so (docs/data.md)
+KEYWORD_MODEL = """
+import torch
+
+
+class MaskedLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x, mask=None):
+        return self.linear(x if mask is None else x * mask)
+"""
+KEYWORD_RECIPE = """# @package _global_
+recipe_name: keyword
+model: {_target_: keyword_model.MaskedLinear}
+source:
+  train:
+    _target_: dtrain.data.MinibatchSource
+    deserializer: {_target_: dtrain.data.NpzStreams, path: data.npz, num_classes: {labels: 3}}
+session:
+  inputs: {x: x, mask: mask}
+  minibatch_size: 16
+  max_samples: 32
+  tensorboard: false
+"""
+
+
+def test_keyword_inputs_from_a_recipe_and_from_the_command_line(tmp_path):
+    import numpy as np
+    import yaml
+
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / "keyword.yaml").write_text(KEYWORD_RECIPE)
+    (tmp_path / "keyword_model.py").write_text(KEYWORD_MODEL)
+    generator = np.random.default_rng(0)
+    x = generator.normal(size=(48, 4)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, mask=(generator.random((48, 4)) > 0.2).astype(np.float32),
+             labels=(x[:, 0] > 0).astype(np.int64))
+
+    from_recipe = run_dtrain("--config-dir", "conf", "+recipe=keyword", "run_dir=recipe", cwd=tmp_path)
+    assert from_recipe.returncode == 0, from_recipe.stderr
+    assert "dtrain: model(x=x, mask=mask), loss and metric against labels" in from_recipe.stdout
+    assert yaml.safe_load((tmp_path / "recipe" / "config.yaml").read_text())["session"]["inputs"] == {"x": "x",
+                                                                                                     "mask": "mask"}
+    # on the command line the mapping replaces the recipe's (merged, the model would still get mask)
+    from_command = run_dtrain("--config-dir", "conf", "+recipe=keyword", "session.inputs={x: x}", "run_dir=command",
+                              cwd=tmp_path)
+    assert from_command.returncode == 0, from_command.stderr
+    assert "dtrain: model(x=x), loss and metric against labels" in from_command.stdout
+    assert yaml.safe_load((tmp_path / "command" / "config.yaml").read_text())["session"]["inputs"] == {"x": "x"}

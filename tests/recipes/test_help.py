@@ -43,7 +43,12 @@ def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, t
     assert "\n    allreduce  * full-precision (float32) SUM all-reduce" in text
     for example in ("mpiexec -n 4 python -m dtrain", "python -m dtrain -m ", "run_dir=", "--config-dir"):
         assert example in text
-    assert "docs/semantics.md" in text and "README.md" in text
+    # what it points to for more is installed with dtrain: the pages --help TOPIC prints, not the repository's README
+    more = text.split("read more:")[1]
+    assert "docs/semantics.md" in more and "README" not in more
+    head = re.split(r"\n    (?=\S)", more, maxsplit=1)[0]  # the lines above the list of topics
+    for topic in ("your-model-and-data", "learners", "multi-host"):  # what the README's tour covers, as topics
+        assert topic in head and f"\n    {topic} " in more, topic
 
 
 def test_help_lists_the_recipes_and_options_of_a_config_dir(tmp_path):

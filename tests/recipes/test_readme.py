@@ -159,6 +159,13 @@ def test_every_link_reaches_a_page_and_heading_that_exist(page):
             assert anchor in _anchors(linked), f"{page.relative_to(ROOT)} links {target}: no such heading"
 
 
+def test_the_readmes_link_for_your_own_loss_and_metric_reaches_the_page_that_has_them():
+    found = re.search(r"your own\s+loss\s+and\s+metric:\s*\[[^\]]*\]\(([^)\s]+)\)", README.read_text())
+    assert found, "the README names no page for your own loss and metric"
+    path = found.group(1).partition("#")[0]
+    assert "your-own-loss-and-metric" in _anchors(README.parent / path), found.group(0)
+
+
 # -- slow --------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1500)

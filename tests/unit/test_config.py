@@ -14,7 +14,8 @@ from tests.helpers.config import CONF, compose_config
 from dtrain.testing.cifar_files import write_cifar10_binary
 from dtrain.testing.image_files import write_image_map_files
 from dtrain.comm import LocalCommunicator
-from dtrain.config import validate
+from dtrain.build import session_inputs
+from dtrain.config import register_schemas, validate
 
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 LEARNERS = sorted(p.stem for p in (CONF / "learner").glob("*.yaml"))
@@ -51,7 +52,7 @@ def test_every_recipe_instantiates_with_every_learner(recipe, learner, tmp_path)
         return
     learner_object = instantiate(cfg.learner, optimizer=optimizer, comm=LocalCommunicator())
     assert learner_object.optimizer is optimizer
-    binding = StreamBinding(OmegaConf.to_container(cfg.session.inputs), cfg.session.target)
+    binding = StreamBinding(session_inputs(cfg.session), cfg.session.target)  # as dtrain.build reads it
     for name in ("train", "test", "cv"):
         if cfg.source[name] is not None:
             source = instantiate(cfg.source[name])
@@ -273,3 +274,67 @@ def test_hydra_flags_move_ahead_of_the_overrides_in_their_order():
         "--cfg", "job", "--info", "defaults", "lr=1", "seed=3"]
     assert flags_before_overrides(["--multirun", "a=1"]) == ["--multirun", "a=1"]
     assert flags_before_overrides(["a=1", "--config-dir", "/conf/x=y", "b=2"]) == ["--config-dir", "/conf/x=y", "a=1", "b=2"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--config-dir", "{conf}"], ["-cd", "{conf}"], ["--config-dir={conf}"],
+                                   ["--cfg", "job"], ["-m"]], ids=["none", "config-dir", "cd", "config-dir=", "cfg", "m"])
+@pytest.mark.parametrize("override, line", [
+    ("optimizer.lr=[1", "optimizer.lr=[1: not a readable override (no viable alternative at input '[1'); expected "
+                        "key=value"),
+    ("session.target=text[1:]", "session.target=text[1:]: a value with brackets (a step slice) must be quoted on the "
+                                "command line; expected 'session.target=\"text[1:]\"'"),
+])
+def test_an_unreadable_override_is_one_line_whatever_the_flags(tmp_path, flags, override, line):
+    from dtrain.cli import check_overrides
+
+    (tmp_path / "recipe").mkdir()
+    problem = check_overrides([flag.format(conf=tmp_path) for flag in flags] + ["+recipe=digits", override])
+    assert problem is not None and problem.startswith(line) and "\n" not in problem, problem
+
+
+def test_a_config_dir_joins_the_composition_check(tmp_path):
+    from dtrain.cli import check_overrides
+
+    register_schemas()  # as python -m dtrain does before the check
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text("_target_: torch.nn.Identity\n")
+    assert check_overrides(["--config-dir", str(tmp_path), "+recipe=digits", "model=mine"]) is None
+    problem = check_overrides(["--config-dir", str(tmp_path), "+recipe=digits", "model=mien"])
+    assert "Could not find 'model/mien'" in problem and "mine" in problem and "\n" not in problem, problem
+    problem = check_overrides(["--config-dir", str(tmp_path / "nope"), "+recipe=digits"])
+    assert problem == (f"--config-dir {tmp_path / 'nope'}: no such directory; expected a directory of configs "
+                       f"(recipe/NAME.yaml, ...)")
+
+
+@pytest.mark.parametrize("recipe, override, composed", [
+    ("digits", "session.inputs={x: features}", {"x": "features"}),                      # over the default
+    ("shakespeare_char", 'session.inputs={x: "text[:-1]"}', {"x": "text[:-1]"}),        # over a recipe's list
+    ("cmudict_g2p", "session.inputs={src: graphemes}", {"src": "graphemes"}),           # replaced, not merged
+    ("digits", "session.inputs=[features]", ["features"]),
+])
+def test_session_inputs_on_the_command_line_replaces_the_configs_whatever_its_kind(recipe, override, composed):
+    from omegaconf import OmegaConf
+
+    from dtrain.cli import replacing_overrides
+
+    overrides = replacing_overrides([f"+recipe={recipe}", override])
+    assert overrides == [f"+recipe={recipe}", "session.inputs=null", override]
+    cfg = compose_config(*overrides)
+    assert OmegaConf.to_container(cfg.session.inputs) == composed
+    assert validate(cfg, check_run_dir=False) == []
+
+
+def test_the_default_inputs_are_the_features_stream():
+    cfg = compose_config("+recipe=digits")
+    assert cfg.session.inputs == "features" and validate(cfg, check_run_dir=False) == []
+
+
+def test_a_word_without_an_equals_sign_is_one_line_but_a_flags_value_is_left_to_hydra():
+    from dtrain.cli import check_overrides
+
+    for flags in ([], ["-m"]):
+        assert check_overrides([*flags, "+recipe=digits", "foo"]) == (
+            "foo: not an override (missing EQUAL at '<EOF>'); expected key=value (or +recipe=NAME, group=option, ~key) "
+            "(python -m dtrain --help lists the recipes and groups)")
+    assert check_overrides(["+recipe=digits", "--cfg", "job", "--package", "session"]) is None
+    assert check_overrides(["+recipe=digits", "--info", "defaults"]) is None

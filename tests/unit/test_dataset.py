@@ -542,3 +542,15 @@ def test_an_iterable_dataset_or_an_object_without_an_index_is_refused():
         assert "exactly once per sweep" in one_line(error) and "map-style Dataset" in one_line(error)
     with pytest.raises(TypeError, match="_Stream is an IterableDataset"):
         MinibatchSource(_Stream())
+
+
+def test_a_data_loader_is_refused_saying_to_pass_its_dataset():
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 3), torch.arange(8) % 2), batch_size=4, num_workers=0)
+    for value, given in ((loader, "a DataLoader"), (iter(loader), "(an iterator over a DataLoader)")):
+        for make in (MinibatchSource, DatasetDeserializer):
+            with pytest.raises(TypeError) as error:
+                make(value)
+            assert given in one_line(error) and "pass loader.dataset, its map-style Dataset, instead" in one_line(error)
+    assert MinibatchSource(loader.dataset).samples_per_sweep == 8  # what the line says to pass is read

@@ -252,3 +252,90 @@ def test_a_run_refused_by_its_data_keeps_a_run_directory_that_another_job_starte
         session.train()
     assert [path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*")] == \
         ["outputs", "outputs/other", "outputs/other/config.yaml"]
+
+
+def _linear_run(run_dir: Path, ema: bool) -> None:
+    """A run directory as a finished run leaves it, for a ``torch.nn.Linear`` model (with its weight EMA or not)."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_model
+
+    save_model(nn.Linear(2, 1), str(run_dir / "model.safetensors"))
+    if ema:
+        save_model(nn.Linear(2, 1), str(run_dir / "model_ema.safetensors"))
+    job = {"model": {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 1},
+           "source": {"train": {"deserializer": {"_target_": "builtins.dict"}}}, "session": {"ema_decay": None}}
+    OmegaConf.save(OmegaConf.create(job), run_dir / "config.yaml")
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_generate_offers_the_other_weights_only_where_the_run_has_them(tmp_path, capsys, ema):
+    from dtrain.generate import main
+
+    _linear_run(tmp_path, ema)
+    assert main([str(tmp_path)]) == 2  # a Linear model samples no text: refused after the weights line
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("dtrain.generate: weights from model.safetensors")
+    assert ("--weights ema for model_ema.safetensors" in first) is ema, first
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(lambda data: data[:100], id="cut-in-the-header"),
+    pytest.param(lambda data: data[:len(data) - 4], id="cut-in-the-data"),
+    pytest.param(lambda data: b"\0" * len(data), id="zeroed"),
+    pytest.param(lambda data: b"", id="empty"),
+])
+def test_generate_refuses_damaged_weights_in_one_line(tmp_path, capsys, damage):
+    from dtrain.generate import main
+
+    _linear_run(tmp_path, ema=False)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"dtrain.generate: error: {weights}: not a readable safetensors file"), err
+
+
+def test_generate_refuses_weights_that_are_not_finite(tmp_path, capsys):
+    from safetensors.torch import save_model
+
+    from dtrain.generate import main
+
+    _linear_run(tmp_path, ema=False)
+    broken = nn.Linear(2, 1)
+    with torch.no_grad():
+        broken.bias.fill_(float("nan"))
+    save_model(broken, str(tmp_path / "model.safetensors"))
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dtrain.generate: error: {tmp_path / 'model.safetensors'}: bias holds "
+                                               f"NaN or infinity; expected the finite weights of a finished run")
+
+
+@pytest.mark.parametrize("tool", ["dtrain.generate", "dtrain.noise_scale"])
+@pytest.mark.parametrize("content, message", [
+    pytest.param(b"model: [unclosed\n  x: : :\n", "not valid YAML (expected ',' or ']', but got ':' at line 2, column 4)",
+                 id="broken-yaml"),
+    pytest.param(bytes(range(128, 256)), "not a YAML text file", id="binary"),
+    pytest.param(b"- a list\n", "has no model._target_, source.train, session", id="a-list"),
+    pytest.param(b"seed: 0\nmodel: {}\n", "has no model._target_, source.train, session", id="not-a-run-config"),
+])
+def test_the_tools_refuse_a_config_that_is_not_a_runs_in_one_line(tmp_path, capsys, tool, content, message):
+    import importlib
+
+    _linear_run(tmp_path, ema=False)
+    (tmp_path / "config.yaml").write_bytes(content)
+    assert importlib.import_module(tool).main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"error: {tmp_path / 'config.yaml'}: {message}" in err, err
+    assert err.endswith("expected the config a dtrain run writes") or "(its model, source and session)" in err, err
+
+
+def test_generate_refuses_a_config_whose_training_data_has_no_deserializer(tmp_path, capsys):
+    from dtrain.generate import main
+
+    _linear_run(tmp_path, ema=False)
+    (tmp_path / "config.yaml").write_text("model: {_target_: torch.nn.Identity}\nsource: {train: {x: 1}}\nsession: {}\n")
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dtrain.generate: error: {tmp_path / 'config.yaml'}: source.train has no "
+                                               f"deserializer; expected the config a dtrain run writes")

@@ -113,6 +113,67 @@ def test_streams_that_do_not_fit_the_data_are_refused_before_training(tmp_path, 
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+def _one_step_sequences(**streams) -> StreamArrays:
+    return StreamArrays({"text": [np.array([index % VOCABULARY]) for index in range(12)], **streams},
+                        num_classes={"text": VOCABULARY})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({}, r"session.inputs\[0\]='text\[:-1\]': no sequence of the training data has a step in 'text\[:-1\]' \(the "
+         r"longest has 1 step of 'text'\), so the model would read no step; expected sequences of at least 2 steps of "
+         r"'text'$"),
+    ({"inputs": ["text"]}, r"session.target='text\[1:\]': no sequence of the training data has a step in 'text\[1:\]' "
+                           r"\(the longest has 1 step of 'text'\), so the loss would have no target; expected sequences "
+                           r"of at least 2 steps of 'text'$"),
+])
+def test_sequences_too_short_for_a_step_slice_are_refused_before_training(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message) as error:
+        session(TinyCausalLM(), MinibatchSource(_one_step_sequences()), tmp_path, max_samples=10, **options)
+    assert "\n" not in str(error.value)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_defining_slice_that_keeps_no_step_is_refused_by_the_source():
+    with pytest.raises(DataError, match=r"^defining_stream='text\[1:\]': no sequence of StreamArrays has a step in "
+                                        r"'text\[1:\]' .*so there is no sample to count; expected sequences of at "
+                                        r"least 2 steps of 'text'$"):
+        MinibatchSource(_one_step_sequences(), defining_stream="text[1:]")
+    source = MinibatchSource(_one_step_sequences())
+    with pytest.raises(DataError, match=r"^session.target='text\[2:-1\]': .*expected sequences of at least 4 steps"):
+        source.use_defining_stream("text[2:-1]", "session.target")
+    with pytest.raises(DataError, match=r"^session.target='text\[3:2\]': .*expected a slice that keeps some steps$"):
+        source.use_defining_stream("text[3:2]", "session.target")
+    assert source.defining_stream == "text" and source.samples_per_sweep == 12  # the source reads on as before
+
+
+def test_complex_ids_are_refused_in_one_line(tmp_path):
+    with pytest.raises(DataError, match=r"^stream 'text' has num_classes=13 but holds complex64 values; expected "
+                                        r"integer class or token ids$"):
+        StreamArrays({"text": [np.arange(3).astype(np.complex64)] * 4}, num_classes={"text": VOCABULARY})
+
+    class ComplexIds(_Lying):  # a deserializer of the user's that declares complex ids
+        streams = {"text": StreamInfo("text", (), torch.complex64, is_sequence=True, num_classes=VOCABULARY)}
+
+    with pytest.raises(DataError, match=r"^stream 'text' of ComplexIds declares num_classes=13 but holds complex64 "
+                                        r"values; expected integer class or token ids$"):
+        MinibatchSource(ComplexIds())
+
+
+def test_a_variable_length_stream_left_out_of_sequences_is_told_to_declare_it_before_training(tmp_path):
+    class Lines(torch.utils.data.Dataset):  # token lines of different lengths, as a user's Dataset serves them
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, index):
+            return {"text": torch.arange(2 + index % 5) % VOCABULARY}
+
+    data = dtrain.data.DatasetDeserializer(Lines(), num_classes={"text": VOCABULARY})  # sequences=["text"] forgotten
+    with pytest.raises(ValueError, match=r"session.inputs\[0\]='text\[:-1\]': 'text' is declared with one value of "
+                                         r"shape \[2\] per sample.*declare it a sequence stream \(sequences=\['text'\]"):
+        session(TinyCausalLM(), MinibatchSource(data), tmp_path, max_samples=10)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_a_sequence_longer_than_the_models_context_is_refused(tmp_path):
     long = StreamArrays({"text": [np.arange(5) % VOCABULARY, np.arange(80) % VOCABULARY]},
                         num_classes={"text": VOCABULARY})

@@ -91,6 +91,33 @@ def test_npz_streams_round_trip_flat_sequences_and_values(tmp_path):
     assert read["label"].tolist() == [1, 0, 1]
 
 
+def test_npz_streams_say_to_declare_a_flat_sequence_stream_left_out_of_sequences(tmp_path):
+    path = tmp_path / "corpus.npz"
+    np.savez(path, text=np.arange(6), text_lengths=[3, 1, 2])
+    with pytest.raises(DataError, match=r"^.*corpus.npz: 'text' holds 6 steps that text_lengths splits into 3 sequences, "
+                                        r"a sequence stream stored flat; expected it declared as one: "
+                                        r"sequences=\['text'\] \(sequences: \[text\] in a config\)$"):
+        NpzStreams(str(path))
+    # a stream that merely has a companion of one value per sequence is read as before
+    np.savez(path, text=np.arange(3), text_lengths=[3, 1, 2])
+    assert NpzStreams(str(path)).num_sequences == 3
+
+
+def test_a_slice_of_a_stream_not_declared_as_sequences_says_how_to_declare_it():
+    from dtrain.data import StreamInfo
+
+    steps = StreamInfo("digits", (7,), torch.int64)  # sample 0 held 7 digits: steps, if it was a sequence stream
+    with pytest.raises(ValueError, match=r"^session.target='digits\[1:\]': 'digits' is declared with one value of shape "
+                                         r"\[7\] per sample, so it has no steps to slice and no lengths or mask; if its "
+                                         r"first dimension is steps \(samples of different lengths\), declare it a "
+                                         r"sequence stream \(sequences=\['digits'\] of DatasetDeserializer or NpzStreams"):
+        StreamReference.parse("digits[1:]").check_against(steps, ["digits"], "session.target")
+    label = StreamInfo("label", (), torch.int64)  # one number per sample: it cannot be steps
+    with pytest.raises(ValueError, match=r"'label' is not a sequence stream \(one value per sample\), so it has no steps "
+                                         r"to slice and no lengths or mask; name it as 'label'$"):
+        StreamReference.parse("label[1:]").check_against(label, ["label"], "session.target")
+
+
 def test_npz_streams_name_the_file_and_what_is_missing(tmp_path):
     path = tmp_path / "corpus.npz"
     np.savez(path, text=np.arange(5), text_lengths=[2, 2])
