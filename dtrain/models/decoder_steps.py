@@ -32,31 +32,36 @@ def _attend(attention: nn.MultiheadAttention, query: torch.Tensor, keys: torch.T
 
 
 class DecoderSteps:
-    """The next step's logits for ``n`` outputs being decoded, keeping each layer's keys and values.
+    """The next step's logits for ``n * hypotheses`` outputs being decoded, keeping each layer's keys and values.
 
     Args:
         model: a :class:`~dtrain.models.Seq2SeqTransformer` (its embeddings, decoder and read-out).
         memory: the encoder's states ``[n, S, width]``.
         source_padding: True at the source's padded steps ``[n, S]`` (never attended to).
+        hypotheses: outputs decoded per source (a beam's width), rows ``i * hypotheses ...`` of source ``i``.
+            A source's encoder keys and values are kept once and read by all of its outputs (they are
+            the queries of one cross-attention), so reordering a beam copies only the outputs' own.
     """
 
-    def __init__(self, model: nn.Module, memory: torch.Tensor, source_padding: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, memory: torch.Tensor, source_padding: torch.Tensor,
+                 hypotheses: int = 1) -> None:
         layers = model.decoder.layers
         for layer in layers:
             if not (layer.norm_first and layer.self_attn.batch_first and layer.self_attn._qkv_same_embed_dim
                     and layer.multihead_attn._qkv_same_embed_dim):
                 raise ValueError("DecoderSteps runs pre-norm, batch-first decoder layers with packed projections")
-        self.model = model
+        self.model, self.hypotheses = model, hypotheses
         self.steps = 0  # output positions taken in so far
         self.allowed = ~source_padding[:, None, None, :]  # [n, 1, 1, S]: the source steps each output may read
         self.cross = [(_heads(layer.multihead_attn, memory, 1), _heads(layer.multihead_attn, memory, 2))
                       for layer in layers]
-        empty = memory.new_zeros(memory.shape[0], layers[0].self_attn.num_heads, 0, layers[0].self_attn.head_dim)
+        attention = layers[0].self_attn
+        empty = memory.new_zeros(memory.shape[0] * hypotheses, attention.num_heads, 0, attention.head_dim)
         self.own: list[tuple[torch.Tensor, torch.Tensor]] = [(empty, empty) for _ in layers]
 
     def next(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[n, vocabulary]`` of the step after ``tokens`` ``[n, t]`` (the outputs so far from ``<s>``:
-        the steps before the last were passed to earlier calls, so only its last column is read)."""
+        """Logits ``[rows, vocabulary]`` of the step after ``tokens`` ``[rows, t]`` (the outputs so far from
+        ``<s>``: the steps before the last were passed to earlier calls, so only its last column is read)."""
         model = self.model
         if self.steps >= model.context_length:
             raise ValueError(f"a sequence of {self.steps + 1} steps is longer than model.context_length="
@@ -69,18 +74,27 @@ class DecoderSteps:
             values = torch.cat([values, _heads(layer.self_attn, normed, 2)], dim=2)
             self.own[index] = keys, values
             x = x + layer.dropout1(_attend(layer.self_attn, _heads(layer.self_attn, normed, 0), keys, values))
-            normed = layer.norm2(x)
-            cross_keys, cross_values = self.cross[index]
-            x = x + layer.dropout2(_attend(layer.multihead_attn, _heads(layer.multihead_attn, normed, 0),
-                                           cross_keys, cross_values, self.allowed))
+            x = x + layer.dropout2(self._cross_attend(layer.multihead_attn, layer.norm2(x), *self.cross[index]))
             x = x + layer._ff_block(layer.norm3(x))
         if model.decoder.norm is not None:
             x = model.decoder.norm(x)
         self.steps += 1
         return model.read_out(x[:, 0])
 
+    def _cross_attend(self, attention: nn.MultiheadAttention, x: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> torch.Tensor:
+        """Each output's attention over its source's encoder states: a source's outputs are its queries."""
+        rows, group = x.shape[0], self.hypotheses
+        query = _heads(attention, x, 0).reshape(rows // group, group, attention.num_heads, attention.head_dim)
+        found = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=self.allowed)
+        return attention.out_proj(found.transpose(1, 2).reshape(rows, 1, attention.embed_dim))
+
     def keep(self, rows: torch.Tensor) -> None:
-        """Keeps the outputs at ``rows`` (indices, in their new order, repeats allowed: a beam's parents)."""
-        self.allowed = self.allowed[rows]
-        self.cross = [(keys[rows], values[rows]) for keys, values in self.cross]
+        """Keeps the outputs at ``rows`` (indices, in their new order; repeats allowed: a beam's parents), each
+        group of ``hypotheses`` of them from one source, as a beam's are."""
         self.own = [(keys[rows], values[rows]) for keys, values in self.own]
+        sources = rows[::self.hypotheses] // self.hypotheses
+        if sources.shape[0] != self.allowed.shape[0] or not bool((sources == torch.arange(
+                sources.shape[0], device=sources.device)).all()):  # sources left (or moved): theirs follow
+            self.allowed = self.allowed[sources]
+            self.cross = [(keys[sources], values[sources]) for keys, values in self.cross]

@@ -83,9 +83,10 @@ class Seq2SeqTransformer(nn.Module):
         memory, source_padding = self.encode(source)
         return self.decode(memory, source_padding, decoder_input.data, ~decoder_input.mask)
 
-    def decoder_steps(self, memory: torch.Tensor, source_padding: torch.Tensor) -> DecoderSteps:
-        """The decoder run one step at a time over ``memory`` (what the decoders below step through)."""
-        return DecoderSteps(self, memory, source_padding)
+    def decoder_steps(self, memory: torch.Tensor, source_padding: torch.Tensor, hypotheses: int = 1) -> DecoderSteps:
+        """The decoder run one step at a time over ``memory``, ``hypotheses`` outputs per source (what the
+        decoders below step through)."""
+        return DecoderSteps(self, memory, source_padding, hypotheses)
 
     @torch.no_grad()
     def greedy_decode(self, source: Sequences, max_steps: int | None = None) -> list[list[int]]:
@@ -147,8 +148,7 @@ class Seq2SeqTransformer(nn.Module):
         limit = min(max_steps or self.context_length - 1, self.context_length - 1)
         best: list[tuple[float, list[int]] | None] = [None] * n  # each source's best finished output
         rows = torch.arange(n, device=device)  # the sources still searching
-        steps = self.decoder_steps(memory, source_padding)
-        steps.keep(rows.repeat_interleave(k))
+        steps = self.decoder_steps(memory, source_padding, hypotheses=k)
         tokens = torch.full((n * k, 1), self.begin, dtype=torch.int64, device=device)
         scores = torch.full((n, k), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live hypothesis, <s>, until the first step fans out

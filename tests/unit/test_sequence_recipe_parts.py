@@ -266,7 +266,7 @@ def test_a_beam_finds_the_likelier_output_that_greedy_decoding_misses(after, gre
     class TableSteps:
         """Log-probabilities of the next id given the last one."""
 
-        def __init__(self, memory, source_padding):
+        def __init__(self, memory, source_padding, hypotheses=1):
             pass
 
         def next(self, tokens):
