@@ -125,3 +125,23 @@ def test_the_command_line_shares_one_source_when_test_and_cross_validation_are_c
     shakespeare.source.test.deserializer.split = "test"
     assert not _same_data(shakespeare.source.test, shakespeare.source.cv)
     assert not _same_data(None, shakespeare.source.cv) and not _same_data(shakespeare.source.test, None)
+
+
+def test_the_weight_ema_counts_the_optimizer_steps_it_took_in_across_a_resume() -> None:
+    from dtrain.session.weight_ema import WeightEMA
+
+    model = nn.Linear(2, 2)
+    ema = WeightEMA(model, 0.75)  # horizon 4 steps
+    ema.after_step(model, True)
+    for _ in range(2):  # a block learner's block of 2 steps: one update, 2 steps
+        ema.after_step(model, False)
+    assert ema.steps_taken == 1 and "taken in 1 optimizer steps, fewer than its horizon of 4" in ema.too_few_steps()
+    ema.after_last_sync(model)
+    resumed = WeightEMA(model, 0.75)
+    resumed.load_state_dict(ema.state_dict())
+    assert resumed.steps_taken == 3 and resumed.too_few_steps() is not None
+    resumed.after_step(model, True)
+    assert resumed.steps_taken == 4 and resumed.too_few_steps() is None
+    older = {key: value for key, value in ema.state_dict().items() if key != "steps_taken"}
+    resumed.load_state_dict(older)  # a checkpoint written before the count was kept: its updates
+    assert resumed.steps_taken == resumed.updates == 2
