@@ -192,8 +192,9 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     optimizer = optimizer_factory(optimizer_parameters(optimizer_factory, model))  # LARS, LAMB: norm/bias groups
     learner = _instantiate(cfg.learner, "learner", optimizer=optimizer, comm=comm)
     train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
-    test_source = _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
     cv_source = _instantiate(cfg.source.cv, "source.cv") if cfg.source.cv is not None else None
+    test_source = cv_source if _same_data(cfg.source.test, cfg.source.cv) else \
+        _instantiate(cfg.source.test, "source.test") if cfg.source.test is not None else None
     inputs = session_inputs(cfg.session)
     check_model_outputs(model, train_source, cfg.model.get("num_classes"), StreamBinding(inputs, cfg.session.target))
     torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
@@ -215,7 +216,8 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
         checkpoint_config=CheckpointConfig(**OmegaConf.to_container(session.checkpoint, resolve=True)),
         cv_config=CrossValidationConfig(cv_source, session.cv.frequency, session.cv.minibatch_size,
                                         max_samples=session.cv.max_samples) if cv_source is not None else None,
-        test_config=TestConfig(test_source, session.test.minibatch_size) if test_source is not None else None,
+        test_config=TestConfig(test_source, session.test.minibatch_size,
+                               max_samples=session.test.max_samples) if test_source is not None else None,
         lr_schedule=_schedule(session.lr_schedule, warmup=session.lr_scaling == "none"),
         lr_scaling=_lr_scaling(session),
         ema_decay=session.ema_decay,
@@ -249,6 +251,14 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     if result.preempted:
         exit_preempted(comm, cfg, result, sweep_dir=job.sweep_dir if job is not None else None)
     return result.objective
+
+
+def _same_data(test, cv) -> bool:
+    """Whether ``source.test`` is configured as ``source.cv`` (the same data, read the same way): then one source
+    serves both, and the session does not evaluate the final model twice on it."""
+    if test is None or cv is None:
+        return False
+    return OmegaConf.to_container(test, resolve=True) == OmegaConf.to_container(cv, resolve=True)
 
 
 def check_model_outputs(model: torch.nn.Module, source, num_classes=None, binding: StreamBinding | None = None) -> None:

@@ -3,8 +3,9 @@
 Pre-norm ``torch.nn.TransformerEncoder``/``TransformerDecoder`` layers over learned token and
 position embeddings; the decoder's read-out is tied to its token embedding. ``forward(source,
 decoder_input)`` is teacher forcing (logits for every step of ``decoder_input``); ``greedy_decode``
-and ``beam_decode`` generate from ``<s>`` until ``</s>``, one step at a time, for the evaluation
-passes' error rates.
+and ``beam_decode`` generate from ``<s>`` until ``</s>``, one step at a time (each step computes only
+its own position: :class:`~dtrain.models.decoder_steps.DecoderSteps`), many sources at once, for the
+evaluation passes' error rates.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from dtrain.checks import whole_number
 from dtrain.data.streams import Sequences
 from dtrain.models._sizes import check_transformer_sizes
+from dtrain.models.decoder_steps import DecoderSteps
 
 __all__ = ["Seq2SeqTransformer"]
 
@@ -81,6 +83,11 @@ class Seq2SeqTransformer(nn.Module):
         memory, source_padding = self.encode(source)
         return self.decode(memory, source_padding, decoder_input.data, ~decoder_input.mask)
 
+    def decoder_steps(self, memory: torch.Tensor, source_padding: torch.Tensor, hypotheses: int = 1) -> DecoderSteps:
+        """The decoder run one step at a time over ``memory``, ``hypotheses`` outputs per source (what the
+        decoders below step through)."""
+        return DecoderSteps(self, memory, source_padding, hypotheses)
+
     @torch.no_grad()
     def greedy_decode(self, source: Sequences, max_steps: int | None = None) -> list[list[int]]:
         """Each source's arg-max output, step by step from ``<s>`` to ``</s>`` (excluded), at most
@@ -91,19 +98,22 @@ class Seq2SeqTransformer(nn.Module):
         try:
             memory, source_padding = self.encode(source)
             n = memory.shape[0]
+            steps = self.decoder_steps(memory, source_padding)
             limit = min(max_steps or self.context_length - 1, self.context_length - 1)
             outputs: list[list[int]] = [[] for _ in range(n)]
             active = torch.arange(n, device=memory.device)  # rows still decoding
             tokens = torch.full((n, 1), self.begin, dtype=torch.int64, device=memory.device)
             for _ in range(limit):
-                chosen = self.decode(memory, source_padding, tokens)[:, -1].argmax(dim=-1)
+                chosen = steps.next(tokens).argmax(dim=-1)
                 ended = chosen == self.end
                 for row, token in zip(active[~ended].tolist(), chosen[~ended].tolist()):
                     outputs[row].append(token)
                 keep = ~ended
                 if not bool(keep.any()):
                     break
-                active, memory, source_padding = active[keep], memory[keep], source_padding[keep]
+                if not bool(keep.all()):
+                    active = active[keep]
+                    steps.keep(keep.nonzero()[:, 0])
                 tokens = torch.cat([tokens[keep], chosen[keep, None]], dim=1)
         finally:
             self.train(was_training)
@@ -138,13 +148,13 @@ class Seq2SeqTransformer(nn.Module):
         limit = min(max_steps or self.context_length - 1, self.context_length - 1)
         best: list[tuple[float, list[int]] | None] = [None] * n  # each source's best finished output
         rows = torch.arange(n, device=device)  # the sources still searching
-        memory, source_padding = memory.repeat_interleave(k, 0), source_padding.repeat_interleave(k, 0)
+        steps = self.decoder_steps(memory, source_padding, hypotheses=k)
         tokens = torch.full((n * k, 1), self.begin, dtype=torch.int64, device=device)
         scores = torch.full((n, k), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live hypothesis, <s>, until the first step fans out
         ranks = torch.arange(2 * k, device=device)
         for _ in range(limit):
-            log_probs = torch.log_softmax(self.decode(memory, source_padding, tokens)[:, -1].float(), dim=-1)
+            log_probs = torch.log_softmax(steps.next(tokens).float(), dim=-1)
             vocab = log_probs.shape[-1]
             extended = (scores[:, :, None] + log_probs.view(len(rows), k, vocab)).view(len(rows), k * vocab)
             top_scores, top = extended.topk(min(2 * k, k * vocab), dim=1)
@@ -161,6 +171,7 @@ class Seq2SeqTransformer(nn.Module):
             scores = top_scores.gather(1, kept)
             chosen_parent = parent.gather(1, kept) + torch.arange(len(rows), device=device)[:, None] * k
             tokens = torch.cat([tokens[chosen_parent.view(-1)], token.gather(1, kept).view(-1, 1)], dim=1)
+            steps.keep(chosen_parent.view(-1))
             finished = torch.tensor([best[int(r)] is not None and best[int(r)][0] >= float(s)
                                      for r, s in zip(rows.tolist(), scores[:, 0].tolist())], device=device)
             if bool(finished.all()):
@@ -170,8 +181,8 @@ class Seq2SeqTransformer(nn.Module):
                 keep = ~finished
                 keep_hypotheses = keep.repeat_interleave(k)
                 rows, scores = rows[keep], scores[keep]
-                tokens, memory = tokens[keep_hypotheses], memory[keep_hypotheses]
-                source_padding = source_padding[keep_hypotheses]
+                tokens = tokens[keep_hypotheses]
+                steps.keep(keep_hypotheses.nonzero()[:, 0])
         for i, row in enumerate(rows.tolist()):  # out of steps: the best finished or live output
             live = (float(scores[i, 0]), tokens[i * k, 1:].tolist())
             if best[row] is None or live[0] > best[row][0]:

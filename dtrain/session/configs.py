@@ -137,7 +137,7 @@ CROSS_VALIDATION: KeyChecks = {
     "minibatch_size": checks.sample_count,
     "max_samples": partial(checks.sample_count, allow_none=True),
 }
-TEST: KeyChecks = {"minibatch_size": checks.sample_count}
+TEST: KeyChecks = {"minibatch_size": checks.sample_count, "max_samples": partial(checks.sample_count, allow_none=True)}
 
 
 @dataclass
@@ -172,14 +172,17 @@ class TestConfig:
     """Evaluation on a test source once, after training.
 
     Args:
-        minibatch_source: the test source (read in full once).
+        minibatch_source: the test source (read in full once, or up to ``max_samples``).
         minibatch_size: samples per evaluation minibatch (global).
+        max_samples: read at most this many samples (``None``: the whole source), as cross-validation's:
+            a shortened run's quicker test, on the source's first samples.
     """
 
     __test__ = False  # not a pytest test class
 
     minibatch_source: object
     minibatch_size: int = 256
+    max_samples: int | None = None
 
     def __post_init__(self):
         check_fields(TEST, vars(self), "TestConfig")

@@ -67,6 +67,7 @@ def evaluate(
     device: torch.device,
     max_samples: int | None = None,
     binding=None,
+    progress: Callable[[int], None] | None = None,
 ) -> Evaluation:
     """Reads ``source`` to its end (or ``max_samples``), partitioned over the workers of ``comm``.
 
@@ -76,7 +77,9 @@ def evaluate(
     ``loss_fn`` returns a mean over the minibatch's samples (steps of a sequence target), weighted
     here by them; ``metric_fn`` a sum, averaged over samples, or over sequences when
     ``metric_fn.per == "sequence"``. ``binding`` (a ``StreamBinding``) says which streams feed the
-    model and which is the target (default: features -> labels).
+    model and which is the target (default: features -> labels). ``progress(samples_read)`` is called
+    after each minibatch (global samples read so far; e.g. an
+    :class:`~dtrain.session.progress.EvaluationProgress`).
     """
     binding = binding if binding is not None else StreamBinding()
     per_sequence = metric_counts_sequences(metric_fn)
@@ -120,6 +123,8 @@ def evaluate(
                     decoded += decoded_counts(model, batch, target)
                 totals[2] += samples
                 totals[3] += sequences if per_sequence else samples
+                if progress is not None:
+                    progress(read)
     finally:
         source.restore_from_checkpoint(position)
         model.train(was_training)

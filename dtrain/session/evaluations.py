@@ -1,5 +1,10 @@
 """The evaluation passes of a training run: cross-validation during training, and at the end the test of the
-model (and of its weight EMA), with BatchNorm statistics recomputed first when asked."""
+model (and of its weight EMA), with BatchNorm statistics recomputed first when asked.
+
+A test source that is the cross-validation source (the command line makes them one when ``source.test`` and
+``source.cv`` are configured alike) is not read again at the end when the last cross-validation evaluated the
+final model on the same samples: that result is the test's. A weight EMA that has taken in fewer optimizer
+steps than its horizon is not tested (it is still mostly the weights after the first step)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +13,7 @@ from dtrain.session.batchnorm_recompute import recompute_batchnorm_statistics
 from dtrain.session.collapse import UNSTABLE_TEST_FRACTION
 from dtrain.session.evaluate import Evaluation, evaluate
 from dtrain.session.metrics import MetricsWriter
+from dtrain.session.progress import EvaluationProgress
 from dtrain.session.results import TrainingCollapsed, TrainingDiverged
 
 #: what a classifier that never left chance may have met
@@ -24,7 +30,10 @@ class EvaluationPasses:
         if config.minibatch_source is not None:
             self.learner.synchronize()  # evaluate the one model every worker agrees on
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
-                              self.comm, self.device, max_samples=config.max_samples, binding=self.binding)
+                              self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
+                              progress=EvaluationProgress(printer, f"cross-validation {self.cv_index}",
+                                                          config.max_samples))
+            self._last_cv = (self.learner.samples_seen, result)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
                          f"loss {result.loss:.4f} | {self._format_metric(result.error, result.details)} over "
                          f"{result.num_samples} samples")
@@ -45,12 +54,17 @@ class EvaluationPasses:
         the metrics; a test pass at chance after the training loss had left chance (fallen, or diverged) raises
         ``TrainingCollapsed``, one that never left it is told as a warning."""
         test_ema = None
-        if self.ema is not None:
+        too_few = self.ema.too_few_steps() if self.ema is not None else None
+        if too_few is not None:
+            printer.line(f"weight EMA not tested: {too_few}; train longer, or lower session.ema_decay")
+        elif self.ema is not None:
             self.ema.take_rank0s(self.comm)  # evaluated in shares by every rank: one average
             if self.batchnorm_statistics == "recomputed":  # the average's own statistics, not the live model's
                 self._recompute_batchnorm(printer, samples_seen, self.ema.module, "of the weight EMA ")
-            test_ema = self._test_pass(self.ema.module, metrics, "test_ema", samples_seen)
-        test = self._test_pass(self.model, metrics, "test", samples_seen)
+            test_ema = self._test_pass(self.ema.module, metrics, "test_ema", samples_seen, printer,
+                                       "test of the weight EMA")
+        test = self._test_pass(self.model, metrics, "test", samples_seen, printer, "test",
+                               reuse=self._final_cross_validation(samples_seen))
         judged_accuracy = test.accuracy if self.metric_name == "error" else None  # else the loss alone decides
         verdict = self._collapse.judge_evaluation(test.loss, judged_accuracy, self.comm)
         if verdict is not None:
@@ -122,10 +136,31 @@ class EvaluationPasses:
                 f"warning: the training loss ended at {final:.4f} (running average), {times} ({lowest:.4f}): "
                 f"training became unstable and the final model is worse than it was; {self._advice()}")
 
-    def _test_pass(self, model: torch.nn.Module, metrics: MetricsWriter, kind: str, samples_seen: int) -> Evaluation:
-        """One test pass of ``model``, written to the metrics as ``kind`` (``test`` or ``test_ema``)."""
-        result = evaluate(model, self.test_config.minibatch_source, self.test_config.minibatch_size,
-                          self.loss, self.metric, self.comm, self.device, binding=self.binding)
+    def _final_cross_validation(self, samples_seen: int) -> Evaluation | None:
+        """The last cross-validation's result when it is the test's: the test source is the cross-validation
+        source, read to the same ``max_samples``, and that evaluation saw the final model (made at the run's last
+        samples, where the ranks held one model, with no BatchNorm statistics recomputed since)."""
+        cv, test = self.cv_config, self.test_config
+        if cv is None or self._last_cv is None or cv.minibatch_source is not test.minibatch_source \
+                or cv.max_samples != test.max_samples or self.batchnorm_statistics == "recomputed":
+            return None
+        at, result = self._last_cv
+        return result if at == samples_seen else None
+
+    def _test_pass(self, model: torch.nn.Module, metrics: MetricsWriter, kind: str, samples_seen: int, printer,
+                   what: str, reuse: Evaluation | None = None) -> Evaluation:
+        """One test pass of ``model``, written to the metrics as ``kind`` (``test`` or ``test_ema``): ``reuse``,
+        the final cross-validation of the same data, when given, else an evaluation (named ``what`` in its
+        progress lines)."""
+        config = self.test_config
+        if reuse is not None:
+            printer.line(f"test: the cross-validation data; the cross-validation at {samples_seen} samples evaluated "
+                         f"this model on it, so its result is the test's (not evaluated twice)")
+            result = reuse
+        else:
+            result = evaluate(model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
+                              self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
+                              progress=EvaluationProgress(printer, what, config.max_samples))
         accuracy = {"accuracy": result.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
         self._start_outputs(metrics)
         metrics.write(kind, samples_seen, loss=result.loss, **{self.metric_name: result.error}, **accuracy,

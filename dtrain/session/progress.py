@@ -102,6 +102,40 @@ class ProgressPrinter:
         )
 
 
+#: seconds between the progress lines of a long evaluation pass
+EVALUATION_PROGRESS_SECONDS = 30.0
+
+
+class EvaluationProgress:
+    """Progress lines during an evaluation pass that takes long (a decoding metric over a large split):
+    one every ``interval`` seconds of the pass, none for a pass that ends sooner; silent where the printer
+    is (every rank but 0). Called by :func:`dtrain.session.evaluate.evaluate` after each minibatch.
+
+    Args:
+        printer: the session's :class:`ProgressPrinter`.
+        what: the pass, as the lines name it (``cross-validation 2``, ``test``, ``test of the weight EMA``).
+        limit: the samples the pass reads at most (its ``max_samples``), shown when set.
+        interval: seconds between lines (default :data:`EVALUATION_PROGRESS_SECONDS`).
+    """
+
+    def __init__(self, printer: ProgressPrinter, what: str, limit: int | None = None, interval: float | None = None,
+                 clock=time.perf_counter) -> None:
+        self.printer, self.what, self.limit, self.clock = printer, what, limit, clock
+        self.interval = EVALUATION_PROGRESS_SECONDS if interval is None else interval
+        self.start = clock()
+        self.next_line = self.start + self.interval
+
+    def __call__(self, samples_read: int) -> None:
+        now = self.clock()
+        if now < self.next_line:
+            return
+        self.next_line = now + self.interval
+        elapsed = now - self.start
+        of = f" of at most {self.limit:,}" if self.limit is not None else ""
+        self.printer.line(f"{self.what}: {samples_read:,}{of} samples evaluated in {format_duration(elapsed)} "
+                          f"({samples_read / elapsed:,.0f} samples/s)")
+
+
 #: the phases a progress line shows, in the order the loop runs them
 _SHOWN_PHASES = ("data", "compute", "exchange", "optimizer")
 

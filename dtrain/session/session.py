@@ -293,6 +293,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self.cv_period = Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
         self.cv_index = 0
+        self._last_cv: tuple[int, Evaluation] | None = None  # samples seen at the last cross-validation, its result
         self.checkpoint_files: checkpoint.CheckpointFiles | None = None
         self._restore_attempted = False
         self._restored_from: Path | None = None

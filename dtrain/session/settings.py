@@ -44,6 +44,7 @@ class CrossValidationSettings:
 @dataclass
 class TestSettings:
     minibatch_size: int = 256
+    max_samples: Optional[int] = None   # samples the test pass reads at most; null = the whole test source
 
 
 @dataclass

@@ -39,6 +39,8 @@ def check_ema_decay(name: str, value: Any) -> float | None:
 
 #: the key of the steps not yet taken in, beside ``AveragedModel``'s own in a checkpoint's ``weight_ema``
 STEPS_KEY = "steps_since_update"
+#: the key of the optimizer steps taken in so far (absent from checkpoints written before it was kept)
+TAKEN_KEY = "steps_taken"
 
 
 class WeightEMA:
@@ -49,6 +51,23 @@ class WeightEMA:
         self._per_step = get_ema_multi_avg_fn(self.decay)  # every update under data-parallel learners
         self.averaged = AveragedModel(model, multi_avg_fn=self._per_step, use_buffers=False)
         self.steps_since_update = 0  # state: optimizer steps not yet taken in (a block learner between syncs)
+        self.steps_taken = 0  # state: optimizer steps taken in, the first update's included
+
+    @property
+    def horizon(self) -> float:
+        """The optimizer steps the average spans, ``1 / (1 - decay)``: after that many steps the weights of
+        its first update keep ``decay ** horizon``, about e^-1 (37%), of it."""
+        return 1.0 / (1.0 - self.decay)
+
+    def too_few_steps(self) -> str | None:
+        """Why the average is not yet worth evaluating, or ``None``: below :attr:`horizon` optimizer steps it is
+        mostly the weights of its first update (those after the first step), not an average of training."""
+        if self.steps_taken >= self.horizon:
+            return None
+        first = self.decay ** max(self.steps_taken - 1, 0)
+        return (f"the weight EMA has taken in {self.steps_taken:,} optimizer steps, fewer than its horizon of "
+                f"{self.horizon:,.0f} (1 / (1 - session.ema_decay={self.decay:g})): about {100 * first:.0f}% of it is "
+                f"still the weights after the first step")
 
     @property
     def module(self) -> torch.nn.Module:
@@ -82,6 +101,7 @@ class WeightEMA:
         steps = max(self.steps_since_update, 1)
         self.averaged.multi_avg_fn = self._per_step if steps == 1 else get_ema_multi_avg_fn(self.decay ** steps)
         self.averaged.update_parameters(model)
+        self.steps_taken += steps
         self.steps_since_update = 0
 
     @torch.no_grad()
@@ -99,16 +119,20 @@ class WeightEMA:
                 comm.broadcast(tensor, root=0)
 
     def state_dict(self) -> dict[str, Any]:
-        """``AveragedModel``'s state, plus the steps not yet taken in."""
-        return {**self.averaged.state_dict(), STEPS_KEY: torch.tensor(self.steps_since_update)}
+        """``AveragedModel``'s state, plus the steps not yet taken in and those taken in."""
+        return {**self.averaged.state_dict(), STEPS_KEY: torch.tensor(self.steps_since_update),
+                TAKEN_KEY: torch.tensor(self.steps_taken)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         steps = state.pop(STEPS_KEY, None)  # absent from checkpoints written before it was kept: none pending
+        taken = state.pop(TAKEN_KEY, None)
         self.averaged.load_state_dict(state)
         self.steps_since_update = int(steps) if steps is not None else 0
+        # written before it was kept: the updates, one step each (a block learner's steps are more)
+        self.steps_taken = int(taken) if taken is not None else self.updates
 
     def describe(self) -> str:
         return (f"weight EMA, decay {self.decay:g} per optimizer step (about {1 / (1 - self.decay):,.0f} steps), "
                 f"updated where the ranks hold one model (a block learner's block end: decay^k for its k steps); "
-                f"evaluated beside the model, saved as model_ema.safetensors")
+                f"tested beside the model once it has taken in that many, saved as model_ema.safetensors")

@@ -42,6 +42,7 @@ CASES = [
     ("cv-minibatch-0", ["session.cv.minibatch_size=0"], ["session.cv.minibatch_size=0: expected"]),
     ("cv-frequency", ["session.cv.frequency=-3"], ["session.cv.frequency=-3: expected"]),
     ("test-minibatch-0", ["session.test.minibatch_size=0"], ["session.test.minibatch_size=0: expected"]),
+    ("test-max-samples-0", ["session.test.max_samples=0"], ["session.test.max_samples=0: expected"]),
     ("threads-0", ["session.num_threads=0"], ["session.num_threads=0: expected a whole number of threads"]),
     ("threads-negative", ["session.num_threads=-2"], ["session.num_threads=-2: expected"]),
     ("keep-host-memory-word", ["session.keep_host_memory=maybe"], ["keep_host_memory", "maybe"]),

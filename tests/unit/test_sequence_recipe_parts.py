@@ -2,6 +2,7 @@
 and the metrics (perplexity, greedy-decoding word and phoneme error rates)."""
 from __future__ import annotations
 
+import functools
 import gzip
 import math
 import sys
@@ -184,6 +185,80 @@ def test_a_beam_of_one_is_greedy_decoding() -> None:
     assert model.beam_decode(source, 1, max_steps=3) == model.greedy_decode(source, max_steps=3)
 
 
+def _recomputed_greedy(model: Seq2SeqTransformer, source: Sequences, row: int, max_steps: int) -> list[int]:
+    """One source's greedy output the slow way: the whole prefix through ``model.decode`` at every step."""
+    one = Sequences(source.data[row:row + 1, :int(source.lengths[row])], source.lengths[row:row + 1])
+    memory, padding = model.encode(one)
+    output: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_steps):
+            chosen = int(model.decode(memory, padding, torch.tensor([[BEGIN, *output]]))[0, -1].argmax())
+            if chosen == END:
+                break
+            output.append(chosen)
+    return output
+
+
+def _random_sources(count: int, longest: int, seed: int = 1) -> Sequences:
+    """``count`` sources of ids 3 to 29, of 1 to ``longest`` steps, padded with 0."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (count,), generator=generator)
+    data = torch.randint(3, 30, (count, longest), generator=generator) * (torch.arange(longest) < lengths[:, None])
+    return Sequences(data, lengths)
+
+
+@functools.cache
+def _copying_seq2seq() -> Seq2SeqTransformer:
+    """A small model trained for a moment to copy its source (ids mod 9, then ``</s>``): untrained, every
+    output would run to ``max_steps``; this one ends its outputs at many lengths."""
+    torch.manual_seed(3)
+    model = Seq2SeqTransformer(30, 12, width=32, heads=4, encoder_layers=2, decoder_layers=2, feedforward=64,
+                               dropout=0.0, context_length=16)
+    optimizer = torch.optim.Adam(model.parameters(), 3e-3)
+    for step in range(60):
+        source = _random_sources(32, 9, seed=100 + step)
+        target = torch.cat([torch.full((32, 1), BEGIN), torch.where(source.mask, source.data % 9 + 3, 0),
+                            torch.zeros(32, 1, dtype=torch.int64)], dim=1)
+        target[torch.arange(32), source.lengths + 1] = END
+        logits = model(source, Sequences(target[:, :-1], source.lengths + 1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 12), target[:, 1:].reshape(-1), ignore_index=0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def test_batched_greedy_decoding_equals_each_source_decoded_alone_and_the_recomputed_decoder() -> None:
+    """Decoding many sources at once, each step computing only its new position, gives exactly the outputs
+    of each source alone with every earlier step recomputed (padding and the kept keys change nothing)."""
+    model = _copying_seq2seq()
+    source = _random_sources(24, 9)
+    together = model.greedy_decode(source, max_steps=10)
+    alone = [model.greedy_decode(Sequences(source.data[r:r + 1, :int(source.lengths[r])], source.lengths[r:r + 1]),
+                                 max_steps=10)[0] for r in range(24)]
+    assert together == alone == [_recomputed_greedy(model, source, r, 10) for r in range(24)]
+    assert len({len(output) for output in together}) > 5  # outputs of many lengths: rows leave the batch
+
+
+def test_decoding_computes_each_output_position_once() -> None:
+    """The decoder's cost grows with the outputs' length, not its square: every decoded position passes
+    through each layer's feed-forward once (greedy: one row per live source and step; a beam: k rows)."""
+    model = _copying_seq2seq()
+    source = _random_sources(5, 6)
+    positions = []
+    hook = model.decoder.layers[0].linear1.register_forward_hook(
+        lambda module, args, out: positions.append(out.shape[:-1].numel()))  # decoder positions computed
+    try:
+        outputs = model.greedy_decode(source, max_steps=12)
+        live_per_step = [sum(len(o) >= step for o in outputs) for step in range(max(map(len, outputs)) + 1)]
+        assert sum(positions) == sum(live_per_step)  # a source's </s> step is its last
+        positions.clear()
+        model.beam_decode(source, 3, max_steps=12)
+    finally:
+        hook.remove()
+    assert all(count % 3 == 0 for count in positions) and max(positions) == 5 * 3
+
+
 def _log_probabilities(model: Seq2SeqTransformer, source: Sequences,
                        candidates: list[tuple[list[int], bool]]) -> list[float]:
     """Each candidate output's summed log-probability (with its </s> when finished), in one causal pass."""
@@ -231,12 +306,20 @@ def test_a_beam_finds_the_likelier_output_that_greedy_decoding_misses(after, gre
     model = _tiny_seq2seq(target_vocab=5, context=6)
     table = {BEGIN: {A: 0.6, B: 0.4}, 0: {END: 0.6, 0: 0.4}, **after}
 
-    def decode(memory, source_padding, decoder_input, target_padding=None):
+    class TableSteps:
         """Log-probabilities of the next id given the last one."""
-        return torch.tensor([[[math.log(table.get(last, {END: 1.0}).get(token, 1e-9)) for token in range(5)]
-                              for last in prefix] for prefix in decoder_input.tolist()])
 
-    model.decode = decode
+        def __init__(self, memory, source_padding, hypotheses=1):
+            pass
+
+        def next(self, tokens):
+            return torch.tensor([[math.log(table.get(last, {END: 1.0}).get(token, 1e-9)) for token in range(5)]
+                                 for last in tokens[:, -1].tolist()])
+
+        def keep(self, rows):
+            pass
+
+    model.decoder_steps = TableSteps
     source = Sequences(torch.tensor([[3, 4]]), torch.tensor([2]))
     assert model.greedy_decode(source, max_steps=4) == [greedy]
     assert model.beam_decode(source, 1, max_steps=4) == [greedy]
