@@ -13,7 +13,7 @@ import torch
 from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 
-__all__ = ["check_bool", "check_finite", "check_int", "check_partition"]
+__all__ = ["check_bool", "check_finite", "check_int", "check_not_a_data_loader", "check_partition"]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -77,3 +77,20 @@ def check_finite(streams: Mapping[str, object], describe: Callable[[int], str]) 
         what = "NaN" if bool(torch.isnan(rows[row]).any()) else "an infinite value"
         raise DataError(f"stream {name!r}: {describe(row)} holds {what}; expected finite numbers (the data holds "
                         f"NaN or inf, which training would report as a divergence: fix or drop that sample)")
+
+
+def check_not_a_data_loader(value: object) -> None:
+    """Raises TypeError for a torch ``DataLoader`` (or an iterator over one), naming what to pass instead: its
+    ``dataset``. dtrain makes the minibatches itself, so a loader's batches cannot be its samples."""
+    loader_iterator = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", ())
+    if not isinstance(value, (torch.utils.data.DataLoader, loader_iterator)):
+        return
+    name = type(value).__name__
+    if isinstance(value, torch.utils.data.DataLoader):
+        given = "a DataLoader" if name == "DataLoader" else f"{name} (a DataLoader)"
+    else:
+        given = f"{name} (an iterator over a DataLoader)"
+    raise TypeError(f"{given} cannot be read as data: dtrain makes the minibatches itself (each rank its share of "
+                    f"every global minibatch, exactly once per sweep); pass loader.dataset, its map-style Dataset, "
+                    f"instead (the loader's num_workers and collate_fn: dtrain.data.DatasetDeserializer(loader.dataset, "
+                    f"num_workers=..., collate_fn=...))")

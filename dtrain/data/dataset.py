@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dtrain.data._checks import check_int
-from dtrain.data.deserializer import check_not_a_data_loader
+from dtrain.data._checks import check_not_a_data_loader
 from dtrain.data.errors import DataError
 from dtrain.data.streams import PADDING_VALUE, Sequences, StreamInfo, StreamReference
 

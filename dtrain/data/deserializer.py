@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from dtrain.data._checks import check_not_a_data_loader
 from dtrain.data.streams import Sequences, StreamInfo
 
 __all__ = ["Deserializer", "FeaturesAndLabels", "StreamDeserializer", "as_stream_deserializer", "label_tensor"]
@@ -110,23 +111,6 @@ def _is_stream_deserializer(value: object) -> bool:
 
 def _is_two_stream_deserializer(value: object) -> bool:
     return all(hasattr(value, name) for name in ("num_samples", "feature_shape", "num_classes", "get"))
-
-
-def check_not_a_data_loader(value: object) -> None:
-    """Raises TypeError for a torch ``DataLoader`` (or an iterator over one), naming what to pass instead: its
-    ``dataset``. dtrain makes the minibatches itself, so a loader's batches cannot be its samples."""
-    loader_iterator = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", ())
-    if not isinstance(value, (torch.utils.data.DataLoader, loader_iterator)):
-        return
-    name = type(value).__name__
-    if isinstance(value, torch.utils.data.DataLoader):
-        given = "a DataLoader" if name == "DataLoader" else f"{name} (a DataLoader)"
-    else:
-        given = f"{name} (an iterator over a DataLoader)"
-    raise TypeError(f"{given} cannot be read as data: dtrain makes the minibatches itself (each rank its share of "
-                    f"every global minibatch, exactly once per sweep); pass loader.dataset, its map-style Dataset, "
-                    f"instead (the loader's num_workers and collate_fn: dtrain.data.DatasetDeserializer(loader.dataset, "
-                    f"num_workers=..., collate_fn=...))")
 
 
 def as_stream_deserializer(value: object) -> StreamDeserializer:

@@ -29,6 +29,9 @@ def classification_errors(logits: torch.Tensor, labels) -> torch.Tensor:
     return (logits.argmax(dim=1) != labels).sum()
 
 
+classification_errors.takes_class_ids = True  # its target is class ids (stream_checks refuses a regression target)
+
+
 classification_errors.additive = True  # a sum over samples: the training loop may run it over many minibatches at once
 
 

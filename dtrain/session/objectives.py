@@ -31,6 +31,7 @@ class ClassificationError:
     name = "error"
     percent = True
     additive = True
+    takes_class_ids = True  # its target is class ids (stream_checks refuses a regression target for it)
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return classification_errors(output, labels)
@@ -128,6 +129,7 @@ class TopKError:
 
     percent = True
     additive = True
+    takes_class_ids = True  # its target is class ids (stream_checks refuses a regression target for it)
 
     def __init__(self, k: int = 5) -> None:
         check_settings(TOP_K_ERROR, k=k)

@@ -149,13 +149,11 @@ def check_loss_takes_target(loss, metric, binding: StreamBinding, source) -> Non
 
 
 def _takes_class_ids(function) -> bool:
-    """Whether a loss or metric reads its target as class ids (torch's cross-entropy and NLL, dtrain's
-    classification and top-k errors)."""
-    from dtrain.session.evaluate import classification_errors
-    from dtrain.session.objectives import ClassificationError, TopKError
-
-    return (isinstance(function, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss, ClassificationError, TopKError))
-            or function in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss, classification_errors))
+    """Whether a loss or metric reads its target as class ids: torch's cross-entropy and NLL, and what declares
+    ``takes_class_ids = True`` (dtrain's classification and top-k errors)."""
+    return (isinstance(function, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
+            or function in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+            or getattr(function, "takes_class_ids", False) is True)  # dtrain's own declare it
 
 
 def _check_class_ids_target(loss, metric, binding: StreamBinding, info) -> None:

@@ -91,6 +91,10 @@ class FakeComm:
         tensor.copy_(self.allgather(tensor)[root])
         return tensor
 
+    def allgather_object(self, obj: Any) -> list[Any]:
+        # copies, as a real all-gather gives: ranks must not share each other's objects
+        return copy.deepcopy(self.world.gather(self.rank, obj))
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         # a copy, as a real broadcast gives: ranks must not share the root's tensors
         return copy.deepcopy(self.world.gather(self.rank, obj)[root])

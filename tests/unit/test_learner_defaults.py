@@ -171,6 +171,10 @@ class CountingComm(FakeComm):
         self.collectives += 1
         return super().broadcast_object(obj, root)
 
+    def allgather_object(self, obj):
+        self.collectives += 1
+        return super().allgather_object(obj)
+
     def gather_object(self, obj, root=0):
         self.collectives += 1
         items = self.world.gather(self.rank, obj)
@@ -569,7 +573,8 @@ def test_the_chance_warning_says_never_left_chance_only_when_the_loss_stayed_the
         session = SimpleNamespace(
             ema=None, model=None, metric_name="error", comm=LocalCommunicator(), _end_warnings=[],
             _collapse=_watch_after(training_losses, classes=2), _advice=lambda: "lower optimizer.lr",
-            _test_pass=lambda *args: Evaluation(loss=0.69, error=0.5, num_samples=200, num_minibatches=4))
+            _final_cross_validation=lambda samples_seen: None,
+            _test_pass=lambda *args, **kwargs: Evaluation(loss=0.69, error=0.5, num_samples=200, num_minibatches=4))
         EvaluationPasses._test(session, None, None, 4000)
         [line] = session._end_warnings
         return line
@@ -632,7 +637,8 @@ def test_the_unstable_verdict_stops_the_run_with_one_line_naming_the_figures():
     session = SimpleNamespace(
         ema=None, model=None, metric_name="error", comm=LocalCommunicator(), _end_warnings=[],
         _collapse=_watch_after([2.3] * 20 + [0.2] * 200 + [1.2] * 100), _advice=lambda: "lower optimizer.lr",
-        _test_pass=lambda *args: Evaluation(loss=4.95, error=0.798, num_samples=297, num_minibatches=3))
+        _final_cross_validation=lambda samples_seen: None,
+        _test_pass=lambda *args, **kwargs: Evaluation(loss=4.95, error=0.798, num_samples=297, num_minibatches=3))
     with pytest.raises(TrainingCollapsed) as raised:
         EvaluationPasses._test(session, None, None, 12000)
     message = str(raised.value)
