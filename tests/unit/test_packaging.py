@@ -36,13 +36,6 @@ def test_wheel_holds_every_package_and_the_config_tree(wheel):
             assert f"dtrain/docs/{page.relative_to(ROOT / 'docs')}" in names
 
 
-def test_wheel_metadata_says_where_the_documentation_is(wheel):
-    archive = zipfile.ZipFile(wheel)
-    metadata = archive.read(next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))).decode()
-    urls = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Project-URL:")]
-    assert any(url.startswith("Documentation, python -m dtrain --help") for url in urls), urls
-
-
 @pytest.mark.slow
 def test_installed_wheel_composes_a_recipe_from_another_directory(wheel, tmp_path):
     site = tmp_path / "site"
