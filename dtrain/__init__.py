@@ -33,6 +33,7 @@ _EXPORTS = {
     "TestConfig": ("dtrain.session", "TestConfig"),
     "ProfileConfig": ("dtrain.session.profiling", "ProfileConfig"),
     "TrainingSession": ("dtrain.session", "TrainingSession"),
+    "Callback": ("dtrain.session.callbacks", "Callback"),
     "training_session": ("dtrain.session", "training_session"),
 }
 
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
                                  data_parallel_distributed_learner)
     from dtrain.schedules import Schedule
     from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, TrainingSession, training_session
+    from dtrain.session.callbacks import Callback
     from dtrain.session.checkpoint import CheckpointError
     from dtrain.session.checkpoint import load as load_checkpoint
     from dtrain.session.profiling import ProfileConfig

@@ -101,6 +101,20 @@ def _instantiate(node, what: str, **kwargs):
         raise cause from None
 
 
+def _components(group: DictConfig | None, name: str) -> list:
+    """The ``_target_`` blocks of a ``callbacks``/``logger`` mapping, built in the order given (a null entry,
+    ``callbacks.early_stopping=null``, is left out)."""
+    built = []
+    for key, node in (group or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise UserError(f"{name}.{key}: expected a _target_ block naming a dtrain.Callback (see "
+                            f"docs/callbacks-and-loggers.md), got {OmegaConf.to_yaml(node).strip() if isinstance(node, (DictConfig, ListConfig)) else node!r}")
+        built.append(_instantiate(node, f"{name}.{key}"))
+    return built
+
+
 def config_path(run_dir: Path) -> Path:
     """Where this run's resolved config goes: ``config.yaml``, or for a resumed run the first free
     ``config.<n>.yaml`` (an earlier run's is never replaced)."""
@@ -204,6 +218,7 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     mb_schedule = _schedule(session.minibatch_size_schedule)
     loss = _instantiate(cfg.loss, "loss")
     metric = _instantiate(cfg.metric, "metric")
+    callbacks = [*_components(cfg.callbacks, "callbacks"), *_components(cfg.logger, "logger")]
     trainer = training_session(
         model=model,
         loss=loss,
@@ -239,6 +254,7 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
         run_config=run_config(cfg),
+        callbacks=callbacks,
     )
     trainer.restore()  # a bad checkpoint is reported before anything is written
     trainer.when_checks_pass(lambda: save_config(cfg, run_dir))  # after the first minibatch's checks too

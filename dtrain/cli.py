@@ -279,13 +279,18 @@ def check_overrides(argv: list[str]) -> str | None:
     groups = config_groups()
     for override in parsed:
         key = override.key_or_group
-        if key in groups and not isinstance(override.value(), str) and not override.is_sweep_override():
+        if key in groups and key not in MULTIPLE_CHOICE_GROUPS and not isinstance(override.value(), str) \
+                and not override.is_sweep_override():
             options = sorted({p.stem for directory in directories for p in (directory / key).glob("*.yaml")})
             return f"{override.input_line}: expected the name of one {key} option ({', '.join(options)})"
     if any(flag.startswith("-") and flag not in _CONFIG_DIR_FLAGS and not flag.startswith("--config-dir=")
            for flag in _flag_names(flags)):
         return None
     return _composition_problem(overrides, directories)
+
+
+#: config groups of which a run may choose several options at once (callbacks=[early_stopping,best_checkpoint])
+MULTIPLE_CHOICE_GROUPS = ("callbacks", "logger")
 
 
 def _unreadable_override(argument: str, error: Exception) -> str:

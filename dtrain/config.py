@@ -78,6 +78,10 @@ class DTrainConfig:
     recipe: Any = None
     loss: Any = MISSING                 # conf/loss: loss(output, labels) -> mean over the minibatch
     metric: Any = MISSING               # conf/metric: metric(output, labels) -> sum over the minibatch
+    # conf/callbacks and conf/logger: named _target_ blocks (callbacks=[early_stopping,best_checkpoint],
+    # logger=[wandb,mlflow]), each a dtrain.Callback; called in this order, callbacks then loggers
+    callbacks: Dict[str, Any] = field(default_factory=dict)
+    logger: Dict[str, Any] = field(default_factory=dict)
 
 
 _SCHEMAS = {

@@ -215,7 +215,7 @@ def max_samples_of(state: dict[str, Any]) -> int | None:
 def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch.nn.Module, learner, source, comm,
              expected_identity: dict[str, Any], settings: dict[str, Any], config_fingerprint: str,
              versions: dict[str, str], loss_scaler: dict[str, Any] | None = None,
-             weight_ema: dict[str, Any] | None = None) -> dict[str, Any]:
+             weight_ema: dict[str, Any] | None = None, callbacks: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a bit-exact resume needs, in the layout above; per-rank parts are gathered (a
     collective: every rank calls it, rank 0 gets the whole dictionary)."""
     per_rank = comm.gather_object({"rng": torch.get_rng_state(), "learner": learner.local_state_dict()})
@@ -238,6 +238,8 @@ def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch
         state["loss_scaler"] = loss_scaler
     if weight_ema is not None:
         state["weight_ema"] = weight_ema
+    if callbacks:
+        state["callbacks"] = callbacks  # rank 0's (the rank that saves), plain values: loaded with weights_only
     return state
 
 

@@ -30,7 +30,8 @@ class CheckpointHandling:
             config_fingerprint=self.config_fingerprint,
             versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
             loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            weight_ema=self.ema.state_dict() if self.ema is not None else None)
+            weight_ema=self.ema.state_dict() if self.ema is not None else None,
+            callbacks=self.callbacks.state_dict() if self.callbacks.here else None)
         path = self.checkpoint_files.path(self.learner.samples_seen)
         if self.comm.is_main:
             self._saved_checkpoint = True  # from here on the run directory holds a run to resume: it is kept
@@ -38,6 +39,7 @@ class CheckpointHandling:
             self.checkpoint_files.prune(0 if self.checkpoint_config.preserve_all else self.checkpoint_config.keep_last)
             printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
         self.comm.barrier()
+        self.callbacks.fire("on_checkpoint_save", self.run_view, path)
         return path
 
     def restore(self) -> Path | None:
@@ -94,6 +96,7 @@ class CheckpointHandling:
             self.loss_scaler.load_state_dict(state["loss_scaler"])  # a checkpoint of a float32/bf16 run: a fresh scale
         if self.ema is not None and state.get("weight_ema") is not None:
             self.ema.load_state_dict(state["weight_ema"])  # a checkpoint without one: the average starts afresh
+        self.callbacks.load_state_dict(state.get("callbacks"))
         self.minibatches = int(state["minibatches"])
         self.cv_index = int(state["cv_index"])
         for period in (self.progress_period, self.checkpoint_period, self.cv_period):

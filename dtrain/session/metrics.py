@@ -70,13 +70,17 @@ class MetricsWriter:
         tensorboard: also write TensorBoard events under ``run_dir/tensorboard``.
         enabled: whether this process writes (rank 0 only); a disabled writer does nothing.
         metric_name: the key the training metric is recorded under (a CSV column after ``loss``).
+        listener: called with every record after it is written (on every rank, also where nothing is written):
+            the session gives records to its callbacks and loggers this way.
 
     Raises:
         RunFileError: ``metrics.jsonl`` is not a regular file, or ``tensorboard`` is not a directory.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, metric_name: str = "error"):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, metric_name: str = "error",
+                 listener: Callable[[dict], None] | None = None):
         self.enabled = enabled
+        self.listener = listener
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
         self.csv_path = Path(run_dir) / "metrics.csv"
         self.tensorboard_dir = Path(run_dir) / "tensorboard" if tensorboard else None
@@ -128,10 +132,16 @@ class MetricsWriter:
 
     def write(self, kind: str, samples_seen: int, **values: float) -> None:
         """Records ``values`` of one ``kind`` (train, cv, test) at ``samples_seen`` global samples."""
-        if not self.enabled:
-            return
-        self.open()
         record = {"kind": kind, "samples": samples_seen, "time": round(time.time(), 3), **values}
+        if self.enabled:
+            self._write(record)
+        if self.listener is not None:
+            self.listener(record)
+
+    def _write(self, record: dict) -> None:
+        self.open()
+        kind, samples_seen = record["kind"], record["samples"]
+        values = {key: value for key, value in record.items() if key not in ("kind", "samples", "time")}
         self.records.append(record)
         self._append_whole((json.dumps(record) + "\n").encode("utf-8"))
         try:

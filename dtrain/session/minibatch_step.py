@@ -202,6 +202,7 @@ class MinibatchStep:
         self._defer_metric = False
         self.batchnorm_sync = batchnorm_sync
         self._first_read = True
+        self.last_loss: torch.Tensor | None = None  # this rank's detached mean loss of the last pass
 
     def read(self, source, size: int, timer: PhaseTimer):
         """The next minibatch of ``size`` global samples (this rank's share), or ``None`` at the end of
@@ -399,6 +400,7 @@ class MinibatchStep:
             if self.precision != "32" and output.is_floating_point() and output.dtype != torch.float32:
                 output = output.float()  # the metric sees float32, as without autocast
         loss = loss.detach()
+        self.last_loss = loss  # for the callbacks' on_step_end
         self.collapse.observe(output, target, loss, self.loss)
         if self._defer_metric:
             sums.add_outputs(loss, output, target, samples)

@@ -33,6 +33,7 @@ class TrainingResult:
     preempted: bool = False   # stopped by the preemption signal after saving a checkpoint
     last_training_error: float | None = None  # mean metric of the last progress period (all ranks)
     test_ema: Evaluation | None = None  # the test pass of the weight EMA (``ema_decay``), beside ``test``
+    stop_reason: str | None = None  # why a callback stopped training (``stopped_early`` is then True)
 
     @property
     def objective(self) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from dtrain.session import checkpoint, checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency
 from dtrain.session.batchnorm import DEFAULT_RECOMPUTE_SAMPLES, prepare_batchnorm
+from dtrain.session.callbacks import CallbackList, RunView, StepEnd
 from dtrain.session.binding import StreamBinding
 from dtrain.session.checkpointing import CheckpointHandling
 from dtrain.session.device import resolve_device
@@ -49,8 +51,12 @@ from dtrain.session.rundir import RunDirectoryLock
 from dtrain.session.settings import TRAINING_SESSION
 from dtrain.session.summary import RunSummary
 from dtrain.session.lr_scaling import LearningRateScaling
+from dtrain.session.weights import save_weights
 from dtrain.session.weight_ema import WeightEMA
 
+
+#: the callback event each kind of metrics record is given to
+_RECORD_EVENTS = {"train": "on_progress", "cv": "on_cross_validation", "test": "on_test", "test_ema": "on_test"}
 
 #: how a user calls each launcher kind that ``detect_launcher`` reports
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
@@ -137,6 +143,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         target: the stream the loss and the metric take as their second argument (default ``"labels"``;
             ``text[1:]``; ``"minibatch"``). Samples are counted in its steps unless the source names a
             ``defining_stream`` (``docs/data.md#samples-are-steps``).
+        callbacks: objects with any of ``dtrain.Callback``'s events (``dtrain.session.callbacks``), called in
+            this order on rank 0 (every rank for one with ``all_ranks = True``); loggers are callbacks too.
 
     Raises:
         ValueError, TypeError: a bad argument (the message names it).
@@ -180,6 +188,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         target: str = "labels",
         device: str | torch.device = "auto",
         profile: ProfileConfig | None = None,
+        callbacks=(),
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
@@ -292,6 +301,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                                           if checkpoint_config else 0)
         self.cv_period = Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
+        self.start_samples = 0  # samples trained when train() started (a resumed run: its checkpoint's)
         self.cv_index = 0
         self._last_cv: tuple[int, Evaluation] | None = None  # samples seen at the last cross-validation, its result
         self.checkpoint_files: checkpoint.CheckpointFiles | None = None
@@ -319,6 +329,9 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
+        self.callbacks = CallbackList(callbacks, self.comm.is_main)
+        self.run_view = RunView(self)  # what callbacks see of this run
+        self.callbacks.check(self.run_view)
 
     @property
     def skipped_steps(self) -> int:
@@ -336,10 +349,20 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         try:
             return self._train()
         except BaseException as error:
+            self._tell_callbacks_of(error)
             self._abandon_run_dir(error)
             raise
         finally:
             self.release_run_dir()
+
+    def _tell_callbacks_of(self, error: BaseException) -> None:
+        """``on_exception``: a callback failing there is reported as a warning; the training error is raised."""
+        for handler in self.callbacks.handlers("on_exception"):
+            try:
+                handler(self.run_view, error)
+            except Exception as failure:  # noqa: BLE001 - the training error is the one to raise
+                warnings.warn(f"a callback's on_exception failed ({failure!r}) while training failed with {error!r}",
+                              RuntimeWarning, stacklevel=2)
 
     def _abandon_run_dir(self, error: BaseException) -> None:
         """Rank 0, on a failure: takes back what this run wrote into its run directory (the directory too,
@@ -387,7 +410,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
 
     def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=self.comm.is_main,
-                                metric_name=self.metric_name)
+                                metric_name=self.metric_name,
+                                listener=self._record_to_callbacks if self.callbacks.here else None)
         self._metrics = metrics  # taken back if the data fails (_abandon_run_dir)
         try:
             return self._train_with(restored_from, metrics)
@@ -396,6 +420,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
 
     def _train_with(self, restored_from: Path | None, metrics: MetricsWriter) -> TrainingResult:
         is_main = self.comm.is_main
+        self.start_samples = self.learner.samples_seen
         self._outputs_started = False
         throughput = Throughput()
         timer = PhaseTimer(torch.cuda.synchronize if self.device.type == "cuda" else None)  # time split per period
@@ -404,6 +429,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         last_checkpoint: Path | None = None
         stopped_early = preempted = False
         alone = self.comm.size == 1  # a single process checks for preemption after every minibatch
+        step_callbacks = self.callbacks.wants("on_step_end")
+        stop_reason: str | None = None  # a callback's agreed stop
         trained = False  # whether this run trained a minibatch (a resumed run may have none left)
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
                 self._preemption_handler(), self._profiling() as profiler:
@@ -427,27 +454,38 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                 if profiler is not None:
                     profiler.step()
                 seen = self.learner.samples_seen
+                if step_callbacks:
+                    self.callbacks.fire("on_step_end", self.run_view, StepEnd(
+                        samples_seen=seen, minibatches=self.minibatches, num_samples=batch.global_num_samples,
+                        learning_rate=self.learner.optimizer.param_groups[0]["lr"], loss=self._step.last_loss))
                 throughput.add(batch.global_num_samples)
                 printer.advance(seen, throughput)
 
                 # preemption is agreed only where the ranks meet anyway (block momentum: once a block)
                 ranks_meet = self.learner.is_sync_point()
                 one_model = ranks_meet  # synchronize() adds no outer step here (see the module docstring)
+                acted = False  # a progress, cross-validation or checkpoint point: callbacks' stops are agreed here
                 if self.progress_period.due(seen):
-                    ranks_meet = True
+                    ranks_meet = acted = True
                     self._report_progress(printer, metrics, sums, throughput, timer)
                 if self.cv_period.due(seen, ready=one_model):
-                    ranks_meet = True
+                    ranks_meet = acted = True
                     last_cv, keep_going = self._cross_validate(printer, metrics)
                     if not keep_going:
                         stopped_early = True
                         break
                 if self.checkpoint_period.due(seen, ready=one_model):
-                    ranks_meet = True
+                    ranks_meet = acted = True
                     last_checkpoint = self._save_checkpoint(printer)
                 if (ranks_meet or alone) and self._preemption_requested():
                     preempted = stopped_early = True
                     break
+                if self.callbacks and (acted or alone):
+                    stop_reason = self._agreed_stop()
+                    if stop_reason is not None:
+                        stopped_early = True
+                        printer.line(f"stopped early at {seen} samples: {stop_reason}")
+                        break
 
             # the end: one last synchronisation, then each action once more for a partial period
             self.learner.synchronize()
@@ -468,6 +506,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
             if preempted:
                 printer.line(f"preempted by {self.checkpoint_config.preemption_signal} at {seen} samples: checkpoint "
                              f"{last_checkpoint} saved; run the same command again to continue")
+                self.callbacks.fire("on_preemption", self.run_view, last_checkpoint)
 
         test = test_ema = None  # the model was synchronised above
         if not preempted:
@@ -490,9 +529,10 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
             samples_seen=seen, minibatches=self.minibatches, seconds=seconds, stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
             metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
-            last_training_error=self._last_training_error, test_ema=test_ema,
+            last_training_error=self._last_training_error, test_ema=test_ema, stop_reason=stop_reason,
         )
         self._print_summary(printer, result, metrics)
+        self.callbacks.fire("on_run_end", self.run_view, result)
         return result
 
     def _advice(self) -> str:
@@ -508,7 +548,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self._on_checks_passed.append(callback)
 
     def _start_outputs(self, metrics: MetricsWriter) -> None:
-        """Rank 0, once: the run's first writes (the ``when_checks_pass`` callbacks', then the metrics files')."""
+        """Once: the run's first writes (rank 0: the ``when_checks_pass`` callbacks', then the metrics files'), then
+        the callbacks' ``on_run_start`` (and ``on_checkpoint_restore`` for a resumed run)."""
         if self._outputs_started:
             return
         self._outputs_started = True
@@ -516,6 +557,46 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
             for callback in self._on_checks_passed:
                 callback()
             metrics.open()
+        self.callbacks.fire("on_run_start", self.run_view)
+        if self._restored_from is not None:
+            self.callbacks.fire("on_checkpoint_restore", self.run_view, self._restored_from)
+
+    # -- what callbacks see ---------------------------------------------------------------------
+    @property
+    def metrics_writer(self) -> MetricsWriter | None:
+        """This run's metrics writer (``None`` before training starts)."""
+        return self._metrics
+
+    def produced_metrics(self) -> dict[str, list[str]]:
+        """The keys of the records this run writes to ``metrics.jsonl``, by kind (a kind it never writes is absent)."""
+        measured = ["loss", self.metric_name]
+        produced: dict[str, list[str]] = {}
+        if self.progress_period.frequency != 0:
+            produced["train"] = [*measured, "samples_per_second", "lr"]
+        if self.cv_config is not None and self.cv_period.frequency != 0:
+            produced["cv"] = list(measured)
+        if self.test_config is not None:
+            produced["test"] = list(measured)
+            if self.ema is not None:
+                produced["test_ema"] = list(measured)
+        return produced
+
+    def save_weights(self, path: Path) -> Path:
+        """Writes the model's weights to ``path`` as ``model.safetensors`` is written (rank 0 calls it)."""
+        return save_weights(self.model, path, metadata={"samples_seen": str(self.learner.samples_seen)})
+
+    def _record_to_callbacks(self, record: dict) -> None:
+        """The metrics writer's listener: each record to its event (train: progress, cv, test and test_ema: test)."""
+        event = _RECORD_EVENTS.get(record["kind"])
+        if event is not None:
+            self.callbacks.fire(event, self.run_view, record)
+
+    def _agreed_stop(self) -> str | None:
+        """Rank 0's callbacks' stop reason, given to every rank (``None``: go on)."""
+        reason = self.run_view.stop_reason
+        if self.comm.size > 1:
+            reason = self.comm.broadcast_object(reason if self.comm.is_main else None, root=0)
+        return reason
 
     # -- the learner's seams --------------------------------------------------------------------
     def _require_learner_seam(self, optimizer, args, kwargs) -> None:
