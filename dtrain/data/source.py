@@ -163,6 +163,8 @@ class MinibatchSource:
         # a deserializer with workers of its own may be told what comes next (``prefetch(indices)``, then
         # ``read`` of the same indices in the same order), so that its workers never wait between reads
         self._prefetch = getattr(self._data, "prefetch", None) if self._take is None else None
+        # True: the in-memory arrays were checked for NaN and infinities once (ArrayDeserializer), not per minibatch
+        self._values_finite = getattr(self._deserializer, "values_finite", None) if self._take is not None else None
         self._executor: ThreadPoolExecutor | None = None
         # the minibatches being read in the background, in order: (request key, future)
         self._pending: deque[tuple[tuple, Future]] = deque()
@@ -401,7 +403,8 @@ class MinibatchSource:
                               global_num_sequences=span.stop - span.start)
         if self._transform is not None:
             minibatch.features = self._apply_transform(minibatch.features, minibatch)
-        check_finite(minibatch.streams, lambda row: self._describe_sample(timeline, start + row))
+        if index is None or self._transform is not None or self._values_finite is not True:
+            check_finite(minibatch.streams, lambda row: self._describe_sample(timeline, start + row))
         return minibatch
 
     def _describe_sample(self, timeline, position: int) -> str:

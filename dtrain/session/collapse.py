@@ -152,6 +152,7 @@ class CollapseWatch:
         self._period_extremes = (math.inf, -math.inf)
         self._pending: list[torch.Tensor] = []  # detached losses not yet in the average
         self._pending_weights: list[float] = []  # and their weights (from their sizes: no read-back)
+        self._weights_by_size: dict[int, float] = {}  # average_weight by minibatch size, computed once each
         self._operators: tuple[tuple[float, ...], torch.Tensor, torch.Tensor] | None = None  # the last weights' operators
 
     def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
@@ -183,7 +184,11 @@ class CollapseWatch:
             return
         self._pending.append(loss.reshape(()))
         self._minibatches += 1
-        self._pending_weights.append(average_weight(_minibatch_size(output, labels)))
+        size = _minibatch_size(output, labels)
+        weight = self._weights_by_size.get(size)
+        if weight is None:
+            weight = self._weights_by_size[size] = average_weight(size)
+        self._pending_weights.append(weight)
         if len(self._pending) >= self.fold_every:
             self._fold()
 

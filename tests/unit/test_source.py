@@ -395,3 +395,16 @@ def test_finite_values_whose_sum_overflows_are_not_refused():
     features = np.full((8, 2), np.finfo(np.float32).max, dtype=np.float32)
     source = MinibatchSource(ArrayDeserializer(features, np.zeros(8, dtype=np.int64), num_classes=1), randomize=False)
     assert source.next_minibatch(8).features.shape == (8, 2)
+
+
+def test_in_memory_arrays_are_checked_for_nan_once_and_float64_beyond_float32_is_still_named_when_read():
+    finite = ArrayDeserializer(np.ones((8, 2), dtype=np.float32), np.arange(8) % 2, num_classes=2)
+    assert finite.values_finite is True  # the source then skips the per-minibatch check
+    with_nan = np.ones((8, 2), dtype=np.float32)
+    with_nan[3, 0] = np.nan
+    assert ArrayDeserializer(with_nan, np.arange(8) % 2, num_classes=2).values_finite is False
+    huge = np.ones((8, 2), dtype=np.float64)
+    huge[5, 1] = 1e39  # finite in float64, infinite as the float32 the source serves
+    source = MinibatchSource(ArrayDeserializer(huge, np.arange(8) % 2, num_classes=2), randomize=False)
+    with pytest.raises(DataError, match=r"sample 5 of ArrayDeserializer .* holds an infinite value"):
+        source.next_minibatch(8)
