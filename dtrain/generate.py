@@ -39,6 +39,18 @@ def chosen_weights(config, weights: str) -> str:
     return "ema" if (config.get("session") or {}).get("ema_decay") is not None else "last"
 
 
+def ema_below_horizon(path: Path) -> str | None:
+    """Why the weight EMA at ``path`` is too young to use (the reason its run recorded), or ``None``: old enough,
+    no such file, or a file from before the reason was recorded."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as weights:
+            return (weights.metadata() or {}).get("ema_below_horizon") or None
+    except (OSError, SafetensorError):
+        return None  # a missing or unreadable file is reported when it is loaded
+
+
 def load_run(run_dir: str | Path, weights: str = "auto"):
     """``(model, training deserializer, config, which)`` of a finished run, from the config of its latest
     job (a resume's ``config.<n>.yaml``): the model in eval mode with the weights ``weights`` asks for
@@ -59,6 +71,12 @@ def load_run(run_dir: str | Path, weights: str = "auto"):
     if deserializer is None:
         raise ValueError(f"{config_path}: source.train has no deserializer; expected the config a dtrain run writes")
     which = chosen_weights(config, weights)
+    if weights == "auto" and which == "ema":
+        young = ema_below_horizon(run_dir / WEIGHT_FILES["ema"])
+        if young:  # mostly the weights after the first step: the session did not test it either
+            print(f"dtrain.generate: {young}, so the final weights are used (--weights ema for it anyway)",
+                  file=sys.stderr)
+            which = "last"
     weights_path = run_dir / WEIGHT_FILES[which]
     if not weights_path.is_file():
         what = ("the weight EMA (written when a run with session.ema_decay ends)" if which == "ema"

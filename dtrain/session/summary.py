@@ -35,7 +35,9 @@ class RunSummary:
         if self.ema is not None:
             save_weights(self.ema.module, self.run_dir / "model_ema.safetensors",
                          metadata={"samples_seen": str(samples_seen), "ema_decay": repr(self.ema.decay),
-                                   "ema_updates": str(self.ema.updates)})
+                                   "ema_updates": str(self.ema.updates),
+                                   # dtrain.generate's auto choice skips an average below its horizon
+                                   "ema_below_horizon": self.ema.too_few_steps() or ""})
 
     def _format_metric(self, value: float, details: dict[str, float] | None = None) -> str:
         """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name, then a decoding

@@ -87,8 +87,12 @@ def test_a_weight_ema_below_its_horizon_is_not_tested_and_says_why(tmp_path) -> 
     assert "test of the weight EMA" not in out
     assert [r["kind"] for r in _metrics(tmp_path) if r["kind"].startswith("test")] == ["test"]
     assert (tmp_path / "model_ema.safetensors").exists()  # still saved: a run continued later may use it
+    from dtrain.generate import ema_below_horizon  # which python -m dtrain.generate then leaves for the final weights
+
+    assert ema_below_horizon(tmp_path / "model_ema.safetensors").startswith("the weight EMA has taken in 6 optimizer")
     past, out = _train(tmp_path / "past", test=TestConfig(_held_out(), 16), ema_decay=0.8)  # horizon 5
     assert past.test_ema is not None and "not tested" not in out
+    assert ema_below_horizon(tmp_path / "past" / "model_ema.safetensors") is None
 
 
 def test_cross_validation_data_that_is_also_the_test_data_is_evaluated_once_at_the_end(tmp_path) -> None:

@@ -179,6 +179,26 @@ def test_generate_takes_the_weight_ema_only_when_the_latest_job_kept_one(tmp_pat
         load_run(tmp_path, "best")
 
 
+def test_generate_leaves_a_weight_ema_below_its_horizon_unless_asked_for_it(tmp_path, capsys):
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_model
+
+    from dtrain.generate import load_run
+
+    final, average = nn.Linear(2, 1), nn.Linear(2, 1)
+    save_model(final, str(tmp_path / "model.safetensors"))
+    save_model(average, str(tmp_path / "model_ema.safetensors"),
+               metadata={"ema_below_horizon": "the weight EMA has taken in 5 optimizer steps, fewer than its horizon"})
+    job = {"model": {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 1},
+           "source": {"train": {"deserializer": {"_target_": "builtins.dict"}}}, "session": {"ema_decay": 0.999}}
+    OmegaConf.save(OmegaConf.create(job), tmp_path / "config.yaml")
+    model, _, _, which = load_run(tmp_path, "auto")
+    assert which == "last" and torch.equal(model.weight, final.weight)
+    assert "fewer than its horizon, so the final weights are used" in capsys.readouterr().err
+    model, _, _, which = load_run(tmp_path, "ema")
+    assert which == "ema" and torch.equal(model.weight, average.weight)
+
+
 class _BadAt(torch.utils.data.Dataset):
     """256 samples of 6 features and 4 classes; ``dataset[bad_at]`` raises, has another shape, or holds NaN."""
 
