@@ -296,6 +296,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self.profile = profile
         # the configured learning rates; an lr schedule multiplies them
         self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
+        clock = getattr(learner.optimizer, "set_samples_seen", None)  # told the samples seen before every step
+        self._optimizer_clock = clock if callable(clock) else None
         self.progress_period = Periodic(action_frequency("progress_frequency", progress_frequency))
         self.checkpoint_period = Periodic(action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
                                           if checkpoint_config else 0)
@@ -635,9 +637,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                 group["momentum"] = momentum
                 if self.unit_gain_momentum:
                     group["dampening"] = momentum
-        set_samples_seen = getattr(self.learner.optimizer, "set_samples_seen", None)
-        if callable(set_samples_seen):  # an optimizer that changes with the samples seen (RMSpropWarmupSGD)
-            set_samples_seen(samples_seen)
+        if self._optimizer_clock is not None:  # an optimizer that changes with the samples seen (RMSpropWarmupSGD)
+            self._optimizer_clock(samples_seen)
 
     @contextlib.contextmanager
     def _profiling(self):
