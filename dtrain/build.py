@@ -16,13 +16,11 @@ from dtrain.comm.base import first_line
 from dtrain.failures import USER_ERRORS, UserError, exit_preempted
 from dtrain.host_memory import keep_freed_host_memory
 from dtrain.optim import optimizer_parameters
-from dtrain.schedules import Schedule, schedule_values
 from dtrain.threads import choose_threads
-from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
+from dtrain.session import TrainingSession
 from dtrain.session.binding import StreamBinding
 from dtrain.session.checkpoint_state import DEFAULTS_KEY
-from dtrain.session.configs import device_and_profile_options
-from dtrain.session.lr_scaling import LearningRateScaling
+from dtrain.session.from_settings import session_inputs
 from dtrain.session.safe_files import create_new, first_free_name
 from dtrain.sweep import SweepJob
 
@@ -61,24 +59,6 @@ def run_config(cfg: DictConfig) -> dict:
     content.pop("run_dir", None)
     content.get("session", {}).get("checkpoint", {}).pop("restore_from", None)
     return content
-
-
-def _schedule(node, warmup: bool = True) -> Schedule | None:
-    """The schedule a ``ScheduleConfig`` node describes (None when off); ``warmup=False``: without its
-    warm-up (``lr_scaling``'s). An lr warm-up without values ramps the constant lr (values ``[1.0]``)."""
-    values = schedule_values(node)
-    warmup_samples = node.warmup_samples if node is not None and warmup else 0
-    if values is None:
-        return Schedule(1.0, None, warmup_samples) if warmup_samples else None
-    return Schedule(OmegaConf.to_container(values, resolve=True), node.epoch_size, warmup_samples)
-
-
-def _lr_scaling(session) -> LearningRateScaling | None:
-    """``session.lr_scaling``: warmed up over ``session.lr_schedule.warmup_samples`` from the unscaled lr."""
-    if session.lr_scaling == "none":
-        return None
-    warmup = session.lr_schedule.warmup_samples if session.lr_schedule is not None else 0  # with or without values
-    return LearningRateScaling(session.lr_scaling, session.minibatch_size, session.lr_reference_minibatch_size, warmup)
 
 
 def _instantiate(node, what: str, **kwargs):
@@ -165,12 +145,6 @@ def load_run_config(run_dir: Path) -> tuple[Path, DictConfig]:
     return path, config
 
 
-def session_inputs(session: DictConfig):
-    """``session.inputs`` as :class:`StreamBinding` takes it: a plain list or mapping, or the string it is."""
-    inputs = session.inputs
-    return OmegaConf.to_container(inputs, resolve=True) if isinstance(inputs, (DictConfig, ListConfig)) else inputs
-
-
 def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     """Writes the resolved config into the run directory as a new file (never over an earlier one,
     and never through a link planted at its name); returns where."""
@@ -213,44 +187,14 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     check_model_outputs(model, train_source, cfg.model.get("num_classes"), StreamBinding(inputs, cfg.session.target))
     torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
 
-    session = cfg.session
     run_dir = Path(cfg.run_dir)
-    mb_schedule = _schedule(session.minibatch_size_schedule)
     loss = _instantiate(cfg.loss, "loss")
     metric = _instantiate(cfg.metric, "metric")
     callbacks = [*_components(cfg.callbacks, "callbacks"), *_components(cfg.logger, "logger")]
-    trainer = training_session(
-        model=model,
-        loss=loss,
+    trainer = TrainingSession.from_settings(
+        model, loss, learner, train_source, cfg.session, cv_source=cv_source, test_source=test_source,
         metric=metric,
-        learner=learner,
-        minibatch_source=train_source,
-        minibatch_size=mb_schedule or session.minibatch_size,
-        max_samples=session.max_samples,
-        progress_frequency=session.progress_frequency,
-        checkpoint_config=CheckpointConfig(**OmegaConf.to_container(session.checkpoint, resolve=True)),
-        cv_config=CrossValidationConfig(cv_source, session.cv.frequency, session.cv.minibatch_size,
-                                        max_samples=session.cv.max_samples) if cv_source is not None else None,
-        test_config=TestConfig(test_source, session.test.minibatch_size,
-                               max_samples=session.test.max_samples) if test_source is not None else None,
-        lr_schedule=_schedule(session.lr_schedule, warmup=session.lr_scaling == "none"),
-        lr_scaling=_lr_scaling(session),
-        ema_decay=session.ema_decay,
-        momentum_time_constant_schedule=_schedule(session.momentum_time_constant_schedule),
-        unit_gain_momentum=session.unit_gain_momentum,
         run_dir=run_dir,
-        tensorboard=session.tensorboard,
-        progress_bar=session.progress_bar,
-        micro_batch_size=session.micro_batch_size,
-        clip_grad_norm=session.clip_grad_norm,
-        precision=session.precision,
-        compile=session.compile,
-        sync_batchnorm=session.sync_batchnorm,
-        batchnorm_statistics=session.batchnorm_statistics,
-        batchnorm_recompute_samples=session.batchnorm_recompute_samples,
-        **device_and_profile_options(session),
-        inputs=inputs,
-        target=cfg.session.target,
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),
         run_config=run_config(cfg),

@@ -215,7 +215,8 @@ def load_run_setup(run_dir: Path, length_bucketing: int = 0):
     not of the data; the noise scale's definition assumes minibatches drawn at random); ``note`` says
     so when the run used another setting."""
     from dtrain.build import _instantiate as instantiate  # a component's own error as one line naming it
-    from dtrain.build import load_run_config, session_inputs
+    from dtrain.build import load_run_config
+    from dtrain.session.from_settings import session_inputs
     from dtrain.session.binding import StreamBinding
     from dtrain.session.stream_checks import bind_sources
     from omegaconf import OmegaConf

@@ -335,6 +335,34 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self.run_view = RunView(self)  # what callbacks see of this run
         self.callbacks.check(self.run_view)
 
+    @classmethod
+    def from_settings(cls, model: torch.nn.Module, loss, learner: Learner, minibatch_source, settings, *,
+                      cv_source=None, test_source=None, **arguments) -> TrainingSession:
+        """A session from typed settings: ``settings`` is a ``SessionConfig`` (``dtrain.session.settings``), the
+        ``session`` section the command line composes, so a run means the same from Python as from a config::
+
+            TrainingSession.from_settings(model, loss, learner, source, SessionConfig(
+                minibatch_size=64, max_samples=60_000, progress_frequency=6_000, precision="bf16",
+                checkpoint=CheckpointConfig("checkpoint.pt", frequency=20_000)), cv_source=held_out)
+
+        ``cv_source`` and ``test_source`` are what ``settings.cv`` and ``settings.test`` apply to (``None``: none);
+        ``arguments`` are the constructor's arguments that are not settings (``metric``, ``run_dir``,
+        ``callbacks``, ``stream``, ...). A setting given both ways is refused; the process settings
+        (``num_threads``, ``keep_host_memory``, ``epoch_size``) are the command line's and are not applied here.
+
+        Raises:
+            TypeError: ``settings`` is not a SessionConfig, or an argument repeats a setting.
+            ValueError: settings that break the ``session`` section's rules (all of them, in one message).
+        """
+        from dtrain.session.from_settings import session_arguments
+
+        from_settings = session_arguments(settings, cv_source, test_source)
+        repeated = sorted(set(arguments) & set(from_settings))
+        if repeated:
+            raise TypeError(f"{', '.join(repeated)}: given both in settings and as an argument; set "
+                            f"{'it' if len(repeated) == 1 else 'them'} in the SessionConfig only")
+        return cls(model, loss, learner, minibatch_source, **from_settings, **arguments)
+
     @property
     def skipped_steps(self) -> int:
         """fp16: optimizer steps skipped for an inf/NaN gradient so far (the same on every rank)."""

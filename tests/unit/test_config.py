@@ -14,7 +14,7 @@ from tests.helpers.config import CONF, compose_config
 from dtrain.testing.cifar_files import write_cifar10_binary
 from dtrain.testing.image_files import write_image_map_files
 from dtrain.comm import LocalCommunicator
-from dtrain.build import session_inputs
+from dtrain.session.from_settings import session_inputs
 from dtrain.config import register_schemas, validate
 
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
@@ -138,7 +138,7 @@ def test_out_of_range_values_are_all_reported_before_anything_runs(overrides, fr
 @pytest.mark.parametrize("override", ["session.minibatch_size_schedule.values=[[2,32],[1,64]]",
                                       "session.minibatch_size_schedule={values: [[2, 32], [1, 64]]}"])
 def test_a_schedule_the_recipe_leaves_off_can_be_set_on_the_command_line(override):
-    from dtrain.build import _schedule
+    from dtrain.session.from_settings import schedule as _schedule
 
     cfg = compose_config("+recipe=digits", override)
     assert validate(cfg) == []
@@ -149,7 +149,7 @@ def test_a_schedule_the_recipe_leaves_off_can_be_set_on_the_command_line(overrid
 
 
 def test_an_lr_warm_up_alone_ramps_the_constant_lr():
-    from dtrain.build import _schedule
+    from dtrain.session.from_settings import schedule as _schedule
 
     cfg = compose_config("+recipe=digits", "session.lr_schedule.values=null", "session.lr_schedule.epoch_size=null",
                          "session.lr_schedule.warmup_samples=100")
