@@ -106,6 +106,11 @@ class Learner(abc.ABC):
     #: seconds of the last ``step()`` spent on the exchange that did not overlap backward (waiting
     #: for it, and its compute after backward); learners that exchange set it, the session reads it
     exchange_seconds_last_step: float = 0.0
+    #: bytes this rank sent in the last step's exchange, for the progress records (``None``: a learner that does not
+    #: measure it; learners that exchange make it a property)
+    bytes_sent_last_step: int | None = None
+    #: of those, the bytes that crossed to other hosts (``None``: a learner that does not tell hosts apart)
+    bytes_between_hosts_last_step: int | None = None
     _kind_is_class_name = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -287,7 +287,7 @@ class MinibatchStep:
         learner.step()
         if self.loss_scaler is not None:
             self._update_loss_scale()
-        timer.lap_update(getattr(learner, "exchange_seconds_last_step", 0.0))
+        timer.lap_update(learner.exchange_seconds_last_step)
 
     def _synchronize_batchnorm(self, batch: Minibatch, gradient_scale: float) -> bool:
         """``sync_batchnorm``: whether this minibatch's BatchNorm layers reduce over the ranks (a distributed

@@ -45,12 +45,12 @@ class ProgressReports:
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
                          note=note, metric_name=self.metric_name, percent=self.metric_percent,
                          time_split=extra)
-        bytes_sent = getattr(self.learner, "bytes_sent_last_step", None)  # compressed learners report it
-        if isinstance(bytes_sent, int) and not isinstance(bytes_sent, bool):
-            extra["bytes_sent_per_step"] = bytes_sent
-        between = getattr(self.learner, "bytes_between_hosts_last_step", None)  # two levels: what crossed hosts
-        if isinstance(between, int) and not isinstance(between, bool):
-            extra["bytes_between_hosts_per_step"] = between
+        bytes_sent = self.learner.bytes_sent_last_step  # None: a learner that does not measure it (Learner's)
+        if bytes_sent is not None:
+            extra["bytes_sent_per_step"] = int(bytes_sent)
+        between = self.learner.bytes_between_hosts_last_step  # two levels: what crossed hosts
+        if between is not None:
+            extra["bytes_between_hosts_per_step"] = int(between)
         metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
                       lr=learning_rate, **extra)
         sums.reset()
