@@ -12,23 +12,32 @@ from dtrain.comm.failfast import (add_signal_callback, install_signal_handlers, 
 from dtrain.session.configs import signal_from_name
 
 
-class PreemptionHandling:
-    """The signal handling of :class:`~dtrain.session.TrainingSession` (mixed into it: it uses the session's
-    ``checkpoint_config``, ``checkpoint_files``, ``comm`` and the ``_preemption`` event)."""
+class Preemption:
+    """The session's preemption signal: claimed while training (:meth:`handling`), agreed on by the ranks
+    where they meet (:meth:`requested`).
+
+    Args:
+        signal_name: the signal's name (``"SIGTERM"``); ``None``: no preemption handling (no checkpoints to save).
+        comm: the job's communicator, over which the ranks agree.
+    """
+
+    def __init__(self, signal_name: str | None, comm):
+        self.signal_name = signal_name
+        self.comm = comm
+        self._received = threading.Event()
 
     @contextlib.contextmanager
-    def _preemption_handler(self):
-        """While training, the preemption signal sets a flag instead of ending the job."""
-        name = self.checkpoint_config.preemption_signal if self.checkpoint_config else None
-        if name is None or threading.current_thread() is not threading.main_thread():
+    def handling(self):
+        """While training, the preemption signal sets a flag instead of ending the job (main thread only)."""
+        if self.signal_name is None or threading.current_thread() is not threading.main_thread():
             yield
             return
-        wanted = int(signal_from_name(name))
+        wanted = int(signal_from_name(self.signal_name))
 
         def claim(signum: int) -> bool:
             if signum != wanted:
                 return False
-            self._preemption.set()
+            self._received.set()
             return True
 
         routed = install_signal_handlers([wanted])  # nothing when fail-fast routes it already (the command line)
@@ -39,11 +48,11 @@ class PreemptionHandling:
             remove_signal_callback(claim)
             release_signal_handlers(routed)
 
-    def _preemption_requested(self) -> bool:
+    def requested(self) -> bool:
         """Whether any rank got the preemption signal (a collective when several ranks run)."""
-        if self.checkpoint_files is None or self.checkpoint_config.preemption_signal is None:
+        if self.signal_name is None:
             return False
         if self.comm.size == 1:
-            return self._preemption.is_set()
-        flag = torch.tensor([1.0 if self._preemption.is_set() else 0.0], device=self.comm.device)
+            return self._received.is_set()
+        flag = torch.tensor([1.0 if self._received.is_set() else 0.0], device=self.comm.device)
         return bool(self.comm.allreduce(flag, op="max").item())

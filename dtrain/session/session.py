@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +39,7 @@ from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resol
 from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
 from dtrain.session.precision import LossScaler
-from dtrain.session.preemption import PreemptionHandling
+from dtrain.session.preemption import Preemption
 from dtrain.session.periodic import Periodic
 from dtrain.session.profiling import ProfileConfig, StepProfiler
 from dtrain.session.progress_report import ProgressReports
@@ -62,8 +61,7 @@ _RECORD_EVENTS = {"train": "on_progress", "cv": "on_cross_validation", "test": "
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 
 
-class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, RunSummary, PreemptionHandling,
-                      StartupLines):
+class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, RunSummary, StartupLines):
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
 
     The names are the config's (``session.*`` on the command line): every size and frequency
@@ -312,7 +310,6 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self._restore_note = ""  # which checkpoint the run starts from and why (or why none), for the start-up
         self._run_dir_lock: RunDirectoryLock | None = None
         self._last_training_error: float | None = None
-        self._preemption = threading.Event()
         self._report_path: Path | None = None
         self._on_checks_passed: list[Callable[[], None]] = []
         self._outputs_started = False
@@ -331,6 +328,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         if checkpoint_config is not None:
             filename = Path(checkpoint_config.filename)
             self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
+        self.preemption = Preemption(checkpoint_config.preemption_signal if checkpoint_config else None, self.comm)
         self.callbacks = CallbackList(callbacks, self.comm.is_main)
         self.run_view = RunView(self)  # what callbacks see of this run
         self.callbacks.check(self.run_view)
@@ -463,7 +461,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         stop_reason: str | None = None  # a callback's agreed stop
         trained = False  # whether this run trained a minibatch (a resumed run may have none left)
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
-                self._preemption_handler(), self._profiling() as profiler:
+                self.preemption.handling(), self._profiling() as profiler:
             self._print_start(printer, restored_from)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
@@ -507,7 +505,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                 if self.checkpoint_period.due(seen, ready=one_model):
                     ranks_meet = acted = True
                     last_checkpoint = self._save_checkpoint(printer)
-                if (ranks_meet or alone) and self._preemption_requested():
+                if (ranks_meet or alone) and self.preemption.requested():
                     preempted = stopped_early = True
                     break
                 if self.callbacks and (acted or alone):
