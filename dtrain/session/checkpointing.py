@@ -3,88 +3,123 @@ newest good one found and loaded at the start, with the run directory locked bef
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from dtrain.session import checkpoint, checkpoint_state
+from dtrain.session.configs import CheckpointConfig
 from dtrain.session.results import TrainingDiverged
-from dtrain.session.rundir import RunDirectoryLock
 
 
-class CheckpointHandling:
-    """The checkpoints of :class:`~dtrain.session.TrainingSession` (mixed into it: it uses the session's model,
-    learner, source, ``comm``, ``checkpoint_files``, ``checkpoint_config`` and periods)."""
+class Stateful(Protocol):
+    """A part of the session whose state a checkpoint keeps (the loss scale, the weight EMA, the callbacks)."""
 
-    def _save_checkpoint(self, printer) -> Path:
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a run continues from: the checkpoint's file and the loop's counters in it."""
+
+    path: Path
+    samples_seen: int
+    minibatches: int
+    cv_index: int
+
+
+class Checkpointing:
+    """The checkpoints of one session: what goes in them, where, how many are kept, and what may be restored.
+
+    Args:
+        config: where and how often (``None``: no checkpoints, and none restored).
+        run_dir: where a relative ``config.filename`` goes.
+        model, learner, source, comm: what a checkpoint holds (the source's position, the learner's state).
+        identity: what a checkpoint must match to be restored (``checkpoint_state.identity``).
+        settings: the session's settings, stored so that a resumed run lists those that changed.
+        fingerprint: a short hash of the config, stored.
+        parts: the session's other stateful parts by their key in the checkpoint (``None`` where absent); a
+            checkpoint without a part's key leaves that part as it is (an older checkpoint, another precision).
+        advice: what to change after a divergence (called when the model to save holds NaN or infinity).
+        stream: where the world-size change note goes (default: standard output).
+    """
+
+    def __init__(self, config: CheckpointConfig | None, run_dir: Path, *, model: torch.nn.Module, learner, source,
+                 comm, identity: dict[str, Any], settings: dict[str, Any], fingerprint: str,
+                 parts: Mapping[str, Stateful | None], advice: Callable[[], str], stream=None):
+        self.config = config
+        self.files: checkpoint.CheckpointFiles | None = None
+        if config is not None:
+            filename = Path(config.filename)
+            self.files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else Path(run_dir) / filename)
+        self.model, self.learner, self.source, self.comm = model, learner, source, comm
+        self.identity = identity
+        self.settings = settings
+        self.fingerprint = fingerprint
+        self.parts = parts
+        self.advice = advice
+        self.stream = stream
+        self.saved = False  # whether this run wrote a checkpoint (its run directory is then kept)
+        self.note = ""  # which checkpoint the run starts from and why (or why none), for the start-up lines
+        self.changed_settings: list[str] = []  # against the restored checkpoint
+
+    def save(self, minibatches: int, cv_index: int, printer) -> Path:
+        """Synchronises the learner and writes a checkpoint at the samples seen (a collective: every rank calls it,
+        rank 0 writes); returns its path.
+
+        Raises:
+            TrainingDiverged: the model holds NaN or infinity (nothing is written; the last good checkpoint stays).
+        """
         self.learner.synchronize()
+        seen = self.learner.samples_seen
         # every rank holds the same model now, so every rank reaches the same verdict
         if not all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters()):
             raise TrainingDiverged(
-                f"training diverged: the model has NaN or infinite parameters at {self.learner.samples_seen} samples "
-                f"(not saved; {checkpoint.kept_note(self.checkpoint_files.newest())}); {self._advice()}")
+                f"training diverged: the model has NaN or infinite parameters at {seen} samples "
+                f"(not saved; {checkpoint.kept_note(self.files.newest())}); {self.advice()}")
+        parts = {name: part.state_dict() for name, part in self.parts.items() if part is not None}
         state = checkpoint_state.assemble(
-            samples_seen=self.learner.samples_seen, minibatches=self.minibatches, cv_index=self.cv_index,
+            samples_seen=seen, minibatches=minibatches, cv_index=cv_index,
             model=self.model, learner=self.learner, source=self.source, comm=self.comm,
-            expected_identity=self.checkpoint_identity, settings=self.settings,
-            config_fingerprint=self.config_fingerprint,
-            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
-            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            weight_ema=self.ema.state_dict() if self.ema is not None else None,
-            callbacks=self.callbacks.state_dict() if self.callbacks.here else None)
-        path = self.checkpoint_files.path(self.learner.samples_seen)
+            expected_identity=self.identity, settings=self.settings, config_fingerprint=self.fingerprint,
+            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)}, **parts)
+        path = self.files.path(seen)
         if self.comm.is_main:
-            self._saved_checkpoint = True  # from here on the run directory holds a run to resume: it is kept
-            checkpoint.save_atomic(state, path, previous=self.checkpoint_files.newest())
-            self.checkpoint_files.prune(0 if self.checkpoint_config.preserve_all else self.checkpoint_config.keep_last)
-            printer.line(f"checkpoint saved at {self.learner.samples_seen} samples: {path}")
+            self.saved = True
+            checkpoint.save_atomic(state, path, previous=self.files.newest())
+            self.files.prune(0 if self.config.preserve_all else self.config.keep_last)
+            printer.line(f"checkpoint saved at {seen} samples: {path}")
         self.comm.barrier()
-        self.callbacks.fire("on_checkpoint_save", self.run_view, path)
         return path
 
-    def restore(self) -> Path | None:
-        """Locks the run directory (rank 0), then loads the newest good checkpoint when restore is on,
-        or refuses to overwrite one when it is off.
-
-        Called by ``train()``; call it earlier to find a bad checkpoint or a busy run directory before
-        anything is written. Settings that may change (optimizer hyper-parameters, sizes, frequencies,
-        schedules) keep their configured values; ``changed_settings`` lists them against the checkpoint.
-        Returns the file restored from (``None``: starting fresh). Idempotent.
+    def restore(self, max_samples: int | None, lock_run_dir: Callable[[], None]) -> Restored | None:
+        """Loads the newest good checkpoint when restore is on (``lock_run_dir()`` first, on rank 0), or refuses to
+        overwrite one when it is off; ``None``: starting fresh. Settings that may change keep their configured
+        values; ``changed_settings`` lists them against the checkpoint.
 
         Raises:
-            CheckpointError: another job holds the run directory, no checkpoint is readable, or the newest
-                belongs to another model or configuration.
+            CheckpointError: no checkpoint is readable, the newest belongs to another model or configuration, or it
+                trained past ``max_samples``.
         """
-        if self._restore_attempted:
-            return self._restored_from
-        self._restore_attempted = True
-        try:
-            self._restored_from = self._load_latest()
-        except BaseException as error:
-            self._abandon_run_dir(error)  # a directory the lock created goes again
-            self.release_run_dir()
-            raise
-        return self._restored_from
-
-    def _load_latest(self) -> Path | None:
-        def lock_run_dir() -> None:  # rank 0, before any checkpoint is read
-            self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
-
-        config = self.checkpoint_config
+        config = self.config
         start, same_world = checkpoint_state.restore_latest(
-            self.checkpoint_files, config.restore if config else False, self.model, self.learner, self.source,
-            self.comm, self.checkpoint_identity, prepare=lock_run_dir, restore_from=config.restore_from if config else None)
-        self._restore_note = start.note
+            self.files, config.restore if config else False, self.model, self.learner, self.source,
+            self.comm, self.identity, prepare=lock_run_dir, restore_from=config.restore_from if config else None)
+        self.note = start.note
         if start.state is None:
             return None
         path, state = start.path, start.state
         seen = self.learner.samples_seen
         # a model trained past max_samples would be reported as this run's, unless the checkpoint is the end of a
         # run to this same max_samples, which whole sequences overshoot: then there is nothing left to train
-        if self.max_samples is not None and seen > self.max_samples \
-                and checkpoint_state.max_samples_of(state) != self.max_samples:
+        if max_samples is not None and seen > max_samples and checkpoint_state.max_samples_of(state) != max_samples:
             raise checkpoint.CheckpointError(
-                f"checkpoint {path} has trained on {seen:,} samples, past session.max_samples={self.max_samples}; "
+                f"checkpoint {path} has trained on {seen:,} samples, past session.max_samples={max_samples}; "
                 f"set session.max_samples to at least {seen:,} to continue it, or use a new run directory "
                 f"(or session.checkpoint.restore_from= an earlier checkpoint)")
         if not same_world and self.comm.is_main:
@@ -92,16 +127,10 @@ class CheckpointHandling:
                   f"position is re-partitioned, replicated state reused, per-rank state (random numbers, "
                   f"the exchange strategy's residuals and factors) reset", file=self.stream or sys.stdout, flush=True)
         self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
-        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])  # a checkpoint of a float32/bf16 run: a fresh scale
-        if self.ema is not None and state.get("weight_ema") is not None:
-            self.ema.load_state_dict(state["weight_ema"])  # a checkpoint without one: the average starts afresh
-        self.callbacks.load_state_dict(state.get("callbacks"))
-        self.minibatches = int(state["minibatches"])
-        self.cv_index = int(state["cv_index"])
-        for period in (self.progress_period, self.checkpoint_period, self.cv_period):
-            period.reset(seen)
-        return path
+        for name, part in self.parts.items():
+            if part is not None and state.get(name) is not None:  # without it (an older checkpoint): a fresh part
+                part.load_state_dict(state[name])
+        return Restored(path, seen, int(state["minibatches"]), int(state["cv_index"]))
 
 
 def _dtrain_version() -> str:

@@ -23,13 +23,13 @@ from dtrain.data.errors import DataError
 from dtrain.learners.base import Learner, RunFacts
 from dtrain.rules import check_settings
 from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
-from dtrain.session import checkpoint, checkpoint_state
+from dtrain.session import checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency
 from dtrain.session.batchnorm import DEFAULT_RECOMPUTE_SAMPLES, prepare_batchnorm
 from dtrain.session.callbacks import CallbackList, RunView, StepEnd
 from dtrain.session.binding import StreamBinding
-from dtrain.session.checkpointing import CheckpointHandling
+from dtrain.session.checkpointing import Checkpointing
 from dtrain.session.device import resolve_device
 from dtrain.session.evaluate import Evaluation, classification_errors
 from dtrain.session.evaluations import EvaluationPasses
@@ -61,7 +61,7 @@ _RECORD_EVENTS = {"train": "on_progress", "cv": "on_cross_validation", "test": "
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 
 
-class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, RunSummary, StartupLines):
+class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLines):
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
 
     The names are the config's (``session.*`` on the command line): every size and frequency
@@ -284,7 +284,6 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         }}
         if run_config is not None:
             self.settings["config"] = run_config
-        self.changed_settings: list[str] = []  # against the restored checkpoint, filled by restore()
         # a launcher (mpiexec) gives ranks a pseudo-terminal even when its own output goes to a file,
         # so the live bar is only automatic in a single process
         self.progress_bar = progress_bar if progress_bar is not None else (None if self.comm.size == 1 else False)
@@ -304,16 +303,13 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self.start_samples = 0  # samples trained when train() started (a resumed run: its checkpoint's)
         self.cv_index = 0
         self._last_cv: tuple[int, Evaluation] | None = None  # samples seen at the last cross-validation, its result
-        self.checkpoint_files: checkpoint.CheckpointFiles | None = None
         self._restore_attempted = False
         self._restored_from: Path | None = None
-        self._restore_note = ""  # which checkpoint the run starts from and why (or why none), for the start-up
         self._run_dir_lock: RunDirectoryLock | None = None
         self._last_training_error: float | None = None
         self._report_path: Path | None = None
         self._on_checks_passed: list[Callable[[], None]] = []
         self._outputs_started = False
-        self._saved_checkpoint = False  # whether this run wrote a checkpoint (its run directory is then kept)
         self._metrics: MetricsWriter | None = None
         self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
@@ -325,13 +321,16 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                                    binding=self.binding, check_first=first_minibatch_check(minibatch_source),
                                    batchnorm_sync=self.batchnorm_sync,
                                    count_padding=bool(getattr(minibatch_source, "has_sequences", False)))
-        if checkpoint_config is not None:
-            filename = Path(checkpoint_config.filename)
-            self.checkpoint_files = checkpoint.CheckpointFiles(filename if filename.is_absolute() else self.run_dir / filename)
         self.preemption = Preemption(checkpoint_config.preemption_signal if checkpoint_config else None, self.comm)
         self.callbacks = CallbackList(callbacks, self.comm.is_main)
         self.run_view = RunView(self)  # what callbacks see of this run
         self.callbacks.check(self.run_view)
+        self.checkpointing = Checkpointing(
+            checkpoint_config, self.run_dir, model=model, learner=learner, source=minibatch_source, comm=self.comm,
+            identity=self.checkpoint_identity, settings=self.settings, fingerprint=config_fingerprint,
+            parts={"loss_scaler": self.loss_scaler, "weight_ema": self.ema,
+                   "callbacks": self.callbacks if self.callbacks.here else None},
+            advice=self._advice, stream=stream)
 
     @classmethod
     def from_settings(cls, model: torch.nn.Module, loss, learner: Learner, minibatch_source, settings, *,
@@ -396,7 +395,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         """Rank 0, on a failure: takes back what this run wrote into its run directory (the directory too,
         when this run created it) if it wrote nothing yet, or if the data failed before any checkpoint of this
         run; what the directory held before is kept, and so is a run that has checkpoints to resume from."""
-        if self._run_dir_lock is None or self._saved_checkpoint:
+        if self._run_dir_lock is None or self.checkpointing.saved:
             return
         if not self._outputs_started or isinstance(error, DataError):
             if self._metrics is not None:
@@ -504,7 +503,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                         break
                 if self.checkpoint_period.due(seen, ready=one_model):
                     ranks_meet = acted = True
-                    last_checkpoint = self._save_checkpoint(printer)
+                    last_checkpoint = self.checkpointing.save(self.minibatches, self.cv_index, printer)
+                    self.callbacks.fire("on_checkpoint_save", self.run_view, last_checkpoint)
                 if (ranks_meet or alone) and self.preemption.requested():
                     preempted = stopped_early = True
                     break
@@ -526,11 +526,12 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                 last_cv, _ = self._cross_validate(printer, metrics)
             if not trained and restored_from is not None:
                 last_checkpoint = restored_from  # nothing left to train: the restored checkpoint is this run's last
-            if self.checkpoint_files is not None and (
+            if self.checkpointing.files is not None and (
                     preempted or self.checkpoint_period.pending(seen)
                     or (last_checkpoint is None and self.checkpoint_period.frequency)):
                 self._start_outputs(metrics)
-                last_checkpoint = self._save_checkpoint(printer)
+                last_checkpoint = self.checkpointing.save(self.minibatches, self.cv_index, printer)
+                self.callbacks.fire("on_checkpoint_save", self.run_view, last_checkpoint)
             if preempted:
                 printer.line(f"preempted by {self.checkpoint_config.preemption_signal} at {seen} samples: checkpoint "
                              f"{last_checkpoint} saved; run the same command again to continue")
@@ -562,6 +563,45 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         self._print_summary(printer, result, metrics)
         self.callbacks.fire("on_run_end", self.run_view, result)
         return result
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def restore(self) -> Path | None:
+        """Locks the run directory (rank 0), then loads the newest good checkpoint when restore is on,
+        or refuses to overwrite one when it is off.
+
+        Called by ``train()``; call it earlier to find a bad checkpoint or a busy run directory before
+        anything is written. Settings that may change (optimizer hyper-parameters, sizes, frequencies,
+        schedules) keep their configured values; ``changed_settings`` lists them against the checkpoint.
+        Returns the file restored from (``None``: starting fresh). Idempotent.
+
+        Raises:
+            CheckpointError: another job holds the run directory, no checkpoint is readable, or the newest
+                belongs to another model or configuration.
+        """
+        if self._restore_attempted:
+            return self._restored_from
+        self._restore_attempted = True
+
+        def lock_run_dir() -> None:  # rank 0, before any checkpoint is read
+            self._run_dir_lock = RunDirectoryLock.acquire(self.run_dir)
+
+        try:
+            restored = self.checkpointing.restore(self.max_samples, lock_run_dir)
+        except BaseException as error:
+            self._abandon_run_dir(error)  # a directory the lock created goes again
+            self.release_run_dir()
+            raise
+        if restored is not None:
+            self.minibatches, self.cv_index = restored.minibatches, restored.cv_index
+            for period in (self.progress_period, self.checkpoint_period, self.cv_period):
+                period.reset(restored.samples_seen)
+            self._restored_from = restored.path
+        return self._restored_from
+
+    @property
+    def changed_settings(self) -> list[str]:
+        """The settings that changed since the restored checkpoint (``key: old -> new``), now in effect."""
+        return self.checkpointing.changed_settings
 
     def _advice(self) -> str:
         """What to change after a divergence or a collapse, naming only what this run uses."""

@@ -45,10 +45,10 @@ class StartupLines:
             if note:
                 printer.line(note)
         if restored_from is None:
-            printer.line(f"dtrain: {self._restore_note}")
+            printer.line(f"dtrain: {self.checkpointing.note}")
         else:
             printer.line(f"restored {restored_from} at {self.learner.samples_seen} samples"
-                         + (f" ({self._restore_note})" if self._restore_note else ""))
+                         + (f" ({self.checkpointing.note})" if self.checkpointing.note else ""))
             if self.changed_settings:
                 printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
                              f"{'; '.join(self.changed_settings)}")
