@@ -91,7 +91,8 @@ class ArrayDeserializer:
             self._set_class_labels(labels_tensor, num_classes)
         # checked once here, so the source need not check every minibatch it reads (a few µs each)
         self.values_finite = _all_finite(self._features, self._labels) \
-            if not isinstance(features, np.memmap) and self._features.nbytes <= _CHECK_ONCE_BYTES else None
+            if not isinstance(features, np.memmap) and self._features.layout == torch.strided \
+            and self._labels.layout == torch.strided and self._features.nbytes <= _CHECK_ONCE_BYTES else None
         if training_mean is not None:
             self._training_mean = _as_tensor("training_mean", training_mean).to(torch.float32)
             if tuple(self._training_mean.shape) != self.feature_shape:
