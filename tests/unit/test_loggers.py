@@ -1,0 +1,146 @@
+"""Loggers: what W&B (offline files) and MLflow (a file store) hold after a run and its resume; refused settings."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain import CheckpointConfig, CrossValidationConfig, LocalLearner, MinibatchSource, TestConfig, training_session
+from dtrain.loggers import MLflowLogger, WandbLogger
+from dtrain.loggers.mlflow_logger import flatten
+from dtrain.session.callbacks import Callback
+
+from tests.helpers.toy_data import four_class_data
+from tests.helpers.tracking import (mlflow_client, mlflow_runs, mlflow_steps, wandb_history, wandb_offline_runs,
+                                    wandb_run_facts)
+
+CONFIG = {"recipe_name": "toy", "optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 0}
+
+
+def session(run_dir: Path, max_samples: int, callbacks):
+    """A four-class run: progress every 32 samples, cross-validation and a checkpoint every 64, a test."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    return training_session(
+        model=model, loss=nn.functional.cross_entropy, learner=LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+        minibatch_source=MinibatchSource(four_class_data(200, 0), randomize=True, randomization_seed=3),
+        minibatch_size=16, max_samples=max_samples, progress_frequency=32,
+        checkpoint_config=CheckpointConfig("ckpt.pt", frequency=64),
+        cv_config=CrossValidationConfig(MinibatchSource(four_class_data(40, 1), randomize=False, max_sweeps=1),
+                                        frequency=64, minibatch_size=20),
+        test_config=TestConfig(MinibatchSource(four_class_data(40, 2), randomize=False, max_sweeps=1), 20),
+        run_dir=run_dir, tensorboard=False, callbacks=callbacks, run_config=CONFIG)
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == kind]
+
+
+def test_mlflow_holds_the_records_config_and_outputs_and_a_resume_continues_its_run(tmp_path):
+    pytest.importorskip("mlflow")
+    session(tmp_path, 64, [MLflowLogger()]).train()
+    first_id = (tmp_path / "mlflow_run_id").read_text().strip()
+    session(tmp_path, 128, [MLflowLogger()]).train()  # resumed from the checkpoint at 64 samples
+
+    uri = f"file:{tmp_path}/mlruns"
+    [run] = mlflow_runs(uri)  # one MLflow run for both
+    assert run.info.run_id == first_id == (tmp_path / "mlflow_run_id").read_text().strip()
+    assert run.info.status == "FINISHED"
+    assert mlflow_client(uri).get_experiment(run.info.experiment_id).name == "toy"
+    train = records(tmp_path, "train")
+    assert [step for step, _ in mlflow_steps(uri, run.info.run_id, "train/loss")] == [32, 64, 96, 128]
+    assert mlflow_steps(uri, run.info.run_id, "train/loss") == [(r["samples"], r["loss"]) for r in train]
+    assert [step for step, _ in mlflow_steps(uri, run.info.run_id, "cv/error")] == [64, 128]
+    assert mlflow_steps(uri, run.info.run_id, "test/error") == [(r["samples"], r["error"]) for r in records(tmp_path, "test")]
+    assert {key for key in run.data.metrics} >= {"train/loss", "train/error", "train/lr", "cv/loss", "test/loss"}
+    assert run.data.params == {"recipe_name": "toy", "optimizer.lr": "0.1", "optimizer.betas": "[0.9, 0.99]",
+                               "seed": "0"}
+    artifacts = {item.path for item in mlflow_client(uri).list_artifacts(run.info.run_id)}
+    assert artifacts == {"model.safetensors", "report.png"}
+
+
+def test_wandb_offline_files_hold_the_records_and_a_resume_continues_the_same_run(tmp_path):
+    pytest.importorskip("wandb")
+    session(tmp_path, 64, [WandbLogger(mode="offline")]).train()
+    session(tmp_path, 128, [WandbLogger(mode="offline")]).train()
+
+    files = wandb_offline_runs(tmp_path)
+    assert len(files) == 2  # one offline file per job, both of the same W&B run
+    facts = [wandb_run_facts(path) for path in files]
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    assert [fact["id"] for fact in facts] == [run_id, run_id]
+    assert facts[0]["project"] == "toy" and facts[0]["config"]["optimizer"] == {"lr": 0.1, "betas": [0.9, 0.99]}
+    history = [row for path in files for row in wandb_history(path)]
+    train = records(tmp_path, "train")
+    assert [(row["_step"], row["train/loss"]) for row in history] == [(r["samples"], r["loss"]) for r in train]
+    assert [row["_step"] for row in history if "cv/error" in row] == [64, 128]
+    assert "test/error" in history[-1]
+    assert [fact["exit_code"] for fact in facts] == [0, 0]
+    assert facts[-1]["artifacts"] == [["model.safetensors", "report.png"]]
+
+
+class FailAtCrossValidation(Callback):
+    def on_cross_validation(self, run, record):
+        raise RuntimeError("broken callback")
+
+
+def test_a_failed_run_ends_its_tracking_runs_as_failed(tmp_path):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    with pytest.raises(RuntimeError, match="broken callback"):
+        session(tmp_path, 128, [MLflowLogger(tracking_uri=f"file:{tmp_path}/store"),
+                                WandbLogger(mode="offline", dir=tmp_path / "wb"), FailAtCrossValidation()]).train()
+    [run] = mlflow_runs(f"file:{tmp_path}/store")
+    assert run.info.status == "FAILED"
+    assert mlflow_steps(f"file:{tmp_path}/store", run.info.run_id, "train/loss")[0][0] == 32
+    [wandb_file] = wandb_offline_runs(tmp_path / "wb")
+    assert wandb_run_facts(wandb_file)["exit_code"] == 1
+
+
+def test_a_missing_client_package_names_its_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "mlflow") else real(name, *a))
+    with pytest.raises(ValueError, match=r"WandbLogger needs the wandb package: pip install 'dtrain\[wandb\]'"):
+        WandbLogger(mode="offline")
+    with pytest.raises(ValueError, match=r"MLflowLogger needs the mlflow package: pip install 'dtrain\[mlflow\]'"):
+        MLflowLogger()
+
+
+@pytest.mark.parametrize("make", [lambda blocked: WandbLogger(mode="offline", dir=blocked),
+                                  lambda blocked: MLflowLogger(tracking_uri=f"file:{blocked}")],
+                         ids=["wandb", "mlflow"])
+def test_a_directory_that_cannot_be_written_is_refused_before_anything_is_written(tmp_path, make):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"a_file/logs cannot be a directory .*a_file is a file"):
+        session(tmp_path / "run", 64, [make(tmp_path / "a_file" / "logs")])
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "read_only").mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="read_only/logs is not writable"):
+            session(tmp_path / "run", 64, [make(tmp_path / "read_only" / "logs")])
+
+
+def test_wandb_online_without_credentials_is_refused_before_training(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ValueError, match="mode=online: no W&B credentials"):
+        session(tmp_path / "run", 64, [WandbLogger()])
+    with pytest.raises(ValueError, match="mode='cloud': expected one of online, offline, disabled"):
+        WandbLogger(mode="cloud")
+
+
+def test_the_config_is_flattened_into_mlflow_parameters():
+    assert flatten({"a": {"b": {"c": 1}, "d": None}, "e": [1, "x"], "f": {}}) == \
+        {"a.b.c": "1", "a.d": "None", "e": '[1, "x"]', "f": "{}"}
+    assert flatten({"long": "x" * 7000})["long"].endswith("...")
