@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from tests.helpers.tracking import (mlflow_client, mlflow_runs, mlflow_steps, wa
 CONFIG = {"recipe_name": "toy", "optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 0}
 
 
-def session(run_dir: Path, max_samples: int, callbacks):
+def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str | None = None):
     """A four-class run: progress every 32 samples, cross-validation and a checkpoint every 64, a test."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -30,7 +31,7 @@ def session(run_dir: Path, max_samples: int, callbacks):
         model=model, loss=nn.functional.cross_entropy, learner=LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
         minibatch_source=MinibatchSource(four_class_data(200, 0), randomize=True, randomization_seed=3),
         minibatch_size=16, max_samples=max_samples, progress_frequency=32,
-        checkpoint_config=CheckpointConfig("ckpt.pt", frequency=64),
+        checkpoint_config=CheckpointConfig("ckpt.pt", frequency=64, preemption_signal=preemption_signal),
         cv_config=CrossValidationConfig(MinibatchSource(four_class_data(40, 1), randomize=False, max_sweeps=1),
                                         frequency=64, minibatch_size=20),
         test_config=TestConfig(MinibatchSource(four_class_data(40, 2), randomize=False, max_sweeps=1), 20),
@@ -101,6 +102,41 @@ def test_a_failed_run_ends_its_tracking_runs_as_failed(tmp_path):
     assert mlflow_steps(f"file:{tmp_path}/store", run.info.run_id, "train/loss")[0][0] == 32
     [wandb_file] = wandb_offline_runs(tmp_path / "wb")
     assert wandb_run_facts(wandb_file)["exit_code"] == 1
+
+
+class PreemptAt(Callback):
+    """Sends the preemption signal to this process once ``samples`` are trained."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def on_step_end(self, run, step):
+        if step.samples_seen == self.samples:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_preempted_run_leaves_its_tracking_runs_to_be_continued(tmp_path):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    result = session(tmp_path, 128, [MLflowLogger(), WandbLogger(mode="offline"), PreemptAt(48)], "SIGUSR1").train()
+    assert result.preempted and result.samples_seen < 128  # at 48 or, once the signal is seen, a step later
+    uri = f"file:{tmp_path}/mlruns"
+    [run] = mlflow_runs(uri)
+    assert run.info.status == "KILLED"
+    [first] = wandb_offline_runs(tmp_path)
+    assert wandb_run_facts(first)["preempting"] and wandb_run_facts(first)["exit_code"] == 75
+    assert wandb_run_facts(first)["artifacts"] == []  # the outputs come with the end of training
+
+    session(tmp_path, 128, [MLflowLogger(), WandbLogger(mode="offline")], "SIGUSR1").train()
+    [run] = mlflow_runs(uri)
+    assert run.info.status == "FINISHED"
+    steps = [step for step, _ in mlflow_steps(uri, run.info.run_id, "train/loss")]
+    assert steps == [r["samples"] for r in records(tmp_path, "train")] and steps == sorted(set(steps))
+    assert steps[0] == 32 and steps[-1] == 128 and result.samples_seen in steps
+    second = [path for path in wandb_offline_runs(tmp_path) if path != first]
+    assert [wandb_run_facts(path)["id"] for path in second] == [wandb_run_facts(first)["id"]]
+    assert [row["_step"] for row in wandb_history(second[0]) if "train/loss" in row] == \
+        [step for step in steps if step > result.samples_seen]
 
 
 def test_a_missing_client_package_names_its_extra(monkeypatch):
