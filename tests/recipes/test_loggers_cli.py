@@ -32,7 +32,8 @@ def test_logger_mlflow_and_wandb_log_a_digits_run(tmp_path):
     assert [step for step, _ in mlflow_steps(f"file:{run_dir}/mlruns", run.info.run_id, "train/loss")] == \
         train_samples(run_dir) == [320, 640]
     assert run.data.params["optimizer.lr"] == "0.05" and run.data.params["session.max_samples"] == "640"
-    assert "model.safetensors" in {item.path for item in mlflow_client(f"file:{run_dir}/mlruns").list_artifacts(run.info.run_id)}
+    artifacts = mlflow_client(f"file:{run_dir}/mlruns").list_artifacts(run.info.run_id)
+    assert {"model.safetensors", "report.png"} <= {item.path for item in artifacts}
     [wandb_file] = wandb_offline_runs(run_dir)
     facts = wandb_run_facts(wandb_file)
     assert facts["project"] == "digits" and facts["config"]["optimizer"]["lr"] == 0.05 and facts["exit_code"] == 0
@@ -69,8 +70,8 @@ def test_a_missing_logger_package_is_one_line_and_exit_2_with_nothing_written(tm
 def test_a_tracking_directory_that_cannot_be_written_is_one_line_and_exit_2_with_nothing_written(tmp_path):
     pytest.importorskip("mlflow")
     (tmp_path / "a_file").write_text("")
-    result = run_dtrain(*TINY, "run_dir=run", "logger=mlflow", f"logger.mlflow.tracking_uri=file:{tmp_path}/a_file/mlruns",
-                        cwd=tmp_path)
+    result = run_dtrain(*TINY, "run_dir=run", "logger=mlflow",
+                        f"logger.mlflow.tracking_uri=file:{tmp_path}/a_file/mlruns", cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line == (f"dtrain: error: MLflowLogger tracking_uri: {tmp_path}/a_file/mlruns cannot be a directory "

@@ -27,8 +27,9 @@ def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str |
     """A four-class run: progress every 32 samples, cross-validation and a checkpoint every 64, a test."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
     return training_session(
-        model=model, loss=nn.functional.cross_entropy, learner=LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+        model=model, loss=nn.functional.cross_entropy, learner=learner,
         minibatch_source=MinibatchSource(four_class_data(200, 0), randomize=True, randomization_seed=3),
         minibatch_size=16, max_samples=max_samples, progress_frequency=32,
         checkpoint_config=CheckpointConfig("ckpt.pt", frequency=64, preemption_signal=preemption_signal),
@@ -58,7 +59,8 @@ def test_mlflow_holds_the_records_config_and_outputs_and_a_resume_continues_its_
     assert [step for step, _ in mlflow_steps(uri, run.info.run_id, "train/loss")] == [32, 64, 96, 128]
     assert mlflow_steps(uri, run.info.run_id, "train/loss") == [(r["samples"], r["loss"]) for r in train]
     assert [step for step, _ in mlflow_steps(uri, run.info.run_id, "cv/error")] == [64, 128]
-    assert mlflow_steps(uri, run.info.run_id, "test/error") == [(r["samples"], r["error"]) for r in records(tmp_path, "test")]
+    test = records(tmp_path, "test")
+    assert mlflow_steps(uri, run.info.run_id, "test/error") == [(r["samples"], r["error"]) for r in test]
     assert {key for key in run.data.metrics} >= {"train/loss", "train/error", "train/lr", "cv/loss", "test/loss"}
     assert run.data.params == {"recipe_name": "toy", "optimizer.lr": "0.1", "optimizer.betas": "[0.9, 0.99]",
                                "seed": "0"}
@@ -141,7 +143,8 @@ def test_a_preempted_run_leaves_its_tracking_runs_to_be_continued(tmp_path):
 
 def test_a_missing_client_package_names_its_extra(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "mlflow") else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "mlflow") else real(name, *a))
     with pytest.raises(ValueError, match=r"WandbLogger needs the wandb package: pip install 'dtrain\[wandb\]'"):
         WandbLogger(mode="offline")
     with pytest.raises(ValueError, match=r"MLflowLogger needs the mlflow package: pip install 'dtrain\[mlflow\]'"):
