@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
+from dtrain.comm.base import first_line
 from dtrain.session.callbacks import Callback, RunView
 from dtrain.session.safe_files import check_regular, read_no_follow, replace_file
 
@@ -90,8 +92,10 @@ class TrackingLogger(Callback):
         if self.run_id is None:
             return
         if not result.preempted:
-            self._log_files([run.run_dir / name for name in OUTPUT_FILES if (run.run_dir / name).is_file()])
-        self._finish(PREEMPTED if result.preempted else FINISHED)
+            outputs = [run.run_dir / name for name in OUTPUT_FILES if (run.run_dir / name).is_file()]
+            self._tolerate(self._log_files, outputs, what="the run's outputs (report.png, the weights) are not "
+                                                          "attached; the run directory has them")
+        self._tolerate(self._finish, PREEMPTED if result.preempted else FINISHED, what="its end is not recorded")
 
     def on_exception(self, run: RunView, error: BaseException) -> None:
         if self.run_id is not None:
@@ -103,7 +107,17 @@ class TrackingLogger(Callback):
             return
         values = metric_values(record)
         if values:
-            self._log(values, int(record["samples"]), float(record.get("time", 0.0)))
+            self._tolerate(self._log, values, int(record["samples"]), float(record.get("time", 0.0)),
+                           what=f"the record at {record['samples']} samples is missing there (metrics.jsonl has it)")
+
+    def _tolerate(self, action, *args, what: str) -> None:
+        """Runs ``action``; a tracker that fails once training runs (a server gone, a full disk) costs a warning
+        naming what is missing, not the training run: ``metrics.jsonl`` stays the record of the run."""
+        try:
+            action(*args)
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            warnings.warn(f"{type(self).__name__}: {type(error).__name__}: {first_line(error)}; {what}",
+                          RuntimeWarning, stacklevel=2)
 
     def _finish(self, status: str) -> None:
         try:

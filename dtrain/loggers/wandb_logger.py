@@ -106,8 +106,10 @@ class WandbLogger(TrackingLogger):
         else:
             run.finish(exit_code=1 if status == FAILED else 0)
         # finish() returns before W&B's service has written everything down; its teardown waits for that, so the
-        # run's files are complete here, also when the process then ends with os._exit (a preemption's exit 75)
-        wandb.teardown()
+        # run's files are complete here, also when the process then ends with os._exit (a preemption's exit 75);
+        # a run of the user's own in this process keeps the service
+        if wandb.run is None:
+            wandb.teardown()
 
 
 def _group_name(sweep: Path) -> str:

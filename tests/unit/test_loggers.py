@@ -106,6 +106,23 @@ def test_a_failed_run_ends_its_tracking_runs_as_failed(tmp_path):
     assert wandb_run_facts(wandb_file)["exit_code"] == 1
 
 
+class FullDiskMLflowLogger(MLflowLogger):
+    def _log(self, values, step, timestamp):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_tracker_failing_during_training_costs_a_warning_not_the_run(tmp_path):
+    pytest.importorskip("mlflow")
+    with pytest.warns(RuntimeWarning, match=r"FullDiskMLflowLogger: OSError: .*No space left on device.*; the record "
+                                            r"at 32 samples is missing there \(metrics.jsonl has it\)"):
+        result = session(tmp_path, 64, [FullDiskMLflowLogger()]).train()
+    assert result.samples_seen == 64 and result.test is not None
+    [run] = mlflow_runs(f"file:{tmp_path}/mlruns")
+    assert run.info.status == "FINISHED" and not run.data.metrics
+    assert {item.path for item in mlflow_client(f"file:{tmp_path}/mlruns").list_artifacts(run.info.run_id)} == \
+        {"model.safetensors", "report.png"}
+
+
 class PreemptAt(Callback):
     """Sends the preemption signal to this process once ``samples`` are trained."""
 
