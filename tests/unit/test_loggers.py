@@ -23,7 +23,7 @@ from tests.helpers.tracking import (mlflow_client, mlflow_runs, mlflow_steps, wa
 CONFIG = {"recipe_name": "toy", "optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 0}
 
 
-def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str | None = None):
+def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str | None = None, config=None):
     """A four-class run: progress every 32 samples, cross-validation and a checkpoint every 64, a test."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -36,7 +36,7 @@ def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str |
         cv_config=CrossValidationConfig(MinibatchSource(four_class_data(40, 1), randomize=False, max_sweeps=1),
                                         frequency=64, minibatch_size=20),
         test_config=TestConfig(MinibatchSource(four_class_data(40, 2), randomize=False, max_sweeps=1), 20),
-        run_dir=run_dir, tensorboard=False, callbacks=callbacks, run_config=CONFIG)
+        run_dir=run_dir, tensorboard=False, callbacks=callbacks, run_config=config or CONFIG)
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -66,6 +66,16 @@ def test_mlflow_holds_the_records_config_and_outputs_and_a_resume_continues_its_
                                "seed": "0"}
     artifacts = {item.path for item in mlflow_client(uri).list_artifacts(run.info.run_id)}
     assert artifacts == {"model.safetensors", "report.png"}
+
+
+def test_a_setting_changed_for_the_resume_is_an_mlflow_tag_beside_the_first_value(tmp_path):
+    pytest.importorskip("mlflow")
+    session(tmp_path, 64, [MLflowLogger()]).train()
+    session(tmp_path, 128, [MLflowLogger()], config={**CONFIG, "optimizer": {"lr": 0.2, "betas": [0.9, 0.99]},
+                                                     "new": 1}).train()
+    [run] = mlflow_runs(f"file:{tmp_path}/mlruns")
+    assert run.data.params["optimizer.lr"] == "0.1" and run.data.tags["changed.optimizer.lr"] == "0.2"
+    assert run.data.params["new"] == "1" and "changed.seed" not in run.data.tags
 
 
 def test_wandb_offline_files_hold_the_records_and_a_resume_continues_the_same_run(tmp_path):
