@@ -4,7 +4,7 @@ A tracking logger is a :class:`~dtrain.session.callbacks.Callback` on rank 0. At
 tracking run, or, for a run resumed from its own checkpoint, continues the one whose id it kept in the run
 directory (``run_dir/<client>_run_id``); every ``metrics.jsonl`` record it is given is logged at the record's
 global sample count under ``<kind>/<key>`` (``train/loss``, ``cv/error``); at the end it logs the run's outputs
-(``report.png``, ``model.safetensors``, ``best.safetensors``) and ends the tracking run as finished, failed,
+(:data:`OUTPUT_FILES`) and ends the tracking run as finished, failed,
 or (preempted) left to be continued.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dtrain.session.callbacks import Callback, RunView
 from dtrain.session.safe_files import check_regular, read_no_follow, replace_file
 
 #: the run's outputs logged as files of the tracking run when it ends (those that exist)
-OUTPUT_FILES = ("report.png", "model.safetensors", "best.safetensors")
+OUTPUT_FILES = ("report.png", "model.safetensors", "model_ema.safetensors", "best.safetensors")
 
 #: how a tracking run ends: training finished, it failed, or it was preempted (to be continued)
 FINISHED, FAILED, PREEMPTED = "finished", "failed", "preempted"
@@ -43,7 +43,7 @@ class TrackingLogger(Callback):
     id_file: str
 
     def __init__(self):
-        if importlib.util.find_spec(self.package) is None:
+        if not package_installed(self.package):
             raise ValueError(f"{type(self).__name__} needs the {self.package} package: pip install "
                              f"'dtrain[{self.extra}]' (or leave logger={self.extra} out)")
         self.run_id: str | None = None  # the tracking run's id, while it is open
@@ -124,6 +124,13 @@ class TrackingLogger(Callback):
             self._end(status)
         finally:
             self.run_id = None
+
+
+def package_installed(name: str) -> bool:
+    """Whether ``name`` imports as an installed package (a directory of that name in the working directory, such
+    as W&B's own ``./wandb``, is not one)."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
 
 
 def metric_values(record: dict) -> dict[str, float]:
