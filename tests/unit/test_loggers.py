@@ -14,6 +14,7 @@ from torch import nn
 from dtrain import CheckpointConfig, CrossValidationConfig, LocalLearner, MinibatchSource, TestConfig, training_session
 from dtrain.loggers import MLflowLogger, WandbLogger
 from dtrain.loggers.mlflow_logger import flatten
+from dtrain.loggers.tracking import package_installed
 from dtrain.session.callbacks import Callback
 
 from tests.helpers.toy_data import four_class_data
@@ -176,6 +177,13 @@ def test_a_missing_client_package_names_its_extra(monkeypatch):
         WandbLogger(mode="offline")
     with pytest.raises(ValueError, match=r"MLflowLogger needs the mlflow package: pip install 'dtrain\[mlflow\]'"):
         MLflowLogger()
+
+
+def test_a_directory_named_like_the_package_is_not_the_package(tmp_path, monkeypatch):
+    (tmp_path / "tracker_client").mkdir()  # as W&B's own ./wandb in the working directory
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("tracker_client") is not None and not package_installed("tracker_client")
+    assert package_installed("json")
 
 
 @pytest.mark.parametrize("make", [lambda blocked: WandbLogger(mode="offline", dir=blocked),
