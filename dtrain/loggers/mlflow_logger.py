@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from urllib.parse import urlparse
@@ -59,6 +60,7 @@ class MLflowLogger(TrackingLogger):
             check_writable_directory(directory, "MLflowLogger tracking_uri")
 
     def _start(self, run: RunView, resume_id: str | None) -> str:
+        from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
         uri = self.uri(run)
@@ -85,13 +87,11 @@ class MLflowLogger(TrackingLogger):
                 tags.setdefault("dtrain.sweep", str(sweep))
             run_id = client.create_run(_experiment_id(client, self.experiment or recipe_name(run)),
                                        run_name=self.run_name or run_name(run), tags=tags).info.run_id
-        tags = {"dtrain.run_dir": str(run.run_dir.absolute()), "dtrain.world_size": str(run.world_size)}
-        from mlflow.entities import Param, RunTag
-
         items = [Param(key, value) for key, value in params.items()]
         for start in range(0, len(items), _PARAMS_PER_BATCH):
             client.log_batch(run_id, params=items[start:start + _PARAMS_PER_BATCH])
-        client.log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
+        job = {"dtrain.run_dir": str(run.run_dir.absolute()), "dtrain.world_size": str(run.world_size)}
+        client.log_batch(run_id, tags=[RunTag(key, value) for key, value in job.items()])
         print(f"dtrain: MLflow run {run_id} {'continued' if existing is not None else 'started'} in {uri}", flush=True)
         return run_id
 
@@ -111,12 +111,17 @@ class MLflowLogger(TrackingLogger):
         self._client.set_terminated(self.run_id, _STATUS.get(status, "KILLED"))
 
 
+#: what MLflow refuses in a parameter's name (it allows letters, digits, ``_ - . : /`` and spaces)
+_NOT_IN_A_KEY = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+
 def flatten(config: dict, prefix: str = "") -> dict[str, str]:
-    """A nested config as MLflow parameters: ``{"optimizer.lr": "0.05"}``; a list is one JSON value, a value longer
-    than MLflow allows ends in ``...`` (``config.yaml`` in the run directory holds it whole)."""
+    """A nested config as MLflow parameters: ``{"optimizer.lr": "0.05"}``; a list is one JSON value, a character
+    MLflow refuses in a name becomes ``_``, a value longer than MLflow allows ends in ``...`` (``config.yaml`` in
+    the run directory holds it whole)."""
     params: dict[str, str] = {}
     for key, value in config.items():
-        name = f"{prefix}{key}"
+        name = f"{prefix}{_NOT_IN_A_KEY.sub('_', str(key))}"
         if isinstance(value, dict) and value:
             params.update(flatten(value, f"{name}."))
             continue

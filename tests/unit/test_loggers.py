@@ -222,3 +222,4 @@ def test_the_config_is_flattened_into_mlflow_parameters():
     assert flatten({"a": {"b": {"c": 1}, "d": None}, "e": [1, "x"], "f": {}}) == \
         {"a.b.c": "1", "a.d": "None", "e": '[1, "x"]', "f": "{}"}
     assert flatten({"long": "x" * 7000})["long"].endswith("...")
+    assert flatten({"inputs": {"text[:-1]": 1}}) == {"inputs.text_:-1_": "1"}
