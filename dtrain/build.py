@@ -20,6 +20,7 @@ from dtrain.schedules import Schedule, schedule_values
 from dtrain.threads import choose_threads
 from dtrain.session import CheckpointConfig, CrossValidationConfig, TestConfig, training_session
 from dtrain.session.binding import StreamBinding
+from dtrain.session.callbacks import not_a_callback
 from dtrain.session.checkpoint_state import DEFAULTS_KEY
 from dtrain.session.configs import device_and_profile_options
 from dtrain.session.lr_scaling import LearningRateScaling
@@ -111,7 +112,11 @@ def _components(group: DictConfig | None, name: str) -> list:
         if not isinstance(node, DictConfig) or "_target_" not in node:
             raise UserError(f"{name}.{key}: expected a _target_ block naming a dtrain.Callback (see "
                             f"docs/callbacks-and-loggers.md), got {OmegaConf.to_yaml(node).strip() if isinstance(node, (DictConfig, ListConfig)) else node!r}")
-        built.append(_instantiate(node, f"{name}.{key}"))
+        component = _instantiate(node, f"{name}.{key}")
+        problem = not_a_callback(component)
+        if problem is not None:
+            raise UserError(f"{name}.{key}: {problem}")
+        built.append(component)
     return built
 
 

@@ -330,13 +330,19 @@ def _composition_problem(overrides: list[str], directories: list[Path]) -> str |
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
         if "Available options" in str(error) and options:
             parts.append(f"(available: {', '.join(options)})")
+        missing = re.search(r"Could not load '([^/']+)/([^']+)'", lines[0])
+        missing_listed = bool(missing) and missing.group(1) in MULTIPLE_CHOICE_GROUPS
+        if missing_listed:  # Hydra lists no options for a list's entry
+            group = missing.group(1)
+            options = sorted({p.stem for directory in directories for p in (directory / group).glob("*.yaml")})
+            parts.append(f"(available: {', '.join(options) or 'none'}; {group}=[NAME,...] takes several)")
         cause = error.__cause__
         if cause is not None and str(cause).strip():
             parts.append(first_line(cause))
             full_key = re.search(r"full_key: (\S+)", str(cause))
             if full_key and full_key.group(1) not in " ".join(parts):
                 parts.append(f"(key {full_key.group(1)})")
-        if not hint and (len(parts) == 1 or "Available options" not in str(error)):
+        if not hint and not missing_listed and (len(parts) == 1 or "Available options" not in str(error)):
             parts.append("(python -m dtrain +recipe=NAME --cfg job lists every key)")
         return " ".join(parts)
     except Exception as error:  # noqa: BLE001 -- Hydra lets some malformed overrides through as raw errors

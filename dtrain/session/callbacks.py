@@ -176,9 +176,15 @@ class RunView:
         """The keys this run writes to ``metrics.jsonl`` by record kind (``train``, ``cv``, ``test``), for ``check``."""
         return self._session.produced_metrics()
 
-    def save_weights(self, path: Path) -> Path:
-        """Writes the model's weights to ``path`` (safetensors, atomically); the file ``model.safetensors`` uses."""
-        return self._session.save_weights(Path(path))
+    @property
+    def metric_in_percent(self) -> bool:
+        """Whether the run shows its metric as a rate in percent (``error 3.12%``) rather than a value."""
+        return self._session.metric_percent
+
+    def save_weights(self, path: Path, metadata: dict[str, str] | None = None) -> Path:
+        """Writes the model's weights to ``path`` (safetensors, atomically) as ``model.safetensors`` is written, with
+        ``samples_seen`` and ``metadata`` (string pairs) in the file's header."""
+        return self._session.save_weights(Path(path), metadata)
 
     def stop(self, reason: str) -> None:
         """Ends training at the next point where the ranks meet (see the module docstring); the first reason wins."""
@@ -196,9 +202,9 @@ class CallbackList:
     def __init__(self, callbacks: Iterable[Any], is_main: bool):
         self.all = list(callbacks or ())
         for callback in self.all:
-            if not any(callable(getattr(callback, event, None)) for event in EVENTS):
-                raise TypeError(f"callback {_name(callback)} has none of the events {', '.join(EVENTS)}; expected a "
-                                f"dtrain.Callback (see docs/callbacks-and-loggers.md)")
+            problem = not_a_callback(callback)
+            if problem is not None:
+                raise TypeError(problem)
         self.here = [callback for callback in self.all if is_main or getattr(callback, "all_ranks", False)]
         self._handlers = {event: [getattr(callback, event) for callback in self.here
                                   if _overrides(callback, event)] for event in EVENTS}
@@ -240,6 +246,14 @@ class CallbackList:
                 callback.load_state_dict(state)
 
 
+def not_a_callback(candidate: Any) -> str | None:
+    """Why ``candidate`` is no callback (it has none of the events), or ``None``: it is one."""
+    if any(callable(getattr(candidate, event, None)) for event in EVENTS):
+        return None
+    return (f"callback {_name(candidate)} has none of the events {', '.join(EVENTS)}; expected a dtrain.Callback "
+            f"(see docs/callbacks-and-loggers.md)")
+
+
 def _overrides(callback: Any, event: str) -> bool:
     """Whether ``callback`` does something at ``event`` (a Callback subclass's inherited no-op does not)."""
     method = getattr(type(callback), event, None)
@@ -257,4 +271,4 @@ def _name(callback: Any) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-__all__ = ["EVENTS", "Callback", "CallbackList", "RunView", "StepEnd"]
+__all__ = ["EVENTS", "Callback", "CallbackList", "RunView", "StepEnd", "not_a_callback"]

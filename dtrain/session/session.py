@@ -581,9 +581,10 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
                 produced["test_ema"] = list(measured)
         return produced
 
-    def save_weights(self, path: Path) -> Path:
+    def save_weights(self, path: Path, metadata: dict[str, str] | None = None) -> Path:
         """Writes the model's weights to ``path`` as ``model.safetensors`` is written (rank 0 calls it)."""
-        return save_weights(self.model, path, metadata={"samples_seen": str(self.learner.samples_seen)})
+        return save_weights(self.model, path, metadata={"samples_seen": str(self.learner.samples_seen),
+                                                        **(metadata or {})})
 
     def _record_to_callbacks(self, record: dict) -> None:
         """The metrics writer's listener: each record to its event (train: progress, cv, test and test_ema: test)."""
