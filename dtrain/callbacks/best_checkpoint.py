@@ -26,7 +26,7 @@ class BestCheckpoint(Callback):
 
     def __init__(self, monitor: str = "cv.error", mode: str | None = None, filename: str = "best.safetensors"):
         self.monitor = Monitor("BestCheckpoint", monitor, mode)
-        if not isinstance(filename, str) or not filename or filename.endswith("/") or Path(filename).name in ("", ".", ".."):
+        if not isinstance(filename, str) or filename.endswith("/") or Path(filename).name in ("", ".", ".."):
             raise ValueError(f"BestCheckpoint filename={filename!r}: expected a file name such as best.safetensors")
         self.filename = filename
         self.best: float | None = None

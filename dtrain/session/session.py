@@ -573,8 +573,8 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
         produced: dict[str, list[str]] = {}
         if self.progress_period.frequency != 0:
             produced["train"] = [*measured, "samples_per_second", "lr"]
-        if self.cv_config is not None and self.cv_period.frequency != 0:
-            produced["cv"] = list(measured)
+        if self.cv_config is not None and self.cv_config.minibatch_source is not None and self.cv_period.frequency != 0:
+            produced["cv"] = list(measured)  # a cross-validation of a callback alone (no source) writes no record
         if self.test_config is not None:
             produced["test"] = list(measured)
             if self.ema is not None:

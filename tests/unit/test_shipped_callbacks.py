@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dtrain import LocalLearner
+from dtrain import CrossValidationConfig, LocalLearner
 from dtrain.callbacks import BestCheckpoint, Callback, EarlyStopping
 
 from tests.helpers.callbacks import toy_session
@@ -75,12 +75,13 @@ def test_monitors_and_settings_the_run_cannot_honour_are_refused_naming_what_it_
     with pytest.raises(ValueError, match=r"monitor='cv.error': this run writes no cv records .* expected one of the "
                                          r"values it writes: train.loss, train.error$"):
         EarlyStopping().check(no_cv)
-    with pytest.raises(ValueError, match=r"monitor='cv.top5_error': cv records have no top5_error; .*cv.loss, cv.error"):
+    with pytest.raises(ValueError, match=r"'cv.top5_error': cv records have no top5_error; .*cv.loss, cv.error"):
         BestCheckpoint(monitor="cv.top5_error").check(ScriptedRun())
     with pytest.raises(ValueError, match=r"cannot tell whether a lower or a higher auc is better; expected mode=min"):
         EarlyStopping(monitor="cv.auc").check(ScriptedRun({"cv": ["auc"]}))
     EarlyStopping(monitor="cv.auc", mode="max").check(ScriptedRun({"cv": ["auc"]}))
-    for bad, match in [({"monitor": "error"}, "expected KIND.KEY"), ({"monitor": "test.error"}, "KIND one of cv, train"),
+    for bad, match in [({"monitor": "error"}, "expected KIND.KEY"),
+                       ({"monitor": "test.error"}, "KIND one of cv, train"),
                        ({"mode": "up"}, "mode='up': expected one of min, max"),
                        ({"patience": 0}, "patience=0: expected a whole number"),
                        ({"min_delta": -0.1}, "min_delta=-0.1: expected a non-negative")]:
@@ -187,3 +188,11 @@ def test_a_best_file_written_after_the_checkpoint_is_kept_when_better_than_the_c
     keeper = BestCheckpoint(monitor="cv.loss", mode="max")
     toy_session(tmp_path, 384, [keeper]).train()
     assert best.read_bytes() == written and keeper.best == 1e9 and keeper.best_samples == 192
+
+
+def test_a_cross_validation_callback_without_a_source_writes_no_cv_records_to_monitor(tmp_path):
+    # CNTK's callback alone fires on schedule without evaluating anything: no cv.error would ever arrive
+    callback_only = CrossValidationConfig(callback=lambda *args: True, frequency=64)
+    with pytest.raises(ValueError, match="this run writes no cv records"):
+        toy_session(tmp_path / "run", 128, [EarlyStopping()], cv_config=callback_only)
+    assert not (tmp_path / "run").exists()
