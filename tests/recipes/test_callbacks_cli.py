@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -44,10 +45,21 @@ def test_early_stopping_and_the_best_checkpoint_on_digits(tmp_path: Path) -> Non
         ("cv.error", best["samples"], best["error"])
 
 
+def docs_command() -> list[str]:
+    """The arguments of the command docs/callbacks-and-loggers.md runs its own callback with."""
+    page = (EXAMPLES.parent / "callbacks-and-loggers.md").read_text()
+    line = next(line for line in page.splitlines() if line.startswith("python -m dtrain --config-dir conf"))
+    return shlex.split(line)[3:]
+
+
 def test_a_callback_of_ones_own_from_a_config_dir_as_the_docs_show(tmp_path: Path) -> None:
     shutil.copytree(EXAMPLES / "target_error", tmp_path, dirs_exist_ok=True)
-    result = run_dtrain("--config-dir", "conf", *SHORT, "session.max_samples=6400", "callbacks=[target_error]",
-                        "callbacks.target_error.error=0.5", cwd=tmp_path)
+    arguments = docs_command()
+    assert "callbacks=[target_error,best_checkpoint]" in arguments
+    # shortened, with a target the first cross-validations reach
+    shortened = [argument for argument in SHORT if argument not in arguments]
+    result = run_dtrain(*arguments, *shortened, "session.max_samples=6400", "callbacks.target_error.error=0.5",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     stop = re.search(r"^stopped early at (\d+) samples: cross-validation error ([\d.]+)% reached the target 50.00%$",
                      result.stdout, re.MULTILINE)
@@ -55,3 +67,4 @@ def test_a_callback_of_ones_own_from_a_config_dir_as_the_docs_show(tmp_path: Pat
     cv = [record for record in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open()) if record["kind"] == "cv"]
     first = next(record for record in cv if record["error"] <= 0.5)  # the first at the target is the last
     assert (cv[-1], int(stop.group(1))) == (first, first["samples"])
+    assert (tmp_path / "run" / "best.safetensors").is_file()
