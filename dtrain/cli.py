@@ -21,7 +21,8 @@ from dtrain.config import register_schemas, validate
 from dtrain.failures import (EXIT_BAD_INPUT, EXIT_PREEMPTED, UserError, continue_command, describe_failure, end_failed_sweep_job,
                              end_job, exit_bad_input, exit_preempted, fail_before_job, is_lost_peer, launch_position,
                              print_debug_traceback)
-from dtrain.help import UnknownTopic, config_dir, config_directories, nested_group_hint, quick_answer
+from dtrain.help import (MULTIPLE_CHOICE_GROUPS, UnknownTopic, config_dir, config_directories, nested_group_hint,
+                         quick_answer)
 from dtrain.session import TrainingDiverged
 from dtrain.sweep import JobFailed, SweepJob, current_job, finish_sweep, record_outcome, start_sweep, sweep_outcomes
 
@@ -287,10 +288,6 @@ def check_overrides(argv: list[str]) -> str | None:
            for flag in _flag_names(flags)):
         return None
     return _composition_problem(overrides, directories)
-
-
-#: config groups of which a run may choose several options at once (callbacks=[early_stopping,best_checkpoint])
-MULTIPLE_CHOICE_GROUPS = ("callbacks", "logger")
 
 
 def _unreadable_override(argument: str, error: Exception) -> str:
