@@ -6,8 +6,9 @@ import math
 
 from dtrain import checks
 
-#: the record kinds a monitor may name, with the event that brings them and what one of them is called
-KINDS = {"cv": ("on_cross_validation", "cross-validation"), "train": ("on_progress", "progress report")}
+#: the record kinds a monitor may name (cv: each cross-validation's, train: each progress report's), and what
+#: one evaluation of that kind is called in messages
+KINDS = {"cv": "cross-validation", "train": "progress report"}
 
 #: keys where higher is better; any other key the default mode knows is lower-is-better (see default_mode)
 _HIGHER_IS_BETTER = ("accuracy",)
@@ -44,7 +45,7 @@ class Monitor:
         self.owner = owner
         self.name = monitor
         self.kind, self.key = kind, key
-        self.event, self.evaluation = KINDS[kind]
+        self.evaluation = KINDS[kind]
         # a key the default cannot tell is refused by check(), after whether the run writes it at all
         self.mode = default_mode(key) if mode is None else checks.choice(f"{owner} mode", mode, ("min", "max"))
         self.min_delta = checks.positive_number(f"{owner} min_delta", min_delta, allow_zero=True)
@@ -59,10 +60,11 @@ class Monitor:
                                  f"{self.key} is better; expected mode=min or mode=max")
             return
         writes = ", ".join(f"{kind}.{key}" for kind in KINDS for key in produced.get(kind, ())) or "none"
-        why = (f"this run writes no {self.kind} records (no cross-validation data, or a cross-validation frequency "
-               f"of 0)" if self.kind == "cv" and "cv" not in produced else
-               f"this run writes no progress records (a progress frequency of 0)" if self.kind not in produced else
-               f"{self.kind} records have no {self.key}")
+        if self.kind not in produced:
+            why = ("this run writes no cv records (no cross-validation data, or a cross-validation frequency of 0)"
+                   if self.kind == "cv" else "this run writes no train records (a progress frequency of 0)")
+        else:
+            why = f"{self.kind} records have no {self.key}"
         raise ValueError(f"{self.owner} monitor={self.name!r}: {why}; expected one of the values it writes: {writes}")
 
     def value(self, record: dict) -> float | None:
@@ -79,12 +81,6 @@ class Monitor:
         if best is None:
             return True
         return value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta
-
-    def better_of(self, a: float | None, b: float | None) -> float | None:
-        """The better of two values (either may be ``None``), ignoring ``min_delta``."""
-        if a is None or b is None:
-            return b if a is None else a
-        return min(a, b) if self.mode == "min" else max(a, b)
 
     def format(self, value: float, run) -> str:
         """``3.12%`` for a rate this run shows in percent (its metric, the metric's other rates, an accuracy),

@@ -27,6 +27,7 @@ A callback's ``state_dict()`` is kept in every checkpoint and given back to ``lo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -246,12 +247,36 @@ class CallbackList:
                 callback.load_state_dict(state)
 
 
+#: the arguments each method of a callback is called with (after ``self``)
+ARGUMENTS = {"on_run_start": ("run",), "on_checkpoint_restore": ("run", "path"), "on_step_end": ("run", "step"),
+             "on_progress": ("run", "record"), "on_cross_validation": ("run", "record"),
+             "on_checkpoint_save": ("run", "path"), "on_preemption": ("run", "path"), "on_test": ("run", "record"),
+             "on_run_end": ("run", "result"), "on_exception": ("run", "error"), "check": ("run",),
+             "state_dict": (), "load_state_dict": ("state",)}
+
+
 def not_a_callback(candidate: Any) -> str | None:
-    """Why ``candidate`` is no callback (it has none of the events), or ``None``: it is one."""
-    if any(callable(getattr(candidate, event, None)) for event in EVENTS):
-        return None
-    return (f"callback {_name(candidate)} has none of the events {', '.join(EVENTS)}; expected a dtrain.Callback "
-            f"(see docs/callbacks-and-loggers.md)")
+    """Why ``candidate`` is no callback (it has none of the events, or a method that cannot take the arguments
+    the session calls it with), or ``None``: it is one. Checked when the session is built, so a wrong signature
+    is refused before anything is written rather than failing the run at its first event."""
+    if not any(callable(getattr(candidate, event, None)) for event in EVENTS):
+        return (f"callback {_name(candidate)} has none of the events {', '.join(EVENTS)}; expected a dtrain.Callback "
+                f"(see docs/callbacks-and-loggers.md)")
+    for name, arguments in ARGUMENTS.items():
+        method = getattr(candidate, name, None)
+        if not callable(method):
+            continue
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):  # a builtin without a signature: taken as it is
+            continue
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            return (f"callback {_name(candidate)}.{name}{signature} cannot be called as {name}({', '.join(arguments)}); "
+                    f"expected a method taking {', '.join(arguments) or 'no arguments'} (see "
+                    f"docs/callbacks-and-loggers.md)")
+    return None
 
 
 def _overrides(callback: Any, event: str) -> bool:

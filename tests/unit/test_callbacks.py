@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,27 @@ def test_a_callback_stops_the_run_which_ends_normally_with_the_reason(tmp_path, 
 def test_an_object_without_events_is_refused():
     with pytest.raises(TypeError, match="has none of the events"):
         toy_session(Path("/nonexistent"), 64, [object()])
+
+
+class OnProgressWithoutRun(Callback):
+    def on_progress(self, record):  # the run is missing
+        pass
+
+
+class StateWithArgument:
+    def on_run_end(self, run, result):
+        pass
+
+    def state_dict(self, destination):
+        return {}
+
+
+@pytest.mark.parametrize("callback, fragment", [
+    (OnProgressWithoutRun(), "OnProgressWithoutRun.on_progress(record) cannot be called as on_progress(run, record)"),
+    (StateWithArgument(), "StateWithArgument.state_dict(destination) cannot be called as state_dict(); expected a "
+                          "method taking no arguments"),
+])
+def test_a_method_with_the_wrong_signature_is_refused_before_anything_is_written(tmp_path, callback, fragment):
+    with pytest.raises(TypeError, match=re.escape(fragment)):
+        toy_session(tmp_path / "run", 64, [callback])
+    assert not (tmp_path / "run").exists()
