@@ -1,6 +1,8 @@
 """``EarlyStopping``: ends training when a monitored value has stopped improving for ``patience`` evaluations."""
 from __future__ import annotations
 
+import sys
+
 from dtrain import checks
 from dtrain.callbacks.monitor import Monitor, samples
 from dtrain.session.callbacks import Callback
@@ -31,7 +33,16 @@ class EarlyStopping(Callback):
         self.wait = 0  # evaluations since the best
 
     def check(self, run) -> None:
+        """Also refuses a run that evaluates the monitor only at its end: it could never stop early."""
         self.monitor.check(run)
+        period, end = run.evaluation_period(self.monitor.kind), run.max_samples
+        if period == sys.maxsize or (end is not None and period >= end):
+            setting = ("the cross-validation frequency (session.cv.frequency)" if self.monitor.kind == "cv" else
+                       "the progress frequency (session.progress_frequency)")
+            when = ("only once, at its end" if period == sys.maxsize else
+                    f"only at its end (every {period:,} samples, max_samples {end:,})")
+            raise ValueError(f"EarlyStopping monitor={self.monitor.name!r}: this run evaluates it {when}, so it could "
+                             f"never stop early; expected {setting} below max_samples")
 
     def on_run_start(self, run) -> None:
         if self.wait >= self.patience:  # restored from the checkpoint the stop left: stop again, at once

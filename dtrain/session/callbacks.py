@@ -177,6 +177,13 @@ class RunView:
         """The keys this run writes to ``metrics.jsonl`` by record kind (``train``, ``cv``, ``test``), for ``check``."""
         return self._session.produced_metrics()
 
+    def evaluation_period(self, kind: str) -> int:
+        """Global samples between this run's records of ``kind`` (``train``: progress reports, ``cv``:
+        cross-validations); ``sys.maxsize``: only at the end of training, 0: none."""
+        session = self._session
+        periods = {"train": session.progress_period, "cv": session.cv_period}
+        return periods[kind].frequency if kind in periods else 0
+
     @property
     def metric_in_percent(self) -> bool:
         """Whether the run shows its metric as a rate in percent (``error 3.12%``) rather than a value."""

@@ -176,6 +176,9 @@ CASES = [
     ("early-stopping-no-cv", ["callbacks=[early_stopping,best_checkpoint]"],
      ["EarlyStopping monitor='cv.error': this run writes no cv records", "expected one of the values it writes: "
       "train.loss, train.error"]),
+    ("early-stopping-at-the-end", ["source.cv=${{source.test}}", "callbacks=[early_stopping]"],
+     ["EarlyStopping monitor='cv.error': this run evaluates it only once, at its end, so it could never stop early; "
+      "expected the cross-validation frequency (session.cv.frequency) below max_samples"]),
     ("best-checkpoint-unknown-key", ["source.cv=${{source.test}}", "callbacks=[best_checkpoint]",
                                      "callbacks.best_checkpoint.monitor=cv.top5_error"],
      ["BestCheckpoint monitor='cv.top5_error': cv records have no top5_error", "cv.loss, cv.error"]),
@@ -244,7 +247,7 @@ DEFAULT_CASES = {
     "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
     "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
     "config-dir-unknown-option", "callbacks-unknown-option", "callbacks-unknown-argument", "callbacks-target-missing",
-    "callbacks-not-a-callback", "early-stopping-no-cv"}
+    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end"}
 
 # every case without a recipe of its own uses the digits recipe
 # the last ones name the recipe after --config-dir

@@ -11,10 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dtrain import CrossValidationConfig, LocalLearner
+from dtrain import CrossValidationConfig, LocalLearner, MinibatchSource
 from dtrain.callbacks import BestCheckpoint, Callback, EarlyStopping
 
 from tests.helpers.callbacks import toy_session
+from tests.helpers.toy_data import four_class_data
 
 
 class ScriptedRun:
@@ -27,8 +28,13 @@ class ScriptedRun:
         self.learner = learner
         self._produced = produced or {"train": ["loss", "error", "samples_per_second", "lr"], "cv": ["loss", "error"]}
 
+    max_samples = None
+
     def produced_metrics(self):
         return self._produced
+
+    def evaluation_period(self, kind):
+        return 1024
 
     def stop(self, reason):
         if self.stop_reason is None:
@@ -196,3 +202,16 @@ def test_a_cross_validation_callback_without_a_source_writes_no_cv_records_to_mo
     with pytest.raises(ValueError, match="this run writes no cv records"):
         toy_session(tmp_path / "run", 128, [EarlyStopping()], cv_config=callback_only)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("frequency, fragment", [(None, "only once, at its end"),
+                                                 (128, "only at its end \\(every 128 samples, max_samples 128\\)")])
+def test_early_stopping_on_a_run_that_cross_validates_only_at_its_end_is_refused(tmp_path, frequency, fragment):
+    at_the_end = CrossValidationConfig(MinibatchSource(four_class_data(40, 1), randomize=False, max_sweeps=1),
+                                       frequency=frequency, minibatch_size=20)
+    with pytest.raises(ValueError, match=f"evaluates it {fragment}, so it could never stop early; "
+                                         f"expected the cross-validation frequency"):
+        toy_session(tmp_path / "run", 128, [EarlyStopping()], cv_config=at_the_end)
+    assert not (tmp_path / "run").exists()
+    toy_session(tmp_path / "best", 128, [BestCheckpoint()], cv_config=at_the_end).train()  # the end's is a best
+    assert (tmp_path / "best" / "best.safetensors").is_file()
