@@ -280,9 +280,9 @@ def not_a_callback(candidate: Any) -> str | None:
         try:
             signature.bind(*arguments)
         except TypeError:
-            return (f"callback {_name(candidate)}.{name}{signature} cannot be called as {name}({', '.join(arguments)}); "
-                    f"expected a method taking {', '.join(arguments) or 'no arguments'} (see "
-                    f"docs/callbacks-and-loggers.md)")
+            called = f"{name}({', '.join(arguments)})"
+            return (f"callback {_name(candidate)}.{name}{signature} cannot be called as {called}; expected a method "
+                    f"taking {', '.join(arguments) or 'no arguments'} (see docs/callbacks-and-loggers.md)")
     return None
 
 
