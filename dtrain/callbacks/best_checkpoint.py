@@ -82,13 +82,15 @@ class BestCheckpoint(Callback):
 
         with safe_open(str(path), framework="pt") as weights:
             metadata = weights.metadata() or {}
-        if metadata.get("monitor") != self.monitor.name or "value" not in metadata:
+        if (metadata.get("monitor"), metadata.get("mode")) != (self.monitor.name, self.monitor.mode) \
+                or "value" not in metadata:
             return None
         return float(metadata["value"]), int(metadata["samples_seen"])
 
     def state_dict(self) -> dict:
-        return {"monitor": self.monitor.name, "best": self.best, "best_samples": self.best_samples}
+        return {"monitor": self.monitor.name, "mode": self.monitor.mode, "best": self.best,
+                "best_samples": self.best_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("monitor") == self.monitor.name:
+        if (state.get("monitor"), state.get("mode")) == (self.monitor.name, self.monitor.mode):  # else: start afresh
             self.best, self.best_samples = state["best"], state["best_samples"]

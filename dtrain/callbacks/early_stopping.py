@@ -75,10 +75,10 @@ class EarlyStopping(Callback):
                 f"{monitor.evaluation}{'s' if self.wait != 1 else ''} (patience {self.patience})")
 
     def state_dict(self) -> dict:
-        return {"monitor": self.monitor.name, "best": self.best, "best_samples": self.best_samples,
-                "wait": self.wait}
+        return {"monitor": self.monitor.name, "mode": self.monitor.mode, "best": self.best,
+                "best_samples": self.best_samples, "wait": self.wait}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("monitor") != self.monitor.name:  # another monitor since: its values say nothing of this one
-            return
+        if (state.get("monitor"), state.get("mode")) != (self.monitor.name, self.monitor.mode):
+            return  # another monitor or mode since: its best says nothing of this one
         self.best, self.best_samples, self.wait = state["best"], state["best_samples"], int(state["wait"])

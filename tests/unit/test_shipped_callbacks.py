@@ -189,7 +189,8 @@ def test_a_best_file_written_after_the_checkpoint_is_kept_when_better_than_the_c
     toy_session(tmp_path, 128, [BestCheckpoint(monitor="cv.loss", mode="max")]).train()
     best = tmp_path / "best.safetensors"
     saved = load_file(best)
-    save_file(saved, best, metadata={"monitor": "cv.loss", "value": "1e9", "samples_seen": "192", "format": "pt"})
+    save_file(saved, best, metadata={"monitor": "cv.loss", "mode": "max", "value": "1e9", "samples_seen": "192",
+                                     "format": "pt"})
     written = best.read_bytes()
     keeper = BestCheckpoint(monitor="cv.loss", mode="max")
     toy_session(tmp_path, 384, [keeper]).train()
@@ -215,3 +216,16 @@ def test_early_stopping_on_a_run_that_cross_validates_only_at_its_end_is_refused
     assert not (tmp_path / "run").exists()
     toy_session(tmp_path / "best", 128, [BestCheckpoint()], cv_config=at_the_end).train()  # the end's is a best
     assert (tmp_path / "best" / "best.safetensors").is_file()
+
+
+def test_a_state_kept_for_another_monitor_or_mode_is_not_taken_back():
+    kept = EarlyStopping(monitor="cv.loss", mode="min", patience=2)
+    feed(kept, [0.5, 0.6], key="loss")
+    state = kept.state_dict()
+    assert (state["best"], state["wait"]) == (0.5, 1)
+    for other in (EarlyStopping(monitor="cv.loss", mode="max", patience=2), EarlyStopping(patience=2)):
+        other.load_state_dict(state)
+        assert (other.best, other.wait) == (None, 0)
+    same = EarlyStopping(monitor="cv.loss", patience=2)  # min, from the key
+    same.load_state_dict(state)
+    assert (same.best, same.best_samples, same.wait) == (0.5, 1024, 1)
