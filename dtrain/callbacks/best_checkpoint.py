@@ -7,6 +7,9 @@ from dtrain.callbacks.monitor import Monitor, samples
 from dtrain.learners.replicated import ReplicatedLearner
 from dtrain.session.callbacks import Callback
 
+#: the files of the run directory that the run itself writes at its end (the best weights must not be one)
+_RUN_OUTPUTS = ("model.safetensors", "model_ema.safetensors", "report.png", "metrics.jsonl", "metrics.csv")
+
 
 class BestCheckpoint(Callback):
     """Writes the model's weights to ``run_dir/filename`` whenever ``monitor`` improves on its best.
@@ -28,6 +31,9 @@ class BestCheckpoint(Callback):
         self.monitor = Monitor("BestCheckpoint", monitor, mode)
         if not isinstance(filename, str) or filename.endswith("/") or Path(filename).name in ("", ".", ".."):
             raise ValueError(f"BestCheckpoint filename={filename!r}: expected a file name such as best.safetensors")
+        if not Path(filename).is_absolute() and filename in _RUN_OUTPUTS:
+            raise ValueError(f"BestCheckpoint filename={filename!r}: the run writes its own {filename} there at its "
+                             f"end; expected another name, such as best.safetensors")
         self.filename = filename
         self.best: float | None = None
         self.best_samples: int | None = None

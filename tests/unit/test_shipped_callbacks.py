@@ -93,6 +93,10 @@ def test_monitors_and_settings_the_run_cannot_honour_are_refused_naming_what_it_
                        ({"min_delta": -0.1}, "min_delta=-0.1: expected a non-negative")]:
         with pytest.raises(ValueError, match=match):
             EarlyStopping(**bad)
+    for filename, match in [("model.safetensors", "the run writes its own model.safetensors there at its end"),
+                            ("sub/", "expected a file name such as best.safetensors"), ("", "expected a file name")]:
+        with pytest.raises(ValueError, match=match):
+            BestCheckpoint(filename=filename)
     # the ranks of a local (or block) learner hold different models at a progress report: no best to keep there
     local = LocalLearner(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     with pytest.raises(ValueError, match="hold different models between their synchronisations"):
