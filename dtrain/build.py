@@ -19,6 +19,7 @@ from dtrain.optim import optimizer_parameters
 from dtrain.threads import choose_threads
 from dtrain.session import TrainingSession
 from dtrain.session.binding import StreamBinding
+from dtrain.session.callbacks import not_a_callback
 from dtrain.session.checkpoint_state import DEFAULTS_KEY
 from dtrain.session.from_settings import session_inputs
 from dtrain.session.safe_files import create_new, first_free_name
@@ -91,7 +92,11 @@ def _components(group: DictConfig | None, name: str) -> list:
         if not isinstance(node, DictConfig) or "_target_" not in node:
             raise UserError(f"{name}.{key}: expected a _target_ block naming a dtrain.Callback (see "
                             f"docs/callbacks-and-loggers.md), got {OmegaConf.to_yaml(node).strip() if isinstance(node, (DictConfig, ListConfig)) else node!r}")
-        built.append(_instantiate(node, f"{name}.{key}"))
+        component = _instantiate(node, f"{name}.{key}")
+        problem = not_a_callback(component)
+        if problem is not None:
+            raise UserError(f"{name}.{key}: {problem}")
+        built.append(component)
     return built
 
 

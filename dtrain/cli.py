@@ -21,7 +21,8 @@ from dtrain.config import register_schemas, validate
 from dtrain.failures import (EXIT_BAD_INPUT, EXIT_PREEMPTED, UserError, continue_command, describe_failure, end_failed_sweep_job,
                              end_job, exit_bad_input, exit_preempted, fail_before_job, is_lost_peer, launch_position,
                              print_debug_traceback)
-from dtrain.help import UnknownTopic, config_dir, config_directories, nested_group_hint, quick_answer
+from dtrain.help import (MULTIPLE_CHOICE_GROUPS, UnknownTopic, config_dir, config_directories, nested_group_hint,
+                         quick_answer)
 from dtrain.session import TrainingDiverged
 from dtrain.sweep import JobFailed, SweepJob, current_job, finish_sweep, record_outcome, start_sweep, sweep_outcomes
 
@@ -289,10 +290,6 @@ def check_overrides(argv: list[str]) -> str | None:
     return _composition_problem(overrides, directories)
 
 
-#: config groups of which a run may choose several options at once (callbacks=[early_stopping,best_checkpoint])
-MULTIPLE_CHOICE_GROUPS = ("callbacks", "logger")
-
-
 def _unreadable_override(argument: str, error: Exception) -> str:
     """One line for an override Hydra's grammar cannot read, naming it."""
     value = argument.split("=", 1)[1] if "=" in argument else ""
@@ -330,13 +327,19 @@ def _composition_problem(overrides: list[str], directories: list[Path]) -> str |
         options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
         if "Available options" in str(error) and options:
             parts.append(f"(available: {', '.join(options)})")
+        missing = re.search(r"Could not load '([^/']+)/([^']+)'", lines[0])
+        missing_listed = bool(missing) and missing.group(1) in MULTIPLE_CHOICE_GROUPS
+        if missing_listed:  # Hydra lists no options for a list's entry
+            group = missing.group(1)
+            options = sorted({p.stem for directory in directories for p in (directory / group).glob("*.yaml")})
+            parts.append(f"(available: {', '.join(options) or 'none'}; {group}=[NAME,...] takes several)")
         cause = error.__cause__
         if cause is not None and str(cause).strip():
             parts.append(first_line(cause))
             full_key = re.search(r"full_key: (\S+)", str(cause))
             if full_key and full_key.group(1) not in " ".join(parts):
                 parts.append(f"(key {full_key.group(1)})")
-        if not hint and (len(parts) == 1 or "Available options" not in str(error)):
+        if not hint and not missing_listed and (len(parts) == 1 or "Available options" not in str(error)):
             parts.append("(python -m dtrain +recipe=NAME --cfg job lists every key)")
         return " ".join(parts)
     except Exception as error:  # noqa: BLE001 -- Hydra lets some malformed overrides through as raw errors

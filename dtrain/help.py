@@ -233,6 +233,10 @@ def nested_group_hint(shipped: str | Path, hydra_message: str, argv: list[str]) 
     return f"({which} has no {parent}/{nested}; {parent}/{nested}=NAME goes with {parent}={options})"
 
 
+#: config groups of which a run may choose several options at once (callbacks=[early_stopping,best_checkpoint])
+MULTIPLE_CHOICE_GROUPS = ("callbacks", "logger")
+
+
 def help_text(shipped: str | Path, argv: list[str]) -> str:
     """The whole ``--help`` text for a command line ``argv`` (its ``--config-dir`` options count)."""
     directories = config_directories(shipped, argv)
@@ -243,7 +247,10 @@ def help_text(shipped: str | Path, argv: list[str]) -> str:
     group_lines = []
     for group, options in groups.items():
         default = defaults.get(group)
-        heading = f"  {group}=" + "|".join(options) + (f"   (default: {default})" if default and len(options) > 1 else "")
+        if group in MULTIPLE_CHOICE_GROUPS:
+            heading = f"  {group}=[" + ",".join(options) + "]   (any of them, several at once; default: none)"
+        else:
+            heading = f"  {group}=" + "|".join(options) + (f"   (default: {default})" if default and len(options) > 1 else "")
         group_lines.append(heading + "\n" + _options(options, default, indent=4))
     sections.append("config groups (group=option picks an option, * marks the default; group.key=value sets a value):\n"
                     + "\n".join(group_lines))

@@ -1,4 +1,4 @@
-"""``logger=mlflow``: the run in MLflow (``pip install 'dtrain[mlflow]'``; ``docs/loggers.md``)."""
+"""``logger=mlflow``: the run in MLflow (``pip install 'dtrain[mlflow]'``; ``docs/callbacks-and-loggers.md#loggers``)."""
 from __future__ import annotations
 
 import json

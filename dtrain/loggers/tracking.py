@@ -1,4 +1,4 @@
-"""What the W&B and MLflow loggers share: one tracking run per job, kept across resumes (``docs/loggers.md``).
+"""What the W&B and MLflow loggers share: one tracking run per job, kept across resumes (``docs/callbacks-and-loggers.md#loggers``).
 
 A tracking logger is a :class:`~dtrain.session.callbacks.Callback` on rank 0. At ``on_run_start`` it starts a
 tracking run, or, for a run resumed from its own checkpoint, continues the one whose id it kept in the run

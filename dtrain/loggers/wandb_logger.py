@@ -1,4 +1,4 @@
-"""``logger=wandb``: the run in Weights & Biases (``pip install 'dtrain[wandb]'``; ``docs/loggers.md``)."""
+"""``logger=wandb``: the run in Weights & Biases (``pip install 'dtrain[wandb]'``; ``docs/callbacks-and-loggers.md#loggers``)."""
 from __future__ import annotations
 
 import os

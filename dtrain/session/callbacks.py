@@ -27,6 +27,7 @@ A callback's ``state_dict()`` is kept in every checkpoint and given back to ``lo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,9 +177,22 @@ class RunView:
         """The keys this run writes to ``metrics.jsonl`` by record kind (``train``, ``cv``, ``test``), for ``check``."""
         return self._session.produced_metrics()
 
-    def save_weights(self, path: Path) -> Path:
-        """Writes the model's weights to ``path`` (safetensors, atomically); the file ``model.safetensors`` uses."""
-        return self._session.save_weights(Path(path))
+    def evaluation_period(self, kind: str) -> int:
+        """Global samples between this run's records of ``kind`` (``train``: progress reports, ``cv``:
+        cross-validations); ``sys.maxsize``: only at the end of training, 0: none."""
+        session = self._session
+        periods = {"train": session.progress_period, "cv": session.cv_period}
+        return periods[kind].frequency if kind in periods else 0
+
+    @property
+    def metric_in_percent(self) -> bool:
+        """Whether the run shows its metric as a rate in percent (``error 3.12%``) rather than a value."""
+        return self._session.metric_percent
+
+    def save_weights(self, path: Path, metadata: dict[str, str] | None = None) -> Path:
+        """Writes the model's weights to ``path`` (safetensors, atomically) as ``model.safetensors`` is written, with
+        ``samples_seen`` and ``metadata`` (string pairs) in the file's header."""
+        return self._session.save_weights(Path(path), metadata)
 
     def stop(self, reason: str) -> None:
         """Ends training at the next point where the ranks meet (see the module docstring); the first reason wins."""
@@ -196,9 +210,9 @@ class CallbackList:
     def __init__(self, callbacks: Iterable[Any], is_main: bool):
         self.all = list(callbacks or ())
         for callback in self.all:
-            if not any(callable(getattr(callback, event, None)) for event in EVENTS):
-                raise TypeError(f"callback {_name(callback)} has none of the events {', '.join(EVENTS)}; expected a "
-                                f"dtrain.Callback (see docs/callbacks-and-loggers.md)")
+            problem = not_a_callback(callback)
+            if problem is not None:
+                raise TypeError(problem)
         self.here = [callback for callback in self.all if is_main or getattr(callback, "all_ranks", False)]
         self._handlers = {event: [getattr(callback, event) for callback in self.here
                                   if _overrides(callback, event)] for event in EVENTS}
@@ -240,6 +254,38 @@ class CallbackList:
                 callback.load_state_dict(state)
 
 
+#: the arguments each method of a callback is called with (after ``self``)
+ARGUMENTS = {"on_run_start": ("run",), "on_checkpoint_restore": ("run", "path"), "on_step_end": ("run", "step"),
+             "on_progress": ("run", "record"), "on_cross_validation": ("run", "record"),
+             "on_checkpoint_save": ("run", "path"), "on_preemption": ("run", "path"), "on_test": ("run", "record"),
+             "on_run_end": ("run", "result"), "on_exception": ("run", "error"), "check": ("run",),
+             "state_dict": (), "load_state_dict": ("state",)}
+
+
+def not_a_callback(candidate: Any) -> str | None:
+    """Why ``candidate`` is no callback (it has none of the events, or a method that cannot take the arguments
+    the session calls it with), or ``None``: it is one. Checked when the session is built, so a wrong signature
+    is refused before anything is written rather than failing the run at its first event."""
+    if not any(callable(getattr(candidate, event, None)) for event in EVENTS):
+        return (f"callback {_name(candidate)} has none of the events {', '.join(EVENTS)}; expected a dtrain.Callback "
+                f"(see docs/callbacks-and-loggers.md)")
+    for name, arguments in ARGUMENTS.items():
+        method = getattr(candidate, name, None)
+        if not callable(method):
+            continue
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):  # a builtin without a signature: taken as it is
+            continue
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            called = f"{name}({', '.join(arguments)})"
+            return (f"callback {_name(candidate)}.{name}{signature} cannot be called as {called}; expected a method "
+                    f"taking {', '.join(arguments) or 'no arguments'} (see docs/callbacks-and-loggers.md)")
+    return None
+
+
 def _overrides(callback: Any, event: str) -> bool:
     """Whether ``callback`` does something at ``event`` (a Callback subclass's inherited no-op does not)."""
     method = getattr(type(callback), event, None)
@@ -257,4 +303,4 @@ def _name(callback: Any) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-__all__ = ["EVENTS", "Callback", "CallbackList", "RunView", "StepEnd"]
+__all__ = ["EVENTS", "Callback", "CallbackList", "RunView", "StepEnd", "not_a_callback"]

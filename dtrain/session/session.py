@@ -641,17 +641,18 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         produced: dict[str, list[str]] = {}
         if self.progress_period.frequency != 0:
             produced["train"] = [*measured, "samples_per_second", "lr"]
-        if self.cv_config is not None and self.cv_period.frequency != 0:
-            produced["cv"] = list(measured)
+        if self.cv_config is not None and self.cv_config.minibatch_source is not None and self.cv_period.frequency != 0:
+            produced["cv"] = list(measured)  # a cross-validation of a callback alone (no source) writes no record
         if self.test_config is not None:
             produced["test"] = list(measured)
             if self.ema is not None:
                 produced["test_ema"] = list(measured)
         return produced
 
-    def save_weights(self, path: Path) -> Path:
+    def save_weights(self, path: Path, metadata: dict[str, str] | None = None) -> Path:
         """Writes the model's weights to ``path`` as ``model.safetensors`` is written (rank 0 calls it)."""
-        return save_weights(self.model, path, metadata={"samples_seen": str(self.learner.samples_seen)})
+        return save_weights(self.model, path, metadata={"samples_seen": str(self.learner.samples_seen),
+                                                        **(metadata or {})})
 
     def _record_to_callbacks(self, record: dict) -> None:
         """The metrics writer's listener: each record to its event (train: progress, cv, test and test_ema: test)."""

@@ -161,6 +161,27 @@ CASES = [
     ("seed-negative", ["seed=-1"], ["seed=-1: expected"]),
     ("source-sweeps-0", ["source.train.max_sweeps=0"], ["source.train.max_sweeps=0: expected"]),
     ("source-seed-negative", ["source.train.randomization_seed=-1"], ["source.train.randomization_seed=-1: expected"]),
+    # callbacks (conf/callbacks, or a _target_ of one's own): the option, the class, its arguments, its monitor
+    ("callbacks-unknown-option", ["callbacks=[early_stoping]"],
+     ["callbacks/early_stoping", "(available: best_checkpoint, early_stopping;"]),
+    ("callbacks-unknown-argument", ["callbacks=[early_stopping]", "+callbacks.early_stopping.patiense=3"],
+     ["callbacks.early_stopping: EarlyStopping.__init__() got an unexpected keyword argument 'patiense'"]),
+    ("callbacks-bad-value", ["callbacks=[early_stopping]", "callbacks.early_stopping.patience=0"],
+     ["callbacks.early_stopping: EarlyStopping patience=0: expected a whole number of evaluations of at least 1"]),
+    ("callbacks-target-missing", ["+callbacks.mine._target_=no_such_module.Callback"],
+     ["callbacks.mine: Error locating target 'no_such_module.Callback'", "expected an importable class"]),
+    ("callbacks-not-a-callback", ["+callbacks.mine._target_=collections.OrderedDict"],
+     ["callbacks.mine: callback collections.OrderedDict has none of the events", "expected a dtrain.Callback"]),
+    ("callbacks-not-a-block", ["+callbacks.mine=5"], ["callbacks.mine: expected a _target_ block"]),
+    ("early-stopping-no-cv", ["callbacks=[early_stopping,best_checkpoint]"],
+     ["EarlyStopping monitor='cv.error': this run writes no cv records", "expected one of the values it writes: "
+      "train.loss, train.error"]),
+    ("early-stopping-at-the-end", ["source.cv=${{source.test}}", "callbacks=[early_stopping]"],
+     ["EarlyStopping monitor='cv.error': this run evaluates it only once, at its end, so it could never stop early; "
+      "expected the cross-validation frequency (session.cv.frequency) below max_samples"]),
+    ("best-checkpoint-unknown-key", ["source.cv=${{source.test}}", "callbacks=[best_checkpoint]",
+                                     "callbacks.best_checkpoint.monitor=cv.top5_error"],
+     ["BestCheckpoint monitor='cv.top5_error': cv records have no top5_error", "cv.loss, cv.error"]),
     # recipes
     ("recipe-unknown", ["+recipe=imagenette"], ["unknown recipe 'imagenette'; expected one of cifar10, cmudict_g2p, digits"]),
     ("recipe-missing", [], ["no recipe chosen", "+recipe=NAME"]),
@@ -225,7 +246,8 @@ DEFAULT_CASES = {
     "group-list", "recipe-unknown", "recipe-missing", "run-dir-empty-string", "run-dir-is-file", "run-dir-below-file",
     "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
     "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
-    "config-dir-unknown-option"}
+    "config-dir-unknown-option", "callbacks-unknown-option", "callbacks-unknown-argument", "callbacks-target-missing",
+    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end"}
 
 # every case without a recipe of its own uses the digits recipe
 # the last ones name the recipe after --config-dir
@@ -237,7 +259,8 @@ _RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule", "config-d
 #: the default suite keeps one of each kind (before the communicator: lr-nan; after: restore-off), the slow set the rest
 MPI_CASES = ["lr-nan", "restore-off", *(pytest.param(case, marks=pytest.mark.slow) for case in (
              "group-list", "plus-misspelt-session", "hidden-negative", "classes-vs-data", "run-dir-is-file",
-             "run-dir-empty-string", "lr-schedule-word", "threads-0", "minibatch-too-large", "recipe-unknown")),
+             "run-dir-empty-string", "lr-schedule-word", "threads-0", "minibatch-too-large", "recipe-unknown",
+             "callbacks-not-a-callback", "early-stopping-no-cv")),
              pytest.param("hierarchical-true-one-host", marks=pytest.mark.slow),
              pytest.param("ranks-per-host-not-dividing", marks=pytest.mark.slow)]
 

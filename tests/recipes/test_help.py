@@ -63,6 +63,16 @@ def test_help_lists_the_recipes_and_options_of_a_config_dir(tmp_path):
     assert re.search(r"\n +local_sgd +Local SGD, averaged every k steps\.", result.stdout)  # the config dir's own
 
 
+def test_help_shows_callbacks_as_a_list_of_several_with_a_config_dirs_own(tmp_path):
+    (tmp_path / "conf" / "callbacks").mkdir(parents=True)
+    (tmp_path / "conf" / "callbacks" / "mine.yaml").write_text("# python -m dtrain callbacks=[mine]\n# my own callback.\n")
+    result = run(sys.executable, "-m", "dtrain", "--config-dir", str(tmp_path / "conf"), "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "\n  callbacks=[best_checkpoint,early_stopping,mine]   (any of them, several at once; default: none)\n" \
+        in result.stdout
+    assert re.search(r"\n +mine +my own callback\.", result.stdout)
+
+
 @pytest.mark.slow
 def test_hydra_help_is_still_hydras(tmp_path):
     result = run(sys.executable, "-m", "dtrain", "--hydra-help", cwd=tmp_path)

@@ -2,17 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
-from dtrain import CheckpointConfig, CrossValidationConfig, MinibatchSource, TestConfig, training_session
-from dtrain import LocalLearner
 from dtrain.session.callbacks import Callback, StepEnd
 
-from tests.helpers.toy_data import four_class_data
+from tests.helpers.callbacks import toy_session
 
 
 class Recorder(Callback):
@@ -63,24 +60,9 @@ class Recorder(Callback):
         self.restored_count = state["count"]
 
 
-def session(run_dir: Path, max_samples: int, callbacks, **options):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    options.setdefault("cv_config", CrossValidationConfig(
-        MinibatchSource(four_class_data(40, 1), randomize=False, max_sweeps=1), frequency=64, minibatch_size=20))
-    return training_session(
-        model=model, loss=nn.functional.cross_entropy, learner=LocalLearner(optimizer),
-        minibatch_source=MinibatchSource(four_class_data(200, 0), randomize=True, randomization_seed=3),
-        minibatch_size=16, max_samples=max_samples, progress_frequency=32,
-        checkpoint_config=CheckpointConfig("ckpt.pt", frequency=64),
-        test_config=TestConfig(MinibatchSource(four_class_data(40, 2), randomize=False, max_sweeps=1), 20),
-        run_dir=run_dir, tensorboard=False, callbacks=callbacks, **options)
-
-
 def test_each_event_fires_once_in_order_with_the_records_of_metrics_jsonl(tmp_path):
     recorder = Recorder()
-    session(tmp_path, 128, [recorder]).train()
+    toy_session(tmp_path, 128, [recorder]).train()
     names = [name for name, _ in recorder.events]
     assert names[0] == "run_start" and names[-2:] == ["test", "run_end"]
     assert names.count("step_end") == 8 and "checkpoint_restore" not in names
@@ -94,9 +76,9 @@ def test_each_event_fires_once_in_order_with_the_records_of_metrics_jsonl(tmp_pa
 
 def test_a_resumed_run_gets_its_callbacks_state_and_a_restore_event(tmp_path):
     first = Recorder()
-    session(tmp_path, 64, [first]).train()
+    toy_session(tmp_path, 64, [first]).train()
     second = Recorder()
-    result = session(tmp_path, 128, [second]).train()
+    result = toy_session(tmp_path, 128, [second]).train()
     assert result.restored_from is not None
     # the state the checkpoint at 64 samples kept: the events up to its save
     assert second.restored_count == [name for name, _ in first.events].index("checkpoint_save")
@@ -114,7 +96,7 @@ class StopAt(Callback):
 
 
 def test_a_callback_stops_the_run_which_ends_normally_with_the_reason(tmp_path, capsys):
-    result = session(tmp_path, 192, [StopAt(48)]).train()
+    result = toy_session(tmp_path, 192, [StopAt(48)]).train()
     assert result.stopped_early and result.samples_seen == 48 and result.stop_reason == "reached 48"
     assert result.test is not None  # the test still runs
     assert "stopped early at 48 samples: reached 48" in capsys.readouterr().out
@@ -122,4 +104,28 @@ def test_a_callback_stops_the_run_which_ends_normally_with_the_reason(tmp_path, 
 
 def test_an_object_without_events_is_refused():
     with pytest.raises(TypeError, match="has none of the events"):
-        session(Path("/nonexistent"), 64, [object()])
+        toy_session(Path("/nonexistent"), 64, [object()])
+
+
+class OnProgressWithoutRun(Callback):
+    def on_progress(self, record):  # the run is missing
+        pass
+
+
+class StateWithArgument:
+    def on_run_end(self, run, result):
+        pass
+
+    def state_dict(self, destination):
+        return {}
+
+
+@pytest.mark.parametrize("callback, fragment", [
+    (OnProgressWithoutRun(), "OnProgressWithoutRun.on_progress(record) cannot be called as on_progress(run, record)"),
+    (StateWithArgument(), "StateWithArgument.state_dict(destination) cannot be called as state_dict(); expected a "
+                          "method taking no arguments"),
+])
+def test_a_method_with_the_wrong_signature_is_refused_before_anything_is_written(tmp_path, callback, fragment):
+    with pytest.raises(TypeError, match=re.escape(fragment)):
+        toy_session(tmp_path / "run", 64, [callback])
+    assert not (tmp_path / "run").exists()
