@@ -6,7 +6,7 @@
 
 Each round runs ``python -m dtrain +recipe=R`` twice, once plain and once with ``--with``'s overrides (by
 default two loggers and three callbacks: W&B offline, MLflow's file store, early stopping, the best
-checkpoint and the time monitor), the order alternating between rounds so machine noise hits both. The step time
+checkpoint and the time limit), both with ``--base``'s (cross-validation, which the monitors read), the order alternating between rounds so machine noise hits both. The step time
 is read from each run's ``metrics.jsonl``: the training periods' ``period_s`` over their samples, the first
 period left out (start-up, the loggers' connection, kernels warming up). Printed: each side's samples/s (median),
 their ratio, and the median of the per-round ratios (the two runs of a round back to back).
@@ -24,8 +24,10 @@ import tempfile
 from pathlib import Path
 
 #: two loggers and three callbacks, the configuration the step-time promise is about
-DEFAULT_WITH = ("logger=[wandb,mlflow] logger.wandb.mode=offline callbacks=[early_stopping,best_checkpoint,"
-                "time_monitor]")
+DEFAULT_WITH = ("logger=[wandb,mlflow] logger.wandb.mode=offline callbacks=[early_stopping,best_checkpoint,time_limit] "
+                "callbacks.time_limit.max_time=24:00:00 callbacks.early_stopping.patience=100")
+#: what both sides run with: cross-validation, which the monitors of early stopping and the best checkpoint read
+DEFAULT_BASE = "source.cv=${source.test} session.cv.frequency=6000"
 
 
 def training_rate(recipe: str, samples: int, progress: int, extra: list[str], run_dir: Path) -> float:
@@ -53,8 +55,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--with", dest="with_overrides", default=DEFAULT_WITH,
                         help="the overrides that turn loggers and callbacks on")
+    parser.add_argument("--base", default=DEFAULT_BASE, help="overrides both sides run with")
     args = parser.parse_args()
-    extra = shlex.split(args.with_overrides)
+    extra, base = shlex.split(args.with_overrides), shlex.split(args.base)
     plain, equipped, ratios = [], [], []
     with tempfile.TemporaryDirectory() as scratch:
         for round_index in range(args.rounds):
@@ -63,14 +66,14 @@ def main() -> None:
             for with_extras in order:
                 run_dir = Path(scratch) / f"{round_index}-{'with' if with_extras else 'plain'}"
                 rates[with_extras] = training_rate(args.recipe, args.samples, args.progress,
-                                                   extra if with_extras else [], run_dir)
+                                                   base + (extra if with_extras else []), run_dir)
             plain.append(rates[False])
             equipped.append(rates[True])
             ratios.append(rates[True] / rates[False])
             print(f"round {round_index + 1}: plain {rates[False]:,.0f} samples/s, with {rates[True]:,.0f} "
                   f"({rates[True] / rates[False]:.3f})", flush=True)
     print(f"\nload: {os.getloadavg()[0]:.2f}; recipe {args.recipe}, {args.samples} samples, {args.rounds} rounds")
-    print(f"with: {' '.join(extra)}")
+    print(f"both: {' '.join(base)}\nwith: {' '.join(extra)}")
     print(f"{'plain /s':>12} {'with /s':>12} {'with/plain':>11} {'per round':>10}")
     print(f"{statistics.median(plain):12,.0f} {statistics.median(equipped):12,.0f} "
           f"{statistics.median(equipped) / statistics.median(plain):11.3f} {statistics.median(ratios):10.3f}")

@@ -2,6 +2,7 @@
 or choose them on the command line, ``callbacks=[early_stopping,best_checkpoint]``."""
 from dtrain.callbacks.best_checkpoint import BestCheckpoint
 from dtrain.callbacks.early_stopping import EarlyStopping
+from dtrain.callbacks.time_limit import TimeLimit
 from dtrain.session.callbacks import Callback, RunView, StepEnd
 
-__all__ = ["BestCheckpoint", "Callback", "EarlyStopping", "RunView", "StepEnd"]
+__all__ = ["BestCheckpoint", "Callback", "EarlyStopping", "RunView", "StepEnd", "TimeLimit"]

@@ -185,6 +185,12 @@ class RunView:
         return periods[kind].frequency if kind in periods else 0
 
     @property
+    def checkpoint_period(self) -> int:
+        """Global samples between this run's checkpoints; ``sys.maxsize``: only at the end, 0: none."""
+        session = self._session
+        return session.checkpoint_period.frequency if session.checkpointing.files is not None else 0
+
+    @property
     def metric_in_percent(self) -> bool:
         """Whether the run shows its metric as a rate in percent (``error 3.12%``) rather than a value."""
         return self._session.metric_percent

@@ -233,3 +233,51 @@ def test_a_state_kept_for_another_monitor_or_mode_is_not_taken_back():
     same = EarlyStopping(monitor="cv.loss", patience=2)  # min, from the key
     same.load_state_dict(state)
     assert (same.best, same.best_samples, same.wait) == (0.5, 1024, 1)
+
+
+@pytest.mark.parametrize("duration, seconds", [(90, 90.0), (1.5, 1.5), ("90", 90.0), ("01:30", 90.0),
+                                               ("23:30:00", 84600.0), ("1-00:00:10", 86410.0)])
+def test_a_time_limit_reads_seconds_and_slurm_clock_times(duration, seconds):
+    from dtrain.callbacks.time_limit import seconds_of
+
+    assert seconds_of(duration) == seconds
+
+
+@pytest.mark.parametrize("duration", [0, -5, "soon", "1:2:3:4", True, "00:00:00"])
+def test_a_time_limit_that_is_not_a_positive_duration_is_refused_naming_it(duration):
+    from dtrain.callbacks import TimeLimit
+
+    with pytest.raises(ValueError, match=r"TimeLimit max_time"):
+        TimeLimit(duration)
+
+
+def test_a_time_limit_ends_the_run_normally_after_the_step_that_crossed_it(tmp_path, monkeypatch, capsys):
+    import dtrain.callbacks.time_limit as time_limit
+    from dtrain.callbacks import TimeLimit
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(time_limit.time, "monotonic", lambda: clock["now"])
+
+    class Ticks(Callback):  # 10 s a step by the patched clock
+        def on_step_end(self, run, step):
+            clock["now"] += 10.0
+
+    # Ticks runs first, so the limit sees each step's 10 s: the third step's end is 30 s after the start >= 25 s
+    result = toy_session(tmp_path, 192, [Ticks(), TimeLimit(25)]).train()
+    assert result.stopped_early and result.samples_seen == 48
+    assert result.stop_reason == "time limit: 0:00:25 of training passed (TimeLimit max_time)"
+    assert result.test is not None and result.last_checkpoint.name == "ckpt-48.pt"  # the stop's checkpoint
+    assert "stopped early at 48 samples: time limit" in capsys.readouterr().out
+
+
+def test_a_time_limit_on_ranks_that_meet_only_at_the_end_is_refused():
+    import sys
+    from types import SimpleNamespace
+
+    from dtrain.callbacks import TimeLimit
+
+    only_at_end = SimpleNamespace(world_size=2, evaluation_period=lambda kind: sys.maxsize, checkpoint_period=0)
+    with pytest.raises(ValueError, match=r"TimeLimit max_time=60: on 2 ranks .* expected session.progress_frequency"):
+        TimeLimit(60).check(only_at_end)
+    TimeLimit(60).check(SimpleNamespace(**{**vars(only_at_end), "world_size": 1}))  # one process stops at any step
+    TimeLimit(60).check(SimpleNamespace(**{**vars(only_at_end), "checkpoint_period": 5000}))
