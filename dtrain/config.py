@@ -78,6 +78,9 @@ class DTrainConfig:
     recipe: Any = None
     loss: Any = MISSING                 # conf/loss: loss(output, labels) -> mean over the minibatch
     metric: Any = MISSING               # conf/metric: metric(output, labels) -> sum over the minibatch
+    # your own objective(model, minibatch) -> loss or (loss, figures), a _target_ block; it replaces the
+    # recipe's loss and metric (docs/objectives.md)
+    objective: Any = None
 
 
 _SCHEMAS = {
