@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 from hydra.errors import InstantiationException
-from hydra._internal.utils import _locate
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dtrain.comm.base import first_line
@@ -109,8 +108,8 @@ def _objective(node):
     target = node.get("_target_") if isinstance(node, DictConfig) else None
     if isinstance(target, str) and not node.get("_partial_", False):
         try:
-            located = _locate(target)
-        except ImportError:
+            located = get_object(target)
+        except (ImportError, ValueError):
             located = None  # _instantiate says what is wrong with it
         if inspect.isfunction(located):
             return _instantiate(node, "objective", _partial_=True)

@@ -62,10 +62,11 @@ def test_figures_are_in_the_train_cv_and_test_records_averaged_like_the_loss(tmp
     assert result.test.details.keys() == {"main_loss", "aux"} and result.objective == result.test.loss
 
 
-def test_an_objective_computing_the_loss_trains_as_the_loss_does(tmp_path):
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_an_objective_computing_the_loss_trains_as_the_loss_does(tmp_path, precision):
     with_loss, with_objective = make_model(), make_model()
-    session(tmp_path / "loss", with_loss, loss=F.cross_entropy).train()
-    session(tmp_path / "objective", with_objective, micro_batch_size=5,
+    session(tmp_path / "loss", with_loss, loss=F.cross_entropy, micro_batch_size=5, precision=precision).train()
+    session(tmp_path / "objective", with_objective, micro_batch_size=5, precision=precision,
             objective=lambda model, minibatch: F.cross_entropy(model(minibatch["features"]), minibatch["labels"])).train()
     for a, b in zip(with_loss.parameters(), with_objective.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -153,3 +154,11 @@ def test_distillation_refuses_missing_or_foreign_teacher_weights(tmp_path):
     save_weights(nn.Linear(6, 4), tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="other.safetensors does not fit the teacher"):
         Distillation(make_model(), weights=tmp_path / "other.safetensors")
+
+
+def test_the_collapse_watch_judges_an_objective_against_its_start_never_against_chance(tmp_path):
+    # the objective's loss is a classifier's cross-entropy, but the watch cannot know its classes: no ln C level
+    trained = session(tmp_path, objective=lambda model, minibatch: F.cross_entropy(model(minibatch["features"]),
+                                                                                     minibatch["labels"]))
+    trained.train()
+    assert trained._collapse.chance_loss is None and trained._collapse.from_start
