@@ -29,6 +29,7 @@ class EvaluationPasses:
         result = None
         if config.minibatch_source is not None:
             self.learner.synchronize()  # evaluate the one model every worker agrees on
+            self._figure_names()  # an objective's figures, known on every rank before their sums are reduced
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
                               progress=EvaluationProgress(printer, f"cross-validation {self.cv_index}",
@@ -160,6 +161,7 @@ class EvaluationPasses:
                          f"this model on it, so its result is the test's (not evaluated twice)")
             result = reuse
         else:
+            self._figure_names()  # an objective's figures, known on every rank before their sums are reduced
             result = evaluate(model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
                               progress=EvaluationProgress(printer, what, config.max_samples), objective=self.objective)

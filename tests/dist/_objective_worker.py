@@ -9,6 +9,8 @@ Checks:
   distillation  the same with ``dtrain.session.Distillation`` and a frozen teacher loaded from safetensors.
   resume        data_parallel with the two-loss objective, resumed from its first checkpoint (about 96 samples), against
                 the uninterrupted run: the same parameters, bit for bit.
+  bad_first_result  an objective whose first result is a vector on rank 1 only: every rank refuses with
+                rank 1's line before any step.
 """
 from __future__ import annotations
 
@@ -127,12 +129,27 @@ def check_resume(comm, run_dir: Path) -> dict:
             "moved": max_difference(whole, make_model())}
 
 
+def check_bad_first_result(comm, run_dir: Path) -> dict:
+    def objective(model, minibatch):  # a vector on rank 1 only: both ranks must refuse, with rank 1's line
+        losses = F.cross_entropy(model(minibatch["features"]), minibatch["labels"], reduction="none")
+        return losses if comm.rank == 1 else losses.mean()
+    model = make_model()
+    try:
+        train(model, data_parallel_distributed_learner(optimizer_of(model), comm), run_dir / "bad", objective)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return {"refusals": comm.allgather_object(refusal),
+            "unchanged": comm.allgather_object(max_difference(model, make_model()) == 0.0)}
+
+
 def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
     comm = create_communicator(backend="gloo", timeout_s=60)  # CPU tensors, also on a GPU machine
     run_checks(comm, {name: partial(check, run_dir=run_dir) for name, check in (
-        ("two_losses", check_two_losses), ("distillation", check_distillation), ("resume", check_resume))})
+        ("two_losses", check_two_losses), ("distillation", check_distillation), ("resume", check_resume),
+        ("bad_first_result", check_bad_first_result))})
     comm.finalize()
 
 

@@ -43,5 +43,13 @@ def test_a_resumed_objective_run_is_bit_identical(launch: CheckLaunch) -> None:
     assert 96 <= record["restored_at"] < 200 and record["bit_identical"] and record["moved"] > 0.05, record
 
 
+def test_a_bad_first_result_on_one_rank_is_refused_on_every_rank(launch: CheckLaunch) -> None:
+    record = launch.result("bad_first_result")
+    first, second = record["refusals"]
+    assert first is not None and first == second, record  # the same line on both ranks
+    assert "returned a torch.float32 tensor of shape (" in first and "at the first minibatch" in first, first
+    assert record["unchanged"] == [True, True], record
+
+
 def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
     assert launch.returncode == 0, launch.output
