@@ -62,7 +62,7 @@ def test_figures_are_in_the_train_cv_and_test_records_averaged_like_the_loss(tmp
     assert result.test.details.keys() == {"main_loss", "aux"} and result.objective == result.test.loss
 
 
-@pytest.mark.parametrize("precision", ["32", "bf16"])
+@pytest.mark.parametrize("precision", ["32", "bf16", "fp16"])
 def test_an_objective_computing_the_loss_trains_as_the_loss_does(tmp_path, precision):
     with_loss, with_objective = make_model(), make_model()
     session(tmp_path / "loss", with_loss, loss=F.cross_entropy, micro_batch_size=5, precision=precision).train()
