@@ -185,7 +185,9 @@ class EvaluationPasses:
         ones training resumes with)."""
         used = recompute_batchnorm_statistics(
             self.model if model is None else model, self.source, int(self.minibatch_size(samples_seen)), self.batchnorm_recompute_samples,
-            self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision)
+            self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision,
+            forward=(lambda model, batch: self.objective(model, batch, training=False))
+            if self.objective is not None else None)  # an objective runs the model itself
         printer.line(f"BatchNorm statistics {whose}recomputed over {used:,} training samples"
                      + (f" (the data ended before {self.batchnorm_recompute_samples:,})"
                         if used < self.batchnorm_recompute_samples else ""))

@@ -162,3 +162,19 @@ def test_the_collapse_watch_judges_an_objective_against_its_start_never_against_
                                                                                      minibatch["labels"]))
     trained.train()
     assert trained._collapse.chance_loss is None and trained._collapse.from_start
+
+
+def test_batchnorm_statistics_are_recomputed_through_the_objective(tmp_path):
+    def batchnorm_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    with_loss, with_objective = batchnorm_model(0), batchnorm_model(0)
+    options = {"batchnorm_statistics": "recomputed", "batchnorm_recompute_samples": 120}
+    session(tmp_path / "loss", with_loss, loss=F.cross_entropy, **options).train()
+    session(tmp_path / "objective", with_objective, objective=two_losses, **options).train()
+    batchnorm = with_objective[1]
+    assert int(batchnorm.num_batches_tracked) == int(with_loss[1].num_batches_tracked) == 8  # 120 samples, 16 a time
+    # the exact mean of the layer's inputs over the 120 training samples (one sweep), with the final weights
+    features = dtrain.MinibatchSource(four_class_data(), max_sweeps=1).next_minibatch(120)["features"]
+    with torch.no_grad():
+        torch.testing.assert_close(batchnorm.running_mean, with_objective[0](features).mean(0), rtol=1e-4, atol=1e-5)
