@@ -75,7 +75,8 @@ class MetricsWriter:
         RunFileError: ``metrics.jsonl`` is not a regular file, or ``tensorboard`` is not a directory.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, metric_name: str | None = "error"):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True,
+                 metric_name: str | None = "error"):
         self.enabled = enabled
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
         self.csv_path = Path(run_dir) / "metrics.csv"

@@ -105,7 +105,8 @@ class ObjectiveCall:
             loss, figures = result
             if tuple(figures) != self.figure_names:
                 raise ValueError(f"objective {self.name} returned the figures {list(figures)} after "
-                                 f"{list(self.figure_names)} at the first minibatch; expected the same names every time")
+                                 f"{list(self.figure_names)} at the first minibatch; expected the same names every "
+                                 f"time")
             return loss.reshape(()), figures
         if self.figure_names:
             raise ValueError(f"objective {self.name} returned no figures after {list(self.figure_names)} at the "

@@ -145,7 +145,7 @@ class TrainingSession(CheckpointHandling, EvaluationPasses, ProgressReports, Run
             part (``src.mask``, ``src.lengths``). See ``dtrain.session.binding``.
         target: the stream the loss and the metric take as their second argument (default ``"labels"``;
             ``text[1:]``; ``"minibatch"``). Samples are counted in its steps unless the source names a
-            ``defining_stream`` (``docs/data.md#samples-are-steps``).
+            ``defining_stream`` (``docs/data.md#samples-are-steps``); with an objective, that is all it says.
 
     Raises:
         ValueError, TypeError: a bad argument (the message names it).
