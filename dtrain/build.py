@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import os
 from pathlib import Path
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dtrain.comm.base import first_line
@@ -100,6 +101,20 @@ def _components(group: DictConfig | None, name: str) -> list:
     return built
 
 
+def _objective(node):
+    """``objective``: the objective its ``_target_`` names, built; a plain function (not a class) is taken as it is,
+    with any other keys bound as keyword arguments (as Hydra's ``_partial_: true`` does, which works too)."""
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if isinstance(target, str) and not node.get("_partial_", False):
+        try:
+            located = get_object(target)
+        except (ImportError, ValueError):
+            located = None  # _instantiate says what is wrong with it
+        if inspect.isfunction(located):
+            return _instantiate(node, "objective", _partial_=True)
+    return _instantiate(node, "objective")
+
+
 def config_path(run_dir: Path) -> Path:
     """Where this run's resolved config goes: ``config.yaml``, or for a resumed run the first free
     ``config.<n>.yaml`` (an earlier run's is never replaced)."""
@@ -169,6 +184,9 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     the run's objective (exits with code 75 after a preemption checkpoint)."""
     # one run directory and one config for all ranks
     cfg.run_dir = comm.broadcast_object(os.path.abspath(cfg.run_dir) if comm.is_main else None, root=0)
+    if cfg.get("objective") is not None:  # the objective replaces the recipe's loss and metric: none is built
+        cfg.loss = None
+        cfg.metric = None
     config_hash = fingerprint(cfg)
     hashes = comm.allgather_object(config_hash)
     if len(set(hashes)) > 1:
@@ -193,12 +211,14 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     torch.manual_seed(cfg.seed + 1 + comm.rank)  # dropout and other noise differ between ranks
 
     run_dir = Path(cfg.run_dir)
-    loss = _instantiate(cfg.loss, "loss")
-    metric = _instantiate(cfg.metric, "metric")
+    objective = _objective(cfg.objective) if cfg.get("objective") is not None else None
+    loss = _instantiate(cfg.loss, "loss") if objective is None else None
+    metric = _instantiate(cfg.metric, "metric") if objective is None else None
     callbacks = [*_components(cfg.callbacks, "callbacks"), *_components(cfg.logger, "logger")]
     trainer = TrainingSession.from_settings(
         model, loss, learner, train_source, cfg.session, cv_source=cv_source, test_source=test_source,
         metric=metric,
+        objective=objective,
         run_dir=run_dir,
         config_fingerprint=config_hash,
         checkpoint_identity=checkpoint_identity(cfg),

@@ -82,6 +82,9 @@ class DTrainConfig:
     # logger=[wandb,mlflow]), each a dtrain.Callback; called in this order, callbacks then loggers
     callbacks: Dict[str, Any] = field(default_factory=dict)
     logger: Dict[str, Any] = field(default_factory=dict)
+    # your own objective(model, minibatch) -> loss or (loss, figures), a _target_ block; it replaces the
+    # recipe's loss and metric (docs/objectives.md)
+    objective: Any = None
 
 
 _SCHEMAS = {

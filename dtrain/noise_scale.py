@@ -222,6 +222,9 @@ def load_run_setup(run_dir: Path, length_bucketing: int = 0):
     from omegaconf import OmegaConf
 
     config_path, config = load_run_config(run_dir)
+    if config.get("objective") is not None:  # its loss is no loss(output, target) to take per-sample gradients of
+        raise ValueError(f"{config_path}: the run trained with objective {config.objective.get('_target_')}; the "
+                         f"gradient noise scale is measured on a run trained with a loss (loss(output, target))")
     torch.manual_seed(int(config.get("seed", 0)))
     model = instantiate(config.model, "model")
     loss_fn = instantiate(config.loss, "loss")

@@ -54,7 +54,9 @@ class Monitor:
         """Refuses a monitor this run does not write (ValueError naming it and the keys the run does write), or one
         whose better direction is neither given nor known."""
         produced = run.produced_metrics()
-        if self.key in produced.get(self.kind, ()):
+        # an objective's figures are named by its first call: such a key is checked against the first record
+        later = bool(getattr(run, "figures_named_later", False)) and self.kind in produced
+        if self.key in produced.get(self.kind, ()) or later:
             if self.mode is None:
                 raise ValueError(f"{self.owner} monitor={self.name!r}: cannot tell whether a lower or a higher "
                                  f"{self.key} is better; expected mode=min or mode=max")
@@ -71,6 +73,10 @@ class Monitor:
         """The monitored value of ``record`` (``None``: a record of another kind)."""
         if record.get("kind") != self.kind:
             return None
+        if self.key not in record:  # a figure the objective did not return (checked here: see check)
+            figures = ", ".join(f"{self.kind}.{key}" for key in record if key not in ("kind", "samples", "time"))
+            raise ValueError(f"{self.owner} monitor={self.name!r}: the {self.kind} records have no {self.key}; "
+                             f"expected one of the values the run writes: {figures}")
         return float(record[self.key])
 
     def improves(self, value: float, best: float | None) -> bool:

@@ -4,6 +4,8 @@ samples with the final weights, instead of the running averages of moving weight
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dtrain.nn.sync_batchnorm import BatchNormSync, batchnorm_layers
@@ -13,7 +15,7 @@ from dtrain.session.precision import autocast
 
 def recompute_batchnorm_statistics(model: torch.nn.Module, source, minibatch_size: int, num_samples: int,
                                    sync: BatchNormSync, device: torch.device, binding: StreamBinding | None = None,
-                                   precision: str = "32") -> int:
+                                   precision: str = "32", forward: Callable | None = None) -> int:
     """Replaces every BatchNorm layer's running mean and variance by the exact mean and unbiased variance
     of its inputs over the next ``num_samples`` global samples of ``source``; returns the samples used.
 
@@ -23,6 +25,7 @@ def recompute_batchnorm_statistics(model: torch.nn.Module, source, minibatch_siz
     size) while the rest of the model is in eval mode (no dropout). Every layer's sums are all-reduced once
     at the end. The source's position, the random state and the model's modes are put back, so a resumed
     run reads what it would have read. ``num_batches_tracked`` becomes the number of minibatches read.
+    ``forward(model, minibatch)`` runs the model (default: ``binding.forward``; an objective's run: the objective).
     """
     binding = binding if binding is not None else StreamBinding()
     comm = sync.comm
@@ -58,7 +61,7 @@ def recompute_batchnorm_statistics(model: torch.nn.Module, source, minibatch_siz
                 minibatches += 1
                 with autocast(precision, device):
                     # a rank without samples forwards an empty share: the others' reductions wait for it
-                    binding.forward(model, batch.to(device))
+                    (forward or binding.forward)(model, batch.to(device))
     finally:
         for hook in hooks:
             hook.remove()

@@ -173,6 +173,12 @@ class RunView:
         metrics = self._session.metrics_writer
         return metrics.records if metrics is not None else []
 
+    @property
+    def figures_named_later(self) -> bool:
+        """Whether the records also hold figures named only when training starts (an objective's own), beside
+        :meth:`produced_metrics`' keys."""
+        return self._session.objective is not None
+
     def produced_metrics(self) -> dict[str, list[str]]:
         """The keys this run writes to ``metrics.jsonl`` by record kind (``train``, ``cv``, ``test``), for ``check``."""
         return self._session.produced_metrics()

@@ -50,10 +50,11 @@ class Evaluation:
     """Sample-weighted averages over an evaluated source."""
 
     loss: float
-    error: float          # fraction of samples misclassified (or the metric's average)
+    error: float          # fraction of samples misclassified (or the metric's average; NaN without a metric)
     num_samples: int
     num_minibatches: int
-    details: dict[str, float] = field(default_factory=dict)  # a decoding metric's other rates (e.g. ``per``)
+    # a decoding metric's other rates (e.g. ``per``), or an objective's figures (averaged like the loss)
+    details: dict[str, float] = field(default_factory=dict)
 
     @property
     def accuracy(self) -> float:
@@ -64,13 +65,14 @@ def evaluate(
     model: torch.nn.Module,
     source,
     minibatch_size: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    metric_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     comm,
     device: torch.device,
     max_samples: int | None = None,
     binding=None,
     progress: Callable[[int], None] | None = None,
+    objective=None,
 ) -> Evaluation:
     """Reads ``source`` to its end (or ``max_samples``), partitioned over the workers of ``comm``.
 
@@ -82,8 +84,14 @@ def evaluate(
     ``metric_fn.per == "sequence"``. ``binding`` (a ``StreamBinding``) says which streams feed the
     model and which is the target (default: features -> labels). ``progress(samples_read)`` is called
     after each minibatch (global samples read so far; e.g. an
-    :class:`~dtrain.session.progress.EvaluationProgress`).
+    :class:`~dtrain.session.progress.EvaluationProgress`). ``objective`` (an
+    :class:`~dtrain.session.objective_call.ObjectiveCall`, in place of ``loss_fn`` and ``metric_fn``) gives each
+    minibatch's mean loss and figures, weighted alike; the figures are the result's ``details`` and its
+    ``error`` is NaN.
     """
+    if objective is not None:
+        return _evaluate_objective(model, source, minibatch_size, objective, comm, device, max_samples, binding,
+                                   progress)
     binding = binding if binding is not None else StreamBinding()
     per_sequence = metric_counts_sequences(metric_fn)
     decoded_counts = getattr(metric_fn, "decoded_counts", None)
@@ -142,6 +150,52 @@ def evaluate(
         return Evaluation(float(totals[0]) / samples, rates.pop(names[0]), samples, minibatches, rates)
     return Evaluation(float(totals[0]) / samples, metric_average(metric_fn, float(totals[1]) / float(totals[3])),
                       samples, minibatches)
+
+
+def _evaluate_objective(model: torch.nn.Module, source, minibatch_size: int, objective, comm, device: torch.device,
+                        max_samples: int | None, binding, progress) -> Evaluation:
+    """:func:`evaluate` with an objective: ``objective(model, minibatch)`` in eval mode without gradients, its
+    loss and figures weighted by the target's samples, summed over the ranks once."""
+    binding = binding if binding is not None else StreamBinding()
+    totals = torch.zeros(2, dtype=torch.float64)  # loss sum, samples
+    figure_sums = None  # in the order of the objective's first call (training's, or this pass's)
+    position = source.get_checkpoint_state()
+    was_training = model.training
+    model.eval()
+    minibatches = read = 0
+    try:
+        with torch.no_grad():
+            while max_samples is None or read < max_samples:
+                size = minibatch_size if max_samples is None else min(minibatch_size, max_samples - read)
+                batch = source.next_minibatch(size, comm.size, comm.rank)
+                if batch is None:
+                    break
+                read += batch.global_num_samples
+                minibatches += 1
+                if batch.num_sequences == 0:
+                    continue
+                batch = batch.to(device)
+                samples, _ = count_steps(binding.target_of(batch))
+                if samples == 0:
+                    continue
+                loss, figures = objective(model, batch, training=False)
+                totals[0] += float(loss) * samples
+                totals[1] += samples
+                weighted = objective.figure_vector(figures, torch.device("cpu")) * samples
+                figure_sums = weighted if figure_sums is None else figure_sums + weighted
+                if progress is not None:
+                    progress(read)
+    finally:
+        source.restore_from_checkpoint(position)
+        model.train(was_training)
+    names = objective.figure_names or ()
+    figure_sums = figure_sums if figure_sums is not None else torch.zeros(len(names), dtype=torch.float64)
+    totals = comm.allreduce(torch.cat([totals, figure_sums]).to(comm.device), op="sum").cpu()
+    samples = int(totals[1])
+    if samples == 0:
+        return Evaluation(float("nan"), float("nan"), 0, minibatches)
+    return Evaluation(float(totals[0]) / samples, float("nan"), samples, minibatches,
+                      {name: float(value) / samples for name, value in zip(names, totals[2:].tolist())})
 
 
 def metric_average(metric, mean: float) -> float:

@@ -29,19 +29,22 @@ class EvaluationPasses:
         result = None
         if config.minibatch_source is not None:
             self.learner.synchronize()  # evaluate the one model every worker agrees on
+            self._figure_names()  # an objective's figures, known on every rank before their sums are reduced
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
                               progress=EvaluationProgress(printer, f"cross-validation {self.cv_index}",
-                                                          config.max_samples))
+                                                          config.max_samples), objective=self.objective)
             self._last_cv = (self.learner.samples_seen, result)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
                          f"loss {result.loss:.4f} | {self._format_metric(result.error, result.details)} over "
                          f"{result.num_samples} samples")
-            metrics.write("cv", self.learner.samples_seen, loss=result.loss, **{self.metric_name: result.error},
-                          **result.details, num_samples=result.num_samples)
+            metrics.write("cv", self.learner.samples_seen, loss=result.loss, **self._measured(result),
+                          num_samples=result.num_samples)
         keep_going = True
         if config.callback is not None:
-            answer = config.callback(self.cv_index, result.error if result else 0.0,  # CNTK: 0 without a source
+            # CNTK: 0 without a source; an objective's run has no error rate: its callback is given the loss
+            answer = config.callback(self.cv_index, (result.error if self.metric is not None else result.loss)
+                                     if result else 0.0,
                                      result.num_samples if result else 0, result.num_minibatches if result else 0)
             keep_going = answer is not False
             if not keep_going:
@@ -158,14 +161,22 @@ class EvaluationPasses:
                          f"this model on it, so its result is the test's (not evaluated twice)")
             result = reuse
         else:
+            self._figure_names()  # an objective's figures, known on every rank before their sums are reduced
             result = evaluate(model, config.minibatch_source, config.minibatch_size, self.loss, self.metric,
                               self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
-                              progress=EvaluationProgress(printer, what, config.max_samples))
+                              progress=EvaluationProgress(printer, what, config.max_samples), objective=self.objective)
         accuracy = {"accuracy": result.accuracy} if self.metric_name == "error" else {}  # 1 - classification error
         self._start_outputs(metrics)
-        metrics.write(kind, samples_seen, loss=result.loss, **{self.metric_name: result.error}, **accuracy,
-                      **result.details, num_samples=result.num_samples)
+        metrics.write(kind, samples_seen, loss=result.loss, **self._measured(result), **accuracy,
+                      num_samples=result.num_samples)
         return result
+
+    def _measured(self, result: Evaluation) -> dict[str, float]:
+        """An evaluation's record entries beside its loss: the metric and a decoding metric's other rates, or an
+        objective's figures."""
+        if self.metric_name is None:
+            return dict(result.details)
+        return {self.metric_name: result.error, **result.details}
 
     def _recompute_batchnorm(self, printer, samples_seen: int, model: torch.nn.Module | None = None,
                              whose: str = "") -> None:
@@ -174,7 +185,9 @@ class EvaluationPasses:
         ones training resumes with)."""
         used = recompute_batchnorm_statistics(
             self.model if model is None else model, self.source, int(self.minibatch_size(samples_seen)), self.batchnorm_recompute_samples,
-            self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision)
+            self.batchnorm_sync, self.device, binding=self.binding, precision=self.precision,
+            forward=(lambda model, batch: self.objective(model, batch, training=False))
+            if self.objective is not None else None)  # an objective runs the model itself
         printer.line(f"BatchNorm statistics {whose}recomputed over {used:,} training samples"
                      + (f" (the data ended before {self.batchnorm_recompute_samples:,})"
                         if used < self.batchnorm_recompute_samples else ""))

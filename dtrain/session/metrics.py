@@ -69,7 +69,7 @@ class MetricsWriter:
         run_dir: the run directory (created if missing).
         tensorboard: also write TensorBoard events under ``run_dir/tensorboard``.
         enabled: whether this process writes (rank 0 only); a disabled writer does nothing.
-        metric_name: the key the training metric is recorded under (a CSV column after ``loss``).
+        metric_name: the key the training metric is recorded under (a CSV column after ``loss``; ``None``: none).
         listener: called with every record after it is written (on every rank, also where nothing is written):
             the session gives records to its callbacks and loggers this way.
 
@@ -77,8 +77,8 @@ class MetricsWriter:
         RunFileError: ``metrics.jsonl`` is not a regular file, or ``tensorboard`` is not a directory.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, metric_name: str = "error",
-                 listener: Callable[[dict], None] | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True,
+                 metric_name: str | None = "error", listener: Callable[[dict], None] | None = None):
         self.enabled = enabled
         self.listener = listener
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
@@ -247,13 +247,15 @@ class MetricsWriter:
                 setattr(self, name, None)
 
 
-def _leading_columns(metric_name: str) -> list[str]:
+def _leading_columns(metric_name: str | None) -> list[str]:
     """The CSV's first columns: the run's own metric after ``loss``, in place of ``error`` and ``accuracy``
-    (which only classification error has)."""
+    (which only classification error has); ``None`` (an objective's run): no metric column (its figures
+    follow as columns of their own)."""
     if metric_name == "error":
         return list(CSV_COLUMNS)
     columns = [column for column in CSV_COLUMNS if column not in ("error", "accuracy")]
-    columns.insert(columns.index("loss") + 1, metric_name)
+    if metric_name is not None:
+        columns.insert(columns.index("loss") + 1, metric_name)
     return columns
 
 

@@ -21,6 +21,7 @@ from dtrain.session import compile_check
 from dtrain.session.collapse import CollapseWatch
 from dtrain.session.evaluate import metric_counts_sequences
 from dtrain.session.metrics import PhaseTimer
+from dtrain.session.objective_call import ObjectiveCall
 from dtrain.session.stream_checks import check_target_steps, ids_past_the_model
 from dtrain.session.precision import LossScaler, autocast
 
@@ -57,6 +58,7 @@ class PeriodSums:
         self.metric_samples = 0  # what the metric is averaged over: samples (steps), or sequences (``metric.per``)
         self.padded_positions = 0  # of the sequence streams read this period, for the padding fraction
         self.positions = 0
+        self.figures: torch.Tensor | None = None  # an objective's figures, each summed times its pass's samples
         self._losses: list[torch.Tensor] = []   # detached mean losses of the passes not yet folded
         self._weights: list[int] = []           # their sample counts
         self._metrics: list[torch.Tensor] = []  # their metric sums (where already computed)
@@ -72,6 +74,12 @@ class PeriodSums:
         self._metrics.append(metric_sum)
         self.metric_samples += samples if metric_samples is None else metric_samples
         self._add_loss(mean_loss, samples)
+
+    def add_figures(self, figures: torch.Tensor, samples: int) -> None:
+        """Adds an objective's figures of one pass (a float64 vector, each a mean over the pass's ``samples``),
+        weighted by its samples as the loss is; the pass's loss is added with :meth:`add`."""
+        weighted = figures * samples
+        self.figures = weighted if self.figures is None else self.figures + weighted
 
     def add_padding(self, padded: int, positions: int) -> None:
         """Adds a minibatch's padded positions and all positions of its sequence streams."""
@@ -125,13 +133,15 @@ class PeriodSums:
             self.metric += _stack_float64(self._metrics, self.device).sum()
         self._losses, self._weights, self._metrics = [], [], []
 
-    def as_tensor(self) -> torch.Tensor:
-        """``[loss sum, metric sum, samples, metric samples, padded positions, positions]`` in float64,
-        ready to all-reduce."""
+    def as_tensor(self, num_figures: int = 0) -> torch.Tensor:
+        """``[loss sum, metric sum, samples, metric samples, padded positions, positions, figure sums...]`` in
+        float64, ready to all-reduce (``num_figures`` zeros for a period in which this rank had no pass)."""
         self._fold()
         counts = torch.tensor([float(self.samples), float(self.metric_samples), float(self.padded_positions),
                                float(self.positions)], dtype=torch.float64, device=self.device)
-        return torch.cat([torch.stack([self.loss, self.metric]), counts])
+        figures = self.figures if self.figures is not None else torch.zeros(num_figures, dtype=torch.float64,
+                                                                             device=self.device)
+        return torch.cat([torch.stack([self.loss, self.metric]), counts, figures.to(self.device)])
 
 
 def _measured(metric: Callable, output: torch.Tensor, labels: torch.Tensor):
@@ -154,7 +164,10 @@ class MinibatchStep:
         model: the plain model (named in messages).
         forward_model: what the training forward calls: ``model`` or its ``torch.compile`` wrapper.
         loss: ``loss(output, target)``, the MEAN over the pass's samples (steps of a sequence target).
-        metric: ``metric(output, target)``, a SUM over the pass's samples (or sequences: ``metric.per``).
+        metric: ``metric(output, target)``, a SUM over the pass's samples (or sequences: ``metric.per``);
+            ``None`` with an objective.
+        objective: the user's objective (``dtrain.session.objective_call``) in place of ``loss`` and the
+            model's forward: ``objective(model, pass) -> (mean loss, figures)`` (``None``: ``loss``).
         learner: the session's learner (its step, ``no_sync`` and loss-scale seams).
         device: where the model trains (default: the learner's communicator's device).
         micro_batch_size: samples per rank per forward/backward pass (``None``: one pass).
@@ -178,11 +191,14 @@ class MinibatchStep:
                  loss: Callable, metric: Callable, learner: Learner, micro_batch_size: int | None,
                  precision: str, loss_scaler: LossScaler | None, collapse: CollapseWatch, check_compile: bool,
                  binding: StreamBinding | None = None, check_first: Callable | None = None,
-                 count_padding: bool = False, device: torch.device | None = None, batchnorm_sync=None):
+                 count_padding: bool = False, device: torch.device | None = None, batchnorm_sync=None,
+                 objective: ObjectiveCall | None = None):
         self.model = model
         self.forward_model = forward_model
         self.loss = loss
         self.metric = metric
+        self.objective = objective
+        self._objective_agreed = objective is None or learner.comm.size == 1  # the first call's verdict, every rank
         self.learner = learner
         self.comm = learner.comm
         self.device = device if device is not None else learner.comm.device
@@ -273,6 +289,8 @@ class MinibatchStep:
                 passes = [(batch, target, steps, sequences)]
             else:
                 passes = self._passes(batch, target)
+        if not passes and not self._objective_agreed:
+            self._agree_on_the_objective(None)  # the ranks that call it wait for this one's word
         empty_passes = self._passes_to_match(len(passes)) if synchronized else 0
         local_steps = sum(pass_steps for _, _, pass_steps, _ in passes)
         last = len(passes) + empty_passes - 1
@@ -372,6 +390,9 @@ class MinibatchStep:
         """One pass over ``samples`` of this rank's ``local_samples``: forward (autocast in bf16/fp16),
         backward on the pass's mean loss weighted by its share and by the learner's ``gradient_scale``
         (``Learner.fold_gradient_scale``), loss and metric sums into ``sums``."""
+        if self.objective is not None:
+            self._objective_backward(batch, target, samples, local_samples, gradient_scale, sums)
+            return
         forward = self.forward_model if self._forward_checked else self._checked_forward
         output = None
         try:
@@ -410,6 +431,53 @@ class MinibatchStep:
             self._defer_metric = (self._metric_is_additive and isinstance(output, torch.Tensor)
                                   and isinstance(target, torch.Tensor))
 
+    def _objective_backward(self, batch: Minibatch, target, samples: int, local_samples: int, gradient_scale: float,
+                            sums: PeriodSums) -> None:
+        """:meth:`_forward_backward` with an objective: ``objective(model, pass)`` (autocast in bf16/fp16) gives
+        the pass's mean loss, weighted and back-propagated as a loss's, and its figures, summed like it."""
+        try:
+            with autocast(self.precision, self.device) if self.precision != "32" else contextlib.nullcontext():
+                loss, figures = self._call_objective(batch)
+        except ValueError as error:
+            if not self._objective_agreed:
+                self._agree_on_the_objective(str(error))
+            raise
+        if not self._objective_agreed:
+            self._agree_on_the_objective(None)
+        weight = gradient_scale if samples == local_samples else samples / local_samples * gradient_scale
+        weighted = loss if weight == 1.0 else loss * weight
+        if self.loss_scaler is not None:
+            weighted = weighted * self.learner.loss_scale
+        weighted.backward()
+        loss = loss.detach()
+        self.collapse.observe(None, target, loss, self.objective)
+        sums.add(loss, 0.0, samples)
+        if figures:
+            sums.add_figures(self.objective.figure_vector(figures, self.device), samples)
+
+    def _call_objective(self, batch: Minibatch) -> tuple[torch.Tensor, dict]:
+        """The objective on ``batch`` with the training model; the first call through a compiled model turns a
+        compiler failure into one clear line (:meth:`_checked_forward`)."""
+        if self._forward_checked:
+            return self.objective(self.forward_model, batch)
+        try:
+            result = self.objective(self.forward_model, batch)
+        except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
+            problem = self._compile_failure(error)
+            if problem is error:
+                raise
+            raise problem from error
+        self._forward_checked = True
+        return result
+
+    def _agree_on_the_objective(self, problem: str | None) -> None:
+        """Several ranks, the first minibatch: every rank says whether the objective's first result passed its
+        check (before any backward, where the gradient exchange may start), and all raise the first refusal."""
+        self._objective_agreed = True
+        found = [line for line in self.comm.allgather_object(problem) if line]
+        if found and problem is None:
+            raise ValueError(found[0])
+
     def _refuse_a_compiled_model_that_differs(self, batch: Minibatch) -> None:
         """The compile check on this rank's share of the first minibatch (its first micro-batch pass);
         raises ValueError on every rank when any rank's loss or gradients differ from eager PyTorch's."""
@@ -422,7 +490,11 @@ class MinibatchStep:
 
             def compute_loss(forward):
                 with autocast(self.precision, self.device):
-                    return self.loss(self.binding.forward(forward, batch), target)
+                    if self.objective is None:
+                        return self.loss(self.binding.forward(forward, batch), target)
+                    # an objective takes a module: the eager model, or the compiled one (failures rewritten)
+                    return self.objective(self.model, batch)[0] if forward is self.model \
+                        else self._call_objective(batch)[0]
             names, differences = compile_check.relative_differences(self.model, self._checked_forward, compute_loss,
                                                                     self.device, self.precision)
         problem = compile_check.verdict(names, differences, self.precision, self.comm)
@@ -434,14 +506,20 @@ class MinibatchStep:
         try:
             output = self.forward_model(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
-            if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            problem = self._compile_failure(error)
+            if problem is error:
                 raise
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise ValueError(f"compile=True: torch.compile (inductor) could not compile {type(self.model).__name__} "
-                             f"({type(error).__name__}: {first_line[:300]}); train without it (session.compile=false)"
-                             ) from error
+            raise problem from error
         self._forward_checked = True
         return output
+
+    def _compile_failure(self, error: Exception) -> Exception:
+        """A compiler failure as one clear ValueError naming ``compile``; any other error as itself."""
+        if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            return error
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return ValueError(f"compile=True: torch.compile (inductor) could not compile {type(self.model).__name__} "
+                          f"({type(error).__name__}: {first_line[:300]}); train without it (session.compile=false)")
 
 
 __all__ = ["MinibatchStep", "PeriodSums"]

@@ -84,23 +84,37 @@ class ProgressPrinter:
 
     def progress(self, samples_seen: int, loss: float, error: float, samples_per_second: float,
                  learning_rate: float, elapsed: float, note: str = "", metric_name: str = "error",
-                 percent: bool = True, time_split: dict[str, float] | None = None) -> None:
+                 percent: bool = True, time_split: dict[str, float] | None = None,
+                 figures: dict[str, float] | None = None) -> None:
         """One progress line: samples, loss, the metric (``error``: its average, named ``metric_name``,
-        in percent when ``percent``), throughput with the period's time split (``PhaseTimer.take``'s
-        dict, when given), learning rate and ETA."""
+        in percent when ``percent``; ``metric_name`` None: no metric), an objective's ``figures`` (up to
+        :data:`FIGURES_SHOWN` of them; all are in the metrics files), throughput with the period's time split
+        (``PhaseTimer.take``'s dict, when given), learning rate and ETA."""
         if self.total_samples:
             remaining = (self.total_samples - samples_seen) / samples_per_second if samples_per_second > 0 else float("inf")
             where = f"{samples_seen:>{len(str(self.total_samples))}}/{self.total_samples} ({100 * samples_seen / self.total_samples:5.1f}%)"
             eta = f" | ETA {format_duration(remaining)}"
         else:
             where, eta = f"{samples_seen}", ""
-        metric = f"{metric_name} {100 * error:6.2f}%" if percent else f"{metric_name} {error:.4g}"
+        shown = [] if metric_name is None else \
+            [f"{metric_name} {100 * error:6.2f}%" if percent else f"{metric_name} {error:.4g}"]
+        if figures and len(figures) <= FIGURES_SHOWN:
+            shown.append(figures_line(figures, figures.values()))
         self.line(
-            f"samples {where} | loss {loss:.4f} | {metric} | {samples_per_second:,.0f} samples/s"
+            f"samples {where} | loss {loss:.4f} | " + "".join(f"{part} | " for part in shown)
+            + f"{samples_per_second:,.0f} samples/s"
             f"{format_time_split(time_split)}"
             f" | lr {learning_rate:.4g} | {format_duration(elapsed)}{eta}" + (f" | {note}" if note else "")
         )
 
+
+def figures_line(names, values) -> str:
+    """``main_loss 0.4321, aux 0.0123``: an objective's figures as progress lines and messages show them."""
+    return ", ".join(f"{name} {value:.4g}" for name, value in zip(names, values))
+
+
+#: an objective's figures are shown in progress lines when it returns at most this many (else only logged)
+FIGURES_SHOWN = 3
 
 #: seconds between the progress lines of a long evaluation pass
 EVALUATION_PROGRESS_SECONDS = 30.0

@@ -18,17 +18,23 @@ class ProgressReports:
     def _report_progress(self, printer, metrics, sums: PeriodSums, throughput: Throughput, timer: PhaseTimer) -> None:
         """Rank totals of the period's sums: refuses a diverged or collapsed run, else prints the progress line
         and writes the ``train`` metrics record, then starts the next period."""
-        totals = self.comm.allreduce(sums.as_tensor().to(self.comm.device), op="sum").cpu()
+        names = self._figure_names()
+        totals = self.comm.allreduce(sums.as_tensor(len(names)).to(self.comm.device), op="sum").cpu()
         samples = float(totals[2])
         loss = float(totals[0]) / samples if samples else float("nan")
-        error = metric_average(self.metric, float(totals[1]) / float(totals[3])) if float(totals[3]) else float("nan")
+        figures = {name: float(value) / samples if samples else float("nan")
+                   for name, value in zip(names, totals[6:].tolist())}  # an objective's, averaged like the loss
+        if self.metric is None:
+            error = float("nan")
+        else:
+            error = metric_average(self.metric, float(totals[1]) / float(totals[3])) if float(totals[3]) else float("nan")
         padding = float(totals[4]) / float(totals[5]) if float(totals[5]) else None
         if samples and not math.isfinite(loss):
             # the same on every rank (the sums were all-reduced); no checkpoint of this state is written
             raise TrainingDiverged(
                 f"training diverged: the mean loss is {loss} over the last {int(samples)} samples (at "
                 f"{self.learner.samples_seen} samples); {self._advice()}")
-        if samples:
+        if samples and self.metric is not None:
             self._last_training_error = error
         if samples and self._collapse.loss_collapsed(loss, self.comm):
             raise TrainingCollapsed(
@@ -44,14 +50,28 @@ class ProgressReports:
             extra["padding"] = padding
         printer.progress(self.learner.samples_seen, loss, error, rate, learning_rate, throughput.elapsed(),
                          note=note, metric_name=self.metric_name, percent=self.metric_percent,
-                         time_split=extra)
+                         time_split=extra, figures=figures)
         bytes_sent = self.learner.bytes_sent_last_step  # None: a learner that does not measure it (Learner's)
         if bytes_sent is not None:
             extra["bytes_sent_per_step"] = int(bytes_sent)
         between = self.learner.bytes_between_hosts_last_step  # two levels: what crossed hosts
         if between is not None:
             extra["bytes_between_hosts_per_step"] = int(between)
-        metrics.write("train", self.learner.samples_seen, loss=loss, **{self.metric_name: error}, samples_per_second=rate,
+        measured = {self.metric_name: error} if self.metric is not None else figures
+        metrics.write("train", self.learner.samples_seen, loss=loss, **measured, samples_per_second=rate,
                       lr=learning_rate, **extra)
         sums.reset()
         throughput.new_period()
+
+    def _figure_names(self) -> tuple[str, ...]:
+        """The figures an objective returns (none with a loss), named at its first call on any rank: a rank
+        whose share of the first minibatches was empty has not called it, and adds zeros in their place."""
+        objective = self.objective
+        if objective is None:
+            return ()
+        if self.comm.size > 1 and not self._figure_names_agreed:
+            self._figure_names_agreed = True
+            named = [names for names in self.comm.allgather_object(objective.figure_names) if names is not None]
+            if objective.figure_names is None and named:
+                objective.figure_names = named[0]
+        return objective.figure_names or ()

@@ -19,7 +19,7 @@ _PHASE_COLORS = {"data_s": ("waiting for data", "tab:gray"), "compute_s": ("comp
                  "other_s": ("other (progress, evaluation, checkpoints)", "tab:olive")}
 
 
-def write_report(records: list[dict], path: str | Path, metric_name: str = "error", title: str = "",
+def write_report(records: list[dict], path: str | Path, metric_name: str | None = "error", title: str = "",
                  percent: bool | None = None, more_metrics: tuple[str, ...] = ()) -> Path:
     """Draws ``records`` (``metrics.jsonl``'s objects) into a PNG at ``path`` (atomically, never through a
     link planted there) and returns it.
@@ -46,8 +46,9 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
     has_bytes = any(_number(r.get("bytes_sent_per_step")) for r in train)
     shown = [("loss", "loss")]  # (key, axis label) per row of the two-column part
     if percent is None:
-        percent = "error" in metric_name  # error rates read best in percent
-    for name in (metric_name, *(m for m in more_metrics if m != metric_name)):
+        percent = "error" in (metric_name or "")  # error rates read best in percent
+    metrics = (metric_name,) if metric_name is not None else ()  # None: an objective's run, its figures alone
+    for name in (*metrics, *(m for m in more_metrics if m != metric_name)):
         shown.append((name, f"{name} (%)" if percent else name))
     first_free = len(shown)  # the row of the throughput and time-split panels
     rows = first_free + (2 if has_bytes else 1)
@@ -115,7 +116,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str = "erro
         axis.set_ylabel("KiB per step")
         axis.set_ylim(0, 1.15 * max(ys) / 1024)
         axis.grid(True, alpha=0.3)
-        _summary(axes[first_free + 1][1], records, metric_name, percent)
+        _summary(axes[first_free + 1][1], records, metric_name or "loss", percent)
     figure.suptitle(title or "dtrain run", fontsize="x-large")
 
     return write_through_temporary(Path(path), lambda name: figure.savefig(name, format="png"))

@@ -34,12 +34,14 @@ class TrainingResult:
     last_training_error: float | None = None  # mean metric of the last progress period (all ranks)
     test_ema: Evaluation | None = None  # the test pass of the weight EMA (``ema_decay``), beside ``test``
     stop_reason: str | None = None  # why a callback stopped training (``stopped_early`` is then True)
+    by_loss: bool = False  # an objective's run: no metric, its evaluations are judged by their loss
 
     @property
     def objective(self) -> float | None:
         """The run's final figure of merit, for sweeps: the test error, else the last
-        cross-validation error, else the last training error (``None`` when nothing was measured)."""
+        cross-validation error, else the last training error (``None`` when nothing was measured); an
+        objective's run (``by_loss``), which has no error rate: the test loss, else the last cross-validation's."""
         for evaluation in (self.test, self.last_cross_validation):
             if evaluation is not None:
-                return evaluation.error
+                return evaluation.loss if self.by_loss else evaluation.error
         return self.last_training_error

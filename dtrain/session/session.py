@@ -20,6 +20,7 @@ import torch
 from dtrain import checks
 from dtrain.comm.launcher import detect_launcher
 from dtrain.data.errors import DataError
+from dtrain.data.streams import WHOLE_MINIBATCH
 from dtrain.learners.base import Learner, RunFacts
 from dtrain.rules import check_settings
 from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
@@ -29,6 +30,7 @@ from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, Test
 from dtrain.session.batchnorm import DEFAULT_RECOMPUTE_SAMPLES, prepare_batchnorm
 from dtrain.session.callbacks import CallbackList, RunView, StepEnd
 from dtrain.session.binding import StreamBinding
+from dtrain.session.objective_call import ObjectiveCall
 from dtrain.session.checkpointing import Checkpointing
 from dtrain.session.device import resolve_device
 from dtrain.session.evaluate import Evaluation, classification_errors
@@ -70,7 +72,13 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
     Args:
         model: the ``torch.nn.Module`` to train.
         loss: ``loss(output, target)`` returning the MEAN loss over the local minibatch's samples (the
-            target's steps, for a sequence target).
+            target's steps, for a sequence target). Give ``loss`` or ``objective``, exactly one.
+        objective: your own objective in place of ``loss(model(inputs), target)`` (``docs/objectives.md``):
+            ``objective(model, minibatch)`` returning the MEAN loss over the minibatch's samples (counted as with
+            a loss: in ``target``'s steps) as a scalar tensor, or ``(loss, {name: figure})`` whose figures (means
+            over the same samples) are averaged like the loss and logged under their names. It receives the
+            whole minibatch (``inputs`` stays at its default) and exposes no output, so no ``metric`` is taken
+            with it: the figures are its figures (``dtrain.session.Distillation`` is one).
         learner: a dtrain ``Learner`` wrapping the optimizer of ``model``'s parameters; its
             communicator decides how many processes train (see ``dtrain.create_communicator``).
         minibatch_source: a ``MinibatchSource`` for training.
@@ -79,7 +87,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         progress_frequency: samples between progress lines (``None``: at the end only; 0: never).
         checkpoint_config, cv_config, test_config: see their classes (``None``: no checkpoints,
             no cross-validation, no test).
-        metric: ``metric(output, labels)`` returning a SUM (default: classification errors); its ``name``
+        metric: ``metric(output, labels)`` returning a SUM (default with a loss: classification errors; none
+            with an objective); its ``name``
             (default: the function's name; ``error`` for classification errors) labels it in progress lines,
             metrics files and the summary, and ``percent=True`` shows it as a percentage (see
             ``dtrain.session.objectives``).
@@ -140,7 +149,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             part (``src.mask``, ``src.lengths``). See ``dtrain.session.binding``.
         target: the stream the loss and the metric take as their second argument (default ``"labels"``;
             ``text[1:]``; ``"minibatch"``). Samples are counted in its steps unless the source names a
-            ``defining_stream`` (``docs/data.md#samples-are-steps``).
+            ``defining_stream`` (``docs/data.md#samples-are-steps``); with an objective, that is all it says.
         callbacks: objects with any of ``dtrain.Callback``'s events (``dtrain.session.callbacks``), called in
             this order on rank 0 (every rank for one with ``all_ranks = True``); loggers are callbacks too.
 
@@ -151,17 +160,18 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
     def __init__(
         self,
         model: torch.nn.Module,
-        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        learner: Learner,
-        minibatch_source,
-        minibatch_size: int | Schedule,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        learner: Learner | None = None,
+        minibatch_source=None,
+        minibatch_size: int | Schedule | None = None,
         *,
+        objective: Callable | None = None,
         max_samples: int | None = None,
         progress_frequency: int | None = None,
         checkpoint_config: CheckpointConfig | None = None,
         cv_config: CrossValidationConfig | None = None,
         test_config: TestConfig | None = None,
-        metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = classification_errors,
+        metric: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         lr_schedule: Schedule | None = None,
         momentum_time_constant_schedule: Schedule | None = None,
         unit_gain_momentum: bool = False,
@@ -190,6 +200,9 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
     ):
         if not isinstance(learner, Learner):
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
+        if minibatch_source is None or minibatch_size is None:
+            raise TypeError("training_session needs a minibatch_source and a minibatch_size")
+        objective_call, metric = _loss_or_objective(loss, objective, metric, inputs, sync_batchnorm)
         sizes = {} if isinstance(minibatch_size, Schedule) else {"minibatch_size": minibatch_size}
         check_settings(TRAINING_SESSION, **sizes, max_samples=max_samples, progress_frequency=progress_frequency,
                        micro_batch_size=micro_batch_size, clip_grad_norm=clip_grad_norm, precision=precision,
@@ -230,23 +243,26 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         # what the training forward calls: the compiled module (sharing model's parameters) or the model
         self.forward_model = compiled if compiled is not None else (torch.compile(model) if self.compile else model)
         self.loss = loss
+        self.objective = objective_call
         self.metric = metric
-        # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary
-        self.metric_name = metric_name(metric)
-        self.metric_percent = metric_in_percent(metric)
+        # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary (an objective:
+        # none, its figures are reported instead)
+        self.metric_name = metric_name(metric) if metric is not None else None
+        self.metric_percent = metric_in_percent(metric) if metric is not None else False
         if self.metric_name in set(CSV_COLUMNS) - {"error"}:
             raise ValueError(f"metric name {self.metric_name!r} is a metrics column of its own; give the metric "
                              f"another name")
         self.learner = learner
         self.comm = learner.comm
         self.source = minibatch_source
-        self.binding = StreamBinding(inputs, target)
+        self.binding = StreamBinding(inputs if objective_call is None else WHOLE_MINIBATCH, target)
         self.sources = {"the training data": minibatch_source,
                         "the cross-validation data": cv_config.minibatch_source if cv_config else None,
                         "the test data": test_config.minibatch_source if test_config else None}
         self._defining_stream_note = bind_sources(self.binding, self.sources)
         check_model_against_data(model, self.binding, self.sources)
-        check_loss_takes_target(loss, metric, self.binding, minibatch_source)
+        if objective_call is None:
+            check_loss_takes_target(loss, metric, self.binding, minibatch_source)
         size_sweeps((self.minibatch_size, lr_schedule, momentum_time_constant_schedule), minibatch_source)
         self.max_samples = max_samples
         self.checkpoint_config = checkpoint_config
@@ -313,6 +329,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self._metrics: MetricsWriter | None = None
         self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
+        self._figure_names_agreed = False  # an objective's figure names, agreed by the ranks at the first progress
         self._collapse = CollapseWatch(self.device)
         self._step = MinibatchStep(model=self.model, forward_model=self.forward_model, loss=loss, metric=metric,
                                    learner=learner, device=self.device, micro_batch_size=self.micro_batch_size,
@@ -320,7 +337,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
                                    check_compile=self.forward_model is not self.model,
                                    binding=self.binding, check_first=first_minibatch_check(minibatch_source),
                                    batchnorm_sync=self.batchnorm_sync,
-                                   count_padding=bool(getattr(minibatch_source, "has_sequences", False)))
+                                   count_padding=bool(getattr(minibatch_source, "has_sequences", False)),
+                                   objective=objective_call)
         self.preemption = Preemption(checkpoint_config.preemption_signal if checkpoint_config else None, self.comm)
         self.callbacks = CallbackList(callbacks, self.comm.is_main)
         self.run_view = RunView(self)  # what callbacks see of this run
@@ -559,6 +577,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
             metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
             last_training_error=self._last_training_error, test_ema=test_ema, stop_reason=stop_reason,
+            by_loss=self.objective is not None,
         )
         self._print_summary(printer, result, metrics)
         self.callbacks.fire("on_run_end", self.run_view, result)
@@ -637,7 +656,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
 
     def produced_metrics(self) -> dict[str, list[str]]:
         """The keys of the records this run writes to ``metrics.jsonl``, by kind (a kind it never writes is absent)."""
-        measured = ["loss", self.metric_name]
+        measured = ["loss", self.metric_name] if self.metric is not None else ["loss"]  # an objective: + its figures
         produced: dict[str, list[str]] = {}
         if self.progress_period.frequency != 0:
             produced["train"] = [*measured, "samples_per_second", "lr"]
@@ -717,6 +736,37 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         finally:
             if self._profiler is not None:
                 self._profiler.close()
+
+
+def _loss_or_objective(loss, objective, metric, inputs, sync_batchnorm: bool) -> tuple[ObjectiveCall | None, object]:
+    """The one rule for ``loss`` and ``objective``: exactly one of them. Returns the checked objective (``None``
+    with a loss) and the metric (with a loss: classification errors by default; with an objective: none).
+
+    Raises:
+        ValueError: both or neither given; an objective with a ``metric``, non-default ``inputs`` or
+            ``sync_batchnorm``; an objective that cannot be called as ``objective(model, minibatch)``.
+    """
+    if loss is not None and objective is not None:
+        raise ValueError("training_session got both loss and objective; give one: loss(output, target), or "
+                         "objective(model, minibatch) computing the loss itself")
+    if objective is None:
+        if loss is None:
+            raise ValueError("training_session needs a loss, loss(output, target), or an objective, "
+                             "objective(model, minibatch)")
+        return None, classification_errors if metric is None else metric
+    call = ObjectiveCall(objective)
+    if metric is not None:
+        raise ValueError(f"metric {metric_name(metric)} with objective {call.name}: a metric measures the model's "
+                         f"output, which an objective does not hand out; return the figure from the objective "
+                         f"instead (loss, {{name: figure}})")
+    if inputs not in (("features",), ["features"], "features"):
+        raise ValueError(f"session.inputs={inputs!r} with objective {call.name}: an objective receives the whole "
+                         f"minibatch and calls the model itself; leave session.inputs at its default and read the "
+                         f"streams in the objective")
+    if sync_batchnorm:
+        raise ValueError(f"sync_batchnorm with objective {call.name}: a rank without samples cannot take part in "
+                         f"the objective's BatchNorm reductions; train it with a loss, or without sync_batchnorm")
+    return call, None
 
 
 #: CNTK's name for building a session: ``training_session(model, loss, learner, source, size, ...).train()``

@@ -25,7 +25,11 @@ class StartupLines:
             sweeps = self.max_samples / self.source.samples_per_sweep
             parts.append(f"{self.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
         printer.line("dtrain: " + ", ".join(parts))
-        if getattr(self.source, "has_sequences", False) or not self.binding.is_default:
+        if self.objective is not None:
+            counted = self.binding.target.text if self.binding.target is not None else "the minibatch"
+            printer.line(f"dtrain: objective {self.objective.name}(model, minibatch), samples counted in {counted}"
+                         + (f"; {self._defining_stream_note}" if self._defining_stream_note else ""))
+        elif getattr(self.source, "has_sequences", False) or not self.binding.is_default:
             printer.line(f"dtrain: {self.binding.describe()}" + (f"; {self._defining_stream_note}"
                                                                   if self._defining_stream_note else ""))
         printer.line("dtrain: " + self.learner.describe() + _one_process_note(self.learner, size))

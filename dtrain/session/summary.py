@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtrain.session.metrics import MetricsWriter
-from dtrain.session.progress import format_duration
+from dtrain.session.progress import figures_line, format_duration
 from dtrain.session.report import write_report
 from dtrain.session.results import TrainingResult
 from dtrain.session.weights import save_weights
@@ -17,8 +17,10 @@ class RunSummary:
         """Rank 0: ``report.png`` from every metric record of the run; a finished run never fails here."""
         path = self.run_dir / "report.png"
         try:
+            more = tuple(getattr(self.metric, "names", ())) if self.metric is not None else \
+                tuple(self.objective.figure_names or ())  # an objective's figures, each in its own panel
             write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
-                         percent=self.metric_percent, more_metrics=tuple(getattr(self.metric, "names", ())))
+                         percent=self.metric_percent, more_metrics=more)
         except ImportError:
             printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
         except ValueError as error:
@@ -42,6 +44,8 @@ class RunSummary:
     def _format_metric(self, value: float, details: dict[str, float] | None = None) -> str:
         """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name, then a decoding
         metric's other rates (``wer 28.10%, per 6.90%``)."""
+        if self.metric_name is None:  # an objective's figures (the loss alone without any)
+            return figures_line(details or {}, (details or {}).values()) or "no metric"
         pairs = [(self.metric_name, value), *(details or {}).items()]
         return ", ".join(f"{name} {100 * v:.2f}%" if self.metric_percent else f"{name} {v:.4g}" for name, v in pairs)
 
