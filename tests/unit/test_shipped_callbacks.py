@@ -281,3 +281,34 @@ def test_a_time_limit_on_ranks_that_meet_only_at_the_end_is_refused():
         TimeLimit(60).check(only_at_end)
     TimeLimit(60).check(SimpleNamespace(**{**vars(only_at_end), "world_size": 1}))  # one process stops at any step
     TimeLimit(60).check(SimpleNamespace(**{**vars(only_at_end), "checkpoint_period": 5000}))
+
+
+def _two_losses(model, minibatch):
+    output = model(minibatch["features"])
+    main = torch.nn.functional.cross_entropy(output, minibatch["labels"])
+    return main + 0.01 * output.pow(2).mean(), {"main": main}
+
+
+def _objective_session(run_dir, callbacks):
+    from dtrain import CheckpointConfig, training_session
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return training_session(
+        model, learner=LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)), objective=_two_losses,
+        minibatch_source=MinibatchSource(four_class_data(200, 0), randomize=True, randomization_seed=3),
+        minibatch_size=16, max_samples=192, progress_frequency=32,
+        cv_config=CrossValidationConfig(MinibatchSource(four_class_data(40, 1), randomize=False, max_sweeps=1),
+                                        frequency=32, minibatch_size=20),
+        checkpoint_config=CheckpointConfig("ckpt.pt", frequency=0), run_dir=run_dir, tensorboard=False,
+        callbacks=callbacks)
+
+
+def test_a_monitor_of_an_objectives_figure_is_checked_against_its_first_record(tmp_path):
+    best = BestCheckpoint(monitor="cv.main", mode="min")
+    _objective_session(tmp_path / "figure", [best]).train()
+    records = [json.loads(line) for line in (tmp_path / "figure" / "metrics.jsonl").read_text().splitlines()]
+    assert best.best == min(record["main"] for record in records if record["kind"] == "cv")
+    with pytest.raises(ValueError, match=r"monitor='cv.mian': the cv records have no mian; expected one of the "
+                                         r"values the run writes: cv.loss, cv.main"):
+        _objective_session(tmp_path / "typo", [BestCheckpoint(monitor="cv.mian", mode="min")]).train()
