@@ -101,6 +101,21 @@ def _components(group: DictConfig | None, name: str) -> list:
     return built
 
 
+def _refuse_loss_beside_objective() -> None:
+    """An objective computes the loss itself: a ``loss``/``metric`` override on the command line would be accepted and
+    ignored, so it is refused (the recipe's own loss and metric are simply not built)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    given = [override for override in HydraConfig.get().overrides.task
+             if override.lstrip("+~").split("=", 1)[0].split(".", 1)[0] in ("loss", "metric")]
+    if given:
+        raise UserError(f"{given[0]}: this run has an objective, which computes the loss and the figures it logs "
+                        f"itself, so the recipe's loss and metric are not used; expected no loss or metric override "
+                        f"with objective (docs/objectives.md)")
+
+
 def _objective(node):
     """``objective``: the objective its ``_target_`` names, built; a plain function (not a class) is taken as it is,
     with any other keys bound as keyword arguments (as Hydra's ``_partial_: true`` does, which works too)."""
@@ -212,6 +227,8 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
 
     run_dir = Path(cfg.run_dir)
     objective = _objective(cfg.objective) if cfg.get("objective") is not None else None
+    if objective is not None:
+        _refuse_loss_beside_objective()
     loss = _instantiate(cfg.loss, "loss") if objective is None else None
     metric = _instantiate(cfg.metric, "metric") if objective is None else None
     callbacks = [*_components(cfg.callbacks, "callbacks"), *_components(cfg.logger, "logger")]

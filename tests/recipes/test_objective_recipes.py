@@ -109,3 +109,13 @@ def test_the_noise_scale_tool_refuses_an_objectives_run_with_one_line(two_loss_r
                          env=plain_environment(), capture_output=True, text=True, timeout=240)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stdout + run.stderr
     assert "the run trained with objective user_objectives.two_losses" in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("override", ["loss=mse", "metric=top5_error", "loss.label_smoothing=0.1"])
+def test_a_loss_or_metric_override_beside_an_objective_is_refused_not_ignored(user_dir, override):
+    run = run_dtrain(*TINY, "objective={_target_: user_objectives.two_losses}", override, "run_dir=beside",
+                     cwd=user_dir)
+    report = f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+    assert run.returncode == 2 and "Traceback" not in run.stderr, report
+    assert f"dtrain: error: {override}: this run has an objective, which computes the loss" in run.stdout + run.stderr
+    assert not (user_dir / "beside").exists(), report
