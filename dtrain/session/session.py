@@ -298,6 +298,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             "batchnorm_recompute_samples": self.batchnorm_recompute_samples,
             "lr_scaling": repr(self.lr_scaling) if self.lr_scaling else None, "ema_decay": ema_decay,
         }}
+        if self.objective is not None:  # named only when there is one: a checkpoint from before it has no such key
+            self.settings["session"]["objective"] = self.objective.name
         if run_config is not None:
             self.settings["config"] = run_config
         # a launcher (mpiexec) gives ranks a pseudo-terminal even when its own output goes to a file,

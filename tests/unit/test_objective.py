@@ -178,3 +178,28 @@ def test_batchnorm_statistics_are_recomputed_through_the_objective(tmp_path):
     features = dtrain.MinibatchSource(four_class_data(), max_sweeps=1).next_minibatch(120)["features"]
     with torch.no_grad():
         torch.testing.assert_close(batchnorm.running_mean, with_objective[0](features).mean(0), rtol=1e-4, atol=1e-5)
+
+
+def test_a_resume_with_another_objective_lists_it_among_the_changed_settings(tmp_path):
+    from dtrain import CheckpointConfig, LocalLearner, MinibatchSource, training_session
+    from tests.helpers.toy_data import four_class_data
+
+    def first(model, minibatch):
+        return torch.nn.functional.cross_entropy(model(minibatch["features"]), minibatch["labels"])
+
+    def second(model, minibatch):
+        return torch.nn.functional.cross_entropy(model(minibatch["features"]), minibatch["labels"]) * 1.0
+
+    def session(objective, max_samples):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 4)
+        return training_session(model, learner=LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                                minibatch_source=MinibatchSource(four_class_data(64, 0)), minibatch_size=16,
+                                max_samples=max_samples, objective=objective, run_dir=tmp_path, tensorboard=False,
+                                checkpoint_config=CheckpointConfig("ckpt.pt"))
+
+    session(first, 32).train()
+    resumed = session(second, 64)
+    resumed.restore()
+    assert any(change.startswith("objective: ") and "first" in change and "second" in change
+               for change in resumed.changed_settings), resumed.changed_settings
