@@ -163,7 +163,7 @@ CASES = [
     ("source-seed-negative", ["source.train.randomization_seed=-1"], ["source.train.randomization_seed=-1: expected"]),
     # callbacks (conf/callbacks, or a _target_ of one's own): the option, the class, its arguments, its monitor
     ("callbacks-unknown-option", ["callbacks=[early_stoping]"],
-     ["callbacks/early_stoping", "(available: best_checkpoint, early_stopping;"]),
+     ["callbacks/early_stoping", "(available: best_checkpoint, early_stopping, time_limit;"]),
     ("callbacks-unknown-argument", ["callbacks=[early_stopping]", "+callbacks.early_stopping.patiense=3"],
      ["callbacks.early_stopping: EarlyStopping.__init__() got an unexpected keyword argument 'patiense'"]),
     ("callbacks-bad-value", ["callbacks=[early_stopping]", "callbacks.early_stopping.patience=0"],

@@ -68,7 +68,7 @@ def test_help_shows_callbacks_as_a_list_of_several_with_a_config_dirs_own(tmp_pa
     (tmp_path / "conf" / "callbacks" / "mine.yaml").write_text("# python -m dtrain callbacks=[mine]\n# my own callback.\n")
     result = run(sys.executable, "-m", "dtrain", "--config-dir", str(tmp_path / "conf"), "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "\n  callbacks=[best_checkpoint,early_stopping,mine]   (any of them, several at once; default: none)\n" \
+    assert "\n  callbacks=[best_checkpoint,early_stopping,mine,time_limit]   (any of them, several at once; default: none)\n" \
         in result.stdout
     assert re.search(r"\n +mine +my own callback\.", result.stdout)
 
