@@ -54,6 +54,7 @@ def test_each_event_fires_once_in_order_on_rank_0_only_and_across_a_resume(tmp_p
     assert (tmp_path / "resumed" / "events.1.txt").read_text() == ""
 
 
+@pytest.mark.slow  # a launch of its own (the event order at 2 ranks stays in the default suite)
 def test_an_early_stop_at_2_ranks_ends_every_rank_with_exit_0_and_its_line(tmp_path):
     run_dir = tmp_path / "run"
     # nothing beats the first cross-validation by a whole 100%: the second stops the run (patience 1)

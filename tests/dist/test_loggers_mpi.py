@@ -15,6 +15,7 @@ COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "sessio
           "logger=[mlflow,wandb]", "logger.wandb.mode=offline"]
 
 
+@pytest.mark.slow  # about 25 s: three launches (the default suite keeps under 10 minutes)
 def test_one_tracking_run_continues_across_a_resume_at_another_world_size(tmp_path):
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")

@@ -40,6 +40,7 @@ def test_logger_mlflow_and_wandb_log_a_digits_run(tmp_path):
     assert f"dtrain: MLflow run {run.info.run_id} started in file:{run_dir}/mlruns" in result.stdout
 
 
+@pytest.mark.slow  # a sweep of two jobs, about 14 s
 def test_a_sweeps_jobs_are_one_tracking_run_each_grouped_by_the_sweep(tmp_path):
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
