@@ -25,7 +25,8 @@ from pathlib import Path
 
 #: two loggers and three callbacks, the configuration the step-time promise is about
 DEFAULT_WITH = ("logger=[wandb,mlflow] logger.wandb.mode=offline callbacks=[early_stopping,best_checkpoint,time_limit] "
-                "callbacks.time_limit.max_time=24:00:00 callbacks.early_stopping.patience=100")
+                "callbacks.time_limit.max_time=24:00:00 callbacks.early_stopping.patience=100 "
+                "callbacks.early_stopping.monitor=cv.loss callbacks.best_checkpoint.monitor=cv.loss")  # every recipe has it
 #: what both sides run with: cross-validation (which the monitors of early stopping and the best checkpoint read),
 #: and one torch thread (dtrain chooses threads by the load at start, which would differ between the sides)
 DEFAULT_BASE = "source.cv=${source.test} session.cv.frequency=6000 session.num_threads=1"
