@@ -1,6 +1,7 @@
 """Loss and error over a whole source, aggregated over every worker and weighted by samples."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -92,110 +93,113 @@ def evaluate(
     if objective is not None:
         return _evaluate_objective(model, source, minibatch_size, objective, comm, device, max_samples, binding,
                                    progress)
-    binding = binding if binding is not None else StreamBinding()
     per_sequence = metric_counts_sequences(metric_fn)
     decoded_counts = getattr(metric_fn, "decoded_counts", None)
     names = tuple(getattr(metric_fn, "names", ())) if decoded_counts is not None else ()
     decoded = torch.zeros(len(names), 2, dtype=torch.float64)
-    position = source.get_checkpoint_state()
-    was_training = model.training
-    model.eval()
     totals = torch.zeros(4, dtype=torch.float64)  # loss sum, metric sum, samples, what the metric averages over
-    minibatches = 0
-    read = 0
-    try:
-        with torch.no_grad():
-            while max_samples is None or read < max_samples:
-                size = minibatch_size if max_samples is None else min(minibatch_size, max_samples - read)
-                batch = source.next_minibatch(size, comm.size, comm.rank)
-                if batch is None:
-                    break
-                read += batch.global_num_samples
-                minibatches += 1
-                if batch.num_sequences == 0:
-                    continue
-                batch = batch.to(device)
-                target = binding.target_of(batch)
-                samples, sequences = count_steps(target)
-                if samples == 0:
-                    continue
-                output = None
-                try:
-                    output = binding.forward(model, batch)
-                    totals[0] += float(loss_fn(output, target)) * samples
-                except IndexError as error:  # an id the model has no room for (see ids_past_the_model)
-                    problem = ids_past_the_model(model, binding, batch, output)
-                    if problem is None:
-                        raise
-                    raise DataError(problem) from error
-                if decoded_counts is None:
-                    totals[1] += float(metric_fn(output, target))
-                else:
-                    decoded += decoded_counts(model, batch, target)
-                totals[2] += samples
-                totals[3] += sequences if per_sequence else samples
-                if progress is not None:
-                    progress(read)
-    finally:
-        source.restore_from_checkpoint(position)
-        model.train(was_training)
+    shares = _Shares(source, minibatch_size, comm, device, max_samples, binding, progress)
+    with _evaluating(model, source):
+        for batch, target, samples, sequences in shares:
+            output = None
+            try:
+                output = shares.binding.forward(model, batch)
+                totals[0] += float(loss_fn(output, target)) * samples
+            except IndexError as error:  # an id the model has no room for (see ids_past_the_model)
+                problem = ids_past_the_model(model, shares.binding, batch, output)
+                if problem is None:
+                    raise
+                raise DataError(problem) from error
+            if decoded_counts is None:
+                totals[1] += float(metric_fn(output, target))
+            else:
+                decoded += decoded_counts(model, batch, target)
+            totals[2] += samples
+            totals[3] += sequences if per_sequence else samples
     totals = comm.allreduce(torch.cat([totals, decoded.flatten()]).to(comm.device), op="sum").cpu()
     decoded = totals[4:].reshape(-1, 2)
     samples = int(totals[2])
     if samples == 0:
-        return Evaluation(float("nan"), float("nan"), 0, minibatches)
+        return Evaluation(float("nan"), float("nan"), 0, shares.minibatches)
     rates = {name: float(errors) / float(count) if float(count) else float("nan") for name, (errors, count)
              in zip(names, decoded)}
     if names:
-        return Evaluation(float(totals[0]) / samples, rates.pop(names[0]), samples, minibatches, rates)
+        return Evaluation(float(totals[0]) / samples, rates.pop(names[0]), samples, shares.minibatches, rates)
     return Evaluation(float(totals[0]) / samples, metric_average(metric_fn, float(totals[1]) / float(totals[3])),
-                      samples, minibatches)
+                      samples, shares.minibatches)
 
 
 def _evaluate_objective(model: torch.nn.Module, source, minibatch_size: int, objective, comm, device: torch.device,
                         max_samples: int | None, binding, progress) -> Evaluation:
     """:func:`evaluate` with an objective: ``objective(model, minibatch)`` in eval mode without gradients, its
     loss and figures weighted by the target's samples, summed over the ranks once."""
-    binding = binding if binding is not None else StreamBinding()
     totals = torch.zeros(2, dtype=torch.float64)  # loss sum, samples
     figure_sums = None  # in the order of the objective's first call (training's, or this pass's)
-    position = source.get_checkpoint_state()
-    was_training = model.training
-    model.eval()
-    minibatches = read = 0
-    try:
-        with torch.no_grad():
-            while max_samples is None or read < max_samples:
-                size = minibatch_size if max_samples is None else min(minibatch_size, max_samples - read)
-                batch = source.next_minibatch(size, comm.size, comm.rank)
-                if batch is None:
-                    break
-                read += batch.global_num_samples
-                minibatches += 1
-                if batch.num_sequences == 0:
-                    continue
-                batch = batch.to(device)
-                samples, _ = count_steps(binding.target_of(batch))
-                if samples == 0:
-                    continue
-                loss, figures = objective(model, batch, training=False)
-                totals[0] += float(loss) * samples
-                totals[1] += samples
-                weighted = objective.figure_vector(figures, torch.device("cpu")) * samples
-                figure_sums = weighted if figure_sums is None else figure_sums + weighted
-                if progress is not None:
-                    progress(read)
-    finally:
-        source.restore_from_checkpoint(position)
-        model.train(was_training)
+    shares = _Shares(source, minibatch_size, comm, device, max_samples, binding, progress)
+    with _evaluating(model, source):
+        for batch, _, samples, _ in shares:
+            loss, figures = objective(model, batch, training=False)
+            totals[0] += float(loss) * samples
+            totals[1] += samples
+            weighted = objective.figure_vector(figures, torch.device("cpu")) * samples
+            figure_sums = weighted if figure_sums is None else figure_sums + weighted
     names = objective.figure_names or ()
     figure_sums = figure_sums if figure_sums is not None else torch.zeros(len(names), dtype=torch.float64)
     totals = comm.allreduce(torch.cat([totals, figure_sums]).to(comm.device), op="sum").cpu()
     samples = int(totals[1])
     if samples == 0:
-        return Evaluation(float("nan"), float("nan"), 0, minibatches)
-    return Evaluation(float(totals[0]) / samples, float("nan"), samples, minibatches,
+        return Evaluation(float("nan"), float("nan"), 0, shares.minibatches)
+    return Evaluation(float(totals[0]) / samples, float("nan"), samples, shares.minibatches,
                       {name: float(value) / samples for name, value in zip(names, totals[2:].tolist())})
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module, source):
+    """Eval mode and no gradients while an evaluation reads ``source``; after it (also on an error), the model's
+    mode and the source's position as they were, so the next evaluation reads the same samples again."""
+    position = source.get_checkpoint_state()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        source.restore_from_checkpoint(position)
+        model.train(was_training)
+
+
+class _Shares:
+    """This rank's shares of an evaluation's global minibatches, on ``device``, with their target and its counts
+    (``(batch, target, samples, sequences)``; shares without target samples are skipped, but counted in
+    ``minibatches``); ``progress(samples_read)`` after each share's work."""
+
+    def __init__(self, source, minibatch_size: int, comm, device: torch.device, max_samples: int | None, binding,
+                 progress: Callable[[int], None] | None):
+        self.source, self.minibatch_size, self.comm, self.device = source, minibatch_size, comm, device
+        self.max_samples = max_samples
+        self.binding = binding if binding is not None else StreamBinding()
+        self.progress = progress
+        self.minibatches = 0
+
+    def __iter__(self):
+        read = 0
+        while self.max_samples is None or read < self.max_samples:
+            size = self.minibatch_size if self.max_samples is None else min(self.minibatch_size, self.max_samples - read)
+            batch = self.source.next_minibatch(size, self.comm.size, self.comm.rank)
+            if batch is None:
+                return
+            read += batch.global_num_samples
+            self.minibatches += 1
+            if batch.num_sequences == 0:
+                continue
+            batch = batch.to(self.device)
+            target = self.binding.target_of(batch)
+            samples, sequences = count_steps(target)
+            if samples == 0:
+                continue
+            yield batch, target, samples, sequences
+            if self.progress is not None:
+                self.progress(read)
 
 
 def metric_average(metric, mean: float) -> float:
