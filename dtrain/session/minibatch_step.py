@@ -460,15 +460,7 @@ class MinibatchStep:
         compiler failure into one clear line (:meth:`_checked_forward`)."""
         if self._forward_checked:
             return self.objective(self.forward_model, batch)
-        try:
-            result = self.objective(self.forward_model, batch)
-        except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
-            problem = self._compile_failure(error)
-            if problem is error:
-                raise
-            raise problem from error
-        self._forward_checked = True
-        return result
+        return self._first_call_checked(lambda: self.objective(self.forward_model, batch))
 
     def _agree_on_the_objective(self, problem: str | None) -> None:
         """Several ranks, the first minibatch: every rank says whether the objective's first result passed its
@@ -503,15 +495,20 @@ class MinibatchStep:
 
     def _checked_forward(self, *args, **kwargs):
         """The model's training forward; the first compiled one turns a compiler failure into one clear line."""
+        return self._first_call_checked(lambda: self.forward_model(*args, **kwargs))
+
+    def _first_call_checked(self, call: Callable[[], object]):
+        """``call()``, the first through the training model: a compiler failure becomes one clear line
+        (:meth:`_compile_failure`); once it returns, later calls go straight to the model."""
         try:
-            output = self.forward_model(*args, **kwargs)
+            result = call()
         except Exception as error:  # noqa: BLE001 - only torch.compile's own failures are rewritten
             problem = self._compile_failure(error)
             if problem is error:
                 raise
             raise problem from error
         self._forward_checked = True
-        return output
+        return result
 
     def _compile_failure(self, error: Exception) -> Exception:
         """A compiler failure as one clear ValueError naming ``compile``; any other error as itself."""
