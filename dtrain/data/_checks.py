@@ -13,7 +13,7 @@ import torch
 from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 
-__all__ = ["check_bool", "check_finite", "check_int", "check_not_a_data_loader", "check_partition"]
+__all__ = ["check_bool", "check_finite", "check_id_dtype", "check_int", "check_not_a_data_loader", "check_partition"]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -47,6 +47,16 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return bool(value)
+
+
+def check_id_dtype(name: str, dtype: torch.dtype, num_classes: int, holder: str = "") -> None:
+    """Raises DataError when the stream ``name``, which declares ``num_classes``, holds anything but integer
+    ids (a class, a token): refused before it reaches a range check or an embedding. ``holder`` names what
+    holds the values in the message (a deserializer, a sample), if not the stream itself."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        holds = f"{holder} holds" if holder else "holds"
+        raise DataError(f"stream {name!r} has num_classes={num_classes} but {holds} "
+                        f"{str(dtype).replace('torch.', '')} values; expected integer class or token ids")
 
 
 #: float types whose sum over a minibatch may overflow their own range: summed in float32

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_int
+from dtrain.data._checks import check_id_dtype, check_int
 from dtrain.data._checks import check_not_a_data_loader
 from dtrain.data.errors import DataError
 from dtrain.data.streams import PADDING_VALUE, Sequences, StreamInfo, StreamReference
@@ -514,10 +514,7 @@ class _Plan:
             classes = None
             if name in num_classes:
                 classes = check_int(f"num_classes[{name!r}]", num_classes[name], 1)
-                if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-                    raise DataError(f"stream {name!r} has num_classes={classes} but {what} holds "
-                                    f"{str(tensor.dtype).replace('torch.', '')} values; class ids and token ids are "
-                                    f"integers")
+                check_id_dtype(name, tensor.dtype, classes, what)
             self.infos[name] = StreamInfo(name, shape, tensor.dtype, is_sequence=name in sequence_names,
                                           num_classes=classes)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_bool, check_finite, check_int, check_partition
+from dtrain.data._checks import check_bool, check_finite, check_id_dtype, check_int, check_partition
 from dtrain.data.deserializer import (Deserializer, FeaturesAndLabels, StreamDeserializer, label_tensor,
                                       as_stream_deserializer)
 from dtrain.data.errors import DataError
@@ -33,15 +33,6 @@ __all__ = ["Deserializer", "Minibatch", "MinibatchSource", "StreamDeserializer"]
 _STATE_KEYS = ("position", "seed", "samples_per_sweep", "randomize")
 #: ... and with sequence streams
 _SEQUENCE_STATE_KEYS = _STATE_KEYS + ("sequences_per_sweep", "defining_stream", "length_bucketing")
-
-
-def _check_id_dtype(info: StreamInfo, data: str) -> None:
-    """A stream that declares ``num_classes`` holds integer ids (a class, a token): anything else is refused
-    before it reaches a range check or an embedding."""
-    if info.num_classes is not None and (info.dtype.is_floating_point or info.dtype.is_complex
-                                         or info.dtype == torch.bool):
-        raise DataError(f"stream {info.name!r} of {data} declares num_classes={info.num_classes} but holds "
-                        f"{str(info.dtype).replace('torch.', '')} values; expected integer class or token ids")
 
 
 class MinibatchSource:
@@ -118,7 +109,8 @@ class MinibatchSource:
         self._sequences_per_sweep = check_int(f"{type(self._deserializer).__name__}.num_sequences",
                                               self._data.num_sequences, 1)
         for info in self._streams.values():
-            _check_id_dtype(info, type(self._deserializer).__name__)
+            if info.num_classes is not None:
+                check_id_dtype(info.name, info.dtype, info.num_classes, type(self._deserializer).__name__)
         self._lengths = {name: self._checked_lengths(name) for name, info in self._streams.items() if info.is_sequence}
         self._length_bucketing = check_int("length_bucketing", length_bucketing, 0)
         if self._length_bucketing and not self._lengths:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence as SequenceType
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_int
+from dtrain.data._checks import check_id_dtype, check_int
 from dtrain.data.errors import DataError
 from dtrain.data.streams import PADDING_VALUE, Sequences, StreamInfo
 
@@ -154,9 +154,8 @@ def _as_tensor(name: str, value: object) -> torch.Tensor:
 
 
 def _check_ids(name: str, values: torch.Tensor, num_classes: int) -> None:
-    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-        raise DataError(f"stream {name!r} has num_classes={num_classes} but holds "
-                        f"{str(values.dtype).replace('torch.', '')} values; expected integer class or token ids")
+    """In-memory ids of a stream that declares ``num_classes``: integers, inside ``[0, num_classes)``."""
+    check_id_dtype(name, values.dtype, num_classes)
     if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_classes):
         raise DataError(f"stream {name!r} holds ids in [{int(values.min())}, {int(values.max())}], outside its "
                         f"vocabulary [0, {num_classes})")

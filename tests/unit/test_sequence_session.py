@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dtrain
-from dtrain.data import DataError, MinibatchSource, Sequences, StreamArrays, StreamInfo
+from dtrain.data import DataError, DatasetDeserializer, MinibatchSource, Sequences, StreamArrays, StreamInfo
 from dtrain.session import SequenceCrossEntropy, SequenceError, StreamBinding, evaluate
 from dtrain.comm import LocalCommunicator
 
@@ -146,17 +146,23 @@ def test_a_defining_slice_that_keeps_no_step_is_refused_by_the_source():
     assert source.defining_stream == "text" and source.samples_per_sweep == 12  # the source reads on as before
 
 
-def test_complex_ids_are_refused_in_one_line(tmp_path):
-    with pytest.raises(DataError, match=r"^stream 'text' has num_classes=13 but holds complex64 values; expected "
-                                        r"integer class or token ids$"):
-        StreamArrays({"text": [np.arange(3).astype(np.complex64)] * 4}, num_classes={"text": VOCABULARY})
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float32, torch.bool])
+def test_ids_that_are_not_integers_are_refused_in_one_line_by_every_kind_of_data(dtype):
+    """In-memory streams, a deserializer's declared streams and a torch Dataset's samples: one check, one line."""
+    name = str(dtype).replace("torch.", "")
+    expected = r"values; expected integer class or token ids$"
+    with pytest.raises(DataError, match=rf"^stream 'text' has num_classes=13 but holds {name} {expected}"):
+        StreamArrays({"text": [torch.arange(3).to(dtype)] * 4}, num_classes={"text": VOCABULARY})
 
-    class ComplexIds(_Lying):  # a deserializer of the user's that declares complex ids
-        streams = {"text": StreamInfo("text", (), torch.complex64, is_sequence=True, num_classes=VOCABULARY)}
+    class DeclaredIds(_Lying):  # a deserializer of the user's that declares ids of another dtype
+        streams = {"text": StreamInfo("text", (), dtype, is_sequence=True, num_classes=VOCABULARY)}
 
-    with pytest.raises(DataError, match=r"^stream 'text' of ComplexIds declares num_classes=13 but holds complex64 "
-                                        r"values; expected integer class or token ids$"):
-        MinibatchSource(ComplexIds())
+    with pytest.raises(DataError, match=rf"^stream 'text' has num_classes=13 but DeclaredIds holds {name} {expected}"):
+        MinibatchSource(DeclaredIds())
+    with pytest.raises(DataError, match=rf"^stream 'text' has num_classes=13 but TensorDataset\[0\] holds {name} "
+                                        rf"{expected}"):
+        DatasetDeserializer(torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.arange(4).to(dtype)),
+                            names=["features", "text"], num_classes={"text": VOCABULARY})
 
 
 def test_a_variable_length_stream_left_out_of_sequences_is_told_to_declare_it_before_training(tmp_path):
