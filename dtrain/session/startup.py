@@ -9,6 +9,7 @@ import torch
 from dtrain.learners.replicated import ReplicatedLearner
 from dtrain.session.batchnorm import describe as describe_batchnorm
 from dtrain.session.precision import bf16_cpu_note
+from dtrain.session.short_run import automatic_settings, short_run_note
 
 
 class StartupLines:
@@ -45,7 +46,8 @@ class StartupLines:
                    self.ema.describe() if self.ema is not None else ""]
         if any(options):
             printer.line("dtrain: " + ", ".join(option for option in options if option))
-        for note in (bf16_cpu_note(self.precision, self.device), self._unreached_lr_change_note()):
+        for note in (bf16_cpu_note(self.precision, self.device), self._unreached_lr_change_note(),
+                     self._short_run_note()):
             if note:
                 printer.line(note)
         if restored_from is None:
@@ -56,6 +58,13 @@ class StartupLines:
             if self.changed_settings:
                 printer.line(f"dtrain: settings changed since the checkpoint, now in effect: "
                              f"{'; '.join(self.changed_settings)}")
+
+    def _short_run_note(self) -> str:
+        """A note when the run is too short for the learner's automatic settings (``dtrain.session.short_run``)."""
+        first_change = getattr(self.lr_schedule, "first_change", None)  # a Schedule; a plain callable says nothing
+        change = first_change() if first_change is not None else None
+        return short_run_note(self.learner.kind, automatic_settings(self.learner), self.max_samples,
+                              self._lr_warmup_samples(), change[0] if change is not None else None)
 
     def _unreached_lr_change_note(self) -> str:
         """A note when ``session.max_samples`` ends the run inside the learning-rate warm-up (the rate rises all

@@ -760,3 +760,85 @@ def test_the_data_parallel_class_and_its_factory_share_the_automatic_warm_start(
     for learner in (by_class, by_factory):
         learner.plan(DIGITS)
     assert by_class.distributed_after == by_factory.distributed_after > 0
+
+
+# -- a run too short for the automatic settings ----------------------------------------------------
+def _planned(learner, facts=DIGITS):
+    learner.plan(facts)
+    return learner
+
+
+def test_the_settings_derived_from_the_run_are_those_left_auto_on_a_learner_that_communicates_less():
+    from dtrain.learners import DiLoCoLearner
+    from dtrain.session.short_run import automatic_settings
+
+    adam = torch.optim.Adam(nn.Linear(2, 2).parameters())
+    assert automatic_settings(_planned(data_parallel_distributed_learner(adam, _Comm(2), num_quantization_bits=1))) \
+        == ["learner.distributed_after", "learner.freeze_variance"]
+    assert automatic_settings(_planned(BlockMomentumLearner(sgd(), _Comm(2)))) == \
+        ["learner.distributed_after", "learner.block_size"]
+    assert automatic_settings(_planned(DiLoCoLearner(torch.optim.AdamW(nn.Linear(2, 2).parameters()), _Comm(4)))) == \
+        ["learner.distributed_after", "learner.block_size"]
+    # nothing derived: the exact all-reduce, every setting given, one worker
+    assert automatic_settings(_planned(data_parallel_distributed_learner(sgd(), _Comm(2)))) == []
+    assert automatic_settings(_planned(BlockMomentumLearner(sgd(), _Comm(2), block_size=512, distributed_after=0))) == []
+    assert automatic_settings(_planned(data_parallel_distributed_learner(
+        adam, _Comm(2), num_quantization_bits=1, distributed_after=640, freeze_variance=False))) == []
+    assert automatic_settings(_planned(BlockMomentumLearner(sgd(), _Comm(1)))) == []
+
+
+QUANTIZED_AUTO = ["learner.distributed_after", "learner.freeze_variance"]
+
+
+def test_a_run_mostly_inside_the_lr_warm_up_is_told_it_is_too_short_for_the_defaults_and_what_to_set():
+    from dtrain.session.short_run import short_run_note
+
+    # issue 53's short language-model run: 512,000 samples, 80% of them warming up, the first drop never reached
+    note = short_run_note("quantized", QUANTIZED_AUTO, 512_000, 409_600, 4_096_000)
+    assert note == (
+        "dtrain: note: this run is too short for learner quantized's automatic settings (learner.distributed_after, "
+        "learner.freeze_variance): 80% of its 512,000 samples inside the learning-rate warm-up of 409,600 and "
+        "session.lr_schedule's first change (at 4,096,000 samples) never reached, where they were "
+        "measured with the warm-up ending early and the rate lowered before the end "
+        "(docs/learners.md#defaults-that-work); shorten session.lr_schedule (warmup_samples, values) with "
+        "session.max_samples, or set learner.distributed_after, learner.freeze_variance yourself, and compare with "
+        "learner=data_parallel at this length")
+    # the warm-up alone past the warm start's quarter of the run, the rate lowered later on
+    assert "80% of its" in short_run_note("diloco", ["learner.block_size"], 100_000, 80_000, 90_000)
+    assert "never reached" not in short_run_note("diloco", ["learner.block_size"], 100_000, 80_000, 90_000)
+    # the rate never lowered alone (digits cut to 6,000: its drop at 22,500), with a short warm-up or none
+    never = short_run_note("block_momentum", ["learner.block_size"], 6_000, 0, 22_500)
+    assert "session.lr_schedule's first change (at 22,500 samples) never reached, where" in never
+    assert "warm-up of" not in never
+
+
+def test_a_run_that_meets_the_conditions_or_derives_nothing_from_its_length_gets_no_note():
+    from dtrain.session.short_run import short_run_note
+
+    # the recipe's own length: the warm-up over 8% of the run, the rate lowered before the end
+    assert short_run_note("quantized", QUANTIZED_AUTO, 5_120_000, 409_600, 4_096_000) == ""
+    assert short_run_note("quantized", QUANTIZED_AUTO, 1000, 250, 999) == ""  # the warm-up just within a quarter
+    assert short_run_note("quantized", QUANTIZED_AUTO, 1000, 0, None) == ""  # a constant rate: nothing to reach
+    assert short_run_note("quantized", QUANTIZED_AUTO, None, 409_600, 4_096_000) == ""  # no length: nothing derived
+    assert short_run_note("quantized", [], 512_000, 409_600, 4_096_000) == ""  # every setting given
+
+
+def test_the_session_gives_the_note_for_a_short_quantized_run(tmp_path):
+    from dtrain.schedules import Schedule
+
+    def lines(max_samples):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 4)
+        learner = data_parallel_distributed_learner(torch.optim.Adam(model.parameters()), _Comm(2),
+                                                    num_quantization_bits=1)
+        session = training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(four_class_data(64, 0)),
+                                   minibatch_size=16, max_samples=max_samples, run_dir=tmp_path / "run",
+                                   lr_schedule=Schedule([[6, 1.0], [2, 0.1]], epoch_size=64, warmup_samples=160),
+                                   progress_bar=False, tensorboard=False)
+        learner.plan(RunFacts(samples_per_sweep=64, max_samples=max_samples, minibatch_size=16,
+                              warmup_samples=session._lr_warmup_samples()))
+        return session._short_run_note()  # one of the notes _print_start prints
+
+    assert lines(192).startswith("dtrain: note: this run is too short for learner quantized's automatic settings "
+                           "(learner.distributed_after, learner.freeze_variance): 83% of its 192 samples inside")
+    assert lines(1920) == ""
