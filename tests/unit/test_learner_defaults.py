@@ -781,7 +781,8 @@ def test_the_settings_derived_from_the_run_are_those_left_auto_on_a_learner_that
         ["learner.distributed_after", "learner.block_size"]
     # nothing derived: the exact all-reduce, every setting given, one worker
     assert automatic_settings(_planned(data_parallel_distributed_learner(sgd(), _Comm(2)))) == []
-    assert automatic_settings(_planned(BlockMomentumLearner(sgd(), _Comm(2), block_size=512, distributed_after=0))) == []
+    given = BlockMomentumLearner(sgd(), _Comm(2), block_size=512, distributed_after=0)
+    assert automatic_settings(_planned(given)) == []
     assert automatic_settings(_planned(data_parallel_distributed_learner(
         adam, _Comm(2), num_quantization_bits=1, distributed_after=640, freeze_variance=False))) == []
     assert automatic_settings(_planned(BlockMomentumLearner(sgd(), _Comm(1)))) == []
