@@ -13,7 +13,8 @@ import torch
 from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 
-__all__ = ["check_bool", "check_finite", "check_id_dtype", "check_int", "check_not_a_data_loader", "check_partition"]
+__all__ = ["check_bool", "check_finite", "check_id_dtype", "check_int", "check_not_a_data_loader", "check_partition",
+           "finite_once"]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -59,6 +60,32 @@ def check_id_dtype(name: str, dtype: torch.dtype, num_classes: int, holder: str 
                         f"{str(dtype).replace('torch.', '')} values; expected integer class or token ids")
 
 
+#: in-memory data up to this size is checked for NaN and infinities once, when its deserializer is made (one pass
+#: over memory); larger data (and memory-mapped files, sparse tensors) is checked minibatch by minibatch as read
+CHECK_ONCE_BYTES = 1 << 30
+
+
+def finite_once(*tensors: torch.Tensor) -> bool | None:
+    """Whether every floating value of the in-memory ``tensors`` (a deserializer's whole data) is finite, checked
+    once so that the source need not check each minibatch it reads (``values_finite``); None, left to that
+    per-minibatch check, for sparse tensors or more than ``CHECK_ONCE_BYTES`` of data.
+
+    One sum each (NaN and infinities survive it), and only when a sum is not finite (or finite values
+    overflowed it) an exact pass. float64 beyond float32's range counts as not finite: it is served as
+    float32, where it would be infinite, so the per-minibatch check names its sample."""
+    if any(tensor.layout != torch.strided for tensor in tensors) or \
+            sum(tensor.nbytes for tensor in tensors) > CHECK_ONCE_BYTES:
+        return None
+    for tensor in tensors:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        if not math.isfinite(float(tensor.sum(dtype=torch.float64))) and not bool(torch.isfinite(tensor).all()):
+            return False
+        if tensor.dtype == torch.float64 and float(tensor.abs().max()) > torch.finfo(torch.float32).max:
+            return False
+    return True
+
+
 #: float types whose sum over a minibatch may overflow their own range: summed in float32
 _NARROW_FLOATS = (torch.float16, torch.bfloat16)
 
@@ -69,22 +96,32 @@ def check_finite(streams: Mapping[str, object], describe: Callable[[int], str]) 
     One sum per stream (NaN and infinities survive it; about 20 µs for the digits' 32 x 64 values, 0.1% of
     their training step), and only when it is not finite a pass that finds the first such sample:
     ``describe(row)`` names that row of the minibatch in the message. Streams on an accelerator are not
-    read here (that would wait for the device every minibatch).
+    read here (that would wait for the device every minibatch). A sparse stream (CTF's ``layout: sparse``) is
+    checked in its stored values.
     """
     for name, value in streams.items():
         data = value.data if isinstance(value, Sequences) else value
         if not isinstance(data, torch.Tensor) or not data.is_floating_point() or data.device.type != "cpu" \
                 or data.numel() == 0:
             continue
-        total = data.sum(dtype=torch.float32) if data.dtype in _NARROW_FLOATS else data.sum()
+        sparse = data.layout != torch.strided
+        if sparse:
+            data = (data if data.layout == torch.sparse_coo else data.to_sparse_coo()).coalesce()
+        values = data.values() if sparse else data
+        total = values.sum(dtype=torch.float32) if values.dtype in _NARROW_FLOATS else values.sum()
         if math.isfinite(float(total)):
             continue
-        rows = data.reshape(data.shape[0], -1)
-        bad = ~torch.isfinite(rows).all(dim=1)
+        bad = ~torch.isfinite(values.reshape(values.shape[0], -1)).all(dim=1)
         if not bool(bad.any()):
             continue  # finite values whose sum overflowed
-        row = int(bad.nonzero()[0, 0])
-        what = "NaN" if bool(torch.isnan(rows[row]).any()) else "an infinite value"
+        if sparse:  # the first sample of the minibatch with a bad stored value (coalesced: in row order)
+            entry = int(bad.nonzero()[0, 0])
+            row = int(data.indices()[0, entry])
+            in_row = values[data.indices()[0] == row]
+        else:
+            row = int(bad.nonzero()[0, 0])
+            in_row = values[row]
+        what = "NaN" if bool(torch.isnan(in_row).any()) else "an infinite value"
         raise DataError(f"stream {name!r}: {describe(row)} holds {what}; expected finite numbers (the data holds "
                         f"NaN or inf, which training would report as a divergence: fix or drop that sample)")
 

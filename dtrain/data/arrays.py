@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_int
+from dtrain.data._checks import check_int, finite_once
 
 __all__ = ["ArrayDeserializer"]
 
@@ -18,24 +16,6 @@ def _as_tensor(name: str, array: object) -> torch.Tensor:
     if isinstance(array, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(array))  # shares memory, no copy
     raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(array).__name__}")
-
-
-#: arrays up to this size are checked for NaN and infinities once, when the deserializer is made (one pass
-#: over memory); larger ones (and memory-mapped files) are checked minibatch by minibatch as they are read
-_CHECK_ONCE_BYTES = 1 << 30
-
-
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every floating value of ``tensors`` is finite: one sum each (NaN and infinities survive it), and
-    only when a sum is not finite (or finite values overflowed it) an exact pass."""
-    for tensor in tensors:
-        if not tensor.is_floating_point() or tensor.numel() == 0:
-            continue
-        if not math.isfinite(float(tensor.sum(dtype=torch.float64))) and not bool(torch.isfinite(tensor).all()):
-            return False
-        if tensor.dtype == torch.float64 and float(tensor.abs().max()) > torch.finfo(torch.float32).max:
-            return False  # served as float32, where it would be infinite: checked as read, to name the sample
-    return True
 
 
 class ArrayDeserializer:
@@ -90,9 +70,7 @@ class ArrayDeserializer:
         else:
             self._set_class_labels(labels_tensor, num_classes)
         # checked once here, so the source need not check every minibatch it reads (a few µs each)
-        self.values_finite = _all_finite(self._features, self._labels) \
-            if not isinstance(features, np.memmap) and self._features.layout == torch.strided \
-            and self._labels.layout == torch.strided and self._features.nbytes <= _CHECK_ONCE_BYTES else None
+        self.values_finite = None if isinstance(features, np.memmap) else finite_once(self._features, self._labels)
         if training_mean is not None:
             self._training_mean = _as_tensor("training_mean", training_mean).to(torch.float32)
             if tuple(self._training_mean.shape) != self.feature_shape:

@@ -155,8 +155,9 @@ class MinibatchSource:
         # a deserializer with workers of its own may be told what comes next (``prefetch(indices)``, then
         # ``read`` of the same indices in the same order), so that its workers never wait between reads
         self._prefetch = getattr(self._data, "prefetch", None) if self._take is None else None
-        # True: the in-memory arrays were checked for NaN and infinities once (ArrayDeserializer), not per minibatch
-        self._values_finite = getattr(self._deserializer, "values_finite", None) if self._take is not None else None
+        # True: the in-memory data was checked for NaN and infinities once (ArrayDeserializer, StreamArrays), so
+        # the minibatches read from it are not (a transform's output still is)
+        self._values_finite = getattr(self._deserializer, "values_finite", None)
         self._executor: ThreadPoolExecutor | None = None
         # the minibatches being read in the background, in order: (request key, future)
         self._pending: deque[tuple[tuple, Future]] = deque()
@@ -395,7 +396,7 @@ class MinibatchSource:
                               global_num_sequences=span.stop - span.start)
         if self._transform is not None:
             minibatch.features = self._apply_transform(minibatch.features, minibatch)
-        if index is None or self._transform is not None or self._values_finite is not True:
+        if self._transform is not None or self._values_finite is not True:
             check_finite(minibatch.streams, lambda row: self._describe_sample(timeline, start + row))
         return minibatch
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence as SequenceType
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_id_dtype, check_int
+from dtrain.data._checks import check_id_dtype, check_int, finite_once
 from dtrain.data.errors import DataError
 from dtrain.data.streams import PADDING_VALUE, Sequences, StreamInfo
 
@@ -124,6 +124,8 @@ class StreamArrays:
         if defining_stream is not None and defining_stream not in self.streams:
             raise ValueError(f"defining_stream={defining_stream!r} is not a stream; streams are {sorted(self.streams)}")
         self.defining_stream = defining_stream
+        # checked once here, so the source need not check every minibatch it reads
+        self.values_finite = finite_once(*self._fixed.values(), *(packed.values for packed in self._sequences.values()))
 
     def sequence_lengths(self, name: str) -> np.ndarray:
         """Steps of every sequence of the sequence stream ``name``."""

@@ -516,3 +516,16 @@ def test_sparse_labels_stay_class_ids_and_a_repeated_index_is_refused(tmp_path):
             CTFDeserializer(_write(tmp_path, "|x 1:1 |y 0:1\n|x 5:1 2:1 5:3 |y 0:1\n"),
                             {"x": {"dim": 6, "format": "sparse", "layout": layout}, "y": {"dim": 3, "format": "sparse"}},
                             features="x", labels="y")
+
+
+@pytest.mark.parametrize("value, named", [("nan", "NaN"), ("inf", "an infinite value")])
+def test_nan_or_inf_in_a_sparse_input_is_named_by_its_sample(tmp_path, value, named):
+    """Kept sparse, the stream is checked in its stored values as a dense one is (not a crash, nor a divergence)."""
+    path = _write(tmp_path, SPARSE_TEXT.replace("3:-1", f"3:{value}"))
+    spec = {"x": {"dim": 6, "format": "sparse", "layout": "sparse"}, "y": {"dim": 3, "format": "sparse", "ids": True}}
+    for deserializer, stream in ((CTFDeserializer(path, spec, features="x", labels="y"), "features"),
+                                 (CTFDeserializer(path, spec, labels=None), "x")):
+        source = MinibatchSource(deserializer, randomize=False, max_sweeps=1)
+        with pytest.raises(DataError, match=rf"^stream '{stream}': sample 2 of CTFDeserializer \(timeline position 2\) "
+                                            rf"holds {named}; expected finite numbers"):
+            source.next_minibatch(4)

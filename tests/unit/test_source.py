@@ -408,3 +408,34 @@ def test_in_memory_arrays_are_checked_for_nan_once_and_float64_beyond_float32_is
     source = MinibatchSource(ArrayDeserializer(huge, np.arange(8) % 2, num_classes=2), randomize=False)
     with pytest.raises(DataError, match=r"sample 5 of ArrayDeserializer .* holds an infinite value"):
         source.next_minibatch(8)
+
+
+def test_in_memory_streams_are_checked_once_and_a_sequence_holding_nan_is_named_when_read():
+    from dtrain.data import StreamArrays
+
+    steps = [np.ones((length, 2), dtype=np.float32) for length in (3, 1, 4, 2)]
+    finite = StreamArrays({"x": steps, "y": np.arange(4) % 2}, num_classes={"y": 2})
+    assert finite.values_finite is True  # the source then skips the per-minibatch check
+    steps[2][3, 1] = np.nan  # the last step of sequence 2
+    with_nan = StreamArrays({"x": steps, "y": np.arange(4) % 2}, num_classes={"y": 2})
+    assert with_nan.values_finite is False
+    source = MinibatchSource(with_nan, randomize=False, defining_stream="x")
+    with pytest.raises(DataError, match=r"^stream 'x': sequence 2 of StreamArrays \(timeline position 2\) holds NaN; "
+                                        r"expected finite numbers"):
+        source.next_minibatch(10)
+    sparse = StreamArrays({"x": torch.eye(4).to_sparse(), "y": np.arange(4) % 2})
+    assert sparse.values_finite is None  # left to the per-minibatch check, which reads a sparse stream too
+
+
+def test_a_transform_making_nan_is_named_over_data_checked_once():
+    """A transform's output (dtrain's augmentation, DALI's CPU pipeline) is checked as read, whatever the data."""
+    data = ArrayDeserializer(np.ones((8, 2), dtype=np.float32), np.arange(8) % 2, num_classes=2)
+    assert data.values_finite is True
+
+    def transform(features, positions, seed):
+        return features / torch.as_tensor(positions != 5, dtype=torch.float32)[:, None] * 0  # 0/0 at position 5
+
+    source = MinibatchSource(data, randomize=False, transform=transform)
+    with pytest.raises(DataError, match=r"^stream 'features': sample 5 of ArrayDeserializer \(timeline position 5\) "
+                                        r"holds NaN"):
+        source.next_minibatch(8)
