@@ -20,6 +20,7 @@ from dtrain.session.binding import StreamBinding, count_steps
 from dtrain.session import compile_check
 from dtrain.session.collapse import CollapseWatch
 from dtrain.session.evaluate import metric_counts_sequences
+from dtrain.session.first_minibatch import read_agreed
 from dtrain.session.metrics import PhaseTimer
 from dtrain.session.objective_call import ObjectiveCall
 from dtrain.session.stream_checks import check_target_steps, ids_past_the_model
@@ -179,8 +180,8 @@ class MinibatchStep:
             becomes one clear ValueError.
         binding: which streams feed the model, and which is the target (default: features -> labels).
         check_first: called with the first non-empty minibatch before its forward (the session checks
-            token ids against their vocabularies there); a DataError it raises on the first minibatch is
-            raised on every rank.
+            token ids against their vocabularies there); an error it raises on the first minibatch is
+            raised on every rank, naming this one.
         count_padding: add each minibatch's padded positions to the period's sums (sequence data).
         batchnorm_sync: the model's synchronized BatchNorm layers' shared state (``None``: none). With
             ``sync_batchnorm`` every rank makes the same number of passes per distributed minibatch (empty
@@ -233,25 +234,16 @@ class MinibatchStep:
         return batch
 
     def _read_first(self, source, size: int):
-        """The first minibatch, read and checked (``check_first``) on every rank, which then agree: a
-        DataError on any rank is raised on every rank, with the first such rank's line, before any step
-        (so no rank waits in a collective for one that stopped, and the run is refused as a whole)."""
+        """The first minibatch, read and checked (``check_first``) on every rank, which then agree before any
+        step: an error on any rank is raised on every rank, naming that rank (``dtrain.session.first_minibatch``)."""
         self._first_read = False
-        problem = None
-        batch = None
-        try:
-            batch = source.next_minibatch(size, *self.learner.data_partition())
-            if batch is not None and batch.num_samples > 0 and self._check_first is not None:
-                check, self._check_first = self._check_first, None
-                check(batch)
-        except DataError as error:
-            problem = error
-        if self.comm.size > 1:
-            found = [line for line in self.comm.allgather_object(None if problem is None else str(problem)) if line]
-            if found and problem is None:
-                raise DataError(found[0])
-        if problem is not None:
-            raise problem
+        return read_agreed(self.comm, lambda: self._read_and_check_first(source, size))
+
+    def _read_and_check_first(self, source, size: int):
+        batch = source.next_minibatch(size, *self.learner.data_partition())
+        if batch is not None and batch.num_samples > 0 and self._check_first is not None:
+            check, self._check_first = self._check_first, None
+            check(batch)
         return batch
 
     def train(self, batch: Minibatch, sums: PeriodSums, timer: PhaseTimer) -> None:

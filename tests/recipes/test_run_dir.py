@@ -193,7 +193,8 @@ def test_a_bad_record_under_mpiexec_ends_every_rank_with_one_line(tmp_path, bad_
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "dtrain: error:" in line]
     assert result.returncode == 2 and len(lines) == 1, result.report()
     assert f"DigitsWithABadRecord[{bad_at}] raised OSError: corrupt record" in lines[0]
-    if bad_at == 20:  # found on the first minibatch, agreed by both ranks: nothing was written
+    if bad_at == 20:  # found on the first minibatch, agreed by both ranks, naming the one that read it: nothing written
+        assert "dtrain: error: rank 1 of 2: DigitsWithABadRecord[20] raised OSError" in lines[0], result.report()
         assert not (tmp_path / "outputs").exists()
 
 
