@@ -124,8 +124,11 @@ class StreamArrays:
         if defining_stream is not None and defining_stream not in self.streams:
             raise ValueError(f"defining_stream={defining_stream!r} is not a stream; streams are {sorted(self.streams)}")
         self.defining_stream = defining_stream
-        # checked once here, so the source need not check every minibatch it reads
-        self.values_finite = finite_once(*self._fixed.values(), *(packed.values for packed in self._sequences.values()))
+        # checked once here, so the source need not check every minibatch it reads (a memory-mapped file is not
+        # read whole for it: its minibatches are checked as read)
+        mapped = any(isinstance(value, np.memmap) for value in streams.values())
+        self.values_finite = None if mapped else \
+            finite_once(*self._fixed.values(), *(packed.values for packed in self._sequences.values()))
 
     def sequence_lengths(self, name: str) -> np.ndarray:
         """Steps of every sequence of the sequence stream ``name``."""

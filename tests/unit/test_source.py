@@ -427,6 +427,19 @@ def test_in_memory_streams_are_checked_once_and_a_sequence_holding_nan_is_named_
     assert sparse.values_finite is None  # left to the per-minibatch check, which reads a sparse stream too
 
 
+def test_memory_mapped_streams_are_not_read_whole_to_check_them_but_as_minibatches_are_read(tmp_path):
+    from dtrain.data import StreamArrays
+
+    mapped = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32, shape=(8, 2))
+    mapped[:] = 1
+    mapped[6, 0] = np.inf
+    streams = StreamArrays({"x": mapped, "y": np.arange(8) % 2}, num_classes={"y": 2})
+    assert streams.values_finite is None
+    with pytest.raises(DataError, match=r"^stream 'x': sample 6 of StreamArrays \(timeline position 6\) holds an "
+                                        r"infinite value"):
+        MinibatchSource(streams, randomize=False).next_minibatch(8)
+
+
 def test_a_transform_making_nan_is_named_over_data_checked_once():
     """A transform's output (dtrain's augmentation, DALI's CPU pipeline) is checked as read, whatever the data."""
     data = ArrayDeserializer(np.ones((8, 2), dtype=np.float32), np.arange(8) % 2, num_classes=2)
