@@ -240,6 +240,7 @@ class MinibatchStep:
         return read_agreed(self.comm, lambda: self._read_and_check_first(source, size))
 
     def _read_and_check_first(self, source, size: int):
+        """This rank's share of the first minibatch, checked by ``check_first`` where it holds samples."""
         batch = source.next_minibatch(size, *self.learner.data_partition())
         if batch is not None and batch.num_samples > 0 and self._check_first is not None:
             check, self._check_first = self._check_first, None
