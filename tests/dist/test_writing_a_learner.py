@@ -127,7 +127,7 @@ def test_outer_adams_step_is_torchs_adam_on_the_mean_change():
         assert torch.allclose(learner.prev_parameters, reference.detach(), atol=1e-6)
 
 
-def test_outer_adam_resumed_from_its_checkpoint_continues_as_if_never_stopped():
+def test_outer_adam_resumed_from_its_checkpoint_continues_as_if_never_stopped(tmp_path):
     start = torch.linspace(-1.0, 1.0, 8)
 
     def work(comm, resume: str):
@@ -137,7 +137,9 @@ def test_outer_adam_resumed_from_its_checkpoint_continues_as_if_never_stopped():
         _train(learner, model, comm.rank, range(1 if resume else 3))
         if resume:
             learner.synchronize()  # as the session does before a checkpoint
-            state, saved = learner.state_dict(), flat(model.parameters())
+            path = tmp_path / f"{resume}-rank{comm.rank}.pt"  # the checkpoint file format, read as weights only
+            checkpoint.save_atomic(learner.state_dict(), path)
+            state, saved = checkpoint.load(path), flat(model.parameters())
             model = _linear(saved)
             learner = _outer_adam(model, comm)
             if resume == "restored":
