@@ -22,23 +22,24 @@ digits CNN exists) is skipped with the reason printed.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+from _run_records import last_record, lr_scaling_text, run_records, value
 
 SCALE = 16  # the large global minibatch is SCALE x the recipe's
 
-#: recipe -> (figure, pattern reading it from the summary, decimals, goal on the gap, base minibatch, warm-up samples)
+#: recipe -> (figure, its key in the test record of metrics.jsonl, scale, decimals, goal on the gap, base minibatch,
+#: warm-up samples)
 RECIPES = {
-    "digits": ("test error %", r"test: accuracy [\d.]+% \(error ([\d.]+)%", 2, 0.5, 32, 3000),
-    "shakespeare_char": ("validation loss (nats/char)", r"test: perplexity [\d.]+ \(loss ([\d.]+)\)", 3, 0.05, 2048,
-                         None),
-    "cmudict_g2p": ("word error rate %", r"test: wer ([\d.]+)%", 2, 0.5, 512, None),
+    "digits": ("test error %", "error", 100, 2, 0.5, 32, 3000),
+    "shakespeare_char": ("validation loss (nats/char)", "loss", 1, 3, 0.05, 2048, None),
+    "cmudict_g2p": ("word error rate %", "wer", 100, 2, 0.5, 512, None),
 }
-EMA_PATTERN = r"test of the weight EMA \(decay [\d.]+\): (?:accuracy [\d.]+% \(error ([\d.]+)%|perplexity [\d.]+ \(loss ([\d.]+)|wer ([\d.]+)%)"
 
 
 def large(optimizer: list[str], rule: str, recipe: str, base_minibatch: int, warmup: int | None) -> list[str]:
@@ -99,9 +100,10 @@ def rows(recipe: str, base_minibatch: int, warmup: int | None,
     ]
 
 
-def run(recipe: str, overrides: list[str], epoch_size: int | None, pattern: str, seed: int,
+def run(recipe: str, overrides: list[str], epoch_size: int | None, seed: int,
         threads: int | None = None) -> tuple[str, float | None, float | None, str]:
-    """One run: (status, figure, EMA figure, lr line)."""
+    """One run: (status, figure, EMA figure, lr scaling), read from its metrics.jsonl and config.yaml."""
+    _, key, scale, *_ = RECIPES[recipe]
     with tempfile.TemporaryDirectory() as run_dir:
         extra = [f"session.epoch_size={epoch_size}"] if epoch_size else []
         extra.append(f"seed={seed}")
@@ -110,18 +112,16 @@ def run(recipe: str, overrides: list[str], epoch_size: int | None, pattern: str,
         command = [sys.executable, "-m", "dtrain", f"+recipe={recipe}", f"run_dir={run_dir}", "session.progress_bar=false",
                    "session.tensorboard=false", "session.checkpoint.frequency=0", *extra, *overrides]
         done = subprocess.run(command, capture_output=True, text=True)
-    output = done.stdout + done.stderr
-    if done.returncode == 2:
-        line = next((line for line in output.splitlines() if "error:" in line), output.strip()[-200:])
-        return f"skipped: {line.split('error: ', 1)[-1]}", None, None, ""
-    if done.returncode != 0:
-        return f"failed (exit {done.returncode}): {output.strip().splitlines()[-1][:160]}", None, None, ""
-    figure = re.search(pattern, output)
-    ema = re.search(EMA_PATTERN, output)
-    scaled = re.search(r"dtrain: lr ([\d.e-]+) x ([\d.]+) \((\w+), .*?\) = ([\d.e-]+)", output)
-    lr_text = f"{scaled[1]} x {scaled[2]} = {scaled[4]} ({scaled[3]})" if scaled else ""
-    ema_value = next((float(group) for group in ema.groups() if group), None) if ema else None
-    return "ok", float(figure.group(1)) if figure else None, ema_value, lr_text
+        output = done.stdout + done.stderr
+        if done.returncode == 2:  # refused: the reason is the error line, shown as it is
+            line = next((line for line in output.splitlines() if "error:" in line), output.strip()[-200:])
+            return f"skipped: {line.split('error: ', 1)[-1]}", None, None, ""
+        if done.returncode != 0:
+            return f"failed (exit {done.returncode}): {output.strip().splitlines()[-1][:160]}", None, None, ""
+        records = run_records(Path(run_dir))
+        emas = [record for record in records if record.get("kind") == "test_ema"]  # only with session.ema_decay
+        return ("ok", value(last_record(records, "test"), key, scale),
+                value(emas[-1], key, scale) if emas else None, lr_scaling_text(Path(run_dir)))
 
 
 def main() -> None:
@@ -137,7 +137,7 @@ def main() -> None:
                         help="the baseline row's figure from an earlier run of it: its row is not run again "
                              "(a full-length G2P run takes about 45 minutes on 2 cores)")
     args = parser.parse_args()
-    name, pattern, decimals, goal, base_minibatch, warmup = RECIPES[args.recipe]
+    name, _, _, decimals, goal, base_minibatch, warmup = RECIPES[args.recipe]
     if args.recipe == "shakespeare_char" and args.epoch_size:
         warmup = 2 * args.epoch_size  # two of the shortened epochs
     table = rows(args.recipe, base_minibatch, warmup, args.epoch_size)
@@ -154,14 +154,14 @@ def main() -> None:
               flush=True)
     for setting, overrides in table:
         started = time.time()
-        results = [run(args.recipe, overrides, args.epoch_size, pattern, seed, args.threads) for seed in args.seeds]
+        results = [run(args.recipe, overrides, args.epoch_size, seed, args.threads) for seed in args.seeds]
         seconds = (time.time() - started) / len(args.seeds)
         minibatch = next((int(o.split("=")[1]) for o in overrides if o.startswith("session.minibatch_size=")),
                          base_minibatch)
         family = "BN" if "model.batch_norm=true" in overrides else ""
-        failed = next((status for status, figure, _, _ in results if status != "ok" or figure is None), None)
+        failed = next((status for status, *_ in results if status != "ok"), None)
         if failed is not None:
-            print(f"{setting:<50} {minibatch:>9} {failed or 'no figure in the output'}")
+            print(f"{setting:<50} {minibatch:>9} {failed}")
             continue
         figures = [figure for _, figure, _, _ in results]
         figure = statistics.median(figures)

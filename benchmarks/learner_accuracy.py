@@ -22,8 +22,9 @@ defaults (``--samples`` default: the recipe's ``session.max_samples``): the figu
 validation loss in nats per character (lower is better) or its word error rate in % (lower is
 better), and the gap is to data_parallel's median in those units.
 
-Each cell also gives the megabytes rank 0 sent to the other ranks over the run (the summary's
-``exchange:`` line; median over the seeds) and the median wall time of a run.
+The figures are read from each run's ``metrics.jsonl`` (its test record). Each cell also gives the
+megabytes rank 0 sent to the other ranks over the run (the summary's ``exchange:`` line, the one
+place that total is written; median over the seeds) and the median wall time of a run.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 from _mpiexec import mpi_environment, mpiexec_command
+from _run_records import last_record, megabytes_sent, run_records, value
 
 CONFIGS = {
     "data_parallel": ["learner=data_parallel"],
@@ -71,14 +73,16 @@ DEFAULTS = ["data_parallel", "quantized (1-bit)", "block_momentum", "powersgd", 
 SEQUENCE_DEFAULTS = [*DEFAULTS, "block_momentum, 4-bit outer", "diloco, 4-bit outer"]
 
 
-#: recipe -> (what the figure is, the pattern that reads it from the run's summary, decimals)
+#: recipe -> (what the figure is, its key in the test record of metrics.jsonl, scale, decimals)
 RECIPES = {
-    "digits": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
-    "shakespeare_char": ("validation loss, nats per character", r"test: perplexity [\d.]+ \(loss ([\d.]+)\)", 3),
-    "cmudict_g2p": ("word error rate %", r"test: wer ([\d.]+)%", 2),
-    "conv1d_adam": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
-    "conv1d10_adam": ("test accuracy %", r"test: accuracy ([\d.]+)%", 2),
+    "digits": ("test accuracy %", "accuracy", 100, 2),
+    "shakespeare_char": ("validation loss, nats per character", "loss", 1, 3),
+    "cmudict_g2p": ("word error rate %", "wer", 100, 2),
+    "conv1d_adam": ("test accuracy %", "accuracy", 100, 2),
+    "conv1d10_adam": ("test accuracy %", "accuracy", 100, 2),
 }
+#: how a run whose training collapsed or diverged ends: exit 2 and this one error line (no record says so)
+FAILED_TRAINING = re.compile(r"^dtrain: error: training (collapsed|diverged): ", re.MULTILINE)
 #: recipes of benchmarks/conf (the 1-D convolutional task with Adam, benchmarks/conv1d_task.py): run from
 #: benchmarks/ with --config-dir, on arrays written once to a temporary directory
 BENCHMARK_RECIPES = {"conv1d_adam", "conv1d10_adam"}
@@ -99,19 +103,20 @@ def run(ranks: int, overrides: list[str], seed: int, samples: int | None,
         result = subprocess.run(command, capture_output=True, text=True, env=mpi_environment(OMP_NUM_THREADS="1"),
                                 timeout=7200, cwd=HERE if own else None)
         seconds = time.perf_counter() - started
-    output = result.stdout + result.stderr
-    for choice in re.findall(r"dtrain: (PowerSGD rank auto(?: re-checked as the learning rate warms up)?: \d+, "
-                             r"whose best approximation leaves [\d.]+)", output):
-        print(f"#   {choice} of the gradient out", flush=True)  # what an automatic rank came to, and its re-checks
-    sent = re.search(r"exchange: rank 0 sent ([\d,.]+) MB", result.stdout)
-    megabytes = float(sent.group(1).replace(",", "")) if sent else None
-    for outcome in ("collapsed", "diverged"):
-        if f"training {outcome}" in output:
-            return outcome, seconds, megabytes
-    match = re.search(RECIPES[recipe][1], result.stdout)
-    if result.returncode != 0 or match is None:
-        raise RuntimeError(f"{' '.join(overrides)} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    return float(match.group(1)), seconds, megabytes
+        output = result.stdout + result.stderr
+        # what an automatic PowerSGD rank came to, and its re-checks: printed by the run only, echoed whole
+        for line in output.splitlines():
+            if line.startswith("dtrain: PowerSGD rank auto"):
+                print(f"#   {line.removeprefix('dtrain: ')}", flush=True)
+        failed = FAILED_TRAINING.search(output)
+        if result.returncode != 0 and failed:  # exit 2 from dtrain, mpiexec's own code around it
+            return failed.group(1), seconds, None
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(overrides)} failed ({result.returncode}):\n{result.stdout[-2000:]}\n"
+                               f"{result.stderr[-2000:]}")
+        _, key, scale, _ = RECIPES[recipe]
+        figure = value(last_record(run_records(Path(run_dir)), "test"), key, scale)
+    return figure, seconds, megabytes_sent(result.stdout) if ranks > 1 else None
 
 
 def summarize(outcomes: list[float | str], recipe: str = "digits") -> tuple[float | None, str]:
@@ -122,7 +127,7 @@ def summarize(outcomes: list[float | str], recipe: str = "digits") -> tuple[floa
         return None, f"{failures[0]} ({len(failures)}/{len(outcomes)})"
     worst = 0.0 if RECIPES[recipe][0].endswith("accuracy %") else float("inf")  # a failed run counts as the worst
     median = statistics.median(figures + [worst] * len(failures))
-    decimals = RECIPES[recipe][2]
+    decimals = RECIPES[recipe][3]
     values = " ".join(f"{outcome:.{decimals}f}" if isinstance(outcome, float) else outcome for outcome in outcomes)
     return median, f"{median:.{decimals}f} [{values}]"
 
@@ -186,8 +191,9 @@ def print_table(args, names: list[str], data_root: str | None) -> None:
             for seed in args.seeds:
                 runs.append(run(ranks, CONFIGS[name], seed, args.samples, args.recipe, data_root))
                 outcome, seconds, megabytes = runs[-1]
+                figure = outcome if isinstance(outcome, str) else f"{outcome:.{RECIPES[args.recipe][3]}f}"
                 # each run as it ends, on stderr: a sequence recipe's row takes hours, and a run stopped later keeps these
-                print(f"# {name}, {ranks} ranks, seed {seed}: {outcome}, {megabytes} MB sent, {seconds:.0f} s",
+                print(f"# {name}, {ranks} ranks, seed {seed}: {figure}, {megabytes} MB sent, {seconds:.0f} s",
                       file=sys.stderr, flush=True)
             outcomes = [outcome for outcome, _, _ in runs]
             median, text = summarize(outcomes, args.recipe)
@@ -196,7 +202,7 @@ def print_table(args, names: list[str], data_root: str | None) -> None:
             seconds = f"{statistics.median(s for _, s, _ in runs):.0f} s"
             if name == "data_parallel" and median is not None:
                 reference[ranks] = median
-            decimals = RECIPES[args.recipe][2]
+            decimals = RECIPES[args.recipe][3]
             gap = (f"{median - reference[ranks]:+.{decimals}f}" if median is not None and ranks in reference
                    else "-")
             cells.append(f" {text:<34} | {gap:>6} | {sent_text:>9} | {seconds:>6} |")

@@ -6,14 +6,14 @@
 
 Each round starts the real command line in a fresh process (``mpiexec -n 2 python
 benchmarks/startup_time.py --worker ...`` for two); the worker notes the wall clock at each
-phase of dtrain's own ``main()`` (by wrapping the functions that begin and end them) and prints
-the times since the command started: the interpreter coming up, ``import torch``, the rest of
-``import dtrain.cli`` (Hydra, OmegaConf, rich, dtrain), the command-line checks and Hydra's config
-composition, the communicator, building the model and learner, loading the training data, the
-session's set-up up to the first minibatch, and the first minibatch itself. A second table runs
-``python -X importtime -c "import dtrain.cli"`` and gives the cumulative import time of each heavy
-package, and which optional ones (matplotlib, TensorBoard, DALI, safetensors, optuna, mpi4py) a
-one-process run does NOT import before training.
+phase of dtrain's own ``main()`` (by wrapping the functions that begin and end them) and writes
+them to a JSON file for this script, which prints the times since the command started: the
+interpreter coming up, ``import torch``, the rest of ``import dtrain.cli`` (Hydra, OmegaConf, rich,
+dtrain), the command-line checks and Hydra's config composition, the communicator, building the
+model and learner, loading the training data, the session's set-up up to the first minibatch, and
+the first minibatch itself. A second table runs ``python -X importtime -c "import dtrain.cli"``
+and gives the cumulative import time of each heavy package, and which optional ones (matplotlib,
+TensorBoard, DALI, safetensors, optuna, mpi4py) a one-process run does NOT import before training.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 PHASES = [  # (key, label): each is the time from the previous mark to this one
     ("python", "interpreter up"),
@@ -44,8 +45,9 @@ HEAVY = ["torch", "numpy", "hydra", "omegaconf", "rich", "PIL", "mpi4py"]
 LAZY = ["matplotlib", "tensorboard", "torch.utils.tensorboard", "nvidia.dali", "safetensors", "optuna", "mpi4py"]
 
 
-def worker(arguments: list[str]) -> None:
-    """Runs ``dtrain.cli.main()`` on ``arguments``, noting the wall clock at each phase; rank 0 prints them."""
+def worker(marks_path: str, arguments: list[str]) -> None:
+    """Runs ``dtrain.cli.main()`` on ``arguments``, noting the wall clock at each phase; rank 0 writes them to
+    ``marks_path`` as JSON."""
     marks = {"python": time.time()}
     import torch  # noqa: F401 - timed
 
@@ -84,7 +86,7 @@ def worker(arguments: list[str]) -> None:
     except SystemExit:
         pass
     if rank == 0:
-        print("STARTUP " + json.dumps(marks), flush=True)
+        Path(marks_path).write_text(json.dumps(marks))
 
 
 def one_round(processes: int) -> dict[str, float]:
@@ -93,17 +95,18 @@ def one_round(processes: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as run_dir:
         arguments = ["+recipe=digits", f"run_dir={run_dir}", "session.max_samples=64", "session.progress_frequency=0",
                      "session.checkpoint.frequency=0", "session.tensorboard=false", "session.progress_bar=false"]
-        command = [sys.executable, os.path.abspath(__file__), "--worker", *arguments]
+        marks_path = Path(run_dir) / "startup_marks.json"  # beside the run's files, removed with them
+        command = [sys.executable, os.path.abspath(__file__), "--worker", str(marks_path), *arguments]
         if processes > 1:
             mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
             command = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(processes), "--oversubscribe",
                        *command]
         start = time.time()
         done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
-    found = re.search(r"^STARTUP (.*)$", done.stdout, re.MULTILINE)
-    if done.returncode != 0 or not found:
-        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    marks = json.loads(found.group(1))
+        if done.returncode != 0 or not marks_path.is_file():
+            raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}"
+                             f"{done.stderr[-2000:]}")
+        marks = json.loads(marks_path.read_text())
     seconds, previous = {}, start
     for key, _ in PHASES:
         seconds[key] = marks[key] - previous
@@ -112,22 +115,30 @@ def one_round(processes: int) -> dict[str, float]:
     return seconds
 
 
+#: one line of ``python -X importtime``'s report: "import time: self [us] | cumulative | imported package".
+#: Python reports it on stderr only, so it is parsed; a report without such lines stops the script
+IMPORT_TIME = re.compile(r"import time:\s+\d+ \|\s+(\d+) \|( *)(\S+)")
+
+
 def import_table() -> list[tuple[str, float | None]]:
     """Cumulative seconds of each heavy package in ``import dtrain.cli`` (``None``: not imported)."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import dtrain.cli"], capture_output=True,
                           text=True, timeout=300)
     cumulative: dict[str, float] = {}
     for line in done.stderr.splitlines():
-        match = re.match(r"import time:\s+\d+ \|\s+(\d+) \|( *)(\S+)", line)
+        match = IMPORT_TIME.match(line)
         if match:
             cumulative.setdefault(match.group(3), int(match.group(1)) / 1e6)
+    if done.returncode != 0 or "dtrain.cli" not in cumulative:
+        raise SystemExit(f"python -X importtime -c 'import dtrain.cli' (exit {done.returncode}) reported no "
+                         f"{IMPORT_TIME.pattern!r} line for dtrain.cli:\n{done.stderr[-2000:]}")
     return [(name, cumulative.get(name)) for name in [*HEAVY, "dtrain", "dtrain.cli",
                                                         *[n for n in LAZY if n not in HEAVY]]]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2:])
+        worker(sys.argv[2], sys.argv[3:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2])

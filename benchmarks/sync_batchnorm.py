@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from _mpiexec import mpi_environment, mpiexec_command
+from _run_records import last_record, run_records, value
 
 
 def train(ranks: int, sync: bool, run_dir: Path, max_samples: int | None, seed: int, threads: int = 1) -> dict:
-    """One run (``threads`` torch threads per rank); returns its test accuracy and loss (from the summary), wall
-    seconds and final state."""
+    """One run (``threads`` torch threads per rank); returns its test accuracy and loss (from its metrics.jsonl),
+    wall seconds and final state."""
     from safetensors.torch import load_file
 
     length = [f"session.max_samples={max_samples}", f"session.num_threads={threads}"] if max_samples else \
@@ -42,11 +42,11 @@ def train(ranks: int, sync: bool, run_dir: Path, max_samples: int | None, seed: 
     result = subprocess.run(command, capture_output=True, text=True, env=mpi_environment(OMP_NUM_THREADS="1"),
                             timeout=7200)
     seconds = time.perf_counter() - started
-    output = result.stdout + result.stderr
-    found = re.search(r"test: accuracy ([\d.]+)% \(error [\d.]+%, loss ([\d.]+)\)", output)
-    if result.returncode != 0 or found is None:
-        raise SystemExit(f"{' '.join(command)} failed (exit {result.returncode}):\n{output[-3000:]}")
-    return {"accuracy": float(found.group(1)), "loss": float(found.group(2)), "seconds": seconds,
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed (exit {result.returncode}):\n"
+                         f"{(result.stdout + result.stderr)[-3000:]}")
+    test = last_record(run_records(run_dir), "test")
+    return {"accuracy": value(test, "accuracy", 100), "loss": value(test, "loss"), "seconds": seconds,
             "state": load_file(run_dir / "model.safetensors")}
 
 

@@ -10,8 +10,8 @@ dtrain's own choice, which the start-up line names), in a fresh process without
 ``OMP_NUM_THREADS``, so torch starts as a user's would. ``--load K`` starts K processes that spin
 on the CPU for the whole measurement (what other jobs on a shared machine look like). Rounds
 alternate between the thread counts so machine noise hits all of them; the table gives the median
-samples/s of the training loop (the run's own ``samples/s overall``) and each one's ratio to the
-best of its row.
+samples/s of the training loop (from the run's ``metrics.jsonl``: its samples over the sum of its
+training periods) and each one's ratio to the best of its row.
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+from _run_records import run_records, training_rate
 
 
 def spin(stop) -> None:
@@ -33,8 +36,12 @@ def spin(stop) -> None:
             value = (value * 31 + 7) % 1_000_003
 
 
+#: the start-up line naming dtrain's thread choice and why (dtrain.threads.ThreadChoice.describe): printed only
+THREAD_LINE = re.compile(r"^dtrain: \d+ torch threads? \(.*\)$", re.MULTILINE)
+
+
 def run_once(recipe: str, threads: str, max_samples: int | None) -> tuple[float, str]:
-    """(samples/s overall, the start-up line about threads) of one training run."""
+    """(samples/s of the training loop, from the run's metrics.jsonl; the start-up line about threads) of one run."""
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     with tempfile.TemporaryDirectory() as run_dir:
@@ -45,11 +52,13 @@ def run_once(recipe: str, threads: str, max_samples: int | None) -> tuple[float,
         if max_samples:
             command.append(f"session.max_samples={max_samples}")
         done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    rate = re.search(r"\(([\d,]+) samples/s overall\)", done.stdout)
-    thread_line = next((line for line in done.stdout.splitlines() if "thread" in line and line.startswith("dtrain:")), "")
-    return float(rate.group(1).replace(",", "")), thread_line
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        rate = training_rate(run_records(Path(run_dir)))
+    thread_line = THREAD_LINE.search(done.stdout)
+    if thread_line is None:
+        raise SystemExit(f"no {THREAD_LINE.pattern!r} line in the output of {' '.join(command)}")
+    return rate, thread_line.group(0).removeprefix("dtrain: ")
 
 
 def main() -> None:

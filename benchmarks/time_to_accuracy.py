@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
 import shutil
 import sys
@@ -38,6 +37,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from _run_records import megabytes_sent, run_records
 
 REPO = Path(__file__).resolve().parents[1]
 DTRAIN_LEARNERS = ("data_parallel", "quantized", "powersgd", "block_momentum", "diloco")
@@ -166,7 +167,7 @@ def figure_of(record: dict, recipe: Recipe) -> float:
 
 def read_dtrain_run(run_dir: Path, recipe: Recipe = RECIPES["digits"]) -> dict:
     """Start time, evaluations (samples, time, figure) and the final test figure from a run's metrics.jsonl."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = run_records(run_dir)
     train = [record for record in records if record["kind"] == "train"]
     start = train[0]["time"] - train[0]["period_s"]
     evaluations = [(record["samples"], record["time"] - start, figure_of(record, recipe))
@@ -218,8 +219,7 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, dict]:
                     continue
                 results[learner] = read_reference_run(out) if learner == REFERENCE else read_dtrain_run(run_dir, args.recipe)
                 results[learner]["wall_s"] = time.monotonic() - began
-                sent = re.search(r"exchange: rank 0 sent ([\d,.]+) MB", result.stdout)
-                results[learner]["mb_sent"] = float(sent.group(1).replace(",", "")) if sent else None
+                results[learner]["mb_sent"] = None if learner == REFERENCE else megabytes_sent(result.stdout)
                 evaluations = " ".join(f"{samples}:{seconds:.0f}s:{value:.4f}"
                                        for samples, seconds, value in results[learner]["evaluations"])
                 print(f"  {rate} {learner}: final {args.recipe.figure} {results[learner]['final']:.4f}, "

@@ -1,6 +1,8 @@
-"""docs/writing-a-learner.md's block learner (outer SGD on the BlockLearner base), plugged in from
+"""docs/writing-a-learner.md's block learners: outer SGD on the BlockLearner base, plugged in from
 outside the package with --config-dir, trains under mpiexec to max_samples with one model on every
-worker, and its outer step matches the formula."""
+worker, and its outer step matches the formula; outer Adam, whose two outer-state tensors it keeps
+itself, steps as torch's Adam does, resumes from its checkpoint as if never stopped, and restores its
+state onto the model's device."""
 from __future__ import annotations
 
 import re
@@ -26,11 +28,12 @@ def _example_module():
     return import_example("outer_sgd", "outer_sgd")
 
 
-def test_the_page_shows_the_tested_example_unchanged():
+def test_the_page_shows_the_tested_examples_unchanged():
     page = (ROOT / "docs" / "writing-a-learner.md").read_text()
-    assert (EXAMPLE / "outer_sgd.py").read_text() in page
-    assert (EXAMPLE / "conf" / "learner" / "outer_sgd.yaml").read_text() in page
-    assert len((EXAMPLE / "outer_sgd.py").read_text().splitlines()) <= 35  # short enough to read at once
+    for name, longest in (("outer_sgd", 35), ("outer_adam", 65)):
+        assert (EXAMPLES / name / f"{name}.py").read_text() in page, name
+        assert (EXAMPLES / name / "conf" / "learner" / f"{name}.yaml").read_text() in page, name
+        assert len((EXAMPLES / name / f"{name}.py").read_text().splitlines()) <= longest  # read at once
 
 
 @pytest.mark.slow
@@ -86,3 +89,87 @@ def test_outer_sgd_moves_every_rank_by_lr_times_the_mean_change():
         lambda comm: work(comm, lambda: Quantized(num_bits=4)))
     assert syncs == 1 and name == "quantized" and sent > 0  # the deltas went through the 4-bit strategy
     assert torch.equal(lossy0, lossy1) and torch.allclose(lossy0, expected, atol=1e-2)
+
+
+# -- outer Adam: two outer-state tensors of its own --------------------------------------------------
+def _outer_adam(model, comm=None, outer_learning_rate=0.05, **settings):
+    """The page's outer Adam, syncing every 4 samples per worker, with outer steps large enough to tell apart."""
+    OuterAdamLearner = import_example("outer_adam", "outer_adam").OuterAdamLearner
+    return OuterAdamLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm, block_size=8 if comm else 4,
+                            distributed_after=0, outer_learning_rate=outer_learning_rate, **settings)
+
+
+def _train(learner, model, rank: int, steps: range) -> None:
+    """Steps of 4 samples per worker (a sync after each: the block is 4 per worker), other data on each rank."""
+    for step in steps:
+        learner.begin_minibatch(4, 4 * learner.comm.size)
+        model(torch.full((4, 3), float(rank + step))).sum().backward()
+        learner.step()
+
+
+def _linear(start: torch.Tensor, **where) -> torch.nn.Linear:
+    model = torch.nn.Linear(3, 2, **where)
+    if start.device.type != "meta":
+        torch.nn.utils.vector_to_parameters(start.clone().to(**where), model.parameters())  # views of its own
+    return model
+
+
+def test_outer_adams_step_is_torchs_adam_on_the_mean_change():
+    start = torch.linspace(-1.0, 1.0, 8)
+    learner = _outer_adam(_linear(start), outer_learning_rate=0.05, beta1=0.8, beta2=0.9, eps=1e-6)
+    learner.prepare(_linear(start))
+    reference = start.clone().requires_grad_()
+    adam = torch.optim.Adam([reference], lr=0.05, betas=(0.8, 0.9), eps=1e-6)
+    for change in (torch.linspace(0.5, -0.5, 8), torch.linspace(-0.2, 0.3, 8)):
+        learner.outer_update(change.clone())  # one worker: the mean change is the sum
+        reference.grad = change.clone()
+        adam.step()
+        assert torch.allclose(learner.prev_parameters, reference.detach(), atol=1e-6)
+
+
+def test_outer_adam_resumed_from_its_checkpoint_continues_as_if_never_stopped(tmp_path):
+    start = torch.linspace(-1.0, 1.0, 8)
+
+    def work(comm, resume: str):
+        model = _linear(start)
+        learner = _outer_adam(model, comm)
+        learner.prepare(model)
+        _train(learner, model, comm.rank, range(1 if resume else 3))
+        if resume:
+            learner.synchronize()  # as the session does before a checkpoint
+            path = tmp_path / f"{resume}-rank{comm.rank}.pt"  # the checkpoint file format, read as weights only
+            checkpoint.save_atomic(learner.state_dict(), path)
+            state, saved = checkpoint.load(path), flat(model.parameters())
+            model = _linear(saved)
+            learner = _outer_adam(model, comm)
+            if resume == "restored":
+                learner.load_state_dict(state)  # before prepare(), as the session restores
+            learner.prepare(model)
+            _train(learner, model, comm.rank, range(1, 3))
+        return flat(model.parameters()), learner.outer_steps
+
+    (straight, steps), _ = FakeWorld(2).run(lambda comm: work(comm, ""))
+    (resumed, resumed_steps), (other_rank, _) = FakeWorld(2).run(lambda comm: work(comm, "restored"))
+    (forgotten, _), _ = FakeWorld(2).run(lambda comm: work(comm, "fresh"))
+    assert steps == resumed_steps == 3 and torch.equal(resumed, other_rank)
+    assert torch.allclose(resumed, straight, atol=1e-6)
+    assert not torch.allclose(forgotten, straight, atol=1e-3)  # the moments are what the checkpoint carried
+
+
+def test_outer_adams_restored_state_moves_to_the_models_device_and_dtype():
+    start = torch.linspace(-1.0, 1.0, 8)
+    model = _linear(start)
+    learner = _outer_adam(model)
+    learner.prepare(model)
+    _train(learner, model, 0, range(2))
+    state = learner.state_dict()  # CPU copies
+    for where in ({"dtype": torch.float64}, {"device": "meta"}):  # meta: a device other than the checkpoint's
+        model = _linear(start, **where)
+        restored = _outer_adam(model)
+        restored.load_state_dict(state)
+        restored.prepare(model)
+        for moment, saved in zip(restored.moments, state["outer_adam"]["moments"]):
+            assert moment.device == restored.prev_parameters.device == next(model.parameters()).device, where
+            assert moment.dtype == next(model.parameters()).dtype, where
+            if moment.device.type != "meta":
+                assert torch.equal(moment, saved.to(moment.dtype)) and moment.abs().sum() > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -29,6 +30,8 @@ README = ROOT / "README.md"
 
 #: command prefixes the tests cannot run here, and what they check instead
 NOT_RUN_HERE = {
+    "make ": "builds .venv from nothing (checked: `make -n` plans the step-by-step block's commands, and .ci/run "
+             "runs make test)",
     "python3 -m venv": "creates the environment these tests run in",
     "pip install": "installs into the environment these tests run in (checked: its extras exist in pyproject.toml)",
     "torchrun --nnodes 2": "needs two nodes (checked: the dtrain command after the launcher composes)",
@@ -138,6 +141,52 @@ def test_the_install_lines_name_extras_that_exist():
             assert set(named.split(",")) <= extras, line
     for named in re.findall(r'`\.\[(\w+)\]`|"\.\[([\w,]+)\]"', README.read_text()):
         assert set(",".join(named).strip(",").split(",")) <= extras, named
+
+
+def _make(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", *arguments], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def _planned(target: str, venv: Path, *settings: str) -> list[list[str]]:
+    """The commands ``make -n TARGET`` plans, as words; the venv's Python shortened to ``python``."""
+    planned = _make("-n", target, f"VENV={venv}", *settings)
+    assert planned.returncode == 0, planned.stderr
+    return [["python" if word == f"{venv}/bin/python" else word for word in line.split()]
+            for line in planned.stdout.splitlines()]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_and_make_test_run_the_step_by_step_commands(tmp_path):
+    """The two commands plan what the README's step-by-step block does (the same torch pin and index, the
+    same extras, the same run), in order, and .ci/run tests through them."""
+    step_by_step = [line.split("#")[0].split() for line in all_commands()
+                    if line.startswith(("pip install", "python -m dtrain +recipe=digits  "))]
+    torch_pin, extras, run = step_by_step
+    venv = tmp_path / "venv"
+    demo = _planned("demo", venv)
+    assert demo[0] == ["python3", "-m", "venv", str(venv)]
+    assert [words[2:] for words in demo if words[:2] == ["python", "-m"]] == [
+        ["pip", "install", "--upgrade", "pip"],
+        ["pip", "install", "--force-reinstall", *torch_pin[2:]],  # torch, pinned, from the CPU index
+        ["pip", *extras[1:]],  # dtrain and the demo's extras
+        ["dtrain", *run[3:]],
+    ], demo
+    cuda = [words for words in _planned("demo", venv, "TORCH=cuda") if "torch" in " ".join(words)]
+    assert cuda[0] == ["python", "-m", "pip", "install", "--force-reinstall", torch_pin[2]]  # PyPI's own build
+    assert _planned("test", venv)[-3:] == [["python", "-m", "pip", "install", "-e", '".[dev]"'],
+                                           ["touch", f"{venv}/.installed-dev"],
+                                           ["python", "-m", "pytest", "--durations=25"]]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test VENV=.ci/venv\nmake test-slow VENV=.ci/venv\n" in ci and "pytest" not in ci
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_refuses_an_unknown_torch_build_in_one_line():
+    refused = _make("demo", "TORCH=rocm")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().endswith("TORCH=rocm: expected cpu or cuda.  Stop."), refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
 
 def _anchors(page: Path) -> set[str]:
