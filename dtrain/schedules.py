@@ -93,6 +93,12 @@ class Schedule:
         index = bisect.bisect_right(self._ends, samples_seen)
         return self.values[min(index, len(self.values) - 1)] * self.warmup_multiplier(samples_seen)
 
+    def constant(self) -> float | None:
+        """The value, for a schedule that never changes (one value, no warm-up); None for one that does."""
+        if self.warmup_samples or len(set(self.values)) != 1:
+            return None
+        return self.values[0]
+
     def warmup_multiplier(self, samples_seen: int) -> float:
         """The warm-up's share of the value after ``samples_seen`` samples: ``(samples_seen + 1) / warmup_samples``
         inside the warm-up, 1 after it (and without one)."""

@@ -36,12 +36,14 @@ class Minibatch(Mapping):
         first_position: timeline position (in sequences) of this share's first sequence; the share
             is contiguous on the timeline.
         positions: int64 ``[num_sequences]`` timeline positions (made when first asked for).
+        owns_tensors: its streams' tensors are its own: the source made them for this minibatch (by indexing
+            its data, not as views of a buffer it fills again), so they may be kept past the next read.
     """
 
     def __init__(self, streams: dict | None = None, *, features: torch.Tensor | None = None,
                  labels: torch.Tensor | None = None, global_num_samples: int, sweep_end: bool, first_position: int,
                  num_samples: int | None = None, num_sequences: int | None = None,
-                 global_num_sequences: int | None = None):
+                 global_num_sequences: int | None = None, owns_tensors: bool = False):
         self.streams: dict = streams if type(streams) is dict else (dict(streams) if streams is not None else {})
         if features is not None:
             self.streams["features"] = features
@@ -55,6 +57,7 @@ class Minibatch(Mapping):
         self.global_num_sequences = global_num_samples if global_num_sequences is None else global_num_sequences
         self.sweep_end = sweep_end
         self.first_position = first_position
+        self.owns_tensors = owns_tensors
 
     # -- the mapping -------------------------------------------------------------------------------
     def __getitem__(self, name: str):
@@ -125,7 +128,7 @@ class Minibatch(Mapping):
     def _with_streams(self, streams: dict, num_samples: int, num_sequences: int) -> Minibatch:
         return Minibatch(streams, global_num_samples=self.global_num_samples, sweep_end=self.sweep_end,
                          first_position=self.first_position, num_samples=num_samples, num_sequences=num_sequences,
-                         global_num_sequences=self.global_num_sequences)
+                         global_num_sequences=self.global_num_sequences, owns_tensors=self.owns_tensors)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{name}: {value!r}" if isinstance(value, Sequences) else

@@ -393,7 +393,8 @@ class MinibatchSource:
         per_sweep = self._sequences_per_sweep
         minibatch = Minibatch(streams, global_num_samples=span.steps, sweep_end=span.stop // per_sweep > span.start // per_sweep,
                               first_position=start, num_samples=samples, num_sequences=stop - start,
-                              global_num_sequences=span.stop - span.start)
+                              global_num_sequences=span.stop - span.start,
+                              owns_tensors=index is not None and self._transform is None)
         if self._transform is not None:
             minibatch.features = self._apply_transform(minibatch.features, minibatch)
         if self._transform is not None or self._values_finite is not True:

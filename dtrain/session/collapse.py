@@ -150,14 +150,17 @@ class CollapseWatch:
         # progress periods' mean losses (all ranks'), lowest and highest: with large minibatches the running
         # average spans a good part of the run and smooths a short fall or a divergence away
         self._period_extremes = (math.inf, -math.inf)
+        self._watched = False  # the first minibatch showed a task to judge (chance_loss, or from_start)
         self._pending: list[torch.Tensor] = []  # detached losses not yet in the average
-        self._pending_weights: list[float] = []  # and their weights (from their sizes: no read-back)
+        self._pending_sizes: list[int] = []  # and their minibatches' sizes (their weights, from the sizes, at the fold)
         self._weights_by_size: dict[int, float] = {}  # average_weight by minibatch size, computed once each
         self._operators: tuple[tuple[float, ...], torch.Tensor, torch.Tensor] | None = None  # the last weights' operators
 
-    def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function) -> None:
+    def observe(self, output: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, loss_function,
+                size: int | None = None) -> None:
         """Adds one minibatch's mean loss (a detached tensor, kept as it is; nothing is read back to the
-        host after the first).
+        host after the first); ``size``: its sequences (samples without sequences), its weight in the
+        running average (``None``: the labels' first dimension, else the output's, else 1).
 
         The first minibatch decides whether the task is watched: only a cross-entropy loss
         (``torch.nn.functional.cross_entropy`` or a ``torch.nn.CrossEntropyLoss``), whose uniform
@@ -165,41 +168,51 @@ class CollapseWatch:
         here (a loss may count its calls or keep state); any other loss is never judged.
         """
         if not self._judged:
-            self._judged = True
-            if (_is_cross_entropy(loss_function) and isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
-                    and output.dim() == 2 and output.shape[1] >= 2
-                    and labels.dim() == 1 and not labels.is_floating_point() and not labels.is_complex()):
-                self.num_classes = int(output.shape[1])
-                self.chance_loss = math.log(self.num_classes)
-            elif (isinstance(loss_function, SequenceCrossEntropy) and isinstance(labels, Sequences)
-                  and isinstance(output, torch.Tensor) and output.dim() == 3 and output.shape[-1] >= 2
-                  and labels.data.dim() == 2 and not labels.data.is_floating_point()):
-                # a sequence of class ids (next character, next phoneme): chance is ln C per step as well
-                self.num_classes = int(output.shape[-1])
-                self.chance_loss = math.log(self.num_classes)
-            else:  # regression, or a loss of your own: its own start is the level it must not return to
-                self.from_start = (isinstance(loss, torch.Tensor) and loss.numel() == 1
-                                   and loss.is_floating_point())
-        if self.chance_loss is None and not self.from_start:
+            self._judge_task(output, labels, loss, loss_function)
+        if not self._watched:
             return
-        self._pending.append(loss.reshape(()))
-        self._minibatches += 1
-        size = _minibatch_size(output, labels)
-        weight = self._weights_by_size.get(size)
-        if weight is None:
-            weight = self._weights_by_size[size] = average_weight(size)
-        self._pending_weights.append(weight)
+        self._pending.append(loss)
+        self._pending_sizes.append(_minibatch_size(output, labels) if size is None else size)
         if len(self._pending) >= self.fold_every:
             self._fold()
+
+    def _judge_task(self, output, labels, loss: torch.Tensor, loss_function) -> None:
+        """Once, on the first minibatch: classification (``chance_loss``), another scalar loss (``from_start``), or
+        nothing to watch."""
+        self._judged = True
+        if (_is_cross_entropy(loss_function) and isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
+                and output.dim() == 2 and output.shape[1] >= 2
+                and labels.dim() == 1 and not labels.is_floating_point() and not labels.is_complex()):
+            self.num_classes = int(output.shape[1])
+            self.chance_loss = math.log(self.num_classes)
+        elif (isinstance(loss_function, SequenceCrossEntropy) and isinstance(labels, Sequences)
+              and isinstance(output, torch.Tensor) and output.dim() == 3 and output.shape[-1] >= 2
+              and labels.data.dim() == 2 and not labels.data.is_floating_point()):
+            # a sequence of class ids (next character, next phoneme): chance is ln C per step as well
+            self.num_classes = int(output.shape[-1])
+            self.chance_loss = math.log(self.num_classes)
+        else:  # regression, or a loss of your own: its own start is the level it must not return to
+            self.from_start = (isinstance(loss, torch.Tensor) and loss.numel() == 1
+                               and loss.is_floating_point())
+        self._watched = self.chance_loss is not None or self.from_start
 
     def _fold(self) -> None:
         """Advances the running average ``a <- (1 - w) a + w x`` over the kept losses, all at once, and the
         lowest and highest average with every intermediate value (the first loss starts the average)."""
         if not self._pending:
             return
-        values = torch.stack(self._pending).reshape(-1).to(torch.float64)
-        weights = tuple(self._pending_weights)
-        self._pending, self._pending_weights = [], []
+        pending = self._pending
+        try:
+            values = torch.stack(pending)
+        except RuntimeError:  # losses of several shapes, each of one element (``[]``, ``[1]``)
+            values = torch.stack([value.reshape(()) for value in pending])
+        values = values.reshape(-1).to(torch.float64)
+        weights_by_size = self._weights_by_size
+        for size in set(self._pending_sizes).difference(weights_by_size):
+            weights_by_size[size] = average_weight(size)
+        weights = tuple(weights_by_size[size] for size in self._pending_sizes)
+        self._minibatches += len(pending)
+        self._pending, self._pending_sizes = [], []
         if self._average is None:
             self._average = values[0].clone()
             self._first = values[0].clone()

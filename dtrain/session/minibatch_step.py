@@ -87,11 +87,14 @@ class PeriodSums:
         self.padded_positions += padded
         self.positions += positions
 
-    def add_outputs(self, mean_loss: torch.Tensor, output: torch.Tensor, labels: torch.Tensor, samples: int) -> None:
+    def add_outputs(self, mean_loss: torch.Tensor, output: torch.Tensor, labels: torch.Tensor, samples: int,
+                    copy_output: bool = True, copy_labels: bool = True) -> None:
         """Adds one pass whose (additive) metric runs later, over many passes at once: its mean loss
-        (a detached tensor), its detached output and its labels (both copied: a source may reuse its
-        buffers) and its sample count. A pass too large to keep is measured at once; one whose
-        per-sample shapes differ from the kept passes' first has those measured."""
+        (a detached tensor), its detached output and its labels and its sample count. Each is copied unless
+        the caller knows nothing writes into it later (``copy_*=False``: an eager model's new output, labels a
+        source indexed out for this minibatch); a source or a compiled model may reuse its buffers. A pass too
+        large to keep is measured at once; one whose per-sample shapes differ from the kept passes' first has
+        those measured."""
         size = output.numel() * output.element_size() + labels.numel() * labels.element_size()
         if size > self.deferred_output_bytes:
             self.add(mean_loss, _measured(self.metric_function, output, labels), samples)
@@ -100,8 +103,8 @@ class PeriodSums:
         if shapes != self._kept_shapes:
             self._measure_kept_outputs()
             self._kept_shapes = shapes
-        self._outputs.append(output.clone())
-        self._labels.append(labels.clone())
+        self._outputs.append(output.clone() if copy_output else output)
+        self._labels.append(labels.clone() if copy_labels else labels)
         self._kept_bytes += size
         self.metric_samples += samples
         self._add_loss(mean_loss, samples)
@@ -211,6 +214,8 @@ class MinibatchStep:
         self._check_first = check_first
         self.count_padding = count_padding
         self._forward_checked = not check_compile
+        # an eager module's output is a new tensor every call; a compiled one's may live in a reused buffer
+        self._outputs_are_new = forward_model is model
         self._compare_with_eager = check_compile
         self.skipped_steps = 0  # fp16: optimizer steps skipped for an overflow (on every rank alike)
         # an additive metric runs once over many passes (PeriodSums.add_outputs), after a first pass at once
@@ -272,7 +277,7 @@ class MinibatchStep:
             learner.loss_scale = self.loss_scaler.scale  # the learner unscales with it
         learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         gradient_scale = learner.fold_gradient_scale()  # saves the learner a pass over every gradient
-        synchronized = self._synchronize_batchnorm(batch, gradient_scale)
+        synchronized = self.batchnorm_sync is not None and self._synchronize_batchnorm(batch, gradient_scale)
         passes: list = []
         if batch.num_samples > 0:
             if self.count_padding:
@@ -285,20 +290,30 @@ class MinibatchStep:
         if not passes and not self._objective_agreed:
             self._agree_on_the_objective(None)  # the ranks that call it wait for this one's word
         empty_passes = self._passes_to_match(len(passes)) if synchronized else 0
-        local_steps = sum(pass_steps for _, _, pass_steps, _ in passes)
-        last = len(passes) + empty_passes - 1
-        for index, (part, part_target, pass_steps, pass_sequences) in enumerate(passes):
-            with contextlib.nullcontext() if index == last else learner.no_sync():
-                self._forward_backward(part, part_target, pass_steps, pass_sequences, local_steps,
-                                       gradient_scale, sums)
-        for index in range(len(passes), last + 1):
-            with contextlib.nullcontext() if index == last else learner.no_sync():
-                self._empty_pass(batch)
+        if len(passes) == 1 and not empty_passes:  # the usual minibatch: one pass, straight through
+            part, part_target, pass_steps, pass_sequences = passes[0]
+            self._forward_backward(part, part_target, pass_steps, pass_sequences, pass_steps, gradient_scale, sums)
+        else:
+            self._several_passes(batch, passes, empty_passes, gradient_scale, sums)
         timer.lap("compute")
         learner.step()
         if self.loss_scaler is not None:
             self._update_loss_scale()
         timer.lap_update(learner.exchange_seconds_last_step)
+
+    def _several_passes(self, batch: Minibatch, passes: list, empty_passes: int, gradient_scale: float,
+                        sums: PeriodSums) -> None:
+        """Micro-batches (and the empty passes of synchronized BatchNorm): every pass but the last inside
+        ``learner.no_sync()``, so the exchange happens once, on the accumulated gradient."""
+        local_steps = sum(pass_steps for _, _, pass_steps, _ in passes)
+        last = len(passes) + empty_passes - 1
+        for index, (part, part_target, pass_steps, pass_sequences) in enumerate(passes):
+            with contextlib.nullcontext() if index == last else self.learner.no_sync():
+                self._forward_backward(part, part_target, pass_steps, pass_sequences, local_steps,
+                                       gradient_scale, sums)
+        for index in range(len(passes), last + 1):
+            with contextlib.nullcontext() if index == last else self.learner.no_sync():
+                self._empty_pass(batch)
 
     def _synchronize_batchnorm(self, batch: Minibatch, gradient_scale: float) -> bool:
         """``sync_batchnorm``: whether this minibatch's BatchNorm layers reduce over the ranks (a distributed
@@ -415,9 +430,10 @@ class MinibatchStep:
                 output = output.float()  # the metric sees float32, as without autocast
         loss = loss.detach()
         self.last_loss = loss  # for the callbacks' on_step_end
-        self.collapse.observe(output, target, loss, self.loss)
+        self.collapse.observe(output, target, loss, self.loss, sequences)
         if self._defer_metric:
-            sums.add_outputs(loss, output, target, samples)
+            sums.add_outputs(loss, output, target, samples, copy_output=not self._outputs_are_new,
+                             copy_labels=not batch.owns_tensors)
         else:  # every pass; an additive metric only the first (a metric that cannot run fails at once)
             sums.add(loss, _measured(self.metric, output, target), samples,
                      sequences if self._metric_per_sequence else samples)

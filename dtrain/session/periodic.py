@@ -2,6 +2,8 @@
 global samples as CNTK counts them."""
 from __future__ import annotations
 
+import math
+
 
 class Periodic:
     """Fires when ``samples_seen // frequency`` changes (frequency 0: never; ``sys.maxsize``: at the end)."""
@@ -19,6 +21,10 @@ class Periodic:
     def pending(self, samples_seen: int) -> bool:
         """Whether samples were seen since it last fired (the end-of-training partial period)."""
         return bool(self.frequency) and samples_seen != self.fired_at
+
+    def next_end(self) -> int | float:
+        """The samples seen at which the current period ends (``due`` may fire from then on; inf: never)."""
+        return (self.last_index + 1) * self.frequency if self.frequency else math.inf
 
     def due(self, samples_seen: int, ready: bool = True) -> bool:
         """Whether to fire now: a new period began and ``ready`` (else it stays due until ready)."""

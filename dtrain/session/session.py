@@ -482,15 +482,20 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
                 self.preemption.handling(), self._profiling() as profiler:
             self._print_start(printer, restored_from)
+            next_period_end = self._next_period_end()
+            fixed_size = self.minibatch_size.constant()  # None: the minibatch size follows its schedule
+            fixed_size = None if fixed_size is None else int(fixed_size)
+            schedules = self._schedules_in_use()
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
-                size = int(self.minibatch_size(seen))
+                size = fixed_size if fixed_size is not None else int(self.minibatch_size(seen))
                 if self.max_samples is not None:
                     size = min(size, self.max_samples - seen)
                 batch = self._step.read(self.source, size, timer)
                 if batch is None:
                     break
-                self._apply_schedules(seen, size)
+                if schedules:
+                    self._apply_schedules(seen, size)
                 self._step.train(batch, sums, timer)
                 if self.ema is not None:  # taken in where every rank holds one model (dtrain.session.weight_ema)
                     self.ema.after_step(self.model, self.learner.is_sync_point())
@@ -512,19 +517,21 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
                 ranks_meet = self.learner.is_sync_point()
                 one_model = ranks_meet  # synchronize() adds no outer step here (see the module docstring)
                 acted = False  # a progress, cross-validation or checkpoint point: callbacks' stops are agreed here
-                if self.progress_period.due(seen):
-                    ranks_meet = acted = True
-                    self._report_progress(printer, metrics, sums, throughput, timer)
-                if self.cv_period.due(seen, ready=one_model):
-                    ranks_meet = acted = True
-                    last_cv, keep_going = self._cross_validate(printer, metrics)
-                    if not keep_going:
-                        stopped_early = True
-                        break
-                if self.checkpoint_period.due(seen, ready=one_model):
-                    ranks_meet = acted = True
-                    last_checkpoint = self.checkpointing.save(self.minibatches, self.cv_index, printer)
-                    self.callbacks.fire("on_checkpoint_save", self.run_view, last_checkpoint)
+                if seen >= next_period_end:  # a progress, cross-validation or checkpoint period may have ended
+                    if self.progress_period.due(seen):
+                        ranks_meet = acted = True
+                        self._report_progress(printer, metrics, sums, throughput, timer)
+                    if self.cv_period.due(seen, ready=one_model):
+                        ranks_meet = acted = True
+                        last_cv, keep_going = self._cross_validate(printer, metrics)
+                        if not keep_going:
+                            stopped_early = True
+                            break
+                    if self.checkpoint_period.due(seen, ready=one_model):
+                        ranks_meet = acted = True
+                        last_checkpoint = self.checkpointing.save(self.minibatches, self.cv_index, printer)
+                        self.callbacks.fire("on_checkpoint_save", self.run_view, last_checkpoint)
+                    next_period_end = self._next_period_end()
                 if (ranks_meet or alone) and self.preemption.requested():
                     preempted = stopped_early = True
                     break
@@ -710,6 +717,16 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         warm-up, the longer (0: none; a plain callable as the schedule says nothing)."""
         return max(int(getattr(self.lr_schedule, "warmup_samples", 0) or 0),
                    int(getattr(self.lr_scaling, "warmup_samples", 0) or 0))
+
+    def _next_period_end(self) -> int | float:
+        """The samples seen at which the first of the progress, cross-validation and checkpoint periods ends (or
+        has ended, waiting for the ranks to hold one model): the loop asks the periods nothing before it."""
+        return min(period.next_end() for period in (self.progress_period, self.cv_period, self.checkpoint_period))
+
+    def _schedules_in_use(self) -> bool:
+        """Whether anything changes the optimizer's settings as samples are seen (:meth:`_apply_schedules`)."""
+        return (self.lr_schedule is not None or self.lr_scaling is not None
+                or self.momentum_time_constant_schedule is not None or self._optimizer_clock is not None)
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""
