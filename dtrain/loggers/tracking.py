@@ -9,12 +9,12 @@ or (preempted) left to be continued.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from pathlib import Path
 
 from dtrain.comm.base import first_line
+from dtrain.loggers.requirements import require_package
 from dtrain.session.callbacks import Callback, RunView
 from dtrain.session.safe_files import check_regular, read_no_follow, replace_file
 
@@ -43,9 +43,7 @@ class TrackingLogger(Callback):
     id_file: str
 
     def __init__(self):
-        if not package_installed(self.package):
-            raise ValueError(f"{type(self).__name__} needs the {self.package} package: pip install "
-                             f"'dtrain[{self.extra}]' (or leave logger={self.extra} out)")
+        require_package(self, self.package, self.extra)
         self.run_id: str | None = None  # the tracking run's id, while it is open
 
     # -- the client's part ----------------------------------------------------------------------
@@ -126,13 +124,6 @@ class TrackingLogger(Callback):
             self.run_id = None
 
 
-def package_installed(name: str) -> bool:
-    """Whether ``name`` imports as an installed package (a directory of that name in the working directory, such
-    as W&B's own ``./wandb``, is not one)."""
-    spec = importlib.util.find_spec(name)
-    return spec is not None and spec.origin is not None
-
-
 def metric_values(record: dict) -> dict[str, float]:
     """A ``metrics.jsonl`` record's measured numbers, keyed ``<kind>/<key>`` (``train/loss``, ``cv/error``)."""
     kind = record["kind"]
@@ -158,21 +149,3 @@ def run_name(run: RunView) -> str:
     """The tracking run's default name: the run directory's (a sweep job: the sweep's name and the job's number)."""
     sweep = sweep_dir()
     return f"{sweep.name}/{run.run_dir.name}" if sweep is not None else run.run_dir.name
-
-
-def check_writable_directory(path: Path, what: str) -> None:
-    """Refuses a directory the logger could not create or write: ``path`` or its nearest existing parent is not a
-    directory, or not writable by this user. Nothing is created.
-
-    Raises:
-        ValueError: one line naming ``what`` and ``path``.
-    """
-    path = Path(path).absolute()
-    existing = path
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{what}: {path} cannot be a directory ({existing} is a file); expected a writable directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{what}: {path} is not writable ({existing} is not writable by this user); expected a "
-                         f"writable directory")

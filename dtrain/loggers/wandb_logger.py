@@ -5,7 +5,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.loggers.tracking import (FAILED, PREEMPTED, TrackingLogger, check_writable_directory, recipe_name,
+from dtrain.loggers.requirements import check_writable_directory
+from dtrain.loggers.tracking import (FAILED, PREEMPTED, TrackingLogger, recipe_name,
                                      run_name, sweep_dir)
 from dtrain.session.callbacks import RunView
 
@@ -78,7 +79,7 @@ class WandbLogger(TrackingLogger):
             settings=wandb.Settings(**self.settings))
         where = {"offline": f"offline; upload with: wandb sync {Path(self._run.dir).parent}",
                  "online": self._run.url}.get(self.mode, self.mode)
-        print(f"dtrain: W&B run {self._run.id} {'continued' if resume_id else 'started'} ({where})", flush=True)
+        run.line(f"dtrain: W&B run {self._run.id} {'continued' if resume_id else 'started'} ({where})")
         return self._run.id
 
     def _log(self, values: dict[str, float], step: int, timestamp: float) -> None:
