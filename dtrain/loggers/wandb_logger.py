@@ -60,7 +60,9 @@ class WandbLogger(TrackingLogger):
         super().check(run)
         if self.mode == "disabled":
             return
-        check_writable_directory(self._dir(run), "WandbLogger dir")
+        # W&B writes below <dir>/wandb: a file or a read-only directory there fails wandb.init after the run's first
+        # writes, so it is refused here, before any
+        check_writable_directory(self._dir(run) / "wandb", "WandbLogger dir")
         if self.mode == "online" and not _has_credentials():
             raise ValueError("WandbLogger mode=online: no W&B credentials (run `wandb login` or set WANDB_API_KEY); "
                              "or use mode=offline and upload later with `wandb sync`")

@@ -100,3 +100,15 @@ def test_logger_tensorboard_beside_session_tensorboard_false_is_one_line_and_exi
         "dtrain: error: session.tensorboard=false and logger=tensorboard contradict each other; expected one of them "
         "(session.tensorboard=false writes no TensorBoard events)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_wandb_directory_in_the_way_is_one_line_and_exit_2_with_nothing_written(tmp_path):
+    pytest.importorskip("wandb")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "wandb").write_text("")  # W&B writes below RUN_DIR/wandb
+    result = run_dtrain(*TINY, "run_dir=run", "logger=wandb", "logger.wandb.mode=offline", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"dtrain: error: WandbLogger dir: {tmp_path}/run/wandb cannot be a directory ({tmp_path}/run/wandb is a "
+        f"file); expected a writable directory"]
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["wandb"]

@@ -199,13 +199,25 @@ def test_a_directory_that_cannot_be_written_is_refused_before_anything_is_writte
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(ValueError, match=r"a_file/logs cannot be a directory .*a_file is a file"):
+    with pytest.raises(ValueError, match=r"a_file/logs(/wandb)? cannot be a directory .*a_file is a file"):
         session(tmp_path / "run", 64, [make(tmp_path / "a_file" / "logs")])
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     if os.geteuid() != 0:  # root writes anywhere
         (tmp_path / "read_only").mkdir(mode=0o500)
-        with pytest.raises(ValueError, match="read_only/logs is not writable"):
+        with pytest.raises(ValueError, match="read_only/logs(/wandb)? is not writable"):
             session(tmp_path / "run", 64, [make(tmp_path / "read_only" / "logs")])
+
+
+def test_a_wandb_directory_in_the_way_is_refused_when_the_session_is_built_not_when_the_run_starts(tmp_path):
+    # W&B writes below <dir>/wandb: a file (or, for another user, a read-only directory) there made wandb.init fail
+    # after config.yaml and the metrics files were written
+    pytest.importorskip("wandb")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "wandb").write_text("")
+    with pytest.raises(ValueError, match=r"^WandbLogger dir: .*run/wandb cannot be a directory \(.*run/wandb is a "
+                                         r"file\); expected a writable directory$"):
+        session(tmp_path / "run", 64, [WandbLogger(mode="offline")])
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["wandb"]
 
 
 def test_wandb_online_without_credentials_is_refused_before_training(tmp_path, monkeypatch):
