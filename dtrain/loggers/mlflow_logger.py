@@ -39,6 +39,7 @@ class MLflowLogger(TrackingLogger):
     package = "mlflow"
     extra = "mlflow"
     id_file = "mlflow_run_id"
+    tracker = "MLflow"
 
     def __init__(self, tracking_uri: str | None = None, experiment: str | None = None, run_name: str | None = None,
                  tags: dict | None = None):

@@ -31,7 +31,7 @@ _RECORD_FIELDS = ("kind", "samples", "time")
 class TrackingLogger(Callback):
     """Base of a logger writing to an experiment tracker; a subclass talks to its client library.
 
-    Subclasses set ``package`` (what is imported), ``extra`` (the pip extra installing it) and ``id_file``,
+    Subclasses set ``package`` (what is imported), ``extra`` (the pip extra installing it), ``id_file`` and ``tracker``,
     and implement ``_start``, ``_log``, ``_log_files`` and ``_end``.
 
     Raises:
@@ -41,10 +41,12 @@ class TrackingLogger(Callback):
     package: str
     extra: str
     id_file: str
+    tracker: str  # the tracker's name in the run's lines
 
     def __init__(self):
         require_package(self, self.package, self.extra)
         self.run_id: str | None = None  # the tracking run's id, while it is open
+        self._held: dict[str, int] = {}  # by record kind: the last step the continued tracking run already holds
 
     # -- the client's part ----------------------------------------------------------------------
     def _start(self, run: RunView, resume_id: str | None) -> str:
@@ -76,6 +78,11 @@ class TrackingLogger(Callback):
             resume_id = read_no_follow(id_path).decode("utf-8", "replace").strip() or None
         self.run_id = self._start(run, resume_id)
         replace_file(id_path, f"{self.run_id}\n".encode())
+        self._held = held_steps(run.records, run.start_samples) if self.run_id == resume_id else {}
+        if self._held:
+            run.line(f"dtrain: {self.tracker} run {self.run_id} already holds records up to "
+                     f"{max(self._held.values()):,} samples, logged before the restart from {run.start_samples:,}; "
+                     f"this run's records up to there are kept in metrics.jsonl only")
 
     def on_progress(self, run: RunView, record: dict) -> None:
         self._log_record(record)
@@ -101,8 +108,8 @@ class TrackingLogger(Callback):
 
     # -- helpers --------------------------------------------------------------------------------
     def _log_record(self, record: dict) -> None:
-        if self.run_id is None:
-            return
+        if self.run_id is None or int(record["samples"]) <= self._held.get(record["kind"], -1):
+            return  # trained again after a restart: the tracking run keeps the values it holds (held_steps)
         values = metric_values(record)
         if values:
             self._tolerate(self._log, values, int(record["samples"]), float(record.get("time", 0.0)),
@@ -135,6 +142,23 @@ def recipe_name(run: RunView) -> str:
     """The run's recipe (``dtrain`` for a Python API run without a config): the default project/experiment."""
     config = run.config or {}
     return str(config.get("recipe_name") or "dtrain")
+
+
+def held_steps(records: list[dict], start_samples: int) -> dict[str, int]:
+    """What a continued tracking run already holds past the checkpoint its run resumes from (at ``start_samples``),
+    by record kind: the last step of the earlier records (``metrics.jsonl``'s) of each kind beyond it.
+
+    A run cut short (killed, or failed) after records past its last checkpoint were logged trains those steps again
+    when it resumes. A tracker keeps one value per step (W&B drops a step it already has, MLflow would keep both and
+    draw a zigzag), so the logger leaves the records of steps the tracking run already holds out of it, deliberately
+    and for every tracker alike: its curves are the run as first logged, and ``metrics.jsonl`` has both.
+    """
+    held: dict[str, int] = {}
+    for record in records:
+        samples, kind = record.get("samples"), record.get("kind")
+        if isinstance(samples, int) and isinstance(kind, str) and samples > start_samples:
+            held[kind] = max(held.get(kind, samples), samples)
+    return held
 
 
 def sweep_dir() -> Path | None:

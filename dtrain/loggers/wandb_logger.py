@@ -40,6 +40,7 @@ class WandbLogger(TrackingLogger):
     package = "wandb"
     extra = "wandb"
     id_file = "wandb_run_id"
+    tracker = "W&B"
 
     def __init__(self, mode: str | None = None, project: str | None = None, entity: str | None = None,
                  group: str | None = None, tags: Sequence[str] = (), name: str | None = None,

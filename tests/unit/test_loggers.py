@@ -119,6 +119,41 @@ def test_a_failed_run_ends_its_tracking_runs_as_failed(tmp_path):
     assert wandb_run_facts(wandb_file)["exit_code"] == 1
 
 
+class FailAtProgress(Callback):
+    def __init__(self, samples):
+        self.samples = samples
+
+    def on_progress(self, run, record):
+        if record["samples"] == self.samples:
+            raise RuntimeError("the node went down")
+
+
+def test_the_steps_trained_again_after_a_crash_are_logged_once(tmp_path):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+
+    def loggers():
+        return [MLflowLogger(), WandbLogger(mode="offline")]
+
+    # the first run logs 96 past its checkpoint at 64, then fails; the resumed run trains 65..128 again
+    with pytest.raises(RuntimeError, match="the node went down"):
+        session(tmp_path, 128, [*loggers(), FailAtProgress(96)]).train()
+    stream = io.StringIO()
+    session(tmp_path, 128, loggers(), stream=stream).train()
+
+    train = records(tmp_path, "train")
+    assert [r["samples"] for r in train] == [32, 64, 96, 96, 128]  # metrics.jsonl has both runs' 96
+    uri = f"file:{tmp_path}/mlruns"
+    [run] = mlflow_runs(uri)  # one value a step: the first run's at 96, as first logged
+    assert mlflow_steps(uri, run.info.run_id, "train/loss") == [(r["samples"], r["loss"]) for r in train[:3] + train[4:]]
+    assert [step for step, _ in mlflow_steps(uri, run.info.run_id, "cv/error")] == [64, 128]
+    first, second = wandb_offline_runs(tmp_path)
+    assert [row["_step"] for row in wandb_history(first) if "train/loss" in row] == [32, 64, 96]
+    assert [row["_step"] for row in wandb_history(second) if "train/loss" in row] == [128]
+    assert f"dtrain: MLflow run {run.info.run_id} already holds records up to 96 samples, logged before the restart " \
+           f"from 64; this run's records up to there are kept in metrics.jsonl only" in stream.getvalue()
+
+
 class FullDiskMLflowLogger(MLflowLogger):
     def _log(self, values, step, timestamp):
         raise OSError(28, "No space left on device")
