@@ -107,7 +107,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         run_dir: directory for metrics, TensorBoard events and relative checkpoint names; rank 0
             holds a lock on it while training, so a second job into it is refused.
         tensorboard: write TensorBoard events too (``None``: when the ``tensorboard`` package is installed;
-            ``True`` without it raises ValueError).
+            ``True`` without it raises ValueError); a ``TensorBoardLogger`` among the callbacks asks for them
+            and says where (``False`` beside it raises ValueError).
         progress_bar: live progress bar (``None``: on a terminal, single process only).
         checkpoint_identity: plain settings of your own a checkpoint must match to be restored
             (the model's type, the learner, the optimizer's type and the training data are always checked).
@@ -154,7 +155,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             ``text[1:]``; ``"minibatch"``). Samples are counted in its steps unless the source names a
             ``defining_stream`` (``docs/data.md#samples-are-steps``); with an objective, that is all it says.
         callbacks: objects with any of ``dtrain.Callback``'s events (``dtrain.session.callbacks``), called in
-            this order on rank 0 (every rank for one with ``all_ranks = True``); loggers are callbacks too.
+            this order on rank 0 (every rank for one with ``all_ranks = True``); loggers are callbacks too (a
+            ``CsvLogger`` or ``TensorBoardLogger`` replaces the run's own file of its kind).
 
     Raises:
         ValueError, TypeError: a bad argument (the message names it).

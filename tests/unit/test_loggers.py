@@ -145,7 +145,8 @@ def test_the_steps_trained_again_after_a_crash_are_logged_once(tmp_path):
     assert [r["samples"] for r in train] == [32, 64, 96, 96, 128]  # metrics.jsonl has both runs' 96
     uri = f"file:{tmp_path}/mlruns"
     [run] = mlflow_runs(uri)  # one value a step: the first run's at 96, as first logged
-    assert mlflow_steps(uri, run.info.run_id, "train/loss") == [(r["samples"], r["loss"]) for r in train[:3] + train[4:]]
+    assert mlflow_steps(uri, run.info.run_id, "train/loss") == \
+        [(r["samples"], r["loss"]) for r in train[:3] + train[4:]]
     assert [step for step, _ in mlflow_steps(uri, run.info.run_id, "cv/error")] == [64, 128]
     first, second = wandb_offline_runs(tmp_path)
     assert [row["_step"] for row in wandb_history(first) if "train/loss" in row] == [32, 64, 96]
@@ -305,7 +306,8 @@ def test_csv_and_tensorboard_loggers_write_the_runs_records_where_they_say_and_n
     assert {"cv/error", "test/error", "train/lr"} <= set(scalars)
     # the session's own files of those kinds are not written beside them
     assert not (run_dir / "metrics.csv").exists() and not (run_dir / "tensorboard").exists()
-    assert f"metrics: {run_dir / 'metrics.jsonl'}, rows.csv, TensorBoard: {tmp_path / 'tb' / 'run'}" in stream.getvalue()
+    assert f"metrics: {run_dir / 'metrics.jsonl'}, rows.csv, TensorBoard: {tmp_path / 'tb' / 'run'}" in \
+        stream.getvalue()
 
 
 def test_tensorboard_events_are_asked_for_by_the_logger_and_refused_beside_session_tensorboard_false(tmp_path,
