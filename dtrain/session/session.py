@@ -648,16 +648,17 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self._on_checks_passed.append(callback)
 
     def _start_outputs(self, metrics: MetricsWriter) -> None:
-        """Once: the run's first writes (rank 0: the ``when_checks_pass`` callbacks', then the metrics files'), then
-        the callbacks' ``on_run_start`` (and ``on_checkpoint_restore`` for a resumed run)."""
+        """Once: the callbacks' ``on_run_start``, then the run's first writes (rank 0: the ``when_checks_pass``
+        callbacks', then the metrics files'), then ``on_checkpoint_restore`` for a resumed run. A tracker that
+        cannot start its run fails it before those writes, and what it wrote is taken back (``_abandon_run_dir``)."""
         if self._outputs_started:
             return
+        self.callbacks.fire("on_run_start", self.run_view)
         self._outputs_started = True
         if self.comm.is_main:
             for callback in self._on_checks_passed:
                 callback()
             metrics.open()
-        self.callbacks.fire("on_run_start", self.run_view)
         if self._restored_from is not None:
             self.callbacks.fire("on_checkpoint_restore", self.run_view, self._restored_from)
 

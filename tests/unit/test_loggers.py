@@ -256,6 +256,23 @@ def test_a_wandb_directory_in_the_way_is_refused_when_the_session_is_built_not_w
     assert [path.name for path in (tmp_path / "run").iterdir()] == ["wandb"]
 
 
+class UnreachableMLflowLogger(MLflowLogger):
+    def _start(self, run, resume_id):
+        raise ConnectionError("mlflow:5000 is unreachable")
+
+
+def test_a_tracker_that_cannot_start_its_run_fails_it_before_the_runs_first_write(tmp_path):
+    pytest.importorskip("mlflow")
+    with pytest.raises(ConnectionError, match="unreachable"):
+        session(tmp_path / "run", 64, [UnreachableMLflowLogger()]).train()
+    assert not (tmp_path / "run").exists()  # no metrics.jsonl, metrics.csv (nor, from the CLI, config.yaml)
+    session(tmp_path / "run", 64, []).train()
+    before = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
+    with pytest.raises(ConnectionError, match="unreachable"):  # a resumed run: its directory as it was
+        session(tmp_path / "run", 128, [UnreachableMLflowLogger()]).train()
+    assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
+
+
 def test_wandb_online_without_credentials_is_refused_before_training(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):
