@@ -31,8 +31,8 @@ _RECORD_FIELDS = ("kind", "samples", "time")
 class TrackingLogger(Callback):
     """Base of a logger writing to an experiment tracker; a subclass talks to its client library.
 
-    Subclasses set ``package`` (what is imported), ``extra`` (the pip extra installing it), ``id_file`` and ``tracker``,
-    and implement ``_start``, ``_log``, ``_log_files`` and ``_end``.
+    Subclasses set ``package`` (what is imported), ``extra`` (the pip extra installing it), ``id_file`` and
+    ``tracker`` (its name in lines), and implement ``_start``, ``_log``, ``_log_files`` and ``_end``.
 
     Raises:
         ValueError: the client package is not installed (naming the pip extra).
@@ -41,7 +41,7 @@ class TrackingLogger(Callback):
     package: str
     extra: str
     id_file: str
-    tracker: str  # the tracker's name in the run's lines
+    tracker: str
 
     def __init__(self):
         require_package(self, self.package, self.extra)
