@@ -74,10 +74,10 @@ class BestCheckpoint(Callback):
 
     def on_run_end(self, run, result) -> None:
         if self.best is None:
-            print(f"best: no {self.monitor.name} value was recorded, so no {self.path(run)} was written", flush=True)
+            run.line(f"best: no {self.monitor.name} value was recorded, so no {self.path(run)} was written")
         else:
-            print(f"best: {self.monitor.name} {self.monitor.format(self.best, run)} at "
-                  f"{samples(self.best_samples)} samples: {self.path(run)}", flush=True)
+            run.line(f"best: {self.monitor.name} {self.monitor.format(self.best, run)} at "
+                     f"{samples(self.best_samples)} samples: {self.path(run)}")
 
     def _written(self, run) -> tuple[float, int] | None:
         """The value and samples of the file already written for this monitor (``None``: none, or another's)."""

@@ -8,7 +8,8 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
-from dtrain.loggers.tracking import (FAILED, FINISHED, TrackingLogger, check_writable_directory, recipe_name,
+from dtrain.loggers.requirements import check_writable_directory
+from dtrain.loggers.tracking import (FAILED, FINISHED, TrackingLogger, recipe_name,
                                      run_name, sweep_dir)
 from dtrain.session.callbacks import RunView
 
@@ -38,6 +39,7 @@ class MLflowLogger(TrackingLogger):
     package = "mlflow"
     extra = "mlflow"
     id_file = "mlflow_run_id"
+    tracker = "MLflow"
 
     def __init__(self, tracking_uri: str | None = None, experiment: str | None = None, run_name: str | None = None,
                  tags: dict | None = None):
@@ -92,7 +94,7 @@ class MLflowLogger(TrackingLogger):
             client.log_batch(run_id, params=items[start:start + _PARAMS_PER_BATCH])
         job = {"dtrain.run_dir": str(run.run_dir.absolute()), "dtrain.world_size": str(run.world_size)}
         client.log_batch(run_id, tags=[RunTag(key, value) for key, value in job.items()])
-        print(f"dtrain: MLflow run {run_id} {'continued' if existing is not None else 'started'} in {uri}", flush=True)
+        run.line(f"dtrain: MLflow run {run_id} {'continued' if existing is not None else 'started'} in {uri}")
         return run_id
 
     def _log(self, values: dict[str, float], step: int, timestamp: float) -> None:

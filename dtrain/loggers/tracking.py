@@ -9,12 +9,12 @@ or (preempted) left to be continued.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from pathlib import Path
 
 from dtrain.comm.base import first_line
+from dtrain.loggers.requirements import require_package
 from dtrain.session.callbacks import Callback, RunView
 from dtrain.session.safe_files import check_regular, read_no_follow, replace_file
 
@@ -31,8 +31,8 @@ _RECORD_FIELDS = ("kind", "samples", "time")
 class TrackingLogger(Callback):
     """Base of a logger writing to an experiment tracker; a subclass talks to its client library.
 
-    Subclasses set ``package`` (what is imported), ``extra`` (the pip extra installing it) and ``id_file``,
-    and implement ``_start``, ``_log``, ``_log_files`` and ``_end``.
+    Subclasses set ``package`` (what is imported), ``extra`` (the pip extra installing it), ``id_file`` and
+    ``tracker`` (its name in lines), and implement ``_start``, ``_log``, ``_log_files`` and ``_end``.
 
     Raises:
         ValueError: the client package is not installed (naming the pip extra).
@@ -41,12 +41,12 @@ class TrackingLogger(Callback):
     package: str
     extra: str
     id_file: str
+    tracker: str
 
     def __init__(self):
-        if not package_installed(self.package):
-            raise ValueError(f"{type(self).__name__} needs the {self.package} package: pip install "
-                             f"'dtrain[{self.extra}]' (or leave logger={self.extra} out)")
+        require_package(self, self.package, self.extra)
         self.run_id: str | None = None  # the tracking run's id, while it is open
+        self._held: dict[str, int] = {}  # by record kind: the last step the continued tracking run already holds
 
     # -- the client's part ----------------------------------------------------------------------
     def _start(self, run: RunView, resume_id: str | None) -> str:
@@ -78,6 +78,11 @@ class TrackingLogger(Callback):
             resume_id = read_no_follow(id_path).decode("utf-8", "replace").strip() or None
         self.run_id = self._start(run, resume_id)
         replace_file(id_path, f"{self.run_id}\n".encode())
+        self._held = held_steps(run.records, run.start_samples) if self.run_id == resume_id else {}
+        if self._held:
+            run.line(f"dtrain: {self.tracker} run {self.run_id} already holds records up to "
+                     f"{max(self._held.values()):,} samples, logged before the restart from {run.start_samples:,}; "
+                     f"this run's records up to there are kept in metrics.jsonl only")
 
     def on_progress(self, run: RunView, record: dict) -> None:
         self._log_record(record)
@@ -103,8 +108,8 @@ class TrackingLogger(Callback):
 
     # -- helpers --------------------------------------------------------------------------------
     def _log_record(self, record: dict) -> None:
-        if self.run_id is None:
-            return
+        if self.run_id is None or int(record["samples"]) <= self._held.get(record["kind"], -1):
+            return  # trained again after a restart: the tracking run keeps the values it holds (held_steps)
         values = metric_values(record)
         if values:
             self._tolerate(self._log, values, int(record["samples"]), float(record.get("time", 0.0)),
@@ -126,13 +131,6 @@ class TrackingLogger(Callback):
             self.run_id = None
 
 
-def package_installed(name: str) -> bool:
-    """Whether ``name`` imports as an installed package (a directory of that name in the working directory, such
-    as W&B's own ``./wandb``, is not one)."""
-    spec = importlib.util.find_spec(name)
-    return spec is not None and spec.origin is not None
-
-
 def metric_values(record: dict) -> dict[str, float]:
     """A ``metrics.jsonl`` record's measured numbers, keyed ``<kind>/<key>`` (``train/loss``, ``cv/error``)."""
     kind = record["kind"]
@@ -144,6 +142,23 @@ def recipe_name(run: RunView) -> str:
     """The run's recipe (``dtrain`` for a Python API run without a config): the default project/experiment."""
     config = run.config or {}
     return str(config.get("recipe_name") or "dtrain")
+
+
+def held_steps(records: list[dict], start_samples: int) -> dict[str, int]:
+    """What a continued tracking run already holds past the checkpoint its run resumes from (at ``start_samples``),
+    by record kind: the last step of the earlier records (``metrics.jsonl``'s) of each kind beyond it.
+
+    A run cut short (killed, or failed) after records past its last checkpoint were logged trains those steps again
+    when it resumes. A tracker keeps one value per step (W&B drops a step it already has, MLflow would keep both and
+    draw a zigzag), so the logger leaves the records of steps the tracking run already holds out of it, deliberately
+    and for every tracker alike: its curves are the run as first logged, and ``metrics.jsonl`` has both.
+    """
+    held: dict[str, int] = {}
+    for record in records:
+        samples, kind = record.get("samples"), record.get("kind")
+        if isinstance(samples, int) and isinstance(kind, str) and samples > start_samples:
+            held[kind] = max(held.get(kind, samples), samples)
+    return held
 
 
 def sweep_dir() -> Path | None:
@@ -158,21 +173,3 @@ def run_name(run: RunView) -> str:
     """The tracking run's default name: the run directory's (a sweep job: the sweep's name and the job's number)."""
     sweep = sweep_dir()
     return f"{sweep.name}/{run.run_dir.name}" if sweep is not None else run.run_dir.name
-
-
-def check_writable_directory(path: Path, what: str) -> None:
-    """Refuses a directory the logger could not create or write: ``path`` or its nearest existing parent is not a
-    directory, or not writable by this user. Nothing is created.
-
-    Raises:
-        ValueError: one line naming ``what`` and ``path``.
-    """
-    path = Path(path).absolute()
-    existing = path
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{what}: {path} cannot be a directory ({existing} is a file); expected a writable directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{what}: {path} is not writable ({existing} is not writable by this user); expected a "
-                         f"writable directory")

@@ -5,7 +5,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.loggers.tracking import (FAILED, PREEMPTED, TrackingLogger, check_writable_directory, recipe_name,
+from dtrain.loggers.requirements import check_writable_directory
+from dtrain.loggers.tracking import (FAILED, PREEMPTED, TrackingLogger, recipe_name,
                                      run_name, sweep_dir)
 from dtrain.session.callbacks import RunView
 
@@ -39,6 +40,7 @@ class WandbLogger(TrackingLogger):
     package = "wandb"
     extra = "wandb"
     id_file = "wandb_run_id"
+    tracker = "W&B"
 
     def __init__(self, mode: str | None = None, project: str | None = None, entity: str | None = None,
                  group: str | None = None, tags: Sequence[str] = (), name: str | None = None,
@@ -59,7 +61,9 @@ class WandbLogger(TrackingLogger):
         super().check(run)
         if self.mode == "disabled":
             return
-        check_writable_directory(self._dir(run), "WandbLogger dir")
+        # W&B writes below <dir>/wandb: a file or a read-only directory there fails wandb.init after the run's first
+        # writes, so it is refused here, before any
+        check_writable_directory(self._dir(run) / "wandb", "WandbLogger dir")
         if self.mode == "online" and not _has_credentials():
             raise ValueError("WandbLogger mode=online: no W&B credentials (run `wandb login` or set WANDB_API_KEY); "
                              "or use mode=offline and upload later with `wandb sync`")
@@ -78,7 +82,7 @@ class WandbLogger(TrackingLogger):
             settings=wandb.Settings(**self.settings))
         where = {"offline": f"offline; upload with: wandb sync {Path(self._run.dir).parent}",
                  "online": self._run.url}.get(self.mode, self.mode)
-        print(f"dtrain: W&B run {self._run.id} {'continued' if resume_id else 'started'} ({where})", flush=True)
+        run.line(f"dtrain: W&B run {self._run.id} {'continued' if resume_id else 'started'} ({where})")
         return self._run.id
 
     def _log(self, values: dict[str, float], step: int, timestamp: float) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -205,6 +206,11 @@ class RunView:
         """Writes the model's weights to ``path`` (safetensors, atomically) as ``model.safetensors`` is written, with
         ``samples_seen`` and ``metadata`` (string pairs) in the file's header."""
         return self._session.save_weights(Path(path), metadata)
+
+    def line(self, text: str) -> None:
+        """Prints one line where the run's progress goes (``training_session``'s ``stream``, standard output by
+        default), so a callback's words land beside the run's own."""
+        print(text, file=self._session.stream or sys.stdout, flush=True)
 
     def stop(self, reason: str) -> None:
         """Ends training at the next point where the ranks meet (see the module docstring); the first reason wins."""

@@ -3,20 +3,19 @@ events; and the time split of the training loop's phases."""
 from __future__ import annotations
 
 import contextlib
-import csv
 import datetime
 import importlib.util
-import io
 import json
 import os
-import secrets
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dtrain.session.safe_files import (check_directory, check_regular, open_append, open_replacement, read_no_follow,
-                                       replace_file)
+from dtrain.loggers.csv_logger import CsvLogger
+from dtrain.loggers.tensorboard_logger import TensorBoardLogger
+from dtrain.session.record_files import CSV_COLUMNS, MetricsWriteError, RecordFile  # noqa: F401 - re-exported
+from dtrain.session.safe_files import check_regular, open_append, read_no_follow, replace_file
 
 #: the one line a run explicitly asking for TensorBoard events gets when the package is missing
 TENSORBOARD_MISSING = ("session.tensorboard=true needs the tensorboard package: pip install 'dtrain[tensorboard]' "
@@ -28,12 +27,19 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def resolve_tensorboard(requested: bool | None) -> bool:
-    """Whether to write TensorBoard events: ``None`` (the default) means when the package is installed.
+def resolve_tensorboard(requested: bool | None, logger: bool = False) -> bool:
+    """Whether to write TensorBoard events: ``None`` (the default) means when the package is installed;
+    ``logger``: a ``TensorBoardLogger`` was given (``logger=tensorboard``), which asks for them.
 
     Raises:
-        ValueError: ``requested`` is True but the package is missing (``TENSORBOARD_MISSING``).
+        ValueError: ``requested`` is True but the package is missing (``TENSORBOARD_MISSING``), or False beside
+            a ``TensorBoardLogger``.
     """
+    if logger:
+        if requested is False:
+            raise ValueError("session.tensorboard=false and logger=tensorboard contradict each other; expected one "
+                             "of them (session.tensorboard=false writes no TensorBoard events)")
+        return True
     if requested is None:
         return tensorboard_available()
     if requested and not tensorboard_available():
@@ -41,23 +47,14 @@ def resolve_tensorboard(requested: bool | None) -> bool:
     return bool(requested)
 
 
-#: the CSV's leading columns, in this order; any other key of a record follows in first-seen order
-CSV_COLUMNS = ("kind", "samples", "time", "loss", "error", "accuracy", "num_samples", "samples_per_second", "lr",
-               "period_s", "data_s", "compute_s", "update_s", "exchange_s", "optimizer_s", "other_s",
-               "bytes_sent_per_step")
-
-
-class MetricsWriteError(RuntimeError):
-    """A metrics file could not be written (a full disk, say); one line naming the file."""
-
-
 class MetricsWriter:
     """Appends one record per progress period, cross-validation and test to ``run_dir/metrics.jsonl``,
-    the same rows to ``run_dir/metrics.csv``, and scalars to TensorBoard.
+    and the same records to the run's record files: the CSV (``metrics.csv``) and TensorBoard events.
 
     Creating a writer only reads: ``records`` holds every record of earlier runs (a resumed run
     directory), and the names are checked (a link or a directory named ``metrics.jsonl``, which is
-    appended to, or ``tensorboard`` is refused with one line; ``metrics.csv`` is replaced whole). Nothing in the run directory changes until ``open()`` (or the first ``write``), which
+    appended to, or ``tensorboard`` is refused with one line; ``metrics.csv`` is replaced whole). Nothing in the run
+    directory changes until ``open()`` (or the first ``write``), which
     the session calls once the run's checks have passed, so a refused run leaves it as it was.
     A resumed run then appends to the JSON lines; the CSV is rewritten from them (and whenever a
     record brings a new key), so its rows always match ``metrics.jsonl`` one for one under one
@@ -67,41 +64,56 @@ class MetricsWriter:
 
     Args:
         run_dir: the run directory (created if missing).
-        tensorboard: also write TensorBoard events under ``run_dir/tensorboard``.
+        tensorboard: also write TensorBoard events (a default ``TensorBoardLogger``: ``run_dir/tensorboard``).
         enabled: whether this process writes (rank 0 only); a disabled writer does nothing.
         metric_name: the key the training metric is recorded under (a CSV column after ``loss``; ``None``: none).
         listener: called with every record after it is written (on every rank, also where nothing is written):
             the session gives records to its callbacks and loggers this way.
+        files: the record files given as loggers (``logger=csv``, ``logger=tensorboard``, one of your own); a
+            ``CsvLogger`` replaces the writer's own (``metrics.csv``), a ``TensorBoardLogger`` its own
+            (``tensorboard``), so nothing is written twice.
 
     Raises:
-        RunFileError: ``metrics.jsonl`` is not a regular file, or ``tensorboard`` is not a directory.
+        RunFileError: ``metrics.jsonl`` is not a regular file, or the TensorBoard directory is not a directory.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True,
-                 metric_name: str | None = "error", listener: Callable[[dict], None] | None = None):
+                 metric_name: str | None = "error", listener: Callable[[dict], None] | None = None,
+                 files: Sequence[RecordFile] = ()):
         self.enabled = enabled
         self.listener = listener
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
-        self.csv_path = Path(run_dir) / "metrics.csv"
-        self.tensorboard_dir = Path(run_dir) / "tensorboard" if tensorboard else None
+        self.files: list[RecordFile] = list(files)
+        if _given(files, CsvLogger) is None:
+            self.files.append(CsvLogger())
+        if tensorboard and _given(files, TensorBoardLogger) is None:
+            self.files.append(TensorBoardLogger())
+        self.csv = _given(self.files, CsvLogger)
+        self.tensorboard = _given(self.files, TensorBoardLogger)
         self.records: list[dict] = []
-        self._columns = _leading_columns(metric_name)
         self._jsonl = None
-        self._csv = None
-        self._csv_writer = None
-        self._tensorboard = None
         self._opened = False
         self._damage: str | None = None  # why metrics.jsonl cannot be appended to as it is
         if not enabled:
             return
+        for file in self.files:
+            file.bind(Path(run_dir), metric_name)
         check_regular(self.jsonl_path, "metric records")  # appended to; metrics.csv is replaced whole
-        if self.tensorboard_dir is not None:
-            check_directory(self.tensorboard_dir, "TensorBoard events")
         self.records, self._damage = read_records(self.jsonl_path)
+
+    @property
+    def csv_path(self) -> Path:
+        """Where the CSV rows go (``run_dir/metrics.csv`` unless ``logger=csv`` says otherwise)."""
+        return self.csv.file
+
+    @property
+    def tensorboard_dir(self) -> Path | None:
+        """Where TensorBoard events go (``None``: none are written)."""
+        return self.tensorboard.directory if self.tensorboard is not None else None
 
     def open(self) -> None:
         """Starts writing (idempotent): sets a damaged ``metrics.jsonl`` aside, opens it to append,
-        rewrites ``metrics.csv`` from the records and starts TensorBoard's event file.
+        and opens the record files (the CSV rewritten from the records, a new TensorBoard event file).
 
         Raises:
             MetricsWriteError: a file could not be written (one line naming it).
@@ -109,10 +121,9 @@ class MetricsWriter:
         if not self.enabled or self._opened:
             return
         self._opened = True
-        # what the files held before this run, for take_back()
+        # what metrics.jsonl held before this run, for take_back()
         self._jsonl_bytes_before = self.jsonl_path.stat().st_size \
             if self._damage is None and self.jsonl_path.is_file() else None  # a damaged log is set aside whole
-        self._csv_before = self.csv_path.read_bytes() if self.csv_path.is_file() else None
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             if self._damage is not None:
@@ -122,13 +133,8 @@ class MetricsWriter:
             self._jsonl = open_append(self.jsonl_path)
         except OSError as error:
             raise MetricsWriteError(f"{self.jsonl_path} could not be written ({error.strerror or error})") from None
-        self._rewrite_csv()
-        if self.tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter  # imported lazily: it loads TensorBoard
-
-            # an unguessable file name: nobody can plant a link where the events will go
-            self._tensorboard = SummaryWriter(log_dir=str(self.tensorboard_dir),
-                                              filename_suffix=f".{secrets.token_hex(4)}")
+        for file in self.files:
+            file.open(self.records)
 
     def write(self, kind: str, samples_seen: int, **values: float) -> None:
         """Records ``values`` of one ``kind`` (train, cv, test) at ``samples_seen`` global samples."""
@@ -140,23 +146,10 @@ class MetricsWriter:
 
     def _write(self, record: dict) -> None:
         self.open()
-        kind, samples_seen = record["kind"], record["samples"]
-        values = {key: value for key, value in record.items() if key not in ("kind", "samples", "time")}
-        self.records.append(record)
+        self.records.append(record)  # the record files read the records from here too
         self._append_whole((json.dumps(record) + "\n").encode("utf-8"))
-        try:
-            if any(key not in self._columns for key in record):
-                self._rewrite_csv()  # a new column: one header for every row
-            else:
-                self._csv_writer.writerow(record)
-                self._csv.flush()
-        except OSError as error:  # metrics.csv is rebuilt from metrics.jsonl when a run opens it
-            raise MetricsWriteError(f"{self.csv_path} could not be written ({error.strerror or error}); "
-                                    f"{self.jsonl_path.name} has every record so far") from None
-        if self._tensorboard is not None:
-            for name, value in values.items():
-                if isinstance(value, (int, float)):
-                    self._tensorboard.add_scalar(f"{kind}/{name}", value, samples_seen)
+        for file in self.files:
+            file.write(record)
 
     def _set_damaged_aside(self) -> None:
         """Renames the damaged ``metrics.jsonl`` to ``metrics.jsonl.damaged-<time>`` (never over another
@@ -188,43 +181,8 @@ class MetricsWriter:
             raise MetricsWriteError(f"{self.jsonl_path} could not be written ({error.strerror or error}); the records "
                                     f"before this one are kept") from None
 
-    def _rewrite_csv(self) -> None:
-        """Writes ``metrics.csv`` from ``records`` (a new temporary file renamed over it, so a link at its
-        name is replaced, not followed) and keeps it open to append.
-
-        Raises:
-            MetricsWriteError: it could not be written (a full disk); the temporary is removed and the
-                earlier ``metrics.csv`` left as it was.
-        """
-        if self._csv is not None:
-            self._csv.close()
-            self._csv = None
-        for record in self.records:
-            self._columns += [key for key in record if key not in self._columns]
-        temporary = None
-        try:
-            stream, temporary = open_replacement(self.csv_path)
-            text = io.TextIOWrapper(stream, encoding="utf-8", newline="")
-            try:
-                writer = csv.DictWriter(text, fieldnames=self._columns, restval="")
-                writer.writeheader()
-                writer.writerows(self.records)
-                text.flush()
-                os.replace(temporary, self.csv_path)  # the open file is now metrics.csv: appends go on into it
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    text.close()
-                raise
-        except OSError as error:
-            if temporary is not None:
-                temporary.unlink(missing_ok=True)
-            raise MetricsWriteError(f"{self.csv_path} could not be written ({error.strerror or error}); "
-                                    f"{self.jsonl_path.name} has every record so far") from None
-        self._csv = text
-        self._csv_writer = csv.DictWriter(self._csv, fieldnames=self._columns, restval="")
-
     def take_back(self) -> None:
-        """Closes the files and puts ``metrics.jsonl`` and ``metrics.csv`` back as they were before ``open()``
+        """Closes the files and puts ``metrics.jsonl`` and the record files back as they were before ``open()``
         (a run refused by its data leaves no records); files this run created are left to the caller."""
         self.close()
         if not self._opened:
@@ -235,28 +193,21 @@ class MetricsWriter:
                 os.ftruncate(descriptor, self._jsonl_bytes_before)
             finally:
                 os.close(descriptor)
-        if self._csv_before is not None:
-            replace_file(self.csv_path, self._csv_before)
+        for file in self.files:
+            file.take_back()
 
     def close(self) -> None:
         """Closes the files (records written so far stay readable)."""
-        for name in ("_jsonl", "_csv", "_tensorboard"):
-            handle = getattr(self, name)
-            if handle is not None:
-                handle.close()
-                setattr(self, name, None)
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        for file in self.files:
+            file.close()
 
 
-def _leading_columns(metric_name: str | None) -> list[str]:
-    """The CSV's first columns: the run's own metric after ``loss``, in place of ``error`` and ``accuracy``
-    (which only classification error has); ``None`` (an objective's run): no metric column (its figures
-    follow as columns of their own)."""
-    if metric_name == "error":
-        return list(CSV_COLUMNS)
-    columns = [column for column in CSV_COLUMNS if column not in ("error", "accuracy")]
-    if metric_name is not None:
-        columns.insert(columns.index("loss") + 1, metric_name)
-    return columns
+def _given(files: Sequence[RecordFile], kind: type) -> RecordFile | None:
+    """The record file of ``kind`` among ``files`` (``None``: none; ``split_record_files`` allows one of each)."""
+    return next((file for file in files if isinstance(file, kind)), None)
 
 
 def read_records(path: Path) -> tuple[list[dict], str | None]:

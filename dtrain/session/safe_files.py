@@ -158,3 +158,48 @@ def write_through_temporary(path: str | Path, write: Callable[[str], None]) -> P
         with contextlib.suppress(OSError):
             shutil.rmtree(private)
     return path
+
+
+class Originals:
+    """The files a run replaced, each as it was before the run first replaced it, to put back when the run's writes
+    are taken back (a failed run loses nothing it found). Each is held open, not copied: the replaced file lives on
+    as long as this holds it, costing neither memory nor a file left behind if the process dies."""
+
+    def __init__(self):
+        self._held: dict[Path, int | None] = {}  # None: nothing was there; this run created the file
+
+    def keep(self, path: str | Path) -> None:
+        """Holds the file at ``path`` as it is now, unless already held (call it before replacing the file)."""
+        path = Path(path).absolute()
+        if path in self._held:
+            return
+        try:
+            self._held[path] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._held[path] = None
+        except OSError:  # a link or something unreadable: replaced as ever, not put back
+            pass
+
+    def put_back(self) -> None:
+        """Puts every held file back as it was (whole, through a temporary file); removes the ones this run created."""
+        for path, descriptor in self._held.items():
+            if descriptor is None:
+                path.unlink(missing_ok=True)
+                continue
+            stream, temporary = open_replacement(path)
+            try:
+                with stream, os.fdopen(os.dup(descriptor), "rb") as original:
+                    original.seek(0)
+                    shutil.copyfileobj(original, stream)
+                os.replace(temporary, path)
+            except BaseException:
+                temporary.unlink(missing_ok=True)
+                raise
+        self.release()
+
+    def release(self) -> None:
+        """Lets the held files go (the run's replacements stay)."""
+        for descriptor in self._held.values():
+            if descriptor is not None:
+                os.close(descriptor)
+        self._held.clear()

@@ -37,7 +37,9 @@ from dtrain.session.evaluate import Evaluation, classification_errors
 from dtrain.session.evaluations import EvaluationPasses
 from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
                                           first_minibatch_check)
+from dtrain.loggers.tensorboard_logger import TensorBoardLogger
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
+from dtrain.session.record_files import split_record_files
 from dtrain.session.objectives import metric_in_percent, metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
 from dtrain.session.precision import LossScaler
@@ -49,6 +51,7 @@ from dtrain.session.progress import ProgressPrinter, Throughput
 from dtrain.session.startup import StartupLines
 from dtrain.session.results import TrainingCollapsed, TrainingDiverged, TrainingResult
 from dtrain.session.rundir import RunDirectoryLock
+from dtrain.session.safe_files import Originals
 from dtrain.session.settings import TRAINING_SESSION
 from dtrain.session.summary import RunSummary
 from dtrain.session.lr_scaling import LearningRateScaling
@@ -104,7 +107,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         run_dir: directory for metrics, TensorBoard events and relative checkpoint names; rank 0
             holds a lock on it while training, so a second job into it is refused.
         tensorboard: write TensorBoard events too (``None``: when the ``tensorboard`` package is installed;
-            ``True`` without it raises ValueError).
+            ``True`` without it raises ValueError); a ``TensorBoardLogger`` among the callbacks asks for them
+            and says where (``False`` beside it raises ValueError).
         progress_bar: live progress bar (``None``: on a terminal, single process only).
         checkpoint_identity: plain settings of your own a checkpoint must match to be restored
             (the model's type, the learner, the optimizer's type and the training data are always checked).
@@ -151,7 +155,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             ``text[1:]``; ``"minibatch"``). Samples are counted in its steps unless the source names a
             ``defining_stream`` (``docs/data.md#samples-are-steps``); with an objective, that is all it says.
         callbacks: objects with any of ``dtrain.Callback``'s events (``dtrain.session.callbacks``), called in
-            this order on rank 0 (every rank for one with ``all_ranks = True``); loggers are callbacks too.
+            this order on rank 0 (every rank for one with ``all_ranks = True``); loggers are callbacks too (a
+            ``CsvLogger`` or ``TensorBoardLogger`` replaces the run's own file of its kind).
 
     Raises:
         ValueError, TypeError: a bad argument (the message names it).
@@ -276,7 +281,10 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self.lr_scaling = lr_scaling if lr_scaling is not None and lr_scaling.rule != "none" else None
         self.ema = WeightEMA(model, ema_decay) if ema_decay is not None else None
         self.run_dir = Path(run_dir)
-        self.tensorboard = resolve_tensorboard(tensorboard)  # None: when the package is installed
+        # logger=csv and logger=tensorboard are written with metrics.jsonl, in place of the run's own of their kind
+        self.record_files, callbacks = split_record_files(callbacks)
+        self.tensorboard = resolve_tensorboard(  # None: when the package is installed
+            tensorboard, logger=any(isinstance(file, TensorBoardLogger) for file in self.record_files))
         self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
         self._end_warnings: list[str] = []  # said in the summary, after the test lines they are about
         self.config_fingerprint = config_fingerprint
@@ -329,6 +337,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self._on_checks_passed: list[Callable[[], None]] = []
         self._outputs_started = False
         self._metrics: MetricsWriter | None = None
+        self._originals = Originals()  # what save_weights replaced, put back with the metrics (_abandon_run_dir)
         self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
         self._figure_names_agreed = False  # an objective's figure names, agreed by the ranks at the first progress
@@ -400,6 +409,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             self._abandon_run_dir(error)
             raise
         finally:
+            self._originals.release()
             self.release_run_dir()
 
     def _tell_callbacks_of(self, error: BaseException) -> None:
@@ -420,6 +430,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         if not self._outputs_started or isinstance(error, DataError):
             if self._metrics is not None:
                 self._metrics.take_back()  # a resumed run's metrics.jsonl and metrics.csv as they were
+            self._originals.put_back()  # and the files callbacks replaced through save_weights (best.safetensors)
             self._run_dir_lock.remove_this_jobs_files()
 
     def release_run_dir(self) -> None:
@@ -457,7 +468,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
 
     def _train_prepared(self, restored_from: Path | None) -> TrainingResult:
         metrics = MetricsWriter(self.run_dir, tensorboard=self.tensorboard, enabled=self.comm.is_main,
-                                metric_name=self.metric_name,
+                                metric_name=self.metric_name, files=self.record_files,
                                 listener=self._record_to_callbacks if self.callbacks.here else None)
         self._metrics = metrics  # taken back if the data fails (_abandon_run_dir)
         try:
@@ -644,16 +655,17 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self._on_checks_passed.append(callback)
 
     def _start_outputs(self, metrics: MetricsWriter) -> None:
-        """Once: the run's first writes (rank 0: the ``when_checks_pass`` callbacks', then the metrics files'), then
-        the callbacks' ``on_run_start`` (and ``on_checkpoint_restore`` for a resumed run)."""
+        """Once: the callbacks' ``on_run_start``, then the run's first writes (rank 0: the ``when_checks_pass``
+        callbacks', then the metrics files'), then ``on_checkpoint_restore`` for a resumed run. A tracker that
+        cannot start its run fails it before those writes, and what it wrote is taken back (``_abandon_run_dir``)."""
         if self._outputs_started:
             return
+        self.callbacks.fire("on_run_start", self.run_view)
         self._outputs_started = True
         if self.comm.is_main:
             for callback in self._on_checks_passed:
                 callback()
             metrics.open()
-        self.callbacks.fire("on_run_start", self.run_view)
         if self._restored_from is not None:
             self.callbacks.fire("on_checkpoint_restore", self.run_view, self._restored_from)
 
@@ -678,7 +690,9 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         return produced
 
     def save_weights(self, path: Path, metadata: dict[str, str] | None = None) -> Path:
-        """Writes the model's weights to ``path`` as ``model.safetensors`` is written (rank 0 calls it)."""
+        """Writes the model's weights to ``path`` as ``model.safetensors`` is written (rank 0 calls it); the file it
+        replaces is put back if this run's writes are taken back."""
+        self._originals.keep(path)
         return save_weights(self.model, path, metadata={"samples_seen": str(self.learner.samples_seen),
                                                         **(metadata or {})})
 

@@ -93,7 +93,9 @@ class RunSummary:
             lines.append(f"report: {self._report_path}")
         if self._profiler is not None:
             lines.append(self._profile_line())
-        lines.append(f"metrics: {metrics.jsonl_path}, {metrics.csv_path.name}" + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
+        rows = metrics.csv_path  # beside metrics.jsonl unless logger=csv put it elsewhere
+        lines.append(f"metrics: {metrics.jsonl_path}, {rows.name if rows.parent == metrics.jsonl_path.parent else rows}"
+                     + (f", TensorBoard: {metrics.tensorboard_dir}" if metrics.tensorboard_dir else "")
                      + (" (no TensorBoard events: pip install 'dtrain[tensorboard]')" if self._tensorboard_hint else ""))
         for line in lines:
             printer.line(line)

@@ -78,3 +78,37 @@ def test_a_tracking_directory_that_cannot_be_written_is_one_line_and_exit_2_with
     assert line == (f"dtrain: error: MLflowLogger tracking_uri: {tmp_path}/a_file/mlruns cannot be a directory "
                     f"({tmp_path}/a_file is a file); expected a writable directory")
     assert not (tmp_path / "run").exists()
+
+
+def test_logger_csv_and_tensorboard_put_the_runs_record_files_where_they_say(tmp_path):
+    pytest.importorskip("tensorboard")
+    result = run_dtrain(*TINY[:-1], "run_dir=run", "logger=[csv,tensorboard]", "logger.csv.path=rows.csv",
+                        f"logger.tensorboard.log_dir={tmp_path}/tb/run", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = (tmp_path / "run" / "rows.csv").read_text().splitlines()
+    assert rows[0].startswith("kind,samples,time,loss,error") and [row.split(",")[1] for row in rows[1:3]] == \
+        ["320", "640"]
+    assert list((tmp_path / "tb" / "run").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "run" / "metrics.csv").exists() and not (tmp_path / "run" / "tensorboard").exists()
+
+
+def test_logger_tensorboard_beside_session_tensorboard_false_is_one_line_and_exit_2_with_nothing_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    result = run_dtrain(*TINY, "run_dir=run", "logger=tensorboard", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "dtrain: error: session.tensorboard=false and logger=tensorboard contradict each other; expected one of them "
+        "(session.tensorboard=false writes no TensorBoard events)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_wandb_directory_in_the_way_is_one_line_and_exit_2_with_nothing_written(tmp_path):
+    pytest.importorskip("wandb")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "wandb").write_text("")  # W&B writes below RUN_DIR/wandb
+    result = run_dtrain(*TINY, "run_dir=run", "logger=wandb", "logger.wandb.mode=offline", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"dtrain: error: WandbLogger dir: {tmp_path}/run/wandb cannot be a directory ({tmp_path}/run/wandb is a "
+        f"file); expected a writable directory"]
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["wandb"]

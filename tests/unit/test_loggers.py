@@ -1,7 +1,9 @@
 """Loggers: what W&B (offline files) and MLflow (a file store) hold after a run and its resume; refused settings."""
 from __future__ import annotations
 
+import csv
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -12,9 +14,9 @@ import torch
 from torch import nn
 
 from dtrain import CheckpointConfig, CrossValidationConfig, LocalLearner, MinibatchSource, TestConfig, training_session
-from dtrain.loggers import MLflowLogger, WandbLogger
+from dtrain.loggers import CsvLogger, MLflowLogger, TensorBoardLogger, WandbLogger
 from dtrain.loggers.mlflow_logger import flatten
-from dtrain.loggers.tracking import package_installed
+from dtrain.loggers.requirements import package_installed
 from dtrain.session.callbacks import Callback
 
 from tests.helpers.toy_data import four_class_data
@@ -24,7 +26,7 @@ from tests.helpers.tracking import (mlflow_client, mlflow_runs, mlflow_steps, wa
 CONFIG = {"recipe_name": "toy", "optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 0}
 
 
-def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str | None = None, config=None):
+def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str | None = None, config=None, **options):
     """A four-class run: progress every 32 samples, cross-validation and a checkpoint every 64, a test."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -37,7 +39,7 @@ def session(run_dir: Path, max_samples: int, callbacks, preemption_signal: str |
         cv_config=CrossValidationConfig(MinibatchSource(four_class_data(40, 1), randomize=False, max_sweeps=1),
                                         frequency=64, minibatch_size=20),
         test_config=TestConfig(MinibatchSource(four_class_data(40, 2), randomize=False, max_sweeps=1), 20),
-        run_dir=run_dir, tensorboard=False, callbacks=callbacks, run_config=config or CONFIG)
+        run_dir=run_dir, callbacks=callbacks, run_config=config or CONFIG, **{"tensorboard": False, **options})
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -115,6 +117,42 @@ def test_a_failed_run_ends_its_tracking_runs_as_failed(tmp_path):
     assert mlflow_steps(f"file:{tmp_path}/store", run.info.run_id, "train/loss")[0][0] == 32
     [wandb_file] = wandb_offline_runs(tmp_path / "wb")
     assert wandb_run_facts(wandb_file)["exit_code"] == 1
+
+
+class FailAtProgress(Callback):
+    def __init__(self, samples):
+        self.samples = samples
+
+    def on_progress(self, run, record):
+        if record["samples"] == self.samples:
+            raise RuntimeError("the node went down")
+
+
+def test_the_steps_trained_again_after_a_crash_are_logged_once(tmp_path):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+
+    def loggers():
+        return [MLflowLogger(), WandbLogger(mode="offline")]
+
+    # the first run logs 96 past its checkpoint at 64, then fails; the resumed run trains 65..128 again
+    with pytest.raises(RuntimeError, match="the node went down"):
+        session(tmp_path, 128, [*loggers(), FailAtProgress(96)]).train()
+    stream = io.StringIO()
+    session(tmp_path, 128, loggers(), stream=stream).train()
+
+    train = records(tmp_path, "train")
+    assert [r["samples"] for r in train] == [32, 64, 96, 96, 128]  # metrics.jsonl has both runs' 96
+    uri = f"file:{tmp_path}/mlruns"
+    [run] = mlflow_runs(uri)  # one value a step: the first run's at 96, as first logged
+    assert mlflow_steps(uri, run.info.run_id, "train/loss") == \
+        [(r["samples"], r["loss"]) for r in train[:3] + train[4:]]
+    assert [step for step, _ in mlflow_steps(uri, run.info.run_id, "cv/error")] == [64, 128]
+    first, second = wandb_offline_runs(tmp_path)
+    assert [row["_step"] for row in wandb_history(first) if "train/loss" in row] == [32, 64, 96]
+    assert [row["_step"] for row in wandb_history(second) if "train/loss" in row] == [128]
+    assert f"dtrain: MLflow run {run.info.run_id} already holds records up to 96 samples, logged before the restart " \
+           f"from 64; this run's records up to there are kept in metrics.jsonl only" in stream.getvalue()
 
 
 class FullDiskMLflowLogger(MLflowLogger):
@@ -197,13 +235,42 @@ def test_a_directory_that_cannot_be_written_is_refused_before_anything_is_writte
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(ValueError, match=r"a_file/logs cannot be a directory .*a_file is a file"):
+    with pytest.raises(ValueError, match=r"a_file/logs(/wandb)? cannot be a directory .*a_file is a file"):
         session(tmp_path / "run", 64, [make(tmp_path / "a_file" / "logs")])
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     if os.geteuid() != 0:  # root writes anywhere
         (tmp_path / "read_only").mkdir(mode=0o500)
-        with pytest.raises(ValueError, match="read_only/logs is not writable"):
+        with pytest.raises(ValueError, match="read_only/logs(/wandb)? is not writable"):
             session(tmp_path / "run", 64, [make(tmp_path / "read_only" / "logs")])
+
+
+def test_a_wandb_directory_in_the_way_is_refused_when_the_session_is_built_not_when_the_run_starts(tmp_path):
+    # W&B writes below <dir>/wandb: a file (or, for another user, a read-only directory) there made wandb.init fail
+    # after config.yaml and the metrics files were written
+    pytest.importorskip("wandb")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "wandb").write_text("")
+    with pytest.raises(ValueError, match=r"^WandbLogger dir: .*run/wandb cannot be a directory \(.*run/wandb is a "
+                                         r"file\); expected a writable directory$"):
+        session(tmp_path / "run", 64, [WandbLogger(mode="offline")])
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["wandb"]
+
+
+class UnreachableMLflowLogger(MLflowLogger):
+    def _start(self, run, resume_id):
+        raise ConnectionError("mlflow:5000 is unreachable")
+
+
+def test_a_tracker_that_cannot_start_its_run_fails_it_before_the_runs_first_write(tmp_path):
+    pytest.importorskip("mlflow")
+    with pytest.raises(ConnectionError, match="unreachable"):
+        session(tmp_path / "run", 64, [UnreachableMLflowLogger()]).train()
+    assert not (tmp_path / "run").exists()  # no metrics.jsonl, metrics.csv (nor, from the CLI, config.yaml)
+    session(tmp_path / "run", 64, []).train()
+    before = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
+    with pytest.raises(ConnectionError, match="unreachable"):  # a resumed run: its directory as it was
+        session(tmp_path / "run", 128, [UnreachableMLflowLogger()]).train()
+    assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
 
 
 def test_wandb_online_without_credentials_is_refused_before_training(tmp_path, monkeypatch):
@@ -223,3 +290,65 @@ def test_the_config_is_flattened_into_mlflow_parameters():
         {"a.b.c": "1", "a.d": "None", "e": '[1, "x"]', "f": "{}"}
     assert flatten({"long": "x" * 7000})["long"].endswith("...")
     assert flatten({"inputs": {"text[:-1]": 1}}) == {"inputs.text_:-1_": "1"}
+
+
+# -- logger=csv and logger=tensorboard: the run's own record files, placed elsewhere ------------------------------
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files in ``directory``: tag -> [(step, value)] (float32, as TensorBoard keeps it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_csv_and_tensorboard_loggers_write_the_runs_records_where_they_say_and_nothing_twice(tmp_path):
+    pytest.importorskip("tensorboard")
+    run_dir, stream = tmp_path / "run", io.StringIO()
+    session(run_dir, 64, [CsvLogger("rows.csv"), TensorBoardLogger(tmp_path / "tb" / "run")], stream=stream,
+            tensorboard=None).train()
+    session(run_dir, 128, [CsvLogger("rows.csv"), TensorBoardLogger(tmp_path / "tb" / "run")], stream=stream,
+            tensorboard=None).train()  # resumed: the rows rewritten from metrics.jsonl, a second event file
+
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    with open(run_dir / "rows.csv", newline="") as rows:
+        assert [(int(row["samples"]), row["kind"], float(row["loss"])) for row in csv.DictReader(rows)] == \
+            [(r["samples"], r["kind"], r["loss"]) for r in logged]
+    scalars = tensorboard_scalars(tmp_path / "tb" / "run")
+    train = [r for r in logged if r["kind"] == "train"]
+    assert [step for step, _ in scalars["train/loss"]] == [r["samples"] for r in train] == [32, 64, 96, 128]
+    assert [value for _, value in scalars["train/loss"]] == pytest.approx([r["loss"] for r in train], rel=1e-6)
+    assert {"cv/error", "test/error", "train/lr"} <= set(scalars)
+    # the session's own files of those kinds are not written beside them
+    assert not (run_dir / "metrics.csv").exists() and not (run_dir / "tensorboard").exists()
+    assert f"metrics: {run_dir / 'metrics.jsonl'}, rows.csv, TensorBoard: {tmp_path / 'tb' / 'run'}" in \
+        stream.getvalue()
+
+
+def test_tensorboard_events_are_asked_for_by_the_logger_and_refused_beside_session_tensorboard_false(tmp_path,
+                                                                                                   monkeypatch):
+    pytest.importorskip("tensorboard")
+    with pytest.raises(ValueError, match=r"^session.tensorboard=false and logger=tensorboard contradict each other"):
+        session(tmp_path / "run", 64, [TensorBoardLogger()], tensorboard=False)
+    assert not (tmp_path / "run").exists()
+    session(tmp_path / "run", 64, [TensorBoardLogger()], tensorboard=True).train()  # the same thing asked twice
+    assert len(list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    # the logger needs the package whatever session.tensorboard says
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match=r"^TensorBoardLogger needs the tensorboard package: pip install "
+                                         r"'dtrain\[tensorboard\]' \(or leave logger=tensorboard out\)$"):
+        TensorBoardLogger()
+
+
+def test_bad_csv_and_tensorboard_logger_settings_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match=r"CsvLogger path='rows.txt': expected a file name ending in .csv"):
+        CsvLogger("rows.txt")
+    with pytest.raises(ValueError, match=r"^2 CsvLoggers were given; expected at most one"):
+        session(tmp_path / "run", 64, [CsvLogger(), CsvLogger("more.csv")])
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"CsvLogger path: .*a_file/rows cannot be a directory .*a_file is a file"):
+        session(tmp_path / "run", 64, [CsvLogger(tmp_path / "a_file" / "rows" / "rows.csv")]).train()
+    assert not (tmp_path / "run").exists()

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from dtrain import CheckpointConfig, LocalLearner, MinibatchSource, training_session
+from dtrain.callbacks import BestCheckpoint
 from dtrain.data import DataError
+from dtrain.loggers import CsvLogger, TensorBoardLogger
 from dtrain.session.checkpoint import CheckpointError
 from dtrain.session.metrics import MetricsWriteError, MetricsWriter
 
@@ -221,14 +223,15 @@ class _BadAt(torch.utils.data.Dataset):
         return self.features[index], int(self.labels[index])
 
 
-def dataset_session(run_dir: Path, dataset: _BadAt, max_samples: int, checkpoint_frequency: int = 64):
+def dataset_session(run_dir: Path, dataset: _BadAt, max_samples: int, checkpoint_frequency: int = 64, **options):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
     learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    options = {"tensorboard": False, **options}
     return training_session(model, nn.functional.cross_entropy, learner, MinibatchSource(dataset, randomize=False), 16,
                             max_samples=max_samples, progress_frequency=32,
                             checkpoint_config=CheckpointConfig("checkpoint.pt", frequency=checkpoint_frequency),
-                            run_dir=run_dir, tensorboard=False, stream=io.StringIO())
+                            run_dir=run_dir, stream=io.StringIO(), **options)
 
 
 @pytest.mark.parametrize("bad_at, problem, message", [
@@ -253,6 +256,25 @@ def test_a_resumed_run_refused_by_its_data_loses_nothing_that_was_in_its_directo
         dataset_session(tmp_path, _BadAt(137), 256, checkpoint_frequency=1000).train()
     after = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     assert after == before  # byte-identical: its records taken back from the metrics files, nothing added
+
+
+def test_a_resumed_run_refused_by_its_data_puts_back_its_best_checkpoint_and_record_files_outside_the_run(tmp_path):
+    pytest.importorskip("tensorboard")
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+
+    def callbacks():
+        return [BestCheckpoint(monitor="train.loss", mode="max"), CsvLogger(elsewhere / "rows.csv"),
+                TensorBoardLogger(elsewhere / "events")]
+
+    dataset_session(run_dir, _BadAt(), 64, callbacks=callbacks(), tensorboard=None).train()
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    assert run_dir / "best.safetensors" in before and elsewhere / "rows.csv" in before
+    with pytest.raises(DataError, match=r"_BadAt\[137\] raised OSError"):
+        dataset_session(run_dir, _BadAt(137), 256, checkpoint_frequency=1000, callbacks=callbacks(),
+                        tensorboard=None).train()
+    after = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert after == before and [record["samples"] for record in records] == [32, 64]  # 96 replaced the best (max)
 
 
 def test_a_run_that_saved_a_checkpoint_before_its_data_failed_keeps_its_directory(tmp_path):

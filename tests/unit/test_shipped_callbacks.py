@@ -3,6 +3,7 @@ best checkpoint holds the weights of the best cross-validation point, never repl
 run does not write are refused before anything is written."""
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -164,8 +165,8 @@ def best_point(run_dir: Path, key: str, mode: str) -> tuple[int, float]:
 
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_the_best_checkpoint_holds_the_weights_of_the_best_cross_validation(tmp_path, mode, capsys):
-    snapshots = Snapshots()
-    toy_session(tmp_path, 384, [snapshots, BestCheckpoint(monitor="cv.loss", mode=mode)]).train()
+    snapshots, stream = Snapshots(), io.StringIO()
+    toy_session(tmp_path, 384, [snapshots, BestCheckpoint(monitor="cv.loss", mode=mode)], stream=stream).train()
     samples, value = best_point(tmp_path, "loss", mode)
     assert_same_weights(tmp_path / "best.safetensors", snapshots.weights[samples])
     if mode == "max":  # the loss falls: the first point is the best by max, and no worse later one replaced it
@@ -174,8 +175,9 @@ def test_the_best_checkpoint_holds_the_weights_of_the_best_cross_validation(tmp_
         metadata = written.metadata()
     assert metadata["monitor"] == "cv.loss" and float(metadata["value"]) == value
     assert int(metadata["samples_seen"]) == samples
-    assert f"best: cv.loss {value:.4g} at {samples:,} samples: {tmp_path / 'best.safetensors'}" in \
-        capsys.readouterr().out
+    # its line goes where the run's progress goes, as the run's own lines do
+    assert f"best: cv.loss {value:.4g} at {samples:,} samples: {tmp_path / 'best.safetensors'}" in stream.getvalue()
+    assert "best:" not in capsys.readouterr().out
 
 
 def test_a_resumed_run_does_not_replace_a_better_best_checkpoint(tmp_path):
