@@ -497,6 +497,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             fixed_size = self.minibatch_size.constant()  # None: the minibatch size follows its schedule
             fixed_size = None if fixed_size is None else int(fixed_size)
             schedules = self._schedules_in_use()
+            live_bar, has_callbacks = printer.interactive, bool(self.callbacks)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
                 size = fixed_size if fixed_size is not None else int(self.minibatch_size(seen))
@@ -522,7 +523,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
                         samples_seen=seen, minibatches=self.minibatches, num_samples=batch.global_num_samples,
                         learning_rate=self.learner.optimizer.param_groups[0]["lr"], loss=self._step.last_loss))
                 throughput.add(batch.global_num_samples)
-                printer.advance(seen, throughput)
+                if live_bar:
+                    printer.advance(seen, throughput)
 
                 # preemption is agreed only where the ranks meet anyway (block momentum: once a block)
                 ranks_meet = self.learner.is_sync_point()
@@ -546,7 +548,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
                 if (ranks_meet or alone) and self.preemption.requested():
                     preempted = stopped_early = True
                     break
-                if self.callbacks and (acted or alone):
+                if has_callbacks and (acted or alone):
                     stop_reason = self._agreed_stop()
                     if stop_reason is not None:
                         stopped_early = True
