@@ -131,3 +131,47 @@ def test_a_metric_that_cannot_run_fails_on_the_first_minibatch(tmp_path):
     with pytest.raises(ValueError, match="metric broken"):
         session.train()
     assert session.learner.samples_seen == 0  # not 64 minibatches later
+
+
+class _ReusedBuffers:
+    """A two-stream deserializer that fills the same two tensors on every read, as one serving from a ring of
+    pinned buffers may: what a run keeps of a minibatch past the next read must be its own copy."""
+
+    def __init__(self, data):
+        self.data, self.num_samples, self.feature_shape, self.num_classes = data, data.num_samples, (6,), 4
+        self._features, self._labels = torch.empty(0, 6), torch.empty(0, dtype=torch.int64)
+
+    def get(self, indices):
+        features, labels = self.data.get(indices)
+        self._features.resize_(features.shape).copy_(features)
+        self._labels.resize_(labels.shape).copy_(labels)
+        return self._features, self._labels
+
+
+def test_a_source_that_reuses_its_buffers_gets_the_same_deferred_errors(tmp_path):
+    """The deferred error keeps indexed labels and an eager model's output uncopied (``Minibatch.owns_tensors``);
+    a deserializer's own tensors are copied, so its next read cannot change the count."""
+    def unmarked(output, labels):
+        return classification_errors(output, labels)
+
+    unmarked.name, unmarked.percent = "error", True
+    records = {}
+    for name, metric, data in (("reused", ClassificationError(), _ReusedBuffers(four_class_data())),
+                               ("every pass", unmarked, four_class_data())):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+        training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                         MinibatchSource(data, randomization_seed=3), minibatch_size=20, max_samples=2000,
+                         progress_frequency=300, metric=metric, run_dir=tmp_path / name, tensorboard=False,
+                         stream=io.StringIO()).train()
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        records[name] = [(r["samples"], r["loss"], r["error"]) for r in map(json.loads, lines) if r.get("kind") != "run"]
+    assert len(records["reused"]) >= 6 and records["reused"] == records["every pass"]
+
+
+def test_only_minibatches_indexed_out_of_memory_own_their_tensors():
+    indexed = MinibatchSource(four_class_data(), randomization_seed=3).next_minibatch(20)
+    assert indexed.owns_tensors and indexed.select(0, 5, 5).owns_tensors
+    assert not MinibatchSource(_ReusedBuffers(four_class_data())).next_minibatch(20).owns_tensors
+    transformed = MinibatchSource(four_class_data(), randomization_seed=3, transform=lambda features, positions, seed: features * 2)
+    assert not transformed.next_minibatch(20).owns_tensors  # a transform may hand out a buffer of its own
