@@ -381,8 +381,11 @@ def test_the_running_loss_folded_in_blocks_is_the_step_by_step_average(fold_ever
     watch = CollapseWatch(torch.device("cpu"), fold_every=fold_every)
     average, lowest, highest = None, math.inf, -math.inf
     fixed = list(itertools.accumulate((float(x) for x in losses), lambda a, x: 0.95 * a + 0.05 * x))
-    for loss, size in zip(losses, sizes):
-        watch.observe(torch.zeros(size, 10), torch.zeros(size, dtype=torch.int64), loss, nn.functional.cross_entropy)
+    for index, (loss, size) in enumerate(zip(losses, sizes)):
+        # a loss of shape [1] now and then (folded with the scalars); the size given, or read from the labels
+        kept = loss.reshape(1) if index % 3 == 0 else loss
+        watch.observe(torch.zeros(size, 10), torch.zeros(size, dtype=torch.int64), kept, nn.functional.cross_entropy,
+                      size if index % 2 else None)
         weight = 0.05 if size <= 32 else 1 - math.exp(-size / 640)
         average = float(loss) if average is None else (1 - weight) * average + weight * float(loss)
         lowest, highest = min(lowest, average), max(highest, average)
