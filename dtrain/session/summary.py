@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtrain.session.metrics import MetricsWriter
-from dtrain.session.progress import figures_line, format_duration
+from dtrain.session.progress import format_duration
 from dtrain.session.report import write_report
 from dtrain.session.results import TrainingResult
 from dtrain.session.weights import save_weights
@@ -17,10 +17,8 @@ class RunSummary:
         """Rank 0: ``report.png`` from every metric record of the run; a finished run never fails here."""
         path = self.run_dir / "report.png"
         try:
-            more = tuple(getattr(self.metric, "names", ())) if self.metric is not None else \
-                tuple(self.objective.figure_names or ())  # an objective's figures, each in its own panel
             write_report(metrics.records, path, metric_name=self.metric_name, title=f"dtrain: {self.run_dir.name}",
-                         percent=self.metric_percent, more_metrics=more)
+                         percent=self.metric_percent, more_metrics=self.measures.panels())
         except ImportError:
             printer.line("no report.png: matplotlib is not installed (pip install matplotlib)")
         except ValueError as error:
@@ -41,14 +39,6 @@ class RunSummary:
                                    # dtrain.generate's auto choice skips an average below its horizon
                                    "ema_below_horizon": self.ema.too_few_steps() or ""})
 
-    def _format_metric(self, value: float, details: dict[str, float] | None = None) -> str:
-        """``top5_error 3.20%`` or ``mean_abs_error 0.0412``: the metric by its name, then a decoding
-        metric's other rates (``wer 28.10%, per 6.90%``)."""
-        if self.metric_name is None:  # an objective's figures (the loss alone without any)
-            return figures_line(details or {}, (details or {}).values()) or "no metric"
-        pairs = [(self.metric_name, value), *(details or {}).items()]
-        return ", ".join(f"{name} {100 * v:.2f}%" if self.metric_percent else f"{name} {v:.4g}" for name, v in pairs)
-
     def _profile_line(self) -> str:
         """Where rank 0's trace went, or why there is none."""
         traces = self._profiler.traces()
@@ -67,12 +57,12 @@ class RunSummary:
             lines.append(f"test: accuracy {100 * result.test.accuracy:.2f}% (error {100 * result.test.error:.2f}%, "
                          f"loss {result.test.loss:.4f}) on {result.test.num_samples:,} samples")
         elif result.test is not None:
-            lines.append(f"test: {self._format_metric(result.test.error, result.test.details)} (loss "
+            lines.append(f"test: {self.measures.format(result.test.error, result.test.details)} (loss "
                          f"{result.test.loss:.4f}) on {result.test.num_samples:,} samples")
         if result.test_ema is not None:
             lines.append(f"test of the weight EMA (decay {self.ema.decay:g}): " + (
                 f"accuracy {100 * result.test_ema.accuracy:.2f}% (error {100 * result.test_ema.error:.2f}%, "
-                if self.metric_name == "error" else f"{self._format_metric(result.test_ema.error, result.test_ema.details)} (")
+                if self.metric_name == "error" else f"{self.measures.format(result.test_ema.error, result.test_ema.details)} (")
                 + f"loss {result.test_ema.loss:.4f})")
         if self.comm.size > 1 and self.learner.bytes_sent_total:  # a learner of the user's own may not count
             lines.append(f"exchange: rank 0 sent {self.learner.bytes_sent_total / 1e6:,.1f} MB to the other ranks in "
@@ -80,7 +70,7 @@ class RunSummary:
         note = self.learner.summary_note()
         if note:
             lines.append(f"learner: {note}")
-        lines.extend(self._end_warnings)
+        lines.extend(self.evaluations.warnings)
         if self.loss_scaler is not None:
             lines.append(f"fp16: {self.skipped_steps:,} optimizer steps skipped for an inf/NaN gradient, "
                          f"loss scale now {self.loss_scaler.scale:g}")
