@@ -64,7 +64,7 @@ _RECORD_EVENTS = {"train": "on_progress", "cv": "on_cross_validation", "test": "
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 
 
-class TrainingSession(RunSummary, StartupLines):
+class TrainingSession(StartupLines):
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
 
     The names are the config's (``session.*`` on the command line): every size and frequency
@@ -277,7 +277,6 @@ class TrainingSession(RunSummary, StartupLines):
         self.ema = WeightEMA(model, ema_decay) if ema_decay is not None else None
         self.run_dir = Path(run_dir)
         self.tensorboard = resolve_tensorboard(tensorboard)  # None: when the package is installed
-        self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
         self.config_fingerprint = config_fingerprint
         # what a checkpoint must match (model, learner, data, and the caller's own) and what may change
         self.checkpoint_identity = checkpoint_state.identity(model, learner, minibatch_source, checkpoint_identity)
@@ -321,11 +320,9 @@ class TrainingSession(RunSummary, StartupLines):
         self._restore_attempted = False
         self._restored_from: Path | None = None
         self._run_dir_lock: RunDirectoryLock | None = None
-        self._report_path: Path | None = None
         self._on_checks_passed: list[Callable[[], None]] = []
         self._outputs_started = False
         self._metrics: MetricsWriter | None = None
-        self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
         self._collapse = CollapseWatch(self.device)
         self._step = MinibatchStep(model=self.model, forward_model=self.forward_model, loss=loss, metric=metric,
@@ -344,6 +341,9 @@ class TrainingSession(RunSummary, StartupLines):
                                           self.precision),
             source=minibatch_source, minibatch_size=self.minibatch_size, advice=self._advice,
             start_outputs=self._start_outputs)
+        self.summary = RunSummary(run_dir=self.run_dir, model=model, ema=self.ema, learner=learner,
+                                  measures=self.measures, loss_scaler=self.loss_scaler,
+                                  tensorboard_hint=tensorboard is None and not self.tensorboard)  # said once
         self.preemption = Preemption(checkpoint_config.preemption_signal if checkpoint_config else None, self.comm)
         self.callbacks = CallbackList(callbacks, self.comm.is_main)
         self.run_view = RunView(self)  # what callbacks see of this run
@@ -594,8 +594,8 @@ class TrainingSession(RunSummary, StartupLines):
         # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
         # resumed run writes both at its end, from every record)
         if is_main and not preempted:
-            self._export_weights(seen)
-            self._write_report(printer, metrics)
+            self.summary.export_weights(seen)
+            self.summary.write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=seconds, stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
@@ -603,7 +603,8 @@ class TrainingSession(RunSummary, StartupLines):
             last_training_error=self.progress.last_training_error, test_ema=test_ema, stop_reason=stop_reason,
             by_loss=self.objective is not None,
         )
-        self._print_summary(printer, result, metrics)
+        self.summary.print_lines(printer, result, metrics, warnings=self.evaluations.warnings,
+                                 skipped_steps=self.skipped_steps, profiler=self._profiler)
         self.callbacks.fire("on_run_end", self.run_view, result)
         return result
 
