@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dtrain.session.batchnorm_recompute import recompute_batchnorm_statistics
-from dtrain.session.collapse import UNSTABLE_TEST_FRACTION
-from dtrain.session.collapse import CollapseWatch
+from dtrain.session.collapse import UNSTABLE_TEST_FRACTION, CollapseWatch
 from dtrain.session.configs import CrossValidationConfig, TestConfig
 from dtrain.session.evaluate import Evaluation, evaluate
 from dtrain.session.measures import Measures

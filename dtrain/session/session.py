@@ -47,12 +47,12 @@ from dtrain.session.periodic import Periodic
 from dtrain.session.profiling import ProfileConfig, StepProfiler
 from dtrain.session.progress_report import ProgressReports
 from dtrain.session.progress import ProgressPrinter, Throughput
-from dtrain.session.startup import StartupLines
+from dtrain.session.startup import StartupLines, StartupSettings
 from dtrain.session.results import TrainingCollapsed, TrainingDiverged, TrainingResult
 from dtrain.session.rundir import RunDirectoryLock
 from dtrain.session.settings import TRAINING_SESSION
 from dtrain.session.summary import RunSummary
-from dtrain.session.lr_scaling import LearningRateScaling
+from dtrain.session.lr_scaling import LearningRateScaling, lr_warmup_samples
 from dtrain.session.weights import save_weights
 from dtrain.session.weight_ema import WeightEMA
 
@@ -64,7 +64,7 @@ _RECORD_EVENTS = {"train": "on_progress", "cv": "on_cross_validation", "test": "
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 
 
-class TrainingSession(StartupLines):
+class TrainingSession:
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
 
     The names are the config's (``session.*`` on the command line): every size and frequency
@@ -259,7 +259,7 @@ class TrainingSession(StartupLines):
         self.sources = {"the training data": minibatch_source,
                         "the cross-validation data": cv_config.minibatch_source if cv_config else None,
                         "the test data": test_config.minibatch_source if test_config else None}
-        self._defining_stream_note = bind_sources(self.binding, self.sources)
+        defining_stream_note = bind_sources(self.binding, self.sources)
         check_model_against_data(model, self.binding, self.sources)
         if objective_call is None:
             check_loss_takes_target(loss, metric, self.binding, minibatch_source)
@@ -354,6 +354,15 @@ class TrainingSession(StartupLines):
             parts={"loss_scaler": self.loss_scaler, "weight_ema": self.ema,
                    "callbacks": self.callbacks if self.callbacks.here else None},
             advice=self._advice, stream=stream)
+        self.startup = StartupLines(
+            StartupSettings(max_samples=max_samples, precision=self.precision, compile=self.compile,
+                            micro_batch_size=self.micro_batch_size, clip_grad_norm=self.clip_grad_norm,
+                            sync_batchnorm=sync_batchnorm, batchnorm_statistics=batchnorm_statistics,
+                            batchnorm_recompute_samples=batchnorm_recompute_samples, lr_schedule=lr_schedule,
+                            lr_scaling=self.lr_scaling, defining_stream_note=defining_stream_note),
+            model=model, learner=learner, source=minibatch_source, device=self.device,
+            minibatch_size=self.minibatch_size, binding=self.binding, objective=objective_call, ema=self.ema,
+            base_learning_rates=self.base_learning_rates, checkpointing=self.checkpointing)
 
     @classmethod
     def from_settings(cls, model: torch.nn.Module, loss, learner: Learner, minibatch_source, settings, *,
@@ -503,7 +512,7 @@ class TrainingSession(StartupLines):
         trained = False  # whether this run trained a minibatch (a resumed run may have none left)
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
                 self.preemption.handling(), self._profiling() as profiler:
-            self._print_start(printer, restored_from)
+            self.startup.print_lines(printer, restored_from, profiler)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
                 size = int(self.minibatch_size(seen))
@@ -729,10 +738,8 @@ class TrainingSession(StartupLines):
             torch.nn.utils.clip_grad_norm_(gradients, self.clip_grad_norm)
 
     def _lr_warmup_samples(self) -> int:
-        """The samples over which the learning rate warms up from the start: ``lr_schedule``'s or ``lr_scaling``'s
-        warm-up, the longer (0: none; a plain callable as the schedule says nothing)."""
-        return max(int(getattr(self.lr_schedule, "warmup_samples", 0) or 0),
-                   int(getattr(self.lr_scaling, "warmup_samples", 0) or 0))
+        """The samples over which the learning rate warms up from the start (``lr_scaling.lr_warmup_samples``)."""
+        return lr_warmup_samples(self.lr_schedule, self.lr_scaling)
 
     def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
         """Sets each parameter group's lr (and momentum) for the next minibatch."""

@@ -841,7 +841,7 @@ def test_the_session_gives_the_note_for_a_short_quantized_run(tmp_path):
                                    progress_bar=False, tensorboard=False)
         learner.plan(RunFacts(samples_per_sweep=64, max_samples=max_samples, minibatch_size=16,
                               warmup_samples=session._lr_warmup_samples()))
-        return session._short_run_note()  # one of the notes _print_start prints
+        return session.startup.short_run_note()  # one of the notes the start-up lines print
 
     assert lines(192).startswith("dtrain: note: this run is too short for learner quantized's automatic settings "
                            "(learner.distributed_after, learner.freeze_variance): 83% of its 192 samples inside")
