@@ -79,3 +79,9 @@ def lr_scaling_problems(session) -> list[str]:
     problems += checks.collect([lambda: checks.sample_count("session.lr_reference_minibatch_size", reference,
                                                             allow_none=True)])
     return problems
+
+
+def lr_warmup_samples(lr_schedule, lr_scaling: LearningRateScaling | None) -> int:
+    """The samples over which the learning rate warms up from the start: ``lr_schedule``'s or ``lr_scaling``'s
+    warm-up, the longer (0: none; a plain callable as the schedule says nothing)."""
+    return max(int(getattr(lr_schedule, "warmup_samples", 0) or 0), int(getattr(lr_scaling, "warmup_samples", 0) or 0))

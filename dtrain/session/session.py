@@ -34,13 +34,14 @@ from dtrain.session.objective_call import ObjectiveCall
 from dtrain.session.checkpointing import Checkpointing
 from dtrain.session.device import resolve_device
 from dtrain.session.evaluate import Evaluation, classification_errors
-from dtrain.session.evaluations import EvaluationPasses
+from dtrain.session.evaluations import BatchNormStatistics, EvaluationPasses
 from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
                                           first_minibatch_check)
 from dtrain.loggers.tensorboard_logger import TensorBoardLogger
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.record_files import split_record_files
-from dtrain.session.objectives import metric_in_percent, metric_name
+from dtrain.session.measures import Measures
+from dtrain.session.objectives import metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
 from dtrain.session.precision import LossScaler
 from dtrain.session.preemption import Preemption
@@ -48,13 +49,13 @@ from dtrain.session.periodic import Periodic
 from dtrain.session.profiling import ProfileConfig, StepProfiler
 from dtrain.session.progress_report import ProgressReports
 from dtrain.session.progress import ProgressPrinter, Throughput
-from dtrain.session.startup import StartupLines
+from dtrain.session.startup import StartupLines, StartupSettings
 from dtrain.session.results import TrainingCollapsed, TrainingDiverged, TrainingResult
 from dtrain.session.rundir import RunDirectoryLock
 from dtrain.session.safe_files import Originals
 from dtrain.session.settings import TRAINING_SESSION
 from dtrain.session.summary import RunSummary
-from dtrain.session.lr_scaling import LearningRateScaling
+from dtrain.session.lr_scaling import LearningRateScaling, lr_warmup_samples
 from dtrain.session.weights import save_weights
 from dtrain.session.weight_ema import WeightEMA
 
@@ -66,7 +67,7 @@ _RECORD_EVENTS = {"train": "on_progress", "cv": "on_cross_validation", "test": "
 _LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
 
 
-class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLines):
+class TrainingSession:
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
 
     The names are the config's (``session.*`` on the command line): every size and frequency
@@ -252,8 +253,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self.metric = metric
         # how the metric is reported: its key in progress lines, metrics.jsonl/csv and the summary (an objective:
         # none, its figures are reported instead)
-        self.metric_name = metric_name(metric) if metric is not None else None
-        self.metric_percent = metric_in_percent(metric) if metric is not None else False
+        self.measures = Measures(metric, objective_call, learner.comm)
         if self.metric_name in set(CSV_COLUMNS) - {"error"}:
             raise ValueError(f"metric name {self.metric_name!r} is a metrics column of its own; give the metric "
                              f"another name")
@@ -264,7 +264,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self.sources = {"the training data": minibatch_source,
                         "the cross-validation data": cv_config.minibatch_source if cv_config else None,
                         "the test data": test_config.minibatch_source if test_config else None}
-        self._defining_stream_note = bind_sources(self.binding, self.sources)
+        defining_stream_note = bind_sources(self.binding, self.sources)
         check_model_against_data(model, self.binding, self.sources)
         if objective_call is None:
             check_loss_takes_target(loss, metric, self.binding, minibatch_source)
@@ -285,8 +285,6 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self.record_files, callbacks = split_record_files(callbacks)
         self.tensorboard = resolve_tensorboard(  # None: when the package is installed
             tensorboard, logger=any(isinstance(file, TensorBoardLogger) for file in self.record_files))
-        self._tensorboard_hint = tensorboard is None and not self.tensorboard  # said once, in the summary
-        self._end_warnings: list[str] = []  # said in the summary, after the test lines they are about
         self.config_fingerprint = config_fingerprint
         # what a checkpoint must match (model, learner, data, and the caller's own) and what may change
         self.checkpoint_identity = checkpoint_state.identity(model, learner, minibatch_source, checkpoint_identity)
@@ -327,20 +325,14 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         self.cv_period = Periodic(cv_config.frequency if cv_config else 0)
         self.minibatches = 0
         self.start_samples = 0  # samples trained when train() started (a resumed run: its checkpoint's)
-        self.cv_index = 0
-        self._last_cv: tuple[int, Evaluation] | None = None  # samples seen at the last cross-validation, its result
         self._restore_attempted = False
         self._restored_from: Path | None = None
         self._run_dir_lock: RunDirectoryLock | None = None
-        self._last_training_error: float | None = None
-        self._report_path: Path | None = None
         self._on_checks_passed: list[Callable[[], None]] = []
         self._outputs_started = False
         self._metrics: MetricsWriter | None = None
         self._originals = Originals()  # what save_weights replaced, put back with the metrics (_abandon_run_dir)
-        self._weights_path: Path | None = None
         self._profiler: StepProfiler | None = None
-        self._figure_names_agreed = False  # an objective's figure names, agreed by the ranks at the first progress
         self._collapse = CollapseWatch(self.device)
         self._step = MinibatchStep(model=self.model, forward_model=self.forward_model, loss=loss, metric=metric,
                                    learner=learner, device=self.device, micro_batch_size=self.micro_batch_size,
@@ -350,6 +342,17 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
                                    batchnorm_sync=self.batchnorm_sync,
                                    count_padding=bool(getattr(minibatch_source, "has_sequences", False)),
                                    objective=objective_call)
+        self.progress = ProgressReports(learner, self.measures, self._collapse, self._advice)
+        self.evaluations = EvaluationPasses(
+            model=model, loss=loss, measures=self.measures, learner=learner, device=self.device, binding=self.binding,
+            cv_config=cv_config, test_config=test_config, ema=self.ema, collapse=self._collapse,
+            batchnorm=BatchNormStatistics(batchnorm_statistics, batchnorm_recompute_samples, self.batchnorm_sync,
+                                          self.precision),
+            source=minibatch_source, minibatch_size=self.minibatch_size, advice=self._advice,
+            start_outputs=self._start_outputs)
+        self.summary = RunSummary(run_dir=self.run_dir, model=model, ema=self.ema, learner=learner,
+                                  measures=self.measures, loss_scaler=self.loss_scaler,
+                                  tensorboard_hint=tensorboard is None and not self.tensorboard)  # said once
         self.preemption = Preemption(checkpoint_config.preemption_signal if checkpoint_config else None, self.comm)
         self.callbacks = CallbackList(callbacks, self.comm.is_main)
         self.run_view = RunView(self)  # what callbacks see of this run
@@ -360,6 +363,15 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             parts={"loss_scaler": self.loss_scaler, "weight_ema": self.ema,
                    "callbacks": self.callbacks if self.callbacks.here else None},
             advice=self._advice, stream=stream)
+        self.startup = StartupLines(
+            StartupSettings(max_samples=max_samples, precision=self.precision, compile=self.compile,
+                            micro_batch_size=self.micro_batch_size, clip_grad_norm=self.clip_grad_norm,
+                            sync_batchnorm=sync_batchnorm, batchnorm_statistics=batchnorm_statistics,
+                            batchnorm_recompute_samples=batchnorm_recompute_samples, lr_schedule=lr_schedule,
+                            lr_scaling=self.lr_scaling, defining_stream_note=defining_stream_note),
+            model=model, learner=learner, source=minibatch_source, device=self.device,
+            minibatch_size=self.minibatch_size, binding=self.binding, objective=objective_call, ema=self.ema,
+            base_learning_rates=self.base_learning_rates, checkpointing=self.checkpointing)
 
     @classmethod
     def from_settings(cls, model: torch.nn.Module, loss, learner: Learner, minibatch_source, settings, *,
@@ -388,6 +400,25 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             raise TypeError(f"{', '.join(repeated)}: given both in settings and as an argument; set "
                             f"{'it' if len(repeated) == 1 else 'them'} in the SessionConfig only")
         return cls(model, loss, learner, minibatch_source, **from_settings, **arguments)
+
+    @property
+    def metric_name(self) -> str | None:
+        """The metric's key in progress lines, metrics files and the summary (``None``: an objective's run)."""
+        return self.measures.metric_name
+
+    @property
+    def metric_percent(self) -> bool:
+        """Whether the metric reads in percent."""
+        return self.measures.percent
+
+    @property
+    def cv_index(self) -> int:
+        """The next cross-validation's number (kept in checkpoints)."""
+        return self.evaluations.cv_index
+
+    @cv_index.setter
+    def cv_index(self, index: int) -> None:
+        self.evaluations.cv_index = index
 
     @property
     def skipped_steps(self) -> int:
@@ -492,7 +523,7 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         trained = False  # whether this run trained a minibatch (a resumed run may have none left)
         with ProgressPrinter(self.max_samples, enabled=is_main, stream=self.stream, live_bar=self.progress_bar) as printer, \
                 self.preemption.handling(), self._profiling() as profiler:
-            self._print_start(printer, restored_from)
+            self.startup.print_lines(printer, restored_from, profiler)
             next_period_end = self._next_period_end()
             fixed_size = self.minibatch_size.constant()  # None: the minibatch size follows its schedule
             fixed_size = None if fixed_size is None else int(fixed_size)
@@ -533,10 +564,10 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
                 if seen >= next_period_end:  # a progress, cross-validation or checkpoint period may have ended
                     if self.progress_period.due(seen):
                         ranks_meet = acted = True
-                        self._report_progress(printer, metrics, sums, throughput, timer)
+                        self.progress.report(printer, metrics, sums, throughput, timer)
                     if self.cv_period.due(seen, ready=one_model):
                         ranks_meet = acted = True
-                        last_cv, keep_going = self._cross_validate(printer, metrics)
+                        last_cv, keep_going = self.evaluations.cross_validate(printer, metrics)
                         if not keep_going:
                             stopped_early = True
                             break
@@ -561,9 +592,9 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
                 self.ema.after_last_sync(self.model)
             seen = self.learner.samples_seen
             if self.progress_period.frequency and throughput.period_samples > 0:
-                self._report_progress(printer, metrics, sums, throughput, timer)
+                self.progress.report(printer, metrics, sums, throughput, timer)
             if self.cv_period.pending(seen) and not stopped_early:
-                last_cv, _ = self._cross_validate(printer, metrics)
+                last_cv, _ = self.evaluations.cross_validate(printer, metrics)
             if not trained and restored_from is not None:
                 last_checkpoint = restored_from  # nothing left to train: the restored checkpoint is this run's last
             if self.checkpointing.files is not None and (
@@ -579,12 +610,12 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
 
         test = test_ema = None  # the model was synchronised above
         if not preempted:
-            self._judge_the_training_loss(tested=self.test_config is not None)  # after the checkpoint: it is kept
-            self._note_a_rise_at_the_end()
+            self.evaluations.judge_the_training_loss(tested=self.test_config is not None)  # after the checkpoint: kept
+            self.evaluations.note_a_rise_at_the_end()
             if self.batchnorm_statistics == "recomputed":
-                self._recompute_batchnorm(printer, seen)
+                self.evaluations.recompute_batchnorm(printer, seen)
             if self.test_config is not None:
-                test, test_ema = self._test(printer, metrics, seen)
+                test, test_ema = self.evaluations.test(printer, metrics, seen)
             self._start_outputs(metrics)  # every check has passed, even with nothing left to train
         self.learner.finalize()
         seconds = throughput.elapsed()  # training and evaluation; the one-off outputs below are not training
@@ -592,16 +623,17 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
         # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
         # resumed run writes both at its end, from every record)
         if is_main and not preempted:
-            self._export_weights(seen)
-            self._write_report(printer, metrics)
+            self.summary.export_weights(seen)
+            self.summary.write_report(printer, metrics)
         result = TrainingResult(
             samples_seen=seen, minibatches=self.minibatches, seconds=seconds, stopped_early=stopped_early,
             test=test, last_cross_validation=last_cv, last_checkpoint=last_checkpoint,
             metrics_path=metrics.jsonl_path if is_main else None, restored_from=restored_from, preempted=preempted,
-            last_training_error=self._last_training_error, test_ema=test_ema, stop_reason=stop_reason,
+            last_training_error=self.progress.last_training_error, test_ema=test_ema, stop_reason=stop_reason,
             by_loss=self.objective is not None,
         )
-        self._print_summary(printer, result, metrics)
+        self.summary.print_lines(printer, result, metrics, warnings=self.evaluations.warnings,
+                                 skipped_steps=self.skipped_steps, profiler=self._profiler)
         self.callbacks.fire("on_run_end", self.run_view, result)
         return result
 
@@ -729,10 +761,8 @@ class TrainingSession(EvaluationPasses, ProgressReports, RunSummary, StartupLine
             torch.nn.utils.clip_grad_norm_(gradients, self.clip_grad_norm)
 
     def _lr_warmup_samples(self) -> int:
-        """The samples over which the learning rate warms up from the start: ``lr_schedule``'s or ``lr_scaling``'s
-        warm-up, the longer (0: none; a plain callable as the schedule says nothing)."""
-        return max(int(getattr(self.lr_schedule, "warmup_samples", 0) or 0),
-                   int(getattr(self.lr_scaling, "warmup_samples", 0) or 0))
+        """The samples over which the learning rate warms up from the start (``lr_scaling.lr_warmup_samples``)."""
+        return lr_warmup_samples(self.lr_schedule, self.lr_scaling)
 
     def _next_period_end(self) -> int | float:
         """The samples seen at which the first of the progress, cross-validation and checkpoint periods ends (or

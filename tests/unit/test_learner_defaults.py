@@ -476,6 +476,26 @@ def test_a_resumed_diloco_run_keeps_its_automatic_block_at_the_same_world_size(r
                 in resumed.describe()), resumed.describe()
 
 
+def _evaluation_passes(collapse, tested=None):
+    """The session's evaluation passes around ``collapse`` for a classifier (its metric: classification errors),
+    whose test pass returns ``tested`` without reading any data."""
+    from types import SimpleNamespace
+
+    from dtrain.comm import LocalCommunicator
+    from dtrain.session.evaluate import classification_errors
+    from dtrain.session.evaluations import BatchNormStatistics, EvaluationPasses
+    from dtrain.session.measures import Measures
+
+    comm = LocalCommunicator()
+    passes = EvaluationPasses(
+        model=None, loss=None, measures=Measures(classification_errors, None, comm), learner=SimpleNamespace(comm=comm),
+        device=torch.device("cpu"), binding=None, cv_config=None, test_config=None, ema=None, collapse=collapse,
+        batchnorm=BatchNormStatistics(), source=None, minibatch_size=None, advice=lambda: "lower optimizer.lr",
+        start_outputs=lambda metrics: None)
+    passes._test_pass = lambda *args, **kwargs: tested
+    return passes
+
+
 def _watch_after(losses, size=4, classes=10):
     """A collapse watch that saw ``losses``, one minibatch of ``size`` samples each, of a ``classes``-way task."""
     from dtrain.session.collapse import CollapseWatch
@@ -566,20 +586,13 @@ def test_a_classifier_with_a_loss_of_its_own_is_judged_against_its_start():
 def test_the_chance_warning_says_never_left_chance_only_when_the_loss_stayed_there():
     """2 classes: a lowest of 0.6076 is 88% of ln 2, below what counts as chance (90%): the loss left chance,
     if not far enough to have learned (85%); the warning says how far it fell instead of "never left"."""
-    from types import SimpleNamespace
-
-    from dtrain.comm import LocalCommunicator
     from dtrain.session.evaluate import Evaluation
-    from dtrain.session.evaluations import EvaluationPasses
 
     def warning(training_losses):
-        session = SimpleNamespace(
-            ema=None, model=None, metric_name="error", comm=LocalCommunicator(), _end_warnings=[],
-            _collapse=_watch_after(training_losses, classes=2), _advice=lambda: "lower optimizer.lr",
-            _final_cross_validation=lambda samples_seen: None,
-            _test_pass=lambda *args, **kwargs: Evaluation(loss=0.69, error=0.5, num_samples=200, num_minibatches=4))
-        EvaluationPasses._test(session, None, None, 4000)
-        [line] = session._end_warnings
+        passes = _evaluation_passes(_watch_after(training_losses, classes=2),
+                                    Evaluation(loss=0.69, error=0.5, num_samples=200, num_minibatches=4))
+        passes.test(None, None, 4000)
+        [line] = passes.warnings
         return line
 
     fell = warning([0.6931] * 20 + [0.6076] * 300 + [0.6931] * 5)
@@ -630,20 +643,13 @@ def test_a_test_loss_at_chance_after_the_training_loss_rose_at_the_end_is_refuse
 
 
 def test_the_unstable_verdict_stops_the_run_with_one_line_naming_the_figures():
-    from types import SimpleNamespace
-
-    from dtrain.comm import LocalCommunicator
     from dtrain.session import TrainingCollapsed
     from dtrain.session.evaluate import Evaluation
-    from dtrain.session.evaluations import EvaluationPasses
 
-    session = SimpleNamespace(
-        ema=None, model=None, metric_name="error", comm=LocalCommunicator(), _end_warnings=[],
-        _collapse=_watch_after([2.3] * 20 + [0.2] * 200 + [1.2] * 100), _advice=lambda: "lower optimizer.lr",
-        _final_cross_validation=lambda samples_seen: None,
-        _test_pass=lambda *args, **kwargs: Evaluation(loss=4.95, error=0.798, num_samples=297, num_minibatches=3))
+    passes = _evaluation_passes(_watch_after([2.3] * 20 + [0.2] * 200 + [1.2] * 100),
+                                Evaluation(loss=4.95, error=0.798, num_samples=297, num_minibatches=3))
     with pytest.raises(TrainingCollapsed) as raised:
-        EvaluationPasses._test(session, None, None, 12000)
+        passes.test(None, None, 12000)
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(
@@ -673,12 +679,9 @@ def test_the_rise_warning_reads_well_even_after_a_loss_of_exactly_zero(lowest, s
     """A training loss can underflow to 0: the warning then says "above", where a ratio would divide by zero."""
     from types import SimpleNamespace
 
-    from dtrain.session.evaluations import EvaluationPasses
-
-    session = SimpleNamespace(_collapse=SimpleNamespace(rise_at_the_end=lambda comm: (1.5, lowest)), comm=None,
-                              _end_warnings=[], _advice=lambda: "lower optimizer.lr")
-    EvaluationPasses._note_a_rise_at_the_end(session)
-    assert session._end_warnings == [f"warning: the training loss ended at 1.5000 (running average), {said}: training "
+    passes = _evaluation_passes(SimpleNamespace(rise_at_the_end=lambda comm: (1.5, lowest)))
+    passes.note_a_rise_at_the_end()
+    assert passes.warnings == [f"warning: the training loss ended at 1.5000 (running average), {said}: training "
                                      "became unstable and the final model is worse than it was; lower optimizer.lr"]
 
 
@@ -841,7 +844,7 @@ def test_the_session_gives_the_note_for_a_short_quantized_run(tmp_path):
                                    progress_bar=False, tensorboard=False)
         learner.plan(RunFacts(samples_per_sweep=64, max_samples=max_samples, minibatch_size=16,
                               warmup_samples=session._lr_warmup_samples()))
-        return session._short_run_note()  # one of the notes _print_start prints
+        return session.startup.short_run_note()  # one of the notes the start-up lines print
 
     assert lines(192).startswith("dtrain: note: this run is too short for learner quantized's automatic settings "
                            "(learner.distributed_after, learner.freeze_variance): 83% of its 192 samples inside")

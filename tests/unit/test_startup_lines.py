@@ -18,7 +18,7 @@ def start_up_lines(tmp_path, make_learner, max_samples=32, **session_args) -> li
                                minibatch_size=16, max_samples=max_samples, run_dir=tmp_path / "run", progress_bar=False,
                                tensorboard=False, **session_args)
     lines = []
-    session._print_start(type("Printer", (), {"line": staticmethod(lines.append)}), None)
+    session.startup.print_lines(type("Printer", (), {"line": staticmethod(lines.append)}), None, None)
     return lines
 
 
@@ -80,3 +80,25 @@ def test_the_warm_up_of_lr_scaling_is_the_one_told_when_it_has_it(tmp_path):
     # x(1 + 3 * 128 / 256) = x2.5 of x4 at the end
     assert "inside the learning-rate warm-up of 256 samples: the learning rate rises all run, to x0.62 of its peak" \
            in line, line
+
+
+def test_a_resumed_run_names_its_checkpoint_and_the_settings_changed_since(tmp_path):
+    from types import SimpleNamespace
+
+    from dtrain.session.binding import StreamBinding
+    from dtrain.session.startup import StartupLines, StartupSettings
+
+    model = nn.Linear(6, 4)
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    checkpointing = SimpleNamespace(note="the newest of 2", changed_settings=["session.max_samples: 64 -> 128"])
+    startup = StartupLines(StartupSettings(max_samples=128, precision="bf16"), model=model, learner=learner,
+                           source=MinibatchSource(four_class_data(64, 0)), device=torch.device("cpu"),
+                           minibatch_size=Schedule(16), binding=StreamBinding(("features",), "labels"), objective=None,
+                           ema=None, base_learning_rates=[0.1], checkpointing=checkpointing)
+    lines = []
+    startup.print_lines(type("Printer", (), {"line": staticmethod(lines.append)}), tmp_path / "checkpoint_64.pt", None)
+    assert lines[0] == ("dtrain: training 28 parameters on the CPU, 1 worker, global minibatch 16 (16-16 per worker), "
+                        "128 samples (2 sweeps of 64)")
+    assert "dtrain: precision bf16" in lines
+    assert lines[-2:] == [f"restored {tmp_path / 'checkpoint_64.pt'} at 0 samples (the newest of 2)",
+                          "dtrain: settings changed since the checkpoint, now in effect: session.max_samples: 64 -> 128"]
