@@ -135,8 +135,17 @@ CASES = [
     ("ranks-per-host-0", ["comm.ranks_per_host=0"], ["comm.ranks_per_host=0: expected a positive whole number"]),
     ("ranks-per-host-not-dividing", ["comm.ranks_per_host=3"], ["comm.ranks_per_host=3 does not divide the job's"]),
     # learners
-    ("bits-0", ["learner=quantized", "learner.num_quantization_bits=0"], ["learner.num_quantization_bits=0: expected"]),
-    ("bits-33", ["learner=quantized", "learner.num_quantization_bits=33"], ["learner.num_quantization_bits=33: expected"]),
+    ("bits-0", ["learner=quantized", "learner.exchange.num_bits=0"], ["learner.exchange.num_bits=0: expected"]),
+    ("bits-33", ["learner=quantized", "learner.exchange.num_bits=33"], ["learner.exchange.num_bits=33: expected"]),
+    # the quantized learner's settings of earlier releases: what to write now
+    ("retired-bits", ["learner=quantized", "learner.num_quantization_bits=4"],
+     ["learner.num_quantization_bits=4: no longer a learner setting; write learner/exchange=quantized "
+      "learner.exchange.num_bits=4"]),
+    ("retired-error-feedback", ["learner=quantized", "learner.error_feedback=false"],
+     ["learner.error_feedback=false: no longer a learner setting; write learner/exchange=quantized "
+      "learner.exchange.error_feedback=false"]),
+    ("retired-warm-start", ["learner=quantized", "learner.warm_start=local"],
+     ["learner.warm_start=local: no longer a learner setting; write learner.warm_start_mode=local"]),
     ("bucket-0", ["learner.bucket_size_mb=0"], ["learner.bucket_size_mb=0.0: expected"]),
     ("bucket-nan", ["learner.bucket_size_mb=nan"], ["learner.bucket_size_mb=nan: expected"]),
     ("distributed-after", ["learner.distributed_after=-1"], ["learner.distributed_after=-1: expected"]),
@@ -155,7 +164,8 @@ CASES = [
     ("plus-misspelt-model", ["+model.hiden=64"], ["model.hiden: unknown key", "did you mean model.hidden?"]),
     ("plus-misspelt-comm", ["+comm.timout_s=5"], ["comm.timout_s: unknown key", "did you mean comm.timeout_s?"]),
     ("plus-bits-on-block-momentum", ["learner=block_momentum", "+learner.num_quantization_bits=1"],
-     ["learner.num_quantization_bits: unknown key", "expected one of block_size"]),
+     ["learner.num_quantization_bits=1: no longer a learner setting; write learner/exchange=quantized "
+      "learner.exchange.num_bits=1"]),
     ("misspelt", ["session.minibatch_sise=5"], ["minibatch_sise"]),
     ("group-list", ["session=[1,2]"], ["session=[1,2]: expected the name of one session option (default)"]),
     ("seed-negative", ["seed=-1"], ["seed=-1: expected"]),
@@ -242,7 +252,8 @@ def mlp_problems(node, name):
 DEFAULT_CASES = {
     "minibatch-0", "two-problems-at-once", "threads-0", "lr-schedule-word", "lr-nan", "optimizer-unknown",
     "lars-eta-negative", "hidden-negative", "user-model-rule", "classes-vs-data", "compile-2", "device-malformed",
-    "inputs-unknown-stream", "backend-unknown", "bits-0", "exchange-on-local", "plus-misspelt-session", "misspelt",
+    "inputs-unknown-stream", "backend-unknown", "bits-0", "retired-bits", "exchange-on-local", "plus-misspelt-session",
+    "misspelt",
     "group-list", "recipe-unknown", "recipe-missing", "run-dir-empty-string", "run-dir-is-file", "run-dir-below-file",
     "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
     "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
