@@ -326,6 +326,9 @@ def _composition_problem(overrides: list[str], directories: list[Path]) -> str |
             compose("config", overrides=search)
     except (HydraException, OmegaConfBaseException) as error:
         lines = str(error).strip().splitlines()
+        retired = re.search(r"^\s*full_key: learner\.(\w+)$", str(error), re.MULTILINE)
+        if retired and retired.group(1) in RETIRED:  # in a config file: which file, and what to write now
+            return f"{lines[0].split(': ', 1)[0]}: {retired_setting(retired.group(1), None)}"
         parts = [lines[0]]
         hint = nested_group_hint(config_dir(), lines[0], overrides)
         if hint:

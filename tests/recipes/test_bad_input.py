@@ -116,6 +116,9 @@ CASES = [
      ["optimizer.lr=[1: not a readable override", "expected key=value"]),
     ("config-dir-slice-unquoted", ["--config-dir", "{base}/user_conf", "+recipe=digits", "session.target=labels[1:]"],
      ["session.target=labels[1:]: a value with brackets", "expected 'session.target=\"labels[1:]\"'"]),
+    ("config-dir-retired-key", ["--config-dir", "{base}/user_conf", "+recipe=quantized_before"],
+     ["In 'recipe/quantized_before': learner.num_quantization_bits: no longer a learner setting; write "
+      "learner/exchange=quantized learner.exchange.num_bits=VALUE"]),
     ("config-dir-unknown-option", ["-cd", "{base}/user_conf", "+recipe=digits", "model=user_mpl"],
      ["model/user_mpl", "available:", "user_mlp"]),
     ("target-slice-no-steps", ['session.target="labels[1:]"'], ["'labels' is not a sequence stream"]),
@@ -252,18 +255,17 @@ def mlp_problems(node, name):
 DEFAULT_CASES = {
     "minibatch-0", "two-problems-at-once", "threads-0", "lr-schedule-word", "lr-nan", "optimizer-unknown",
     "lars-eta-negative", "hidden-negative", "user-model-rule", "classes-vs-data", "compile-2", "device-malformed",
-    "inputs-unknown-stream", "backend-unknown", "bits-0", "retired-bits", "exchange-on-local", "plus-misspelt-session",
-    "misspelt",
+    "inputs-unknown-stream", "backend-unknown", "bits-0", "exchange-on-local", "plus-misspelt-session", "misspelt",
     "group-list", "recipe-unknown", "recipe-missing", "run-dir-empty-string", "run-dir-is-file", "run-dir-below-file",
     "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
     "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
     "config-dir-unknown-option", "callbacks-unknown-option", "callbacks-unknown-argument", "callbacks-target-missing",
-    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end"}
+    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end", "retired-bits"}
 
 # every case without a recipe of its own uses the digits recipe
 # the last ones name the recipe after --config-dir
 _RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule", "config-dir-list-unclosed",
-                "config-dir-slice-unquoted", "config-dir-unknown-option"}
+                "config-dir-slice-unquoted", "config-dir-unknown-option", "config-dir-retired-key"}
 
 # under mpiexec: failures before the communicator exists (validation, composition, the recipe) and
 # after it (instantiation, the checkpoint, training), each reported once, by rank 0
@@ -296,6 +298,10 @@ def places(tmp_path_factory) -> dict[str, str]:
     (base / "afile").write_text("not a directory\n")
     (base / "user_conf" / "model").mkdir(parents=True)
     (base / "user_conf" / "model" / "user_mlp.yaml").write_text("_target_: user_mlp_model.MLP\nhidden: 32\n")
+    (base / "user_conf" / "recipe").mkdir()  # a recipe of an earlier release, with the quantized learner's bits
+    (base / "user_conf" / "recipe" / "quantized_before.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /recipe/digits\n  - override /learner: quantized\n"
+        "learner:\n  num_quantization_bits: 2\n")
     (base / "user_mlp_model.py").write_text(USER_MODEL)
     (base / "empty").write_bytes(b"")
     readonly = base / "readonly"
