@@ -34,7 +34,7 @@ prints its figures as ``RESULT {json}`` lines; the driver prints three tables:
     the samples, then 1-bit); ``--learners ...,quantized_no_warm_start`` adds the 1-bit learner
     with ``distributed_after=0``, every minibatch through the 1-bit exchange: the cost of an
     epoch after the warm start (where a long run spends nearly all its time: the warm start is
-    capped at 5 sweeps); ``quantized_local_warm_start`` the learner with ``warm_start="local"``
+    capped at 5 sweeps); ``quantized_local_warm_start`` the learner with ``warm_start_mode="local"``
     (CNTK's: every rank trains the full stream alone during the warm start). With both
     ``data_parallel`` and ``quantized_no_warm_start`` timed, a last line projects the whole
     ``recipes/cifar10.yaml`` run with quantized's defaults from the two: its warm start (the learners'
@@ -194,7 +194,7 @@ def _make_learner(kind: str, optimizer, comm, block_size: int):
     if kind == "quantized_local_warm_start":  # CNTK's warm start: every rank on the full stream, no communication
         from dtrain.learners import data_parallel_distributed_learner
 
-        return data_parallel_distributed_learner(optimizer, comm, num_quantization_bits=1, warm_start="local")
+        return data_parallel_distributed_learner(optimizer, comm, num_quantization_bits=1, warm_start_mode="local")
     if kind in ("data_parallel", "quantized"):
         from dtrain.learners import data_parallel_distributed_learner
 

@@ -150,20 +150,11 @@ def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 
-def warm_start_mode(mode: Any, old_spelling: Any = None, prefix: str = "") -> str:
-    """The learner's ``warm_start_mode`` (one of ``WARM_STARTS``; None: ``allreduce``).
+def warm_start_mode(mode: Any, prefix: str = "") -> str:
+    """The learner's ``warm_start_mode`` (one of ``WARM_STARTS``; None: ``allreduce``); ``prefix``
+    (``"learner."``) goes before the name in messages. Raises ValueError for another value."""
+    return "allreduce" if mode is None else choice(f"{prefix}warm_start_mode", mode, WARM_STARTS)
 
-    ``warm_start``, its name before it was told apart from PowerSGD's boolean ``warm_start``
-    (reuse the last step's factors), is an alias accepted in its place. ``prefix`` (``"learner."``)
-    goes before the names in messages. Raises ValueError for another value, or both spellings
-    given with different values."""
-    if old_spelling is None:
-        return "allreduce" if mode is None else choice(f"{prefix}warm_start_mode", mode, WARM_STARTS)
-    old = choice(f"{prefix}warm_start", old_spelling, WARM_STARTS)
-    if mode is not None and mode != old:
-        raise ValueError(f"{prefix}warm_start={old_spelling!r} and {prefix}warm_start_mode={mode!r} disagree: "
-                         f"warm_start is the old spelling of warm_start_mode; give only warm_start_mode")
-    return old
 
 def device(name: str, value: Any) -> str:
     """A training device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (N a GPU index), returned as written.

@@ -23,6 +23,7 @@ from dtrain.failures import (EXIT_BAD_INPUT, EXIT_PREEMPTED, UserError, continue
                              print_debug_traceback)
 from dtrain.help import (MULTIPLE_CHOICE_GROUPS, UnknownTopic, config_dir, config_directories, nested_group_hint,
                          quick_answer)
+from dtrain.learners.settings import RETIRED, retired_setting
 from dtrain.session import TrainingDiverged
 from dtrain.sweep import JobFailed, SweepJob, current_job, finish_sweep, record_outcome, start_sweep, sweep_outcomes
 
@@ -277,6 +278,11 @@ def check_overrides(argv: list[str]) -> str | None:
             parsed.append(parser.parse_override(argument))
         except HydraException as error:
             return _unreadable_override(argument, error)
+    for override in parsed:  # a learner setting of an earlier release: what to write now, before Hydra's "not in"
+        prefix, _, key = override.key_or_group.rpartition(".")
+        if prefix == "learner" and key in RETIRED:
+            return retired_setting(key, None if override.is_delete() else override.input_line.split("=", 1)[1],
+                                   prefix="learner.")
     groups = config_groups()
     for override in parsed:
         key = override.key_or_group
@@ -320,6 +326,9 @@ def _composition_problem(overrides: list[str], directories: list[Path]) -> str |
             compose("config", overrides=search)
     except (HydraException, OmegaConfBaseException) as error:
         lines = str(error).strip().splitlines()
+        retired = re.search(r"^\s*full_key: learner\.(\w+)$", str(error), re.MULTILINE)
+        if retired and retired.group(1) in RETIRED:  # in a config file: which file, and what to write now
+            return f"{lines[0].split(': ', 1)[0]}: {retired_setting(retired.group(1), None)}"
         parts = [lines[0]]
         hint = nested_group_hint(config_dir(), lines[0], overrides)
         if hint:

@@ -28,10 +28,10 @@ from dtrain.comm.settings import CommConfig, comm_problems
 from dtrain.data.settings import ImageSourceConfig, ImageTransformConfig, MinibatchSourceConfig, SourceConfig
 from dtrain.exchange.settings import (AllReduceExchangeConfig, CompressedExchangeConfig, PowerSGDExchangeConfig,
                                       QuantizedExchangeConfig)
-from dtrain.learners.settings import (BlockMomentumLearnerConfig, DataParallelLearnerConfig, DiLoCoLearnerConfig,
-                                      LocalLearnerConfig, LocalSGDLearnerConfig, TwoLevelBlockMomentumLearnerConfig,
-                                      TwoLevelDataParallelLearnerConfig, TwoLevelDiLoCoLearnerConfig,
-                                      TwoLevelLocalSGDLearnerConfig)
+from dtrain.learners.settings import (RETIRED, BlockMomentumLearnerConfig, DataParallelLearnerConfig,
+                                      DiLoCoLearnerConfig, LocalLearnerConfig, LocalSGDLearnerConfig,
+                                      TwoLevelBlockMomentumLearnerConfig, TwoLevelDataParallelLearnerConfig,
+                                      TwoLevelDiLoCoLearnerConfig, TwoLevelLocalSGDLearnerConfig, retired_setting)
 from dtrain.models.settings import (CharTransformerConfig, ConvNetCIFAR10Config, DigitsCNNConfig, ResNet50Config,
                                     Seq2SeqTransformerConfig)
 from dtrain.optim import settings as optim_settings
@@ -222,6 +222,9 @@ def _unknown_key_problems(node: DictConfig, name: str) -> list[str]:
     for key in node.keys():
         if key not in known:
             full = f"{name}.{key}" if name else str(key)
+            if name == "learner" and key in RETIRED:  # a learner setting of an earlier release: what to write now
+                problems.append(retired_setting(str(key), node[key], prefix=f"{name}."))
+                continue
             close = difflib.get_close_matches(str(key), [k for k in known if not k.startswith("_")], n=1)
             hint = f"did you mean {(name + '.') if name else ''}{close[0]}?" if close else \
                 f"expected one of {', '.join(k for k in known if not k.startswith('_'))}"

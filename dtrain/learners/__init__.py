@@ -10,11 +10,7 @@ from dtrain.learners.base import Learner, LocalLearner
 from dtrain.learners.block import BlockLearner
 from dtrain.learners.block_momentum import BlockMomentumLearner, block_momentum_distributed_learner
 from dtrain.learners.diloco import DiLoCoLearner
-from dtrain.learners.data_parallel import (
-    DataParallelLearner,
-    QuantizedDataParallelLearner,
-    data_parallel_distributed_learner,
-)
+from dtrain.learners.data_parallel import DataParallelLearner, data_parallel_distributed_learner
 from dtrain.learners.local_sgd import LocalSGDLearner
 from dtrain.learners.replicated import ReplicatedLearner
 from dtrain.learners.two_level import (
@@ -26,7 +22,7 @@ from dtrain.learners.two_level import (
 
 __all__ = [
     "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner", "LocalLearner",
-    "LocalSGDLearner", "QuantizedDataParallelLearner",
-    "ReplicatedLearner", "TwoLevelBlockMomentumLearner", "TwoLevelDataParallelLearner", "TwoLevelDiLoCoLearner",
-    "TwoLevelLocalSGDLearner", "block_momentum_distributed_learner", "data_parallel_distributed_learner",
+    "LocalSGDLearner", "ReplicatedLearner", "TwoLevelBlockMomentumLearner", "TwoLevelDataParallelLearner",
+    "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner", "block_momentum_distributed_learner",
+    "data_parallel_distributed_learner",
 ]

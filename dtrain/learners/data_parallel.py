@@ -20,11 +20,11 @@ import torch
 from dtrain import checks
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
-from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+from dtrain.learners.base import AUTO, RunFacts, auto_warm_start, bind_exchange, exchange_identity
 from dtrain.learners.cntk_keywords import synchronous_update, wrapped_optimizer
 from dtrain.learners.frozen_variance import FrozenVariance, keeps_variance
 from dtrain.learners.replicated import ReplicatedLearner, unique_tensors
-from dtrain.learners.settings import DATA_PARALLEL, QUANTIZATION_BITS
+from dtrain.learners.settings import DATA_PARALLEL, QUANTIZATION_BITS, refuse_retired
 from dtrain.rules import check_settings
 
 
@@ -86,8 +86,6 @@ class DataParallelLearner(ReplicatedLearner):
         exchange: how buckets are summed over ranks (:mod:`dtrain.exchange`); None: float32 all-reduce.
         warm_start_mode: with a compressing exchange, how the steps before ``distributed_after`` train:
             ``"allreduce"`` (float32 gradients, each rank on its share; None: this) or ``"local"`` (CNTK's).
-        warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias; it is
-            not PowerSGD's boolean ``warm_start``).
         freeze_variance: with an Adam-family optimizer (its groups have ``betas``) and a lossy strategy,
             hold the optimizer's bias-corrected variance where the float32 warm start left it, from the
             first step the strategy exchanges (1-bit Adam's rule: :mod:`dtrain.learners.frozen_variance`);
@@ -100,7 +98,9 @@ class DataParallelLearner(ReplicatedLearner):
     Raises:
         ValueError: ``bucket_size_mb`` is not a positive number, ``distributed_after`` < 0, or
             ``warm_start_mode`` is not one of ``checks.WARM_STARTS``.
-        TypeError: ``exchange`` is not a :class:`dtrain.exchange.Exchange`.
+        TypeError: ``exchange`` is not a :class:`dtrain.exchange.Exchange`, or a retired keyword
+            (``num_quantization_bits``, ``error_feedback``, ``requantize_sum``, ``warm_start``: one line
+            naming what to pass now, e.g. ``exchange=Quantized(k)``).
         RuntimeError: a parameter gets two gradients in one minibatch (more than one backward).
     """
 
@@ -108,10 +108,10 @@ class DataParallelLearner(ReplicatedLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
-                 warm_start_mode: str | None = None, warm_start: str | None = None,
-                 freeze_variance: bool | str = AUTO):
+                 warm_start_mode: str | None = None, freeze_variance: bool | str = AUTO, **retired: Any):
+        refuse_retired(type(self).__name__, retired)
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb)
-        self.warm_start_mode = checks.warm_start_mode(warm_start_mode, warm_start)
+        self.warm_start_mode = checks.warm_start_mode(warm_start_mode)
         freeze_variance = checks.boolean_or_auto("freeze_variance", freeze_variance)
         self.overlap_backward = checks.boolean("overlap_backward", overlap_backward)
         self.exchange = exchange = bind_exchange(exchange, self.comm)
@@ -201,11 +201,6 @@ class DataParallelLearner(ReplicatedLearner):
         if self.warm_start_exchange is not None:
             return self.comm.size > 1
         return super().is_distributed()
-
-    @property
-    def warm_start(self) -> str:
-        """The old name of :attr:`warm_start_mode` (kept as an alias)."""
-        return self.warm_start_mode
 
     def in_full_precision_warm_start(self) -> bool:
         """Whether this minibatch is a compressing strategy's float32 warm start (before ``distributed_after``)."""
@@ -409,84 +404,13 @@ class DataParallelLearner(ReplicatedLearner):
             self.exchange.load_state_dict(state)
 
 
-class QuantizedDataParallelLearner(DataParallelLearner):
-    """Synchronous data-parallel SGD on k-bit quantized gradients with error feedback (1-bit SGD).
-
-    Built by ``learner=quantized`` in a config, or ``data_parallel_distributed_learner(
-    num_quantization_bits=k)`` with k < 32 from Python; constructing it directly is the same.
-    It is :class:`DataParallelLearner` with ``exchange=Quantized(num_quantization_bits,
-    error_feedback)`` under its own checkpoint kind (``quantized``).
-
-    Each rank back-propagates the mean loss over its ``local_samples``; every gradient bucket is
-    scaled by ``local_samples / global_samples`` (so the SUM over ranks is the gradient of the
-    mean loss over the global minibatch, dtrain's convention) and summed over ranks through the
-    k-bit exchange (every rank summing every rank's codes at 2 ranks and at 1 bit up to 8, CNTK's two
-    phases otherwise: ``requantize_sum``) on a background thread while backward goes on. All ranks decode the same
-    bytes, so their parameters stay bit-identical.
-
-    Warm start: while ``samples_seen < distributed_after`` the gradients are all-reduced in
-    float32 (each rank reading its partition): the exact update of the global minibatch, which
-    CNTK's warm start computes on every rank from the full stream, at 1/N of the compute per
-    rank; ``warm_start_mode="local"`` trains CNTK's way (see :class:`DataParallelLearner`). The
-    residuals start at zero when the k-bit exchange begins.
-
-    Args:
-        optimizer: the torch optimizer of the model's parameters.
-        comm: the job's communicator; with one rank this is the local learner.
-        distributed_after: global samples of float32 all-reduce steps before the k-bit exchange begins;
-            ``"auto"`` (the default) = :func:`auto_warm_start` of the run's facts (set by ``plan``).
-        num_quantization_bits: bits per gradient value on the wire, 1 to 32 (32 is lossless and
-            only useful for comparison: ``data_parallel_distributed_learner`` uses a plain
-            all-reduce for 32).
-        error_feedback: keep the quantization error for the next step (``False`` only to measure its worth).
-        requantize_sum: CNTK's second phase, in which the owner of each stripe re-quantizes the sum; ``False``:
-            every rank sums every rank's codes; ``"auto"`` (the default): sum every rank's codes at 2 ranks and
-            at 1 bit up to 8, re-quantize otherwise (at 1 bit, to 2 bits: :func:`dtrain.exchange.quantized.sum_form`).
-        bucket_size_mb: gradient bucket size in MiB (each bucket is one exchange).
-        warm_start_mode: ``"allreduce"`` (float32, default) or ``"local"`` (CNTK's), before ``distributed_after``.
-        warm_start: the old spelling of ``warm_start_mode`` (an alias).
-        freeze_variance: an Adam-family optimizer's variance frozen at the warm start's end (``"auto"``,
-            the default: where the sums are 1-bit values; see :class:`DataParallelLearner`).
-
-    Raises:
-        ValueError: ``num_quantization_bits`` outside 1..32 or a negative ``distributed_after``.
-        TypeError: ``optimizer`` is not a torch optimizer.
-    """
-
-    kind = "quantized"
-
-    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
-                 num_quantization_bits: int = 1, error_feedback: bool = True, bucket_size_mb: float = 25.0,
-                 warm_start_mode: str | None = None, warm_start: str | None = None,
-                 freeze_variance: bool | str = AUTO, requantize_sum: bool | str = AUTO):
-        check_settings(QUANTIZATION_BITS, num_quantization_bits=num_quantization_bits)
-        bits = int(num_quantization_bits)
-        super().__init__(optimizer, comm, distributed_after, bucket_size_mb,
-                         exchange=Quantized(bits, error_feedback, requantize_sum=requantize_sum),
-                         warm_start_mode=warm_start_mode, warm_start=warm_start, freeze_variance=freeze_variance)
-
-    @property
-    def num_quantization_bits(self) -> int:
-        """CNTK's name for the strategy's ``num_bits``: one value, held by the strategy."""
-        return self.exchange.num_bits
-
-    def checkpoint_identity(self) -> dict:
-        """The kind and the bits per value: a checkpoint restores only into the same quantization."""
-        return {"kind": self.kind, "num_quantization_bits": self.num_quantization_bits}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The replicated state (optimizer, samples seen) plus the number of bits; no residuals."""
-        return {**super().state_dict(), "num_quantization_bits": self.num_quantization_bits}
-
-
 def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer | None = None, comm=None,
                                       distributed_after: int | str = "auto", num_quantization_bits: int = 32,
-                                      bucket_size_mb: float = 25.0, error_feedback: bool = True,
-                                      exchange: Exchange | None = None, warm_start_mode: str | None = None,
-                                      warm_start: str | None = None, freeze_variance: bool | str = AUTO,
-                                      requantize_sum: bool | str = AUTO,
+                                      bucket_size_mb: float = 25.0, exchange: Exchange | None = None,
+                                      warm_start_mode: str | None = None, freeze_variance: bool | str = AUTO,
                                       use_async_buffered_parameter_update: bool = False,
-                                      learner: torch.optim.Optimizer | None = None) -> Learner:
+                                      learner: torch.optim.Optimizer | None = None,
+                                      **retired: Any) -> DataParallelLearner:
     """Wraps ``optimizer`` for synchronous data-parallel training (CNTK's factory of this name).
 
     Args:
@@ -496,66 +420,48 @@ def data_parallel_distributed_learner(optimizer: torch.optim.Optimizer | None = 
             ``"auto"`` (default): none for a full-precision or low-rank exchange, a warm start
             relative to the run for k-bit quantization (``dtrain.learners.base.auto_warm_start``,
             derived when the session plans the run).
-        num_quantization_bits: 32 sends full-precision gradients; 1..31 sends k-bit quantized
-            gradients with error feedback (``QuantizedDataParallelLearner``, CNTK's shortcut for
-            ``exchange=Quantized(k)``).
+        num_quantization_bits: CNTK's keyword: 32 sends full-precision gradients; 1..31 builds the
+            learner with ``exchange=Quantized(k)`` (k-bit gradients with error feedback; its other
+            settings are the exchange's: pass ``exchange=Quantized(k, ...)`` for them).
         bucket_size_mb: gradient bucket size in MiB (every strategy exchanges bucket by bucket).
-        error_feedback: quantized only: carry each step's quantization error into the next
-            (``False`` is an ablation); must stay True with 32 bits, where nothing is quantized.
         exchange: the exchange strategy (:mod:`dtrain.exchange`, ``learner/exchange=...`` in a
             config); None: float32 all-reduce, or k-bit with ``num_quantization_bits`` below 32.
         warm_start_mode: with a compressing exchange, how the steps before ``distributed_after`` train:
             ``"allreduce"`` (float32 all-reduce on each rank's share; None: this) or ``"local"``
             (CNTK's: every rank on the full stream, no communication); the float32 all-reduce's
             own warm start is always local (all-reducing it would be no warm start at all).
-        warm_start: the old spelling of ``warm_start_mode``, accepted in its place (an alias).
         freeze_variance: with an Adam-family optimizer and a lossy exchange, hold its variance where the
             warm start left it (1-bit Adam's rule); ``"auto"`` (default): where the sums are 1-bit values.
-        requantize_sum: k-bit only: the owner of each stripe re-quantizes the summed stripe (CNTK's two
-            phases); ``False``: every rank sums every rank's codes; ``"auto"`` (default): re-quantize beyond 2
-            ranks at 2 bits or more and beyond 8 ranks at 1 bit (the sum then at 2 bits).
         use_async_buffered_parameter_update: CNTK's keyword, accepted at its default ``False`` (as CNTK's own
             tests pass it); ``True`` is refused: dtrain's updates are synchronous.
         learner: CNTK's name for ``optimizer`` (its local learner), accepted in its place.
 
     Returns:
-        A ``DataParallelLearner``, or a ``QuantizedDataParallelLearner`` for fewer than 32 bits.
+        A ``DataParallelLearner`` (with ``exchange=Quantized(num_quantization_bits)`` below 32 bits).
 
     Raises:
         ValueError: a value out of range or of the wrong kind (one line ``name=value: expected ...``),
-            or both ``exchange`` (other than float32 all-reduce, the config's default) and
-            ``num_quantization_bits`` below 32.
-        TypeError: ``optimizer`` is not a torch optimizer (or missing, or given twice: as ``learner`` too), or
-            ``exchange`` not an exchange strategy.
+            or both ``exchange`` (other than float32 all-reduce) and ``num_quantization_bits`` below 32.
+        TypeError: ``optimizer`` is not a torch optimizer (or missing, or given twice: as ``learner`` too),
+            ``exchange`` not an exchange strategy, or a retired keyword (``error_feedback``, ``requantize_sum``,
+            ``warm_start``: one line naming what to pass now).
     """
+    refuse_retired("data_parallel_distributed_learner", retired)
     optimizer = wrapped_optimizer("data_parallel_distributed_learner", optimizer, learner)
     synchronous_update(use_async_buffered_parameter_update)
-    check_settings(DATA_PARALLEL, num_quantization_bits=num_quantization_bits, bucket_size_mb=bucket_size_mb,
-                   distributed_after=distributed_after, error_feedback=error_feedback, freeze_variance=freeze_variance,
-                   requantize_sum=requantize_sum)
-    num_quantization_bits, error_feedback = int(num_quantization_bits), bool(error_feedback)
+    check_settings({**DATA_PARALLEL, **QUANTIZATION_BITS}, num_quantization_bits=num_quantization_bits,
+                   bucket_size_mb=bucket_size_mb, distributed_after=distributed_after, freeze_variance=freeze_variance)
+    num_quantization_bits = int(num_quantization_bits)
     if distributed_after != AUTO:
         distributed_after = int(distributed_after)
-    if not error_feedback and num_quantization_bits == 32:
-        raise ValueError("error_feedback=False: expected True with num_quantization_bits=32, where nothing is "
-                         "quantized; set num_quantization_bits below 32 (e.g. learner=quantized) or leave it True")
-    if requantize_sum != AUTO and (num_quantization_bits == 32 or exchange is not None):
-        where = (f"beside exchange={exchange.describe()}; set it on the exchange (learner.exchange.requantize_sum)"
-                 if exchange is not None else "with num_quantization_bits=32, where nothing is quantized")
-        raise ValueError(f"requantize_sum={requantize_sum}: expected auto {where}")
     if exchange is not None and not isinstance(exchange, AllReduce) and num_quantization_bits < 32:
         raise ValueError(f"num_quantization_bits={num_quantization_bits} and exchange={exchange.describe()} both choose "
-                         f"the exchange; use learner/exchange=quantized with learner.exchange.num_bits, or drop the "
-                         f"exchange")
+                         f"the exchange; pass exchange=Quantized({num_quantization_bits}) alone, or drop "
+                         f"num_quantization_bits")
     if num_quantization_bits < 32:
-        return QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
-                                            num_quantization_bits=int(num_quantization_bits),
-                                            error_feedback=error_feedback, bucket_size_mb=bucket_size_mb,
-                                            warm_start_mode=warm_start_mode, warm_start=warm_start,
-                                            freeze_variance=freeze_variance, requantize_sum=requantize_sum)
+        exchange = Quantized(num_quantization_bits)
     return DataParallelLearner(optimizer, comm, distributed_after=distributed_after, bucket_size_mb=bucket_size_mb,
-                               exchange=exchange, warm_start_mode=warm_start_mode, warm_start=warm_start,
-                               freeze_variance=freeze_variance)
+                               exchange=exchange, warm_start_mode=warm_start_mode, freeze_variance=freeze_variance)
 
 
-__all__ = ["DataParallelLearner", "QuantizedDataParallelLearner", "data_parallel_distributed_learner"]
+__all__ = ["DataParallelLearner", "data_parallel_distributed_learner"]

@@ -27,20 +27,16 @@ class DataParallelLearnerConfig:
     """``data_parallel_distributed_learner``: gradients averaged over all workers every minibatch.
 
     ``exchange`` is the strategy that sums each gradient bucket (``learner/exchange=NAME``, one
-    of the schemas below; float32 all-reduce when unset). ``num_quantization_bits`` below 32 is
-    CNTK's shortcut for k-bit gradients with error feedback (1-bit SGD, ``learner=quantized``).
+    of the schemas below; float32 all-reduce when unset). ``learner=quantized`` is this learner with
+    the k-bit exchange (1-bit SGD: ``learner.exchange.num_bits``).
     """
 
     _target_: str = "dtrain.learners.data_parallel_distributed_learner"
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run for k-bit, else none
-    num_quantization_bits: int = 32
     bucket_size_mb: float = 25.0
-    error_feedback: StrictBool = True   # quantized only; false drops the quantization error (ablation)
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
-    warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias), not PowerSGD's warm_start
     freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: 1-bit sums only
-    requantize_sum: Any = "auto"        # k-bit: CNTK's re-quantized sum; auto: beyond 8 workers at 1 bit, 2 at 2+ bits
 
 
 @dataclass
@@ -115,7 +111,6 @@ class TwoLevelDataParallelLearnerConfig:
     bucket_size_mb: float = 25.0
     exchange: Any = None                # learner/exchange=NAME: the strategy between the host leaders (float32 when unset)
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local
-    warm_start: Optional[str] = None    # the old spelling of warm_start_mode (an alias)
     freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: 1-bit sums only
 
 
@@ -135,9 +130,7 @@ DISTRIBUTED_AFTER: KeyChecks = {"distributed_after": partial(_samples_or_auto, a
 QUANTIZATION_BITS: KeyChecks = {"num_quantization_bits": partial(checks.whole_number, low=1, high=32, unit="bits")}
 BUCKETS: KeyChecks = {"bucket_size_mb": partial(checks.positive_number, unit="MiB")}
 FREEZE_VARIANCE: KeyChecks = {"freeze_variance": checks.boolean_or_auto}
-DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **QUANTIZATION_BITS, **BUCKETS, **FREEZE_VARIANCE,
-                            "error_feedback": checks.boolean, "requantize_sum": checks.boolean_or_auto}
-TWO_LEVEL_DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **BUCKETS, **FREEZE_VARIANCE}
+DATA_PARALLEL: KeyChecks = {**DISTRIBUTED_AFTER, **BUCKETS, **FREEZE_VARIANCE}
 BLOCK_SIZE: KeyChecks = {"block_size": _samples_or_auto}
 BLOCK_SYNC: KeyChecks = {"reset_sgd_momentum_after_aggregation": checks.boolean,
                          "local_learning_rate": partial(checks.choice, choices=checks.LOCAL_LEARNING_RATES)}
@@ -157,29 +150,56 @@ register_rule("dtrain.learners.Learner", _distributed_after)
 register_rule("dtrain.learners.LocalLearner", _distributed_after)
 
 
+@register_rule("dtrain.learners.TwoLevelDataParallelLearner")
 @register_rule("dtrain.learners.data_parallel_distributed_learner")
 def _data_parallel_rules(node: DictConfig, name: str) -> list[str]:
     return settings_problems(DATA_PARALLEL, node, name) + checks.collect([
-        lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"), prefix=f"{name}.")
-    ]) + _exchange_choice_problems(node, name)
+        lambda: checks.warm_start_mode(node.get("warm_start_mode"), prefix=f"{name}.")])
 
 
-@register_rule("dtrain.learners.TwoLevelDataParallelLearner")
-def _two_level_data_parallel_rules(node: DictConfig, name: str) -> list[str]:
-    return settings_problems(TWO_LEVEL_DATA_PARALLEL, node, name) + checks.collect([
-        lambda: checks.warm_start_mode(node.get("warm_start_mode"), node.get("warm_start"), prefix=f"{name}.")])
+#: learner settings retired when the quantized learner became the data-parallel learner with the k-bit
+#: exchange: each old name and what to write now, in a config and in Python (``{value}``: the value given)
+RETIRED: dict[str, tuple[str, str]] = {
+    "num_quantization_bits": ("learner/exchange=quantized learner.exchange.num_bits={value} "
+                              "(learner=quantized chooses that exchange)", "exchange=Quantized({value})"),
+    "error_feedback": ("learner/exchange=quantized learner.exchange.error_feedback={value}",
+                       "exchange=Quantized(num_bits, error_feedback={value})"),
+    "requantize_sum": ("learner/exchange=quantized learner.exchange.requantize_sum={value}",
+                       "exchange=Quantized(num_bits, requantize_sum={value})"),
+    "warm_start": ("learner.warm_start_mode={value}", "warm_start_mode={value!r}"),
+}
 
 
-def _exchange_choice_problems(node: DictConfig, name: str) -> list[str]:
-    """``num_quantization_bits`` below 32 and an exchange other than float32 both choose how gradients travel."""
-    exchange = node.get("exchange") if "exchange" in node else None
-    bits = node.get("num_quantization_bits", 32)
-    if isinstance(exchange, DictConfig) and exchange.get("_target_") not in (None, "dtrain.exchange.AllReduce") \
-            and isinstance(bits, int) and bits < 32:
-        return [f"{name}.num_quantization_bits={bits} and {name}/exchange={exchange.get('_target_')}: both choose the "
-                f"gradient exchange; use {name}/exchange=quantized with {name}.exchange.num_bits, or leave "
-                f"{name}.num_quantization_bits at 32"]
-    return []
+def _as_written(value: Any) -> str:
+    """``value`` as a config writes it (``false``, not ``False``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def retired_setting(key: str, value: Any, prefix: str = "learner.") -> str | None:
+    """One line saying that the learner setting ``key`` (given ``value``; None: no value, a deletion) was retired
+    and what to write now, in a config's terms (``prefix`` not empty: the key's place in the config) or Python's;
+    None for another key."""
+    if key not in RETIRED:
+        return None
+    config, python = RETIRED[key]
+    if prefix:
+        given = f"{prefix}{key}" if value is None else f"{prefix}{key}={_as_written(value)}"
+        written = config.format(value="VALUE" if value is None else _as_written(value))
+        return f"{given}: no longer a learner setting; write {written}"
+    return f"{key}={value!r}: no longer a learner keyword; pass {python.format(value=value)}"
+
+
+def refuse_retired(function: str, keywords: dict[str, Any]) -> None:
+    """Refuses the keywords a learner's constructor caught beyond its own, as Python refuses an unknown one, and
+    a retired setting (:data:`RETIRED`) with what to pass now.
+
+    Raises:
+        TypeError: one line naming the first keyword.
+    """
+    if keywords:
+        key, value = next(iter(keywords.items()))
+        raise TypeError(retired_setting(key, value, prefix="") or
+                        f"{function}() got an unexpected keyword argument {key!r}")
 
 
 @register_rule("dtrain.learners.TwoLevelBlockMomentumLearner")

@@ -33,6 +33,7 @@ from dtrain.learners.block_momentum import BlockMomentumLearner
 from dtrain.learners.data_parallel import DataParallelLearner
 from dtrain.learners.diloco import DiLoCoLearner
 from dtrain.learners.local_sgd import LocalSGDLearner
+from dtrain.learners.settings import refuse_retired
 
 
 def host_layout(comm, ranks_per_host: int | None, equal_hosts: bool = True,
@@ -265,8 +266,9 @@ class TwoLevelDataParallelLearner(DataParallelLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, distributed_after: int | str = AUTO,
                  bucket_size_mb: float = 25.0, exchange: Exchange | None = None, overlap_backward: bool = True,
-                 warm_start_mode: str | None = None, warm_start: str | None = None,
-                 ranks_per_host: int | None = None, freeze_variance: bool | str = AUTO):
+                 warm_start_mode: str | None = None, ranks_per_host: int | None = None,
+                 freeze_variance: bool | str = AUTO, **retired: Any):
+        refuse_retired(type(self).__name__, retired)
         comm = comm if comm is not None else LocalCommunicator()
         if ranks_per_host is None:
             ranks_per_host = getattr(comm, "ranks_per_host", None)
@@ -275,7 +277,7 @@ class TwoLevelDataParallelLearner(DataParallelLearner):
         groups = comm.host_groups(ranks_per_host)
         between = BetweenHosts(exchange if exchange is not None else AllReduce(), groups)
         super().__init__(optimizer, comm, distributed_after, bucket_size_mb, exchange=between,
-                         overlap_backward=overlap_backward, warm_start_mode=warm_start_mode, warm_start=warm_start,
+                         overlap_backward=overlap_backward, warm_start_mode=warm_start_mode,
                          freeze_variance=freeze_variance)
         if self.warm_start_exchange is not None:  # float32 warm start: the same three steps, exact
             self.warm_start_exchange = BetweenHosts(AllReduce(), groups)

@@ -17,6 +17,9 @@ A checkpoint is a dictionary with these entries (all plain containers and tensor
 - ``weight_ema``: the weight average's ``AveragedModel`` state dict and ``steps_since_update`` (only with
   ``session.ema_decay``).
 
+A checkpoint of the retired quantized learner (``learner_kind`` ``quantized``) is read as the data-parallel
+learner's with the k-bit exchange, which it was (:func:`from_the_quantized_learner`).
+
 Restoring refuses a checkpoint whose identity differs (naming the first difference) and
 re-applies the configured optimizer hyper-parameters after loading the optimizer state, so a
 changed learning rate, momentum or weight decay takes effect while state such as momentum
@@ -253,6 +256,22 @@ class StartingPoint:
     note: str
 
 
+def from_the_quantized_learner(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as today's learners read it: a checkpoint of the retired quantized learner (kind
+    ``quantized``, its bits beside the optimizer's state) is the data-parallel learner's with the k-bit
+    exchange, which that learner was (same optimizer state, same residuals); any other is returned as is."""
+    if state.get("learner_kind") != "quantized" or not isinstance(state.get("learner"), dict):
+        return state
+    learner = {**state["learner"], "kind": "data_parallel"}
+    bits = learner.pop("num_quantization_bits", None)
+    identity = dict(state.get("identity") or {})
+    if isinstance(identity.get("learner"), dict):
+        saved = {key: value for key, value in identity["learner"].items() if key != "num_quantization_bits"}
+        bits = identity["learner"].get("num_quantization_bits", bits)
+        identity["learner"] = {**saved, "kind": "data_parallel", "exchange": {"name": "quantized", "num_bits": bits}}
+    return {**state, "learner_kind": "data_parallel", "learner": learner, "identity": identity}
+
+
 def read_newest(files: CheckpointFiles, restore: bool, model: torch.nn.Module, learner,
                 expected_identity: dict[str, Any], restore_from: str | Path | None = None) -> StartingPoint:
     """Rank 0: the checkpoint this run starts from, checked against this run.
@@ -281,7 +300,7 @@ def read_newest(files: CheckpointFiles, restore: bool, model: torch.nn.Module, l
                           f"session.checkpoint.restore_from", RuntimeWarning, stacklevel=2)
     found = load_latest_valid(files)
     if found is not None:
-        path, state = found
+        path, state = found[0], from_the_quantized_learner(found[1])
         check_restorable(path, state, model, learner, expected_identity)
         note = ""
         if chosen is not None and not _same_file(path, chosen):
@@ -289,7 +308,7 @@ def read_newest(files: CheckpointFiles, restore: bool, model: torch.nn.Module, l
                     f"which continue the run; to start from {chosen.name}, use a new run_dir")
         return StartingPoint(path, state, note)
     if chosen is not None:
-        state = load(chosen)
+        state = from_the_quantized_learner(load(chosen))
         check_restorable(chosen, state, model, learner, expected_identity)
         return StartingPoint(chosen, state, f"session.checkpoint.restore_from: {files.base.parent} has no checkpoint "
                                             f"of its own yet")

@@ -91,13 +91,11 @@ def training_advice(learner, precision: str = "32") -> str:
         causes.append(f"{what} started too early")
         changes.append("give a longer full-precision warm start (learner.distributed_after=SAMPLES, 'auto' by default)")
         if bits is not None and bits < 32:
-            changes.append(f"use more bits ({bits + 1} or more: learner.num_quantization_bits, or learner.exchange.num_bits "
-                           f"with learner/exchange=quantized)")
+            changes.append(f"use more bits ({bits + 1} or more: learner.exchange.num_bits)")
         if getattr(learner, "freeze_variance", False):
             changes.append("let the optimizer's variance follow the gradients (learner.freeze_variance=false)")
         if getattr(exchange, "requantizes_sums", lambda: False)():
-            changes.append("sum the workers' codes without re-quantizing them (learner.requantize_sum=false, or "
-                           "learner.exchange.requantize_sum=false with learner/exchange=quantized)")
+            changes.append("sum the workers' codes without re-quantizing them (learner.exchange.requantize_sum=false)")
     elif several and exchange is not None and not getattr(exchange, "lossless", True):
         causes.append(f"gradients compressed by {exchange.describe()}")
         changes.append("exchange them in float32 (learner/exchange=allreduce)")

@@ -4,7 +4,7 @@ Every rank runs, in order, these named checks (``tests.helpers.checks``; each it
 
 1. ``exchange``: the real two-phase exchange (torch all_to_all_single, and the all-gather
    fallback) against a direct computation from every rank's full-precision gradients.
-2. ``learner``: a few steps of ``QuantizedDataParallelLearner`` at 1/2/4/8 bits with uneven
+2. ``learner``: a few steps of ``DataParallelLearner`` with the ``Quantized`` exchange at 1/2/4/8 bits with uneven
    shares (one rank empty): parameters identical on all ranks after EVERY step, bytes per
    step below a float32 all-reduce's. Returns ``{bits: {"sent", "full", "ratio", "seconds"}}``.
 3. ``warm_start``: local steps (ranks drift apart), then the switch: identical from then on.
@@ -19,8 +19,9 @@ import torch
 
 from dtrain.comm import create_communicator, install_fail_fast
 from dtrain.compress import StripeLayout
+from dtrain.exchange import Quantized
 from dtrain.exchange.quantized import QuantizedExchange
-from dtrain.learners import QuantizedDataParallelLearner
+from dtrain.learners import DataParallelLearner
 
 from tests.helpers.checks import run_checks
 from tests.helpers.quantized_reference import ReferenceExchange
@@ -103,8 +104,7 @@ def train(comm, bits: int, steps: int, distributed_after: int = 0, check_every_s
     torch.manual_seed(100 + comm.rank)  # different initial models: prepare must broadcast rank 0's
     model = SmallNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
-                                           num_quantization_bits=bits)
+    learner = DataParallelLearner(optimizer, comm, distributed_after=distributed_after, exchange=Quantized(bits))
     learner.prepare(model)
     generator = torch.Generator().manual_seed(comm.rank)
     identical_after = []
@@ -172,7 +172,7 @@ def fit(comm, bits: int | None, steps: int = 150, minibatch: int = 64, feedback:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     learner = None
     if bits is not None:
-        learner = QuantizedDataParallelLearner(optimizer, comm, num_quantization_bits=bits)
+        learner = DataParallelLearner(optimizer, comm, exchange=Quantized(bits))
         learner.prepare(model)
     order = torch.Generator().manual_seed(5)
     for _ in range(steps):

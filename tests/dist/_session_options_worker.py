@@ -28,7 +28,8 @@ from torch import nn
 
 import dtrain
 from dtrain.comm import LocalCommunicator, create_communicator
-from dtrain.learners import (Learner, LocalLearner, QuantizedDataParallelLearner, block_momentum_distributed_learner,
+from dtrain.exchange import Quantized
+from dtrain.learners import (DataParallelLearner, Learner, LocalLearner, block_momentum_distributed_learner,
                              data_parallel_distributed_learner)
 
 from tests.helpers.checks import run_checks
@@ -101,7 +102,7 @@ def check_clipping(comm, run_dir: Path) -> dict:
     unclipped = reference(run_dir / "unclipped", comm)
     results = {"clip_changes_the_result": max_difference(one_process, unclipped)}
     for name, build in (("data_parallel", lambda opt: data_parallel_distributed_learner(opt, comm)),
-                        ("quantized", lambda opt: QuantizedDataParallelLearner(opt, comm, num_quantization_bits=32))):
+                        ("quantized", lambda opt: DataParallelLearner(opt, comm, exchange=Quantized(32)))):
         model = make_model()
         train(model, build(optimizer_of(model)), run_dir / name, clip_grad_norm=CLIP)
         results[name] = {"difference_to_one_process": max_difference(model, one_process),
@@ -135,7 +136,7 @@ def check_fp16(comm, run_dir: Path) -> dict:
     results = {}
     builders = {
         "data_parallel": lambda opt: data_parallel_distributed_learner(opt, comm),
-        "quantized": lambda opt: QuantizedDataParallelLearner(opt, comm, num_quantization_bits=1),
+        "quantized": lambda opt: DataParallelLearner(opt, comm, exchange=Quantized(1)),
         "block_momentum": lambda opt: block_momentum_distributed_learner(opt, comm, block_size=40),
     }
     for name, build in builders.items():

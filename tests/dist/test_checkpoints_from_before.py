@@ -26,7 +26,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints_befor
 COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
           "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=16", "session.max_samples=1280"]
 LEARNERS = {
-    "quantized": ["learner=quantized", "learner.num_quantization_bits=2", "learner.distributed_after=0"],
+    "quantized": ["learner=quantized", "learner.exchange.num_bits=2", "learner.distributed_after=0"],
     "bm_quantized": ["learner=block_momentum", "learner.block_size=320", "learner.distributed_after=0",
                      "learner/exchange=quantized", "learner.exchange.num_bits=2"],
 }

@@ -78,7 +78,7 @@ def test_cli_one_bit_sgd_without_warm_start_collapses_and_says_so(run_dir: Path)
     CPU's rounding (seeds 0, 1, 2 at 15,008, 7,520 and 13,504 samples on an AVX2 CPU; seed 0 recovered to 40%
     error by 12,000 there, not on others)."""
     result = run_mpi(2, ["-m", "dtrain", "+recipe=digits", "learner=quantized", "learner.distributed_after=0",
-                         "learner.requantize_sum=true", "session.progress_frequency=1500", "seed=0",
+                         "learner.exchange.requantize_sum=true", "session.progress_frequency=1500", "seed=0",
                          "session.tensorboard=false", f"run_dir={run_dir}"], timeout=240)
     assert result.returncode == 2, result.report()
     errors = [line for line in result.stderr.splitlines() if "dtrain: error:" in line]
@@ -111,7 +111,7 @@ def test_cli_a_run_whose_loss_rose_back_to_a_test_at_chance_loss_is_refused_thou
     the 2 / C that marks a collapse (38.72%), it exited 0 with a warning; now one line and exit 2, the checkpoint
     kept. The run's last steps are unstable, so the test loss it ends at differs between installs (1.52 at 55.22%
     with another build of the same packages): below chance's loss the run ends with the warning and exit 0."""
-    result = run_mpi(8, ["-m", "dtrain", "+recipe=digits", "learner=quantized", "learner.requantize_sum=true",
+    result = run_mpi(8, ["-m", "dtrain", "+recipe=digits", "learner=quantized", "learner.exchange.requantize_sum=true",
                          "session.max_samples=12000", "seed=1", "session.tensorboard=false", f"run_dir={run_dir}"],
                      timeout=240)
     tested = re.search(r"test: accuracy ([\d.]+)% \(error [\d.]+%, loss ([\d.]+)\)", result.stdout)
@@ -123,6 +123,6 @@ def test_cli_a_run_whose_loss_rose_back_to_a_test_at_chance_loss_is_refused_thou
     assert result.returncode == 2, result.report()
     errors = [line for line in result.stderr.splitlines() if "dtrain: error:" in line]
     assert errors and "training became unstable: test loss" in errors[0], result.report()
-    assert "as high as chance's for 10 classes" in errors[0] and "learner.requantize_sum=false" in errors[0], \
+    assert "as high as chance's for 10 classes" in errors[0] and "learner.exchange.requantize_sum=false" in errors[0], \
         result.report()
     assert (run_dir / "checkpoint-12000.pt").exists() and not (run_dir / "model.safetensors").exists()

@@ -17,7 +17,7 @@ from dtrain.session import checkpoint
 # distributed_after pinned: its default ("auto") is relative to max_samples, which the halves change
 LEARNERS = {
     "data_parallel": ["learner=data_parallel"],
-    "quantized": ["learner=quantized", "learner.num_quantization_bits=2", "learner.distributed_after=0"],
+    "quantized": ["learner=quantized", "learner.exchange.num_bits=2", "learner.distributed_after=0"],
     "block_momentum": ["learner=block_momentum", "learner.block_size=320", "learner.distributed_after=0"],
 }
 # 640-sample checkpoints; both halves of an interrupted run end on a checkpoint boundary, as the
@@ -103,7 +103,8 @@ def test_sigterm_on_one_rank_checkpoints_all_and_exits_75_then_resumes(tmp_path,
 @pytest.mark.parametrize("overrides, fragment", [
     pytest.param(["learner=nope"], "Could not find 'learner/nope'", marks=pytest.mark.slow),
     pytest.param(["session.minibatch_size=-64"], "session.minibatch_size=-64", marks=pytest.mark.slow),
-    pytest.param(["learner=quantized", "learner.num_quantization_bits=0"], "num_quantization_bits=0", marks=pytest.mark.slow),
+    pytest.param(["learner=quantized", "learner.exchange.num_bits=0"], "learner.exchange.num_bits=0",
+                 marks=pytest.mark.slow),
     pytest.param(["learner=block_momentum", "learner.block_size=1"], "block_size", marks=pytest.mark.slow),
     pytest.param(["+recipe=cifar10", "data.root=/nonexistent/cifar", "+source.train.deserializer.url=http://127.0.0.1:9/x.tgz"],
                  "cifar-10-batches-bin", marks=pytest.mark.slow),

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 LEARNERS = {
     "data_parallel": ["learner=data_parallel"],
     "quantized": ["learner=quantized"],
-    "quantized 2-bit": ["learner=quantized", "learner.num_quantization_bits=2"],
+    "quantized 2-bit": ["learner=quantized", "learner.exchange.num_bits=2"],
     "powersgd": ["learner=powersgd"],
     "bf16": ["learner=data_parallel", "learner/exchange=bf16"],
     "fp16": ["learner=data_parallel", "learner/exchange=fp16"],

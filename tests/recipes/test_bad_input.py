@@ -116,6 +116,9 @@ CASES = [
      ["optimizer.lr=[1: not a readable override", "expected key=value"]),
     ("config-dir-slice-unquoted", ["--config-dir", "{base}/user_conf", "+recipe=digits", "session.target=labels[1:]"],
      ["session.target=labels[1:]: a value with brackets", "expected 'session.target=\"labels[1:]\"'"]),
+    ("config-dir-retired-key", ["--config-dir", "{base}/user_conf", "+recipe=quantized_before"],
+     ["In 'recipe/quantized_before': learner.num_quantization_bits: no longer a learner setting; write "
+      "learner/exchange=quantized learner.exchange.num_bits=VALUE"]),
     ("config-dir-unknown-option", ["-cd", "{base}/user_conf", "+recipe=digits", "model=user_mpl"],
      ["model/user_mpl", "available:", "user_mlp"]),
     ("target-slice-no-steps", ['session.target="labels[1:]"'], ["'labels' is not a sequence stream"]),
@@ -135,8 +138,17 @@ CASES = [
     ("ranks-per-host-0", ["comm.ranks_per_host=0"], ["comm.ranks_per_host=0: expected a positive whole number"]),
     ("ranks-per-host-not-dividing", ["comm.ranks_per_host=3"], ["comm.ranks_per_host=3 does not divide the job's"]),
     # learners
-    ("bits-0", ["learner=quantized", "learner.num_quantization_bits=0"], ["learner.num_quantization_bits=0: expected"]),
-    ("bits-33", ["learner=quantized", "learner.num_quantization_bits=33"], ["learner.num_quantization_bits=33: expected"]),
+    ("bits-0", ["learner=quantized", "learner.exchange.num_bits=0"], ["learner.exchange.num_bits=0: expected"]),
+    ("bits-33", ["learner=quantized", "learner.exchange.num_bits=33"], ["learner.exchange.num_bits=33: expected"]),
+    # the quantized learner's settings of earlier releases: what to write now
+    ("retired-bits", ["learner=quantized", "learner.num_quantization_bits=4"],
+     ["learner.num_quantization_bits=4: no longer a learner setting; write learner/exchange=quantized "
+      "learner.exchange.num_bits=4"]),
+    ("retired-error-feedback", ["learner=quantized", "learner.error_feedback=false"],
+     ["learner.error_feedback=false: no longer a learner setting; write learner/exchange=quantized "
+      "learner.exchange.error_feedback=false"]),
+    ("retired-warm-start", ["learner=quantized", "learner.warm_start=local"],
+     ["learner.warm_start=local: no longer a learner setting; write learner.warm_start_mode=local"]),
     ("bucket-0", ["learner.bucket_size_mb=0"], ["learner.bucket_size_mb=0.0: expected"]),
     ("bucket-nan", ["learner.bucket_size_mb=nan"], ["learner.bucket_size_mb=nan: expected"]),
     ("distributed-after", ["learner.distributed_after=-1"], ["learner.distributed_after=-1: expected"]),
@@ -155,7 +167,8 @@ CASES = [
     ("plus-misspelt-model", ["+model.hiden=64"], ["model.hiden: unknown key", "did you mean model.hidden?"]),
     ("plus-misspelt-comm", ["+comm.timout_s=5"], ["comm.timout_s: unknown key", "did you mean comm.timeout_s?"]),
     ("plus-bits-on-block-momentum", ["learner=block_momentum", "+learner.num_quantization_bits=1"],
-     ["learner.num_quantization_bits: unknown key", "expected one of block_size"]),
+     ["learner.num_quantization_bits=1: no longer a learner setting; write learner/exchange=quantized "
+      "learner.exchange.num_bits=1"]),
     ("misspelt", ["session.minibatch_sise=5"], ["minibatch_sise"]),
     ("group-list", ["session=[1,2]"], ["session=[1,2]: expected the name of one session option (default)"]),
     ("seed-negative", ["seed=-1"], ["seed=-1: expected"]),
@@ -247,12 +260,12 @@ DEFAULT_CASES = {
     "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
     "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
     "config-dir-unknown-option", "callbacks-unknown-option", "callbacks-unknown-argument", "callbacks-target-missing",
-    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end"}
+    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end", "retired-bits"}
 
 # every case without a recipe of its own uses the digits recipe
 # the last ones name the recipe after --config-dir
 _RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule", "config-dir-list-unclosed",
-                "config-dir-slice-unquoted", "config-dir-unknown-option"}
+                "config-dir-slice-unquoted", "config-dir-unknown-option", "config-dir-retired-key"}
 
 # under mpiexec: failures before the communicator exists (validation, composition, the recipe) and
 # after it (instantiation, the checkpoint, training), each reported once, by rank 0
@@ -285,6 +298,10 @@ def places(tmp_path_factory) -> dict[str, str]:
     (base / "afile").write_text("not a directory\n")
     (base / "user_conf" / "model").mkdir(parents=True)
     (base / "user_conf" / "model" / "user_mlp.yaml").write_text("_target_: user_mlp_model.MLP\nhidden: 32\n")
+    (base / "user_conf" / "recipe").mkdir()  # a recipe of an earlier release, with the quantized learner's bits
+    (base / "user_conf" / "recipe" / "quantized_before.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /recipe/digits\n  - override /learner: quantized\n"
+        "learner:\n  num_quantization_bits: 2\n")
     (base / "user_mlp_model.py").write_text(USER_MODEL)
     (base / "empty").write_bytes(b"")
     readonly = base / "readonly"

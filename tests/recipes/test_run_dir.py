@@ -64,7 +64,7 @@ def test_settings_that_cannot_change_are_refused_naming_them(tmp_path):
     assert run_dtrain(*TINY, "run_dir=run", "session.max_samples=320", cwd=tmp_path).returncode == 0
     for override, fragment in (("seed=1", "seed was 0 in the checkpoint's run and is 1 now"),
                                ("model.hidden=16", "does not fit this model"),
-                               ("learner=quantized", "'data_parallel' learner, this run uses 'quantized'")):
+                               ("learner=quantized", "learner.exchange is missing from the checkpoint's config")):
         result = run_dtrain(*TINY, "run_dir=run", "session.max_samples=640", override, cwd=tmp_path)
         assert result.returncode == 2, result.stdout + result.stderr
         lines = result.stderr.strip().splitlines()

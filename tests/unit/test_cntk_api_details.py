@@ -14,8 +14,8 @@ from torch import nn
 
 import dtrain.data
 from dtrain import CrossValidationConfig, LocalLearner, MinibatchSource, Schedule, training_session
-from dtrain.learners import (BlockMomentumLearner, DataParallelLearner, QuantizedDataParallelLearner,
-                             block_momentum_distributed_learner, data_parallel_distributed_learner)
+from dtrain.learners import (BlockMomentumLearner, DataParallelLearner, block_momentum_distributed_learner,
+                             data_parallel_distributed_learner)
 from dtrain.data import FULL_DATA_SWEEP, INFINITELY_REPEAT, StreamArrays
 
 from tests.helpers.toy_data import four_class_data
@@ -156,7 +156,7 @@ def test_the_constants_are_where_cntk_users_look():
 CNTK_FACTORY_CALLS = {
     "data_parallel": (DataParallelLearner, lambda learner: data_parallel_distributed_learner(
         learner=learner, distributed_after=0, use_async_buffered_parameter_update=False, num_quantization_bits=32)),
-    "quantized": (QuantizedDataParallelLearner, lambda learner: data_parallel_distributed_learner(
+    "quantized": (DataParallelLearner, lambda learner: data_parallel_distributed_learner(
         learner=learner, distributed_after=100, use_async_buffered_parameter_update=False, num_quantization_bits=1)),
     "block_momentum": (BlockMomentumLearner, lambda learner: block_momentum_distributed_learner(
         learner=learner, block_size=1024, distributed_after=100)),
@@ -171,6 +171,8 @@ def test_cntks_own_factory_calls_build_a_learner_that_trains(tmp_path, name):
     model = nn.Linear(6, 4)
     learner = create(torch.optim.SGD(model.parameters(), lr=0.1))
     assert type(learner) is kind and learner.distributed_after == (0 if name == "data_parallel" else 100)
+    if name == "quantized":  # CNTK's num_quantization_bits is the data-parallel learner's k-bit exchange
+        assert learner.exchange.name == "quantized" and learner.exchange.num_bits == 1
     result = training_session(model, nn.functional.cross_entropy, learner, plain_source(), minibatch_size=10,
                               max_samples=40, progress_frequency=0, run_dir=tmp_path, tensorboard=False,
                               stream=io.StringIO()).train()

@@ -17,7 +17,6 @@ from tests.helpers.config import compose_config
 
 # (overrides that bring the key into the config, the switch's dotted key); every switch of every schema
 SWITCHES = [
-    ((), "learner.error_feedback"),
     (("learner=block_momentum",), "learner.use_nesterov_momentum"),
     (("learner=block_momentum",), "learner.reset_sgd_momentum_after_aggregation"),
     (("learner=diloco",), "learner.outer_nesterov"),

@@ -14,7 +14,9 @@ from torch import nn
 
 from dtrain import comm as dcomm
 from dtrain.comm.base import CompletedHandle
-from dtrain.learners import DataParallelLearner, LocalLearner, data_parallel_distributed_learner
+from dtrain.exchange import AllReduce, Quantized
+from dtrain.learners import (DataParallelLearner, LocalLearner, TwoLevelDataParallelLearner,
+                             data_parallel_distributed_learner)
 from dtrain.learners._buckets import BYTES_PER_MB, FIRST_BUCKET_BYTES, plan_buckets, plan_gradient_buckets
 
 
@@ -224,26 +226,46 @@ def test_state_dict_round_trip_and_kind():
     ({"bucket_size_mb": -1.5}, "bucket_size_mb"),
     ({"bucket_size_mb": float("inf")}, "bucket_size_mb=inf: expected a positive finite number"),
     ({"distributed_after": -1}, "distributed_after=-1: expected a non-negative whole number of samples"),
-    ({"error_feedback": False}, "error_feedback=False: expected True with num_quantization_bits=32"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         data_parallel_distributed_learner(torch.optim.SGD(make_model().parameters(), lr=0.1), **kwargs)
 
 
-def test_error_feedback_must_be_a_bool():
-    with pytest.raises(ValueError, match="error_feedback='no': expected true or false"):
-        data_parallel_distributed_learner(torch.optim.SGD(make_model().parameters(), lr=0.1), error_feedback="no")
-
-
-def test_fewer_bits_choose_the_quantized_learner():
-    from dtrain import learners as quantized  # learners/quantized.py, a module that only re-exported the class, is gone
+def test_fewer_bits_build_the_data_parallel_learner_with_the_k_bit_exchange():
+    """CNTK's ``num_quantization_bits`` is a thin way onto the one data-parallel learner: its exchange is k-bit."""
     learner = data_parallel_distributed_learner(torch.optim.SGD(make_model().parameters(), lr=0.1),
-                                                num_quantization_bits=1)
-    assert isinstance(learner, quantized.QuantizedDataParallelLearner)
-    ablation = data_parallel_distributed_learner(torch.optim.SGD(make_model().parameters(), lr=0.1),
-                                                 num_quantization_bits=2, error_feedback=False)
-    assert isinstance(ablation, quantized.QuantizedDataParallelLearner)
+                                                num_quantization_bits=2)
+    assert type(learner) is DataParallelLearner and learner.kind == "data_parallel"
+    assert isinstance(learner.exchange, Quantized) and learner.exchange.num_bits == 2
+    assert learner.exchange.error_feedback and learner.exchange.requantize_sum == "auto"
+    full = data_parallel_distributed_learner(torch.optim.SGD(make_model().parameters(), lr=0.1))
+    assert isinstance(full.exchange, AllReduce)
+
+
+@pytest.mark.parametrize("build", [data_parallel_distributed_learner, DataParallelLearner, TwoLevelDataParallelLearner])
+@pytest.mark.parametrize("keywords, message", [
+    ({"error_feedback": False}, "error_feedback=False: no longer a learner keyword; pass "
+                                "exchange=Quantized(num_bits, error_feedback=False)"),
+    ({"requantize_sum": True}, "requantize_sum=True: no longer a learner keyword; pass "
+                               "exchange=Quantized(num_bits, requantize_sum=True)"),
+    ({"warm_start": "local"}, "warm_start='local': no longer a learner keyword; pass warm_start_mode='local'"),
+])
+def test_retired_learner_keywords_are_refused_in_one_line_naming_what_to_pass_now(build, keywords, message):
+    with pytest.raises(TypeError) as refused:
+        build(torch.optim.SGD(make_model().parameters(), lr=0.1), **keywords)
+    assert str(refused.value) == message
+
+
+def test_the_learners_refuse_the_quantized_learners_bits_and_an_unknown_keyword_as_python_does():
+    optimizer = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"^num_quantization_bits=4: no longer a learner keyword; pass "
+                                        r"exchange=Quantized\(4\)$"):
+        DataParallelLearner(optimizer, num_quantization_bits=4)
+    with pytest.raises(TypeError, match=r"^DataParallelLearner\(\) got an unexpected keyword argument 'bits'$"):
+        DataParallelLearner(optimizer, bits=4)
+    with pytest.raises(ImportError):
+        from dtrain.learners import QuantizedDataParallelLearner  # noqa: F401 -- one class now
 
 
 def test_an_unprepared_multi_worker_learner_refuses_to_train():

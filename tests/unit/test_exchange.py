@@ -13,9 +13,9 @@ import torch
 
 from dtrain.comm import LocalCommunicator
 from dtrain.compress import StripeLayout, decode_message, dequantize, encode_message, quantize, stripe_bounds
-from dtrain.exchange import full_precision_allreduce_bytes
+from dtrain.exchange import Quantized, full_precision_allreduce_bytes
 from dtrain.exchange.quantized import QuantizedExchange
-from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner
+from dtrain.learners import DataParallelLearner, data_parallel_distributed_learner
 
 from tests.helpers.quantized_reference import ReferenceExchange
 from tests.helpers.thread_world import FakeWorld
@@ -244,8 +244,7 @@ def make_model(seed: int) -> torch.nn.Module:
 def train_steps(comm, bits: int, steps: int, distributed_after: int = 0, local_sizes=(8, 5, 0, 3)):
     model = make_model(seed=comm.rank)  # different on purpose: prepare must broadcast rank 0's
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=distributed_after,
-                                           num_quantization_bits=bits)
+    learner = DataParallelLearner(optimizer, comm, distributed_after=distributed_after, exchange=Quantized(bits))
     learner.prepare(model)
     snapshots = []
     generator = torch.Generator().manual_seed(comm.rank)
@@ -268,21 +267,21 @@ def test_learner_keeps_ranks_identical_and_reports_bytes():
     for step in range(4):
         assert all(torch.equal(item[0][step], per_rank[0][0][step]) for item in per_rank)
     learner = per_rank[0][1]
-    assert learner.kind == "quantized" and learner.samples_seen == 4 * (8 + 5 + 0)
+    assert learner.kind == "data_parallel" and learner.samples_seen == 4 * (8 + 5 + 0)
     # the fake comm's phase 1 is the all-gather fallback (N times the bytes), so the ratio is modest
     assert 0 < learner.bytes_sent_last_step and learner.compression_ratio > 2
     # BatchNorm statistics averaged by synchronize()
     assert all(torch.equal(a, b) for item in per_rank for a, b in zip(item[2], per_rank[0][2]))
     assert set(learner.local_state_dict()["per_key"][0]) >= {"worker_residual", "owner_residual"}  # per bucket
-    assert learner.state_dict()["num_quantization_bits"] == 1
+    assert learner.checkpoint_identity()["exchange"] == {"name": "quantized", "num_bits": 1}
 
 
 def test_learner_warm_start_all_reduces_float32_then_quantizes():
     def work(comm):  # the 2-bit learner (warm start: 32 samples) and the float32 one, side by side
         model = make_model(seed=comm.rank)  # different on purpose: prepare must broadcast rank 0's
         reference = copy.deepcopy(model)
-        learners = [QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
-                                                 distributed_after=32, num_quantization_bits=2),
+        learners = [DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+                                        distributed_after=32, exchange=Quantized(2)),
                     DataParallelLearner(torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), comm)]
         for learner, net in zip(learners, (model, reference)):
             learner.prepare(net)
@@ -311,8 +310,8 @@ def test_learner_warm_start_all_reduces_float32_then_quantizes():
 def test_the_run_total_of_bytes_sent_adds_every_steps_float32_warm_start_and_quantized_exchange():
     def work(comm):
         model = make_model(seed=0)
-        learner = QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                               distributed_after=32, num_quantization_bits=1)
+        learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                      distributed_after=32, exchange=Quantized(1))
         learner.prepare(model)
         generator, per_step = torch.Generator().manual_seed(comm.rank), []
         for _ in range(5):  # 13 samples a step: steps 1-3 are the float32 warm start
@@ -330,7 +329,8 @@ def test_the_run_total_of_bytes_sent_adds_every_steps_float32_warm_start_and_qua
 
 def test_one_worker_learner_is_the_plain_optimizer():
     model, reference = make_model(0), make_model(0)
-    learner = QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), LocalCommunicator())
+    learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), LocalCommunicator(),
+                                  exchange=Quantized(1))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     learner.prepare(model)
     features, labels = torch.randn(8, 20), torch.randint(0, 3, (8,))
@@ -348,14 +348,12 @@ def test_one_worker_learner_is_the_plain_optimizer():
 def test_learner_rejects_bad_bits(bits):
     model = make_model(0)
     with pytest.raises(ValueError, match="num_quantization_bits=.*: expected a whole number of bits from 1 to 32"):
-        QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=bits)
+        data_parallel_distributed_learner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=bits)
 
 
 def test_error_feedback_that_is_not_a_bool_is_refused_not_taken_as_true():
-    model = make_model(0)
     with pytest.raises(ValueError, match="error_feedback='no': expected true or false"):
-        QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=1,
-                                     error_feedback="no")
+        Quantized(1, error_feedback="no")
 
 
 # -- Adam's variance frozen under k-bit gradients (1-bit Adam) -------------------------------------------
@@ -373,8 +371,8 @@ def train_adam_steps(comm, steps: int, freeze_variance="auto", resume_after: int
     (with ``resume_freeze_variance`` and ``resume_bits`` if given, the state first passed to ``edit_checkpoint``)."""
     def build(model, freeze_variance=freeze_variance, bits=1):
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99))
-        learner = QuantizedDataParallelLearner(optimizer, comm, distributed_after=32, num_quantization_bits=bits,
-                                               freeze_variance=freeze_variance, warm_start_mode=warm_start_mode)
+        learner = DataParallelLearner(optimizer, comm, distributed_after=32, exchange=Quantized(bits),
+                                      freeze_variance=freeze_variance, warm_start_mode=warm_start_mode)
         learner.prepare(model)
         return learner
 
@@ -625,17 +623,13 @@ def test_a_requantizing_runs_residuals_resume_into_a_gathered_sum_without_losing
     assert all(torch.equal(outputs[-1], continued[0][1][-1]) for _, outputs in continued)
 
 
-def test_requantize_sum_is_refused_where_nothing_is_requantized_or_it_is_not_a_switch():
-    from dtrain.exchange import Quantized
-    from dtrain.learners import data_parallel_distributed_learner
-
+def test_requantize_sum_is_the_exchanges_and_a_switch():
     model = make_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="requantize_sum='maybe': expected true, false or auto"):
-        data_parallel_distributed_learner(optimizer, num_quantization_bits=1, requantize_sum="maybe")
-    with pytest.raises(ValueError, match="requantize_sum=False: expected auto with num_quantization_bits=32"):
-        data_parallel_distributed_learner(optimizer, requantize_sum=False)
-    with pytest.raises(ValueError, match=r"learner.exchange.requantize_sum"):
+        Quantized(1, requantize_sum="maybe")
+    with pytest.raises(TypeError, match=r"^requantize_sum=True: no longer a learner keyword; pass "
+                                        r"exchange=Quantized\(num_bits, requantize_sum=True\)$"):
         data_parallel_distributed_learner(optimizer, exchange=Quantized(2), requantize_sum=True)
     with pytest.raises(ValueError, match="requantize_sum=1: expected true, false or auto"):
         Quantized(1, requantize_sum=1)

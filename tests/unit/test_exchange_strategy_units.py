@@ -9,13 +9,14 @@ import math
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from tests.helpers.config import compose_config
 from tests.helpers.thread_world import FakeComm, FakeWorld
 from dtrain.comm import HostGroups, LocalCommunicator
 from dtrain.config import validate
 from dtrain.exchange import AllReduce, BetweenHosts, CompressedAllReduce, PowerSGD, Quantized
-from dtrain.learners import DataParallelLearner, QuantizedDataParallelLearner, data_parallel_distributed_learner
+from dtrain.learners import DataParallelLearner, data_parallel_distributed_learner
 from dtrain.learners.base import Learner, RunFacts
 
 
@@ -41,15 +42,14 @@ def test_every_exchange_option_builds_its_strategy(overrides, expected):
     assert type(learner) is DataParallelLearner and type(learner.exchange) is expected
 
 
-def test_the_quantized_preset_keeps_its_keys_and_learner():
-    cfg = compose_config("+recipe=digits", "learner=quantized", "learner.num_quantization_bits=2")
+def test_the_quantized_preset_is_the_data_parallel_learner_with_the_k_bit_exchange():
+    cfg = compose_config("+recipe=digits", "learner=quantized", "learner.exchange.num_bits=2")
     learner = instantiate(cfg.learner, optimizer=sgd(), comm=LocalCommunicator())
-    assert isinstance(learner, QuantizedDataParallelLearner) and learner.exchange.num_bits == 2
-    assert learner.distributed_after_is_auto
-    # the old command form: data_parallel with fewer bits is still the quantized learner
-    cfg = compose_config("+recipe=digits", "learner=data_parallel", "learner.num_quantization_bits=1")
-    assert isinstance(instantiate(cfg.learner, optimizer=sgd(), comm=LocalCommunicator()),
-                      QuantizedDataParallelLearner)
+    assert type(learner) is DataParallelLearner and type(learner.exchange) is Quantized
+    assert learner.exchange.num_bits == 2 and learner.distributed_after_is_auto
+    same = compose_config("+recipe=digits", "learner=data_parallel", "learner/exchange=quantized",
+                          "learner.exchange.num_bits=2")
+    assert OmegaConf.to_container(same.learner) == OmegaConf.to_container(cfg.learner)
 
 
 def test_powersgd_preset_starts_compression_after_a_tenth_of_the_run():
@@ -132,8 +132,13 @@ def test_a_powersgd_start_beyond_the_run_is_named_in_one_warning():
     (["learner/exchange=powersgd", "learner.exchange.min_compression_rate=0"],
      "learner.exchange.min_compression_rate=0"),
     (["learner/exchange=quantized", "learner.exchange.num_bits=33"], "learner.exchange.num_bits=33"),
-    (["learner/exchange=powersgd", "learner.num_quantization_bits=1"],
-     "learner.num_quantization_bits=1 and learner/exchange=dtrain.exchange.PowerSGD: both choose"),
+    (["learner/exchange=powersgd", "+learner.num_quantization_bits=1"],
+     "learner.num_quantization_bits=1: no longer a learner setting; write learner/exchange=quantized "
+     "learner.exchange.num_bits=1"),
+    (["+learner.error_feedback=false"], "learner.error_feedback=false: no longer a learner setting; write "
+                                        "learner/exchange=quantized learner.exchange.error_feedback=false"),
+    (["+learner.requantize_sum=true"], "learner.requantize_sum=true: no longer a learner setting; write "
+                                       "learner/exchange=quantized learner.exchange.requantize_sum=true"),
 ])
 def test_bad_exchange_values_are_one_line_each(overrides, fragment):
     problems = validate(compose_config("+recipe=digits", "learner=data_parallel", *overrides), check_run_dir=False)
@@ -144,8 +149,8 @@ def test_bad_exchange_values_are_one_line_each(overrides, fragment):
 def test_factory_refuses_two_exchange_choices_and_keeps_cntk_bits():
     with pytest.raises(ValueError, match="num_quantization_bits=1 and exchange=powersgd rank 1.*both choose"):
         data_parallel_distributed_learner(sgd(), num_quantization_bits=1, exchange=PowerSGD(start_powersgd_iter=0))
-    assert isinstance(data_parallel_distributed_learner(sgd(), num_quantization_bits=1, exchange=AllReduce()),
-                      QuantizedDataParallelLearner)
+    one_bit = data_parallel_distributed_learner(sgd(), num_quantization_bits=1, exchange=AllReduce())
+    assert type(one_bit) is DataParallelLearner and one_bit.exchange.num_bits == 1
     with pytest.raises(TypeError, match="exchange must be a dtrain.exchange.Exchange"):
         DataParallelLearner(sgd(), exchange="powersgd")
 
@@ -155,8 +160,8 @@ def test_factory_refuses_two_exchange_choices_and_keeps_cntk_bits():
 
 def test_checkpoint_identity_names_the_strategy_so_state_never_lands_in_another():
     assert DataParallelLearner(sgd()).checkpoint_identity() == {"kind": "data_parallel"}  # as before the seam
-    one_bit = QuantizedDataParallelLearner(sgd(), num_quantization_bits=1).checkpoint_identity()
-    assert one_bit == {"kind": "quantized", "num_quantization_bits": 1}
+    one_bit = data_parallel_distributed_learner(sgd(), num_quantization_bits=1).checkpoint_identity()
+    assert one_bit == {"kind": "data_parallel", "exchange": {"name": "quantized", "num_bits": 1}}
     rank_one = DataParallelLearner(sgd(), exchange=PowerSGD(1)).checkpoint_identity()
     rank_two = DataParallelLearner(sgd(), exchange=PowerSGD(2)).checkpoint_identity()
     bf16 = DataParallelLearner(sgd(), exchange=CompressedAllReduce("bf16")).checkpoint_identity()

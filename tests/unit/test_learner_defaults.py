@@ -15,7 +15,8 @@ from torch import nn
 
 from dtrain import CheckpointConfig, MinibatchSource, TestConfig, training_session
 from dtrain.data import ArrayDeserializer
-from dtrain.learners import BlockMomentumLearner, LocalLearner, QuantizedDataParallelLearner
+from dtrain.exchange import Quantized
+from dtrain.learners import BlockMomentumLearner, DataParallelLearner, LocalLearner
 from dtrain.learners.base import RunFacts, auto_warm_start
 from dtrain.learners.block_momentum import (BLOCK_MOMENTUM_MIN_SYNCS, auto_block_size, default_time_constant,
                                             largest_block_size)
@@ -56,7 +57,7 @@ def test_auto_warm_start_is_a_quarter_of_the_run_capped_at_five_sweeps_in_whole_
 
 def test_quantized_and_block_momentum_plan_their_warm_start_data_parallel_needs_none():
     quantized = data_parallel_distributed_learner(sgd(), _Comm(2), num_quantization_bits=1)
-    assert isinstance(quantized, QuantizedDataParallelLearner) and quantized.distributed_after == 0
+    assert quantized.exchange.num_bits == 1 and quantized.distributed_after == 0
     quantized.plan(DIGITS)
     assert quantized.distributed_after == 7520
     assert "warm start of 7,520 samples (auto) with float32 all-reduce, then gradients exchanged by 1-bit" \
@@ -64,10 +65,10 @@ def test_quantized_and_block_momentum_plan_their_warm_start_data_parallel_needs_
     full = data_parallel_distributed_learner(sgd(), _Comm(2))
     full.plan(DIGITS)
     assert full.distributed_after == 0
-    explicit = QuantizedDataParallelLearner(sgd(), _Comm(2), distributed_after=64)
+    explicit = DataParallelLearner(sgd(), _Comm(2), distributed_after=64, exchange=Quantized(1))
     explicit.plan(DIGITS)
     assert explicit.distributed_after == 64  # a value the user gave is kept
-    alone = QuantizedDataParallelLearner(sgd(), _Comm(1))
+    alone = DataParallelLearner(sgd(), _Comm(1), exchange=Quantized(1))
     alone.plan(DIGITS)
     assert alone.distributed_after == 0  # one process: nothing to warm up for
 
@@ -398,9 +399,9 @@ def test_the_running_loss_folded_in_blocks_is_the_step_by_step_average(fold_ever
 
 
 def test_a_resumed_run_keeps_the_warm_start_it_was_planned_with():
-    first = QuantizedDataParallelLearner(sgd(), _Comm(2))
+    first = DataParallelLearner(sgd(), _Comm(2), exchange=Quantized(1))
     first.plan(DIGITS)
-    resumed = QuantizedDataParallelLearner(sgd(), _Comm(2))
+    resumed = DataParallelLearner(sgd(), _Comm(2), exchange=Quantized(1))
     resumed.load_state_dict(first.state_dict())
     resumed.plan(RunFacts(samples_per_sweep=1500, max_samples=60000, minibatch_size=32))  # a longer run now
     assert resumed.distributed_after == first.distributed_after == 7520
@@ -742,10 +743,11 @@ def hand_driven_warnings(build, size: int = 2, plan: RunFacts | None = None) -> 
 def test_a_learner_whose_auto_warm_start_needs_the_runs_facts_says_so_when_stepped_without_a_plan():
     """training_session plans every run; a hand-driven k-bit or block learner would otherwise train without the
     warm start the session gives it, silently. Rank 0 says it, once."""
-    from dtrain.learners import DataParallelLearner
+    def one_bit(optimizer, comm):
+        return DataParallelLearner(optimizer, comm, exchange=Quantized(1))
 
-    (quantized,) = hand_driven_warnings(QuantizedDataParallelLearner)
-    assert quantized.startswith("QuantizedDataParallelLearner: distributed_after='auto' is derived from the run's "
+    (quantized,) = hand_driven_warnings(one_bit)
+    assert quantized.startswith("DataParallelLearner: distributed_after='auto' is derived from the run's "
                                 "facts, but learner.plan(RunFacts(...)) was not called") and "\n" not in quantized
     assert len(hand_driven_warnings(lambda optimizer, comm: BlockMomentumLearner(optimizer, comm, block_size=8))) == 1
     quiet = [lambda optimizer, comm: BlockMomentumLearner(optimizer, comm, block_size=8, distributed_after=0),
@@ -754,13 +756,10 @@ def test_a_learner_whose_auto_warm_start_needs_the_runs_facts_says_so_when_stepp
         assert hand_driven_warnings(build) == []
     assert hand_driven_warnings(lambda optimizer, comm: BlockMomentumLearner(optimizer, comm, block_size=8),
                                 size=1) == []  # one worker: no warm start whatever the run
-    assert hand_driven_warnings(QuantizedDataParallelLearner, plan=DIGITS) == []  # planned: the session's way
+    assert hand_driven_warnings(one_bit, plan=DIGITS) == []  # planned: the session's way
 
 
 def test_the_data_parallel_class_and_its_factory_share_the_automatic_warm_start():
-    from dtrain.exchange import Quantized
-    from dtrain.learners import DataParallelLearner
-
     by_class = DataParallelLearner(sgd(), _Comm(2), exchange=Quantized(1))
     by_factory = data_parallel_distributed_learner(sgd(), _Comm(2), exchange=Quantized(1))
     for learner in (by_class, by_factory):
@@ -846,6 +845,6 @@ def test_the_session_gives_the_note_for_a_short_quantized_run(tmp_path):
                               warmup_samples=session._lr_warmup_samples()))
         return session.startup.short_run_note()  # one of the notes the start-up lines print
 
-    assert lines(192).startswith("dtrain: note: this run is too short for learner quantized's automatic settings "
+    assert lines(192).startswith("dtrain: note: this run is too short for learner data_parallel's automatic settings "
                            "(learner.distributed_after, learner.freeze_variance): 83% of its 192 samples inside")
     assert lines(1920) == ""

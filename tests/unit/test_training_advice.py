@@ -47,13 +47,14 @@ def test_each_cause_is_named_only_where_the_run_has_it():
 
     one_bit = training_advice(learner("quantized", 2, Quantized(1)))
     assert "1-bit gradients started too early" in one_bit and "learner.distributed_after=SAMPLES" in one_bit
-    assert "use more bits (2 or more: learner.num_quantization_bits" in one_bit
+    assert "use more bits (2 or more: learner.exchange.num_bits)" in one_bit
     assert "requantize_sum" not in one_bit  # (not bound to a job: nothing is known to be re-quantized)
     for setting, told in (("auto", False), (True, True)):  # at 2 workers "auto" sums without re-quantizing
         strategy = Quantized(1, requantize_sum=setting)
         strategy.bind(SimpleNamespace(size=2))
         advice = training_advice(learner("quantized", 2, strategy))
-        assert ("sum the workers' codes without re-quantizing them (learner.requantize_sum=false" in advice) is told
+        advised = "sum the workers' codes without re-quantizing them (learner.exchange.requantize_sum=false)"
+        assert (advised in advice) is told
     assert "freeze_variance" not in one_bit  # SGD, or the variance not held
     held = training_advice(learner("quantized", 2, Quantized(1), freeze_variance=True))
     assert "let the optimizer's variance follow the gradients (learner.freeze_variance=false)" in held

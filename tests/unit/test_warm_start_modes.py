@@ -7,7 +7,8 @@ from hydra.utils import instantiate
 
 from dtrain.comm import LocalCommunicator
 from dtrain.config import validate
-from dtrain.learners import QuantizedDataParallelLearner, data_parallel_distributed_learner
+from dtrain.exchange import Quantized
+from dtrain.learners import DataParallelLearner, data_parallel_distributed_learner
 from tests.helpers.thread_world import FakeWorld
 from tests.helpers.config import compose_config
 
@@ -20,8 +21,8 @@ def make_model(seed: int) -> torch.nn.Module:
 def train(comm, warm_start: str, steps: int = 5):
     """2-bit learner, warm start of 32 samples (3 steps of 13), on rank-specific data."""
     model = make_model(seed=comm.rank)
-    learner = QuantizedDataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
-                                           distributed_after=32, num_quantization_bits=2, warm_start=warm_start)
+    learner = DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+                                  distributed_after=32, exchange=Quantized(2), warm_start_mode=warm_start)
     learner.prepare(model)
     generator, local_sizes, snapshots, partitions = torch.Generator().manual_seed(comm.rank), (8, 5), [], []
     for _ in range(steps):
@@ -52,36 +53,30 @@ def test_allreduce_warm_start_reads_shares_and_keeps_one_model():
 
 def test_a_warm_start_that_is_neither_is_refused_in_one_line():
     model = make_model(seed=0)
-    with pytest.raises(ValueError, match=r"^warm_start='cntk': expected one of allreduce, local$"):
+    with pytest.raises(ValueError, match=r"^warm_start_mode='cntk': expected one of allreduce, local$"):
         data_parallel_distributed_learner(torch.optim.SGD(model.parameters(), lr=0.1), num_quantization_bits=1,
-                                          warm_start="cntk")
-    problems = validate(compose_config("+recipe=digits", "learner=quantized", "learner.warm_start=cntk"))
-    assert "learner.warm_start='cntk': expected one of allreduce, local" in problems, problems
+                                          warm_start_mode="cntk")
+    problems = validate(compose_config("+recipe=digits", "learner=quantized", "learner.warm_start_mode=cntk"))
+    assert "learner.warm_start_mode='cntk': expected one of allreduce, local" in problems, problems
 
 
 def test_the_config_reaches_the_learner(tmp_path):
-    cfg = compose_config("+recipe=digits", "learner=quantized", "learner.warm_start=local")
+    cfg = compose_config("+recipe=digits", "learner=quantized", "learner.warm_start_mode=local")
     assert validate(cfg) == []
     model = make_model(seed=0)
     learner = instantiate(cfg.learner, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           comm=LocalCommunicator())
-    assert isinstance(learner, QuantizedDataParallelLearner) and learner.warm_start == "local"
+    assert type(learner) is DataParallelLearner and learner.warm_start_mode == "local"
+    assert learner.warm_start_exchange is None and learner.exchange.num_bits == 1
 
 
-def test_warm_start_mode_is_the_name_and_warm_start_its_alias_apart_from_powersgds_boolean():
+def test_warm_start_mode_is_the_one_name_apart_from_powersgds_boolean():
     """One name per concept: the learner's ``warm_start_mode`` (allreduce|local); ``warm_start``, its
-    old spelling, still works; PowerSGD's boolean ``learner.exchange.warm_start`` is another setting."""
+    old spelling, is refused naming it; PowerSGD's boolean ``learner.exchange.warm_start`` is another setting."""
     model = make_model(seed=0)
-    for overrides in (["learner.warm_start_mode=local"], ["learner.warm_start=local"]):
-        cfg = compose_config("+recipe=digits", "learner=quantized", *overrides)
-        assert validate(cfg) == []
-        learner = instantiate(cfg.learner, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                              comm=LocalCommunicator())
-        assert learner.warm_start_mode == "local" and learner.warm_start_exchange is None
-    both = compose_config("+recipe=digits", "learner=quantized", "learner.warm_start=local",
-                          "learner.warm_start_mode=allreduce")
-    assert any("learner.warm_start='local' and learner.warm_start_mode='allreduce' disagree" in problem
-               for problem in validate(both)), validate(both)
+    old = compose_config("+recipe=digits", "learner=quantized", "+learner.warm_start=local")
+    assert validate(old) == ["learner.warm_start=local: no longer a learner setting; write "
+                             "learner.warm_start_mode=local"], validate(old)
     powersgd = compose_config("+recipe=digits", "learner=data_parallel", "learner/exchange=powersgd",
                               "learner.exchange.warm_start=false", "learner.warm_start_mode=local")
     assert validate(powersgd) == []
