@@ -30,6 +30,15 @@ def automatic_settings(learner) -> list[str]:
     return settings
 
 
+def learner_label(learner) -> str:
+    """The learner as its start-up note names it: its kind, and the exchange it was chosen for where that is not the
+    plain all-reduce (``data_parallel (1-bit exchange)`` for ``learner=quantized``)."""
+    exchange = getattr(learner, "exchange", None)
+    if exchange is None or getattr(exchange, "lossless", True):
+        return learner.kind
+    return f"{learner.kind} ({exchange.describe()} exchange)"
+
+
 def short_run_note(kind: str, settings: list[str], max_samples: int | None, warmup_samples: int,
                    first_change_at: int | None) -> str:
     """The note for a learner ``kind`` with the automatic ``settings`` on a run of ``max_samples`` whose

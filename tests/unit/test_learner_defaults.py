@@ -845,6 +845,7 @@ def test_the_session_gives_the_note_for_a_short_quantized_run(tmp_path):
                               warmup_samples=session._lr_warmup_samples()))
         return session.startup.short_run_note()  # one of the notes the start-up lines print
 
-    assert lines(192).startswith("dtrain: note: this run is too short for learner data_parallel's automatic settings "
+    assert lines(192).startswith("dtrain: note: this run is too short for learner data_parallel (1-bit exchange)'s "
+                                 "automatic settings "
                            "(learner.distributed_after, learner.freeze_variance): 83% of its 192 samples inside")
     assert lines(1920) == ""
