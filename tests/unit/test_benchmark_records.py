@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
+from dtrain.session import classification_errors
 from dtrain.session.evaluate import Evaluation
+from dtrain.session.measures import Measures
 from dtrain.session.results import TrainingResult
 from dtrain.session.summary import RunSummary
 from tests.helpers.config import compose_config
@@ -81,16 +83,15 @@ def test_the_lr_scaling_is_read_from_the_runs_config(tmp_path):
 def _summary(bytes_sent: int, ranks: int) -> str:
     """The summary lines dtrain's rank 0 prints at the end of a run whose learner sent ``bytes_sent``."""
     lines = []
-    session = SimpleNamespace(comm=SimpleNamespace(is_main=True, size=ranks), metric_name="error", ema=None,
-                              learner=SimpleNamespace(bytes_sent_total=bytes_sent, kind="data_parallel",
-                                                      summary_note=lambda: None),
-                              _end_warnings=[], loss_scaler=None, _weights_path=None, _report_path=None,
-                              _profiler=None, _tensorboard_hint=False)
+    comm = SimpleNamespace(is_main=True, size=ranks)
+    learner = SimpleNamespace(comm=comm, bytes_sent_total=bytes_sent, kind="data_parallel", summary_note=lambda: None)
+    summary = RunSummary(run_dir=Path("run"), model=None, ema=None, learner=learner,
+                         measures=Measures(classification_errors, None, comm), loss_scaler=None, tensorboard_hint=False)
     test = Evaluation(loss=0.26, error=0.054, num_samples=297, num_minibatches=2)
     result = TrainingResult(30000, 938, 12.0, False, test, None, None, None, None)
     metrics = SimpleNamespace(jsonl_path=Path("run/metrics.jsonl"), csv_path=Path("run/metrics.csv"),
                               tensorboard_dir=None)
-    RunSummary._print_summary(session, SimpleNamespace(line=lines.append), result, metrics)
+    summary.print_lines(SimpleNamespace(line=lines.append), result, metrics, warnings=[], skipped_steps=0, profiler=None)
     return "\n".join(lines)
 
 
