@@ -144,8 +144,11 @@ def test_the_install_lines_name_extras_that_exist():
 
 
 def _make(*arguments: str) -> subprocess.CompletedProcess:
+    """``make`` as a user runs it: without the settings of a make that runs these tests (``make test`` passes its
+    command-line variables, e.g. CI's ``TORCH_INDEX=``, to every make below it through ``MAKEFLAGS``)."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     return subprocess.run(["make", "--no-print-directory", *arguments], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=environment)
 
 
 def _planned(target: str, venv: Path, *settings: str) -> list[list[str]]:
