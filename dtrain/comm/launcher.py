@@ -15,6 +15,7 @@ Recognised launchers, checked in this order (``DTRAIN_LAUNCHER`` forces one):
 from __future__ import annotations
 
 import contextlib
+import os
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -92,6 +93,24 @@ def detect_launcher(environ: Mapping[str, str]) -> LaunchInfo:
         if info is not None:
             return info
     return LaunchInfo("local", 0, 1, 0, 1)
+
+
+#: how a user calls each launcher kind that ``detect_launcher`` reports
+_LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
+
+
+def check_one_copy_wanted(comm, independent_processes: bool, environ: Mapping[str, str] | None = None) -> None:
+    """Refuses a one-process communicator in a process that a launcher started among several: each process
+    would train its own copy into the same files, almost always a forgotten communicator."""
+    launch = detect_launcher(os.environ if environ is None else environ)
+    if launch.size > 1 and comm.size == 1 and not independent_processes:
+        launcher = _LAUNCHER_NAMES.get(launch.kind, launch.kind)
+        raise ValueError(
+            f"{launcher} started {launch.size} processes but this session's learner has a one-process "
+            f"communicator, so each process would train its own copy; create the job's communicator with "
+            f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
+            f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
+            f"if separate copies are really wanted)")
 
 
 def job_id_from_env(environ: Mapping[str, str]) -> str | None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from dtrain.session.configs import action_frequency
 from dtrain.session.checkpoint import CheckpointError, CheckpointFiles, load, load_latest_valid
 
 #: entries a checkpoint must have to be restored
@@ -95,6 +96,30 @@ def identity(model: torch.nn.Module, learner, source, extra: dict | None) -> dic
 def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's settings (lr, momentum, weight decay, ...) without its parameters."""
     return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def session_settings(*, minibatch_size, max_samples: int | None, progress_frequency: int | None, checkpoint_config,
+                     cv_config, lr_schedule, momentum_time_constant_schedule, optimizer: torch.optim.Optimizer,
+                     micro_batch_size: int | None, clip_grad_norm: float | None, precision: str, compile: bool,  # noqa: A002
+                     sync_batchnorm: bool, batchnorm_statistics: str, batchnorm_recompute_samples: int, lr_scaling,
+                     ema_decay: float | None) -> dict[str, Any]:
+    """The session's settings as a checkpoint stores them, plain values and reprs: what a resumed run may change,
+    and lists when it did (:func:`changed_settings`)."""
+    return {
+        "minibatch_size": minibatch_size if isinstance(minibatch_size, int) else repr(minibatch_size),
+        "max_samples": max_samples, "progress_frequency": progress_frequency,
+        "checkpoint_frequency": action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
+        if checkpoint_config else None,
+        "cv_frequency": cv_config.frequency if cv_config else None,
+        "lr_schedule": repr(lr_schedule) if lr_schedule else None,
+        "momentum_time_constant_schedule": repr(momentum_time_constant_schedule)
+        if momentum_time_constant_schedule else None,
+        "optimizer": optimizer_hyperparameters(optimizer),
+        "micro_batch_size": micro_batch_size, "clip_grad_norm": clip_grad_norm, "precision": precision,
+        "compile": compile, "sync_batchnorm": sync_batchnorm, "batchnorm_statistics": batchnorm_statistics,
+        "batchnorm_recompute_samples": batchnorm_recompute_samples,
+        "lr_scaling": repr(lr_scaling) if lr_scaling else None, "ema_decay": ema_decay,
+    }
 
 
 def reapply_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[dict[str, Any]]) -> None:

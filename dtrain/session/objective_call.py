@@ -15,7 +15,9 @@ from collections.abc import Mapping
 
 import torch
 
+from dtrain.session.evaluate import classification_errors
 from dtrain.session.metrics import CSV_COLUMNS
+from dtrain.session.objectives import metric_name
 
 #: what a figure may not be called: a column of the metrics files, or a key the train records already hold
 RESERVED_FIGURE_NAMES = frozenset(CSV_COLUMNS) | {"padding", "bytes_between_hosts_per_step"}
@@ -139,3 +141,34 @@ class ObjectiveCall:
 
 
 __all__ = ["ObjectiveCall", "RESERVED_FIGURE_NAMES", "check_takes_model_and_minibatch", "objective_name"]
+
+
+def loss_or_objective(loss, objective, metric, inputs, sync_batchnorm: bool) -> tuple[ObjectiveCall | None, object]:
+    """The one rule for ``loss`` and ``objective``: exactly one of them. Returns the checked objective (``None``
+    with a loss) and the metric (with a loss: classification errors by default; with an objective: none).
+
+    Raises:
+        ValueError: both or neither given; an objective with a ``metric``, non-default ``inputs`` or
+            ``sync_batchnorm``; an objective that cannot be called as ``objective(model, minibatch)``.
+    """
+    if loss is not None and objective is not None:
+        raise ValueError("training_session got both loss and objective; give one: loss(output, target), or "
+                         "objective(model, minibatch) computing the loss itself")
+    if objective is None:
+        if loss is None:
+            raise ValueError("training_session needs a loss, loss(output, target), or an objective, "
+                             "objective(model, minibatch)")
+        return None, classification_errors if metric is None else metric
+    call = ObjectiveCall(objective)
+    if metric is not None:
+        raise ValueError(f"metric {metric_name(metric)} with objective {call.name}: a metric measures the model's "
+                         f"output, which an objective does not hand out; return the figure from the objective "
+                         f"instead (loss, {{name: figure}})")
+    if inputs not in (("features",), ["features"], "features"):
+        raise ValueError(f"session.inputs={inputs!r} with objective {call.name}: an objective receives the whole "
+                         f"minibatch and calls the model itself; leave session.inputs at its default and read the "
+                         f"streams in the objective")
+    if sync_batchnorm:
+        raise ValueError(f"sync_batchnorm with objective {call.name}: a rank without samples cannot take part in "
+                         f"the objective's BatchNorm reductions; train it with a loss, or without sync_batchnorm")
+    return call, None

@@ -10,7 +10,6 @@ single process or any distributed learner.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dtrain import checks
-from dtrain.comm.launcher import detect_launcher
+from dtrain.comm.launcher import check_one_copy_wanted
 from dtrain.data.errors import DataError
 from dtrain.data.streams import WHOLE_MINIBATCH
 from dtrain.learners.base import Learner, RunFacts
@@ -30,10 +29,10 @@ from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, Test
 from dtrain.session.batchnorm import DEFAULT_RECOMPUTE_SAMPLES, prepare_batchnorm
 from dtrain.session.callbacks import CallbackList, RunView, StepEnd
 from dtrain.session.binding import StreamBinding
-from dtrain.session.objective_call import ObjectiveCall
+from dtrain.session.objective_call import loss_or_objective
 from dtrain.session.checkpointing import Checkpointing
 from dtrain.session.device import resolve_device
-from dtrain.session.evaluate import Evaluation, classification_errors
+from dtrain.session.evaluate import Evaluation
 from dtrain.session.evaluations import BatchNormStatistics, EvaluationPasses
 from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
                                           first_minibatch_check)
@@ -41,7 +40,6 @@ from dtrain.loggers.tensorboard_logger import TensorBoardLogger
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.record_files import split_record_files
 from dtrain.session.measures import Measures
-from dtrain.session.objectives import metric_name
 from dtrain.session.minibatch_step import MinibatchStep, PeriodSums
 from dtrain.session.precision import LossScaler
 from dtrain.session.preemption import Preemption
@@ -62,10 +60,6 @@ from dtrain.session.weight_ema import WeightEMA
 
 #: the callback event each kind of metrics record is given to
 _RECORD_EVENTS = {"train": "on_progress", "cv": "on_cross_validation", "test": "on_test", "test_ema": "on_test"}
-
-#: how a user calls each launcher kind that ``detect_launcher`` reports
-_LAUNCHER_NAMES = {"mpi": "mpiexec", "slurm": "srun"}
-
 
 class TrainingSession:
     """Trains ``model`` with ``learner`` on ``minibatch_source`` (CNTK's ``training_session``); call ``.train()``.
@@ -208,7 +202,7 @@ class TrainingSession:
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
         if minibatch_source is None or minibatch_size is None:
             raise TypeError("training_session needs a minibatch_source and a minibatch_size")
-        objective_call, metric = _loss_or_objective(loss, objective, metric, inputs, sync_batchnorm)
+        objective_call, metric = loss_or_objective(loss, objective, metric, inputs, sync_batchnorm)
         sizes = {} if isinstance(minibatch_size, Schedule) else {"minibatch_size": minibatch_size}
         check_settings(TRAINING_SESSION, **sizes, max_samples=max_samples, progress_frequency=progress_frequency,
                        micro_batch_size=micro_batch_size, clip_grad_norm=clip_grad_norm, precision=precision,
@@ -226,16 +220,7 @@ class TrainingSession:
                 f"momentum_time_constant_schedule needs an optimizer with a 'momentum' setting, "
                 f"{type(learner.optimizer).__name__} has none; drop the schedule or use SGD"
             )
-        launch = detect_launcher(os.environ)
-        if launch.size > 1 and learner.comm.size == 1 and not independent_processes:
-            # each process would train its own copy into the same files: almost always a forgotten communicator
-            launcher = _LAUNCHER_NAMES.get(launch.kind, launch.kind)
-            raise ValueError(
-                f"{launcher} started {launch.size} processes but this session's learner has a one-process "
-                f"communicator, so each process would train its own copy; create the job's communicator with "
-                f"comm = dtrain.create_communicator() and give it to a distributed learner, e.g. "
-                f"dtrain.data_parallel_distributed_learner(optimizer, comm=comm) (independent_processes=True "
-                f"if separate copies are really wanted)")
+        check_one_copy_wanted(learner.comm, independent_processes)
         self.compile = bool(compile)
         compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
         if compiled is not None:  # checkpoints and weights name the parameters without the wrapper's _orig_mod.
@@ -288,22 +273,13 @@ class TrainingSession:
         self.config_fingerprint = config_fingerprint
         # what a checkpoint must match (model, learner, data, and the caller's own) and what may change
         self.checkpoint_identity = checkpoint_state.identity(model, learner, minibatch_source, checkpoint_identity)
-        self.settings = {"session": {
-            "minibatch_size": minibatch_size if isinstance(minibatch_size, int) else repr(minibatch_size),
-            "max_samples": max_samples, "progress_frequency": progress_frequency,
-            "checkpoint_frequency": action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
-            if checkpoint_config else None,
-            "cv_frequency": cv_config.frequency if cv_config else None,
-            "lr_schedule": repr(lr_schedule) if lr_schedule else None,
-            "momentum_time_constant_schedule": repr(momentum_time_constant_schedule)
-            if momentum_time_constant_schedule else None,
-            "optimizer": checkpoint_state.optimizer_hyperparameters(learner.optimizer),
-            "micro_batch_size": self.micro_batch_size, "clip_grad_norm": self.clip_grad_norm,
-            "precision": self.precision, "compile": self.compile,
-            "sync_batchnorm": self.sync_batchnorm, "batchnorm_statistics": self.batchnorm_statistics,
-            "batchnorm_recompute_samples": self.batchnorm_recompute_samples,
-            "lr_scaling": repr(self.lr_scaling) if self.lr_scaling else None, "ema_decay": ema_decay,
-        }}
+        self.settings = {"session": checkpoint_state.session_settings(
+            minibatch_size=minibatch_size, max_samples=max_samples, progress_frequency=progress_frequency,
+            checkpoint_config=checkpoint_config, cv_config=cv_config, lr_schedule=lr_schedule,
+            momentum_time_constant_schedule=momentum_time_constant_schedule, optimizer=learner.optimizer,
+            micro_batch_size=self.micro_batch_size, clip_grad_norm=self.clip_grad_norm, precision=self.precision,
+            compile=self.compile, sync_batchnorm=sync_batchnorm, batchnorm_statistics=batchnorm_statistics,
+            batchnorm_recompute_samples=batchnorm_recompute_samples, lr_scaling=self.lr_scaling, ema_decay=ema_decay)}
         if self.objective is not None:  # named only when there is one: a checkpoint from before it has no such key
             self.settings["session"]["objective"] = self.objective.name
         if run_config is not None:
@@ -801,37 +777,6 @@ class TrainingSession:
         finally:
             if self._profiler is not None:
                 self._profiler.close()
-
-
-def _loss_or_objective(loss, objective, metric, inputs, sync_batchnorm: bool) -> tuple[ObjectiveCall | None, object]:
-    """The one rule for ``loss`` and ``objective``: exactly one of them. Returns the checked objective (``None``
-    with a loss) and the metric (with a loss: classification errors by default; with an objective: none).
-
-    Raises:
-        ValueError: both or neither given; an objective with a ``metric``, non-default ``inputs`` or
-            ``sync_batchnorm``; an objective that cannot be called as ``objective(model, minibatch)``.
-    """
-    if loss is not None and objective is not None:
-        raise ValueError("training_session got both loss and objective; give one: loss(output, target), or "
-                         "objective(model, minibatch) computing the loss itself")
-    if objective is None:
-        if loss is None:
-            raise ValueError("training_session needs a loss, loss(output, target), or an objective, "
-                             "objective(model, minibatch)")
-        return None, classification_errors if metric is None else metric
-    call = ObjectiveCall(objective)
-    if metric is not None:
-        raise ValueError(f"metric {metric_name(metric)} with objective {call.name}: a metric measures the model's "
-                         f"output, which an objective does not hand out; return the figure from the objective "
-                         f"instead (loss, {{name: figure}})")
-    if inputs not in (("features",), ["features"], "features"):
-        raise ValueError(f"session.inputs={inputs!r} with objective {call.name}: an objective receives the whole "
-                         f"minibatch and calls the model itself; leave session.inputs at its default and read the "
-                         f"streams in the objective")
-    if sync_batchnorm:
-        raise ValueError(f"sync_batchnorm with objective {call.name}: a rank without samples cannot take part in "
-                         f"the objective's BatchNorm reductions; train it with a loss, or without sync_batchnorm")
-    return call, None
 
 
 #: CNTK's name for building a session: ``training_session(model, loss, learner, source, size, ...).train()``
