@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.helpers.float_machine import float_machine
+from tests.helpers.learners import learners
 from tests.helpers.mpi import run_mpi
 
 from dtrain.session import checkpoint
@@ -25,11 +26,8 @@ from dtrain.session import checkpoint
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints_before_block_base"
 COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
           "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=16", "session.max_samples=1280"]
-LEARNERS = {
-    "quantized": ["learner=quantized", "learner.exchange.num_bits=2", "learner.distributed_after=0"],
-    "bm_quantized": ["learner=block_momentum", "learner.block_size=320", "learner.distributed_after=0",
-                     "learner/exchange=quantized", "learner.exchange.num_bits=2"],
-}
+#: the runs that wrote the fixtures (their overrides must stay as they were then)
+LEARNERS = learners("quantized", "bm_quantized")
 
 #: the largest difference accepted on a machine other than the fixtures', relative to the tensor's largest value
 ROUNDING_ON_OTHER_MACHINES = 1e-3

@@ -1,14 +1,15 @@
 """Compressed outer updates (block momentum through ``learner/exchange=quantized``) and DiLoCo under
 a real mpiexec: one model on all ranks after every sync, DiLoCo equal to torch's SGD-Nesterov
-reference, bit-exact resume with the residuals, and the command line end to end."""
+reference, bit-exact resume with the residuals, and the command line at another world size (the
+command line's resume of every learner: test_resume.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.checks import CheckLaunch, launch_checks
+from tests.helpers.learners import LEARNERS
 from tests.helpers.mpi import run_mpi
 
 from dtrain.session import checkpoint
@@ -49,43 +50,8 @@ def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
 # -- the command line ------------------------------------------------------------------------------
 COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
           "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32"]
-LEARNERS = {  # distributed_after pinned: "auto" is relative to max_samples, which the halves change
-    "bmuf_4bit": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=4",
-                  "learner.block_size=320", "learner.distributed_after=0"],
-    "diloco_4bit": ["learner=diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4",
-                    "learner.block_size=320", "learner.distributed_after=0"],
-    # every rank's own optimizer state (momentum kept across syncs) must come back, not rank 0's
-    "bmuf_momentum_kept": ["learner=block_momentum", "learner.reset_sgd_momentum_after_aggregation=false",
-                           "learner.block_size=320", "learner.distributed_after=0"],
-}
-
-
 def dtrain_job(nprocs: int, run_dir: Path, *overrides: str, timeout: float = 240):
     return run_mpi(nprocs, [*COMMON, f"run_dir={run_dir}", *overrides], timeout=timeout)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("learner", list(LEARNERS))
-def test_interrupted_and_restored_compressed_run_equals_an_uninterrupted_one(learner: str, tmp_path: Path) -> None:
-    whole = dtrain_job(2, tmp_path / "whole", *LEARNERS[learner], "session.max_samples=1920")
-    assert whole.returncode == 0, whole.report()
-    exchange = "quantized" if "learner/exchange=quantized" in LEARNERS[learner] else "allreduce"
-    assert f"{exchange}:" in whole.stdout and "kB sent/sync" in whole.stdout, whole.report()  # the refusal is gone
-    first = dtrain_job(2, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1280")
-    assert first.returncode == 0, first.report()
-    second = dtrain_job(2, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1920")
-    assert second.returncode == 0, second.report()
-    assert "restored" in second.stdout and "at 1280 samples" in second.stdout
-    a = checkpoint.load(tmp_path / "whole" / "checkpoint-1920.pt")
-    b = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after resume"
-    # both ranks' optimizer state, residuals and the outer momentum travel in the checkpoint
-    assert all(entry["learner"]["optimizer"]["state"] for entry in b["per_rank"])
-    if exchange == "quantized":
-        assert all(entry["learner"]["exchange"]["per_key"] for entry in b["per_rank"])
-    assert float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
 
 
 @pytest.mark.slow  # a long multi-process case; .ci/run runs the slow set

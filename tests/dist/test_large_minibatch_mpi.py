@@ -1,6 +1,6 @@
-"""LARS/LAMB and the weight EMA under real mpiexec: every learner trains with them, a resume is
-bit-identical (optimizer state and the average in the checkpoint), and data_parallel on 2 ranks
-averages the same weights as one process."""
+"""LARS/LAMB and the weight EMA under real mpiexec: data_parallel on 2 ranks averages the same weights as one
+process, and a block learner's average spans its optimizer steps. (Their bit-identical resume with every
+learner: test_resume.py, over the entries of tests/helpers/learners.py.)"""
 from __future__ import annotations
 
 import json
@@ -11,37 +11,17 @@ import torch
 
 from dtrain.session import checkpoint
 
+from tests.helpers.learners import LEARNERS
 from tests.helpers.mpi import run_mpi
 
 COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
-          "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32", "session.ema_decay=0.9",
-          "session.lr_scaling=linear", "session.lr_reference_minibatch_size=32", "session.lr_schedule.warmup_samples=640"]
-LEARNERS = {
-    "data_parallel_lars": ["learner=data_parallel", "optimizer=lars", "optimizer.lr=2.0", "optimizer.eta=0.01"],
-    "block_momentum_lamb": ["learner=block_momentum", "learner.block_size=320", "learner.distributed_after=0",
-                            "optimizer=lamb", "optimizer.lr=0.003"],
-    "diloco_lamb": ["learner=diloco", "learner.block_size=320", "learner.distributed_after=0", "optimizer=lamb"],
-}
+          "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32"]
 
 
 def _job(nprocs: int, run_dir: Path, *overrides: str):
     result = run_mpi(nprocs, [*COMMON, f"run_dir={run_dir}", *overrides], timeout=300)
     assert result.returncode == 0, result.report()
     return result
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("learner", list(LEARNERS))
-def test_resume_with_the_optimizer_state_and_the_ema_is_bit_identical_on_two_ranks(learner, tmp_path):
-    _job(2, tmp_path / "whole", *LEARNERS[learner], "session.max_samples=1920")
-    _job(2, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1280")
-    second = _job(2, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1920")
-    assert "at 1280 samples" in second.stdout and "test of the weight EMA (decay 0.9)" in second.stdout
-    whole = checkpoint.load(tmp_path / "whole" / "checkpoint-1920.pt")
-    split = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")
-    for part in ("model", "weight_ema"):
-        assert all(torch.equal(whole[part][key], split[part][key]) for key in whole[part]), part
-    assert (tmp_path / "split" / "model_ema.safetensors").is_file()
 
 
 @pytest.mark.slow

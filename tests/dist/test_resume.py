@@ -1,4 +1,4 @@
-"""Checkpoints under real mpiexec: bit-exact resume for every learner, another world size,
+"""Checkpoints under real mpiexec: bit-exact resume for every learner (tests/helpers/learners.py), another world size,
 preemption by a signal, and one clear line for bad input with nothing overwritten."""
 from __future__ import annotations
 
@@ -10,16 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.learners import learners, preset, shipped_learners
 from tests.helpers.mpi import mpi_command, mpiexec_path, run_mpi, start_ranks
 
 from dtrain.session import checkpoint
 
-# distributed_after pinned: its default ("auto") is relative to max_samples, which the halves change
-LEARNERS = {
-    "data_parallel": ["learner=data_parallel"],
-    "quantized": ["learner=quantized", "learner.exchange.num_bits=2", "learner.distributed_after=0"],
-    "block_momentum": ["learner=block_momentum", "learner.block_size=320", "learner.distributed_after=0"],
-}
+#: every shipped one-level learner and the combinations whose state is easiest to lose (two-level learners:
+#: tests/dist/test_two_level.py; the checkpoints of earlier releases: test_checkpoints_from_before.py)
+RESUMED = learners("data_parallel", "quantized", "powersgd", "block_momentum", "diloco", "local_sgd", "bmuf_4bit",
+                   "diloco_4bit", "bmuf_momentum_kept", "data_parallel_lars", "block_momentum_lamb", "diloco_lamb")
 # 640-sample checkpoints; both halves of an interrupted run end on a checkpoint boundary, as the
 # uninterrupted run checkpoints (and block momentum synchronises) at the same sample counts
 COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
@@ -34,28 +33,65 @@ def parameters(path: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(path)["model"]
 
 
-def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str = "") -> None:
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+        assert torch.equal(a[name], b[name]), f"{what}{name} differs after resume"
+
+
+def test_every_shipped_learner_is_resumed_here_or_in_its_own_module():
+    resumed = {preset(overrides) for overrides in RESUMED.values()}
+    elsewhere = {name for name in shipped_learners() if name.startswith("two_level_")} | {"local"}  # one process
+    assert set(shipped_learners()) - elsewhere <= resumed, set(shipped_learners()) - elsewhere - resumed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nprocs", [1, 2])
-@pytest.mark.parametrize("learner", list(LEARNERS))
-def test_interrupted_and_restored_run_equals_an_uninterrupted_one(learner, nprocs, tmp_path):
-    whole = dtrain_job(nprocs, tmp_path / "whole", *LEARNERS[learner], "session.max_samples=1920")
+@pytest.mark.parametrize("learner", list(RESUMED))
+def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(learner, tmp_path):
+    """Two ranks: the uninterrupted run's checkpoint at 1,280 samples (a periodic one, as an interruption leaves
+    behind) restored in another run directory trains on to exactly its parameters, optimizer state, residuals,
+    outer state and weight average at 1,920."""
+    overrides = RESUMED[learner]
+    whole = dtrain_job(2, tmp_path / "whole", *overrides, "session.max_samples=1920")
     assert whole.returncode == 0, whole.report()
-    first = dtrain_job(nprocs, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1280")
+    compressed = "learner/exchange=quantized" in overrides
+    if compressed:
+        assert "quantized:" in whole.stdout and "kB sent/sync" in whole.stdout, whole.report()
+    saved = tmp_path / "whole" / "checkpoint-1280.pt"
+    second = dtrain_job(2, tmp_path / "split", *overrides, "session.max_samples=1920",
+                        f"session.checkpoint.restore_from={saved}")
+    assert second.returncode == 0, second.report()
+    assert f"restored {saved} at 1280 samples" in second.stdout, second.report()
+    a = checkpoint.load(tmp_path / "whole" / "checkpoint-1920.pt")
+    b = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")
+    assert_identical(a["model"], b["model"])
+    assert len(b["per_rank"]) == 2  # both ranks' own random numbers, and their own learner state where it has any
+    if preset(overrides) != "data_parallel":  # residuals, factors, local optimizer state, the block's
+        assert all(entry["learner"] for entry in b["per_rank"])
+    if "session.ema_decay=0.9" in overrides:
+        assert_identical(a["weight_ema"], b["weight_ema"], "the weight EMA's ")
+        assert "test of the weight EMA (decay 0.9)" in second.stdout
+        assert (tmp_path / "split" / "model_ema.safetensors").is_file()
+    if preset(overrides) in ("block_momentum", "diloco"):
+        assert all(entry["learner"]["optimizer"]["state"] for entry in b["per_rank"])
+        assert float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
+    if compressed:
+        assert all(entry["learner"]["exchange"]["per_key"] for entry in b["per_rank"])
+
+
+@pytest.mark.slow
+def test_a_finished_run_continues_in_its_run_directory_to_a_larger_max_samples_as_one_run(tmp_path):
+    """One process: the run ends at 1,280 samples; the same command with a larger ``max_samples`` restores its
+    final checkpoint from the run directory and ends where the uninterrupted run does, bit for bit."""
+    whole = dtrain_job(1, tmp_path / "whole", "session.max_samples=1920")
+    assert whole.returncode == 0, whole.report()
+    first = dtrain_job(1, tmp_path / "split", "session.max_samples=1280")
     assert first.returncode == 0, first.report()
-    second = dtrain_job(nprocs, tmp_path / "split", *LEARNERS[learner], "session.max_samples=1920")
+    second = dtrain_job(1, tmp_path / "split", "session.max_samples=1920")
     assert second.returncode == 0, second.report()
     assert "restored" in second.stdout and "at 1280 samples" in second.stdout
     assert_identical(parameters(tmp_path / "whole" / "checkpoint-1920.pt"),
                      parameters(tmp_path / "split" / "checkpoint-1920.pt"))
-    if learner == "quantized" and nprocs == 2:  # both ranks' residuals travel in the checkpoint
-        per_rank = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")["per_rank"]
-        assert len(per_rank) == 2 and all(entry["learner"] for entry in per_rank)
 
 
 @pytest.mark.slow  # a long multi-process case; .ci/run runs the slow set

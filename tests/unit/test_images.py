@@ -120,20 +120,3 @@ def test_native_backend_through_minibatch_source_partitions_agree(image_set):
 def test_bad_options_are_refused(kwargs, error):
     with pytest.raises(error):
         ImageAugmentation(**kwargs)
-
-
-@pytest.mark.parametrize("backend", ["native", pytest.param("dali", marks=pytest.mark.slow)])
-def test_imagenet_recipe_runs_end_to_end_on_a_tiny_map_file_set(tmp_path, backend):
-    import subprocess
-    import sys
-
-    if backend == "dali":
-        pytest.importorskip("nvidia.dali")
-    write_image_map_files(tmp_path, num_train=16, num_val=4)
-    command = [sys.executable, "-m", "dtrain", "+recipe=imagenet", f"data.root={tmp_path}", f"run_dir={tmp_path}/run",
-               f"source.backend={backend}", "model.width=4", "model.num_classes=3", "source.image_size=[40,40]",
-               "source.crop_size=[32,32]", "session.minibatch_size=8", "session.max_samples=32",
-               "session.tensorboard=false"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "finished: 32 samples" in result.stdout and "test: accuracy" in result.stdout

@@ -12,8 +12,6 @@ from torch import nn
 from dtrain import LocalLearner, MinibatchSource, training_session
 from dtrain.session.configs import device_and_profile_options
 from dtrain.session.profiling import ProfileConfig
-
-from tests.helpers.cli import run_dtrain
 from tests.helpers.config import compose_config
 from tests.helpers.toy_data import four_class_data
 
@@ -61,14 +59,3 @@ def test_the_command_line_passes_the_session_sections_device_and_profile():
                              "session.profile.ranks=all", "session.device=cpu").session
     assert device_and_profile_options(enabled) == {"device": "cpu", "profile": ProfileConfig(1, 1, 2, "all")}
     assert device_and_profile_options(compose_config("+recipe=digits").session) == {"device": "auto", "profile": None}
-
-
-@pytest.mark.slow
-def test_the_command_line_writes_a_trace_into_the_run_directory(tmp_path):
-    run = run_dtrain("+recipe=digits", "session.profile.enabled=true", "session.device=cpu", "session.max_samples=320",
-                     "session.tensorboard=false", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    traces = list((tmp_path / "run" / "profile").glob("rank0.*.pt.trace.json"))
-    assert len(traces) == 1 and f"profile: {traces[0]}" in run.stdout
-    names = {event.get("name") for event in json.loads(traces[0].read_text())["traceEvents"]}
-    assert {"aten::conv2d", "aten::linear", "ProfilerStep#2", "ProfilerStep#4"} <= names

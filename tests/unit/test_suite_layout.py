@@ -31,3 +31,13 @@ def test_test_module_names_are_unique_across_folders():
     name stop the whole run at collection."""
     names = [path.name for path in TESTS.rglob("test_*.py")]
     assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+def test_unit_tests_start_no_command_line_run_and_no_mpiexec():
+    """tests/unit holds in-process tests; a test that runs ``python -m dtrain`` or mpiexec belongs in tests/recipes
+    or tests/dist, where the suite's slow, process-starting cases are found and budgeted."""
+    pattern = re.compile(r"run_dtrain|run_mpi|launch_checks|start_ranks|mpiexec_path|forked_dtrain|\"-m\", \"dtrain\"")
+    offenders = [f"{path.relative_to(TESTS.parent)}:{number}"
+                 for path in sorted(TESTS.glob("unit/*.py")) if path != Path(__file__).resolve()
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders
