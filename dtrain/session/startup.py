@@ -13,7 +13,7 @@ from dtrain.session.lr_scaling import LearningRateScaling, lr_warmup_samples
 from dtrain.session.objective_call import ObjectiveCall
 from dtrain.session.precision import bf16_cpu_note
 from dtrain.session.profiling import StepProfiler
-from dtrain.session.short_run import automatic_settings, learner_label, short_run_note
+from dtrain.session.short_run import short_run_note
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class StartupLines:
         """A note when the run is too short for the learner's automatic settings (``dtrain.session.short_run``)."""
         settings = self.settings
         change = _first_lr_change(settings.lr_schedule)
-        return short_run_note(learner_label(self.learner), automatic_settings(self.learner), settings.max_samples,
+        return short_run_note(self.learner.label(), self.learner.automatic_settings(), settings.max_samples,
                               lr_warmup_samples(settings.lr_schedule, settings.lr_scaling),
                               change[0] if change is not None else None)
 
