@@ -61,15 +61,16 @@ class StartupLines:
         parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {_device_name(self.device)}",
                  f"{size} worker{'s' if size > 1 else ''}" + (f" ({self.comm.backend})" if size > 1 else ""),
                  f"global minibatch {mb} ({mb // size}-{-(-mb // size)} per worker)"]
-        if settings.max_samples is not None:
-            sweeps = settings.max_samples / self.source.samples_per_sweep
-            parts.append(f"{settings.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
+        sweep = self.source.samples_per_sweep
+        if settings.max_samples is not None:  # in sweeps where the source says how long one is
+            parts.append(f"{settings.max_samples:,} samples" + (f" ({settings.max_samples / sweep:.3g} sweeps of "
+                                                                 f"{sweep:,})" if sweep else ""))
         printer.line("dtrain: " + ", ".join(parts))
         if self.objective is not None:
             counted = self.binding.target.text if self.binding.target is not None else "the minibatch"
             printer.line(f"dtrain: objective {self.objective.name}(model, minibatch), samples counted in {counted}"
                          + (f"; {stream_note}" if stream_note else ""))
-        elif getattr(self.source, "has_sequences", False) or not self.binding.is_default:
+        elif self.source.has_sequences or not self.binding.is_default:
             printer.line(f"dtrain: {self.binding.describe()}" + (f"; {stream_note}" if stream_note else ""))
         printer.line("dtrain: " + self.learner.describe() + _one_process_note(self.learner, size))
         options = [f"precision {settings.precision}" if settings.precision != "32" else "",
