@@ -180,7 +180,7 @@ def test_a_user_source_declares_what_it_knows_and_the_session_reads_it():
     source = dtrain.data.as_source(Sized())
     assert source is not None and source.samples_per_sweep == 50 and set(source.streams) == {"features", "labels"}
     assert (source.has_sequences, source.deserializer, source.sequence_lengths("features")) == (False, None, None)
-    wrapped = dtrain.data.as_source(_Reading())  # a plain object: wrapped once, the base's defaults where it says nothing
+    wrapped = dtrain.data.as_source(_Reading())  # a plain object: wrapped once, the base's defaults where it's silent
     assert (wrapped.samples_per_sweep, dict(wrapped.streams), wrapped.has_sequences) == (None, {}, False)
     with pytest.raises(NotImplementedError, match="_DeclaredReading does not say where it is"):
         _DeclaredReading().get_checkpoint_state()
