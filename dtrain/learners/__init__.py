@@ -22,8 +22,8 @@ from dtrain.learners.two_level import (
 )
 
 __all__ = [
-    "Advice", "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner", "LocalLearner",
-    "LocalSGDLearner", "ReplicatedLearner", "TwoLevelBlockMomentumLearner", "TwoLevelDataParallelLearner",
-    "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner", "block_momentum_distributed_learner",
-    "data_parallel_distributed_learner",
+    "Advice", "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner",
+    "LocalLearner", "LocalSGDLearner", "ReplicatedLearner", "TwoLevelBlockMomentumLearner",
+    "TwoLevelDataParallelLearner", "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner",
+    "block_momentum_distributed_learner", "data_parallel_distributed_learner",
 ]
