@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "create_communicator": ("dtrain.comm", "create_communicator"),
     "MinibatchSource": ("dtrain.data", "MinibatchSource"),
+    "UserMinibatchSource": ("dtrain.data", "UserMinibatchSource"),
     "Learner": ("dtrain.learners", "Learner"),
     "LocalLearner": ("dtrain.learners", "LocalLearner"),
     "ReplicatedLearner": ("dtrain.learners", "ReplicatedLearner"),
@@ -57,7 +58,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from dtrain.comm import create_communicator
-    from dtrain.data import MinibatchSource
+    from dtrain.data import MinibatchSource, UserMinibatchSource
     from dtrain.learners import (Learner, LocalLearner, ReplicatedLearner, block_momentum_distributed_learner,
                                  data_parallel_distributed_learner)
     from dtrain.schedules import Schedule

@@ -1,8 +1,9 @@
 """The root config schema, the registration of every schema in Hydra's ConfigStore, and ``validate``.
 
-Each component's schema and value rules live beside it (``dtrain/<package>/settings.py``); each YAML
-option in ``conf/<group>/`` extends one of the schemas (``/schema/<group>/<name>``), so a misspelt key or
-a value of the wrong type fails when the config is composed, naming the key. ``validate`` then checks
+Each component's schema and value rules live beside it (``dtrain/<package>/settings.py``), each schema
+registered there under its Hydra group (:func:`register_schema`); each YAML option in ``conf/<group>/``
+extends one of the schemas (``/schema/<group>/<name>``), so a misspelt key or a value of the wrong type
+fails when the config is composed, naming the key. ``validate`` then checks
 everything else before anything is built or written and reports every problem at once: keys added
 with ``+`` that a schema does not have, the rules each component registers under its ``_target_``
 (:data:`RULES`, :func:`register_rule`; a user's module is imported first, so its rules count too),
@@ -24,29 +25,24 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dtrain import checks
+# the settings modules register their schemas (register_schema) when imported: every one dtrain ships is
+# imported here, so register_schemas stores them all
 from dtrain.comm.settings import CommConfig, comm_problems
-from dtrain.data.settings import ImageSourceConfig, ImageTransformConfig, MinibatchSourceConfig, SourceConfig
-from dtrain.exchange.settings import (AllReduceExchangeConfig, CompressedExchangeConfig, PowerSGDExchangeConfig,
-                                      QuantizedExchangeConfig)
-from dtrain.learners.settings import (RETIRED, BlockMomentumLearnerConfig, DataParallelLearnerConfig,
-                                      DiLoCoLearnerConfig, LocalLearnerConfig, LocalSGDLearnerConfig,
-                                      TwoLevelBlockMomentumLearnerConfig, TwoLevelDataParallelLearnerConfig,
-                                      TwoLevelDiLoCoLearnerConfig, TwoLevelLocalSGDLearnerConfig, retired_setting)
-from dtrain.models.settings import (CharTransformerConfig, ConvNetCIFAR10Config, DigitsCNNConfig, ResNet50Config,
-                                    Seq2SeqTransformerConfig)
-from dtrain.optim import settings as optim_settings
-from dtrain.optim.torch_settings import AdamConfig, AdamWConfig, SGDConfig
-from dtrain.rules import RULES, Rule, StrictBool, key_problems as _check, plain as _plain, register_rule
+from dtrain.data.settings import SourceConfig
+from dtrain.exchange import settings as _exchange_settings  # noqa: F401 -- registers its schemas
+from dtrain.learners.settings import RETIRED, retired_setting
+from dtrain.models import settings as _model_settings  # noqa: F401 -- registers its schemas
+from dtrain.optim import settings as _optim_settings  # noqa: F401 -- registers its schemas
+from dtrain.optim import torch_settings as _torch_optim_settings  # noqa: F401 -- registers its schemas
+from dtrain.rules import (RULES, SCHEMAS, Rule, StrictBool, key_problems as _check, plain as _plain, register_rule,
+                          register_schema)
+from dtrain.session import objective_settings as _objective_settings  # noqa: F401 -- registers its schemas
 from dtrain.session.batchnorm import batchnorm_setting_problems
-from dtrain.session.objective_settings import (ClassificationErrorConfig, CrossEntropyLossConfig,
-                                               DecodingErrorsConfig, MeanAbsoluteErrorConfig, MSELossConfig,
-                                               PerplexityConfig, SequenceCrossEntropyConfig, SequenceErrorConfig,
-                                               TopKErrorConfig)
 from dtrain.session.configs import restore_from_problems
 from dtrain.session.settings import SessionConfig, session_problems
 
-__all__ = ["DTrainConfig", "RULES", "Rule", "StrictBool", "register_rule", "register_schemas",
-           "validate"]
+__all__ = ["DTrainConfig", "RULES", "Rule", "SCHEMAS", "StrictBool", "register_rule", "register_schema",
+           "register_schemas", "validate"]
 
 
 @dataclass
@@ -87,51 +83,14 @@ class DTrainConfig:
     objective: Any = None
 
 
-_SCHEMAS = {
-    ("schema", "config"): DTrainConfig,
-    ("schema/learner", "local"): LocalLearnerConfig,
-    ("schema/learner", "data_parallel"): DataParallelLearnerConfig,
-    ("schema/learner", "block_momentum"): BlockMomentumLearnerConfig,
-    ("schema/learner", "diloco"): DiLoCoLearnerConfig,
-    ("schema/learner", "local_sgd"): LocalSGDLearnerConfig,
-    ("schema/learner", "two_level_diloco"): TwoLevelDiLoCoLearnerConfig,
-    ("schema/learner", "two_level_local_sgd"): TwoLevelLocalSGDLearnerConfig,
-    ("schema/learner", "two_level_block_momentum"): TwoLevelBlockMomentumLearnerConfig,
-    ("schema/learner", "two_level_data_parallel"): TwoLevelDataParallelLearnerConfig,
-    ("schema/learner/exchange", "allreduce"): AllReduceExchangeConfig,
-    ("schema/learner/exchange", "quantized"): QuantizedExchangeConfig,
-    ("schema/learner/exchange", "compressed"): CompressedExchangeConfig,
-    ("schema/learner/exchange", "powersgd"): PowerSGDExchangeConfig,
-    ("schema/optimizer", "sgd"): SGDConfig,
-    ("schema/optimizer", "adam"): AdamConfig,
-    ("schema/optimizer", "adamw"): AdamWConfig,
-    **{("schema/optimizer", name): schema for name, schema in optim_settings.OPTIONS.items()},
-    ("schema/model", "digits_cnn"): DigitsCNNConfig,
-    ("schema/model", "cifar10_convnet"): ConvNetCIFAR10Config,
-    ("schema/model", "resnet50"): ResNet50Config,
-    ("schema/model", "char_transformer"): CharTransformerConfig,
-    ("schema/model", "seq2seq_transformer"): Seq2SeqTransformerConfig,
-    ("schema/source", "source"): SourceConfig,
-    ("schema/source", "image_source"): ImageSourceConfig,
-    ("schema/source", "minibatch_source"): MinibatchSourceConfig,
-    ("schema/source", "image_transform"): ImageTransformConfig,
-    ("schema/session", "session"): SessionConfig,
-    ("schema/loss", "cross_entropy"): CrossEntropyLossConfig,
-    ("schema/loss", "mse"): MSELossConfig,
-    ("schema/loss", "sequence_cross_entropy"): SequenceCrossEntropyConfig,
-    ("schema/metric", "sequence_error"): SequenceErrorConfig,
-    ("schema/metric", "classification_error"): ClassificationErrorConfig,
-    ("schema/metric", "top5_error"): TopKErrorConfig,
-    ("schema/metric", "mean_abs_error"): MeanAbsoluteErrorConfig,
-    ("schema/metric", "perplexity"): PerplexityConfig,
-    ("schema/metric", "wer"): DecodingErrorsConfig,
-}
+register_schema("schema", "config", DTrainConfig)
 
 
 def register_schemas() -> None:
-    """Registers every schema in Hydra's ConfigStore, and the ``epochs`` resolver (idempotent)."""
+    """Stores every schema registered so far (:func:`register_schema`: dtrain's, and those of a user's modules
+    imported before) in Hydra's ConfigStore, and registers the ``epochs`` resolver (idempotent)."""
     store = ConfigStore.instance()
-    for (group, name), node in _SCHEMAS.items():
+    for (group, name), node in SCHEMAS.items():
         store.store(group=group, name=name, node=node)
     if not OmegaConf.has_resolver("epochs"):
         OmegaConf.register_new_resolver("epochs", epochs_in_samples)

@@ -218,6 +218,7 @@ def load_run_setup(run_dir: Path, length_bucketing: int = 0):
     from dtrain.build import load_run_config
     from dtrain.session.from_settings import session_inputs
     from dtrain.session.binding import StreamBinding
+    from dtrain.data.user_source import as_source
     from dtrain.session.stream_checks import bind_sources
     from omegaconf import OmegaConf
 
@@ -235,7 +236,7 @@ def load_run_setup(run_dir: Path, length_bucketing: int = 0):
         note = (f"length bucketing {length_bucketing or 'off'} for the measurement (the run used "
                 f"source.train.length_bucketing={train.get('length_bucketing') or 0}): {reading}")
         train = OmegaConf.merge(train, {"length_bucketing": length_bucketing})
-    source = instantiate(train, f"source.train of {config_path}")
+    source = as_source(instantiate(train, f"source.train of {config_path}"))  # read as the session reads it
     binding = StreamBinding(session_inputs(config.session), config.session.target)
     bind_sources(binding, {f"source.train of {config_path}": source})  # samples counted as the run counted them
     return config, model, loss_fn, source, binding, note

@@ -1,4 +1,5 @@
-"""The registry of config value rules per ``_target_``, and the helpers the rules are written with."""
+"""The registries of config schemas per Hydra group and of value rules per ``_target_``, and the helpers the
+rules are written with."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -39,6 +40,28 @@ def register_rule(target: str, rule: Rule | None = None):
         RULES[target] = function
         return function
     return add(rule) if rule is not None else add
+
+
+# -- schemas: each registers where it is defined ----------------------------------------------------
+#
+# ``dtrain.config.register_schemas`` stores every entry of ``SCHEMAS`` in Hydra's ConfigStore, so a YAML
+# option extends ``/schema/<group>/<name>``. dtrain's settings modules register theirs when imported; a
+# user's module registers its own the same way, before ``register_schemas`` runs.
+
+SCHEMAS: dict[tuple[str, str], type] = {}
+"""``(group, name)`` -> schema dataclass (``("schema/learner", "diloco")``); see :func:`register_schema`."""
+
+
+def register_schema(group: str, name: str, schema: type | None = None):
+    """Registers the dataclass ``schema`` as ``group/name`` in Hydra's ConfigStore (``schema/learner``,
+    ``diloco``: ``/schema/learner/diloco``), stored there by ``dtrain.config.register_schemas``.
+
+    Usable as a decorator above ``@dataclass`` (``@register_schema("schema/model", "my_mlp")``).
+    """
+    def add(node: type) -> type:
+        SCHEMAS[(group, name)] = node
+        return node
+    return add(schema) if schema is not None else add
 
 
 def key_problems(node: DictConfig, name: str, *key_checks: tuple[str, Callable[..., Any], dict]) -> list[str]:

@@ -123,8 +123,9 @@ class Schedule:
                 f"warmup_samples={self.warmup_samples})")
 
 
-def size_sweeps(schedules: Iterable[Schedule | None], source: object) -> None:
-    """Tells every schedule that counts sweeps the training ``source``'s samples per sweep.
+def size_sweeps(schedules: Iterable[Schedule | None], samples_per_sweep: int | None, source_name: str) -> None:
+    """Tells every schedule that counts sweeps the training source's ``samples_per_sweep`` (None: the source,
+    of type ``source_name``, does not say).
 
     Raises:
         ValueError: such a schedule, and a source that does not say how many samples a sweep has.
@@ -133,10 +134,9 @@ def size_sweeps(schedules: Iterable[Schedule | None], source: object) -> None:
                 if isinstance(schedule, Schedule) and schedule.counts_sweeps and len(schedule.values) > 1]
     if not counting:
         return
-    samples_per_sweep = getattr(source, "samples_per_sweep", None)
     if samples_per_sweep is None:
         raise ValueError(f"a schedule without epoch_size changes once per sweep, but the training source "
-                         f"({type(source).__name__}) does not say how many samples a sweep has; give epoch_size")
+                         f"({source_name}) does not say how many samples a sweep has; give epoch_size")
     for schedule in counting:
         schedule.set_sweep_size(int(samples_per_sweep))
 

@@ -23,6 +23,7 @@ from dtrain.data.source import MinibatchSource
 from dtrain.data.stream_arrays import NpzStreams, StreamArrays
 from dtrain.data.streams import Sequences, StreamInfo, StreamReference
 from dtrain.data.transform import ImageTransform
+from dtrain.data.user_source import UserMinibatchSource, as_source
 
 __all__ = [
     "ArrayDeserializer",
@@ -49,6 +50,8 @@ __all__ = [
     "StreamDeserializer",
     "StreamInfo",
     "StreamReference",
+    "UserMinibatchSource",
+    "as_source",
     "crop_geometry",
     "image_deserializer",
     "image_transform",

@@ -7,12 +7,13 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dtrain import checks
-from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule
+from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule, register_schema
 
 
 # -- data sources ---------------------------------------------------------------------------------
 
 
+@register_schema("schema/source", "image_transform")
 @dataclass
 class ImageTransformConfig:
     """``dtrain.data.ImageTransform``: CNTK's random side crop, flip and mean subtraction."""
@@ -24,6 +25,7 @@ class ImageTransformConfig:
     scale: float = 1.0
 
 
+@register_schema("schema/source", "minibatch_source")
 @dataclass
 class MinibatchSourceConfig:
     """``dtrain.data.MinibatchSource`` over one deserializer."""
@@ -40,6 +42,7 @@ class MinibatchSourceConfig:
     length_bucketing: int = 0           # sequences per length bucket (less padding); 0 = off
 
 
+@register_schema("schema/source", "source")
 @dataclass
 class SourceConfig:
     """The training source, and optional test and cross-validation sources."""
@@ -49,6 +52,7 @@ class SourceConfig:
     cv: Optional[MinibatchSourceConfig] = None
 
 
+@register_schema("schema/source", "image_source")
 @dataclass
 class ImageSourceConfig(SourceConfig):
     """Map-file image sources; ``backend`` picks PIL decoding (``native``) or a DALI pipeline (``dali``)."""

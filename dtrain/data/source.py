@@ -26,6 +26,7 @@ from dtrain.data.limits import reading_limits
 from dtrain.data.minibatch import Minibatch
 from dtrain.data.streams import Sequences, StreamInfo, StreamReference
 from dtrain.data.timeline import SampleTimeline, SequenceTimeline, Span
+from dtrain.data.user_source import UserMinibatchSource
 
 __all__ = ["Deserializer", "Minibatch", "MinibatchSource", "StreamDeserializer"]
 
@@ -35,8 +36,9 @@ _STATE_KEYS = ("position", "seed", "samples_per_sweep", "randomize")
 _SEQUENCE_STATE_KEYS = _STATE_KEYS + ("sequences_per_sweep", "defining_stream", "length_bucketing")
 
 
-class MinibatchSource:
-    """Read a deserializer as an infinite sequence of sweeps, in global minibatches.
+class MinibatchSource(UserMinibatchSource):
+    """Read a deserializer as an infinite sequence of sweeps, in global minibatches (a
+    :class:`~dtrain.data.UserMinibatchSource` that declares everything the session reads).
 
     Sweep ``s`` covers timeline positions ``[s*M, (s+1)*M)`` (``M`` sequences; a sample of data
     without sequences is a sequence of one step) and, with ``randomize``, visits the data in a

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from dtrain.advice import LONGER_WARM_START, Advice
 from dtrain.comm.base import AsyncHandle
 
 
@@ -126,6 +127,17 @@ class Exchange(ByteCounters, abc.ABC):
     def describe_plan(self) -> str:
         """The start-up summary's words: :meth:`describe` and, where a strategy has one, how it runs on this job."""
         return self.describe()
+
+    def collapse_advice(self, sent: str) -> Advice:
+        """What this strategy may have done to a run that diverged or collapsed, where several ranks sum ``sent``
+        (``"gradients"``, ``"model changes"``) through it: nothing when lossless; else its compression, and a
+        longer warm start where it needs one (``needs_warm_start``) or the float32 exchange where it does not."""
+        if self.lossless:
+            return Advice()
+        if self.needs_warm_start:
+            return Advice((f"{sent} compressed by {self.describe()} started too early",), (LONGER_WARM_START,))
+        return Advice((f"{sent} compressed by {self.describe()}",),
+                      ("exchange them in float32 (learner/exchange=allreduce)",))
 
     def count_steps_as(self, step_name: str) -> None:
         """Told by the learner when it is built what one exchange step is (``"step"`` or ``"sync"``): a strategy

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dtrain.advice import Advice
 from dtrain.comm.base import HostGroups
 from dtrain.exchange.base import Exchange, ThreadedExchange, full_precision_allreduce_bytes
 
@@ -65,6 +66,10 @@ class BetweenHosts(ThreadedExchange):
     def needs_warm_start(self) -> bool:  # type: ignore[override]
         """The wrapped strategy's (k-bit asks for a float32 warm start)."""
         return self.inner.needs_warm_start
+
+    def collapse_advice(self, sent: str) -> Advice:
+        """The wrapped strategy's (the host sums are exact)."""
+        return self.inner.collapse_advice(sent)
 
     @property
     def holds_adam_variance(self) -> bool:  # type: ignore[override]

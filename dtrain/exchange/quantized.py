@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dtrain.advice import LONGER_WARM_START, Advice
 from dtrain.compress.quantizer import Workspace, dequantize, quantize_with_feedback
 from dtrain.compress.stripes import StripeLayout, decode_message, encode_message, stripe_of
 from dtrain.exchange.base import (
@@ -492,6 +493,16 @@ class Quantized(ThreadedExchange):
     def requantizes_sums(self) -> bool:
         """Whether sums are re-quantized on this job (see :meth:`sum_form`)."""
         return self.sum_form().requantize
+
+    def collapse_advice(self, sent: str) -> Advice:
+        """k-bit ``sent`` started too early: a longer warm start, more bits, and summing without re-quantizing
+        where this job re-quantizes (:meth:`requantizes_sums`)."""
+        changes = [LONGER_WARM_START]
+        if self.num_bits < 32:
+            changes.append(f"use more bits ({self.num_bits + 1} or more: learner.exchange.num_bits)")
+        if self.requantizes_sums():
+            changes.append("sum the workers' codes without re-quantizing them (learner.exchange.requantize_sum=false)")
+        return Advice((f"{self.num_bits}-bit {sent} started too early",), tuple(changes))
 
     def _exchange_for(self, key: Hashable) -> QuantizedExchange:
         exchange = self._exchanges.get(key)

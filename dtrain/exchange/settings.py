@@ -7,12 +7,13 @@ from typing import Any, Optional
 
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, register_rule, settings_rule
+from dtrain.rules import KeyChecks, StrictBool, register_rule, register_schema, settings_rule
 
 
 # -- exchange strategies (conf/learner/exchange: ``learner/exchange=NAME``) --------------------------
 
 
+@register_schema("schema/learner/exchange", "allreduce")
 @dataclass
 class AllReduceExchangeConfig:
     """``dtrain.exchange.AllReduce``: a full-precision SUM all-reduce."""
@@ -20,6 +21,7 @@ class AllReduceExchangeConfig:
     _target_: str = "dtrain.exchange.AllReduce"
 
 
+@register_schema("schema/learner/exchange", "quantized")
 @dataclass
 class QuantizedExchangeConfig:
     """``dtrain.exchange.Quantized``: k-bit codes with two-sided error feedback."""
@@ -31,6 +33,7 @@ class QuantizedExchangeConfig:
     #                                     auto: false at 2 workers and at 1 bit up to 8 (docs/semantics.md#two-phase-exchange)
 
 
+@register_schema("schema/learner/exchange", "compressed")
 @dataclass
 class CompressedExchangeConfig:
     """``dtrain.exchange.CompressedAllReduce``: the pre-divided gradients all-reduced as bf16 or fp16."""
@@ -39,6 +42,7 @@ class CompressedExchangeConfig:
     dtype: str = "bf16"                 # bf16 or fp16
 
 
+@register_schema("schema/learner/exchange", "powersgd")
 @dataclass
 class PowerSGDExchangeConfig:
     """``dtrain.exchange.PowerSGD``: rank-r low-rank compression with error feedback and warm start

@@ -6,6 +6,7 @@ the subclass's update and advances the sample clock); :class:`LocalLearner` is `
 (local steps, a sync of the model deltas every block through any exchange strategy) are the bases
 to subclass for a distributed learner of your own (see ``docs/writing-a-learner.md``).
 """
+from dtrain.advice import Advice
 from dtrain.learners.base import Learner, LocalLearner
 from dtrain.learners.block import BlockLearner
 from dtrain.learners.block_momentum import BlockMomentumLearner, block_momentum_distributed_learner
@@ -21,8 +22,8 @@ from dtrain.learners.two_level import (
 )
 
 __all__ = [
-    "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner", "LocalLearner",
-    "LocalSGDLearner", "ReplicatedLearner", "TwoLevelBlockMomentumLearner", "TwoLevelDataParallelLearner",
-    "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner", "block_momentum_distributed_learner",
-    "data_parallel_distributed_learner",
+    "Advice", "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner",
+    "LocalLearner", "LocalSGDLearner", "ReplicatedLearner", "TwoLevelBlockMomentumLearner",
+    "TwoLevelDataParallelLearner", "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner",
+    "block_momentum_distributed_learner", "data_parallel_distributed_learner",
 ]

@@ -15,13 +15,17 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import torch
 
+from dtrain.advice import Advice
 from dtrain.comm.local import LocalCommunicator
 from dtrain.learners.settings import DISTRIBUTED_AFTER
 from dtrain.rules import check_settings
+
+if TYPE_CHECKING:  # the local learner never needs the strategies
+    from dtrain.exchange import Exchange
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,11 @@ class Learner(abc.ABC):
     bytes_sent_last_step: int | None = None
     #: of those, the bytes that crossed to other hosts (``None``: a learner that does not tell hosts apart)
     bytes_between_hosts_last_step: int | None = None
+    #: the strategy this learner sums through (``None``: a learner that exchanges nothing); the collapse advice
+    #: and the start-up note read it
+    exchange: Exchange | None = None
+    #: what travels through :attr:`exchange`, in the collapse advice's words (``"model changes"`` for block learners)
+    exchanged: str = "gradients"
     _kind_is_class_name = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -325,6 +334,30 @@ class Learner(abc.ABC):
         warm_start = f", local training on the full stream for the first {self.distributed_after:,} samples{auto}" \
             if self.distributed_after and self.comm.size > 1 else ""
         return f"learner {self.kind}{warm_start}"
+
+    def label(self) -> str:
+        """The learner as notes name it: its kind, and its exchange where that is not exact (``data_parallel
+        (1-bit exchange)`` for ``learner=quantized``)."""
+        if self.exchange is None or self.exchange.lossless:
+            return self.kind
+        return f"{self.kind} ({self.exchange.describe()} exchange)"
+
+    def automatic_settings(self) -> list[str]:
+        """This learner's settings derived from the run (``"auto"``), as ``learner.NAME``, where they make it
+        communicate less than ``data_parallel``; the short-run note names them (``dtrain.session.short_run``).
+        Here the warm start; subclasses add theirs. Empty on one worker."""
+        if self.comm.size == 1:
+            return []
+        return ["learner.distributed_after"] if self.distributed_after_is_auto and self.distributed_after > 0 else []
+
+    def collapse_advice(self) -> Advice:
+        """What to change when training with this learner diverged or collapsed back to chance, naming only what
+        this run uses: the learning rate; on several workers what :attr:`exchange` may have done to
+        :attr:`exchanged`. Subclasses add their own causes (``super().collapse_advice() + Advice(...)``)."""
+        advice = Advice(("a learning rate too high for this learner",), ("lower optimizer.lr",))
+        if self.comm.size > 1 and self.exchange is not None:
+            advice += self.exchange.collapse_advice(self.exchanged)
+        return advice
 
     def progress_note(self) -> str:
         """A short note for progress lines (e.g. bytes sent per step); empty when there is nothing to say."""

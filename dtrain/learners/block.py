@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dtrain.advice import Advice
 from dtrain.exchange import Exchange, full_precision_allreduce_bytes
 from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
@@ -157,6 +158,7 @@ class BlockLearner(Learner):
     kind = "block"
     keeps_outer_state: bool = True
     """Whether :attr:`smoothed_gradient` (the outer step's flat state, zero at the start) is kept."""
+    exchanged = "model changes"
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
@@ -340,6 +342,21 @@ class BlockLearner(Learner):
         if not self._bytes_sent_last_sync:
             return float("nan")
         return self._full_precision_bytes_last_sync / self._bytes_sent_last_sync
+
+    def automatic_settings(self) -> list[str]:
+        """The base's, and ``learner.block_size`` where it is ``"auto"``."""
+        block = ["learner.block_size"] if self.comm.size > 1 and self.block_size_is_auto else []
+        return super().automatic_settings() + block
+
+    def collapse_advice(self) -> Advice:
+        """The base's, and on several workers local steps from an untrained model: a longer start on one model
+        (the exchange's longer warm start says the same where it asks for one)."""
+        advice = super().collapse_advice()
+        if self.comm.size > 1:
+            change = () if self.exchange.needs_warm_start else \
+                ("train longer on one model first (learner.distributed_after=SAMPLES)",)
+            advice += Advice(("local steps started from an untrained model",), change)
+        return advice
 
     def progress_note(self) -> str:
         """Bytes this rank sent in the last sync, and with a compressing strategy the saving

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dtrain import checks
+from dtrain.advice import Advice
 from dtrain.exchange import AllReduce, Exchange, Quantized
 from dtrain.learners._buckets import GradientBucket, InPlaceBucket, is_in_place, plan_gradient_buckets
 from dtrain.learners.base import AUTO, RunFacts, auto_warm_start, bind_exchange, exchange_identity
@@ -251,6 +252,18 @@ class DataParallelLearner(ReplicatedLearner):
 
     def _frozen_note(self) -> str:
         return ", the optimizer's variance frozen from then on" if self.freeze_variance else ""
+
+    def automatic_settings(self) -> list[str]:
+        """The base's, and ``learner.freeze_variance`` where ``"auto"`` holds Adam's variance."""
+        held = self.comm.size > 1 and self.freeze_variance_setting == AUTO and self.freeze_variance
+        return super().automatic_settings() + (["learner.freeze_variance"] if held else [])
+
+    def collapse_advice(self) -> Advice:
+        """The base's, and letting Adam's variance follow the gradients where it is held (:attr:`freeze_variance`)."""
+        advice = super().collapse_advice()
+        if self.comm.size > 1 and self.freeze_variance:
+            advice += Advice((), ("let the optimizer's variance follow the gradients (learner.freeze_variance=false)",))
+        return advice
 
     # -- statistics --------------------------------------------------------------------------------
     @property

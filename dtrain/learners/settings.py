@@ -8,12 +8,14 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_problems, settings_rule
+from dtrain.rules import (KeyChecks, StrictBool, fraction as _fraction, register_rule, register_schema,
+                          settings_problems, settings_rule)
 
 
 # -- learners -------------------------------------------------------------------------------------
 
 
+@register_schema("schema/learner", "local")
 @dataclass
 class LocalLearnerConfig:
     """The torch optimizer alone, one process: ``dtrain.learners.Learner``."""
@@ -22,6 +24,7 @@ class LocalLearnerConfig:
     distributed_after: int = 0
 
 
+@register_schema("schema/learner", "data_parallel")
 @dataclass
 class DataParallelLearnerConfig:
     """``data_parallel_distributed_learner``: gradients averaged over all workers every minibatch.
@@ -39,6 +42,7 @@ class DataParallelLearnerConfig:
     freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: 1-bit sums only
 
 
+@register_schema("schema/learner", "block_momentum")
 @dataclass
 class BlockMomentumLearnerConfig:
     """``block_momentum_distributed_learner`` (BMUF): local steps, a filtered model sync every block."""
@@ -55,6 +59,7 @@ class BlockMomentumLearnerConfig:
     momentum_correction: StrictBool = True  # sg x (this block's lr / the last's) when the schedule changes the lr
 
 
+@register_schema("schema/learner", "diloco")
 @dataclass
 class DiLoCoLearnerConfig:
     """``dtrain.learners.DiLoCoLearner``: block momentum's blocks with DiLoCo's outer Nesterov SGD step."""
@@ -69,6 +74,7 @@ class DiLoCoLearnerConfig:
     momentum_correction: StrictBool = True  # velocity x (this block's lr / the last's) when the schedule changes it
 
 
+@register_schema("schema/learner", "local_sgd")
 @dataclass
 class LocalSGDLearnerConfig:
     """``dtrain.learners.LocalSGDLearner``: local steps, the workers' models averaged every block."""
@@ -79,6 +85,7 @@ class LocalSGDLearnerConfig:
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
 
 
+@register_schema("schema/learner", "two_level_diloco")
 @dataclass
 class TwoLevelDiLoCoLearnerConfig(DiLoCoLearnerConfig):
     """``dtrain.learners.TwoLevelDiLoCoLearner``: exact data parallel inside each host (``comm.ranks_per_host``
@@ -87,6 +94,7 @@ class TwoLevelDiLoCoLearnerConfig(DiLoCoLearnerConfig):
     _target_: str = "dtrain.learners.TwoLevelDiLoCoLearner"
 
 
+@register_schema("schema/learner", "two_level_block_momentum")
 @dataclass
 class TwoLevelBlockMomentumLearnerConfig(BlockMomentumLearnerConfig):
     """``dtrain.learners.TwoLevelBlockMomentumLearner``: exact data parallel inside each host, BMUF between hosts."""
@@ -94,6 +102,7 @@ class TwoLevelBlockMomentumLearnerConfig(BlockMomentumLearnerConfig):
     _target_: str = "dtrain.learners.TwoLevelBlockMomentumLearner"
 
 
+@register_schema("schema/learner", "two_level_local_sgd")
 @dataclass
 class TwoLevelLocalSGDLearnerConfig(LocalSGDLearnerConfig):
     """``dtrain.learners.TwoLevelLocalSGDLearner``: exact data parallel inside each host, local SGD between hosts."""
@@ -101,6 +110,7 @@ class TwoLevelLocalSGDLearnerConfig(LocalSGDLearnerConfig):
     _target_: str = "dtrain.learners.TwoLevelLocalSGDLearner"
 
 
+@register_schema("schema/learner", "two_level_data_parallel")
 @dataclass
 class TwoLevelDataParallelLearnerConfig:
     """``dtrain.learners.TwoLevelDataParallelLearner``: every step, gradients summed exactly inside each host

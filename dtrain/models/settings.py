@@ -9,12 +9,13 @@ from typing import Any
 from omegaconf import MISSING
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, settings_rule
+from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, register_rule, register_schema, settings_rule
 
 
 # -- models ---------------------------------------------------------------------------------------
 
 
+@register_schema("schema/model", "digits_cnn")
 @dataclass
 class DigitsCNNConfig:
     _target_: str = "dtrain.models.DigitsCNN"
@@ -24,6 +25,7 @@ class DigitsCNNConfig:
     batch_norm: StrictBool = False      # Conv-BatchNorm-ReLU (docs/batchnorm.md)
 
 
+@register_schema("schema/model", "cifar10_convnet")
 @dataclass
 class ConvNetCIFAR10Config:
     _target_: str = "dtrain.models.ConvNetCIFAR10"
@@ -31,6 +33,7 @@ class ConvNetCIFAR10Config:
     dropout: float = 0.5
 
 
+@register_schema("schema/model", "resnet50")
 @dataclass
 class ResNet50Config:
     """``dtrain.models.ResNet50``; ``width`` 64 is the paper's network (smaller for quick tests)."""
@@ -41,6 +44,7 @@ class ResNet50Config:
     zero_init_residual: StrictBool = False
 
 
+@register_schema("schema/model", "char_transformer")
 @dataclass
 class CharTransformerConfig:
     """``dtrain.models.CharTransformer``: a GPT-style character language model."""
@@ -54,6 +58,7 @@ class CharTransformerConfig:
     dropout: float = 0.0
 
 
+@register_schema("schema/model", "seq2seq_transformer")
 @dataclass
 class Seq2SeqTransformerConfig:
     """``dtrain.models.Seq2SeqTransformer``: a transformer encoder-decoder (grapheme-to-phoneme)."""

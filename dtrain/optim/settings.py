@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, StrictBool, fraction, register_rule, settings_problems
+from dtrain.rules import KeyChecks, StrictBool, fraction, register_rule, register_schema, settings_problems
 
 
 
@@ -74,9 +74,11 @@ def problems(node: Any, name: str) -> list[str]:
     return settings_problems(OPTIMIZER, node, name)
 
 
-#: (config name, schema) of each option; ``dtrain.config`` registers the schemas, and :func:`problems` is their rule
+#: (config name, schema) of each option; each is registered as ``schema/optimizer/<name>``, and :func:`problems`
+#: is their rule
 OPTIONS: dict[str, type] = {"lars": LARSConfig, "lamb": LAMBConfig, "rmsprop_warmup_sgd": RMSpropWarmupSGDConfig}
 
 
-for _schema in OPTIONS.values():
+for _name, _schema in OPTIONS.items():
+    register_schema("schema/optimizer", _name, _schema)
     register_rule(_schema._target_, problems)

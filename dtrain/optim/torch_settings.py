@@ -7,12 +7,14 @@ from omegaconf import DictConfig
 
 from dtrain import checks
 from dtrain.optim.settings import OPTIMIZER
-from dtrain.rules import KeyChecks, StrictBool, fraction as _fraction, key_problems as _check, register_rule, settings_rule
+from dtrain.rules import (KeyChecks, StrictBool, fraction as _fraction, key_problems as _check, register_rule,
+                          register_schema, settings_rule)
 
 
 # -- optimizers (partial: the parameters are passed when the model exists) -------------------------
 
 
+@register_schema("schema/optimizer", "sgd")
 @dataclass
 class SGDConfig:
     """``torch.optim.SGD``; ``lr`` is per minibatch of the mean loss (PyTorch's convention)."""
@@ -26,6 +28,7 @@ class SGDConfig:
     nesterov: StrictBool = False
 
 
+@register_schema("schema/optimizer", "adam")
 @dataclass
 class AdamConfig:
     """``dtrain.optimizers.Adam`` (``torch.optim.Adam`` with CNTK's names for its two averages).
@@ -44,6 +47,7 @@ class AdamConfig:
     weight_decay: float = 0.0
 
 
+@register_schema("schema/optimizer", "adamw")
 @dataclass
 class AdamWConfig(AdamConfig):
     """``dtrain.optimizers.AdamW`` (``torch.optim.AdamW``, decoupled weight decay, with CNTK's names

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from dtrain.data.user_source import UserMinibatchSource
 from dtrain.session.configs import action_frequency
 from dtrain.session.checkpoint import CheckpointError, CheckpointFiles, load, load_latest_valid
 
@@ -50,19 +51,19 @@ def _qualified_name(value: Any) -> str:
 
 
 def learner_identity(learner) -> dict[str, Any]:
-    """What a learner's checkpoint must match: ``learner.checkpoint_identity()`` when it has one,
-    else its kind; plus the optimizer's type (optimizer state only fits the same optimizer)."""
-    own = learner.checkpoint_identity() if hasattr(learner, "checkpoint_identity") else {"kind": learner.kind}
-    return {**own, "optimizer": _qualified_name(learner.optimizer)}
+    """What a learner's checkpoint must match: ``learner.checkpoint_identity()`` (its kind, and what the learner
+    adds), plus the optimizer's type (optimizer state only fits the same optimizer)."""
+    return {**learner.checkpoint_identity(), "optimizer": _qualified_name(learner.optimizer)}
 
 
-def source_identity(source) -> dict[str, Any]:
-    """What a training source's checkpoint must match: ``source.checkpoint_identity()`` when it has
+def source_identity(source: UserMinibatchSource) -> dict[str, Any]:
+    """What a training source's checkpoint must match: ``source.checkpoint_identity()`` when it declares
     one, else the deserializer's type, size, feature shape and classes (two-stream data) or its type,
     sequences and streams (named streams); where the files lie may change."""
-    if hasattr(source, "checkpoint_identity"):
-        return source.checkpoint_identity()
-    data = getattr(source, "deserializer", None)
+    own = source.checkpoint_identity()
+    if own is not None:
+        return own
+    data = source.deserializer
     if data is None:
         return {"source": _qualified_name(source)}
     if hasattr(data, "checkpoint_identity"):
@@ -70,10 +71,9 @@ def source_identity(source) -> dict[str, Any]:
     if hasattr(data, "feature_shape"):
         return {"deserializer": _qualified_name(data), "num_samples": _plain(data.num_samples),
                 "feature_shape": _plain(data.feature_shape), "num_classes": _plain(data.num_classes)}
-    streams = getattr(source, "streams", {})
     return {"deserializer": _qualified_name(data), "num_sequences": _plain(getattr(data, "num_sequences", None)),
             "streams": {name: [_plain(info.shape), str(info.dtype), bool(info.is_sequence), _plain(info.num_classes)]
-                        for name, info in streams.items()}}
+                        for name, info in source.streams.items()}}
 
 
 def _plain(value: Any) -> Any:

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from dtrain.advice import Advice
 from dtrain.data.streams import Sequences
 from dtrain.session.objectives import SequenceCrossEntropy
 
@@ -79,38 +80,14 @@ def average_weight(samples: int) -> float:
 
 
 def training_advice(learner, precision: str = "32") -> str:
-    """What to change when training diverged or collapsed, naming only what this run uses: the learning
-    rate always; a lossy exchange (its warm start, its bits) only when several ranks exchange that way;
-    local SGD's warm start only for a block learner on several ranks; fp16 only in fp16."""
-    several = learner.comm.size > 1
-    exchange = getattr(learner, "exchange", None)
-    causes, changes = ["a learning rate too high for this learner"], ["lower optimizer.lr"]
-    if several and exchange is not None and getattr(exchange, "needs_warm_start", False):
-        bits = getattr(exchange, "num_bits", None)
-        what = f"{bits}-bit gradients" if bits is not None else f"gradients compressed by {exchange.describe()}"
-        causes.append(f"{what} started too early")
-        changes.append("give a longer full-precision warm start (learner.distributed_after=SAMPLES, 'auto' by default)")
-        if bits is not None and bits < 32:
-            changes.append(f"use more bits ({bits + 1} or more: learner.exchange.num_bits)")
-        if getattr(learner, "freeze_variance", False):
-            changes.append("let the optimizer's variance follow the gradients (learner.freeze_variance=false)")
-        if getattr(exchange, "requantizes_sums", lambda: False)():
-            changes.append("sum the workers' codes without re-quantizing them (learner.exchange.requantize_sum=false)")
-    elif several and exchange is not None and not getattr(exchange, "lossless", True):
-        causes.append(f"gradients compressed by {exchange.describe()}")
-        changes.append("exchange them in float32 (learner/exchange=allreduce)")
-    elif several and learner.kind in ("block_momentum", "diloco", "local_sgd", "two_level_diloco",
-                                                  "two_level_local_sgd"):
-        causes.append("local steps started from an untrained model")
-        changes.append("train longer on one model first (learner.distributed_after=SAMPLES)")
+    """What to change when training diverged or collapsed, naming only what this run uses: what the learner
+    declares (:meth:`~dtrain.learners.Learner.collapse_advice`: the learning rate, its exchange and its own
+    steps on several ranks), and fp16 only in fp16."""
+    advice = learner.collapse_advice()
     if precision == "fp16":
-        causes.append("float16 overflowing (its largest value is 65,504)")
-        changes.append("train in bf16 (session.precision=bf16)")
-    return (f"the likely cause is {_listed(causes)}; {_listed(changes)}")
-
-
-def _listed(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f", or {items[-1]}"
+        advice += Advice(("float16 overflowing (its largest value is 65,504)",),
+                         ("train in bf16 (session.precision=bf16)",))
+    return advice.told()
 
 
 class LossRecord(NamedTuple):

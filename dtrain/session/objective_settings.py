@@ -8,7 +8,7 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from dtrain import checks
-from dtrain.rules import KeyChecks, fraction as _fraction, register_rule, settings_rule
+from dtrain.rules import KeyChecks, fraction as _fraction, register_rule, register_schema, settings_rule
 
 
 # -- losses and metrics (conf/loss, conf/metric) ----------------------------------------------------
@@ -16,6 +16,7 @@ from dtrain.rules import KeyChecks, fraction as _fraction, register_rule, settin
 # ``metric/NAME.yaml``) of a ``--config-dir`` and needs no schema.
 
 
+@register_schema("schema/loss", "cross_entropy")
 @dataclass
 class CrossEntropyLossConfig:
     """``torch.nn.CrossEntropyLoss``: integer class labels, mean over the minibatch."""
@@ -24,6 +25,7 @@ class CrossEntropyLossConfig:
     label_smoothing: float = 0.0
 
 
+@register_schema("schema/loss", "mse")
 @dataclass
 class MSELossConfig:
     """``dtrain.session.MSELoss``: float regression targets, outputs ``[n, 1]`` meet labels ``[n]``."""
@@ -31,6 +33,7 @@ class MSELossConfig:
     _target_: str = "dtrain.session.MSELoss"
 
 
+@register_schema("schema/loss", "sequence_cross_entropy")
 @dataclass
 class SequenceCrossEntropyConfig:
     """``dtrain.session.SequenceCrossEntropy``: cross-entropy over the real steps of a sequence target (token mean)."""
@@ -39,6 +42,7 @@ class SequenceCrossEntropyConfig:
     label_smoothing: float = 0.0
 
 
+@register_schema("schema/metric", "sequence_error")
 @dataclass
 class SequenceErrorConfig:
     """``dtrain.session.SequenceError``: sequences with any wrong step, averaged over sequences."""
@@ -46,6 +50,7 @@ class SequenceErrorConfig:
     _target_: str = "dtrain.session.SequenceError"
 
 
+@register_schema("schema/metric", "classification_error")
 @dataclass
 class ClassificationErrorConfig:
     """``dtrain.session.ClassificationError``: the fraction misclassified, reported as ``error``."""
@@ -53,6 +58,7 @@ class ClassificationErrorConfig:
     _target_: str = "dtrain.session.ClassificationError"
 
 
+@register_schema("schema/metric", "perplexity")
 @dataclass
 class PerplexityConfig:
     """``dtrain.session.Perplexity``: exp of the mean cross-entropy per step (nats), reported as ``perplexity``."""
@@ -60,6 +66,7 @@ class PerplexityConfig:
     _target_: str = "dtrain.session.Perplexity"
 
 
+@register_schema("schema/metric", "wer")
 @dataclass
 class DecodingErrorsConfig:
     """``dtrain.session.DecodingErrors``: word and token error rates of decoded outputs (``wer``, ``per``),
@@ -75,6 +82,7 @@ class DecodingErrorsConfig:
     beam_size: int = 1
 
 
+@register_schema("schema/metric", "top5_error")
 @dataclass
 class TopKErrorConfig:
     """``dtrain.session.TopKError``: label not among the ``k`` largest outputs, reported as ``top<k>_error``."""
@@ -83,6 +91,7 @@ class TopKErrorConfig:
     k: int = 5
 
 
+@register_schema("schema/metric", "mean_abs_error")
 @dataclass
 class MeanAbsoluteErrorConfig:
     """``dtrain.session.MeanAbsoluteError``: for regression, reported as ``mean_abs_error``."""

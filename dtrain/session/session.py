@@ -20,6 +20,7 @@ from dtrain import checks
 from dtrain.comm.launcher import check_one_copy_wanted
 from dtrain.data.errors import DataError
 from dtrain.data.streams import WHOLE_MINIBATCH
+from dtrain.data.user_source import as_source
 from dtrain.learners.base import Learner, RunFacts
 from dtrain.rules import check_settings
 from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
@@ -202,6 +203,9 @@ class TrainingSession:
             raise TypeError(f"learner must be a dtrain Learner (wrap your optimizer), got {type(learner).__name__}")
         if minibatch_source is None or minibatch_size is None:
             raise TypeError("training_session needs a minibatch_source and a minibatch_size")
+        source_name = type(minibatch_source).__name__
+        # read only through the declared interface from here on (a source of one's own is wrapped once)
+        minibatch_source = as_source(minibatch_source)
         objective_call, metric = loss_or_objective(loss, objective, metric, inputs, sync_batchnorm)
         sizes = {} if isinstance(minibatch_size, Schedule) else {"minibatch_size": minibatch_size}
         check_settings(TRAINING_SESSION, **sizes, max_samples=max_samples, progress_frequency=progress_frequency,
@@ -247,13 +251,14 @@ class TrainingSession:
         self.source = minibatch_source
         self.binding = StreamBinding(inputs if objective_call is None else WHOLE_MINIBATCH, target)
         self.sources = {"the training data": minibatch_source,
-                        "the cross-validation data": cv_config.minibatch_source if cv_config else None,
-                        "the test data": test_config.minibatch_source if test_config else None}
+                        "the cross-validation data": as_source(cv_config.minibatch_source) if cv_config else None,
+                        "the test data": as_source(test_config.minibatch_source) if test_config else None}
         defining_stream_note = bind_sources(self.binding, self.sources)
         check_model_against_data(model, self.binding, self.sources)
         if objective_call is None:
             check_loss_takes_target(loss, metric, self.binding, minibatch_source)
-        size_sweeps((self.minibatch_size, lr_schedule, momentum_time_constant_schedule), minibatch_source)
+        size_sweeps((self.minibatch_size, lr_schedule, momentum_time_constant_schedule),
+                    minibatch_source.samples_per_sweep, source_name)
         self.max_samples = max_samples
         self.checkpoint_config = checkpoint_config
         self.cv_config = cv_config
@@ -316,7 +321,7 @@ class TrainingSession:
                                    check_compile=self.forward_model is not self.model,
                                    binding=self.binding, check_first=first_minibatch_check(minibatch_source),
                                    batchnorm_sync=self.batchnorm_sync,
-                                   count_padding=bool(getattr(minibatch_source, "has_sequences", False)),
+                                   count_padding=bool(minibatch_source.has_sequences),
                                    objective=objective_call)
         self.progress = ProgressReports(learner, self.measures, self._collapse, self._advice)
         self.evaluations = EvaluationPasses(
@@ -453,7 +458,7 @@ class TrainingSession:
         self.model.to(self.device)
         if self.ema is not None:
             self.ema.to(self.device)
-        self.learner.plan(RunFacts(samples_per_sweep=getattr(self.source, "samples_per_sweep", None),
+        self.learner.plan(RunFacts(samples_per_sweep=self.source.samples_per_sweep,
                                    max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0)),
                                    warmup_samples=self._lr_warmup_samples()))
         self.learner.prepare(self.model)

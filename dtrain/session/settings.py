@@ -10,7 +10,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dtrain import checks
 from dtrain.data.settings import _stream_reference_problems
-from dtrain.rules import KeyChecks, StrictBool, key_problems as _check, plain as _plain, settings_problems
+from dtrain.rules import (KeyChecks, StrictBool, key_problems as _check, plain as _plain, register_schema,
+                          settings_problems)
 from dtrain.session.configs import CROSS_VALIDATION, TEST, CheckpointConfig, checkpoint_problems
 from dtrain.session.lr_scaling import lr_scaling_problems
 from dtrain.session.profiling import PROFILE
@@ -58,6 +59,7 @@ class ProfileSettings:
     ranks: str = "main"                 # main: rank 0 only; all: every rank writes its own trace
 
 
+@register_schema("schema/session", "session")
 @dataclass
 class SessionConfig:
     """``training_session`` settings; every size and frequency counts global samples."""

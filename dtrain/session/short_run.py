@@ -5,38 +5,15 @@ The settings a learner derives from the run (a warm start of a quarter of it, bl
 warm-up ends early in the run and the schedule lowers the rate before the end. A recipe shortened with
 ``session.max_samples`` keeps its schedule's lengths, so it may warm up for most of the run and never lower
 the rate: there these settings were measured behind ``data_parallel``, and the note says so and what to set.
+The learner declares its automatic settings and the name the note uses (``Learner.automatic_settings``,
+``Learner.label``).
 """
 from __future__ import annotations
 
-from dtrain.learners.base import AUTO, WARM_START_FRACTION
+from dtrain.learners.base import WARM_START_FRACTION
 
 #: the start-up line's reference for the promise's conditions
 CONDITIONS = "docs/learners.md#defaults-that-work"
-
-
-def automatic_settings(learner) -> list[str]:
-    """The learner's settings derived from the run, as ``learner.NAME``, for a learner that communicates less
-    than ``data_parallel``: its warm start, its block and its held variance where they are ``auto``. Empty for
-    a learner with none (``data_parallel``'s exact all-reduce, every setting given, one worker)."""
-    if learner.comm.size == 1:
-        return []
-    settings = []
-    if getattr(learner, "distributed_after_is_auto", False) and learner.distributed_after > 0:
-        settings.append("learner.distributed_after")
-    if getattr(learner, "block_size_is_auto", False):
-        settings.append("learner.block_size")
-    if getattr(learner, "freeze_variance_setting", None) == AUTO and getattr(learner, "freeze_variance", False):
-        settings.append("learner.freeze_variance")
-    return settings
-
-
-def learner_label(learner) -> str:
-    """The learner as its start-up note names it: its kind, and the exchange it was chosen for where that is not the
-    plain all-reduce (``data_parallel (1-bit exchange)`` for ``learner=quantized``)."""
-    exchange = getattr(learner, "exchange", None)
-    if exchange is None or getattr(exchange, "lossless", True):
-        return learner.kind
-    return f"{learner.kind} ({exchange.describe()} exchange)"
 
 
 def short_run_note(kind: str, settings: list[str], max_samples: int | None, warmup_samples: int,

@@ -13,7 +13,7 @@ from dtrain.session.lr_scaling import LearningRateScaling, lr_warmup_samples
 from dtrain.session.objective_call import ObjectiveCall
 from dtrain.session.precision import bf16_cpu_note
 from dtrain.session.profiling import StepProfiler
-from dtrain.session.short_run import automatic_settings, learner_label, short_run_note
+from dtrain.session.short_run import short_run_note
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,16 @@ class StartupLines:
         parts = [f"training {sum(p.numel() for p in self.model.parameters()):,} parameters on {_device_name(self.device)}",
                  f"{size} worker{'s' if size > 1 else ''}" + (f" ({self.comm.backend})" if size > 1 else ""),
                  f"global minibatch {mb} ({mb // size}-{-(-mb // size)} per worker)"]
-        if settings.max_samples is not None:
-            sweeps = settings.max_samples / self.source.samples_per_sweep
-            parts.append(f"{settings.max_samples:,} samples ({sweeps:.3g} sweeps of {self.source.samples_per_sweep:,})")
+        sweep = self.source.samples_per_sweep
+        if settings.max_samples is not None:  # in sweeps where the source says how long one is
+            parts.append(f"{settings.max_samples:,} samples" + (f" ({settings.max_samples / sweep:.3g} sweeps of "
+                                                                 f"{sweep:,})" if sweep else ""))
         printer.line("dtrain: " + ", ".join(parts))
         if self.objective is not None:
             counted = self.binding.target.text if self.binding.target is not None else "the minibatch"
             printer.line(f"dtrain: objective {self.objective.name}(model, minibatch), samples counted in {counted}"
                          + (f"; {stream_note}" if stream_note else ""))
-        elif getattr(self.source, "has_sequences", False) or not self.binding.is_default:
+        elif self.source.has_sequences or not self.binding.is_default:
             printer.line(f"dtrain: {self.binding.describe()}" + (f"; {stream_note}" if stream_note else ""))
         printer.line("dtrain: " + self.learner.describe() + _one_process_note(self.learner, size))
         options = [f"precision {settings.precision}" if settings.precision != "32" else "",
@@ -101,7 +102,7 @@ class StartupLines:
         """A note when the run is too short for the learner's automatic settings (``dtrain.session.short_run``)."""
         settings = self.settings
         change = _first_lr_change(settings.lr_schedule)
-        return short_run_note(learner_label(self.learner), automatic_settings(self.learner), settings.max_samples,
+        return short_run_note(self.learner.label(), self.learner.automatic_settings(), settings.max_samples,
                               lr_warmup_samples(settings.lr_schedule, settings.lr_scaling),
                               change[0] if change is not None else None)
 

@@ -15,18 +15,19 @@ import torch
 
 from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
+from dtrain.data.user_source import UserMinibatchSource
 from dtrain.session.binding import StreamBinding
 
 __all__ = ["bind_sources", "check_loss_takes_target", "check_model_against_data", "check_target_steps",
            "first_minibatch_check", "ids_past_the_model"]
 
 
-def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
+def bind_sources(binding: StreamBinding, sources: Mapping[str, UserMinibatchSource | None]) -> str:
     """Checks ``binding`` against every source's streams, and counts samples in the target's steps in
     each source with sequences that names no defining stream of its own (``use_defining_stream``).
 
     ``sources``: ``what -> source or None`` (``what`` names it in messages, e.g. "the training data";
-    the first is the training source). Sources without ``streams`` (your own objects) are not checked.
+    the first is the training source). A source that declares no ``streams`` (your own) is not checked.
     Returns the start-up note on how the training source counts samples ("" without sequences).
 
     Raises:
@@ -36,25 +37,24 @@ def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
             whole-minibatch target).
     """
     for what, source in sources.items():
-        streams = getattr(source, "streams", None) if source is not None else None
-        if streams is None:
+        streams = source.streams if source is not None else None
+        if not streams:
             continue
         binding.check(streams, what)
         for key, reference in binding.references:  # a step slice that every sequence is too short for
-            if not (reference.is_view and streams[reference.name].is_sequence and hasattr(source, "sequence_lengths")):
+            if not (reference.is_view and streams[reference.name].is_sequence):
                 continue
             lengths = source.sequence_lengths(reference.name)
             if lengths is not None:
                 reference.check_keeps_steps(lengths, f"session.{key}", what,
                                             "the model would read no step" if key != "target" else
                                             "the loss would have no target")
-        if getattr(source, "has_sequences", False) and not source.defining_stream_is_explicit \
-                and binding.target is not None:
+        if source.has_sequences and not source.defining_stream_is_explicit and binding.target is not None:
             source.use_defining_stream(binding.target.text, "session.target")
-        if getattr(source, "has_sequences", False):
+        if source.has_sequences:
             source.samples_per_sweep  # noqa: B018 - raises now when the samples cannot be counted
     train = next(iter(sources.values()), None)
-    if not getattr(train, "has_sequences", False):
+    if train is None or not train.has_sequences:
         return ""
     note = (f"samples are steps of {train.defining_stream} ({train.sequences_per_sweep:,} sequences, "
             f"{train.samples_per_sweep:,} samples per sweep)")
@@ -65,7 +65,8 @@ def bind_sources(binding: StreamBinding, sources: Mapping[str, object]) -> str:
     return note
 
 
-def check_model_against_data(model: torch.nn.Module, binding: StreamBinding, sources: Mapping[str, object]) -> None:
+def check_model_against_data(model: torch.nn.Module, binding: StreamBinding,
+                             sources: Mapping[str, UserMinibatchSource | None]) -> None:
     """Refuses sequences longer than the model's ``context_length`` and input vocabularies larger than
     its ``vocab_size``, where the model declares them (dtrain's language models do).
 
@@ -75,13 +76,11 @@ def check_model_against_data(model: torch.nn.Module, binding: StreamBinding, sou
     context = getattr(model, "context_length", None)
     vocabulary = getattr(model, "vocab_size", None)
     for what, source in sources.items():
-        streams = getattr(source, "streams", None) if source is not None else None
-        if streams is None:
-            continue
+        streams = source.streams if source is not None else {}
         for reference in binding.input_references:
             info = streams.get(reference.name)
-            if context is not None and info is not None and info.is_sequence:
-                lengths = source.sequence_lengths(reference.text)
+            lengths = source.sequence_lengths(reference.text) if info is not None and info.is_sequence else None
+            if context is not None and lengths is not None:
                 longest = int(np.argmax(lengths))
                 if int(lengths[longest]) > int(context):
                     raise ValueError(
@@ -96,11 +95,11 @@ def check_model_against_data(model: torch.nn.Module, binding: StreamBinding, sou
                     f"vocab_size >= {info.num_classes}")
 
 
-def first_minibatch_check(source) -> Callable | None:
+def first_minibatch_check(source: UserMinibatchSource) -> Callable | None:
     """A check of the first training minibatch: every integer stream with a declared ``num_classes`` holds
     ids in ``[0, num_classes)`` (a token outside the vocabulary fails here, with its stream named, instead
     of deep inside an embedding). None when the source declares no such stream."""
-    streams = getattr(source, "streams", None) or {}
+    streams = source.streams
     bounded = {name: info.num_classes for name, info in streams.items()
                if info.num_classes is not None and not info.dtype.is_floating_point}
     if not bounded:
@@ -123,7 +122,7 @@ def first_minibatch_check(source) -> Callable | None:
     return check
 
 
-def check_loss_takes_target(loss, metric, binding: StreamBinding, source) -> None:
+def check_loss_takes_target(loss, metric, binding: StreamBinding, source: UserMinibatchSource) -> None:
     """Refuses one of torch's own losses (or metrics) with a sequence target: they take tensors, and
     would fail at the first step with a message about a ``Sequences`` argument; and a loss or metric
     of class ids with a target of one float per sample (a regression target, such as a CTF numeric
@@ -132,7 +131,7 @@ def check_loss_takes_target(loss, metric, binding: StreamBinding, source) -> Non
     Raises:
         ValueError: naming the loss, the target and the loss to use instead.
     """
-    streams = getattr(source, "streams", None) or {}
+    streams = source.streams
     if binding.target is None or binding.target.name not in streams:
         return
     if not streams[binding.target.name].is_sequence:

@@ -9,13 +9,73 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "conf"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dtrain")
 
 
 def run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(list(command), cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def _defaults_list(path: Path) -> dict[str, str | None]:
+    """``group: option`` entries of a YAML file's defaults list (``null`` where none is chosen)."""
+    entries = (yaml.safe_load(path.read_text()) or {}).get("defaults", [])
+    return {key: value for entry in entries if isinstance(entry, dict) for key, value in entry.items()
+            if not key.startswith("override ") and not key.startswith("/")}
+
+
+def tree_groups(*directories: Path) -> dict[str, tuple[list[str], str | None]]:
+    """``{group: (its YAML options, its default)}`` of the config trees, read from the files themselves: the
+    root ``config.yaml``'s defaults list, and a nested group's (``learner/exchange``) its parent default's."""
+    groups: dict[str, list[str]] = {}
+    for directory in directories:
+        for path in [*directory.glob("*/*.yaml"), *directory.glob("*/*/*.yaml")]:
+            group = path.parent.relative_to(directory).as_posix()
+            if group != "recipe":
+                groups.setdefault(group, []).append(path.stem)
+    defaults = _defaults_list(CONF / "config.yaml")
+    for group, option in list(defaults.items()):
+        if option and (CONF / group / f"{option}.yaml").is_file():
+            defaults.update({f"{group}/{nested}": choice
+                             for nested, choice in _defaults_list(CONF / group / f"{option}.yaml").items()})
+    return {group: (sorted(set(options)), defaults.get(group)) for group, options in groups.items()}
+
+
+def help_groups(text: str) -> dict[str, tuple[str, dict[str, tuple[bool, str]]]]:
+    """``{group: (its heading line, {option: (marked the default, its description)})}`` of a --help text."""
+    section = text.split("\nconfig groups (")[1].split("\n\nexamples:")[0]
+    groups: dict[str, tuple[str, dict]] = {}
+    for line in section.splitlines()[1:]:
+        if re.match(r"  [^ ]", line):
+            heading = line.strip()
+            groups[heading.split("=", 1)[0]] = (heading, options := {})
+        elif found := re.match(r"    ([^ ]+) +(\*?) +(.*)$", line):
+            options[found[1]] = (found[2] == "*", found[3])
+    return groups
+
+
+def assert_help_shows_every_option(text: str, *directories: Path) -> None:
+    """Each group's line lists every YAML option of its directory (and no other), sorted, with the default
+    the tree chooses; each option has a line of description, and the default is marked."""
+    shown = help_groups(text)
+    expected = tree_groups(*directories)
+    assert set(shown) == set(expected), (sorted(shown), sorted(expected))
+    for group, (options, default) in expected.items():
+        heading, described = shown[group]
+        listed = re.match(rf"{re.escape(group)}=\[?([\w|,]+)\]?", heading)[1]
+        listed = listed.split("," if "=[" in heading else "|")
+        assert listed == options, (group, listed, options)  # every option, sorted
+        assert list(described) == options, (group, list(described))
+        assert all(description and description != "(no description)" for _, description in described.values()), group
+        if "=[" in heading:  # several at once: none unless chosen
+            assert heading.endswith("(any of them, several at once; default: none)") and default is None, heading
+        elif default is not None and len(options) > 1:
+            assert heading.endswith(f"   (default: {default})") and described[default][0], (group, heading)
+        assert [name for name, (marked, _) in described.items() if marked] == \
+            ([default] if default in options and "=[" not in heading else []), group
 
 
 @pytest.mark.parametrize("command", [
@@ -34,12 +94,11 @@ def test_help_is_dtrains_own_with_recipes_groups_options_and_examples(command, t
     assert text.startswith("dtrain: declarative, distributed data-parallel training for PyTorch")
     for recipe in ("cifar10", "cmudict_g2p", "digits", "imagenet", "shakespeare_char"):
         assert f"\n  {recipe} " in text
-    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized|two_level_block_momentum|two_level_diloco|two_level_local_sgd|two_level_powersgd|two_level_quantized   (default: data_parallel)" in text
-    for group in ("model=", "optimizer=adam|adamw|lamb|lars|rmsprop_warmup_sgd|sgd", "session=default", "source=cifar10|cmudict|digits|imagenet|shakespeare_char"):
-        assert f"\n  {group}" in text
+    # every group of conf/ with all its options, sorted, its default marked, each option described; a nested
+    # group (learner/exchange=NAME) has the default its parent's default option picks
+    assert_help_shows_every_option(text, CONF)
+    assert {"learner", "learner/exchange", "optimizer", "model", "source", "session"} <= set(help_groups(text))
     assert "1-bit SGD with error feedback" in text  # each option says what it is
-    # a nested group, chosen as learner/exchange=NAME, with the default its parent's default option picks
-    assert "learner/exchange=allreduce|bf16|fp16|powersgd|quantized   (default: allreduce)" in text
     assert "\n    allreduce  * full-precision (float32) SUM all-reduce" in text
     for example in ("mpiexec -n 4 python -m dtrain", "python -m dtrain -m ", "run_dir=", "--config-dir"):
         assert example in text
@@ -59,7 +118,7 @@ def test_help_lists_the_recipes_and_options_of_a_config_dir(tmp_path):
     result = run(sys.executable, "-m", "dtrain", "--config-dir", str(tmp_path / "conf"), "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert re.search(r"\n  mine +my own recipe\.", result.stdout)  # in the name column, however wide
-    assert "learner=block_momentum|data_parallel|diloco|local|local_sgd|powersgd|quantized|two_level_block_momentum|two_level_diloco|two_level_local_sgd|two_level_powersgd|two_level_quantized" in result.stdout
+    assert_help_shows_every_option(result.stdout, CONF, tmp_path / "conf")
     assert re.search(r"\n +local_sgd +Local SGD, averaged every k steps\.", result.stdout)  # the config dir's own
 
 
@@ -68,8 +127,8 @@ def test_help_shows_callbacks_as_a_list_of_several_with_a_config_dirs_own(tmp_pa
     (tmp_path / "conf" / "callbacks" / "mine.yaml").write_text("# python -m dtrain callbacks=[mine]\n# my own callback.\n")
     result = run(sys.executable, "-m", "dtrain", "--config-dir", str(tmp_path / "conf"), "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "\n  callbacks=[best_checkpoint,early_stopping,mine,time_limit]   (any of them, several at once; default: none)\n" \
-        in result.stdout
+    assert_help_shows_every_option(result.stdout, CONF, tmp_path / "conf")
+    assert "mine" in help_groups(result.stdout)["callbacks"][1]
     assert re.search(r"\n +mine +my own callback\.", result.stdout)
 
 

@@ -134,6 +134,63 @@ def test_a_sweep_schedule_on_a_source_without_sweeps_is_refused_in_one_line(tmp_
     assert "\n" not in str(error.value)
 
 
+class _Reading:
+    """A source of one's own with only ``next_minibatch``, reading the four-class data in order."""
+
+    def __init__(self):
+        self.inner = plain_source(randomize=False)
+
+    def next_minibatch(self, minibatch_size_in_samples, num_data_partitions=1, partition_index=0):
+        return self.inner.next_minibatch(minibatch_size_in_samples, num_data_partitions, partition_index)
+
+
+class _DeclaredReading(_Reading, dtrain.data.UserMinibatchSource):
+    """The same, subclassing CNTK's base for a source of one's own: what it does not override reads as not known."""
+
+
+def _train_on(source, tmp_path, **options) -> str:
+    model = nn.Linear(6, 4)
+    stream = io.StringIO()
+    training_session(model, nn.functional.cross_entropy, LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1)),
+                     source, minibatch_size=10, max_samples=40, progress_frequency=20, run_dir=tmp_path,
+                     tensorboard=False, stream=stream, **options).train()
+    return stream.getvalue()
+
+
+@pytest.mark.parametrize("make", [_Reading, _DeclaredReading], ids=["plain-object", "UserMinibatchSource"])
+def test_a_source_of_ones_own_with_next_minibatch_alone_trains_and_is_told_only_what_it_said(make, tmp_path):
+    printed = _train_on(make(), tmp_path / "run")
+    assert "40 samples" in printed and "sweeps of" not in printed  # its sweeps are not known: not made up
+    from dtrain.session.checkpoint_state import source_identity
+    from dtrain.data import as_source
+
+    assert source_identity(as_source(make())) == {"source": f"{__name__}.{make.__qualname__}"}  # as checkpoints had it
+    with pytest.raises(ValueError, match=f"the training source \\({make.__name__}\\) does not say how many samples"):
+        _train_on(make(), tmp_path / "sweeps", lr_schedule=Schedule([1.0, 0.5]))
+
+
+def test_a_user_source_declares_what_it_knows_and_the_session_reads_it():
+    class Sized(_DeclaredReading):
+        samples_per_sweep = 50
+
+        @property
+        def streams(self):
+            return self.inner.streams
+
+    source = dtrain.data.as_source(Sized())
+    assert source is not None and source.samples_per_sweep == 50 and set(source.streams) == {"features", "labels"}
+    assert (source.has_sequences, source.deserializer, source.sequence_lengths("features")) == (False, None, None)
+    wrapped = dtrain.data.as_source(_Reading())  # a plain object: wrapped once, the base's defaults where it's silent
+    assert (wrapped.samples_per_sweep, dict(wrapped.streams), wrapped.has_sequences) == (None, {}, False)
+    with pytest.raises(NotImplementedError, match="_DeclaredReading does not say where it is"):
+        _DeclaredReading().get_checkpoint_state()
+
+
+def test_an_object_without_next_minibatch_is_refused_as_a_source_in_one_line(tmp_path):
+    with pytest.raises(TypeError, match=r"^a minibatch source must have next_minibatch\(.*got list$"):
+        _train_on([1, 2, 3], tmp_path)
+
+
 # -- the cross-validation callback without a source ------------------------------------------------------
 def test_the_cross_validation_callback_without_a_source_gets_zeros_as_cntks(tmp_path):
     calls = []

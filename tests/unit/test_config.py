@@ -1,6 +1,8 @@
 """The shipped config tree: every recipe composes and instantiates with every learner; typos fail early."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from dtrain.testing.cifar_files import write_cifar10_binary
 from dtrain.testing.image_files import write_image_map_files
 from dtrain.comm import LocalCommunicator
 from dtrain.session.from_settings import session_inputs
-from dtrain.config import register_schemas, validate
+from dtrain.config import SCHEMAS, register_schema, register_schemas, validate
 
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 LEARNERS = sorted(p.stem for p in (CONF / "learner").glob("*.yaml"))
@@ -292,6 +294,42 @@ def test_an_unreadable_override_is_one_line_whatever_the_flags(tmp_path, flags, 
     (tmp_path / "recipe").mkdir()
     problem = check_overrides([flag.format(conf=tmp_path) for flag in flags] + ["+recipe=digits", override])
     assert problem is not None and problem.startswith(line) and "\n" not in problem, problem
+
+
+@dataclasses.dataclass
+class _MineConfig:  # a user's schema, registered where it is defined
+    _target_: str = "torch.nn.Identity"
+    width: int = 3
+
+
+def test_a_schema_registered_in_its_own_module_is_stored_and_types_a_users_option(tmp_path):
+    from hydra.core.config_store import ConfigStore
+
+    register_schema("schema/model", "test_mine", _MineConfig)
+    register_schemas()
+    assert ConfigStore.instance().load("schema/model/test_mine.yaml").node.width == 3
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text("defaults:\n  - /schema/model/test_mine@_here_\n  - _self_\n")
+    from dtrain.cli import check_overrides
+
+    assert check_overrides(["--config-dir", str(tmp_path), "+recipe=digits", "model=mine", "model.width=4"]) is None
+    problem = check_overrides(["--config-dir", str(tmp_path), "+recipe=digits", "model=mine", "model.width=wide"])
+    assert "model.width" in problem and "\n" not in problem, problem  # typed by the schema: refused at compose
+    problem = check_overrides(["--config-dir", str(tmp_path), "+recipe=digits", "model=mine", "model.widht=4"])
+    assert "widht" in problem and "\n" not in problem, problem
+
+
+def test_dtrains_schemas_register_in_the_modules_that_define_them():
+    from dtrain.config import DTrainConfig
+    from dtrain.learners.settings import DiLoCoLearnerConfig
+    from dtrain.optim import settings as optim_settings
+
+    assert SCHEMAS[("schema", "config")] is DTrainConfig
+    assert SCHEMAS[("schema/learner", "diloco")] is DiLoCoLearnerConfig
+    assert all(SCHEMAS[("schema/optimizer", name)] is schema for name, schema in optim_settings.OPTIONS.items())
+    assert {schema.__module__ for schema in SCHEMAS.values()} >= {
+        "dtrain.learners.settings", "dtrain.exchange.settings", "dtrain.models.settings", "dtrain.data.settings",
+        "dtrain.session.settings", "dtrain.session.objective_settings", "dtrain.optim.torch_settings"}
 
 
 def test_a_config_dir_joins_the_composition_check(tmp_path):

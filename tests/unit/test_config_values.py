@@ -96,7 +96,7 @@ def _with_nested_sections(schemas: set[type]) -> set[type]:
 
 def test_every_switch_of_every_schema_is_kept_as_written_and_tested_above():
     """A switch typed ``bool`` would be converted by OmegaConf (2 -> true) before any rule sees it."""
-    schemas = _with_nested_sections(set(config._SCHEMAS.values()))
+    schemas = _with_nested_sections(set(config.SCHEMAS.values()))
     switches = {(schema.__name__, item.name) for schema in schemas for item in dataclasses.fields(schema)
                 if item.name != "_partial_" and ("bool" in str(item.type).lower())}
     assert all(item.type in ("StrictBool", "Optional[StrictBool]")

@@ -775,22 +775,22 @@ def _planned(learner, facts=DIGITS):
 
 def test_the_settings_derived_from_the_run_are_those_left_auto_on_a_learner_that_communicates_less():
     from dtrain.learners import DiLoCoLearner
-    from dtrain.session.short_run import automatic_settings
 
     adam = torch.optim.Adam(nn.Linear(2, 2).parameters())
-    assert automatic_settings(_planned(data_parallel_distributed_learner(adam, _Comm(2), num_quantization_bits=1))) \
+    assert _planned(data_parallel_distributed_learner(adam, _Comm(2), num_quantization_bits=1)).automatic_settings() \
         == ["learner.distributed_after", "learner.freeze_variance"]
-    assert automatic_settings(_planned(BlockMomentumLearner(sgd(), _Comm(2)))) == \
+    assert _planned(BlockMomentumLearner(sgd(), _Comm(2))).automatic_settings() == \
         ["learner.distributed_after", "learner.block_size"]
-    assert automatic_settings(_planned(DiLoCoLearner(torch.optim.AdamW(nn.Linear(2, 2).parameters()), _Comm(4)))) == \
-        ["learner.distributed_after", "learner.block_size"]
+    assert _planned(DiLoCoLearner(torch.optim.AdamW(nn.Linear(2, 2).parameters()), _Comm(4))).automatic_settings() \
+        == ["learner.distributed_after", "learner.block_size"]
     # nothing derived: the exact all-reduce, every setting given, one worker
-    assert automatic_settings(_planned(data_parallel_distributed_learner(sgd(), _Comm(2)))) == []
+    assert _planned(data_parallel_distributed_learner(sgd(), _Comm(2))).automatic_settings() == []
     given = BlockMomentumLearner(sgd(), _Comm(2), block_size=512, distributed_after=0)
-    assert automatic_settings(_planned(given)) == []
-    assert automatic_settings(_planned(data_parallel_distributed_learner(
-        adam, _Comm(2), num_quantization_bits=1, distributed_after=640, freeze_variance=False))) == []
-    assert automatic_settings(_planned(BlockMomentumLearner(sgd(), _Comm(1)))) == []
+    assert _planned(given).automatic_settings() == []
+    given = data_parallel_distributed_learner(adam, _Comm(2), num_quantization_bits=1, distributed_after=640,
+                                              freeze_variance=False)
+    assert _planned(given).automatic_settings() == []
+    assert _planned(BlockMomentumLearner(sgd(), _Comm(1))).automatic_settings() == []
 
 
 QUANTIZED_AUTO = ["learner.distributed_after", "learner.freeze_variance"]

@@ -10,17 +10,39 @@ import torch
 from torch import nn
 
 from dtrain import LocalLearner, MinibatchSource, training_session
-from dtrain.exchange import AllReduce, PowerSGD, Quantized
+from dtrain.learners import (Advice, BlockMomentumLearner, DataParallelLearner, DiLoCoLearner, Learner,
+                             LocalSGDLearner)
+from dtrain.exchange import AllReduce, CompressedAllReduce, PowerSGD, Quantized
 from dtrain.session import TrainingDiverged
 from dtrain.session.collapse import training_advice
 
 from tests.helpers.toy_data import four_class_data
 
 
-def learner(kind: str, size: int, exchange=None, freeze_variance: bool = False) -> SimpleNamespace:
-    """What ``training_advice`` reads of a learner."""
-    return SimpleNamespace(kind=kind, comm=SimpleNamespace(size=size), exchange=exchange,
-                           freeze_variance=freeze_variance)
+class _Comm:
+    """A stand-in communicator of ``size`` ranks for learners that are only built, never stepped."""
+
+    device = torch.device("cpu")
+    rank, is_main = 0, True
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def learner(kind: str, size: int, exchange=None, freeze_variance: bool | str = "auto") -> Learner:
+    """A learner of ``kind`` on ``size`` ranks (built only: the advice is what it declares); ``freeze_variance``
+    true gives it Adam, whose variance it then holds under a lossy exchange."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters()) if freeze_variance is True else \
+        torch.optim.SGD(model.parameters(), lr=0.1)
+    if kind == "local":
+        return LocalLearner(optimizer)
+    if kind in BLOCK_LEARNERS:
+        return BLOCK_LEARNERS[kind](optimizer, _Comm(size), exchange=exchange)
+    return DataParallelLearner(optimizer, _Comm(size), exchange=exchange, freeze_variance=freeze_variance)
+
+
+BLOCK_LEARNERS = {"block_momentum": BlockMomentumLearner, "diloco": DiLoCoLearner, "local_sgd": LocalSGDLearner}
 
 
 @pytest.mark.parametrize("precision_setting", ["32", "bf16", "fp16"])
@@ -64,5 +86,43 @@ def test_each_cause_is_named_only_where_the_run_has_it():
 
     block = training_advice(learner("block_momentum", 2, AllReduce()))
     assert "local steps started from an untrained model" in block and "learner.distributed_after" in block
+    assert training_advice(learner("block_momentum", 1, AllReduce())) == alone
     fp16 = training_advice(learner("local", 1), "fp16")
     assert "float16 overflowing" in fp16 and fp16.endswith("or train in bf16 (session.precision=bf16)")
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_LEARNERS))
+def test_a_block_learner_is_told_about_the_model_changes_it_sends_not_gradients(kind):
+    """A block learner sums model changes: a lossy exchange compressed those, and its local steps are a cause."""
+    four_bit = training_advice(learner(kind, 2, Quantized(4)))
+    assert "4-bit model changes started too early" in four_bit and "gradients" not in four_bit, four_bit
+    assert "local steps started from an untrained model" in four_bit and "use more bits (5 or more" in four_bit
+    assert four_bit.count("learner.distributed_after") == 1, four_bit  # one warm start, not two
+    bf16 = training_advice(learner(kind, 2, CompressedAllReduce("bf16")))
+    assert "model changes compressed by bf16 all-reduce" in bf16 and "gradients" not in bf16, bf16
+    assert "learner/exchange=allreduce" in bf16 and "train longer on one model first" in bf16
+
+
+def test_a_learner_of_ones_own_gets_the_bases_advice_and_may_add_its_own():
+    """A learner written as docs/writing-a-learner.md shows: the base's advice, its exchange's on several ranks,
+    and its own causes through the hook."""
+
+    class Averaging(Learner):
+        def __init__(self, optimizer, comm, exchange):
+            super().__init__(optimizer, comm)
+            self.exchange = exchange
+
+        def apply_update(self) -> None:
+            self.optimizer.step()
+
+    class Cautious(Averaging):
+        def collapse_advice(self) -> Advice:
+            return super().collapse_advice() + Advice(("stale averages",), ("average more often (learner.every=N)",))
+
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert training_advice(Averaging(sgd, _Comm(1), None)) == training_advice(learner("local", 1))
+    assert "gradients compressed by powersgd rank 1" in training_advice(Averaging(sgd, _Comm(2), PowerSGD()))
+    own = training_advice(Cautious(sgd, _Comm(2), None))
+    assert own.startswith("the likely cause is a learning rate too high for this learner, or stale averages; ")
+    assert own.endswith("lower optimizer.lr, or average more often (learner.every=N)")
+    assert Averaging(sgd, _Comm(2), Quantized(1)).label() == "Averaging (1-bit exchange)"
