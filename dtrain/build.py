@@ -17,13 +17,13 @@ from dtrain.comm.base import first_line
 from dtrain.failures import USER_ERRORS, UserError, exit_preempted
 from dtrain.host_memory import keep_freed_host_memory
 from dtrain.optim import optimizer_parameters
+from dtrain.safe_files import create_new, first_free_name
 from dtrain.threads import choose_threads
 from dtrain.session import TrainingSession
 from dtrain.session.binding import StreamBinding
 from dtrain.session.callbacks import not_a_callback
 from dtrain.session.checkpoint_state import DEFAULTS_KEY
 from dtrain.session.from_settings import session_inputs
-from dtrain.session.safe_files import create_new, first_free_name
 from dtrain.sweep import SweepJob
 
 

@@ -7,8 +7,8 @@ import secrets
 from pathlib import Path
 
 from dtrain.loggers.requirements import check_writable_directory, require_package
+from dtrain.safe_files import check_directory
 from dtrain.session.record_files import RecordFile
-from dtrain.session.safe_files import check_directory
 
 #: a record's keys that say where it belongs rather than what was measured
 _RECORD_FIELDS = ("kind", "samples", "time")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from dtrain.comm.base import first_line
 from dtrain.loggers.requirements import require_package
+from dtrain.safe_files import check_regular, read_no_follow, replace_file
 from dtrain.session.callbacks import Callback, RunView
-from dtrain.session.safe_files import check_regular, read_no_follow, replace_file
 
 #: the run's outputs logged as files of the tracking run when it ends (those that exist)
 OUTPUT_FILES = ("report.png", "model.safetensors", "model_ema.safetensors", "best.safetensors")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dtrain.session.safe_files import current_umask
+from dtrain.safe_files import current_umask
 
 MAGIC = b"DTRAIN-CHECKPOINT"
 FORMAT_VERSION = 3  # 3: the header records the samples seen; 2 (no samples= field) is still read

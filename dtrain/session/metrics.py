@@ -14,8 +14,8 @@ from pathlib import Path
 
 from dtrain.loggers.csv_logger import CsvLogger
 from dtrain.loggers.tensorboard_logger import TensorBoardLogger
+from dtrain.safe_files import check_regular, open_append, read_no_follow, replace_file
 from dtrain.session.record_files import CSV_COLUMNS, MetricsWriteError, RecordFile  # noqa: F401 - re-exported
-from dtrain.session.safe_files import check_regular, open_append, read_no_follow, replace_file
 
 #: the one line a run explicitly asking for TensorBoard events gets when the package is missing
 TENSORBOARD_MISSING = ("session.tensorboard=true needs the tensorboard package: pip install 'dtrain[tensorboard]' "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dtrain.session.safe_files import write_through_temporary
+from dtrain.safe_files import write_through_temporary
 
 _KIND_STYLE = {"train": dict(color="tab:blue", marker="o", label="train"),
                "cv": dict(color="tab:orange", marker="s", label="cross-validation"),

@@ -22,8 +22,8 @@ import shutil
 import socket
 from pathlib import Path
 
+from dtrain.safe_files import RunFileError, check_regular, read_no_follow, replace_file
 from dtrain.session.checkpoint import CheckpointError
-from dtrain.session.safe_files import RunFileError, check_regular, read_no_follow, replace_file
 
 HOLDER_FILE = ".lock"
 

@@ -51,7 +51,7 @@ from dtrain.session.progress import ProgressPrinter, Throughput
 from dtrain.session.startup import StartupLines, StartupSettings
 from dtrain.session.results import TrainingCollapsed, TrainingDiverged, TrainingResult
 from dtrain.session.rundir import RunDirectoryLock
-from dtrain.session.safe_files import Originals
+from dtrain.safe_files import Originals
 from dtrain.session.settings import TRAINING_SESSION
 from dtrain.session.summary import RunSummary
 from dtrain.session.lr_scaling import LearningRateScaling, lr_warmup_samples

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain.session.safe_files import write_through_temporary
+from dtrain.safe_files import write_through_temporary
 
 
 def save_weights(model: torch.nn.Module, path: str | Path, metadata: dict[str, str] | None = None) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 
-from dtrain.session.safe_files import first_free_name, open_append, replace_file
+from dtrain.safe_files import first_free_name, open_append, replace_file
 
 #: the environment variable that carries the sweep's id, job count and command-line overrides to its jobs
 ENVIRONMENT = "DTRAIN_SWEEP"

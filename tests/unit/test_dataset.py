@@ -4,16 +4,19 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
+import dtrain.data._dataset_workers as workers_module
 import dtrain.data.dataset as dataset_module
 from dtrain.data import DataError, MinibatchSource, Sequences
 from dtrain.data.dataset import DatasetDeserializer
@@ -178,7 +181,7 @@ def test_sequence_streams_are_padded_with_their_lengths_and_samples_are_steps(gi
 def test_workers_give_the_identical_stream_across_a_checkpoint_and_restore(workers, chunking, monkeypatch):
     if chunking is not None:  # several chunks per worker and read, taken by whichever worker is free
         monkeypatch.setattr(dataset_module, "_TASKS_PER_WORKER", chunking[0])
-        monkeypatch.setattr(dataset_module, "_QUEUE_DEPTH", chunking[1])
+        monkeypatch.setattr(workers_module, "_QUEUE_DEPTH", chunking[1])
 
     served = []  # per read with workers: whether it collected a prefetched read
     claim = DatasetDeserializer._claim
@@ -257,7 +260,7 @@ def test_collate_fn_batches_the_streams_with_one_value_per_sample(workers):
 def test_large_batches_come_from_worker_processes_through_shared_memory_arenas(chunking, monkeypatch):
     if chunking is not None:
         monkeypatch.setattr(dataset_module, "_TASKS_PER_WORKER", chunking[0])
-        monkeypatch.setattr(dataset_module, "_QUEUE_DEPTH", chunking[1])
+        monkeypatch.setattr(workers_module, "_QUEUE_DEPTH", chunking[1])
     features = torch.randn(40, 20_000)  # 80 kB a sample: past what a worker sends inline
     rng = np.random.default_rng(0)
     with DatasetDeserializer(TensorDataset(features, torch.arange(40)), num_workers=2) as deserializer:
@@ -417,6 +420,59 @@ def test_process_workers_end_at_interpreter_exit_without_close():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0 and done.stdout.strip() == "45.0", done.stderr
+
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie that nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("method", ["fork"] + [pytest.param(method, marks=pytest.mark.slow)  # where fork is missing
+                                                for method in ("spawn", "forkserver")])
+def test_process_workers_read_under_every_start_method_and_end_when_their_parent_is_killed(method, tmp_path):
+    """A spawned or forkserver worker unpickles the dataset and the plan and starts from the worker main's module
+    path; it idles past the watchdog's period (its parent is the forkserver's, not the reader) and reads on through
+    its arenas. SIGKILL of the reading process (no close, no exit handlers) ends every worker within seconds, while
+    a process it forked later lives on holding the workers' pipes open."""
+    code = textwrap.dedent(f"""
+        import multiprocessing, os, signal, time
+        import numpy as np, torch
+        from torch.utils.data import TensorDataset
+        import dtrain.data._dataset_workers as workers
+        from dtrain.data.dataset import DatasetDeserializer
+        workers._start_context = lambda: multiprocessing.get_context({method!r})
+        features = torch.randn(16, 20_000)  # 80 kB a sample: through the arenas
+        deserializer = DatasetDeserializer(TensorDataset(features, torch.arange(16)), num_workers=2)
+        for _ in range(3):  # each worker's two arenas are sized by a task's need, then made and reused
+            assert torch.equal(deserializer.read(np.arange(8))["features"], features[:8])
+        time.sleep(workers._WATCHDOG_SECONDS + 0.5)
+        assert torch.equal(deserializer.read(np.arange(8, 16))["features"], features[8:])
+        assert all(buffer is not None for arenas in deserializer._workers._arenas for _, buffer in arenas)
+        if (forked := os.fork()) == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(forked, *(process.pid for process, _ in deserializer._workers._workers), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    with open(tmp_path / "stderr", "w") as stderr:  # its output stays open in the forked process: not waited for
+        reader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                  cwd=Path(__file__).resolve().parents[2])
+        printed = reader.stdout.readline()
+        reader.stdout.close()
+        assert reader.wait(timeout=120) == -signal.SIGKILL, (tmp_path / "stderr").read_text()
+    forked, *pids = [int(pid) for pid in printed.split()]
+    try:
+        assert len(pids) == 2 and not process_ended(forked)
+        deadline = time.monotonic() + workers_module._WATCHDOG_SECONDS + 10
+        while not all(map(process_ended, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(map(process_ended, pids)), [pid for pid in pids if not process_ended(pid)]
+    finally:
+        os.kill(forked, signal.SIGKILL)
 
 
 # -- errors -----------------------------------------------------------------------------------------------

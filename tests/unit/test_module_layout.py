@@ -77,3 +77,14 @@ def test_compress_is_pure_maths_that_never_talks():
              for path in (PACKAGE / "compress").rglob("*.py")
              for target in imports_of(path, modules) if target.startswith(upward)}
     assert not found, sorted(found)
+
+
+def test_run_files_and_sweep_records_sit_below_the_session():
+    """``dtrain.safe_files`` (writing into a shared run directory, never through a link) serves the session,
+    the loggers, the sweep's records and ``build`` alike, so it imports no dtrain module; ``sweep/`` sits below
+    the session (the session never imports it) and imports nothing from ``session/``."""
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    assert imports_of(PACKAGE / "safe_files.py", modules) == set()
+    found = {f"{module_name(path)} -> {target}" for path in (PACKAGE / "sweep").rglob("*.py")
+             for target in imports_of(path, modules) if target.startswith("dtrain.session")}
+    assert not found, sorted(found)
