@@ -6,6 +6,7 @@ makes some examples ambiguous and the model overfits 4,000 of them, so data-para
 test accuracy and a learner that steps too far measurably below. ``conv1d10_adam``: 40 steps, bursts of
 24, 10 classes, noise 0.35 (5,802 parameters): a short signal whose final layer sees 32 features of very
 different sizes, where a 1-bit exchange with Adam's variance held and nothing else collapsed to chance.
+A GRU reads the same signals as a recurrent model (``model=gru1d``).
 ``benchmarks/conf`` names the models and the arrays (``--config-dir benchmarks/conf +recipe=conv1d_adam``).
 """
 from __future__ import annotations
@@ -63,3 +64,19 @@ class Conv1dClassifier(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.layers(features)
+
+
+class GRUClassifier(nn.Module):
+    """A recurrent reader of the same signals, as speech models read audio: a strided convolution makes a
+    step of every 4 samples, a GRU runs over those steps and a linear layer reads out its last state,
+    ``[n, 1, LENGTH]`` -> ``[n, CLASSES]`` (``model=gru1d``)."""
+
+    def __init__(self, channels: int = 16, hidden: int = 32, classes: int = CLASSES):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv1d(1, channels, 9, stride=4, padding=4), nn.ReLU())
+        self.gru = nn.GRU(channels, hidden, batch_first=True)
+        self.readout = nn.Linear(hidden, classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        _, last = self.gru(self.stem(features).transpose(1, 2))
+        return self.readout(last[-1])

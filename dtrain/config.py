@@ -34,7 +34,7 @@ from dtrain.learners.settings import RETIRED, retired_setting
 from dtrain.models import settings as _model_settings  # noqa: F401 -- registers its schemas
 from dtrain.optim import settings as _optim_settings  # noqa: F401 -- registers its schemas
 from dtrain.optim import torch_settings as _torch_optim_settings  # noqa: F401 -- registers its schemas
-from dtrain.rules import (RULES, SCHEMAS, Rule, StrictBool, key_problems as _check, plain as _plain, register_rule,
+from dtrain.rules import (RULES, SCHEMAS, Rule, StrictBool, key_problems as _check, register_rule,
                           register_schema)
 from dtrain.session import objective_settings as _objective_settings  # noqa: F401 -- registers its schemas
 from dtrain.session.batchnorm import batchnorm_setting_problems

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dtrain import checks
-from dtrain.rules import StrictBool, fraction as _fraction, key_problems as _check, register_rule, register_schema
+from dtrain.rules import StrictBool, key_problems as _check, register_rule, register_schema
 
 
 # -- data sources ---------------------------------------------------------------------------------
