@@ -6,6 +6,7 @@
     python benchmarks/learner_accuracy.py --recipe cmudict_g2p --only defaults        # word error rate %
     python benchmarks/learner_accuracy.py --recipe conv1d_adam --ranks 2 --only defaults  # Adam inner steps
     python benchmarks/learner_accuracy.py --recipe conv1d10_adam --ranks 2 --only "quantized (1-bit)"  # 10 classes
+    python benchmarks/learner_accuracy.py --recipe conv1d10_adam --only defaults --set optimizer=adamw model=gru1d
     python benchmarks/learner_accuracy.py --ranks 8 --only diloco --row "diloco, block 1120: learner=diloco learner.block_size=1120"
 
 Every row trains the `digits` recipe (30,000 samples = 20 sweeps) with the same global minibatch,
@@ -150,6 +151,9 @@ def main() -> None:
                         help="global samples per run (default: digits 30,000 = 20 sweeps; the sequence recipes' own)")
     parser.add_argument("--only", nargs="*", default=None, help="row names to run (default: all; 'defaults': the "
                                                                  "three default rows)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="OVERRIDE",
+                        help="overrides for every row, data_parallel's too, e.g. --set optimizer=adamw model=gru1d "
+                             "(another optimizer or model, each gap still to data_parallel with the same)")
     parser.add_argument("--row", action="append", default=[], metavar="'NAME: OVERRIDE ...'",
                         help="a row of your own, run after --only's, e.g. 'diloco, block 1120: learner=diloco "
                              "learner.block_size=1120' (repeatable)")
@@ -177,7 +181,8 @@ def main() -> None:
 def print_table(args, names: list[str], data_root: str | None) -> None:
     """Runs every row at every world size and seed, printing each row as it completes."""
     length = f"{args.samples:,} samples" if args.samples else "the recipe's samples"
-    print(f"{args.recipe} recipe, {length}, median {RECIPES[args.recipe][0]} over seeds {args.seeds} "
+    settings = f" with {' '.join(args.set)}" if args.set else ""
+    print(f"{args.recipe} recipe{settings}, {length}, median {RECIPES[args.recipe][0]} over seeds {args.seeds} "
           f"[each seed], gap to data_parallel, MB rank 0 sent over the run (median), wall time (median)")
     header = f"| {'learner':<30} |" + "".join(f" {f'{n} ranks':<34} | {'gap':>6} | {'MB sent':>9} | {'time':>6} |"
                                               for n in args.ranks)
@@ -189,7 +194,7 @@ def print_table(args, names: list[str], data_root: str | None) -> None:
         for ranks in args.ranks:
             runs = []
             for seed in args.seeds:
-                runs.append(run(ranks, CONFIGS[name], seed, args.samples, args.recipe, data_root))
+                runs.append(run(ranks, [*CONFIGS[name], *args.set], seed, args.samples, args.recipe, data_root))
                 outcome, seconds, megabytes = runs[-1]
                 figure = outcome if isinstance(outcome, str) else f"{outcome:.{RECIPES[args.recipe][3]}f}"
                 # each run as it ends, on stderr: a sequence recipe's row takes hours, and a run stopped later keeps these
