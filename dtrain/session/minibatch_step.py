@@ -481,7 +481,9 @@ class MinibatchStep:
 
     def _refuse_a_compiled_model_that_differs(self, batch: Minibatch) -> None:
         """The compile check on this rank's share of the first minibatch (its first micro-batch pass);
-        raises ValueError on every rank when any rank's loss or gradients differ from eager PyTorch's."""
+        raises ValueError on every rank when any rank's loss or gradients differ from eager PyTorch's, or when
+        an objective's first result fails its check on any rank (the check is where it is first called)."""
+        refused: ValueError | None = None
         if batch.num_samples == 0:
             names, differences = compile_check.no_differences(self.model, self.device)
         else:
@@ -496,8 +498,17 @@ class MinibatchStep:
                     # an objective takes a module: the eager model, or the compiled one (failures rewritten)
                     return self.objective(self.model, batch)[0] if forward is self.model \
                         else self._call_objective(batch)[0]
-            names, differences = compile_check.relative_differences(self.model, self._checked_forward, compute_loss,
-                                                                    self.device, self.precision)
+            try:
+                names, differences = compile_check.relative_differences(self.model, self._checked_forward,
+                                                                        compute_loss, self.device, self.precision)
+            except ValueError as error:
+                if self._objective_agreed:
+                    raise
+                refused = error
+        if not self._objective_agreed:  # every rank, also one without samples: the other ranks wait for its word
+            self._agree_on_the_objective(None if refused is None else str(refused))
+        if refused is not None:
+            raise refused
         problem = compile_check.verdict(names, differences, self.precision, self.comm)
         if problem:
             raise ValueError(problem)

@@ -203,3 +203,39 @@ def test_a_resume_with_another_objective_lists_it_among_the_changed_settings(tmp
     resumed.restore()
     assert any(change.startswith("objective: ") and "first" in change and "second" in change
                for change in resumed.changed_settings), resumed.changed_settings
+
+
+def test_with_compile_a_bad_first_result_on_one_rank_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """The compile check is where an objective is first called: a first result refused on rank 1 only is the
+    refusal of both ranks, with rank 1's line, instead of rank 0 waiting in the check's collective."""
+    from dtrain.learners import DataParallelLearner
+    from tests.helpers.thread_world import FakeWorld
+
+    class Traced(nn.Module):  # stands in for torch.compile's wrapper: another module over the same parameters
+        def __init__(self, model):
+            super().__init__()
+            self.inner = [model]
+
+        def forward(self, *inputs):
+            return self.inner[0](*inputs)
+
+    monkeypatch.setattr(torch, "compile", lambda model, **options: Traced(model))
+
+    def worker(comm):
+        def objective(model, minibatch):  # a vector on rank 1 only
+            losses = F.cross_entropy(model(minibatch["features"]), minibatch["labels"], reduction="none")
+            return losses if comm.rank == 1 else losses.mean()
+        model = make_model()
+        try:
+            dtrain.training_session(
+                model=model, learner=DataParallelLearner(torch.optim.SGD(model.parameters(), lr=0.1), comm),
+                minibatch_source=dtrain.MinibatchSource(four_class_data(), randomize=False), minibatch_size=16,
+                max_samples=64, objective=objective, compile=True, run_dir=tmp_path / f"rank{comm.rank}",
+                tensorboard=False, stream=io.StringIO()).train()
+        except ValueError as error:
+            return str(error)
+        return None
+
+    first, second = FakeWorld(2).run(worker)
+    assert first is not None and first == second
+    assert "returned a torch.float32 tensor of shape (" in first and "at the first minibatch" in first, first
