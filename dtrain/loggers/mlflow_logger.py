@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
-from dtrain.loggers.requirements import check_writable_directory
+from dtrain.session.logger_requirements import check_writable_directory
 from dtrain.loggers.tracking import (FAILED, FINISHED, TrackingLogger, recipe_name,
                                      run_name, sweep_dir)
 from dtrain.session.callbacks import RunView

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from dtrain.comm.base import first_line
-from dtrain.loggers.requirements import require_package
+from dtrain.session.logger_requirements import require_package
 from dtrain.safe_files import check_regular, read_no_follow, replace_file
 from dtrain.session.callbacks import Callback, RunView
 

@@ -5,7 +5,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtrain.loggers.requirements import check_writable_directory
+from dtrain.session.logger_requirements import check_writable_directory
 from dtrain.loggers.tracking import (FAILED, PREEMPTED, TrackingLogger, recipe_name,
                                      run_name, sweep_dir)
 from dtrain.session.callbacks import RunView

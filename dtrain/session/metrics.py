@@ -12,8 +12,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dtrain.loggers.csv_logger import CsvLogger
-from dtrain.loggers.tensorboard_logger import TensorBoardLogger
+from dtrain.session.csv_logger import CsvLogger
+from dtrain.session.tensorboard_logger import TensorBoardLogger
 from dtrain.safe_files import check_regular, open_append, read_no_follow, replace_file
 from dtrain.session.record_files import CSV_COLUMNS, MetricsWriteError, RecordFile  # noqa: F401 - re-exported
 

@@ -37,7 +37,7 @@ from dtrain.session.evaluate import Evaluation
 from dtrain.session.evaluations import BatchNormStatistics, EvaluationPasses
 from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
                                           first_minibatch_check)
-from dtrain.loggers.tensorboard_logger import TensorBoardLogger
+from dtrain.session.tensorboard_logger import TensorBoardLogger
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.record_files import split_record_files
 from dtrain.session.measures import Measures

@@ -16,7 +16,7 @@ from torch import nn
 from dtrain import CheckpointConfig, CrossValidationConfig, LocalLearner, MinibatchSource, TestConfig, training_session
 from dtrain.loggers import CsvLogger, MLflowLogger, TensorBoardLogger, WandbLogger
 from dtrain.loggers.mlflow_logger import flatten
-from dtrain.loggers.requirements import package_installed
+from dtrain.session.logger_requirements import package_installed
 from dtrain.session.callbacks import Callback
 
 from tests.helpers.toy_data import four_class_data

@@ -88,3 +88,12 @@ def test_run_files_and_sweep_records_sit_below_the_session():
     found = {f"{module_name(path)} -> {target}" for path in (PACKAGE / "sweep").rglob("*.py")
              for target in imports_of(path, modules) if target.startswith("dtrain.session")}
     assert not found, sorted(found)
+
+
+def test_loggers_and_shipped_callbacks_sit_above_the_session():
+    """``loggers/`` (the trackers) and ``callbacks/`` go through the session's callback interface, so the session
+    imports nothing from them: the run's own record files (CSV, TensorBoard) are the session's."""
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    found = {f"{module_name(path)} -> {target}" for path in (PACKAGE / "session").rglob("*.py")
+             for target in imports_of(path, modules) if target.startswith(("dtrain.loggers", "dtrain.callbacks"))}
+    assert not found, sorted(found)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from dtrain.loggers.requirements import check_writable_directory, require_package
+from dtrain.session.logger_requirements import check_writable_directory, require_package
 from dtrain.safe_files import check_directory
 from dtrain.session.record_files import RecordFile
 

@@ -8,7 +8,7 @@ import io
 import os
 from pathlib import Path
 
-from dtrain.loggers.requirements import check_writable_directory
+from dtrain.session.logger_requirements import check_writable_directory
 from dtrain.safe_files import open_replacement, replace_file
 from dtrain.session.record_files import CSV_COLUMNS, MetricsWriteError, RecordFile
 
