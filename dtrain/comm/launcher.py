@@ -15,8 +15,8 @@ Recognised launchers, checked in this order (``DTRAIN_LAUNCHER`` forces one):
 from __future__ import annotations
 
 import contextlib
-import os
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 
