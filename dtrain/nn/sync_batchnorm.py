@@ -60,6 +60,7 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.sync = sync
         self.input_dims = input_dims  # 2 or 3 (1d), 4 (2d), 5 (3d); 0: any of at least 2
+        _keep_synchronized_forward_out_of_compiled_graphs()
 
     def _check_input_dim(self, input: torch.Tensor) -> None:  # noqa: A002 - torch's name
         allowed = {2: (2, 3), 3: (2, 3), 4: (4,), 5: (5,)}.get(self.input_dims)
@@ -70,10 +71,18 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not (self.training and self.sync is not None and self.sync.reducing):
             return super().forward(input)  # eval, or one process: torch's own BatchNorm
-        return _synchronized_forward(self, input)
+        return _eager_synchronized_forward(self, input)
 
 
-@torch.compiler.disable  # collectives inside: compiled models break their graph here and run it eagerly
+def _keep_synchronized_forward_out_of_compiled_graphs() -> None:
+    """Collectives inside: compiled models break their graph at ``_synchronized_forward`` and run it
+    eagerly. Wrapped when the first layer is built, not at import: ``torch.compiler.disable`` imports
+    ``torch._dynamo``, about 1.5 s of every process's start-up."""
+    global _eager_synchronized_forward
+    if _eager_synchronized_forward is _synchronized_forward:
+        _eager_synchronized_forward = torch.compiler.disable(_synchronized_forward)
+
+
 def _synchronized_forward(layer: SyncBatchNorm, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
     """Training forward with global statistics; updates the running statistics as one process would."""
     factor = 0.0 if layer.momentum is None else layer.momentum
@@ -85,6 +94,9 @@ def _synchronized_forward(layer: SyncBatchNorm, input: torch.Tensor) -> torch.Te
                                             layer.track_running_stats else None,
                                             layer.running_var if layer.track_running_stats else None,
                                             layer.eps, factor, layer.sync)
+
+
+_eager_synchronized_forward = _synchronized_forward  # until a layer is built: see above
 
 
 def _reduced_dims(input: torch.Tensor) -> list[int]:
