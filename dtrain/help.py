@@ -166,8 +166,9 @@ def describe_option(path: Path) -> str:
     """The first sentence of the prose comment at the top of a config file.
 
     The header comment is split into paragraphs at empty ``#`` lines; command lines (``python
-    -m dtrain ...``, ``mpiexec ...``) are skipped and the last paragraph is the description (a
-    recipe's header starts with its commands, a group option's is a single paragraph).
+    -m dtrain ...``, ``mpiexec ...``, and what to run afterwards, ``then: ...``) are skipped and the
+    last paragraph is the description (a recipe's header starts with its commands, a group option's
+    is a single paragraph).
     """
     paragraphs: list[list[str]] = [[]]
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -177,7 +178,7 @@ def describe_option(path: Path) -> str:
         if not text:
             paragraphs.append([])
         elif not (text.startswith("@package") or line[1:].startswith("  ")
-                  or re.match(r"(python|mpiexec|torchrun|srun|dtrain)\b", text)):
+                  or re.match(r"(?:(python|mpiexec|torchrun|srun|dtrain)\b|then:)", text)):
             paragraphs[-1].append(text)
     prose = " ".join(next((p for p in reversed(paragraphs) if p), []))
     prose = re.sub(rf"^(?:\w+/)?{re.escape(path.parent.name)}={re.escape(path.stem)}:\s*", "", prose)

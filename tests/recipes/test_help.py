@@ -70,6 +70,8 @@ def assert_help_shows_every_option(text: str, *directories: Path) -> None:
         assert listed == options, (group, listed, options)  # every option, sorted
         assert list(described) == options, (group, list(described))
         assert all(description and description != "(no description)" for _, description in described.values()), group
+        # prose, not a command to run (an option's header may also say what to run afterwards: "then: ...")
+        assert not [o for o, (_, d) in described.items() if d.startswith(("then:", "python ", "pip "))], (group, described)
         if "=[" in heading:  # several at once: none unless chosen
             assert heading.endswith("(any of them, several at once; default: none)") and default is None, heading
         elif default is not None and len(options) > 1:
