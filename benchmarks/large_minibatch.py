@@ -16,8 +16,8 @@ language model) or the test word error rate in % (G2P), the MEDIAN over ``--seed
 brackets: digits tests on 297 images, so one image is 0.34 point and one seed's luck moves a row by a
 point), with the gap between medians to the recipe's baseline; goals: within 0.5 point / 0.05 nats /
 0.5 point of WER.
-A row whose override the config refuses (``model.batch_norm`` before the BatchNorm variant of the
-digits CNN exists) is skipped with the reason printed.
+A row whose run fails, or whose overrides the config refuses (exit 2), prints why in place of its figure, the
+other rows still run, and the script then exits 1: a table with a missing row is not a result.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def run(recipe: str, overrides: list[str], epoch_size: int | None, seed: int,
         output = done.stdout + done.stderr
         if done.returncode == 2:  # refused: the reason is the error line, shown as it is
             line = next((line for line in output.splitlines() if "error:" in line), output.strip()[-200:])
-            return f"skipped: {line.split('error: ', 1)[-1]}", None, None, ""
+            return f"refused: {line.split('error: ', 1)[-1]}", None, None, ""
         if done.returncode != 0:
             return f"failed (exit {done.returncode}): {output.strip().splitlines()[-1][:160]}", None, None, ""
         records = run_records(Path(run_dir))
@@ -152,6 +152,7 @@ def main() -> None:
         baselines[""] = args.baseline
         print(f"{setting:<50} {base_minibatch:>9} {'(--baseline, an earlier run)':<28} {args.baseline:>30.{decimals}f}",
               flush=True)
+    incomplete = False
     for setting, overrides in table:
         started = time.time()
         results = [run(args.recipe, overrides, args.epoch_size, seed, args.threads) for seed in args.seeds]
@@ -161,7 +162,8 @@ def main() -> None:
         family = "BN" if "model.batch_norm=true" in overrides else ""
         failed = next((status for status, *_ in results if status != "ok"), None)
         if failed is not None:
-            print(f"{setting:<50} {minibatch:>9} {failed}")
+            print(f"{setting:<50} {minibatch:>9} {failed}", flush=True)
+            incomplete = True
             continue
         figures = [figure for _, figure, _, _ in results]
         figure = statistics.median(figures)
@@ -175,6 +177,8 @@ def main() -> None:
         cell = f"{figure:.{decimals}f} [{' '.join(f'{value:.{decimals}f}' for value in figures)}]"
         print(f"{setting:<50} {minibatch:>9} {results[0][3] or 'as configured':<28} {cell:>30} {gap:>7}{met:<3}"
               f"{ema_text:>6} {seconds:>7.0f}", flush=True)
+    if incomplete:
+        sys.exit("large_minibatch: some rows have no figure (failed or refused, above)")
 
 
 if __name__ == "__main__":
