@@ -23,7 +23,8 @@ import torch
 from dtrain.data._checks import check_not_a_data_loader
 from dtrain.data.streams import Sequences, StreamInfo
 
-__all__ = ["Deserializer", "FeaturesAndLabels", "StreamDeserializer", "as_stream_deserializer", "label_tensor"]
+__all__ = ["Deserializer", "FeaturesAndLabels", "StreamDeserializer", "as_stream_deserializer", "deserializer_identity",
+           "label_tensor"]
 
 
 class Deserializer(Protocol):
@@ -70,6 +71,33 @@ class StreamDeserializer(Protocol):
         stream with one value per sequence, a :class:`Sequences` (or a list of ``[L_i, *shape]``
         tensors, which the source pads) for a sequence stream."""
         ...
+
+
+def deserializer_identity(deserializer, streams: Mapping[str, StreamInfo]) -> dict:
+    """What a checkpoint of data read through ``deserializer`` must match: its type and its own
+    ``checkpoint_identity()`` where it declares one, else its size, feature shape and classes (a two-stream
+    :class:`Deserializer`) or its sequences and ``streams`` (a :class:`StreamDeserializer`). Where the files
+    lie is left out, so a checkpoint resumes on data moved elsewhere."""
+    kind = f"{type(deserializer).__module__}.{type(deserializer).__qualname__}"
+    own = getattr(deserializer, "checkpoint_identity", None)  # optional in both protocols
+    if callable(own):
+        return {"deserializer": kind, **own()}
+    if hasattr(deserializer, "feature_shape"):  # the two-stream protocol
+        return {"deserializer": kind, "num_samples": _plain(deserializer.num_samples),
+                "feature_shape": _plain(deserializer.feature_shape), "num_classes": _plain(deserializer.num_classes)}
+    return {"deserializer": kind, "num_sequences": _plain(getattr(deserializer, "num_sequences", None)),
+            "streams": {name: [_plain(info.shape), str(info.dtype), bool(info.is_sequence), _plain(info.num_classes)]
+                        for name, info in streams.items()}}
+
+
+def _plain(value) -> int | list[int] | str:
+    """An int, a list of ints, or else the value's text: comparable and safe to store in a checkpoint."""
+    try:
+        if isinstance(value, (tuple, list, torch.Size)):
+            return [int(n) for n in value]
+        return int(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def label_tensor(labels: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dtrain.data.deserializer import deserializer_identity
 from dtrain.data.minibatch import Minibatch
 from dtrain.data.streams import StreamInfo
 
@@ -80,9 +81,10 @@ class UserMinibatchSource:
                                   f"(defining_stream_is_explicit is False) but does not implement use_defining_stream")
 
     def checkpoint_identity(self) -> dict[str, Any] | None:
-        """What a checkpoint of this source must match to be restored; None (the default): the session derives
-        it from :attr:`deserializer` and :attr:`streams` (their types and sizes, not where the files lie)."""
-        return None
+        """What a checkpoint of this source must match to be restored. The default derives it from
+        :attr:`deserializer` and :attr:`streams` (their types and sizes, not where the files lie); None, without
+        a deserializer: the session then names the source's type."""
+        return None if self.deserializer is None else deserializer_identity(self.deserializer, self.streams)
 
 
 def _fact(name: str, default: Any) -> property:
@@ -117,7 +119,7 @@ class _Declared(UserMinibatchSource):
             return own()
         if self.deserializer is None:
             return {"source": f"{type(self.source).__module__}.{type(self.source).__qualname__}"}
-        return None
+        return super().checkpoint_identity()
 
     def __repr__(self) -> str:
         return repr(self.source)

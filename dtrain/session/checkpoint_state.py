@@ -57,33 +57,11 @@ def learner_identity(learner) -> dict[str, Any]:
 
 
 def source_identity(source: UserMinibatchSource) -> dict[str, Any]:
-    """What a training source's checkpoint must match: ``source.checkpoint_identity()`` when it declares
-    one, else the deserializer's type, size, feature shape and classes (two-stream data) or its type,
-    sequences and streams (named streams); where the files lie may change."""
+    """What a training source's checkpoint must match: what the source declares
+    (:meth:`~dtrain.data.UserMinibatchSource.checkpoint_identity`: by default its deserializer's type and
+    sizes), else its type."""
     own = source.checkpoint_identity()
-    if own is not None:
-        return own
-    data = source.deserializer
-    if data is None:
-        return {"source": _qualified_name(source)}
-    if hasattr(data, "checkpoint_identity"):
-        return {"deserializer": _qualified_name(data), **data.checkpoint_identity()}
-    if hasattr(data, "feature_shape"):
-        return {"deserializer": _qualified_name(data), "num_samples": _plain(data.num_samples),
-                "feature_shape": _plain(data.feature_shape), "num_classes": _plain(data.num_classes)}
-    return {"deserializer": _qualified_name(data), "num_sequences": _plain(getattr(data, "num_sequences", None)),
-            "streams": {name: [_plain(info.shape), str(info.dtype), bool(info.is_sequence), _plain(info.num_classes)]
-                        for name, info in source.streams.items()}}
-
-
-def _plain(value: Any) -> Any:
-    """An int, a list of ints, or else the value's text: comparable and safe to store in a checkpoint."""
-    try:
-        if isinstance(value, (tuple, list, torch.Size)):
-            return [int(n) for n in value]
-        return int(value)
-    except (TypeError, ValueError):
-        return str(value)
+    return own if own is not None else {"source": _qualified_name(source)}
 
 
 def identity(model: torch.nn.Module, learner, source, extra: dict | None) -> dict[str, Any]:

@@ -255,3 +255,28 @@ def test_the_optimizer_is_given_once_under_either_name(factory):
         factory(optimizer, learner=optimizer)
     with pytest.raises(TypeError, match="missing the optimizer to wrap"):
         factory()
+
+
+class _ReadingDigits(_DeclaredReading):
+    """A source of one's own that says what it reads: its checkpoints are those of that data."""
+
+    deserializer = None  # set per test
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["UserMinibatchSource", "plain-object"])
+def test_a_checkpoint_names_the_data_a_source_reads_as_checkpoints_always_did(declared):
+    """The identity a checkpoint must match is derived from the deserializer (type and sizes, not where it lies),
+    whether the source is dtrain's, a UserMinibatchSource of one's own or a plain object that has a deserializer;
+    these exact dictionaries are in every checkpoint written so far, so they must not change."""
+    from dtrain.data import Digits, MinibatchSource, as_source
+    from dtrain.session.checkpoint_state import source_identity
+
+    digits = {"deserializer": "dtrain.data.digits.Digits", "feature_shape": [1, 8, 8], "num_classes": 10}
+    assert source_identity(as_source(MinibatchSource(Digits("train")))) == {**digits, "num_samples": 1500}
+    own = _ReadingDigits() if declared else type("Plain", (), {"next_minibatch": lambda self, *a: None})()
+    own.deserializer = Digits("test")
+    assert source_identity(as_source(own)) == {**digits, "num_samples": 297}
+    tensors = torch.utils.data.TensorDataset(torch.zeros(20, 3), torch.arange(20) % 2)
+    assert source_identity(as_source(MinibatchSource(dtrain.data.DatasetDeserializer(tensors)))) == {
+        "dataset": "torch.utils.data.dataset.TensorDataset", "deserializer": "dtrain.data.dataset.DatasetDeserializer",
+        "num_sequences": 20, "streams": ["features: [3] float32 values", "labels: int64 values"]}
