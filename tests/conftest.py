@@ -5,7 +5,8 @@ is found) or, for a worker with several named checks, :func:`tests.helpers.check
 from a module-scoped fixture.
 
 Markers are registered in ``pyproject.toml``: ``slow`` (left out of the default run; ``pytest -m slow``),
-``root`` (network namespaces) and ``gpu``.
+``root`` (network namespaces) and ``gpu``. Test files run longest first, by the seconds recorded in
+``tests/durations.json`` (:mod:`tests.helpers.durations`; ``--record-durations`` refreshes it).
 """
 from __future__ import annotations
 
@@ -14,7 +15,29 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import durations
 from tests.helpers.mpi import LAUNCHER_VARIABLES
+
+_measured: dict[str, float] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help="write the seconds each test took into tests/durations.json (the order files run in)")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: a file counts only its selected tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    durations.longest_files_first(items, durations.recorded())
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration  # setup, call and teardown
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("record_durations") and not hasattr(session.config, "workerinput"):
+        durations.record(_measured)  # the controller (or the only process) writes, not each xdist worker
 
 
 @pytest.fixture

@@ -41,3 +41,33 @@ def test_unit_tests_start_no_command_line_run_and_no_mpiexec():
                  for path in sorted(TESTS.glob("unit/*.py")) if path != Path(__file__).resolve()
                  for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, offenders
+
+
+def test_the_longest_files_run_first_and_each_file_keeps_its_order(tmp_path, monkeypatch):
+    """xdist's loadfile hands out files in this order: the longest first (by the record), a file's tests kept
+    in their order, a test missing from the record counted as 0.2 s."""
+    from types import SimpleNamespace
+
+    from tests.helpers import durations
+
+    items = [SimpleNamespace(nodeid=n) for n in ("tests/a.py::one", "tests/a.py::two", "tests/b.py::one",
+                                                  "tests/c.py::one", "tests/c.py::two", "tests/c.py::three")]
+    durations.longest_files_first(items, {"tests/b.py::one": 30.0, "tests/a.py::two": 4.0})
+    assert [i.nodeid for i in items] == ["tests/b.py::one", "tests/a.py::one", "tests/a.py::two",
+                                         "tests/c.py::one", "tests/c.py::two", "tests/c.py::three"]
+    monkeypatch.setattr(durations, "RECORD", tmp_path / "tests" / "durations.json")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "a.py").write_text("")
+    durations.RECORD.write_text('{"tests/a.py::one": 9.0, "tests/a.py::two": 3.0, "tests/gone.py::x": 5.0}')
+    durations.record({"tests/a.py::one": 0.1, "tests/a.py::three": 7.04})  # a run of a's tests, one now quick
+    assert durations.recorded() == {"tests/a.py::three": 7.0, "tests/a.py::two": 3.0}
+
+
+def test_the_recorded_durations_name_tests_that_exist():
+    """tests/durations.json orders the suite: a record of files that were renamed away orders nothing."""
+    from tests.helpers import durations
+
+    record = durations.recorded()
+    assert record, "tests/durations.json is missing: pytest --record-durations writes it"
+    files = {node.split("::")[0] for node in record}
+    assert all((durations.RECORD.parent.parent / name).exists() for name in files), sorted(files)
