@@ -40,12 +40,19 @@ def longest_files_first(items: list, seconds: dict[str, float]) -> None:
 
 def record(measured: dict[str, float]) -> None:
     """Merges ``measured`` (``{node id: seconds}`` of this run) into the record: a default run and a slow run
-    each update their own tests. Quick tests are dropped, as are tests that no longer exist."""
+    each update their own tests. Quick tests are dropped, as are tests whose file or function is gone."""
     merged = {**recorded(), **measured}
     kept = {node: round(value, 1) for node, value in sorted(merged.items())
-            if value >= SMALLEST_RECORDED and (RECORD.parent.parent / _file(node)).exists()}
+            if value >= SMALLEST_RECORDED and _exists(node)}
     RECORD.write_text(json.dumps(kept, indent=0) + "\n")
 
 
 def _file(node_id: str) -> str:
     return node_id.split("::", 1)[0]
+
+
+def _exists(node_id: str) -> bool:
+    """Whether the test's file exists and still defines its function (a renamed test's entry is dropped)."""
+    path = RECORD.parent.parent / _file(node_id)
+    function = node_id.rsplit("::", 1)[-1].split("[", 1)[0]
+    return path.is_file() and f"def {function}(" in path.read_text()

