@@ -5,7 +5,7 @@ file collected last runs alone at the end while the other worker idles. Ordering
 (by the recorded seconds of the tests this run selected) keeps both workers busy to the end. The record,
 ``tests/durations.json``, is per test (``{node id: seconds}``, setup and teardown included) and is
 refreshed by running the suites with ``--record-durations`` (docs/development.md); a test it does not
-know counts as :data:`UNKNOWN_SECONDS`, so a new file is never held back for long.
+know counts as :data:`UNKNOWN_SECONDS`, so a new long file runs late until the record is refreshed.
 """
 from __future__ import annotations
 
