@@ -52,8 +52,9 @@ def namespace_run_equals_rehearsal(args: list[str], tmp_path: Path) -> None:
 
 def resume_then_relayout(common: list[str], tmp_path: Path):
     """``python COMMON`` at 2 hosts x 2 ranks (``comm.ranks_per_host=2``) straight to 1,920 samples, and again
-    stopped at 1,280 and resumed: the two final models must be bit-identical. Then the resumed run goes on
-    to 2,560 samples at 4 hosts x 1 rank. Returns (the resumed run's checkpoint, the 4 x 1 run)."""
+    from that run's checkpoint at 1,280 (a periodic one, as an interruption leaves behind) in another run
+    directory: the two final models must be bit-identical. Then the resumed run goes on to 2,560 samples at
+    4 hosts x 1 rank. Returns (the resumed run's checkpoint, the 4 x 1 run)."""
     from dtrain.session import checkpoint
 
     def job(run_dir: Path, *overrides: str):
@@ -62,11 +63,11 @@ def resume_then_relayout(common: list[str], tmp_path: Path):
     whole = job(tmp_path / "whole", "comm.ranks_per_host=2", "session.max_samples=1920")
     assert whole.returncode == 0, whole.report()
     assert "two levels over 2 hosts x 2 ranks (from comm.ranks_per_host=2)" in whole.stdout, whole.report()
-    first = job(tmp_path / "split", "comm.ranks_per_host=2", "session.max_samples=1280")
-    assert first.returncode == 0, first.report()
-    second = job(tmp_path / "split", "comm.ranks_per_host=2", "session.max_samples=1920")
+    saved = tmp_path / "whole" / "checkpoint-1280.pt"
+    second = job(tmp_path / "split", "comm.ranks_per_host=2", "session.max_samples=1920",
+                 f"session.checkpoint.restore_from={saved}")
     assert second.returncode == 0, second.report()
-    assert "at 1280 samples" in second.stdout, second.report()
+    assert f"restored {saved} at 1280 samples" in second.stdout, second.report()
     a = checkpoint.load(tmp_path / "whole" / "checkpoint-1920.pt")
     b = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")
     for name in a["model"]:
