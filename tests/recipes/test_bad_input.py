@@ -268,11 +268,13 @@ _RECIPE_FREE = {"recipe-unknown", "recipe-missing", "user-model-rule", "config-d
                 "config-dir-slice-unquoted", "config-dir-unknown-option", "config-dir-retired-key"}
 
 # under mpiexec: failures before the communicator exists (validation, composition, the recipe) and
-# after it (instantiation, the checkpoint, training), each reported once, by rank 0
-#: the default suite keeps one of each kind (before the communicator: lr-nan; after: restore-off), the slow set the rest
+# after it (instantiation, the checkpoint, training), each reported once, by rank 0. One case per place a
+# failure is found (each launch costs both ranks' start-up); every case runs in one process above
+#: the default suite keeps one of each kind (before the communicator: lr-nan; after: restore-off), the slow set
+#: one per further place: Hydra's composition, the recipe's name, building the model against the data, the run
+#: directory, a minibatch too large, a component, a callback's check against the run, and the communicator's layout
 MPI_CASES = ["lr-nan", "restore-off", *(pytest.param(case, marks=pytest.mark.slow) for case in (
-             "group-list", "plus-misspelt-session", "hidden-negative", "classes-vs-data", "run-dir-is-file",
-             "run-dir-empty-string", "lr-schedule-word", "threads-0", "minibatch-too-large", "recipe-unknown",
+             "plus-misspelt-session", "recipe-unknown", "classes-vs-data", "run-dir-is-file", "minibatch-too-large",
              "callbacks-not-a-callback", "early-stopping-no-cv")),
              pytest.param("hierarchical-true-one-host", marks=pytest.mark.slow),
              pytest.param("ranks-per-host-not-dividing", marks=pytest.mark.slow)]
