@@ -2,6 +2,7 @@
 preemption by a signal, and one clear line for bad input with nothing overwritten."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.checks import CheckLaunch, launch_checks
 from tests.helpers.learners import learners, preset, shipped_learners
 from tests.helpers.mpi import mpi_command, mpiexec_path, run_mpi, start_ranks
 
@@ -21,8 +23,10 @@ RESUMED = learners("data_parallel", "quantized", "powersgd", "block_momentum", "
                    "diloco_4bit", "bmuf_momentum_kept", "data_parallel_lars", "block_momentum_lamb", "diloco_lamb")
 # 640-sample checkpoints; both halves of an interrupted run end on a checkpoint boundary, as the
 # uninterrupted run checkpoints (and block momentum synchronises) at the same sample counts
-COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
-          "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32"]
+COMMON_OVERRIDES = ["+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
+                    "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32"]
+COMMON = ["-m", "dtrain", *COMMON_OVERRIDES]
+RESUME_WORKER = Path(__file__).with_name("_resume_worker.py")
 
 
 def dtrain_job(nprocs: int, run_dir: Path, *overrides: str, timeout: float = 240):
@@ -39,44 +43,98 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], wha
         assert torch.equal(a[name], b[name]), f"{what}{name} differs after resume"
 
 
+def assert_same_state(a, b, where: str) -> None:
+    """Nested checkpoint state (dicts, lists, tensors, numbers) equal to the bit, naming the first entry that is not."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), \
+            f"{where} differs after resume: keys {list(a)} / {list(b) if isinstance(b, dict) else type(b).__name__}"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), \
+            f"{where} differs after resume: {type(a).__name__} of {len(a)} / {type(b).__name__} {b!r:.200}"
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{index}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs after resume"
+    else:
+        assert a == b, f"{where} differs after resume: {a!r} / {b!r}"
+
+
 def test_every_shipped_learner_is_resumed_here_or_in_its_own_module():
     resumed = {preset(overrides) for overrides in RESUMED.values()}
     elsewhere = {name for name in shipped_learners() if name.startswith("two_level_")} | {"local"}  # one process
     assert set(shipped_learners()) - elsewhere <= resumed, set(shipped_learners()) - elsewhere - resumed
 
 
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory) -> tuple[Path, CheckLaunch]:
+    """Every learner's uninterrupted run and its resumed run, all from one ``mpiexec -n 2`` launch of
+    _resume_worker.py (the command lines of ``python -m dtrain``, run one after the other in one process per rank:
+    Python's, torch's and the config's start-up paid once, not 24 times)."""
+    base = tmp_path_factory.mktemp("resumed")
+    jobs = [{"name": learner, "runs": [  # the command lines of dtrain_job, without "-m dtrain"
+        {"name": "whole", "overrides": [*COMMON_OVERRIDES, f"run_dir={base / learner / 'whole'}", *overrides,
+                                        "session.max_samples=1920"]},
+        {"name": "split", "overrides": [*COMMON_OVERRIDES, f"run_dir={base / learner / 'split'}", *overrides,
+                                        "session.max_samples=1920", f"session.checkpoint.restore_from="
+                                        f"{base / learner / 'whole' / 'checkpoint-1280.pt'}"]},
+    ]} for learner, overrides in RESUMED.items()]
+    (base / "jobs.json").write_text(json.dumps(jobs, indent=1))
+    return base, launch_checks(2, [RESUME_WORKER, base / "jobs.json"], base, timeout=120 + 45 * len(jobs))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("learner", list(RESUMED))
-def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(learner, tmp_path):
+def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(learner, resumed_runs):
     """Two ranks: the uninterrupted run's checkpoint at 1,280 samples (a periodic one, as an interruption leaves
     behind) restored in another run directory trains on to exactly its parameters, optimizer state, residuals,
-    outer state and weight average at 1,920."""
+    outer state and weight average at 1,920. (Every learner's two runs come from one launch: ``resumed_runs``.)"""
+    base, launch = resumed_runs
+    printed = launch.results(learner)  # fails here, with the launch's output, if either run failed
+    finished = [record["passed"] for by_rank in launch.records.values() for record in by_rank.values()]
+    if launch.returncode != 0 and len(finished) == 2 * len(RESUMED) and all(finished):  # no learner's runs to blame
+        pytest.fail(f"every run finished, but the launch ended with exit code {launch.returncode}\n{launch.output}",
+                    pytrace=False)
+    whole, split = (_RunOutput(run, [Path(by_rank[run]).read_text() for by_rank in printed], launch.output)
+                    for run in ("whole", "split"))
     overrides = RESUMED[learner]
-    whole = dtrain_job(2, tmp_path / "whole", *overrides, "session.max_samples=1920")
-    assert whole.returncode == 0, whole.report()
     compressed = "learner/exchange=quantized" in overrides
     if compressed:
         assert "quantized:" in whole.stdout and "kB sent/sync" in whole.stdout, whole.report()
-    saved = tmp_path / "whole" / "checkpoint-1280.pt"
-    second = dtrain_job(2, tmp_path / "split", *overrides, "session.max_samples=1920",
-                        f"session.checkpoint.restore_from={saved}")
-    assert second.returncode == 0, second.report()
-    assert f"restored {saved} at 1280 samples" in second.stdout, second.report()
-    a = checkpoint.load(tmp_path / "whole" / "checkpoint-1920.pt")
-    b = checkpoint.load(tmp_path / "split" / "checkpoint-1920.pt")
+    saved = base / learner / "whole" / "checkpoint-1280.pt"
+    assert f"restored {saved} at 1280 samples" in split.stdout, split.report()
+    a = checkpoint.load(base / learner / "whole" / "checkpoint-1920.pt")
+    b = checkpoint.load(base / learner / "split" / "checkpoint-1920.pt")
     assert_identical(a["model"], b["model"])
     assert len(b["per_rank"]) == 2  # both ranks' own random numbers, and their own learner state where it has any
     if preset(overrides) != "data_parallel":  # residuals, factors, local optimizer state, the block's
         assert all(entry["learner"] for entry in b["per_rank"])
+    # the docstring's promise: optimizer state, outer state (learner), residuals and each rank's own state (per_rank)
+    assert_same_state(a["learner"], b["learner"], "learner")
+    assert_same_state(a["per_rank"], b["per_rank"], "per_rank")
     if "session.ema_decay=0.9" in overrides:
         assert_identical(a["weight_ema"], b["weight_ema"], "the weight EMA's ")
-        assert "test of the weight EMA (decay 0.9)" in second.stdout
-        assert (tmp_path / "split" / "model_ema.safetensors").is_file()
+        assert "test of the weight EMA (decay 0.9)" in split.stdout, split.report()
+        assert (base / learner / "split" / "model_ema.safetensors").is_file()
     if preset(overrides) in ("block_momentum", "diloco"):
         assert all(entry["learner"]["optimizer"]["state"] for entry in b["per_rank"])
         assert float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
     if compressed:
         assert all(entry["learner"]["exchange"]["per_key"] for entry in b["per_rank"])
+
+
+class _RunOutput:
+    """What one run of ``resumed_runs`` printed: every rank's stdout, as ``python -m dtrain`` would have."""
+
+    def __init__(self, name: str, by_rank: list[str], launch_output: str):
+        self.name, self.stdout, self.launch_output = name, "".join(by_rank), launch_output
+        self.by_rank = by_rank
+
+    def report(self) -> str:
+        ranks = "".join(f"--- {self.name} run, rank {rank} stdout ---\n{text}"
+                        for rank, text in enumerate(self.by_rank))
+        return f"{ranks}--- the launch ---\n{self.launch_output}"
 
 
 @pytest.mark.slow
