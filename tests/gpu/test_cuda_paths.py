@@ -134,7 +134,7 @@ def test_nccl_world_of_one_runs_every_collective_and_a_learner_step():
 
 def test_digits_recipe_trains_on_the_gpu_and_resumes_on_the_cpu(tmp_path):
     """The user's first command on a GPU machine trains there; its checkpoint carries on without a GPU."""
-    first = run_dtrain("+recipe=digits", "run_dir=run", "session.max_samples=9000", cwd=tmp_path)
+    first = run_dtrain("+recipe=digits", "run_dir=run", "session.max_samples=9000", cwd=tmp_path, gpu=True)
     assert first.returncode == 0, first.stderr
     assert f"parameters on cuda:0 ({torch.cuda.get_device_name(0)})" in first.stdout, first.stdout
     accuracy = float(re.search(r"test: accuracy ([\d.]+)%", first.stdout).group(1))
@@ -142,7 +142,7 @@ def test_digits_recipe_trains_on_the_gpu_and_resumes_on_the_cpu(tmp_path):
     state = checkpoint.load(tmp_path / "run" / "checkpoint-9000.pt")
     assert state["samples_seen"] == 9000
     on_cpu = run_dtrain("+recipe=digits", "run_dir=run", "session.max_samples=12000", "comm.backend=gloo",
-                        cwd=tmp_path)
+                        cwd=tmp_path, gpu=True)
     assert on_cpu.returncode == 0, on_cpu.stderr
     assert "restored" in on_cpu.stdout and "at 9000 samples" in on_cpu.stdout, on_cpu.stdout
 
@@ -150,7 +150,7 @@ def test_digits_recipe_trains_on_the_gpu_and_resumes_on_the_cpu(tmp_path):
 def test_synchronized_batchnorm_trains_on_the_gpu(tmp_path):
     """``session.sync_batchnorm=true`` on a BatchNorm model: the session's synchronized layers run on CUDA."""
     result = run_dtrain("+recipe=digits", "model.batch_norm=true", "session.sync_batchnorm=true", "run_dir=run",
-                        "session.max_samples=9000", cwd=tmp_path)
+                        "session.max_samples=9000", cwd=tmp_path, gpu=True)
     assert result.returncode == 0, result.stderr
     assert "parameters on cuda:0" in result.stdout, result.stdout
     assert float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1)) >= 95.0, result.stdout
@@ -200,7 +200,7 @@ def test_the_noise_scale_on_the_gpu_is_the_cpu_one(tmp_path, capsys):
 
     run_dir = tmp_path / "run"
     trained = run_dtrain("+recipe=digits", "session.max_samples=640", "session.checkpoint.frequency=640",
-                         f"run_dir={run_dir}", cwd=tmp_path)
+                         f"run_dir={run_dir}", cwd=tmp_path, gpu=True)
     assert trained.returncode == 0, trained.stderr[-2000:]
     rows = []
     for device in ("cpu", "cuda"):

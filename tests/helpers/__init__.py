@@ -15,11 +15,13 @@ Modules here:
 * :mod:`~tests.helpers.thread_world`  N ranks as N threads (``FakeWorld``), for unit tests of learners.
 * :mod:`~tests.helpers.bmuf_reference`, :mod:`~tests.helpers.quantized_reference`  block momentum and
   the quantized exchange written out directly, the independent references learners are compared with.
-* :mod:`~tests.helpers.cli`         ``run_dtrain``: ``python -m dtrain ARGS`` as from a plain shell.
+* :mod:`~tests.helpers.cli`         ``run_dtrain``: ``python -m dtrain ARGS`` as from a plain shell, each in a
+  process forked from a warm interpreter (``gpu=True``: a fresh one, which sees the GPUs).
 * :mod:`~tests.helpers.toy_data`    the small classification data set most training tests use.
 * :mod:`~tests.helpers.compare`     models compared between two runs, or between the ranks of a job.
 * :mod:`~tests.helpers.failing_model`  a digits model that fails on purpose (fail-fast tests).
-* :mod:`~tests.helpers.forked_dtrain`  runs many ``python -m dtrain`` command lines from one warm interpreter.
+* :mod:`~tests.helpers.forked_dtrain`  runs many ``python -m dtrain`` command lines from one warm interpreter
+  (``run_dtrain``'s, and ``tests/recipes/test_bad_input.py``'s).
 
 Shipped with the package, because benchmarks use them too: :mod:`dtrain.testing` (simulated hosts from
 network namespaces, ``dtrain.testing.netns``; small data sets in real file formats, ``dtrain.testing.image_files``

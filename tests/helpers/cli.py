@@ -1,15 +1,72 @@
-"""Running ``python -m dtrain`` as a user would from a shell: one process, no launcher."""
+"""Running ``python -m dtrain`` as a user would from a shell: one process, no launcher.
+
+Each command line runs in its own process, forked from a warm interpreter that imported torch and dtrain
+once (``tests/helpers/forked_dtrain.py``; one per environment, for the life of the test process): a fresh
+``python -m dtrain`` spends seconds on those imports, which the suites would pay for every run.
+"""
 from __future__ import annotations
 
+import atexit
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.helpers.mpi import plain_environment
 
+#: the warm interpreter's script (run by path: importing it here would import dtrain into pytest's process)
+RUNNER = Path(__file__).with_name("forked_dtrain.py")
 
-def run_dtrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+#: the warm interpreters, by the environment they started with (less PYTEST_CURRENT_TEST, which changes per test)
+_RUNNERS: dict[tuple, subprocess.Popen] = {}
+
+
+def run_dtrain(*args: str, cwd: Path, timeout: float = 240, gpu: bool = False) -> subprocess.CompletedProcess:
     """Run ``python -m dtrain ARGS`` in ``cwd`` without any launcher's variables; return it finished
-    (``stdout``/``stderr`` as text). Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
-    return subprocess.run([sys.executable, "-m", "dtrain", *args], cwd=cwd, env=plain_environment(),
-                          capture_output=True, text=True, timeout=timeout)
+    (``stdout``/``stderr`` as text). Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds.
+
+    The process is forked from a warm interpreter and sees no GPU (``CUDA_VISIBLE_DEVICES=""``: CUDA does not
+    survive a fork once started, and the suites are a CPU machine's); ``gpu=True`` starts a fresh interpreter
+    that sees this machine's GPUs."""
+    command = [sys.executable, "-m", "dtrain", *args]
+    if gpu:
+        return subprocess.run(command, cwd=cwd, env=plain_environment(), capture_output=True, text=True,
+                              timeout=timeout)
+    env = plain_environment(CUDA_VISIBLE_DEVICES="")
+    runner = _runner(env)
+    runner.stdin.write(json.dumps({"argv": list(args), "cwd": str(cwd), "env": env, "timeout": timeout}) + "\n")
+    runner.stdin.flush()
+    line = runner.stdout.readline()
+    if not line:  # the runner itself ended (killed from outside): this command in a process of its own
+        _RUNNERS.pop(_key(env), None)
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    reply = json.loads(line)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(command, timeout, output=reply["stdout"], stderr=reply["stderr"])
+    return subprocess.CompletedProcess(command, reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+def _key(env: dict[str, str]) -> tuple:
+    return tuple(sorted((name, value) for name, value in env.items() if name != "PYTEST_CURRENT_TEST"))
+
+
+def _runner(env: dict[str, str]) -> subprocess.Popen:
+    """The warm interpreter for ``env``, started on first use."""
+    key = _key(env)
+    runner = _RUNNERS.get(key)
+    if runner is None or runner.poll() is not None:
+        runner = subprocess.Popen([sys.executable, str(RUNNER)], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        _RUNNERS[key] = runner
+    return runner
+
+
+@atexit.register
+def _end_runners() -> None:
+    """Each runner ends when its input does (and would with this process: it asked for SIGKILL then)."""
+    for runner in _RUNNERS.values():
+        try:
+            runner.stdin.close()
+            runner.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            runner.kill()

@@ -19,10 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import forked_dtrain
+from tests.helpers.cli import RUNNER
 from tests.helpers.mpi import plain_environment, run_mpi
-
-RUNNER = Path(forked_dtrain.__file__)
 
 # (id, arguments, fragments the line must hold). ``{run}`` is the finished run, ``{file}`` a file,
 # ``{empty}`` an empty file, ``{readonly}`` a directory this user cannot write; run_dir={run} is
