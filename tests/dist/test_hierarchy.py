@@ -87,18 +87,26 @@ def _final_parameters(stdout: str) -> dict:
     return load(Path(paths[0]))["model"]
 
 
+@pytest.fixture(scope="module")
+def one_host_runs(tmp_path_factory) -> dict:
+    """The digits job of :func:`_digits` on 4 ranks of this host, by ``comm.hierarchical`` setting (true, false,
+    auto): each asserted to have finished. The auto run is also the two-host test's rehearsal."""
+    base = tmp_path_factory.mktemp("one_host")
+    runs = {}
+    for setting in ("true", "false", "auto"):
+        result = run_mpi(4, _digits(base / setting, setting), timeout=130, env=_env())
+        assert result.returncode == 0, result.report()
+        runs[setting] = result
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_hierarchical_data_parallel_equals_flat(tmp_path: Path) -> None:
+def test_hierarchical_data_parallel_equals_flat(one_host_runs: dict) -> None:
     """20 steps of digits on 2 'hosts' x 2 ranks: the hierarchical all-reduce's parameters equal the
     flat one's to float rounding (the sum is associated differently: (r0+r1)+(r2+r3)), the start-up
     line says what was chosen, and auto chooses it from the hosts alone."""
-    env = _env()
-    runs = {}
-    for setting in ("true", "false", "auto"):
-        result = run_mpi(4, _digits(tmp_path / setting, setting), timeout=130, env=env)
-        assert result.returncode == 0, result.report()
-        runs[setting] = result
+    runs = one_host_runs
     assert "dtrain: hierarchical all-reduce over 2 hosts x 2 ranks" in runs["true"].stdout, runs["true"].report()
     assert "(hosts from comm.ranks_per_host=2; comm.hierarchical=auto)" in runs["auto"].stdout, runs["auto"].report()
     assert "hierarchical all-reduce" not in runs["false"].stdout
@@ -114,7 +122,7 @@ def test_hierarchical_data_parallel_equals_flat(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.root
 @pytest.mark.timeout(400)
-def test_two_hosts_from_the_hostfile_equal_the_rehearsal_bit_for_bit(tmp_path: Path) -> None:
+def test_two_hosts_from_the_hostfile_equal_the_rehearsal_bit_for_bit(tmp_path: Path, request) -> None:
     """2 network-namespace hosts x 2 ranks (mpiexec with a hostfile, --npernode 2): comm.hierarchical=auto
     finds the hosts from the launcher (no override) and turns on; the parameters equal, bit for bit, the
     same job rehearsed on one host with comm.ranks_per_host=2 (the same sums in the same order)."""
@@ -131,7 +139,6 @@ def test_two_hosts_from_the_hostfile_equal_the_rehearsal_bit_for_bit(tmp_path: P
     assert multi.returncode == 0, multi.report()
     assert ("dtrain: hierarchical all-reduce over 2 hosts x 2 ranks" in multi.stdout
             and "(hosts from the mpi launcher; comm.hierarchical=auto)" in multi.stdout), multi.report()
-    rehearsal = run_mpi(4, _digits(tmp_path / "one_host", "auto"), timeout=150, env=_env())
-    assert rehearsal.returncode == 0, rehearsal.report()
+    rehearsal = request.getfixturevalue("one_host_runs")["auto"]  # the same command line on one host, 2 "hosts"
     two_hosts, one_host = _final_parameters(multi.stdout), _final_parameters(rehearsal.stdout)
     assert [name for name in one_host if not torch.equal(two_hosts[name], one_host[name])] == []
