@@ -34,9 +34,11 @@ def test_the_rank_is_chosen_once_and_a_resume_after_it_is_bit_identical(tmp_path
     assert rank in (4, 8) and error <= 0.2  # digits' CNN: 4 (0.17-0.20 measured), 8 at the edge
     assert f"powersgd rank {rank} (auto)" in whole.stdout
 
-    _job(tmp_path / "split", "session.max_samples=1600")
-    resumed = _job(tmp_path / "split")
-    assert "at 1600 samples" in resumed.stdout and not CHOICE.search(resumed.stdout)  # restored, not chosen again
+    # the whole run's periodic checkpoint at 1,600 (after the choice), as an interruption leaves behind
+    saved = tmp_path / "whole" / "checkpoint-1600.pt"
+    resumed = _job(tmp_path / "split", f"session.checkpoint.restore_from={saved}")
+    assert f"restored {saved} at 1600 samples" in resumed.stdout, resumed.report()
+    assert not CHOICE.search(resumed.stdout), resumed.report()  # restored, not chosen again
     assert f"powersgd rank {rank} (auto)" in resumed.stdout
     first = checkpoint.load(tmp_path / "whole" / "checkpoint-3200.pt")["model"]
     second = checkpoint.load(tmp_path / "split" / "checkpoint-3200.pt")["model"]
