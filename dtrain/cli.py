@@ -258,7 +258,7 @@ def check_overrides(argv: list[str], compose: bool = True) -> str | None:
     composition runs when the only flags are ``--config-dir``/``-cd`` (whose directory joins the search
     path, as Hydra's own run does): with any other flag (``--cfg``, ``-m``, ...) Hydra composes and reports
     by itself. ``compose=False`` leaves the composition to Hydra's run (:func:`run_single` reports its
-    failure in the same line), which saves a start-up a composition (about 0.4 s).
+    failure in the same line), which saves start-up one composition (about 0.4 s).
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -345,10 +345,7 @@ def run_single(argv: list[str]) -> None:
             raise
         print_debug_traceback()
         directories = config_directories(config_dir(), flags)
-        exit_bad_input(_composition_problem(overrides, directories) or
-                       f"the command line {' '.join(overrides)!r} could not be composed into a config "
-                       f"({type(error).__name__}: {first_line(error)}); expected key=value pairs of the keys that "
-                       f"python -m dtrain +recipe=NAME --cfg job lists")
+        exit_bad_input(_composition_problem(overrides, directories) or _not_composed(overrides, error))
     finally:
         _composed.restore_error_printing()
 
@@ -409,11 +406,16 @@ def _composition_problem(overrides: list[str], directories: list[Path]) -> str |
             parts.append("(python -m dtrain +recipe=NAME --cfg job lists every key)")
         return " ".join(parts)
     except Exception as error:  # noqa: BLE001 -- Hydra lets some malformed overrides through as raw errors
-        found = re.search(r"full_key: (\S+)", str(error))
-        where = f"the override of {found.group(1)}" if found else f"the command line {' '.join(overrides)!r}"
-        return (f"{where} could not be composed into a config ({type(error).__name__}: {first_line(error)}); "
-                f"expected key=value pairs of the keys that python -m dtrain +recipe=NAME --cfg job lists")
+        return _not_composed(overrides, error)
     return None
+
+
+def _not_composed(overrides: list[str], error: Exception) -> str:
+    """One line for a composition that failed with an error that is not Hydra's or OmegaConf's own."""
+    found = re.search(r"full_key: (\S+)", str(error))
+    where = f"the override of {found.group(1)}" if found else f"the command line {' '.join(overrides)!r}"
+    return (f"{where} could not be composed into a config ({type(error).__name__}: {first_line(error)}); "
+            f"expected key=value pairs of the keys that python -m dtrain +recipe=NAME --cfg job lists")
 
 
 #: what Hydra's ``--info`` may be followed by (its value is optional)
