@@ -89,11 +89,12 @@ def _final_parameters(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_host_runs(tmp_path_factory) -> dict:
-    """The digits job of :func:`_digits` on 4 ranks of this host, by ``comm.hierarchical`` setting (true, false,
-    auto): each asserted to have finished. The auto run is also the two-host test's rehearsal."""
+    """The digits job of :func:`_digits` on 4 ranks of this host, by ``comm.hierarchical`` setting (false, auto):
+    each asserted to have finished. The auto run is also the two-host test's rehearsal. (``true`` takes the path
+    that auto chooses here, with the same sums: the checks of ``launch`` build it explicitly.)"""
     base = tmp_path_factory.mktemp("one_host")
     runs = {}
-    for setting in ("true", "false", "auto"):
+    for setting in ("false", "auto"):
         result = run_mpi(4, _digits(base / setting, setting), timeout=130, env=_env())
         assert result.returncode == 0, result.report()
         runs[setting] = result
@@ -103,20 +104,19 @@ def one_host_runs(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hierarchical_data_parallel_equals_flat(one_host_runs: dict) -> None:
-    """20 steps of digits on 2 'hosts' x 2 ranks: the hierarchical all-reduce's parameters equal the
-    flat one's to float rounding (the sum is associated differently: (r0+r1)+(r2+r3)), the start-up
-    line says what was chosen, and auto chooses it from the hosts alone."""
+    """20 steps of digits on 2 'hosts' x 2 ranks: auto chooses the hierarchical all-reduce from the hosts
+    alone, the start-up line says so, and its parameters equal the flat one's to float rounding (the sum is
+    associated differently: (r0+r1)+(r2+r3))."""
     runs = one_host_runs
-    assert "dtrain: hierarchical all-reduce over 2 hosts x 2 ranks" in runs["true"].stdout, runs["true"].report()
-    assert "(hosts from comm.ranks_per_host=2; comm.hierarchical=auto)" in runs["auto"].stdout, runs["auto"].report()
+    assert re.search(r"^dtrain: hierarchical all-reduce over 2 hosts x 2 ranks: .*\(hosts from comm\.ranks_per_host=2; "
+                     r"comm\.hierarchical=auto\)$", runs["auto"].stdout, re.MULTILINE), runs["auto"].report()
     assert "hierarchical all-reduce" not in runs["false"].stdout
-    hierarchical, flat, auto = (_final_parameters(runs[s].stdout) for s in ("true", "false", "auto"))
+    hierarchical, flat = (_final_parameters(runs[s].stdout) for s in ("auto", "false"))
     assert hierarchical.keys() == flat.keys()
     for name in flat:
         scale = float(flat[name].abs().max()) or 1.0
         gap = float((hierarchical[name] - flat[name]).abs().max())
         assert gap <= 1e-4 * scale, f"{name}: hierarchical and flat differ by {gap} (scale {scale})"
-        assert torch.equal(auto[name], hierarchical[name]), name  # the same sums in the same order: same bits
 
 
 @pytest.mark.slow

@@ -100,29 +100,3 @@ def test_cli_one_bit_sgd_at_four_ranks_keeps_learning_on_a_short_run_with_its_de
     assert "(every worker sums every worker's codes, auto)" in result.stdout, result.report()
     accuracy = float(re.search(r"test: accuracy ([0-9.]+)%", result.stdout).group(1))
     assert accuracy >= 97.0, result.report()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_cli_a_run_whose_loss_rose_back_to_a_test_at_chance_loss_is_refused_though_its_accuracy_is_not(
-        run_dir: Path) -> None:
-    """1-bit SGD with the sums re-quantized at 8 ranks on the short run: the training loss falls to 0.16 and climbs
-    back to 1.7-1.8 by the end. Where the test pass then has chance's loss (2.36 >= 0.9 ln 10) at an accuracy above
-    the 2 / C that marks a collapse (38.72%), it exited 0 with a warning; now one line and exit 2, the checkpoint
-    kept. The run's last steps are unstable, so the test loss it ends at differs between installs (1.52 at 55.22%
-    with another build of the same packages): below chance's loss the run ends with the warning and exit 0."""
-    result = run_mpi(8, ["-m", "dtrain", "+recipe=digits", "learner=quantized", "learner.exchange.requantize_sum=true",
-                         "session.max_samples=12000", "seed=1", "session.tensorboard=false", f"run_dir={run_dir}"],
-                     timeout=240)
-    tested = re.search(r"test: accuracy ([\d.]+)% \(error [\d.]+%, loss ([\d.]+)\)", result.stdout)
-    if result.returncode == 0 and tested is not None:  # the run ended below chance's test loss: a warning, not a refusal
-        assert float(tested.group(2)) < 0.9 * 2.302585, result.report()
-        assert "training became unstable and the final model is worse than it was" in result.stdout, result.report()
-        assert (run_dir / "checkpoint-12000.pt").exists() and (run_dir / "model.safetensors").exists()
-        return
-    assert result.returncode == 2, result.report()
-    errors = [line for line in result.stderr.splitlines() if "dtrain: error:" in line]
-    assert errors and "training became unstable: test loss" in errors[0], result.report()
-    assert "as high as chance's for 10 classes" in errors[0] and "learner.exchange.requantize_sum=false" in errors[0], \
-        result.report()
-    assert (run_dir / "checkpoint-12000.pt").exists() and not (run_dir / "model.safetensors").exists()

@@ -2,7 +2,6 @@
 preemption by a signal, and one clear line for bad input with nothing overwritten."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.checks import CheckLaunch, launch_checks
+from tests.helpers.cli_runs import CliRuns, launch_cli_runs
 from tests.helpers.learners import learners, preset, shipped_learners
 from tests.helpers.mpi import mpi_command, mpiexec_path, run_mpi, start_ranks
 
@@ -26,7 +25,6 @@ RESUMED = learners("data_parallel", "quantized", "powersgd", "block_momentum", "
 COMMON_OVERRIDES = ["+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
                     "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32"]
 COMMON = ["-m", "dtrain", *COMMON_OVERRIDES]
-RESUME_WORKER = Path(__file__).with_name("_resume_worker.py")
 
 
 def dtrain_job(nprocs: int, run_dir: Path, *overrides: str, timeout: float = 240):
@@ -68,20 +66,17 @@ def test_every_shipped_learner_is_resumed_here_or_in_its_own_module():
 
 
 @pytest.fixture(scope="module")
-def resumed_runs(tmp_path_factory) -> tuple[Path, CheckLaunch]:
-    """Every learner's uninterrupted run and its resumed run, all from one ``mpiexec -n 2`` launch of
-    _resume_worker.py (the command lines of ``python -m dtrain``, run one after the other in one process per rank:
-    Python's, torch's and the config's start-up paid once, not 24 times)."""
+def resumed_runs(tmp_path_factory) -> tuple[Path, CliRuns]:
+    """Every learner's uninterrupted run and its resumed run, all from one ``mpiexec -n 2`` launch
+    (``tests.helpers.cli_runs``: the command lines of ``python -m dtrain``, run one after the other in one process
+    per rank: Python's, torch's and the config's start-up paid once, not 24 times)."""
     base = tmp_path_factory.mktemp("resumed")
-    jobs = [{"name": learner, "runs": [  # the command lines of dtrain_job, without "-m dtrain"
-        {"name": "whole", "overrides": [*COMMON_OVERRIDES, f"run_dir={base / learner / 'whole'}", *overrides,
-                                        "session.max_samples=1920"]},
-        {"name": "split", "overrides": [*COMMON_OVERRIDES, f"run_dir={base / learner / 'split'}", *overrides,
-                                        "session.max_samples=1920", f"session.checkpoint.restore_from="
-                                        f"{base / learner / 'whole' / 'checkpoint-1280.pt'}"]},
-    ]} for learner, overrides in RESUMED.items()]
-    (base / "jobs.json").write_text(json.dumps(jobs, indent=1))
-    return base, launch_checks(2, [RESUME_WORKER, base / "jobs.json"], base, timeout=120 + 45 * len(jobs))
+    jobs = {learner: [  # the command lines of dtrain_job, without "-m dtrain"
+        ("whole", [*COMMON_OVERRIDES, f"run_dir={base / learner / 'whole'}", *overrides, "session.max_samples=1920"]),
+        ("split", [*COMMON_OVERRIDES, f"run_dir={base / learner / 'split'}", *overrides, "session.max_samples=1920",
+                   f"session.checkpoint.restore_from={base / learner / 'whole' / 'checkpoint-1280.pt'}"]),
+    ] for learner, overrides in RESUMED.items()}
+    return base, launch_cli_runs(2, jobs, base, timeout=120 + 45 * len(jobs))
 
 
 @pytest.mark.slow
@@ -90,14 +85,8 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(learner,
     """Two ranks: the uninterrupted run's checkpoint at 1,280 samples (a periodic one, as an interruption leaves
     behind) restored in another run directory trains on to exactly its parameters, optimizer state, residuals,
     outer state and weight average at 1,920. (Every learner's two runs come from one launch: ``resumed_runs``.)"""
-    base, launch = resumed_runs
-    printed = launch.results(learner)  # fails here, with the launch's output, if either run failed
-    finished = [record["passed"] for by_rank in launch.records.values() for record in by_rank.values()]
-    if launch.returncode != 0 and len(finished) == 2 * len(RESUMED) and all(finished):  # no learner's runs to blame
-        pytest.fail(f"every run finished, but the launch ended with exit code {launch.returncode}\n{launch.output}",
-                    pytrace=False)
-    whole, split = (_RunOutput(run, [Path(by_rank[run]).read_text() for by_rank in printed], launch.output)
-                    for run in ("whole", "split"))
+    base, runs = resumed_runs
+    whole, split = (runs.run_ended(learner, run) for run in ("whole", "split"))  # fails here if either run failed
     overrides = RESUMED[learner]
     compressed = "learner/exchange=quantized" in overrides
     if compressed:
@@ -122,19 +111,6 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(learner,
         assert float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
     if compressed:
         assert all(entry["learner"]["exchange"]["per_key"] for entry in b["per_rank"])
-
-
-class _RunOutput:
-    """What one run of ``resumed_runs`` printed: every rank's stdout, as ``python -m dtrain`` would have."""
-
-    def __init__(self, name: str, by_rank: list[str], launch_output: str):
-        self.name, self.stdout, self.launch_output = name, "".join(by_rank), launch_output
-        self.by_rank = by_rank
-
-    def report(self) -> str:
-        ranks = "".join(f"--- {self.name} run, rank {rank} stdout ---\n{text}"
-                        for rank, text in enumerate(self.by_rank))
-        return f"{ranks}--- the launch ---\n{self.launch_output}"
 
 
 @pytest.mark.slow

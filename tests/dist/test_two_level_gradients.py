@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checks import CheckLaunch, launch_checks
-from tests.helpers.two_level_runs import namespace_run_equals_rehearsal, resume_then_relayout
+from tests.helpers.cli_runs import CliRuns
+from tests.helpers.two_level_runs import namespace_run_equals_rehearsal, resume_then_relayout, whole_and_split
 
 WORKER = Path(__file__).with_name("_two_level_gradients_worker.py")
 
@@ -62,15 +63,22 @@ def test_resume_through_the_python_api_is_exact(launch: CheckLaunch, case: str) 
 
 
 # -- the command line ------------------------------------------------------------------------------
-COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
+COMMON = ["+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
           "session.progress_frequency=640", "session.tensorboard=false", "model.hidden=32",
           "learner=two_level_quantized", "learner.distributed_after=320"]
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[Path, CliRuns]:
+    """COMMON's whole and split runs (``whole_and_split``): the resume test's, and the namespace test's rehearsal."""
+    base = tmp_path_factory.mktemp("resumed")
+    return base, whole_and_split(COMMON, base)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_an_interrupted_run_resumes_bit_for_bit_and_afresh_onto_other_hosts(tmp_path: Path) -> None:
-    b, other = resume_then_relayout(COMMON, tmp_path)
+def test_an_interrupted_run_resumes_bit_for_bit_and_afresh_onto_other_hosts(resumed) -> None:
+    b, other = resume_then_relayout(COMMON, resumed[1], resumed[0])
     assert b["learner"]["hosts"] == [2, 2]
     assert ("the quantized exchange state between hosts was saved on 2 hosts x 2 ranks, this run has 4 hosts x 1 "
             "rank: starting it afresh") in other.stdout, other.report()
@@ -79,8 +87,9 @@ def test_an_interrupted_run_resumes_bit_for_bit_and_afresh_onto_other_hosts(tmp_
 @pytest.mark.slow
 @pytest.mark.root
 @pytest.mark.timeout(400)
-def test_two_namespace_hosts_from_the_launcher(tmp_path: Path) -> None:
+def test_two_namespace_hosts_from_the_launcher(resumed, tmp_path: Path) -> None:
     """2 network-namespace hosts x 2 ranks (hostfile, --npernode 2): the hosts come from the launcher,
-    and the run equals, bit for bit, the same job rehearsed on one host with comm.ranks_per_host=2."""
+    and the run equals, bit for bit, the same job rehearsed on one host with comm.ranks_per_host=2 (the
+    uninterrupted run of ``resumed`` at the same sample count)."""
     namespace_run_equals_rehearsal([*COMMON, "session.max_samples=1280", "session.num_threads=1", "comm.backend=gloo"],
-                                   tmp_path)
+                                   resumed[0] / "whole" / "checkpoint-1280.pt", tmp_path)

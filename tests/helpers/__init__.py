@@ -16,11 +16,15 @@ Modules here:
 * :mod:`~tests.helpers.bmuf_reference`, :mod:`~tests.helpers.quantized_reference`  block momentum and
   the quantized exchange written out directly, the independent references learners are compared with.
 * :mod:`~tests.helpers.cli`         ``run_dtrain``: ``python -m dtrain ARGS`` as from a plain shell, each in a
-  process forked from a warm interpreter (``gpu=True``: a fresh one, which sees the GPUs).
+  process forked from a warm interpreter (``gpu=True``: a fresh one, which sees the GPUs); ``run_python``
+  the same for dtrain's tools (``-m dtrain.generate``, a benchmark script).
+* :mod:`~tests.helpers.cli_runs`    many ``python -m dtrain`` command lines in one ``mpiexec`` launch, for
+  tests that compare whole runs (a run and its resumed copy, several learners' runs).
 * :mod:`~tests.helpers.toy_data`    the small classification data set most training tests use.
 * :mod:`~tests.helpers.compare`     models compared between two runs, or between the ranks of a job.
-* :mod:`~tests.helpers.failing_model`  a digits model that fails on purpose (fail-fast tests).
-* :mod:`~tests.helpers.forked_dtrain`  runs many ``python -m dtrain`` command lines from one warm interpreter
+* :mod:`~tests.helpers.failing_model`  a digits model that fails on purpose (fail-fast tests, a run that
+  becomes unstable).
+* :mod:`~tests.helpers.forked_dtrain`  runs many ``python -m dtrain`` (and tool) command lines from one warm interpreter
   (``run_dtrain``'s, and ``tests/recipes/test_bad_input.py``'s).
 
 Shipped with the package, because benchmarks use them too: :mod:`dtrain.testing` (simulated hosts from

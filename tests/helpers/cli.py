@@ -1,4 +1,4 @@
-"""Running ``python -m dtrain`` as a user would from a shell: one process, no launcher.
+"""Running ``python -m dtrain`` (and dtrain's tools) as a user would from a shell: one process, no launcher.
 
 Each command line runs in its own process, forked from a warm interpreter that imported torch and dtrain
 once (``tests/helpers/forked_dtrain.py``; one per environment, for the life of the test process): a fresh
@@ -21,29 +21,42 @@ RUNNER = Path(__file__).with_name("forked_dtrain.py")
 _RUNNERS: dict[tuple, subprocess.Popen] = {}
 
 
-def run_dtrain(*args: str, cwd: Path, timeout: float = 240, gpu: bool = False) -> subprocess.CompletedProcess:
+def run_dtrain(*args: str, cwd: Path, timeout: float = 240, gpu: bool = False,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m dtrain ARGS`` in ``cwd`` without any launcher's variables; return it finished
     (``stdout``/``stderr`` as text). Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds.
 
     The process is forked from a warm interpreter and sees no GPU (``CUDA_VISIBLE_DEVICES=""``: CUDA does not
     survive a fork once started, and the suites are a CPU machine's); ``gpu=True`` starts a fresh interpreter
-    that sees this machine's GPUs."""
-    command = [sys.executable, "-m", "dtrain", *args]
+    that sees this machine's GPUs. ``env``: variables added to the plain environment (read after start-up, such
+    as a test model's; ``PYTHONPATH`` joins ``sys.path`` as at an interpreter's start)."""
+    return run_python("-m", "dtrain", *args, cwd=cwd, timeout=timeout, gpu=gpu, env=env)
+
+
+def run_python(*command: str, cwd: Path, timeout: float = 240, gpu: bool = False,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python COMMAND`` as :func:`run_dtrain` runs it, for dtrain's other entry points: ``COMMAND`` is
+    ``-m MODULE ARGS`` (``dtrain.generate``, ``dtrain.noise_scale``, ...) or ``SCRIPT ARGS`` (a benchmark)."""
+    full = [sys.executable, *command]
+    base = plain_environment(**({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}))
+    child_env = {**base, **(env or {})}
     if gpu:
-        return subprocess.run(command, cwd=cwd, env=plain_environment(), capture_output=True, text=True,
-                              timeout=timeout)
-    env = plain_environment(CUDA_VISIBLE_DEVICES="")
-    runner = _runner(env)
-    runner.stdin.write(json.dumps({"argv": list(args), "cwd": str(cwd), "env": env, "timeout": timeout}) + "\n")
+        return subprocess.run(full, cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout)
+    if command[0] == "-m":
+        request = {"module": command[1], "argv": list(command[2:])}
+    else:
+        request = {"script": str(command[0]), "argv": list(command[1:])}
+    runner = _runner(base)  # keyed by what the runner imported with; the child gets the added variables
+    runner.stdin.write(json.dumps({**request, "cwd": str(cwd), "env": child_env, "timeout": timeout}) + "\n")
     runner.stdin.flush()
     line = runner.stdout.readline()
     if not line:  # the runner itself ended (killed from outside): this command in a process of its own
-        _RUNNERS.pop(_key(env), None)
-        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        _RUNNERS.pop(_key(base), None)
+        return subprocess.run(full, cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout)
     reply = json.loads(line)
     if reply["timed_out"]:
-        raise subprocess.TimeoutExpired(command, timeout, output=reply["stdout"], stderr=reply["stderr"])
-    return subprocess.CompletedProcess(command, reply["returncode"], reply["stdout"], reply["stderr"])
+        raise subprocess.TimeoutExpired(full, timeout, output=reply["stdout"], stderr=reply["stderr"])
+    return subprocess.CompletedProcess(full, reply["returncode"], reply["stdout"], reply["stderr"])
 
 
 def _key(env: dict[str, str]) -> tuple:

@@ -1,8 +1,10 @@
 """Runs many ``python -m dtrain ARGS`` command lines fast: one interpreter imports dtrain once and
-forks a fresh child per command line, which runs exactly what ``python -m dtrain`` runs.
+forks a fresh child per command line, which runs exactly what ``python -m dtrain`` runs (or another module's
+``python -m MODULE ARGS``, or a script's ``python SCRIPT ARGS``: dtrain's tools and benchmarks).
 
 Protocol: one JSON object per line on stdin, ``{"argv": [...], "cwd": "...", "watch": ["dir", ...], "id": ...,
-"env": {...}, "timeout": seconds}`` (``watch``, ``id``, ``env`` and ``timeout`` optional); for each, one JSON line
+"env": {...}, "timeout": seconds, "module": "dtrain.generate", "script": "path.py"}`` (all but ``argv`` and ``cwd``
+optional; ``module`` is ``dtrain`` unless a ``script`` is named); for each, one JSON line
 on stdout: ``{"id", "returncode", "stdout", "stderr", "changed", "added", "timed_out"}``, where ``id`` is the
 request's own (``None`` without one), ``changed`` lists the files under the ``watch`` paths whose bytes differ
 afterwards (or vanished), ``added`` the files that appeared there, and ``timed_out`` says the command outlived
@@ -11,8 +13,8 @@ afterwards (or vanished), ``added`` the files that appeared there, and ``timed_o
 The child is the process ``python -m dtrain`` would be, but for what was imported before the fork: it runs in
 ``cwd`` with ``env`` as its environment (the runner's when absent; variables read at import time, such as
 ``OMP_NUM_THREADS``, keep the runner's values, so a caller runs one runner per such environment), the
-working directory first on ``sys.path``, stdin from ``/dev/null``, ``dtrain``'s ``__main__`` run as
-``__main__``, and on exit what the interpreter does at its end (non-daemon threads joined, ``atexit``
+working directory (a script's folder) first on ``sys.path`` and ``env``'s ``PYTHONPATH`` after it, stdin from
+``/dev/null``, the module's ``__main__`` (or the script) run as ``__main__``, and on exit what the interpreter does at its end (non-daemon threads joined, ``atexit``
 functions run, streams flushed). No CUDA is started in the runner, so a child may start its own.
 Imports cost seconds on a small machine; a fork costs milliseconds, so a parametrized test of
 dozens of bad inputs stays quick while each case still runs in its own process.
@@ -78,8 +80,10 @@ def _exit_code(stop: SystemExit) -> int:
     return 1
 
 
-def _child(argv: list[str], cwd: str, env: dict[str, str] | None, out: int, err: int) -> None:
-    """In the forked child: ``python -m dtrain ARGV`` in ``cwd``, then the interpreter's end; never returns."""
+def _child(argv: list[str], cwd: str, env: dict[str, str] | None, out: int, err: int, module: str = "dtrain",
+           script: str | None = None) -> None:
+    """In the forked child: ``python -m MODULE ARGV`` (or ``python SCRIPT ARGV``) in ``cwd``, then the
+    interpreter's end; never returns."""
     code = 0
     try:
         os.setsid()  # its own process group: a timeout ends it with whatever it started
@@ -92,9 +96,16 @@ def _child(argv: list[str], cwd: str, env: dict[str, str] | None, out: int, err:
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(err, 2)
-        sys.path[0] = os.getcwd()  # python -m puts the working directory first (the runner put its own folder)
-        sys.argv = ["-m", *argv]  # runpy sets argv[0] to the module's file, as -m does
-        runpy.run_module("dtrain", run_name="__main__", alter_sys=True)
+        # python -m puts the working directory first (the runner put its own folder), python SCRIPT its folder
+        sys.path[0] = str(Path(script).resolve().parent) if script else os.getcwd()
+        extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in sys.path]
+        sys.path[1:1] = extra  # PYTHONPATH's entries come right after it, as at an interpreter's start
+        if script:
+            sys.argv = [script, *argv]
+            runpy.run_path(script, run_name="__main__")
+        else:
+            sys.argv = ["-m", *argv]  # runpy sets argv[0] to the module's file, as -m does
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = _exit_code(stop)
     except BaseException:  # as the interpreter would: traceback and exit code 1
@@ -111,13 +122,14 @@ def _child(argv: list[str], cwd: str, env: dict[str, str] | None, out: int, err:
         os._exit(code)
 
 
-def run_one(argv: list[str], cwd: str, env: dict[str, str] | None = None,
-            timeout: float | None = None) -> tuple[int, str, str, bool]:
-    """``(exit code, stdout, stderr, timed out)`` of ``python -m dtrain ARGV`` in a forked child."""
+def run_one(argv: list[str], cwd: str, env: dict[str, str] | None = None, timeout: float | None = None,
+            module: str = "dtrain", script: str | None = None) -> tuple[int, str, str, bool]:
+    """``(exit code, stdout, stderr, timed out)`` of ``python -m MODULE ARGV`` (or ``python SCRIPT ARGV``) in a
+    forked child."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.fork()
         if pid == 0:
-            _child(argv, cwd, env, out.fileno(), err.fileno())
+            _child(argv, cwd, env, out.fileno(), err.fileno(), module, script)
         deadline = None if timeout is None else time.monotonic() + timeout
         timed_out = False
         while True:
@@ -145,7 +157,8 @@ def main() -> None:
         request = json.loads(line)
         before = snapshot(request.get("watch", []))
         code, stdout, stderr, timed_out = run_one(request["argv"], request["cwd"], request.get("env"),
-                                                  request.get("timeout"))
+                                                  request.get("timeout"), request.get("module", "dtrain"),
+                                                  request.get("script"))
         after = snapshot(request.get("watch", []))
         changed = sorted(path for path, digest in before.items() if after.get(path) != digest)
         added = sorted(set(after) - set(before))

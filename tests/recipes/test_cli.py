@@ -18,6 +18,8 @@ from dtrain.session import checkpoint
 from dtrain.testing.cifar_files import write_cifar10_binary
 from tests.helpers.cli import run_dtrain
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
@@ -72,6 +74,27 @@ def test_a_run_back_at_chance_without_a_test_set_ends_as_training_collapsed_with
                         r"back at chance for 10 classes \(ln 10 = 2\.3026\), after it had fallen to 0\.\d{4}; the likely "
                         r"cause is a learning rate too high for this learner; lower optimizer.lr", line), line
     assert (tmp_path / "run" / "checkpoint-4500.pt").is_file()  # what was written is kept
+
+
+def test_a_run_whose_loss_rose_back_to_a_test_at_chance_loss_is_refused_though_its_accuracy_is_not(tmp_path):
+    """A run that learned (running loss 0.24), became unstable (1.14 at the end) and tests at a loss far above
+    ln 10 at 48% accuracy (above the 2 / C that marks a collapse): 1-bit SGD with re-quantized sums did this at
+    8 ranks and exited 0 with a warning. Now one line and exit 2, the checkpoint kept and no weights written.
+    The instability is the test model's (``tests.helpers.failing_model``, ``unstable``), so the run ends alike
+    on every machine."""
+    result = run_dtrain("+recipe=digits", "run_dir=run", "session.max_samples=6400", "session.tensorboard=false",
+                        "model._target_=tests.helpers.failing_model.FailingDigitsCNN", cwd=tmp_path,
+                        env={"DTRAIN_TEST_FAIL_HOW": "unstable", "DTRAIN_TEST_FAIL_RANK": "0",
+                             "DTRAIN_TEST_FAIL_AFTER": "120", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"dtrain: error: training became unstable: test loss \d+\.\d{4} \(accuracy [2-6]\d\.\d\d%\) is as "
+                        r"high as chance's for 10 classes \(90% of ln 10 = 2\.3026 or more\) after the training loss had "
+                        r"fallen to 0\.\d{4} and then risen to 1\.\d{4} \(running average\) by the end; .*lower "
+                        r"optimizer\.lr", line), line
+    run = tmp_path / "run"
+    assert (run / "checkpoint-6400.pt").is_file() and not (run / "model.safetensors").exists()
+    assert "test: accuracy" not in result.stdout and "weights:" not in result.stdout, result.stdout
 
 
 def test_a_good_short_run_without_a_test_set_or_progress_points_ends_with_exit_0(tmp_path):

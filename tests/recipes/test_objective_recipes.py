@@ -4,14 +4,11 @@ group (``+objective=NAME``), dtrain's ``Distillation`` with a teacher loaded fro
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import run_dtrain
-from tests.helpers.mpi import plain_environment
+from tests.helpers.cli import run_dtrain, run_python
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -105,8 +102,7 @@ def test_a_bad_objective_is_one_line_and_exit_2(user_dir, two_loss_run, case_id,
 
 
 def test_the_noise_scale_tool_refuses_an_objectives_run_with_one_line(two_loss_run):
-    run = subprocess.run([sys.executable, "-m", "dtrain.noise_scale", str(two_loss_run)], cwd=two_loss_run.parent,
-                         env=plain_environment(), capture_output=True, text=True, timeout=240)
+    run = run_python("-m", "dtrain.noise_scale", str(two_loss_run), cwd=two_loss_run.parent, timeout=240)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stdout + run.stderr
     assert "the run trained with objective user_objectives.two_losses" in run.stdout + run.stderr
 

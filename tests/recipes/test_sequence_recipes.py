@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.generate import ema_below_horizon
-from tests.helpers.cli import run_dtrain
+from tests.helpers.cli import run_dtrain, run_python
 from tests.helpers.mpi import plain_environment, run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -71,13 +71,12 @@ def test_the_language_model_recipe_learns_under_two_ranks_and_generate_samples_t
     result = run_mpi(2, ["-m", "dtrain", *LM_SHORT, f"run_dir={run_dir}"], timeout=600)
     assert result.returncode == 0, result.report()
     check_language_model_run(run_dir, result.stdout)
-    sample = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--prompt", "KING.", "--tokens",
-                             "80"], capture_output=True, text=True, env=plain_environment(), timeout=120)
+    sample = run_python("-m", "dtrain.generate", str(run_dir), "--prompt", "KING.", "--tokens",
+                             "80", cwd=tmp_path, timeout=120)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("KING.") and len(sample.stdout.rstrip("\n")) >= 80
     assert "weights from model.safetensors" in sample.stderr  # the recipe keeps no weight EMA
-    no_ema = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--ema"],
-                            capture_output=True, text=True, env=plain_environment(), timeout=120)
+    no_ema = run_python("-m", "dtrain.generate", str(run_dir), "--ema", cwd=tmp_path, timeout=120)
     assert no_ema.returncode == 2 and len(no_ema.stderr.splitlines()) == 1, no_ema.stderr
     assert "model_ema.safetensors does not exist; expected the weight EMA" in no_ema.stderr
 
@@ -90,8 +89,8 @@ def test_the_g2p_recipe_learns_under_two_ranks_and_reports_word_and_phoneme_erro
     assert result.returncode == 0, result.report()
     check_g2p_run(run_dir, result.stdout)
     # the gradient noise scale of a run with two sequence streams, counted in the target's phonemes as the run counts
-    noise = subprocess.run([sys.executable, "-m", "dtrain.noise_scale", str(run_dir), "--minibatches", "8",
-                            "--threads", "1"], capture_output=True, text=True, env=plain_environment(), timeout=300)
+    noise = run_python("-m", "dtrain.noise_scale", str(run_dir), "--minibatches", "8",
+                            "--threads", "1", cwd=tmp_path, timeout=300)
     assert noise.returncode == 0, noise.stderr
     checkpoints = sorted(run_dir.glob("checkpoint-*.pt"))
     rows = [line for line in noise.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
@@ -99,8 +98,7 @@ def test_the_g2p_recipe_learns_under_two_ranks_and_reports_word_and_phoneme_erro
     assert "8 gradients of 1024 samples" in noise.stdout
     # the loss by word length at each checkpoint (benchmarks/loss_by_length.py): one row each, a loss per range
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_by_length.py"
-    by_length = subprocess.run([sys.executable, str(script), str(run_dir), "--minibatches", "6", "--threads", "1"],
-                               capture_output=True, text=True, env=plain_environment(), timeout=300)
+    by_length = run_python(str(script), str(run_dir), "--minibatches", "6", "--threads", "1", cwd=tmp_path, timeout=300)
     assert by_length.returncode == 0, by_length.stderr
     rows = [line.split(" | ") for line in by_length.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(checkpoints), by_length.stdout
@@ -110,15 +108,14 @@ def test_the_g2p_recipe_learns_under_two_ranks_and_reports_word_and_phoneme_erro
     # weights unless asked for the EMA by name
     young = ema_below_horizon(run_dir / "model_ema.safetensors")
     for beam in ([], ["--beam", "1"], ["--ema"]):  # the recipe's beam search, greedy decoding, the weight EMA
-        words = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello",
-                                *beam], capture_output=True, text=True, env=plain_environment(), timeout=120)
+        words = run_python("-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello",
+                                *beam, cwd=tmp_path, timeout=120)
         assert words.returncode == 0, words.stderr
         assert [line.split("\t")[0] for line in words.stdout.splitlines()] == ["dtrain", "hello"]
         chosen = "model_ema.safetensors" if beam == ["--ema"] or not young else "model.safetensors"
         assert f"weights from {chosen}" in words.stderr, words.stderr
         assert ("so the final weights are used" in words.stderr) == (chosen == "model.safetensors"), words.stderr
-    bad = subprocess.run([sys.executable, "-m", "dtrain.generate", str(run_dir), "--words", "hello", "--beam", "0"],
-                         capture_output=True, text=True, env=plain_environment(), timeout=120)
+    bad = run_python("-m", "dtrain.generate", str(run_dir), "--words", "hello", "--beam", "0", cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "dtrain.generate: error: --beam 0: expected a positive number of hypotheses (1 decodes greedily)"], bad.stderr
 

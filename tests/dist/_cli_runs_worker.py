@@ -1,4 +1,4 @@
-"""Worker run by tests/dist/test_resume.py under mpiexec: ``python _resume_worker.py JOBS.json``.
+"""Worker of tests/helpers/cli_runs.py, run under mpiexec: ``python _cli_runs_worker.py JOBS.json``.
 
 Runs many ``python -m dtrain`` command lines in one launch, as ``dtrain.cli.run`` runs one: every rank
 composes each config from its overrides (``tests.helpers.config.compose_config``, the CLI's tree and
