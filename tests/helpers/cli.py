@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,20 @@ def run_python(*command: str, cwd: Path, timeout: float = 240, gpu: bool = False
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(full, timeout, output=reply["stdout"], stderr=reply["stderr"])
     return subprocess.CompletedProcess(full, reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+#: words that make a command line more than one program run (those lines go to bash)
+SHELL_OPERATORS = frozenset({"|", "||", "&&", ";", "&", ">", ">>", "<", "2>", "2>&1"})
+
+
+def run_shell_line(line: str, cwd: Path, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """One line of a documentation's shell block, as ``bash -c LINE`` runs it in ``cwd`` with ``env``; a line that
+    is a single ``python ...`` command runs through :func:`run_python` (forked warm; ``env`` is then the
+    plain environment, which such a command needs no more of)."""
+    words = shlex.split(line, comments=True)
+    if words and words[0] == "python" and not set(words) & SHELL_OPERATORS and "$" not in line:
+        return run_python(*words[1:], cwd=cwd, timeout=timeout)
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _key(env: dict[str, str]) -> tuple:

@@ -4,7 +4,8 @@ Fast (default suite): every ``dtrain`` command of every block composes and valid
 ``--cfg job`` would compose it (in this process, one Hydra compose per command), every ``--help`` line
 runs, the Slurm script passes ``bash -n``, the install lines name extras that exist, and every link of
 the README and of ``docs/`` reaches a page and a heading that exist. Slow: every block runs verbatim in
-a fresh project directory, in order, with this environment's ``python``, ``dtrain`` and ``mpiexec``.
+a fresh project directory, in order, with this environment's ``python``, ``dtrain`` and ``mpiexec`` (a line
+that is one ``python ...`` command runs forked from a warm interpreter, ``tests.helpers.cli.run_shell_line``).
 Blocks that cannot run on one machine (the environment's own installation, ``sbatch``, a multi-node
 ``torchrun``) are named in ``NOT_RUN_HERE``, with what is checked instead.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.config import validate
+from tests.helpers.cli import run_shell_line
 from tests.helpers.config import compose_config
 from tests.helpers.mpi import OPEN_MPI_ENV, plain_environment
 
@@ -240,9 +242,11 @@ def test_every_block_of_the_readme_runs_as_written(tmp_path):
         for command in commands:
             if language == "bash" and not_run_here(command):
                 continue
-            argv = [sys.executable, "-"] if language == "python" else ["bash", "-c", command]
-            result = subprocess.run(argv, input=command if language == "python" else None, cwd=tmp_path,
-                                    env=environment, capture_output=True, text=True, timeout=600)
+            if language == "python":
+                result = subprocess.run([sys.executable, "-"], input=command, cwd=tmp_path, env=environment,
+                                        capture_output=True, text=True, timeout=600)
+            else:
+                result = run_shell_line(command, tmp_path, environment)
             assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             outputs += result.stdout
             arguments = dtrain_arguments(command) if language == "bash" else None

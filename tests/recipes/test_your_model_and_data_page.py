@@ -1,7 +1,8 @@
 """``docs/your-model-and-data.md`` (the walkthrough the README's "Your own model and data" leads to), run as
 written: its files are written into a fresh
-project directory, and its commands run there one by one, with ``python -m dtrain`` and with the
-installed ``dtrain`` command (which must import the project's modules from the working directory)."""
+project directory, and its commands run there one by one, with ``python -m dtrain`` (forked from a warm
+interpreter, ``tests.helpers.cli.run_shell_line``) and with the installed ``dtrain`` command (a process of its
+own, which must import the project's modules from the working directory)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import plain_environment
+from tests.helpers.cli import plain_environment, run_shell_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +43,7 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     environment = plain_environment()
     # `python` and `dtrain` are this interpreter's and its environment's scripts, as in an activated venv
     environment["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environment.get('PATH', '')}"
-    return subprocess.run(command, shell=True, cwd=cwd, env=environment, capture_output=True, text=True, timeout=400)
+    return run_shell_line(command, cwd, environment, timeout=400)
 
 
 def test_every_snippet_of_your_own_model_and_data_runs_as_written(project: Path) -> None:
