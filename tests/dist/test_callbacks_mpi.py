@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.callbacks import logged_events
+from tests.helpers.cli_runs import launch_cli_runs
 from tests.helpers.mpi import run_mpi
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -40,15 +41,19 @@ def expected_events(run_dir: Path, start: int, end: int, restored: bool) -> list
 
 
 def test_each_event_fires_once_in_order_on_rank_0_only_and_across_a_resume(tmp_path):
+    """A run to 640 samples, then the same command to 960 (restored from its run directory): one launch of both
+    command lines (``tests.helpers.cli_runs``)."""
     run_dir = tmp_path / "run"
-    first = run_mpi(2, [*SHORT, f"run_dir={run_dir}", "session.max_samples=640", *events_option(tmp_path / "first")],
-                    timeout=240)
-    assert first.returncode == 0, first.report()
-    assert logged_events(tmp_path / "first" / "events.0.txt") == expected_events(run_dir, 0, 640, restored=False)
+    runs = launch_cli_runs(2, {"events": [
+        ("first", [*SHORT[2:], f"run_dir={run_dir}", "session.max_samples=640", *events_option(tmp_path / "first")]),
+        ("resumed", [*SHORT[2:], f"run_dir={run_dir}", "session.max_samples=960", *events_option(tmp_path / "resumed")]),
+    ]}, tmp_path / "launch", timeout=240)
+    first, resumed = runs.run_ended("events", "first"), runs.run_ended("events", "resumed")
+    assert "restored" in resumed.stdout and "at 640 samples" in resumed.stdout, resumed.report()
+    # metrics.jsonl holds both runs' records by now: each run's expected events are read from its own range
+    assert logged_events(tmp_path / "first" / "events.0.txt") == expected_events(run_dir, 0, 640, restored=False), \
+        first.report()
     assert (tmp_path / "first" / "events.1.txt").read_text() == ""  # built on rank 1, never called there
-    resumed = run_mpi(2, [*SHORT, f"run_dir={run_dir}", "session.max_samples=960",
-                          *events_option(tmp_path / "resumed")], timeout=240)
-    assert resumed.returncode == 0, resumed.report()
     events = logged_events(tmp_path / "resumed" / "events.0.txt")
     assert events == expected_events(run_dir, 640, 960, restored=True)
     assert (tmp_path / "resumed" / "events.1.txt").read_text() == ""
