@@ -6,7 +6,8 @@ makes some examples ambiguous and the model overfits 4,000 of them, so data-para
 test accuracy and a learner that steps too far measurably below. ``conv1d10_adam``: 40 steps, bursts of
 24, 10 classes, noise 0.35 (5,802 parameters): a short signal whose final layer sees 32 features of very
 different sizes, where a 1-bit exchange with Adam's variance held and nothing else collapsed to chance.
-A GRU reads the same signals as a recurrent model (``model=gru1d``).
+A GRU reads the same signals as a recurrent model (``model=gru1d``), and a small transformer encoder as an
+attention model (``model=attention1d``).
 ``benchmarks/conf`` names the models and the arrays (``--config-dir benchmarks/conf +recipe=conv1d_adam``).
 """
 from __future__ import annotations
@@ -80,3 +81,27 @@ class GRUClassifier(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         _, last = self.gru(self.stem(features).transpose(1, 2))
         return self.readout(last[-1])
+
+
+class AttentionClassifier(nn.Module):
+    """An attention reader of the same signals: a strided convolution makes a token of every 4 samples, a
+    learned position embedding is added, a pre-norm transformer encoder (self-attention, then a feed-forward
+    layer) runs over the tokens and a linear layer reads out their mean, ``[n, 1, length]`` -> ``[n, CLASSES]``
+    (``model=attention1d``)."""
+
+    def __init__(self, width: int = 32, heads: int = 4, layers: int = 2, max_tokens: int = 64,
+                 classes: int = CLASSES):
+        super().__init__()
+        self.stem = nn.Conv1d(1, width, 9, stride=4, padding=4)
+        self.position = nn.Parameter(torch.zeros(max_tokens, width))
+        nn.init.normal_(self.position, std=0.02)
+        layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.readout = nn.Linear(width, classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        tokens = self.stem(features).transpose(1, 2)
+        tokens = self.encoder(tokens + self.position[: tokens.shape[1]])
+        return self.readout(self.norm(tokens).mean(dim=1))

@@ -26,11 +26,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LM_SHORT = ["+recipe=shakespeare_char", "session.minibatch_size=1024", "session.epoch_size=12288",
             "session.progress_frequency=30720", "session.cv.frequency=61440", "session.lr_schedule.warmup_samples=10240"]
 #: grapheme-to-phoneme shortened: 3,000 training words, 300 test words, a narrower model, 150 minibatches
-#: (8 epochs of 19,200 phonemes)
+#: (8 epochs of 19,200 phonemes; a checkpoint every 4)
 G2P_SHORT = ["+recipe=cmudict_g2p", "source.train.deserializer.max_words=3000", "source.cv.deserializer.max_words=300",
              "source.test.deserializer.max_words=300", "model.width=128", "model.feedforward=256",
              "model.encoder_layers=2", "model.decoder_layers=2", "session.minibatch_size=1024",
-             "session.epoch_size=19200", "session.progress_frequency=38400", "session.cv.frequency=76800",
+             "session.epoch_size=19200", "session.max_samples=153600", "session.progress_frequency=38400",
+             "session.cv.frequency=76800",
              "session.lr_schedule.warmup_samples=10240", "optimizer.lr=0.002"]
 
 #: grapheme-to-phoneme cut to a few minibatches on 200 words: a run of 60 phonemes, whose whole words overshoot it
