@@ -3,6 +3,7 @@ preemption by a signal, and one clear line for bad input with nothing overwritte
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -201,39 +202,43 @@ def test_bad_input_under_mpiexec_is_one_line_and_changes_nothing(overrides, frag
 
 
 @pytest.mark.slow  # a long multi-process case; .ci/run runs the slow set
-def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused_under_mpiexec(tmp_path):
-    first = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1280")
-    assert first.returncode == 0, first.report()
-    newest = tmp_path / "checkpoint-1280.pt"
+def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused_under_mpiexec(tmp_path, resumed_runs):
+    base, runs = resumed_runs
+    runs.run_ended("data_parallel", "whole")  # a finished 2-rank run to 1,920 samples: checkpoints at 640, 1280, 1920
+    shutil.copytree(base / "data_parallel" / "whole", tmp_path, dirs_exist_ok=True)
+    newest = tmp_path / "checkpoint-1920.pt"
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) - 1000])  # a write cut short by a crash of the file system
-    other_model = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1920", "model.hidden=48")
+    learner = RESUMED["data_parallel"]
+    other_model = dtrain_job(2, tmp_path, *learner, "session.max_samples=2560", "model.hidden=48")
     assert other_model.returncode != 0
     assert "does not fit this model: parameter classifier.1.weight has shape (32, 1024) in the checkpoint, " \
            "(48, 1024) in the model" in other_model.stderr, other_model.report()
-    other_seed = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1920", "seed=5")
+    other_seed = dtrain_job(2, tmp_path, *learner, "session.max_samples=2560", "seed=5")
     assert other_seed.returncode != 0
     assert "belongs to another configuration: seed was 0 in the checkpoint's run and is 5 now" in other_seed.stderr
-    resumed = dtrain_job(2, tmp_path, "learner=data_parallel", "session.max_samples=1920")
+    resumed = dtrain_job(2, tmp_path, *learner, "session.max_samples=2560")
     assert resumed.returncode == 0, resumed.report()
-    assert "truncated" in resumed.stderr and "using the previous checkpoint checkpoint-640.pt" in resumed.stderr
-    assert "at 640 samples" in resumed.stdout
-    assert checkpoint.load(tmp_path / "checkpoint-1920.pt")["samples_seen"] == 1920
+    assert "truncated" in resumed.stderr and "using the previous checkpoint checkpoint-1280.pt" in resumed.stderr
+    assert "at 1280 samples" in resumed.stdout
+    assert checkpoint.load(tmp_path / "checkpoint-2560.pt")["samples_seen"] == 2560
 
 
 @pytest.mark.slow
-def test_restore_from_a_renamed_checkpoint_on_two_ranks_equals_an_uninterrupted_run(tmp_path):
-    whole = dtrain_job(2, tmp_path / "whole", "session.max_samples=1280")
-    assert whole.returncode == 0, whole.report()
-    best = tmp_path / "best.pt"  # the whole run's periodic checkpoint at 640, renamed and moved out of its directory
-    (tmp_path / "whole" / "checkpoint-640.pt").rename(best)
-    other_model = dtrain_job(2, tmp_path / "other", "session.max_samples=1280", "model.hidden=48",
+def test_restore_from_a_renamed_checkpoint_on_two_ranks_equals_an_uninterrupted_run(tmp_path, resumed_runs):
+    base, runs = resumed_runs
+    runs.run_ended("data_parallel", "whole")
+    whole = base / "data_parallel" / "whole"
+    best = tmp_path / "best.pt"  # the whole run's periodic checkpoint at 1,280, under another name outside its directory
+    shutil.copyfile(whole / "checkpoint-1280.pt", best)
+    learner = RESUMED["data_parallel"]
+    other_model = dtrain_job(2, tmp_path / "other", *learner, "session.max_samples=1920", "model.hidden=48",
                              f"session.checkpoint.restore_from={best}")
     assert other_model.returncode == 2, other_model.report()
     errors = {line.split("dtrain: error: ", 1)[1] for line in other_model.stderr.splitlines() if "dtrain: error: " in line}
     assert len(errors) == 1 and errors.pop().startswith(f"checkpoint {best} does not fit this model"), other_model.report()
-    second = dtrain_job(2, tmp_path / "second", "session.max_samples=1280", f"session.checkpoint.restore_from={best}")
+    second = dtrain_job(2, tmp_path / "second", *learner, "session.max_samples=1920",
+                        f"session.checkpoint.restore_from={best}")
     assert second.returncode == 0, second.report()
-    assert f"restored {best} at 640 samples (session.checkpoint.restore_from:" in second.stdout
-    assert_identical(parameters(tmp_path / "whole" / "checkpoint-1280.pt"),
-                     parameters(tmp_path / "second" / "checkpoint-1280.pt"))
+    assert f"restored {best} at 1280 samples (session.checkpoint.restore_from:" in second.stdout
+    assert_identical(parameters(whole / "checkpoint-1920.pt"), parameters(tmp_path / "second" / "checkpoint-1920.pt"))
