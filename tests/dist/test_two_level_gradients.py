@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers.checks import CheckLaunch, launch_checks
 from tests.helpers.cli_runs import CliRuns
-from tests.helpers.two_level_runs import namespace_run_equals_rehearsal, resume_then_relayout, whole_and_split
+from tests.helpers.two_level_runs import (SAME_SUMS, namespace_run_equals_rehearsal, resume_then_relayout,
+                                          whole_and_split)
 
 WORKER = Path(__file__).with_name("_two_level_gradients_worker.py")
 
@@ -91,5 +92,5 @@ def test_two_namespace_hosts_from_the_launcher(resumed, tmp_path: Path) -> None:
     """2 network-namespace hosts x 2 ranks (hostfile, --npernode 2): the hosts come from the launcher,
     and the run equals, bit for bit, the same job rehearsed on one host with comm.ranks_per_host=2 (the
     uninterrupted run of ``resumed`` at the same sample count)."""
-    namespace_run_equals_rehearsal([*COMMON, "session.max_samples=1280", "session.num_threads=1", "comm.backend=gloo"],
+    namespace_run_equals_rehearsal([*COMMON, "session.max_samples=1280", *SAME_SUMS],
                                    resumed[0] / "whole" / "checkpoint-1280.pt", tmp_path)

@@ -14,8 +14,8 @@ The child is the process ``python -m dtrain`` would be, but for what was importe
 ``cwd`` with ``env`` as its environment (the runner's when absent; variables read at import time, such as
 ``OMP_NUM_THREADS``, keep the runner's values, so a caller runs one runner per such environment), the
 working directory (a script's folder) first on ``sys.path`` and ``env``'s ``PYTHONPATH`` after it, stdin from
-``/dev/null``, the module's ``__main__`` (or the script) run as ``__main__``, and on exit what the interpreter does at its end (non-daemon threads joined, ``atexit``
-functions run, streams flushed). No CUDA is started in the runner, so a child may start its own.
+``/dev/null``, the module's ``__main__`` (or the script) run as ``__main__``, and on exit what the interpreter
+does at its end (non-daemon threads joined, ``atexit`` functions run, streams flushed). No CUDA is started in the runner, so a child may start its own.
 Imports cost seconds on a small machine; a fork costs milliseconds, so a parametrized test of
 dozens of bad inputs stays quick while each case still runs in its own process.
 """

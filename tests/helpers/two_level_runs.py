@@ -50,9 +50,10 @@ def namespace_run_equals_rehearsal(overrides: list[str], rehearsal: Path, tmp_pa
     assert [name for name in one_host if not torch.equal(two_hosts[name], one_host[name])] == []
 
 
-#: what every run of :func:`whole_and_split` adds: one thread per rank (the same sums inside each rank as on
-#: the namespace hosts) over gloo, 2 hosts x 2 ranks on one machine
-ONE_MACHINE = ["session.num_threads=1", "comm.backend=gloo", "comm.ranks_per_host=2"]
+#: one thread per rank over gloo: the same sums inside each rank on one machine as on the namespace hosts
+SAME_SUMS = ["session.num_threads=1", "comm.backend=gloo"]
+#: what every run of :func:`whole_and_split` adds: :data:`SAME_SUMS`, 2 hosts x 2 ranks on one machine
+ONE_MACHINE = [*SAME_SUMS, "comm.ranks_per_host=2"]
 
 
 def whole_and_split(overrides: list[str], base: Path) -> CliRuns:
@@ -80,7 +81,7 @@ def resume_then_relayout(overrides: list[str], runs: CliRuns, base: Path):
     b = checkpoint.load(base / "split" / "checkpoint-1920.pt")
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs after resume"
-    other = run_mpi(4, ["-m", "dtrain", *overrides, "session.num_threads=1", "comm.backend=gloo",
-                        "comm.ranks_per_host=1", f"run_dir={base / 'split'}", "session.max_samples=2560"], timeout=240)
+    other = run_mpi(4, ["-m", "dtrain", *overrides, *SAME_SUMS, "comm.ranks_per_host=1", f"run_dir={base / 'split'}",
+                        "session.max_samples=2560"], timeout=240)
     assert other.returncode == 0, other.report()
     return b, other
