@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.timeout(300)]
 
 # the digits recipe on 2 ranks (global minibatch 32), with cross-validation on the test digits; every 320 samples
 # a progress report, a cross-validation and a checkpoint
-SHORT = ["-m", "dtrain", "+recipe=digits", "source.cv=${source.test}", "session.cv.frequency=320",
+SHORT = ["+recipe=digits", "source.cv=${source.test}", "session.cv.frequency=320",
          "session.progress_frequency=320", "session.checkpoint.frequency=320", "session.tensorboard=false"]
 
 
@@ -45,8 +45,8 @@ def test_each_event_fires_once_in_order_on_rank_0_only_and_across_a_resume(tmp_p
     command lines (``tests.helpers.cli_runs``)."""
     run_dir = tmp_path / "run"
     runs = launch_cli_runs(2, {"events": [
-        ("first", [*SHORT[2:], f"run_dir={run_dir}", "session.max_samples=640", *events_option(tmp_path / "first")]),
-        ("resumed", [*SHORT[2:], f"run_dir={run_dir}", "session.max_samples=960", *events_option(tmp_path / "resumed")]),
+        ("first", [*SHORT, f"run_dir={run_dir}", "session.max_samples=640", *events_option(tmp_path / "first")]),
+        ("resumed", [*SHORT, f"run_dir={run_dir}", "session.max_samples=960", *events_option(tmp_path / "resumed")]),
     ]}, tmp_path / "launch", timeout=240)
     first, resumed = runs.run_ended("events", "first"), runs.run_ended("events", "resumed")
     assert "restored" in resumed.stdout and "at 640 samples" in resumed.stdout, resumed.report()
@@ -63,7 +63,7 @@ def test_each_event_fires_once_in_order_on_rank_0_only_and_across_a_resume(tmp_p
 def test_an_early_stop_at_2_ranks_ends_every_rank_with_exit_0_and_its_line(tmp_path):
     run_dir = tmp_path / "run"
     # nothing beats the first cross-validation by a whole 100%: the second stops the run (patience 1)
-    result = run_mpi(2, [*SHORT, f"run_dir={run_dir}", "session.max_samples=3200",
+    result = run_mpi(2, ["-m", "dtrain", *SHORT, f"run_dir={run_dir}", "session.max_samples=3200",
                          "callbacks=[early_stopping,best_checkpoint]", "callbacks.early_stopping.patience=1",
                          "callbacks.early_stopping.min_delta=1.0", *events_option(tmp_path / "events"),
                          "+callbacks.events.all_ranks=true"], timeout=240)

@@ -10,7 +10,7 @@ from tests.helpers.cli import run_dtrain
 from tests.helpers.mpi import run_mpi
 from tests.helpers.tracking import mlflow_runs, mlflow_steps, wandb_history, wandb_offline_runs, wandb_run_facts
 
-COMMON = ["-m", "dtrain", "+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
+COMMON = ["+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
           "session.progress_frequency=320", "session.tensorboard=false", "model.hidden=32",
           "logger=[mlflow,wandb]", "logger.wandb.mode=offline"]
 
@@ -20,9 +20,9 @@ def test_one_tracking_run_continues_across_a_resume_at_another_world_size(tmp_pa
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
     run_dir = tmp_path / "run"
-    first = run_mpi(2, [*COMMON, f"run_dir={run_dir}", "session.max_samples=640"], timeout=300)
+    first = run_mpi(2, ["-m", "dtrain", *COMMON, f"run_dir={run_dir}", "session.max_samples=640"], timeout=300)
     assert first.returncode == 0, first.report()
-    second = run_dtrain(*COMMON[2:], f"run_dir={run_dir}", "session.max_samples=1280", cwd=tmp_path, timeout=300)
+    second = run_dtrain(*COMMON, f"run_dir={run_dir}", "session.max_samples=1280", cwd=tmp_path, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]  # one process: world size 1
     assert "restored" in second.stdout
 

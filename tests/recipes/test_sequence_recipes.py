@@ -73,8 +73,8 @@ def test_the_language_model_recipe_learns_under_two_ranks_and_generate_samples_t
     result = run_mpi(2, ["-m", "dtrain", *LM_SHORT, f"run_dir={run_dir}"], timeout=600)
     assert result.returncode == 0, result.report()
     check_language_model_run(run_dir, result.stdout)
-    sample = run_python("-m", "dtrain.generate", str(run_dir), "--prompt", "KING.", "--tokens",
-                             "80", cwd=tmp_path, timeout=120)
+    sample = run_python("-m", "dtrain.generate", str(run_dir), "--prompt", "KING.", "--tokens", "80", cwd=tmp_path,
+                        timeout=120)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("KING.") and len(sample.stdout.rstrip("\n")) >= 80
     assert "weights from model.safetensors" in sample.stderr  # the recipe keeps no weight EMA
@@ -91,8 +91,8 @@ def test_the_g2p_recipe_learns_under_two_ranks_and_reports_word_and_phoneme_erro
     assert result.returncode == 0, result.report()
     check_g2p_run(run_dir, result.stdout)
     # the gradient noise scale of a run with two sequence streams, counted in the target's phonemes as the run counts
-    noise = run_python("-m", "dtrain.noise_scale", str(run_dir), "--minibatches", "8",
-                            "--threads", "1", cwd=tmp_path, timeout=300)
+    noise = run_python("-m", "dtrain.noise_scale", str(run_dir), "--minibatches", "8", "--threads", "1", cwd=tmp_path,
+                       timeout=300)
     assert noise.returncode == 0, noise.stderr
     checkpoints = sorted(run_dir.glob("checkpoint-*.pt"))
     rows = [line for line in noise.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
@@ -110,8 +110,8 @@ def test_the_g2p_recipe_learns_under_two_ranks_and_reports_word_and_phoneme_erro
     # weights unless asked for the EMA by name
     young = ema_below_horizon(run_dir / "model_ema.safetensors")
     for beam in ([], ["--beam", "1"], ["--ema"]):  # the recipe's beam search, greedy decoding, the weight EMA
-        words = run_python("-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello",
-                                *beam, cwd=tmp_path, timeout=120)
+        words = run_python("-m", "dtrain.generate", str(run_dir), "--words", "dtrain", "hello", *beam, cwd=tmp_path,
+                           timeout=120)
         assert words.returncode == 0, words.stderr
         assert [line.split("\t")[0] for line in words.stdout.splitlines()] == ["dtrain", "hello"]
         chosen = "model_ema.safetensors" if beam == ["--ema"] or not young else "model.safetensors"
