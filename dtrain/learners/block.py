@@ -5,8 +5,10 @@ counting (a sync every ``block_size`` global samples, decided alike on every ran
 collective), the warm start (local training on the full stream before ``distributed_after``,
 then rank 0's model for all), the delta exchange (``d_i = W_prev - W_i`` summed over workers by
 any :mod:`dtrain.exchange` strategy), the sync points the session agrees on, and the checkpoint
-state. A subclass writes only :meth:`BlockLearner.outer_update`: how the summed delta ``D`` moves
-the model of the last sync (``docs/writing-a-learner.md``, ``docs/semantics.md#block-learners``).
+state. How the summed delta ``D`` moves the model of the last sync is the outer optimizer's: a torch
+optimizer over ``W_prev`` (:mod:`dtrain.learners.outer`; local SGD's average by default), checkpointed and
+moved to the device here, so a new block learner is a config line (``docs/writing-a-learner.md``,
+``docs/semantics.md#block-learners``).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,6 +25,9 @@ from dtrain.advice import Advice
 from dtrain.exchange import Exchange, full_precision_allreduce_bytes
 from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+from dtrain.learners.outer import (FIRST_MOMENT_KEYS, SYNC_FACTS, OuterOptimizerFactory, build_outer_optimizer,
+                                   cpu_state, describe_outer_factory, first_moment, gives_back_model,
+                                   load_outer_state, outer_optimizer_name, plain_factory, saved_first_moment)
 from dtrain.learners.settings import BLOCK_SIZE, BLOCK_SYNC, MOMENTUM_CORRECTION
 from dtrain.rules import check_settings
 
@@ -104,7 +110,7 @@ def auto_block_size(facts: RunFacts, num_workers: int, distributed_after: int = 
 
 class BlockLearner(Learner):
     """Local steps, and every ``block_size`` global samples a sync: ``D = sum_i (W_prev - W_i)``
-    through the exchange strategy, then :meth:`outer_update` (the one method a subclass writes).
+    through the exchange strategy, then the outer optimizer's step on ``W_prev`` (:meth:`outer_update`).
 
     Every minibatch, ``step()`` runs the wrapped optimizer on this worker's gradient of its LOCAL
     mean loss, with the optimizer's learning rate (``local_learning_rate="full"``) or with ``lr *
@@ -115,7 +121,10 @@ class BlockLearner(Learner):
     1. ``d_i = W_prev - W_i``, summed over the workers of ``outer_comm`` by ``exchange`` into
        ``D`` (not divided); the model's floating-point buffers (BatchNorm statistics) are averaged
        exactly, its other buffers taken from rank 0 at :meth:`synchronize`;
-    2. :meth:`outer_update` ``(D)`` writes the new model into ``prev_parameters``;
+    2. :meth:`outer_update` ``(D)`` writes the new model into ``prev_parameters``: the outer optimizer
+       (a torch optimizer over ``W_prev``) steps with the gradient ``D / outer_comm.size`` (``D`` itself
+       for one that declares ``sums_deltas``); with one model and a step that would give it back
+       (:func:`~dtrain.learners.outer.gives_back_model`) the step is skipped;
     3. every worker continues from it (``W_i <- W_prev``); with ``reset_sgd_momentum_after_aggregation``
        the optimizer's momentum buffers are zeroed (``MOMENTUM_STATE_KEYS``); then :meth:`after_sync`.
 
@@ -130,10 +139,11 @@ class BlockLearner(Learner):
     ``outer_comm.size`` the number of contributions summed into ``D``. A learner whose workers
     exchange exactly inside a host and compressed between hosts passes the hosts' communicator.
 
-    Subclass contract: set ``kind`` (the checkpoint name), implement :meth:`outer_update`;
-    optionally :meth:`after_sync`, :meth:`sync_keeps_model`, :meth:`describe_block`, and
-    ``keeps_outer_state = False`` when the outer step has no flat state of its own
-    (``smoothed_gradient``: BMUF's ``sg``, DiLoCo's velocity; in checkpoints, replicated).
+    The outer optimizer's state (DiLoCo's velocity, BMUF's ``sg``, Adam's moments) is replicated: it is
+    in :meth:`state_dict`, restored bit for bit and moved to the model's device by :meth:`prepare`.
+    Subclass contract: set ``kind`` (the checkpoint name) and, for an outer step of its own,
+    :meth:`default_outer_optimizer` (or override :meth:`outer_update`); optionally :meth:`after_sync`,
+    :meth:`describe_block`.
 
     Args:
         optimizer: the (inner) torch optimizer of the model's parameters.
@@ -149,6 +159,9 @@ class BlockLearner(Learner):
         outer_comm: the communicator of the delta exchange (None: ``comm``).
         momentum_correction: at each sync, before the outer update, scale the outer state by the
             ratio of this block's inner learning rate to the last block's (:meth:`correct_outer_momentum`).
+        outer_optimizer: a callable that builds the outer optimizer from ``[W_prev]`` (a torch optimizer
+            class, or a ``functools.partial`` of one: ``learner/outer_optimizer=NAME`` in a config); None:
+            :meth:`default_outer_optimizer`.
 
     Raises:
         ValueError: a value out of range, or ``block_size // N`` is 0.
@@ -156,15 +169,18 @@ class BlockLearner(Learner):
     """
 
     kind = "block"
-    keeps_outer_state: bool = True
-    """Whether :attr:`smoothed_gradient` (the outer step's flat state, zero at the start) is kept."""
     exchanged = "model changes"
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
                  local_learning_rate: str = "full", reset_sgd_momentum_after_aggregation: bool = False,
-                 outer_comm=None, momentum_correction: bool = False):
+                 outer_comm=None, momentum_correction: bool = False,
+                 outer_optimizer: OuterOptimizerFactory | None = None):
         super().__init__(optimizer, comm, distributed_after)
+        if outer_optimizer is not None:  # refused now, in one line, not at the first sync
+            outer_optimizer = plain_factory(outer_optimizer)
+            build_outer_optimizer(outer_optimizer, torch.zeros(1))
+        self.outer_optimizer_factory = outer_optimizer  # None: default_outer_optimizer()
         self.outer_comm = self.comm if outer_comm is None else outer_comm
         # before any restore: a strategy's state loads onto its communicator
         self.exchange = bind_exchange(exchange, self.outer_comm, step_name="sync")
@@ -187,7 +203,8 @@ class BlockLearner(Learner):
         self.largest_share_in_block = 0     # the most-loaded worker's samples since the last sync
         self.syncs = 0                      # block syncs done so far
         self.prev_parameters: torch.Tensor | None = None     # W_prev, flat: the model of the last sync
-        self.smoothed_gradient: torch.Tensor | None = None   # the outer step's flat state (keeps_outer_state)
+        self.outer_optimizer: torch.optim.Optimizer | None = None  # steps W_prev; built by prepare()
+        self._restored_outer: dict[str, Any] | None = None   # a checkpoint's outer state, until prepare()
         self.block_lr = LearningRateTrace()                  # the inner lr over this block's local steps
         self.previous_block_lr: float | None = None          # the last block's (momentum_correction)
 
@@ -215,23 +232,55 @@ class BlockLearner(Learner):
         self.block_size = block_size
         self.sync_period = block_size // num_workers  # per-worker samples between syncs (CNTK)
 
-    # -- what a subclass writes ----------------------------------------------------------------
+    # -- the outer step, and what a subclass may change -----------------------------------------------
+    def default_outer_optimizer(self) -> OuterOptimizerFactory:
+        """The outer optimizer when none is given: torch's SGD at lr 1, ``W = W_prev - D / N``, the workers'
+        mean model (local SGD)."""
+        return partial(torch.optim.SGD, lr=1.0)
+
     def outer_update(self, total_delta: torch.Tensor) -> None:
         """Writes the new model into ``prev_parameters`` (which holds ``W_prev``) from ``total_delta``,
-        ``D = sum_i (W_prev - W_i)`` over ``outer_comm.size`` workers (it may be overwritten)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement outer_update(total_delta)")
+        ``D = sum_i (W_prev - W_i)`` over ``outer_comm.size`` workers (it may be overwritten): the outer
+        optimizer's step with the gradient ``D / outer_comm.size`` (``D`` where it ``sums_deltas``)."""
+        optimizer = self.outer_optimizer
+        if not getattr(optimizer, "sums_deltas", False):
+            total_delta = total_delta.div_(self.outer_comm.size)  # g = mean_i (W_prev - W_i)
+        self.prev_parameters.grad = total_delta
+        try:
+            optimizer.step()
+        finally:
+            self.prev_parameters.grad = None
+
+    def _set_sync_facts(self) -> None:
+        """Tells the outer optimizer this block's facts (:data:`~dtrain.learners.outer.SYNC_FACTS`) where it reads them."""
+        facts = {"workers": self.comm.size, "samples_in_block": self.global_samples_in_block}
+        for group in self.outer_optimizer.param_groups:
+            for key in SYNC_FACTS:
+                if key in group:
+                    group[key] = facts[key]
+
+    def sync_keeps_model(self, total_delta: torch.Tensor) -> bool:
+        """Whether the outer step on ``total_delta`` would give back the one model there is (then it is skipped,
+        sparing its rounding: ``W_prev <- W``): the outer optimizer says (:func:`~dtrain.learners.outer.gives_back_model`).
+        Never with several models, nor where a subclass writes its own :meth:`outer_update`."""
+        if self.outer_comm.size != 1 or type(self).outer_update is not BlockLearner.outer_update:
+            return False
+        return gives_back_model(self.outer_optimizer, total_delta, self.outer_comm.size)
 
     def after_sync(self) -> None:
         """Called on every rank at the end of each sync; nothing here."""
 
-    def sync_keeps_model(self) -> bool:
-        """Whether this sync would give back the workers' model (then the exchange and the outer
-        step are skipped: ``W_prev <- W``, and ``smoothed_gradient <- W_prev - W``). Never here."""
-        return False
-
     def describe_block(self) -> str:
-        """The subclass's part of the start-up line (after the block size); empty here."""
-        return ""
+        """The subclass's part of the start-up line (after the block size): the outer optimizer when one was given."""
+        return describe_outer_factory(self.outer_optimizer_factory) if self.outer_optimizer_factory else ""
+
+    @property
+    def smoothed_gradient(self) -> torch.Tensor | None:
+        """The outer optimizer's first moment (BMUF's ``sg``, DiLoCo's velocity, Adam's ``exp_avg``), or None; before
+        :meth:`prepare`, a restored checkpoint's."""
+        if self.outer_optimizer is not None:
+            return first_moment(self.outer_optimizer)
+        return None if self._restored_outer is None else saved_first_moment(self._restored_outer)
 
     # -- the loop -------------------------------------------------------------------------------
     def plan(self, facts: RunFacts) -> None:
@@ -369,9 +418,10 @@ class BlockLearner(Learner):
         return note
 
     def prepare(self, model: torch.nn.Module) -> None:
-        """Broadcasts rank 0's parameters and buffers, then takes them as ``W_prev`` (outer state 0).
+        """Broadcasts rank 0's parameters and buffers, then takes them as ``W_prev`` and builds the outer
+        optimizer over it (on the model's device).
 
-        After ``load_state_dict`` the restored ``W_prev`` and outer state are kept instead.
+        After ``load_state_dict`` the restored ``W_prev`` and outer optimizer state are kept instead.
 
         Raises:
             ValueError: the optimizer has no parameters, or they are not all on one device.
@@ -398,13 +448,15 @@ class BlockLearner(Learner):
                                     dtype=dtype, device=device)
         if self.comm.size > 1:
             broadcast(list(parameters) + buffers, self.comm)
-        restored_prev, restored_outer = self.prev_parameters, self.smoothed_gradient
+        restored_prev = self.prev_parameters
         self.prev_parameters = self.flat_parameters().clone()
-        self.smoothed_gradient = torch.zeros_like(self.prev_parameters) if self.keeps_outer_state else None
         if restored_prev is not None:
             self.prev_parameters.copy_(restored_prev)
-            if self.smoothed_gradient is not None and restored_outer is not None:
-                self.smoothed_gradient.copy_(restored_outer)
+        factory = self.outer_optimizer_factory or self.default_outer_optimizer()
+        self.outer_optimizer = build_outer_optimizer(factory, self.prev_parameters)
+        if self._restored_outer is not None:
+            load_outer_state(self.outer_optimizer, self.prev_parameters, self._restored_outer)
+            self._restored_outer = None
 
     def apply_update(self) -> None:
         """The local optimizer step, then the block logic (a sync when the block is complete).
@@ -510,21 +562,21 @@ class BlockLearner(Learner):
         self.flat_parameters(out=model_delta)  # W_i for now
         if not end_of_block and self.outer_comm.size == 1:
             self.prev_parameters.copy_(model_delta)  # one model: the mean is the model itself
-        elif end_of_block and self.sync_keeps_model():
-            # outer state = D = W_prev - W and W <- W_prev - D = W: the model stays as it is
-            if self.smoothed_gradient is not None:
-                torch.sub(self.prev_parameters, model_delta, out=self.smoothed_gradient)
-            self.prev_parameters.copy_(model_delta)
         else:
             torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
             if self.outer_comm.size > 1:
                 self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
             if end_of_block:
-                self.correct_outer_momentum()
-                self.outer_update(model_delta)
-            else:  # the workers' mean, the outer state kept
-                self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)
-            unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
+                self._set_sync_facts()
+            if end_of_block and self.sync_keeps_model(model_delta):
+                self.flat_parameters(out=self.prev_parameters)  # W <- W_prev - D = W: the model stays as it is
+            else:
+                if end_of_block:
+                    self.correct_outer_momentum()
+                    self.outer_update(model_delta)
+                else:  # the workers' mean, the outer state kept
+                    self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)
+                unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
         if end_of_block:  # the outer state's learning rate (the momentum correction's reference)
             self.previous_block_lr = self.block_lr.mean()
@@ -538,17 +590,20 @@ class BlockLearner(Learner):
         """Goyal et al. 2017's momentum correction (section 2.2), at the level of blocks: with
         ``momentum_correction``, the outer state is multiplied by ``lr_block / lr_previous_block``.
 
-        The outer state (BMUF's ``sg``, DiLoCo's velocity) is a sum of earlier blocks' model changes,
+        The outer state (BMUF's ``sg``, DiLoCo's velocity, an outer Adam's first moment: the outer optimizer's
+        :data:`~dtrain.learners.outer.FIRST_MOMENT_KEYS`) is a sum of earlier blocks' model changes,
         each in proportion to the inner learning rate its local steps took. When the schedule lowers
         the rate, uncorrected stale changes keep moving the model at the old rate for about
         ``1 / (1 - momentum)`` syncs, just when the schedule asks for small steps
         (``docs/semantics.md#momentum-correction``). A constant rate gives a factor of exactly 1.
         """
         block_lr, previous = self.block_lr.mean(), self.previous_block_lr
-        if not self.momentum_correction or self.smoothed_gradient is None or not block_lr or not previous:
+        if not self.momentum_correction or not block_lr or not previous or block_lr == previous:
             return
-        if block_lr != previous:
-            self.smoothed_gradient.mul_(block_lr / previous)
+        for state in self.outer_optimizer.state.values():  # the first moments (FIRST_MOMENT_KEYS)
+            for key in FIRST_MOMENT_KEYS:
+                if isinstance(state.get(key), torch.Tensor):
+                    state[key].mul_(block_lr / previous)
 
     def _exchange_model_delta(self) -> None:
         """Sums the deltas ``d_i`` (the first part of the scratch buffer) over ``outer_comm`` through
@@ -605,9 +660,13 @@ class BlockLearner(Learner):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_identity(self) -> dict[str, Any]:
-        """The kind, and the exchange strategy when it is not the default fp32 all-reduce: a
-        checkpoint's residuals restore only into the same strategy and settings."""
-        return exchange_identity(super().checkpoint_identity(), self.exchange)
+        """The kind, the exchange strategy when it is not the default fp32 all-reduce (a checkpoint's
+        residuals restore only into the same strategy and settings) and the outer optimizer's type when one
+        was given (its state fits only its own kind)."""
+        identity = exchange_identity(super().checkpoint_identity(), self.exchange)
+        if self.outer_optimizer_factory is not None:
+            identity["outer_optimizer"] = outer_optimizer_name(self.outer_optimizer_factory)
+        return identity
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's own state: its optimizer's (the local steps make every rank's momentum and
@@ -633,7 +692,7 @@ class BlockLearner(Learner):
             self.exchange.load_state_dict(state["exchange"])
 
     def state_dict(self) -> dict[str, Any]:
-        """Base state plus ``W_prev``, the outer state and the block counters (tensors and ints only).
+        """Base state plus ``W_prev``, the outer optimizer's state (CPU copies) and the block counters.
 
         The session calls ``synchronize()`` first, so the counters are 0 and ``W_prev`` is the
         model in the same checkpoint; the outer state is what carries e.g. block momentum across a resume.
@@ -641,7 +700,8 @@ class BlockLearner(Learner):
         state = super().state_dict()
         state["block"] = {
             "prev_parameters": _cpu_copy(self.prev_parameters),
-            "smoothed_gradient": _cpu_copy(self.smoothed_gradient),
+            "outer_optimizer": self._outer_state(),
+            "outer_optimizer_type": outer_optimizer_name(self.outer_optimizer_factory or self.default_outer_optimizer()),
             "local_samples_in_block": self.local_samples_in_block,
             "global_samples_in_block": self.global_samples_in_block,
             "largest_share_in_block": self.largest_share_in_block,
@@ -663,10 +723,15 @@ class BlockLearner(Learner):
         block = state.get("block") if state.get("kind") == self.kind else None
         expected = sum(p.numel() for p in self.parameters)
         for key in ("prev_parameters", "smoothed_gradient"):  # before the optimizer's less clear complaint
-            tensor = None if block is None else block[key]
+            tensor = None if block is None else block.get(key)
             if tensor is not None and tensor.numel() != expected:
                 raise ValueError(f"checkpoint block state {key!r} has {tensor.numel()} values but the model has "
                                  f"{expected} parameters; restore into the model the checkpoint was made with")
+        mine = outer_optimizer_name(self.outer_optimizer_factory or self.default_outer_optimizer())
+        saved_type = None if block is None else block.get("outer_optimizer_type")
+        if saved_type is not None and saved_type != mine:
+            raise ValueError(f"the checkpoint's outer optimizer is {saved_type}, this run's is {mine}: its state "
+                             f"fits only its own kind; use the same learner.outer_optimizer or a new run directory")
         super().load_state_dict(state)  # refuses another learner's checkpoint
         block = state["block"]
         self.local_samples_in_block = int(block["local_samples_in_block"])
@@ -683,14 +748,19 @@ class BlockLearner(Learner):
                 self._replaced_block = (int(block["block_size"]), int(block["replicas"]))
         if block["prev_parameters"] is None:
             return
-        outer = block["smoothed_gradient"] if self.keeps_outer_state else None
+        # a checkpoint from before outer optimizers: their one flat outer tensor (None where the learner kept none)
+        outer = block["outer_optimizer"] if "outer_optimizer" in block else \
+            {"legacy_first_moment": block.get("smoothed_gradient")}
         if self._scratch is None:  # prepare() will move them to the model's device
             self.prev_parameters = block["prev_parameters"].clone()
-            self.smoothed_gradient = None if outer is None else outer.clone()
+            self._restored_outer = outer
         else:
             self.prev_parameters.copy_(block["prev_parameters"])
-            if self.smoothed_gradient is not None and outer is not None:
-                self.smoothed_gradient.copy_(outer)
+            load_outer_state(self.outer_optimizer, self.prev_parameters, outer)
+
+    def _outer_state(self) -> dict[str, Any] | None:
+        """The outer optimizer's ``state_dict`` as CPU copies (a restored one not yet loaded as it came)."""
+        return self._restored_outer if self.outer_optimizer is None else cpu_state(self.outer_optimizer)
 
 
 # -- helpers ---------------------------------------------------------------------------------------

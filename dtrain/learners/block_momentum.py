@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from dtrain.learners.block import (  # noqa: F401  (auto_block_size, largest_blo
     largest_block_size,
 )
 from dtrain.learners.cntk_keywords import wrapped_optimizer
+from dtrain.learners.outer import BlockMomentumFilter, OuterOptimizerFactory, refuse_replaced_settings
 from dtrain.learners.settings import BLOCK_MOMENTUM
 from dtrain.rules import check_settings
 from dtrain.schedules import momentum_from_time_constant
@@ -118,6 +120,8 @@ class BlockMomentumLearner(BlockLearner):
         momentum_correction: before step 2, ``sg <- sg * lr_block / lr_previous_block`` (the inner learning
             rate averaged over each block's local steps; :meth:`~dtrain.learners.block.BlockLearner.correct_outer_momentum`):
             dtrain's default, not CNTK's; with a constant learning rate it changes nothing.
+        outer_optimizer: another outer optimizer in place of BMUF's filter (a factory of ``[W_prev]``); the
+            block momentum settings then stay at their defaults.
 
     Raises:
         ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
@@ -132,9 +136,13 @@ class BlockMomentumLearner(BlockLearner):
                  block_momentum_as_time_constant: float | None = None, use_nesterov_momentum: bool = True,
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
-                 local_learning_rate: str = "full", outer_comm=None, momentum_correction: bool = True):
+                 local_learning_rate: str = "full", outer_comm=None, momentum_correction: bool = True,
+                 outer_optimizer: OuterOptimizerFactory | None = None):
         check_settings(BLOCK_MOMENTUM, block_momentum_as_time_constant=block_momentum_as_time_constant,
                        block_learning_rate=block_learning_rate, use_nesterov_momentum=use_nesterov_momentum)
+        refuse_replaced_settings(outer_optimizer, {
+            "block_momentum_as_time_constant": (block_momentum_as_time_constant, None),
+            "block_learning_rate": (block_learning_rate, 1.0), "use_nesterov_momentum": (use_nesterov_momentum, True)})
         # block_momentum_as_time_constant null: CNTK's default; 0: block momentum 0
         self._time_constant_setting = block_momentum_as_time_constant  # read by set_block_size
         self._block_set_by_syncs = False  # whether block_size="auto" came from the 50 syncs (start-up line)
@@ -142,7 +150,8 @@ class BlockMomentumLearner(BlockLearner):
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate=local_learning_rate,
                          reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
-                         outer_comm=outer_comm, momentum_correction=momentum_correction)
+                         outer_comm=outer_comm, momentum_correction=momentum_correction,
+                         outer_optimizer=outer_optimizer)
         self.use_nesterov_momentum = use_nesterov_momentum
         self.block_learning_rate = float(block_learning_rate)
 
@@ -188,32 +197,22 @@ class BlockMomentumLearner(BlockLearner):
         return " (auto: CNTK's bound samples/sweep >= time constant x workers)"
 
     def describe_block(self) -> str:
-        """Time constant, block momentum at the nominal period, block lr, Nesterov and the local steps."""
+        """Time constant, block momentum at the nominal period, block lr, Nesterov and the local steps (the outer
+        optimizer in their place when one was given)."""
+        if self.outer_optimizer_factory is not None:
+            return f"{super().describe_block()}, {self.describe_momentum_correction()}, {self.describe_local_steps()}"
         momentum = momentum_from_time_constant(self.time_constant / self.comm.size, self.sync_period)
         return (f"time constant {self.time_constant:,.0f} samples, block momentum {momentum:.4f}, "
                 f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}, "
                 f"{self.describe_momentum_correction()}, {self.describe_local_steps()}")
 
     # -- the block update (the base does the rest) -----------------------------------------------
-    def _block_momentum(self) -> float:
-        """``bm = exp(-n / (TC / N))`` with ``n`` the workers' mean local samples since the last sync."""
-        num_workers = self.comm.size
-        return momentum_from_time_constant(self.time_constant / num_workers, self.global_samples_in_block / num_workers)
-
-    def sync_keeps_model(self) -> bool:
-        """Whether the update would give back the workers' model: one worker, ``bm`` = 0 and block
-        learning rate 1 (then it is skipped, which also spares its rounding)."""
-        return self.comm.size == 1 and self._block_momentum() == 0.0 and self.block_learning_rate == 1.0
-
-    def outer_update(self, total_delta: torch.Tensor) -> None:
-        """BMUF's filter (steps 2-3): ``sg <- bm sg + (1 - bm) blr D``; ``W = W_prev - sg`` (- ``bm sg``
-        with Nesterov), written into ``prev_parameters``. ``total_delta`` is ``D`` (may be overwritten)."""
-        block_momentum = self._block_momentum()
-        self.smoothed_gradient.mul_(block_momentum).add_(
-            total_delta, alpha=(1.0 - block_momentum) * self.block_learning_rate)
-        self.prev_parameters.sub_(self.smoothed_gradient)  # W = W_prev - sg
-        if self.use_nesterov_momentum:
-            self.prev_parameters.sub_(self.smoothed_gradient, alpha=block_momentum)  # W -= bm * sg
+    def default_outer_optimizer(self) -> OuterOptimizerFactory:
+        """BMUF's filter (steps 2-3) as the outer optimizer: :class:`~dtrain.learners.outer.BlockMomentumFilter`
+        over ``D`` with this learner's time constant, block learning rate and Nesterov flag. With one worker,
+        ``bm`` = 0 and block learning rate 1 a sync gives back the model: the step is skipped, sparing its rounding."""
+        return partial(BlockMomentumFilter, lr=self.block_learning_rate, time_constant=self.time_constant,
+                       nesterov=self.use_nesterov_momentum)
 
 
 def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None = None, comm=None,
@@ -223,7 +222,9 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None =
                                        reset_sgd_momentum_after_aggregation: bool = True,
                                        block_learning_rate: float = 1.0, distributed_after: int | str = AUTO,
                                        exchange: Exchange | None = None, local_learning_rate: str = "share",
-                                       momentum_correction: bool = False, **aliases: Any) -> BlockMomentumLearner:
+                                       momentum_correction: bool = False,
+                                       outer_optimizer: OuterOptimizerFactory | None = None,
+                                       **aliases: Any) -> BlockMomentumLearner:
     """CNTK's ``block_momentum_distributed_learner``: wraps ``optimizer`` in a ``BlockMomentumLearner``.
 
     Arguments as in ``BlockMomentumLearner`` (``block_size`` and ``distributed_after`` in global
@@ -237,7 +238,7 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None =
     ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
     ``use_nestrov_momentum`` is accepted in its place, and CNTK's ``learner=`` in place of ``optimizer``
     (as CNTK's own tests call it). ``comm`` None is a one-process communicator (a session launched on
-    several processes refuses it).
+    several processes refuses it). ``outer_optimizer`` (not CNTK's) replaces the block momentum filter.
 
     Raises:
         ValueError: as ``BlockMomentumLearner``, or both spellings of the Nesterov flag are given
@@ -260,6 +261,7 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None =
         reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
         block_learning_rate=block_learning_rate, distributed_after=distributed_after, exchange=exchange,
         local_learning_rate=local_learning_rate, momentum_correction=momentum_correction,
+        outer_optimizer=outer_optimizer,
     )
 
 

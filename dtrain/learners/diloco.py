@@ -13,11 +13,14 @@ to BMUF's ``block_learning_rate`` and ``block_momentum`` and where the two updat
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from dtrain.exchange import Exchange
 from dtrain.learners.base import AUTO, RunFacts
 from dtrain.learners.block import BlockLearner
+from dtrain.learners.outer import OuterOptimizerFactory, refuse_replaced_settings
 from dtrain.learners.settings import DILOCO
 from dtrain.rules import check_settings
 
@@ -71,11 +74,10 @@ class DiLoCoLearner(BlockLearner):
        across syncs, as in DiLoCo.
 
     These are ``torch.optim.SGD(lr=outer_learning_rate, momentum=outer_momentum,
-    nesterov=outer_nesterov)`` stepping ``W_prev`` with ``W_prev.grad = g``, op for op (with
+    nesterov=outer_nesterov)`` stepping ``W_prev`` with ``W_prev.grad = g``, the outer optimizer itself (with
     ``momentum_correction``, ``v`` is first multiplied by the ratio of this block's inner learning
-    rate to the last block's, when they differ). ``v``
-    is kept in ``smoothed_gradient`` (replicated, in checkpoints); the exchange strategy's
-    per-rank state is in :meth:`local_state_dict`.
+    rate to the last block's, when they differ). ``v`` is the outer optimizer's ``momentum_buffer``
+    (replicated, in checkpoints); the exchange strategy's per-rank state is in :meth:`local_state_dict`.
 
     Args:
         optimizer: the inner optimizer, a ``torch.optim.Optimizer`` of the model's parameters.
@@ -94,6 +96,8 @@ class DiLoCoLearner(BlockLearner):
         momentum_correction: before step 2, ``v <- v * lr_block / lr_previous_block`` (the inner learning
             rate averaged over each block's local steps; :meth:`~dtrain.learners.block.BlockLearner.correct_outer_momentum`),
             so the velocity follows the inner schedule; with a constant learning rate it changes nothing.
+        outer_optimizer: another outer optimizer in place of DiLoCo's SGD (a factory of ``[W_prev]``, e.g.
+            ``functools.partial(torch.optim.Adam, lr=1e-3)``); the ``outer_*`` settings then stay at their defaults.
 
     Raises:
         ValueError: a value is out of range or of the wrong kind, or ``block_size // N`` is 0.
@@ -105,13 +109,16 @@ class DiLoCoLearner(BlockLearner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None,
-                 momentum_correction: bool = True):
+                 momentum_correction: bool = True, outer_optimizer: OuterOptimizerFactory | None = None):
         check_settings(DILOCO, outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
                        outer_nesterov=outer_nesterov)
+        refuse_replaced_settings(outer_optimizer, {"outer_learning_rate": (outer_learning_rate, 0.7),
+                                                   "outer_momentum": (outer_momentum, 0.9),
+                                                   "outer_nesterov": (outer_nesterov, True)})
         # the inner optimizer steps at its own lr on every worker (DiLoCo averages the deltas)
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate="full", outer_comm=outer_comm,
-                         momentum_correction=momentum_correction)
+                         momentum_correction=momentum_correction, outer_optimizer=outer_optimizer)
         self.outer_learning_rate = float(outer_learning_rate)
         self.outer_momentum = float(outer_momentum)
         self.outer_nesterov = outer_nesterov
@@ -130,22 +137,19 @@ class DiLoCoLearner(BlockLearner):
 
     def describe_block(self) -> str:
         """The outer optimizer and the inner one."""
+        if self.outer_optimizer_factory is not None:
+            return (f"{super().describe_block()}, {self.describe_momentum_correction()}, inner optimizer "
+                    f"{type(self.optimizer).__name__} (state kept across syncs)")
         return (f"outer SGD lr {self.outer_learning_rate:g} momentum {self.outer_momentum:g} Nesterov "
                 f"{'on' if self.outer_nesterov else 'off'}, {self.describe_momentum_correction()}, inner optimizer "
                 f"{type(self.optimizer).__name__} (state kept across syncs)")
 
-    def outer_update(self, total_delta: torch.Tensor) -> None:
-        """``torch.optim.SGD``'s step on ``W_prev`` with gradient ``D / N`` (steps 1-3 above), in
-        torch's own operations and order, so the result is the same to the last bit. DiLoCo's outer
-        step moves the model even with one worker (a look-ahead), so no sync is ever skipped."""
-        outer_gradient = total_delta.div_(self.outer_comm.size)  # g = mean_i (W_prev - W_i)
-        velocity = self.smoothed_gradient
-        velocity.mul_(self.outer_momentum).add_(outer_gradient)  # v = mu v + g (dampening 0)
-        if self.outer_nesterov:
-            outer_gradient = outer_gradient.add_(velocity, alpha=self.outer_momentum)  # g + mu v
-        else:
-            outer_gradient = velocity
-        self.prev_parameters.add_(outer_gradient, alpha=-self.outer_learning_rate)
+    def default_outer_optimizer(self) -> OuterOptimizerFactory:
+        """DiLoCo's outer step: ``torch.optim.SGD(lr=outer_learning_rate, momentum=outer_momentum,
+        nesterov=outer_nesterov)`` on ``W_prev`` with gradient ``D / N`` (steps 1-3 above). It moves the model
+        even with one worker (a look-ahead), so no sync is ever skipped."""
+        return partial(torch.optim.SGD, lr=self.outer_learning_rate, momentum=self.outer_momentum,
+                       nesterov=self.outer_nesterov and self.outer_momentum > 0)
 
 
 __all__ = ["DILOCO_INNER_STEPS", "DILOCO_MIN_SYNCS", "DILOCO_REFERENCE_WORKERS", "DiLoCoLearner",

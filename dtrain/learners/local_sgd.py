@@ -14,6 +14,7 @@ import torch
 from dtrain.exchange import Exchange
 from dtrain.learners.base import AUTO
 from dtrain.learners.block import BlockLearner
+from dtrain.learners.outer import OuterOptimizerFactory
 
 
 class LocalSGDLearner(BlockLearner):
@@ -26,6 +27,9 @@ class LocalSGDLearner(BlockLearner):
         distributed_after: global samples of local-only training before the first block, or ``"auto"``.
         exchange: the strategy that sums the model deltas (None: float32 all-reduce).
         outer_comm: the communicator of the averaging (None: ``comm``).
+        outer_optimizer: an outer step in place of the average (a factory of ``[W_prev]``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``; in a config,
+            ``learner/outer_optimizer=NAME``): the average is torch's SGD at lr 1 on ``D / N``.
 
     Raises:
         ValueError: a value out of range, or ``block_size // N`` is 0.
@@ -33,24 +37,16 @@ class LocalSGDLearner(BlockLearner):
     """
 
     kind = "local_sgd"
-    keeps_outer_state = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
-                 distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None):
+                 distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None,
+                 outer_optimizer: OuterOptimizerFactory | None = None):
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
-                         exchange=exchange, outer_comm=outer_comm)
-
-    def sync_keeps_model(self) -> bool:
-        """With one worker the average is its own model: the sync is skipped (sparing its rounding)."""
-        return self.outer_comm.size == 1
+                         exchange=exchange, outer_comm=outer_comm, outer_optimizer=outer_optimizer)
 
     def describe_block(self) -> str:
         """What a sync does."""
-        return "models averaged at each sync"
-
-    def outer_update(self, total_delta: torch.Tensor) -> None:
-        """``W = W_prev - D / N``: the mean of the workers' models."""
-        self.prev_parameters.sub_(total_delta.div_(self.outer_comm.size))
+        return super().describe_block() or "models averaged at each sync"
 
 
 __all__ = ["LocalSGDLearner"]

@@ -57,6 +57,7 @@ class BlockMomentumLearnerConfig:
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas (fp32: allreduce)
     local_learning_rate: str = "full"   # local steps at optimizer.lr, or "share": lr x the worker's share (CNTK's)
     momentum_correction: StrictBool = True  # sg x (this block's lr / the last's) when the schedule changes the lr
+    outer_optimizer: Any = None         # learner/outer_optimizer=NAME: another outer step in place of BMUF's filter
 
 
 @register_schema("schema/learner", "diloco")
@@ -72,6 +73,7 @@ class DiLoCoLearnerConfig:
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
     momentum_correction: StrictBool = True  # velocity x (this block's lr / the last's) when the schedule changes it
+    outer_optimizer: Any = None         # learner/outer_optimizer=NAME: another outer step in place of DiLoCo's SGD
 
 
 @register_schema("schema/learner", "local_sgd")
@@ -83,6 +85,7 @@ class LocalSGDLearnerConfig:
     block_size: Any = "auto"            # samples per block, or "auto" (block momentum's rule)
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
+    outer_optimizer: Any = None         # learner/outer_optimizer=NAME: an outer step in place of the average
 
 
 @register_schema("schema/learner", "two_level_diloco")

@@ -16,11 +16,13 @@ from tests.helpers.learners import learners, preset, shipped_learners
 from tests.helpers.mpi import mpi_command, mpiexec_path, run_mpi, start_ranks
 
 from dtrain.session import checkpoint
+from dtrain.learners.outer import saved_first_moment
 
 #: every shipped one-level learner and the combinations whose state is easiest to lose (two-level learners:
 #: tests/dist/test_two_level.py; the checkpoints of earlier releases: test_checkpoints_from_before.py)
 RESUMED = learners("data_parallel", "quantized", "powersgd", "block_momentum", "diloco", "local_sgd", "bmuf_4bit",
-                   "diloco_4bit", "bmuf_momentum_kept", "data_parallel_lars", "block_momentum_lamb", "diloco_lamb")
+                   "diloco_4bit", "bmuf_momentum_kept", "data_parallel_lars", "block_momentum_lamb", "diloco_lamb",
+                   "local_sgd_outer_adam")
 # 640-sample checkpoints; both halves of an interrupted run end on a checkpoint boundary, as the
 # uninterrupted run checkpoints (and block momentum synchronises) at the same sample counts
 COMMON_OVERRIDES = ["+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",
@@ -107,9 +109,9 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(learner,
         assert_identical(a["weight_ema"], b["weight_ema"], "the weight EMA's ")
         assert "test of the weight EMA (decay 0.9)" in split.stdout, split.report()
         assert (base / learner / "split" / "model_ema.safetensors").is_file()
-    if preset(overrides) in ("block_momentum", "diloco"):
+    if preset(overrides) in ("block_momentum", "diloco") or "learner/outer_optimizer=adam" in overrides:
         assert all(entry["learner"]["optimizer"]["state"] for entry in b["per_rank"])
-        assert float(b["learner"]["block"]["smoothed_gradient"].abs().sum()) > 0
+        assert float(saved_first_moment(b["learner"]["block"]["outer_optimizer"]).abs().sum()) > 0
     if compressed:
         assert all(entry["learner"]["exchange"]["per_key"] for entry in b["per_rank"])
 

@@ -38,6 +38,9 @@ LEARNERS: dict[str, list[str]] = {
     "block_momentum_lamb": ["learner=block_momentum", *_BLOCKS, "optimizer=lamb", "optimizer.lr=0.003",
                             *_SCALED_WITH_EMA],
     "diloco_lamb": ["learner=diloco", *_BLOCKS, "optimizer=lamb", *_SCALED_WITH_EMA],
+    # an outer optimizer from the config group, with state of its own (Adam's two moments and step count)
+    "local_sgd_outer_adam": ["learner=local_sgd", *_BLOCKS, "learner/outer_optimizer=adam",
+                             "learner.outer_optimizer.lr=0.01"],
 }
 
 

@@ -20,6 +20,7 @@ from tests.helpers.thread_world import FakeWorld
 
 from dtrain.comm.local import LocalCommunicator
 from dtrain.learners import BlockMomentumLearner, DiLoCoLearner
+from dtrain.learners.outer import saved_first_moment
 
 TOLERANCE = 1e-12  # float64 models: only the order of the sums differs from the reference
 generator = torch.Generator().manual_seed(5)
@@ -165,8 +166,10 @@ def test_bmuf_reference_is_not_diloco():
     assert (bmuf[-1] - diloco[-1]).abs().max() > 1e-3
 
 
-def test_checkpoint_restores_the_outer_momentum_bit_exactly():
-    """state_dict carries v (and W_prev): a learner restored mid-run continues bit for bit."""
+@pytest.mark.parametrize("written", ["now", "before_outer_optimizers"])
+def test_checkpoint_restores_the_outer_momentum_bit_exactly(written):
+    """state_dict carries v (and W_prev): a learner restored mid-run continues bit for bit, also from a checkpoint
+    written before outer optimizers (v was the block state's one flat tensor, ``smoothed_gradient``)."""
     def train(learner, model, steps, start_step=0):
         for step in range(start_step, start_step + steps):
             learner.begin_minibatch(8, 8)
@@ -183,6 +186,10 @@ def test_checkpoint_restores_the_outer_momentum_bit_exactly():
 
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
+    if written == "before_outer_optimizers":  # the block state as that code wrote it
+        block = saved["learner"]["block"]
+        block["smoothed_gradient"] = saved_first_moment(block.pop("outer_optimizer"))
+        del block["outer_optimizer_type"]
     model2 = make_model()
     model2.load_state_dict(saved["model"])
     resumed = DiLoCoLearner(adamw(model2.parameters()), LocalCommunicator(), block_size=16, distributed_after=0)

@@ -5,7 +5,6 @@ from dtrain.learners import BlockLearner
 
 class OuterSGDLearner(BlockLearner):
     kind = "outer_sgd"  # the name written into checkpoints
-    keeps_outer_state = False  # no outer momentum: nothing to carry from sync to sync
 
     def __init__(self, optimizer, comm=None, outer_learning_rate: float = 0.5, block_size="auto",
                  distributed_after="auto", exchange=None):
