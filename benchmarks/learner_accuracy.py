@@ -59,6 +59,8 @@ CONFIGS = {
     "block_momentum, 4-bit outer": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
     "block_momentum, 8-bit outer": ["learner=block_momentum", "learner/exchange=quantized", "learner.exchange.num_bits=8"],
     "diloco, 4-bit outer": ["learner=diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
+    "sparseloco": ["learner=sparseloco"],
+    "diloco, adam outer": ["learner=diloco", "learner/outer_optimizer=adam"],
     # 4 ranks as 2 "hosts" of 2 (exact inside, DiLoCo between the leaders); MB sent: rank 0's, between hosts
     "two_level_diloco 2 hosts, 4-bit outer": ["learner=two_level_diloco", "comm.ranks_per_host=2",
                                               "learner/exchange=quantized", "learner.exchange.num_bits=4"],

@@ -5,6 +5,7 @@ from dtrain.exchange.between_hosts import BetweenHosts
 from dtrain.exchange.compressed import CompressedAllReduce
 from dtrain.exchange.powersgd import PowerSGD
 from dtrain.exchange.quantized import Quantized
+from dtrain.exchange.sparse import Sparse
 
-__all__ = ["AllReduce", "BetweenHosts", "CompressedAllReduce", "Exchange", "PowerSGD", "Quantized", "ThreadedExchange",
-           "full_precision_allreduce_bytes"]
+__all__ = ["AllReduce", "BetweenHosts", "CompressedAllReduce", "Exchange", "PowerSGD", "Quantized", "Sparse",
+           "ThreadedExchange", "full_precision_allreduce_bytes"]

@@ -59,6 +59,18 @@ class PowerSGDExchangeConfig:
     random_seed: int = 0
 
 
+@register_schema("schema/learner/exchange", "sparse")
+@dataclass
+class SparseExchangeConfig:
+    """``dtrain.exchange.Sparse``: SparseLoCo's chunked top-k in k-bit values with decaying error feedback."""
+
+    _target_: str = "dtrain.exchange.Sparse"
+    chunk_size: int = 4096              # values per chunk
+    top_k: int = 64                     # values each chunk keeps (64 of 4096: 1.6%)
+    num_bits: int = 2                   # bits per kept value
+    decay: float = 0.95                 # the error-feedback buffer's factor per step (1: plain error feedback)
+
+
 #: each strategy's value rules, used by its constructor (``check_settings``) and by ``validate``
 QUANTIZED: KeyChecks = {
     "num_bits": partial(checks.whole_number, low=1, high=32, unit="bits"),
@@ -68,6 +80,16 @@ QUANTIZED: KeyChecks = {
 
 
 register_rule("dtrain.exchange.Quantized", settings_rule(QUANTIZED))
+
+SPARSE: KeyChecks = {
+    "chunk_size": partial(checks.whole_number, low=2, unit="values"),
+    "top_k": partial(checks.whole_number, low=1, unit="values"),
+    "num_bits": partial(checks.whole_number, low=1, high=32, unit="bits"),
+    "decay": lambda name, value: checks.number_in_range(name, checks.positive_number(name, value), 0.0, 1.0),
+}
+
+
+register_rule("dtrain.exchange.Sparse", settings_rule(SPARSE))
 
 
 def _wire_dtype(name: str, value: Any) -> str:

@@ -28,9 +28,11 @@ import os
 import torch
 
 from dtrain.comm import Communicator, create_communicator
+from dtrain.exchange import Sparse
 from dtrain.learners import DataParallelLearner
 
 from tests.helpers.checks import run_checks
+from tests.helpers.sparseloco_reference import sparse_step
 from tests.helpers.strategies import STRATEGIES
 
 
@@ -144,11 +146,46 @@ def check_all_to_all(comm) -> None:
             raise AssertionError(f"all_to_all gave {received}, expected {expected}")
 
 
+def check_sparse_reference(comm) -> dict:
+    """``Sparse`` on 3 steps of one key equals the reference of SparseLoCo's algorithm computed here for every rank:
+    the sum (to float rounding), which values each rank sent, its error feedback conserved (decay * e + x = e' +
+    sent), and the bytes: each rank's message to the N - 1 others."""
+    settings = dict(chunk_size=64, top_k=5, num_bits=2, decay=0.9)
+    strategy = Sparse(**settings)
+    strategy.bind(comm)
+    numel = 300  # 4 full chunks and a shorter one
+    references = [torch.zeros(numel) for _ in range(comm.size)]
+    for step in range(3):
+        inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + rank))
+                  for rank in range(comm.size)]
+        sents = []
+        for rank in range(comm.size):
+            references[rank], sent = sparse_step(references[rank], inputs[rank], **settings)
+            sents.append(sent)
+        strategy.begin_step()
+        flat = strategy.allreduce_("model", inputs[comm.rank].clone(), [torch.Size([numel])])
+        expected = torch.stack(sents).sum(0)
+        if not torch.allclose(flat, expected, atol=1e-5, rtol=0):
+            raise AssertionError(f"step {step}: the sum is off by {(flat - expected).abs().max():.3g}")
+        if not all(torch.equal(other, flat) for other in comm.allgather(flat)):
+            raise AssertionError(f"step {step}: the sums differ between ranks")
+        mine = strategy.errors["model"]
+        if not torch.allclose(mine, references[comm.rank], atol=1e-5, rtol=0):
+            raise AssertionError(f"step {step}: rank {comm.rank}'s error feedback is off by "
+                                 f"{(mine - references[comm.rank]).abs().max():.3g}")
+        kept = 4 * 5 + 4  # a shorter last chunk of 44 keeps ceil(5 * 44 / 64) = 4
+        message = (kept * 6 + 7) // 8 + (kept * 2 + 7) // 8 + 8 * 5
+        if strategy.bytes_sent_last_step != (comm.size - 1) * message:
+            raise AssertionError(f"{strategy.bytes_sent_last_step} bytes sent, expected {(comm.size - 1) * message}")
+    strategy.close()
+    return {"sent": strategy.bytes_sent_last_step, "full": strategy.full_precision_bytes_last_step}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     # CPU tensors, also on a GPU machine
     comm = create_communicator(backend=os.environ.get("WORKER_BACKEND", "gloo"), timeout_s=60)
-    run_checks(comm, {"all_to_all": check_all_to_all,
+    run_checks(comm, {"all_to_all": check_all_to_all, "sparse_reference": check_sparse_reference,
                       **{name: functools.partial(check_strategy, strategy=name) for name in STRATEGIES}})
     comm.finalize()
 

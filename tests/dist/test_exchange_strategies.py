@@ -44,5 +44,10 @@ def test_strategy_keeps_ranks_identical_and_resumes_exactly(launch: CheckLaunch,
         assert 0 < row["sent"] < row["full"] and row["stateful"] == 1, row
 
 
+def test_the_sparse_exchange_equals_sparselocos_algorithm_on_every_rank(launch: CheckLaunch) -> None:
+    row = launch.result("sparse_reference")
+    assert 0 < row["sent"] < row["full"], row
+
+
 def test_the_launch_ends_cleanly(launch: CheckLaunch) -> None:
     assert launch.returncode == 0, launch.output

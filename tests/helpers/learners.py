@@ -27,6 +27,7 @@ LEARNERS: dict[str, list[str]] = {
     "block_momentum": ["learner=block_momentum", *_BLOCKS],
     "diloco": ["learner=diloco", *_BLOCKS],
     "local_sgd": ["learner=local_sgd", *_BLOCKS],
+    "sparseloco": ["learner=sparseloco", *_BLOCKS],
     # combinations: compressed outer updates, optimizer state kept across syncs, large-minibatch optimizers
     "bm_quantized": ["learner=block_momentum", *_BLOCKS, "learner/exchange=quantized", "learner.exchange.num_bits=2"],
     "bmuf_4bit": ["learner=block_momentum", *_FOUR_BITS, *_BLOCKS],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dtrain.exchange import AllReduce, CompressedAllReduce, Exchange, PowerSGD, Quantized
+from dtrain.exchange import AllReduce, CompressedAllReduce, Exchange, PowerSGD, Quantized, Sparse
 
 STRATEGIES: dict[str, Callable[[], Exchange]] = {
     "allreduce": lambda: AllReduce(),
@@ -14,6 +14,7 @@ STRATEGIES: dict[str, Callable[[], Exchange]] = {
     "quantized4": lambda: Quantized(4),
     "powersgd1": lambda: PowerSGD(matrix_approximation_rank=1, start_powersgd_iter=1),
     "powersgd2": lambda: PowerSGD(matrix_approximation_rank=2, start_powersgd_iter=0),
+    "sparse": lambda: Sparse(chunk_size=64, top_k=8, num_bits=2),
 }
 """A fresh strategy of each kind; a new shipped strategy gets a line here and is tested with the rest."""
 
