@@ -233,19 +233,26 @@ def test_the_pages_lion_steps_by_its_formula():
 
 
 @pytest.mark.slow
-def test_the_pages_lion_from_a_config_dir_trains_diloco_under_mpiexec_and_resumes(run_dir):
+def test_the_pages_lion_from_a_config_dir_trains_diloco_under_mpiexec_and_resumes_bit_for_bit(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     common = ["-m", "dtrain", "--config-dir", str(EXAMPLES / "outer_lion" / "conf"), "+recipe=digits",
               "learner=diloco", "learner/outer_optimizer=lion", "learner.outer_optimizer.lr=0.003",
-              "session.tensorboard=false", f"run_dir={run_dir}"]
-    first = run_mpi(2, common + ["session.max_samples=1600"], timeout=240,
-                    env={"PYTHONPATH": str(EXAMPLES / "outer_lion")})
+              "session.max_samples=3000", "session.checkpoint.frequency=1504", "session.tensorboard=false"]
+    env = {"PYTHONPATH": str(EXAMPLES / "outer_lion")}
+    first = run_mpi(2, common + [f"run_dir={whole}"], timeout=240, env=env)
     assert first.returncode == 0, first.report()
     assert "outer optimizer Lion (lr 0.003, betas [0.9, 0.99], weight_decay 0)" in first.stdout, first.stdout
-    saved = checkpoint.load(run_dir / "checkpoint-1600.pt")["learner"]["block"]
-    assert saved["outer_optimizer_type"] == "outer_lion.Lion" and saved["outer_optimizer"]["state"][0]["exp_avg"].abs().sum() > 0
-    result = run_mpi(2, common + ["session.max_samples=3000"], timeout=240,
-                     env={"PYTHONPATH": str(EXAMPLES / "outer_lion")})
-    assert result.returncode == 0, result.report()
-    assert "restored" in result.stdout.lower(), result.stdout
-    accuracy = float(re.search(r"test: accuracy ([\d.]+)%", result.stdout).group(1))
-    assert accuracy >= 90.0, result.stdout
+    accuracy = float(re.search(r"test: accuracy ([\d.]+)%", first.stdout).group(1))
+    assert accuracy >= 90.0, first.stdout  # measured 92.59%; DiLoCo's own outer SGD 87.88% at this length
+    # a block learner checkpoints at the first block end past the frequency's multiple
+    middle = next(path for path in sorted(whole.glob("checkpoint-*.pt")) if path.name != "checkpoint-3000.pt")
+    saved = checkpoint.load(middle)["learner"]["block"]
+    assert saved["outer_optimizer_type"] == "outer_lion.Lion"
+    assert saved["outer_optimizer"]["state"][0]["exp_avg"].abs().sum() > 0
+    second = run_mpi(2, common + [f"run_dir={resumed}", f"session.checkpoint.restore_from={middle}"],
+                     timeout=240, env=env)
+    assert second.returncode == 0, second.report()
+    a, b = checkpoint.load(whole / "checkpoint-3000.pt"), checkpoint.load(resumed / "checkpoint-3000.pt")
+    assert all(torch.equal(a["model"][name], b["model"][name]) for name in a["model"])
+    assert torch.equal(a["learner"]["block"]["outer_optimizer"]["state"][0]["exp_avg"],
+                       b["learner"]["block"]["outer_optimizer"]["state"][0]["exp_avg"])
