@@ -138,6 +138,16 @@ CASES = [
     # learners
     ("bits-0", ["learner=quantized", "learner.exchange.num_bits=0"], ["learner.exchange.num_bits=0: expected"]),
     ("bits-33", ["learner=quantized", "learner.exchange.num_bits=33"], ["learner.exchange.num_bits=33: expected"]),
+    ("sparse-top-k-0", ["learner=sparseloco", "learner.exchange.top_k=0"], ["learner.exchange.top_k=0: expected"]),
+    ("sparse-top-k-above-chunk", ["learner=sparseloco", "learner.exchange.top_k=5000"],
+     ["learner.exchange.top_k=5000: expected at most learner.exchange.chunk_size=4096"]),
+    ("sparse-bits-0", ["learner=sparseloco", "learner.exchange.num_bits=0"], ["learner.exchange.num_bits=0: expected"]),
+    ("outer-lr-negative", ["learner=local_sgd", "learner/outer_optimizer=adam", "learner.outer_optimizer.lr=-1"],
+     ["learner.outer_optimizer: Invalid learning rate: -1"]),
+    ("outer-setting-replaced", ["learner=diloco", "learner/outer_optimizer=adam", "learner.outer_learning_rate=0.5"],
+     ["learner.outer_learning_rate=0.5 sets the learner's own outer step, which learner.outer_optimizer replaces"]),
+    ("outer-optimizer-unknown", ["learner=local_sgd", "learner/outer_optimizer=lion"],
+     ["Could not find 'learner/outer_optimizer/lion' (available: adam, nesterov, sgd)"]),
     # the quantized learner's settings of earlier releases: what to write now
     ("retired-bits", ["learner=quantized", "learner.num_quantization_bits=4"],
      ["learner.num_quantization_bits=4: no longer a learner setting; write learner/exchange=quantized "
@@ -258,7 +268,8 @@ DEFAULT_CASES = {
     "restore-off", "restore-from-missing", "restore-from-other-model", "metric-k-above-classes",
     "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
     "config-dir-unknown-option", "callbacks-unknown-option", "callbacks-unknown-argument", "callbacks-target-missing",
-    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end", "retired-bits"}
+    "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end", "retired-bits",
+    "sparse-top-k-above-chunk", "outer-setting-replaced"}
 
 # every case without a recipe of its own uses the digits recipe
 # the last ones name the recipe after --config-dir
