@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 
+from dtrain import checks
 from dtrain.advice import Advice
 from dtrain.exchange import Exchange, full_precision_allreduce_bytes
 from dtrain.learners._buckets import coalesced
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
+from dtrain.learners.block_size import auto_block_size, largest_block_size
+from dtrain.learners.overlap import DelayedOuterStep
 from dtrain.learners.outer import (FIRST_MOMENT_KEYS, SYNC_FACTS, OuterOptimizerFactory, build_outer_optimizer,
                                    cpu_state, describe_outer_factory, first_moment, gives_back_model,
                                    load_outer_state, outer_optimizer_name, plain_factory, saved_first_moment)
@@ -63,49 +66,6 @@ class LearningRateTrace:
         if self.steps == 0:
             return None
         return self.low if self.low == self.high else self.total / self.steps
-
-
-def largest_block_size(samples_per_sweep: int, num_workers: int) -> float:
-    """CNTK's bound on the block size, in global samples: the largest ``B`` with default time
-    constant ``TC = -B / ln(1 - 1/N)`` that keeps ``samples_per_sweep >= TC * N``.
-
-    CNTK's "Multiple GPUs and machines" article (block momentum section) asks that the unique
-    training samples be at least the block momentum time constant times the number of workers;
-    above it BMUF trains measurably worse (``docs/semantics.md#block-momentum``). Infinite for one
-    worker.
-    """
-    if num_workers == 1:
-        return math.inf
-    return samples_per_sweep * -math.log(1.0 - 1.0 / num_workers) / num_workers
-
-
-#: ``block_size="auto"`` makes at least this many syncs after the warm start (when the run's length is
-#: known): BMUF filters a stream of block updates, and a run of a few blocks leaves it little to filter.
-#: Measured on the language model at 2 ranks: CNTK's bound alone gave 10 syncs and ended 0.023 nats
-#: behind data_parallel; 52 syncs ended level with it (docs/semantics.md#block-momentum)
-BLOCK_MOMENTUM_MIN_SYNCS = 50
-
-
-def auto_block_size(facts: RunFacts, num_workers: int, distributed_after: int = 0) -> int:
-    """``block_size="auto"``: the largest whole number of global minibatches within
-    :func:`largest_block_size` and, with several workers, within ``(max_samples - distributed_after) / 50``
-    (:data:`BLOCK_MOMENTUM_MIN_SYNCS` syncs after the warm start), at least one minibatch and at
-    least ``num_workers`` samples. One worker keeps a whole sweep: its syncs keep the model and only
-    reset the optimizer's momentum (every 3 minibatches, the digits run in one process fell from
-    98.32% to 89.90%).
-
-    With the data set's size unknown: 32 global minibatches (or fewer, for 50 syncs).
-    """
-    minibatch = facts.minibatch_size or num_workers
-    if facts.samples_per_sweep is None:
-        bound = 32 * minibatch
-    else:
-        bound = largest_block_size(facts.samples_per_sweep, num_workers)
-        if math.isinf(bound):
-            bound = facts.samples_per_sweep
-    if facts.max_samples and num_workers > 1:  # one worker's syncs only reset its momentum: no more of them
-        bound = min(bound, max(facts.max_samples - distributed_after, 0) / BLOCK_MOMENTUM_MIN_SYNCS)
-    return max(int(bound // minibatch) * minibatch, minibatch, num_workers)
 
 
 class BlockLearner(Learner):
@@ -162,6 +122,8 @@ class BlockLearner(Learner):
         outer_optimizer: a callable that builds the outer optimizer from ``[W_prev]`` (a torch optimizer
             class, or a ``functools.partial`` of one: ``learner/outer_optimizer=NAME`` in a config); None:
             :meth:`default_outer_optimizer`.
+        overlap: the exchange of each block runs while the next block trains, and its outer step is taken at
+            that block's end (:mod:`dtrain.learners.overlap`; with several models only).
 
     Raises:
         ValueError: a value out of range, or ``block_size // N`` is 0.
@@ -175,8 +137,11 @@ class BlockLearner(Learner):
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
                  local_learning_rate: str = "full", reset_sgd_momentum_after_aggregation: bool = False,
                  outer_comm=None, momentum_correction: bool = False,
-                 outer_optimizer: OuterOptimizerFactory | None = None):
+                 outer_optimizer: OuterOptimizerFactory | None = None, overlap: bool = False):
         super().__init__(optimizer, comm, distributed_after)
+        # the overlapped outer step (dtrain.learners.overlap): block t's exchange runs while block t+1 trains
+        self.overlap = checks.boolean("overlap", overlap)
+        self._overlap = DelayedOuterStep(self) if self.overlap else None
         if outer_optimizer is not None:  # refused now, in one line, not at the first sync
             outer_optimizer = plain_factory(outer_optimizer)
             build_outer_optimizer(outer_optimizer, torch.zeros(1))
@@ -251,9 +216,11 @@ class BlockLearner(Learner):
         finally:
             self.prev_parameters.grad = None
 
-    def _set_sync_facts(self) -> None:
-        """Tells the outer optimizer this block's facts (:data:`~dtrain.learners.outer.SYNC_FACTS`) where it reads them."""
-        facts = {"workers": self.comm.size, "samples_in_block": self.global_samples_in_block}
+    def set_sync_facts(self, samples_in_block: int | None = None) -> None:
+        """Tells the outer optimizer a block's facts (:data:`~dtrain.learners.outer.SYNC_FACTS`) where it reads them:
+        this block's samples unless ``samples_in_block`` is given (the block an overlapped step belongs to)."""
+        samples = self.global_samples_in_block if samples_in_block is None else samples_in_block
+        facts = {"workers": self.comm.size, "samples_in_block": samples}
         for group in self.outer_optimizer.param_groups:
             for key in SYNC_FACTS:
                 if key in group:
@@ -342,7 +309,15 @@ class BlockLearner(Learner):
         own = self.describe_block()
         return (f"{super().describe()}: block of {self.block_size:,} samples{auto} = {self.sync_period:,} per worker "
                 f"between syncs{self.describe_minibatch_rounding()}{', ' + own if own else ''}, "
-                f"exchange {self.exchange.describe_plan()}")
+                f"exchange {self.exchange.describe_plan()}{self.describe_overlap()}")
+
+    def describe_overlap(self) -> str:
+        """The overlapped outer step, where it runs (start-up line)."""
+        if self._overlap is None:
+            return ""
+        if self.outer_comm.size == 1:
+            return " (overlap: nothing to overlap with one model)"
+        return ", overlapped: each block's exchange runs while the next block trains, its outer step one block late"
 
     def describe_minibatch_rounding(self) -> str:
         """Where a block does not end at a minibatch's end: the syncs as they happen (a block is complete
@@ -364,20 +339,6 @@ class BlockLearner(Learner):
     def describe_momentum_correction(self) -> str:
         """Whether the outer state follows the inner learning rate's schedule (start-up line)."""
         return f"momentum correction {'on' if self.momentum_correction else 'off'}"
-
-    def describe_local_steps(self) -> str:
-        """The local steps' learning rate, in words: the rule in effect and the other one, since CNTK's factory
-        ``block_momentum_distributed_learner`` defaults to ``share`` and ``learner=block_momentum`` and
-        ``BlockMomentumLearner`` to ``full`` (``docs/semantics.md#block-momentum``)."""
-        replicas = self.model_replicas()
-        if self.local_learning_rate == "share":
-            here = f", lr/{replicas} at even shares" if replicas > 1 else ""
-            return (f"local steps at lr x the worker's share of the minibatch{here} (local_learning_rate=share, "
-                    f"CNTK's per-sample rate: block_momentum_distributed_learner's default; learner=block_momentum "
-                    f"and BlockMomentumLearner default to full)")
-        return ("local steps at the full lr (local_learning_rate=full: the default of learner=block_momentum and "
-                "BlockMomentumLearner; CNTK's block_momentum_distributed_learner defaults to share, lr x the "
-                "worker's share of the minibatch)")
 
     # -- statistics of the last sync --------------------------------------------------------------
     @property
@@ -457,6 +418,8 @@ class BlockLearner(Learner):
         if self._restored_outer is not None:
             load_outer_state(self.outer_optimizer, self.prev_parameters, self._restored_outer)
             self._restored_outer = None
+        if self._overlap is not None:
+            self._overlap.start_blocks()  # progress measured from W_prev
 
     def apply_update(self) -> None:
         """The local optimizer step, then the block logic (a sync when the block is complete).
@@ -533,8 +496,12 @@ class BlockLearner(Learner):
         if self._model is None:
             return
         if self.blocks_started():
+            if self._overlap is not None:
+                self._overlap.flush()  # the step in flight taken, each worker's progress moved onto it
             if self.global_samples_in_block > 0:
                 self._sync(end_of_block=False)  # float buffers are averaged inside it
+            if self._overlap is not None:
+                self._overlap.after_average()
             if self.comm.size > 1 and self._other_buffers:
                 broadcast(self._other_buffers, self.comm)
         elif self.comm.size > 1:
@@ -560,14 +527,16 @@ class BlockLearner(Learner):
         scratch, parameter_count = self._scratch, self._num_parameter_elements
         model_delta = scratch[:parameter_count]
         self.flat_parameters(out=model_delta)  # W_i for now
-        if not end_of_block and self.outer_comm.size == 1:
+        if end_of_block and self._overlap is not None and self.outer_comm.size > 1:
+            self._overlap.end_of_block()  # last block's outer step now, this block's exchange started
+        elif not end_of_block and self.outer_comm.size == 1:
             self.prev_parameters.copy_(model_delta)  # one model: the mean is the model itself
         else:
             torch.sub(self.prev_parameters, model_delta, out=model_delta)  # d_i = W_prev - W_i
             if self.outer_comm.size > 1:
                 self._exchange_model_delta()  # D = sum_i d_i; float buffers averaged
             if end_of_block:
-                self._set_sync_facts()
+                self.set_sync_facts()
             if end_of_block and self.sync_keeps_model(model_delta):
                 self.flat_parameters(out=self.prev_parameters)  # W <- W_prev - D = W: the model stays as it is
             else:
@@ -578,7 +547,7 @@ class BlockLearner(Learner):
                     self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)
                 unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
-        if end_of_block:  # the outer state's learning rate (the momentum correction's reference)
+        if end_of_block and self._overlap is None:  # the outer state's lr (the momentum correction's reference)
             self.previous_block_lr = self.block_lr.mean()
         self.block_lr = LearningRateTrace()
         self.syncs += 1
@@ -586,7 +555,7 @@ class BlockLearner(Learner):
             self.reset_local_momentum()
         self.after_sync()
 
-    def correct_outer_momentum(self) -> None:
+    def correct_outer_momentum(self, block_lr: float | None = None) -> None:
         """Goyal et al. 2017's momentum correction (section 2.2), at the level of blocks: with
         ``momentum_correction``, the outer state is multiplied by ``lr_block / lr_previous_block``.
 
@@ -597,7 +566,8 @@ class BlockLearner(Learner):
         ``1 / (1 - momentum)`` syncs, just when the schedule asks for small steps
         (``docs/semantics.md#momentum-correction``). A constant rate gives a factor of exactly 1.
         """
-        block_lr, previous = self.block_lr.mean(), self.previous_block_lr
+        block_lr = self.block_lr.mean() if block_lr is None else block_lr  # an overlapped step: its block's
+        previous = self.previous_block_lr
         if not self.momentum_correction or not block_lr or not previous or block_lr == previous:
             return
         for state in self.outer_optimizer.state.values():  # the first moments (FIRST_MOMENT_KEYS)
@@ -626,10 +596,27 @@ class BlockLearner(Learner):
                 comm.allreduce(buffers, op="sum")
                 extra_bytes = full_precision_allreduce_bytes(buffers.numel(), comm.size) * buffers.element_size() // 4
         unpack(buffers.div_(comm.size), self._float_buffers)
+        self.count_exchanged_bytes(extra_bytes)
+        self.exchange_seconds_last_step = time.perf_counter() - started
+
+    def count_exchanged_bytes(self, extra_bytes: int) -> None:
+        """Records the last sync's bytes: the exchange's, plus ``extra_bytes`` sent beside it (exact buffers)."""
         self._bytes_sent_last_sync = self.exchange.bytes_sent_last_step + extra_bytes
         self.bytes_sent_total += self._bytes_sent_last_sync
         self._full_precision_bytes_last_sync = self.exchange.full_precision_bytes_last_step + extra_bytes
-        self.exchange_seconds_last_step = time.perf_counter() - started
+
+    def average_float_buffers(self) -> None:
+        """Averages the floating-point buffers (BatchNorm statistics) exactly over the job's ranks."""
+        if not self._float_buffers:
+            return
+        buffers = self._scratch[self._num_parameter_elements:]
+        pack(self._float_buffers, buffers)
+        self.comm.allreduce(buffers, op="sum")
+        unpack(buffers.div_(self.comm.size), self._float_buffers)
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Copies the flat ``flat`` into the parameters (casting to their dtypes)."""
+        unpack(flat, self.parameters)
 
     def _start_blocks(self) -> None:
         """End of the warm start: every worker continues from rank 0's model, which becomes W_prev."""
@@ -638,6 +625,8 @@ class BlockLearner(Learner):
         self.flat_parameters(out=self.prev_parameters)
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
         self.block_lr = LearningRateTrace()
+        if self._overlap is not None:
+            self._overlap.start_blocks()
 
     def reset_local_momentum(self) -> None:
         """Zeroes the optimizer's first-moment buffers in place (CNTK's ResetSmoothedGradients)."""
@@ -697,6 +686,9 @@ class BlockLearner(Learner):
         The session calls ``synchronize()`` first, so the counters are 0 and ``W_prev`` is the
         model in the same checkpoint; the outer state is what carries e.g. block momentum across a resume.
         """
+        if self._overlap is not None and self._overlap.pending is not None:
+            raise RuntimeError("an overlapped outer step is in flight: call synchronize() before state_dict() "
+                               "(training_session does)")
         state = super().state_dict()
         state["block"] = {
             "prev_parameters": _cpu_copy(self.prev_parameters),

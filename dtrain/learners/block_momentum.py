@@ -20,13 +20,8 @@ import torch
 
 from dtrain.exchange import Exchange
 from dtrain.learners.base import AUTO, RunFacts
-from dtrain.learners.block import (  # noqa: F401  (auto_block_size, largest_block_size: their home before the base)
-    MOMENTUM_STATE_KEYS,
-    BlockLearner,
-    BLOCK_MOMENTUM_MIN_SYNCS,
-    auto_block_size,
-    largest_block_size,
-)
+from dtrain.learners.block import MOMENTUM_STATE_KEYS, BlockLearner  # noqa: F401  (MOMENTUM_STATE_KEYS: exported)
+from dtrain.learners.block_size import BLOCK_MOMENTUM_MIN_SYNCS, auto_block_size, largest_block_size
 from dtrain.learners.cntk_keywords import wrapped_optimizer
 from dtrain.learners.outer import BlockMomentumFilter, OuterOptimizerFactory, refuse_replaced_settings
 from dtrain.learners.settings import BLOCK_MOMENTUM
@@ -122,6 +117,7 @@ class BlockMomentumLearner(BlockLearner):
             dtrain's default, not CNTK's; with a constant learning rate it changes nothing.
         outer_optimizer: another outer optimizer in place of BMUF's filter (a factory of ``[W_prev]``); the
             block momentum settings then stay at their defaults.
+        overlap: each block's exchange runs while the next block trains (:mod:`dtrain.learners.overlap`).
 
     Raises:
         ValueError: a value is out of range or of the wrong kind (a flag that is not a bool), or
@@ -137,7 +133,7 @@ class BlockMomentumLearner(BlockLearner):
                  reset_sgd_momentum_after_aggregation: bool = True, block_learning_rate: float = 1.0,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None,
                  local_learning_rate: str = "full", outer_comm=None, momentum_correction: bool = True,
-                 outer_optimizer: OuterOptimizerFactory | None = None):
+                 outer_optimizer: OuterOptimizerFactory | None = None, overlap: bool = False):
         check_settings(BLOCK_MOMENTUM, block_momentum_as_time_constant=block_momentum_as_time_constant,
                        block_learning_rate=block_learning_rate, use_nesterov_momentum=use_nesterov_momentum)
         refuse_replaced_settings(outer_optimizer, {
@@ -151,7 +147,7 @@ class BlockMomentumLearner(BlockLearner):
                          exchange=exchange, local_learning_rate=local_learning_rate,
                          reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
                          outer_comm=outer_comm, momentum_correction=momentum_correction,
-                         outer_optimizer=outer_optimizer)
+                         outer_optimizer=outer_optimizer, overlap=overlap)
         self.use_nesterov_momentum = use_nesterov_momentum
         self.block_learning_rate = float(block_learning_rate)
 
@@ -206,6 +202,20 @@ class BlockMomentumLearner(BlockLearner):
                 f"block lr {self.block_learning_rate:g}, Nesterov {'on' if self.use_nesterov_momentum else 'off'}, "
                 f"{self.describe_momentum_correction()}, {self.describe_local_steps()}")
 
+    def describe_local_steps(self) -> str:
+        """The local steps' learning rate, in words: the rule in effect and the other one, since CNTK's factory
+        ``block_momentum_distributed_learner`` defaults to ``share`` and ``learner=block_momentum`` and
+        ``BlockMomentumLearner`` to ``full`` (``docs/semantics.md#block-momentum``)."""
+        replicas = self.model_replicas()
+        if self.local_learning_rate == "share":
+            here = f", lr/{replicas} at even shares" if replicas > 1 else ""
+            return (f"local steps at lr x the worker's share of the minibatch{here} (local_learning_rate=share, "
+                    f"CNTK's per-sample rate: block_momentum_distributed_learner's default; learner=block_momentum "
+                    f"and BlockMomentumLearner default to full)")
+        return ("local steps at the full lr (local_learning_rate=full: the default of learner=block_momentum and "
+                "BlockMomentumLearner; CNTK's block_momentum_distributed_learner defaults to share, lr x the "
+                "worker's share of the minibatch)")
+
     # -- the block update (the base does the rest) -----------------------------------------------
     def default_outer_optimizer(self) -> OuterOptimizerFactory:
         """BMUF's filter (steps 2-3) as the outer optimizer: :class:`~dtrain.learners.outer.BlockMomentumFilter`
@@ -223,7 +233,7 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None =
                                        block_learning_rate: float = 1.0, distributed_after: int | str = AUTO,
                                        exchange: Exchange | None = None, local_learning_rate: str = "share",
                                        momentum_correction: bool = False,
-                                       outer_optimizer: OuterOptimizerFactory | None = None,
+                                       outer_optimizer: OuterOptimizerFactory | None = None, overlap: bool = False,
                                        **aliases: Any) -> BlockMomentumLearner:
     """CNTK's ``block_momentum_distributed_learner``: wraps ``optimizer`` in a ``BlockMomentumLearner``.
 
@@ -238,7 +248,8 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None =
     ``use_nesterov_momentum`` defaults to True (None = not given); CNTK's misspelling
     ``use_nestrov_momentum`` is accepted in its place, and CNTK's ``learner=`` in place of ``optimizer``
     (as CNTK's own tests call it). ``comm`` None is a one-process communicator (a session launched on
-    several processes refuses it). ``outer_optimizer`` (not CNTK's) replaces the block momentum filter.
+    several processes refuses it). ``outer_optimizer`` (not CNTK's) replaces the block momentum filter; ``overlap``
+    (not CNTK's) runs each block's exchange while the next block trains.
 
     Raises:
         ValueError: as ``BlockMomentumLearner``, or both spellings of the Nesterov flag are given
@@ -261,7 +272,7 @@ def block_momentum_distributed_learner(optimizer: torch.optim.Optimizer | None =
         reset_sgd_momentum_after_aggregation=reset_sgd_momentum_after_aggregation,
         block_learning_rate=block_learning_rate, distributed_after=distributed_after, exchange=exchange,
         local_learning_rate=local_learning_rate, momentum_correction=momentum_correction,
-        outer_optimizer=outer_optimizer,
+        outer_optimizer=outer_optimizer, overlap=overlap,
     )
 
 

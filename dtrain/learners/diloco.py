@@ -98,6 +98,7 @@ class DiLoCoLearner(BlockLearner):
             so the velocity follows the inner schedule; with a constant learning rate it changes nothing.
         outer_optimizer: another outer optimizer in place of DiLoCo's SGD (a factory of ``[W_prev]``, e.g.
             ``functools.partial(torch.optim.Adam, lr=1e-3)``); the ``outer_*`` settings then stay at their defaults.
+        overlap: each block's exchange runs while the next block trains (:mod:`dtrain.learners.overlap`).
 
     Raises:
         ValueError: a value is out of range or of the wrong kind, or ``block_size // N`` is 0.
@@ -109,7 +110,8 @@ class DiLoCoLearner(BlockLearner):
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  outer_learning_rate: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None,
-                 momentum_correction: bool = True, outer_optimizer: OuterOptimizerFactory | None = None):
+                 momentum_correction: bool = True, outer_optimizer: OuterOptimizerFactory | None = None,
+                 overlap: bool = False):
         check_settings(DILOCO, outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
                        outer_nesterov=outer_nesterov)
         refuse_replaced_settings(outer_optimizer, {"outer_learning_rate": (outer_learning_rate, 0.7),
@@ -118,7 +120,7 @@ class DiLoCoLearner(BlockLearner):
         # the inner optimizer steps at its own lr on every worker (DiLoCo averages the deltas)
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
                          exchange=exchange, local_learning_rate="full", outer_comm=outer_comm,
-                         momentum_correction=momentum_correction, outer_optimizer=outer_optimizer)
+                         momentum_correction=momentum_correction, outer_optimizer=outer_optimizer, overlap=overlap)
         self.outer_learning_rate = float(outer_learning_rate)
         self.outer_momentum = float(outer_momentum)
         self.outer_nesterov = outer_nesterov

@@ -30,6 +30,7 @@ class LocalSGDLearner(BlockLearner):
         outer_optimizer: an outer step in place of the average (a factory of ``[W_prev]``, e.g.
             ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``; in a config,
             ``learner/outer_optimizer=NAME``): the average is torch's SGD at lr 1 on ``D / N``.
+        overlap: each block's exchange runs while the next block trains (:mod:`dtrain.learners.overlap`).
 
     Raises:
         ValueError: a value out of range, or ``block_size // N`` is 0.
@@ -40,9 +41,9 @@ class LocalSGDLearner(BlockLearner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, block_size: int | str = AUTO,
                  distributed_after: int | str = AUTO, exchange: Exchange | None = None, outer_comm=None,
-                 outer_optimizer: OuterOptimizerFactory | None = None):
+                 outer_optimizer: OuterOptimizerFactory | None = None, overlap: bool = False):
         super().__init__(optimizer, comm, block_size=block_size, distributed_after=distributed_after,
-                         exchange=exchange, outer_comm=outer_comm, outer_optimizer=outer_optimizer)
+                         exchange=exchange, outer_comm=outer_comm, outer_optimizer=outer_optimizer, overlap=overlap)
 
     def describe_block(self) -> str:
         """What a sync does."""

@@ -58,6 +58,7 @@ class BlockMomentumLearnerConfig:
     local_learning_rate: str = "full"   # local steps at optimizer.lr, or "share": lr x the worker's share (CNTK's)
     momentum_correction: StrictBool = True  # sg x (this block's lr / the last's) when the schedule changes the lr
     outer_optimizer: Any = None         # learner/outer_optimizer=NAME: another outer step in place of BMUF's filter
+    overlap: StrictBool = False         # each block's exchange runs while the next block trains (one block late)
 
 
 @register_schema("schema/learner", "diloco")
@@ -74,6 +75,7 @@ class DiLoCoLearnerConfig:
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
     momentum_correction: StrictBool = True  # velocity x (this block's lr / the last's) when the schedule changes it
     outer_optimizer: Any = None         # learner/outer_optimizer=NAME: another outer step in place of DiLoCo's SGD
+    overlap: StrictBool = False         # each block's exchange runs while the next block trains (one block late)
 
 
 @register_schema("schema/learner", "local_sgd")
@@ -86,6 +88,7 @@ class LocalSGDLearnerConfig:
     distributed_after: Any = "auto"     # samples, or "auto": a warm start relative to the run (printed at start-up)
     exchange: Any = None                # learner/exchange=NAME: the strategy that sums the block deltas
     outer_optimizer: Any = None         # learner/outer_optimizer=NAME: an outer step in place of the average
+    overlap: StrictBool = False         # each block's exchange runs while the next block trains (one block late)
 
 
 @register_schema("schema/learner", "two_level_diloco")

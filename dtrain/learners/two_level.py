@@ -85,6 +85,10 @@ class TwoLevel:
                             f"a BlockLearner of your own) between hosts: put it first among the bases of a BlockLearner subclass")
 
     def __init__(self, optimizer, comm=None, *args, ranks_per_host: int | None = None, **kwargs):
+        if kwargs.get("overlap"):
+            raise ValueError("learner.overlap=true: the two-level learners do not overlap their exchange between hosts "
+                             "yet; use a one-level block learner (learner=diloco, block_momentum, local_sgd) with "
+                             "learner.overlap=true, or learner.overlap=false")
         comm = comm if comm is not None else LocalCommunicator()
         if ranks_per_host is None:
             ranks_per_host = getattr(comm, "ranks_per_host", None)

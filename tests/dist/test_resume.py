@@ -22,7 +22,7 @@ from dtrain.learners.outer import saved_first_moment
 #: tests/dist/test_two_level.py; the checkpoints of earlier releases: test_checkpoints_from_before.py)
 RESUMED = learners("data_parallel", "quantized", "powersgd", "block_momentum", "diloco", "local_sgd", "bmuf_4bit",
                    "diloco_4bit", "bmuf_momentum_kept", "data_parallel_lars", "block_momentum_lamb", "diloco_lamb",
-                   "local_sgd_outer_adam", "sparseloco")
+                   "local_sgd_outer_adam", "sparseloco", "diloco_overlap_4bit")
 # 640-sample checkpoints; both halves of an interrupted run end on a checkpoint boundary, as the
 # uninterrupted run checkpoints (and block momentum synchronises) at the same sample counts
 COMMON_OVERRIDES = ["+recipe=digits", "session.minibatch_size=64", "session.checkpoint.frequency=640",

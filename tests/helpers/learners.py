@@ -42,6 +42,8 @@ LEARNERS: dict[str, list[str]] = {
     # an outer optimizer from the config group, with state of its own (Adam's two moments and step count)
     "local_sgd_outer_adam": ["learner=local_sgd", *_BLOCKS, "learner/outer_optimizer=adam",
                              "learner.outer_optimizer.lr=0.01"],
+    # the overlapped outer step, through the threaded 4-bit exchange (its residuals and the step one block late)
+    "diloco_overlap_4bit": ["learner=diloco", *_FOUR_BITS, *_BLOCKS, "learner.overlap=true"],
 }
 
 
