@@ -7,6 +7,7 @@ flat 1-bit quantized on two simulated hosts: bytes between hosts, test quality, 
     sudo python benchmarks/two_level.py --learners data_parallel,quantized,two_level_quantized,two_level_powersgd
     sudo python benchmarks/two_level.py --recipes shakespeare_char --full-length --ranks-per-host 1 \
         --learners two_level_diloco --timeout 2400                          # the language model's own length
+    sudo python benchmarks/two_level.py --ranks-per-host 1 --learners diloco,sparseloco    # overlapped or not
 
 Needs root (network namespaces; see dtrain/testing/netns.py). A 2-host ``NamespaceCluster`` (``tbf``
 at ``--rate`` on each host's egress) runs each recipe under ``mpiexec`` with the cluster's hostfile,
@@ -53,6 +54,12 @@ LEARNERS = {
     "two_level_quantized 1-bit": ["learner=two_level_quantized"],
     "two_level_quantized 1-bit, local warm start": ["learner=two_level_quantized", "learner.warm_start_mode=local"],
     "two_level_powersgd": ["learner=two_level_powersgd"],
+    # one-level block learners, one model per rank (--ranks-per-host 1: one per host), with and without the overlapped
+    # outer step (learner.overlap: each block's exchange runs while the next block trains)
+    "flat diloco fp32": ["learner=diloco", "comm.hierarchical=false"],
+    "flat diloco fp32, overlap": ["learner=diloco", "comm.hierarchical=false", "learner.overlap=true"],
+    "flat sparseloco": ["learner=sparseloco", "comm.hierarchical=false"],
+    "flat sparseloco, overlap": ["learner=sparseloco", "comm.hierarchical=false", "learner.overlap=true"],
 }
 
 
