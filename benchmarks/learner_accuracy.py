@@ -61,6 +61,10 @@ CONFIGS = {
     "diloco, 4-bit outer": ["learner=diloco", "learner/exchange=quantized", "learner.exchange.num_bits=4"],
     "sparseloco": ["learner=sparseloco"],
     "diloco, adam outer": ["learner=diloco", "learner/outer_optimizer=adam"],
+    # the overlapped outer step: each block's exchange runs while the next block trains, its step one block late
+    "diloco, overlap": ["learner=diloco", "learner.overlap=true"],
+    "sparseloco, overlap": ["learner=sparseloco", "learner.overlap=true"],
+    "block_momentum, overlap": ["learner=block_momentum", "learner.overlap=true"],
     # 4 ranks as 2 "hosts" of 2 (exact inside, DiLoCo between the leaders); MB sent: rank 0's, between hosts
     "two_level_diloco 2 hosts, 4-bit outer": ["learner=two_level_diloco", "comm.ranks_per_host=2",
                                               "learner/exchange=quantized", "learner.exchange.num_bits=4"],
