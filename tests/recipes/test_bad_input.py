@@ -148,6 +148,12 @@ CASES = [
      ["learner.outer_learning_rate=0.5 sets the learner's own outer step, which learner.outer_optimizer replaces"]),
     ("outer-optimizer-unknown", ["learner=local_sgd", "learner/outer_optimizer=lion"],
      ["Could not find 'learner/outer_optimizer/lion' (available: adam, nesterov, sgd)"]),
+    ("outer-optimizer-on-data-parallel", ["learner=data_parallel", "learner/outer_optimizer=adam"],
+     ["learner=data_parallel has no learner/outer_optimizer; learner/outer_optimizer=NAME goes with"]),
+    ("overlap-on-data-parallel", ["learner=data_parallel", "learner.overlap=true"],
+     ["Could not override 'learner.overlap'. Key 'overlap' not in 'DataParallelLearnerConfig'"]),
+    ("overlap-two-level", ["learner=two_level_diloco", "learner.overlap=true"],
+     ["learner.overlap=true: the two-level learners do not overlap their exchange between hosts yet"]),
     # the quantized learner's settings of earlier releases: what to write now
     ("retired-bits", ["learner=quantized", "learner.num_quantization_bits=4"],
      ["learner.num_quantization_bits=4: no longer a learner setting; write learner/exchange=quantized "
@@ -269,7 +275,7 @@ DEFAULT_CASES = {
     "metric-k-nothing-to-train", "minibatch-too-large", "config-dir-list-unclosed", "config-dir-slice-unquoted",
     "config-dir-unknown-option", "callbacks-unknown-option", "callbacks-unknown-argument", "callbacks-target-missing",
     "callbacks-not-a-callback", "early-stopping-no-cv", "early-stopping-at-the-end", "retired-bits",
-    "sparse-top-k-above-chunk", "outer-setting-replaced"}
+    "sparse-top-k-above-chunk", "outer-setting-replaced", "overlap-two-level"}
 
 # every case without a recipe of its own uses the digits recipe
 # the last ones name the recipe after --config-dir
