@@ -43,6 +43,9 @@ from _run_records import megabytes_sent, run_records
 REPO = Path(__file__).resolve().parents[1]
 DTRAIN_LEARNERS = ("data_parallel", "quantized", "powersgd", "block_momentum", "diloco")
 REFERENCE = "ddp_powersgd"
+#: names beyond the presets: a learner with one of its settings, as its overrides
+VARIANTS = {"diloco_overlap": ["learner=diloco", "learner.overlap=true"],
+            "sparseloco_overlap": ["learner=sparseloco", "learner.overlap=true"]}
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ def dtrain_command(learner: str, run_dir: Path, eval_every: int, recipe: Recipe 
                    samples: int | None = None) -> list[str]:
     """The user's command for ``learner`` with its defaults, plus the evaluation along the way."""
     length = [f"session.max_samples={samples}"] if samples else []
-    return [sys.executable, "-m", "dtrain", f"+recipe={recipe.name}", f"learner={learner}", f"run_dir={run_dir}",
+    return [sys.executable, "-m", "dtrain", f"+recipe={recipe.name}", *VARIANTS.get(learner, [f"learner={learner}"]),
+            f"run_dir={run_dir}",
             *recipe.cv_overrides, f"session.cv.frequency={eval_every}", f"session.progress_frequency={eval_every}",
             "session.checkpoint.frequency=0", "session.num_threads=1", "session.tensorboard=false", *length]
 
@@ -272,7 +276,8 @@ def main() -> None:
     parser.add_argument("--rate", action="append", help="tc rate per host link, repeatable (default: 1gbit and 100mbit)")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="digits")
     parser.add_argument("--learners", default=None,
-                        help="comma-separated; data_parallel sets the target (default: every dtrain learner, and "
+                        help="comma-separated learner= names, or diloco_overlap, sparseloco_overlap (the preset with "
+                             "learner.overlap=true); data_parallel sets the target (default: every dtrain learner, and "
                              f"{REFERENCE} on digits)")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="samples between evaluations (default: digits 1,500, a sweep; shakespeare_char 512,000)")
