@@ -147,8 +147,12 @@ class BlockLearner(Learner):
             build_outer_optimizer(outer_optimizer, torch.zeros(1))
         self.outer_optimizer_factory = outer_optimizer  # None: default_outer_optimizer()
         self.outer_comm = self.comm if outer_comm is None else outer_comm
-        # before any restore: a strategy's state loads onto its communicator
-        self.exchange = bind_exchange(exchange, self.outer_comm, step_name="sync")
+        # before any restore: a strategy's state loads onto its communicator; an overlapped exchange gets one of its
+        # own (a split of outer_comm), so its collectives in flight never interleave with the session's on the job's
+        exchange_comm = self.outer_comm
+        if self.overlap and self.outer_comm.size > 1 and hasattr(self.outer_comm, "split"):
+            exchange_comm = self.outer_comm.split(0, key=self.outer_comm.rank)
+        self.exchange = bind_exchange(exchange, exchange_comm, step_name="sync")
         self.block_size_is_auto = block_size == AUTO
         check_settings({**BLOCK_SYNC, **BLOCK_SIZE, **MOMENTUM_CORRECTION}, local_learning_rate=local_learning_rate,
                        block_size=block_size, momentum_correction=momentum_correction,

@@ -18,7 +18,9 @@ The first block after the warm start takes ``B_i = W_prev``, and so sends ``W_pr
 Before an evaluation, a checkpoint and the run's end (:meth:`~dtrain.learners.block.BlockLearner.synchronize`),
 the pending step is taken (steps 1-3) and the workers' models are averaged: nothing is in flight in a
 checkpoint, so a resumed run continues bit for bit, as the uninterrupted run synchronises at the same points.
-BatchNorm statistics are averaged exactly at every sync, not delayed.
+BatchNorm statistics are averaged exactly at every sync, not delayed. The exchange runs on a communicator of its own
+(a split of the learner's ``outer_comm``), so its collectives, in flight across many steps, never interleave with
+those the session makes on the job's communicator meanwhile.
 """
 from __future__ import annotations
 
@@ -56,10 +58,10 @@ class DelayedOuterStep:
         if self._sending is None:
             self._sending = torch.empty_like(progress)
         torch.neg(progress, out=self._sending)                               # d_i = -p_i
+        learner.average_float_buffers()  # on the job's communicator; the exchange runs on one of its own
         learner.exchange.begin_step()
         self.pending = learner.exchange.start("model", self._sending, [p.shape for p in learner.parameters])
         self.pending_lr, self.pending_samples = learner.block_lr.mean(), learner.global_samples_in_block
-        learner.average_float_buffers()
 
     def apply_pending(self) -> None:
         """Waits for the exchange in flight and takes its outer step (step 1); the time waited is the sync's
