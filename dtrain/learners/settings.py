@@ -151,6 +151,7 @@ BLOCK_SIZE: KeyChecks = {"block_size": _samples_or_auto}
 BLOCK_SYNC: KeyChecks = {"reset_sgd_momentum_after_aggregation": checks.boolean,
                          "local_learning_rate": partial(checks.choice, choices=checks.LOCAL_LEARNING_RATES)}
 MOMENTUM_CORRECTION: KeyChecks = {"momentum_correction": checks.boolean}
+OVERLAP: KeyChecks = {"overlap": checks.boolean}
 BLOCK_MOMENTUM: KeyChecks = {
     "block_momentum_as_time_constant": partial(checks.positive_number, allow_none=True, allow_zero=True,
                                                unit="samples"),
@@ -225,13 +226,13 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     if OmegaConf.is_missing(node, "block_size"):
         problems.append(f"{name}.block_size is not set: expected the block size in samples, "
                         f"e.g. {name}.block_size=4096")
-    return problems + settings_problems({**BLOCK_SIZE, **BLOCK_MOMENTUM, **BLOCK_SYNC, **MOMENTUM_CORRECTION}, node,
-                                        name)
+    return problems + settings_problems({**BLOCK_SIZE, **BLOCK_MOMENTUM, **BLOCK_SYNC, **MOMENTUM_CORRECTION,
+                                         **OVERLAP}, node, name)
 
 
-_diloco_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO, **MOMENTUM_CORRECTION})
+_diloco_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO, **MOMENTUM_CORRECTION, **OVERLAP})
 register_rule("dtrain.learners.TwoLevelDiLoCoLearner", _diloco_rules)
 register_rule("dtrain.learners.DiLoCoLearner", _diloco_rules)
-_local_sgd_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE})
+_local_sgd_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **OVERLAP})
 register_rule("dtrain.learners.TwoLevelLocalSGDLearner", _local_sgd_rules)
 register_rule("dtrain.learners.LocalSGDLearner", _local_sgd_rules)

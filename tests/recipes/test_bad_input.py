@@ -173,8 +173,8 @@ CASES = [
     ("learner-unknown", ["learner=nope"], ["learner/nope", "available:"]),
     ("exchange-on-local", ["learner=local", "learner/exchange=bf16"],
      ["learner=local has no learner/exchange; learner/exchange=NAME goes with learner=block_momentum, data_parallel, "
-      "diloco, local_sgd, powersgd, quantized, two_level_block_momentum, two_level_diloco, two_level_local_sgd, "
-      "two_level_powersgd or two_level_quantized"]),
+      "diloco, local_sgd, powersgd, quantized, sparseloco, two_level_block_momentum, two_level_diloco, "
+      "two_level_local_sgd, two_level_powersgd or two_level_quantized"]),
     # unknown keys, with and without +
     ("plus-misspelt-session", ["+session.max_sample=640"], ["session.max_sample: unknown key", "did you mean session.max_samples?"]),
     ("plus-misspelt-optimizer", ["+optimizer.momentun=0.9"], ["optimizer.momentun: unknown key", "did you mean optimizer.momentum?"]),
