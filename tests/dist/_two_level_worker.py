@@ -71,8 +71,10 @@ def gathered(comm, tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def outer_reference(learner, before: list[torch.Tensor], prev: torch.Tensor, velocity: torch.Tensor | None,
                     block_samples: int):
-    """The new model from the hosts' models ``before[0]`` and ``before[2]`` (ranks 0 and 2 lead the hosts)."""
+    """The new model from the hosts' models ``before[0]`` and ``before[2]`` (ranks 0 and 2 lead the hosts); the outer
+    state ``velocity`` is 0 before the first outer step (None: the outer optimizer has made none yet)."""
     prev, hosts = prev.double(), [before[0].double(), before[2].double()]
+    velocity = torch.zeros_like(prev) if velocity is None else velocity
     if isinstance(learner, TwoLevelBlockMomentumLearner):  # BMUF with CNTK's time constant for N = 2 hosts
         time_constant = -learner.block_size / math.log(1 - 1 / 2)
         assert learner.time_constant == time_constant, (learner.time_constant, time_constant)
