@@ -6,7 +6,8 @@ sum_i (W_prev - W_i)`` (DiLoCo's outer gradient), then calls its ``step()``. Any
 serves (torch's SGD with Nesterov momentum is DiLoCo's; Adam if a user wants it), and its state is
 checkpointed, resumed and moved to the model's device by the learner, like the inner optimizer's.
 
-What an outer optimizer may declare, beyond torch's interface (``docs/writing-a-learner.md#outer-optimizers-a-new-block-learner-in-a-config-line``):
+What an outer optimizer may declare, beyond torch's interface
+(``docs/writing-a-learner.md#outer-optimizers-a-new-block-learner-in-a-config-line``):
 
 * ``sums_deltas = True``: its gradient is the sum ``D = sum_i (W_prev - W_i)``, not the mean (CNTK's
   block momentum filters the sum);
