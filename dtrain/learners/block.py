@@ -29,17 +29,13 @@ from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_
 from dtrain.learners.block_size import auto_block_size, largest_block_size
 from dtrain.learners.overlap import DelayedOuterStep
 from dtrain.learners.outer import (FIRST_MOMENT_KEYS, SYNC_FACTS, OuterOptimizerFactory, build_outer_optimizer,
-                                   cpu_state, describe_outer_factory, first_moment, gives_back_model,
+                                   cpu_state, describe_outer_factory, first_moment, first_moments, gives_back_model,
                                    load_outer_state, outer_optimizer_name, plain_factory, saved_first_moment)
 from dtrain.learners.settings import BLOCK_SIZE, BLOCK_SYNC, MOMENTUM_CORRECTION
 from dtrain.rules import check_settings
 
-#: Optimizer state entries the momentum reset zeroes: the first-moment (momentum) buffers of
-#: torch's optimizers (SGD/RMSprop ``momentum_buffer``; Adam, AdamW, NAdam, RAdam, Adamax
-#: ``exp_avg``). Second moments (``exp_avg_sq``, ``square_avg``, ...) and step counts are kept:
-#: they scale the steps, and zeroing them while bias correction is already ~1 would make the next
-#: steps several times larger than the learning rate asks for.
-MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")
+#: Optimizer state entries the momentum reset zeroes: the first moments of :data:`~dtrain.learners.outer.FIRST_MOMENT_KEYS`
+MOMENTUM_STATE_KEYS = FIRST_MOMENT_KEYS
 
 
 @dataclass
@@ -206,6 +202,10 @@ class BlockLearner(Learner):
         """The outer optimizer when none is given: torch's SGD at lr 1, ``W = W_prev - D / N``, the workers'
         mean model (local SGD)."""
         return partial(torch.optim.SGD, lr=1.0)
+
+    def outer_factory(self) -> OuterOptimizerFactory:
+        """What builds this learner's outer optimizer: the one given, else :meth:`default_outer_optimizer`."""
+        return self.outer_optimizer_factory or self.default_outer_optimizer()
 
     def outer_update(self, total_delta: torch.Tensor) -> None:
         """Writes the new model into ``prev_parameters`` (which holds ``W_prev``) from ``total_delta``,
@@ -417,7 +417,7 @@ class BlockLearner(Learner):
         self.prev_parameters = self.flat_parameters().clone()
         if restored_prev is not None:
             self.prev_parameters.copy_(restored_prev)
-        factory = self.outer_optimizer_factory or self.default_outer_optimizer()
+        factory = self.outer_factory()
         self.outer_optimizer = build_outer_optimizer(factory, self.prev_parameters)
         if self._restored_outer is not None:
             load_outer_state(self.outer_optimizer, self.prev_parameters, self._restored_outer)
@@ -532,7 +532,7 @@ class BlockLearner(Learner):
         model_delta = scratch[:parameter_count]
         self.flat_parameters(out=model_delta)  # W_i for now
         if end_of_block and self._overlap is not None and self.outer_comm.size > 1:
-            self._overlap.end_of_block()  # last block's outer step now, this block's exchange started
+            self._overlap.end_of_block(model_delta)  # last block's outer step now, this block's exchange started
         elif not end_of_block and self.outer_comm.size == 1:
             self.prev_parameters.copy_(model_delta)  # one model: the mean is the model itself
         else:
@@ -574,10 +574,8 @@ class BlockLearner(Learner):
         previous = self.previous_block_lr
         if not self.momentum_correction or not block_lr or not previous or block_lr == previous:
             return
-        for state in self.outer_optimizer.state.values():  # the first moments (FIRST_MOMENT_KEYS)
-            for key in FIRST_MOMENT_KEYS:
-                if isinstance(state.get(key), torch.Tensor):
-                    state[key].mul_(block_lr / previous)
+        for moment in first_moments(self.outer_optimizer.state.values()):
+            moment.mul_(block_lr / previous)
 
     def _exchange_model_delta(self) -> None:
         """Sums the deltas ``d_i`` (the first part of the scratch buffer) over ``outer_comm`` through
@@ -587,19 +585,19 @@ class BlockLearner(Learner):
         comm, scratch = self.outer_comm, self._scratch
         parameter_count = self._num_parameter_elements
         buffers = scratch[parameter_count:]
-        pack(self._float_buffers, buffers)
         self.exchange.begin_step()
         extra_bytes = 0
         if self.exchange.lossless:
             # the buffers ride along: one all-reduce per sync, as before strategies existed
+            pack(self._float_buffers, buffers)
             self.exchange.allreduce_("model", scratch, [torch.Size([parameter_count]), torch.Size([buffers.numel()])])
+            unpack(buffers.div_(comm.size), self._float_buffers)
         else:
             # a lossy strategy compresses only the parameter deltas; BatchNorm statistics stay exact
             self.exchange.allreduce_("model", scratch[:parameter_count], [p.shape for p in self.parameters])
+            self.average_float_buffers(comm)
             if buffers.numel():
-                comm.allreduce(buffers, op="sum")
                 extra_bytes = full_precision_allreduce_bytes(buffers.numel(), comm.size) * buffers.element_size() // 4
-        unpack(buffers.div_(comm.size), self._float_buffers)
         self.count_exchanged_bytes(extra_bytes)
         self.exchange_seconds_last_step = time.perf_counter() - started
 
@@ -609,14 +607,15 @@ class BlockLearner(Learner):
         self.bytes_sent_total += self._bytes_sent_last_sync
         self._full_precision_bytes_last_sync = self.exchange.full_precision_bytes_last_step + extra_bytes
 
-    def average_float_buffers(self) -> None:
-        """Averages the floating-point buffers (BatchNorm statistics) exactly over the job's ranks."""
+    def average_float_buffers(self, comm=None) -> None:
+        """Averages the floating-point buffers (BatchNorm statistics) exactly over ``comm``'s ranks (None: the job's)."""
         if not self._float_buffers:
             return
+        comm = self.comm if comm is None else comm
         buffers = self._scratch[self._num_parameter_elements:]
         pack(self._float_buffers, buffers)
-        self.comm.allreduce(buffers, op="sum")
-        unpack(buffers.div_(self.comm.size), self._float_buffers)
+        comm.allreduce(buffers, op="sum")
+        unpack(buffers.div_(comm.size), self._float_buffers)
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Copies the flat ``flat`` into the parameters (casting to their dtypes)."""
@@ -634,11 +633,8 @@ class BlockLearner(Learner):
 
     def reset_local_momentum(self) -> None:
         """Zeroes the optimizer's first-moment buffers in place (CNTK's ResetSmoothedGradients)."""
-        for state in self.optimizer.state.values():
-            for key in MOMENTUM_STATE_KEYS:
-                buffer = state.get(key)
-                if isinstance(buffer, torch.Tensor):
-                    buffer.zero_()
+        for moment in first_moments(self.optimizer.state.values()):
+            moment.zero_()
 
     def flat_parameters(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The parameters as one flat tensor (into ``out`` when given, casting to its dtype)."""
@@ -697,7 +693,7 @@ class BlockLearner(Learner):
         state["block"] = {
             "prev_parameters": _cpu_copy(self.prev_parameters),
             "outer_optimizer": self._outer_state(),
-            "outer_optimizer_type": outer_optimizer_name(self.outer_optimizer_factory or self.default_outer_optimizer()),
+            "outer_optimizer_type": outer_optimizer_name(self.outer_factory()),
             "local_samples_in_block": self.local_samples_in_block,
             "global_samples_in_block": self.global_samples_in_block,
             "largest_share_in_block": self.largest_share_in_block,
@@ -723,7 +719,7 @@ class BlockLearner(Learner):
             if tensor is not None and tensor.numel() != expected:
                 raise ValueError(f"checkpoint block state {key!r} has {tensor.numel()} values but the model has "
                                  f"{expected} parameters; restore into the model the checkpoint was made with")
-        mine = outer_optimizer_name(self.outer_optimizer_factory or self.default_outer_optimizer())
+        mine = outer_optimizer_name(self.outer_factory())
         saved_type = None if block is None else block.get("outer_optimizer_type")
         if saved_type is not None and saved_type != mine:
             raise ValueError(f"the checkpoint's outer optimizer is {saved_type}, this run's is {mine}: its state "

@@ -18,7 +18,7 @@ What an outer optimizer may declare, beyond torch's interface
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -30,8 +30,12 @@ from dtrain.schedules import momentum_from_time_constant
 #: the param-group keys a block learner sets before each outer step, when the outer optimizer has them
 SYNC_FACTS = ("workers", "samples_in_block")
 
-#: state entries holding an outer optimizer's first moment (the block learners' momentum correction scales
-#: them, and a checkpoint written before outer optimizers restores its one outer tensor into them)
+#: Optimizer state entries holding a first moment: the momentum buffers of torch's optimizers (SGD/RMSprop
+#: ``momentum_buffer``; Adam, AdamW, NAdam, RAdam, Adamax ``exp_avg``) and of :class:`BlockMomentumFilter`. The
+#: block learners' momentum reset zeroes the inner optimizer's, their momentum correction scales the outer
+#: optimizer's, and a checkpoint written before outer optimizers restores its one outer tensor into them. Second
+#: moments (``exp_avg_sq``, ``square_avg``, ...) and step counts are left alone: they scale the steps, and zeroing
+#: them while bias correction is already ~1 would make the next steps several times larger than the lr asks for.
 FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -106,14 +110,18 @@ def gives_back_model(optimizer: torch.optim.Optimizer, gradient: torch.Tensor, w
                and not group["maximize"] for group in optimizer.param_groups)
 
 
-def first_moment(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """The outer optimizer's first-moment tensor (SGD's velocity, BMUF's ``sg``, Adam's ``exp_avg``), or None."""
-    for state in optimizer.state.values():
+def first_moments(states: Iterable[dict[str, Any]]) -> Iterator[torch.Tensor]:
+    """The first-moment tensors (:data:`FIRST_MOMENT_KEYS`) in an optimizer's per-parameter ``states``."""
+    for state in states:
         for key in FIRST_MOMENT_KEYS:
             value = state.get(key)
             if isinstance(value, torch.Tensor):
-                return value
-    return None
+                yield value
+
+
+def first_moment(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The outer optimizer's first-moment tensor (SGD's velocity, BMUF's ``sg``, Adam's ``exp_avg``), or None."""
+    return next(first_moments(optimizer.state.values()), None)
 
 
 def saved_first_moment(saved: dict[str, Any]) -> torch.Tensor | None:
@@ -121,11 +129,7 @@ def saved_first_moment(saved: dict[str, Any]) -> torch.Tensor | None:
     outer optimizers), or None."""
     if "legacy_first_moment" in saved:
         return saved["legacy_first_moment"]
-    for state in saved.get("state", {}).values():
-        for key in FIRST_MOMENT_KEYS:
-            if isinstance(state.get(key), torch.Tensor):
-                return state[key]
-    return None
+    return next(first_moments(saved.get("state", {}).values()), None)
 
 
 def first_moment_key(optimizer: torch.optim.Optimizer) -> str | None:
@@ -235,6 +239,6 @@ def build_outer_optimizer(factory: OuterOptimizerFactory, parameter: torch.Tenso
 
 
 __all__ = ["BlockMomentumFilter", "FIRST_MOMENT_KEYS", "OuterOptimizerFactory", "SYNC_FACTS", "build_outer_optimizer",
-           "cpu_state", "describe_outer_factory", "first_moment", "first_moment_key", "gives_back_model",
+           "cpu_state", "describe_outer_factory", "first_moment", "first_moment_key", "first_moments", "gives_back_model",
            "load_outer_state", "outer_optimizer_name", "plain_factory", "refuse_replaced_settings",
            "saved_first_moment"]

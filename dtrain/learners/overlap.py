@@ -47,21 +47,27 @@ class DelayedOuterStep:
         """The end of the warm start: the first block's progress is measured from ``W_prev``."""
         self.base = self.learner.prev_parameters.clone()
 
-    def end_of_block(self) -> None:
-        """Steps 1-4 of the module docstring, then the float buffers averaged exactly (not delayed)."""
+    def end_of_block(self, current: torch.Tensor) -> None:
+        """Steps 1-4 of the module docstring on ``current``, this worker's flat model ``W_i`` (overwritten): the
+        float buffers averaged exactly on the job's communicator first, the exchange on its own."""
+        progress = self._rebase(current)
         learner = self.learner
-        current = learner.flat_parameters(out=learner._scratch[:learner._num_parameter_elements])  # W_i
-        self.apply_pending()
-        progress = current.sub_(self.base)                                   # p_i = W_i - B_i
-        torch.add(learner.prev_parameters, progress, out=self.base)          # B_i <- W_prev + p_i ...
-        learner.load_flat(self.base)                                         # ... = W_i
         if self._sending is None:
             self._sending = torch.empty_like(progress)
         torch.neg(progress, out=self._sending)                               # d_i = -p_i
-        learner.average_float_buffers()  # on the job's communicator; the exchange runs on one of its own
+        learner.average_float_buffers()
         learner.exchange.begin_step()
         self.pending = learner.exchange.start("model", self._sending, [p.shape for p in learner.parameters])
         self.pending_lr, self.pending_samples = learner.block_lr.mean(), learner.global_samples_in_block
+
+    def _rebase(self, current: torch.Tensor) -> torch.Tensor:
+        """Steps 1-3: the pending outer step taken, ``p_i = W_i - B_i`` (into ``current``, returned), and ``W_i =
+        B_i = W_prev + p_i``."""
+        self.apply_pending()
+        progress = current.sub_(self.base)
+        torch.add(self.learner.prev_parameters, progress, out=self.base)
+        self.learner.load_flat(self.base)
+        return progress
 
     def apply_pending(self) -> None:
         """Waits for the exchange in flight and takes its outer step (step 1); the time waited is the sync's
@@ -85,15 +91,11 @@ class DelayedOuterStep:
         if self.pending is None:
             return
         learner = self.learner
-        current = learner.flat_parameters()
-        progress = current.sub_(self.base)
-        self.apply_pending()
-        torch.add(learner.prev_parameters, progress, out=self.base)
-        learner.load_flat(self.base)
+        self._rebase(learner.flat_parameters(out=learner._scratch[:learner._num_parameter_elements]))
 
     def after_average(self) -> None:
         """After the workers' models were averaged into ``W_prev``: progress is measured from it."""
-        self.base = self.learner.prev_parameters.clone()
+        self.base.copy_(self.learner.prev_parameters)
 
 
 __all__ = ["DelayedOuterStep"]
