@@ -99,8 +99,7 @@ def quantize(kept: torch.Tensor, layout: ChunkLayout, bits: int) -> tuple[torch.
         step = (upper - lower) / levels
         level = torch.where(step[:, None] > 0, (magnitude - lower[:, None]) / step[:, None], torch.zeros_like(magnitude))
         level = level.floor_().clamp_(0, levels - 1).to(torch.int64)
-        codes.append(((values < 0).to(torch.int64) << (bits - 1) | level).reshape(-1) if bits > 1
-                     else (values < 0).to(torch.int64).reshape(-1))
+        codes.append(((values < 0).to(torch.int64) << (bits - 1) | level).reshape(-1))  # 1 bit: the sign alone
         lowers.append(lower)
         uppers.append(upper)
         offset += chunks * count
@@ -116,7 +115,7 @@ def dequantize(codes: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, la
     codes = codes.to(torch.int64)
     levels = 1 << (bits - 1)
     sign = 1.0 - 2.0 * (codes >> (bits - 1)).to(torch.float32)
-    level = (codes & (levels - 1)).to(torch.float32) if bits > 1 else torch.zeros_like(sign)
+    level = (codes & (levels - 1)).to(torch.float32)  # 1 bit: level 0, the middle of the range
     parts, offset, chunk = [], 0, 0
     for chunks, count in layout.blocks():
         low, high = lower[chunk:chunk + chunks, None], upper[chunk:chunk + chunks, None]
@@ -139,8 +138,10 @@ def encode(values: torch.Tensor, positions: torch.Tensor, layout: ChunkLayout, b
     return message, dequantize(codes, lower, upper, layout, bits)
 
 
-def decode(message: torch.Tensor, layout: ChunkLayout, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(message: torch.Tensor, layout: ChunkLayout, bits: int,
+           starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions, values)`` of one rank's message: the flat positions of its kept values and their decoded values.
+    ``starts``: :func:`chunk_starts` of the layout, where the caller decodes several messages (None: computed here).
 
     Raises:
         ValueError: the message is not the size this layout's messages have.
@@ -153,7 +154,7 @@ def decode(message: torch.Tensor, layout: ChunkLayout, bits: int) -> tuple[torch
     codes = bitpack.unpack(message[index_bytes:index_bytes + code_bytes], bits, layout.kept)
     bounds = message[index_bytes + code_bytes:].clone().view(torch.float32)  # a copy: float32 needs 4-byte alignment
     values = dequantize(codes, bounds[:layout.chunks], bounds[layout.chunks:], layout, bits)
-    return local + chunk_starts(layout, message.device), values
+    return local + (chunk_starts(layout, message.device) if starts is None else starts), values
 
 
 def chunk_starts(layout: ChunkLayout, device: torch.device) -> torch.Tensor:

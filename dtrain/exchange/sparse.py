@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dtrain.advice import LONGER_WARM_START, Advice
-from dtrain.compress.sparse import ChunkLayout, decode, encode, select
+from dtrain.compress.sparse import ChunkLayout, chunk_starts, decode, encode, select
 from dtrain.exchange.base import ThreadedExchange, full_precision_allreduce_bytes
 from dtrain.exchange.settings import SPARSE
 from dtrain.rules import check_settings
@@ -82,8 +82,9 @@ class Sparse(ThreadedExchange):
         error.index_add_(0, positions, sent, alpha=-1)                  # 3. e <- e - x_hat
         messages = self.comm.allgather(message)                         # 4. every rank's, summed in rank order
         flat.zero_()
+        starts = chunk_starts(layout, messages[0].device)  # the same for every message
         for received in messages:
-            where, values = decode(received, layout, self.num_bits)
+            where, values = decode(received, layout, self.num_bits, starts)
             flat.index_add_(0, where, values.to(flat.dtype))
         self.bytes_sent_last_step += (self.comm.size - 1) * message.numel()
         self.full_precision_bytes_last_step += full_precision_allreduce_bytes(flat.numel(), self.comm.size)
