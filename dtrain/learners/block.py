@@ -363,9 +363,14 @@ class BlockLearner(Learner):
         return super().automatic_settings() + block
 
     def collapse_advice(self) -> Advice:
-        """The base's, and on several workers local steps from an untrained model: a longer start on one model
-        (the exchange's longer warm start says the same where it asks for one)."""
+        """An outer optimizer given in the config first (its lr is a step per sync, not an inner lr), then the base's,
+        and on several workers local steps from an untrained model: a longer start on one model (the exchange's
+        longer warm start says the same where it asks for one)."""
         advice = super().collapse_advice()
+        if self.outer_optimizer_factory is not None:
+            advice = Advice((f"the {describe_outer_factory(self.outer_optimizer_factory)}",),
+                            ("set learner.outer_optimizer.lr to the scale of a block's model change (an outer Adam "
+                             "moves every parameter by about its lr at each sync)",)) + advice
         if self.comm.size > 1:
             change = () if self.exchange.needs_warm_start else \
                 ("train longer on one model first (learner.distributed_after=SAMPLES)",)

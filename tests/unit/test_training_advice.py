@@ -2,6 +2,7 @@
 warm start in a one-process run, fp16 only in fp16, bits only with a k-bit exchange on several ranks."""
 from __future__ import annotations
 
+import functools
 import io
 from types import SimpleNamespace
 
@@ -101,6 +102,17 @@ def test_a_block_learner_is_told_about_the_model_changes_it_sends_not_gradients(
     bf16 = training_advice(learner(kind, 2, CompressedAllReduce("bf16")))
     assert "model changes compressed by bf16 all-reduce" in bf16 and "gradients" not in bf16, bf16
     assert "learner/exchange=allreduce" in bf16 and "train longer on one model first" in bf16
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_LEARNERS))
+def test_an_outer_optimizer_from_the_config_is_named_first_with_its_lr(kind):
+    """An outer optimizer's lr is a step per sync: a run it left at chance is told to set it, before the inner lr."""
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    built = BLOCK_LEARNERS[kind](optimizer, _Comm(1), outer_optimizer=functools.partial(torch.optim.Adam, lr=0.001))
+    told = training_advice(built)
+    assert told.startswith("the likely cause is the outer optimizer Adam (lr 0.001), or a learning rate too high"), told
+    assert "; set learner.outer_optimizer.lr to the scale of a block's model change" in told, told
+    assert "outer optimizer" not in training_advice(learner(kind, 1))  # its own outer step: the base's advice
 
 
 def test_a_learner_of_ones_own_gets_the_bases_advice_and_may_add_its_own():
