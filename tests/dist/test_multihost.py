@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dtrain.session.checkpoint import load as load_checkpoint
-from tests.helpers.mpi import mpiexec_path, run_mpi
+from tests.helpers.mpi import mpiexec_path, process_ended, run_mpi
 from dtrain.testing.netns import NamespaceCluster, available, cleanup_stale, namespaces, parse_rate
 
 WORKER = str(Path(__file__).with_name("_multihost_worker.py"))
@@ -153,7 +153,7 @@ def test_a_cluster_stopped_by_sigterm_deletes_its_namespaces_and_processes() -> 
         owner.terminate()
         assert owner.wait(timeout=30) == 128 + 15
         assert not [netns for netns in namespaces() if netns.startswith(prefix)]
-        assert not Path(f"/proc/{sleeper}").exists() or "zombie" in Path(f"/proc/{sleeper}/status").read_text()
+        assert process_ended(sleeper)
     finally:  # a failed check leaves nothing behind either: the owner's namespaces are stale once it is gone
         owner.kill()
         owner.wait()

@@ -183,6 +183,14 @@ def start_ranks(command: list[str], env: dict[str, str]) -> tuple[subprocess.Pop
     raise AssertionError(f"mpiexec ended (exit {job.returncode}) before its ranks started:\n{output}")
 
 
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie that nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):  # reaped before or while /proc was read
+        return True
+
+
 def kill_session(session_id: int) -> None:
     """SIGKILL every process of the session that mpiexec leads.
 

@@ -20,6 +20,7 @@ import dtrain.data._dataset_workers as workers_module
 import dtrain.data.dataset as dataset_module
 from dtrain.data import DataError, MinibatchSource, Sequences
 from dtrain.data.dataset import DatasetDeserializer
+from tests.helpers.mpi import process_ended
 
 WORKERS = [{"num_workers": 2, "worker_type": "thread"}, {"num_workers": 2, "worker_type": "process"}]
 
@@ -421,14 +422,6 @@ def test_process_workers_end_at_interpreter_exit_without_close():
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0 and done.stdout.strip() == "45.0", done.stderr
 
-
-
-def process_ended(pid: int) -> bool:
-    """Whether process ``pid`` has exited (gone, or a zombie that nobody has reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.mark.parametrize("method", ["fork"] + [pytest.param(method, marks=pytest.mark.slow)  # where fork is missing
