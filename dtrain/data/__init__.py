@@ -19,9 +19,11 @@ from dtrain.data.mapfile import MapFile, read_map_file
 from dtrain.data.partition import partition_slice, sweep_order, timeline_to_indices
 from dtrain.data.deserializer import Deserializer, FeaturesAndLabels, StreamDeserializer
 from dtrain.data.minibatch import Minibatch
+from dtrain.data.parquet import ParquetShards
 from dtrain.data.source import MinibatchSource
 from dtrain.data.stream_arrays import NpzStreams, StreamArrays
 from dtrain.data.streams import Sequences, StreamInfo, StreamReference
+from dtrain.data.tar_shards import TarShards
 from dtrain.data.transform import ImageTransform
 from dtrain.data.user_source import UserMinibatchSource, as_source
 
@@ -45,11 +47,13 @@ __all__ = [
     "Minibatch",
     "MinibatchSource",
     "NpzStreams",
+    "ParquetShards",
     "Sequences",
     "StreamArrays",
     "StreamDeserializer",
     "StreamInfo",
     "StreamReference",
+    "TarShards",
     "UserMinibatchSource",
     "as_source",
     "crop_geometry",

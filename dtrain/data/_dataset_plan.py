@@ -150,9 +150,12 @@ class Plan:
 
     # -- reading --------------------------------------------------------------------------------------
     def sample(self, dataset, index: int):
-        """``dataset[index]``; its exception as one DataError line."""
+        """``dataset[index]``; its exception as one DataError line (a DataError of the data set's own, which
+        names what failed already, as it is)."""
         try:
             return dataset[index]
+        except DataError:
+            raise
         except Exception as error:  # noqa: BLE001 - any error of user code becomes the one-line DataError
             raise DataError(f"{self.type_name}[{index}] raised {type(error).__name__}: {one_line(error)}") from error
 

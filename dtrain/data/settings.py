@@ -40,6 +40,8 @@ class MinibatchSourceConfig:
     read_ahead: Optional[StrictBool] = None  # read the next minibatch in the background; null = when reads are slow (images)
     defining_stream: Optional[str] = None  # whose steps count samples (sequences); null = the loss's target
     length_bucketing: int = 0           # sequences per length bucket (less padding); 0 = off
+    randomization_window_in_chunks: Optional[int] = None   # chunked data (shards): chunks per window; null = the reader's
+    randomization_window_in_samples: Optional[int] = None  # ... or samples per window (at most one of the two)
 
 
 @register_schema("schema/source", "source")
@@ -73,6 +75,8 @@ def _minibatch_source_rules(node: DictConfig, name: str) -> list[str]:
         ("max_samples", checks.sample_count, {"allow_none": True}),
         ("max_sweeps", checks.whole_number, {"low": 1, "allow_none": True, "unit": "sweeps"}),
         ("length_bucketing", checks.whole_number, {"low": 0, "unit": "sequences"}),
+        ("randomization_window_in_chunks", checks.whole_number, {"low": 1, "allow_none": True, "unit": "chunks"}),
+        ("randomization_window_in_samples", checks.sample_count, {"allow_none": True}),
     ) + _stream_reference_problems(node, name, "defining_stream", allow_none=True)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dtrain.data._checks import check_bool, check_finite, check_id_dtype, check_int, check_partition
+from dtrain.data.chunk_order import ChunkedOrder
 from dtrain.data.deserializer import (Deserializer, FeaturesAndLabels, StreamDeserializer, label_tensor,
                                       as_stream_deserializer)
 from dtrain.data.errors import DataError
@@ -34,6 +35,8 @@ __all__ = ["Deserializer", "Minibatch", "MinibatchSource", "StreamDeserializer"]
 _STATE_KEYS = ("position", "seed", "samples_per_sweep", "randomize")
 #: ... and with sequence streams
 _SEQUENCE_STATE_KEYS = _STATE_KEYS + ("sequences_per_sweep", "defining_stream", "length_bucketing")
+#: CNTK's default randomization window of chunked data, in chunks (4 GB of its 32 MB chunks)
+DEFAULT_WINDOW_IN_CHUNKS = 128
 
 
 class MinibatchSource(UserMinibatchSource):
@@ -77,6 +80,11 @@ class MinibatchSource(UserMinibatchSource):
         length_bucketing: sequences per bucket (0: off): each sweep is read in pools of 32 buckets
             sorted by length and read bucket by bucket in a random order, so a minibatch holds
             sequences of similar length (less padding; ``dtrain.data.timeline``).
+        randomization_window_in_chunks, randomization_window_in_samples: for chunked data (a deserializer
+            with ``chunk_sizes()``: Parquet, Arrow and tar shards), CNTK's randomization window: each sweep
+            visits the chunks in a random order and the samples of each window of consecutive chunks in a
+            random order (``dtrain.data.chunk_order``). At most one of them; neither: the deserializer's
+            ``randomization_window_in_chunks``, else CNTK's 128 chunks.
 
     Raises:
         TypeError: an argument has the wrong type (e.g. an ``IterableDataset``).
@@ -95,6 +103,8 @@ class MinibatchSource(UserMinibatchSource):
         read_ahead: bool | None = None,
         defining_stream: str | None = None,
         length_bucketing: int = 0,
+        randomization_window_in_chunks: int | None = None,
+        randomization_window_in_samples: int | None = None,
     ) -> None:
         self._data = as_stream_deserializer(deserializer)
         self._deserializer = getattr(self._data, "deserializer", deserializer) \
@@ -128,9 +138,10 @@ class MinibatchSource(UserMinibatchSource):
                 own = next(iter(self._lengths))
             if own is not None:
                 self._set_defining(own, f"{type(self._deserializer).__name__}.defining_stream")
+        self._chunked = self._chunked_order(randomization_window_in_chunks, randomization_window_in_samples)
         self._timeline: SampleTimeline | SequenceTimeline | None = None
         if not self._lengths:
-            self._timeline = SampleTimeline(self._sequences_per_sweep, self._seed, self._randomize)
+            self._timeline = SampleTimeline(self._sequences_per_sweep, self._seed, self._randomize, self._chunked)
         if transform is not None and not callable(transform):
             raise TypeError(
                 f"transform must be callable as transform(features, positions, seed), got "
@@ -163,6 +174,40 @@ class MinibatchSource(UserMinibatchSource):
         self._executor: ThreadPoolExecutor | None = None
         # the minibatches being read in the background, in order: (request key, future)
         self._pending: deque[tuple[tuple, Future]] = deque()
+
+    def _chunked_order(self, in_chunks: int | None, in_samples: int | None) -> ChunkedOrder | None:
+        """The block randomization of chunked data (None for data read by a full permutation, or in order)."""
+        name = type(self._deserializer).__name__
+        given = [(key, value) for key, value in (("randomization_window_in_chunks", in_chunks),
+                                                 ("randomization_window_in_samples", in_samples)) if value is not None]
+        if len(given) > 1:
+            raise ValueError("randomization_window_in_chunks and randomization_window_in_samples are exclusive; give "
+                             "at most one")
+        for key, value in given:
+            check_int(key, value, 1)
+        chunk_sizes = getattr(self._data, "chunk_sizes", None)
+        if chunk_sizes is None:
+            if given:
+                raise ValueError(f"{given[0][0]}={given[0][1]}: {name} is not chunked (every sweep is one permutation "
+                                 f"of all its samples); leave it unset")
+            return None
+        if given and not self._randomize:
+            raise ValueError(f"{given[0][0]}={given[0][1]} applies to randomize=true; with randomize=false the data "
+                             f"is read in order, so leave it unset")
+        sizes = np.asarray(chunk_sizes(), dtype=np.int64)
+        if sizes.ndim != 1 or not len(sizes) or int(sizes.sum()) != self._sequences_per_sweep or sizes.min() < 0:
+            raise ValueError(f"{name}.chunk_sizes() must be {self._sequences_per_sweep} sequences (num_sequences) in "
+                             f"chunks of >= 0, got {sizes.shape} summing to {int(sizes.sum())}")
+        if in_samples is None:
+            chunks = in_chunks if in_chunks is not None else \
+                getattr(self._data, "randomization_window_in_chunks", DEFAULT_WINDOW_IN_CHUNKS)
+            in_samples = max(1, -(-self._sequences_per_sweep * int(chunks) // len(sizes)))
+        return ChunkedOrder(sizes, self._seed, in_samples)
+
+    @property
+    def randomization_window(self) -> int | None:
+        """Samples (sequences) per randomization window of chunked data; None for data that is not chunked."""
+        return None if self._chunked is None or not self._randomize else self._chunked.window
 
     def _checked_lengths(self, name: str) -> np.ndarray:
         """The sequence stream ``name``'s lengths, checked: one per sequence, each at least one step."""
@@ -260,7 +305,8 @@ class MinibatchSource(UserMinibatchSource):
             if self._length_bucketing:  # by the defining steps, then by all sequence streams' steps together
                 total = np.sum(list(self._lengths.values()), axis=0)
                 sort_lengths = counts * (int(total.max()) + 1) + total
-            self._timeline = SequenceTimeline(counts, self._seed, self._randomize, self._length_bucketing, sort_lengths)
+            self._timeline = SequenceTimeline(counts, self._seed, self._randomize, self._length_bucketing, sort_lengths,
+                                              self._chunked)
         return self._timeline
 
     @property
@@ -486,6 +532,8 @@ class MinibatchSource(UserMinibatchSource):
         if self._lengths:
             state.update(sequences_per_sweep=self._sequences_per_sweep, defining_stream=self.defining_stream,
                          length_bucketing=self._length_bucketing)
+        if self.randomization_window is not None:
+            state["randomization_window"] = self.randomization_window
         return state
 
     def restore_from_checkpoint(self, state: dict[str, Any]) -> None:
@@ -501,7 +549,8 @@ class MinibatchSource(UserMinibatchSource):
         """
         if not isinstance(state, dict):
             raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
-        keys = _SEQUENCE_STATE_KEYS if self._lengths else _STATE_KEYS
+        keys = (_SEQUENCE_STATE_KEYS if self._lengths else _STATE_KEYS) + \
+            (("randomization_window",) if self.randomization_window is not None else ())
         missing = [key for key in keys if key not in state]
         unknown = sorted(set(state) - set(keys))
         if missing or unknown:
@@ -519,6 +568,10 @@ class MinibatchSource(UserMinibatchSource):
             )
         if self._lengths:
             self._check_sequence_state(state)
+        if "randomization_window" in state and state["randomization_window"] != self.randomization_window:
+            raise ValueError(f"checkpoint state has a randomization window of {state['randomization_window']} samples "
+                             f"but this source has {self.randomization_window}; build the source with "
+                             f"randomization_window_in_samples={state['randomization_window']}")
         if samples_per_sweep != self.samples_per_sweep:
             raise ValueError(
                 f"checkpoint state has samples_per_sweep {samples_per_sweep} but this source's "

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from dtrain.data.chunk_order import ChunkedOrder
 from dtrain.data.partition import _cached_sweep_order, partition_bounds, range_to_indices
 
 __all__ = ["BUCKETS_PER_POOL", "SampleTimeline", "SequenceTimeline", "Span", "bucketed_order"]
@@ -46,11 +47,12 @@ class Span(NamedTuple):
 class SampleTimeline:
     """The timeline of data without sequences: one sample per position."""
 
-    def __init__(self, num_samples: int, seed: int, randomize: bool):
+    def __init__(self, num_samples: int, seed: int, randomize: bool, chunked: ChunkedOrder | None = None):
         self.sequences_per_sweep = num_samples
         self.samples_per_sweep = num_samples
         self.seed = seed
         self.randomize = randomize
+        self.chunked = chunked if randomize else None  # chunked data's block randomization, else a full permutation
 
     def steps_before(self, position: int) -> int:
         """Samples at positions before ``position``."""
@@ -72,12 +74,14 @@ class SampleTimeline:
 
     def indices(self, start: int, stop: int) -> np.ndarray:
         """Data-set indices of positions ``[start, stop)``."""
+        if self.chunked is not None:
+            return _take_across_sweeps(self.chunked.take, start, stop, self.sequences_per_sweep)
         return range_to_indices(start, stop, self.sequences_per_sweep, self.seed, self.randomize)
 
     def index_tensor(self, start: int, stop: int) -> torch.Tensor | None:
         """The indices as a slice of the sweep's cached int64 order tensor, where the range lies in one
         randomized sweep (a view: read it, never write to it); None otherwise."""
-        if not self.randomize:
+        if not self.randomize or self.chunked is not None:
             return None
         sweep, offset = divmod(start, self.sequences_per_sweep)
         if offset + stop - start > self.sequences_per_sweep:
@@ -98,10 +102,12 @@ class SequenceTimeline:
             holds sequences of similar length (less padding), while every sweep still reads every
             sequence once.
         sort_lengths: what bucketing sorts by (default ``counts``).
+        chunked: the block randomization of chunked data (``dtrain.data.chunk_order``), which then replaces
+            the full permutation of each sweep.
     """
 
     def __init__(self, counts: np.ndarray, seed: int, randomize: bool, bucket_size: int = 0,
-                 sort_lengths: np.ndarray | None = None):
+                 sort_lengths: np.ndarray | None = None, chunked: ChunkedOrder | None = None):
         self.counts = np.ascontiguousarray(counts, dtype=np.int64)
         self.sequences_per_sweep = int(len(self.counts))
         self.samples_per_sweep = int(self.counts.sum())
@@ -109,6 +115,7 @@ class SequenceTimeline:
         self.randomize = randomize
         self.bucket_size = bucket_size
         self.sort_lengths = self.counts if sort_lengths is None else np.asarray(sort_lengths, dtype=np.int64)
+        self.chunked = chunked if randomize else None
         self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
 
     # -- one sweep --------------------------------------------------------------------------------
@@ -121,7 +128,7 @@ class SequenceTimeline:
             ends = None
             if self.bucket_size:
                 order, ends = bucketed_order(self.sort_lengths, self.seed, sweep, self.randomize, self.bucket_size,
-                                             with_bucket_ends=True)
+                                             with_bucket_ends=True, chunked=self.chunked)
             else:
                 order = self.order(sweep)
             cumulative = np.zeros(self.sequences_per_sweep + 1, dtype=np.int64)
@@ -135,7 +142,10 @@ class SequenceTimeline:
     def order(self, sweep: int) -> np.ndarray:
         """Data-set indices in the order sweep ``sweep`` visits them (read-only)."""
         if self.bucket_size:
-            return bucketed_order(self.sort_lengths, self.seed, sweep, self.randomize, self.bucket_size)
+            return bucketed_order(self.sort_lengths, self.seed, sweep, self.randomize, self.bucket_size,
+                                  chunked=self.chunked)
+        if self.chunked is not None:
+            return self.chunked.sweep(sweep)
         if not self.randomize:
             order = np.arange(self.sequences_per_sweep, dtype=np.int64)
             order.setflags(write=False)
@@ -221,17 +231,21 @@ class SequenceTimeline:
 
 
 def bucketed_order(lengths: np.ndarray, seed: int, sweep: int, randomize: bool, bucket_size: int,
-                   with_bucket_ends: bool = False):
+                   with_bucket_ends: bool = False, chunked: ChunkedOrder | None = None):
     """Length bucketing's visiting order for one sweep (see :class:`SequenceTimeline`).
 
     A pure function of its arguments: the sweep's permutation (the one without bucketing), cut into
     pools of ``BUCKETS_PER_POOL * bucket_size``; each pool stably sorted by ``lengths``, cut into
     buckets of ``bucket_size`` and, with ``randomize``, its buckets read in an order drawn from
     ``SeedSequence([seed, sweep, 1])``. Every index appears exactly once. With ``with_bucket_ends``,
-    returns ``(order, ends)``: also the offsets where the buckets end, in reading order.
+    returns ``(order, ends)``: also the offsets where the buckets end, in reading order. With ``chunked``, the
+    sweep's order is its block randomization instead (pools then lie within a window or two).
     """
     count = len(lengths)
-    order = _cached_sweep_order(count, seed, sweep) if randomize else np.arange(count, dtype=np.int64)
+    if chunked is not None and randomize:
+        order = chunked.sweep(sweep)
+    else:
+        order = _cached_sweep_order(count, seed, sweep) if randomize else np.arange(count, dtype=np.int64)
     pool_size = BUCKETS_PER_POOL * bucket_size
     generator = np.random.default_rng(np.random.SeedSequence([seed, sweep, 1]))
     pieces = []
@@ -247,6 +261,17 @@ def bucketed_order(lengths: np.ndarray, seed: int, sweep: int, randomize: bool, 
     if not with_bucket_ends:
         return result
     return result, np.cumsum([len(piece) for piece in pieces], dtype=np.int64)
+
+
+def _take_across_sweeps(take, start: int, stop: int, per_sweep: int) -> np.ndarray:
+    """``take(sweep, offset, count)`` over the positions ``[start, stop)``, which may span sweeps."""
+    pieces, position = [], start
+    while position < stop or not pieces:
+        sweep, offset = divmod(position, per_sweep)
+        count = min(stop - position, per_sweep - offset)
+        pieces.append(take(sweep, offset, max(count, 0)))
+        position += max(count, 1)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 @functools.lru_cache(maxsize=4)  # the sweeps being read by a few streams at once (train, cross-validation, ...)

@@ -1,0 +1,253 @@
+"""WebDataset tar shards read by sample, through an index of where each file of each sample lies.
+
+A WebDataset shard is a plain tar file whose consecutive members sharing a key (the path up to the first
+dot of the file name) form one sample: ``000017.jpg`` and ``000017.cls`` are the fields ``jpg`` and ``cls``
+of sample ``000017``. The ``webdataset`` library reads a shard from its start; dtrain needs any sample at
+any position (every rank its own share, shuffled, resumable), so :class:`TarShards` reads the tar headers
+(Python's ``tarfile``) into an index of each field's offset and size, reads a sample with one seek per
+field, and decodes it with ``webdataset``'s own decoders (images by ``decode``, ``.cls``, ``.json``,
+``.npy`` and the rest by extension), so fields decode as in a ``webdataset`` pipeline.
+
+A shard is a **chunk** for the source's randomization (``dtrain.data.chunk_order``): a window of shards
+is read at a time, and only the indexes of the shards being read are kept, so memory does not grow with
+the data set. Making the reader walks every shard's headers once (no data is read) to count samples.
+"""
+from __future__ import annotations
+
+import collections
+import re
+import tarfile
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dtrain.data._shards import expand_shards, require, shard_names
+from dtrain.data.dataset import DatasetDeserializer
+from dtrain.data.errors import DataError
+
+__all__ = ["TarShards"]
+
+#: webdataset's split of a member name into the sample's key and the field's extension
+_KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+class _ShardIndex:
+    """One shard's samples: their keys and, per field, the byte offset and size of its file in the tar."""
+
+    def __init__(self, path: Path):
+        keys: list[str] = []
+        fields: list[dict[str, tuple[int, int]]] = []
+        try:
+            with tarfile.open(path, "r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    match = _KEY_AND_EXTENSION.match(member.name)
+                    if match is None or Path(member.name).name.startswith(("__", ".")):
+                        continue
+                    key, extension = match.groups()
+                    if not keys or keys[-1] != key:
+                        keys.append(key)
+                        fields.append({})
+                    fields[-1][extension.lower()] = (member.offset_data, member.size)
+                end = tar.offset  # where the end-of-archive blocks begin (tarfile stops quietly at a cut header)
+            with open(path, "rb") as handle:
+                handle.seek(end)
+                closing = handle.read(1024)
+            if len(closing) < 1024 or any(closing):
+                raise tarfile.ReadError(f"no end-of-archive blocks after byte {end:,}")
+        except (OSError, tarfile.TarError, EOFError) as error:
+            raise DataError(f"TarShards: shard {path} is not a readable tar file (truncated or damaged: "
+                            f"{error})") from None
+        self.keys, self.fields = keys, fields
+
+
+class _TarSamples(torch.utils.data.Dataset):
+    """The samples of every shard, by global index: a dict of decoded fields (what DatasetDeserializer reads)."""
+
+    def __init__(self, files: list[Path], counts: np.ndarray, fields: Mapping[str, tuple[str, ...]],
+                 decode: str, decoders: Mapping[str, Callable], keep: int):
+        self.files, self.fields, self.decode_spec, self.decoders, self.keep = files, dict(fields), decode, \
+            dict(decoders), keep
+        self.starts = np.concatenate(([0], np.cumsum(counts)))
+        self._setup()
+
+    def _setup(self) -> None:
+        autodecode = require("webdataset", "webdataset", "TarShards").autodecode
+        self._decoder = autodecode.Decoder([autodecode.imagehandler(self.decode_spec)])
+        self._indexes: collections.OrderedDict[int, _ShardIndex] = collections.OrderedDict()
+        self._handles: collections.OrderedDict[int, object] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def index(self, shard: int) -> _ShardIndex:
+        """Shard ``shard``'s index, kept for the last ``keep`` shards read."""
+        with self._lock:
+            index = self._indexes.get(shard)
+            if index is not None:
+                self._indexes.move_to_end(shard)
+                return index
+        index = _ShardIndex(self.files[shard])
+        expected = int(self.starts[shard + 1] - self.starts[shard])
+        if len(index.keys) != expected:
+            raise DataError(f"TarShards: shard {self.files[shard]} holds {len(index.keys)} samples, {expected} when "
+                            f"the reader was made: it changed while it was read")
+        with self._lock:
+            self._indexes[shard] = index
+            while len(self._indexes) > self.keep:
+                self._indexes.popitem(last=False)
+        return index
+
+    def raw(self, position: int) -> dict:
+        """Sample ``position``'s fields as bytes, with ``__key__`` and ``__url__`` (webdataset's sample)."""
+        shard = int(np.searchsorted(self.starts, position, side="right")) - 1
+        index = self.index(shard)
+        row = position - int(self.starts[shard])
+        sample = {"__key__": index.keys[row], "__url__": str(self.files[shard])}
+        with self._lock:
+            handle = self._handles.get(shard)
+            if handle is None:
+                handle = self._handles[shard] = open(self.files[shard], "rb")  # noqa: SIM115 - kept open, closed on eviction
+                while len(self._handles) > self.keep:
+                    self._handles.popitem(last=False)[1].close()
+            for name, extensions in self.fields.items():
+                found = next((extension for extension in extensions if extension in index.fields[row]), None)
+                if found is None:
+                    raise self.missing_field(shard, index, row, name)
+                offset, size = index.fields[row][found]
+                handle.seek(offset)
+                data = handle.read(size)
+                if len(data) != size:
+                    raise DataError(f"TarShards: shard {self.files[shard]} ends inside sample {index.keys[row]!r} "
+                                    f"(truncated)")
+                sample[found] = data
+        return sample
+
+    def missing_field(self, shard: int, index: _ShardIndex, row: int, name: str) -> DataError:
+        return DataError(f"TarShards: sample {index.keys[row]!r} of shard {self.files[shard]} has no "
+                         f"{' or '.join(self.fields[name])} file for stream {name!r} (it has "
+                         f"{', '.join(sorted(index.fields[row]))})")
+
+    def __getitem__(self, position: int) -> dict:
+        sample = self.raw(position)
+        out = {}
+        for name, extensions in self.fields.items():
+            field = next(extension for extension in extensions if extension in sample)
+            value = sample[field]
+            try:
+                value = self.decoders[name](value) if name in self.decoders else \
+                    self._decoder.decode({"__key__": sample["__key__"], field: value})[field]
+            except Exception as error:  # noqa: BLE001 - a decoder's own error, named with the sample
+                raise DataError(f"TarShards: {field} of sample {sample['__key__']!r} in {sample['__url__']} does not "
+                                f"decode: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                                ) from None
+            if isinstance(value, (str, bytes, dict, list)):
+                raise DataError(f"TarShards: stream {name!r} ({field}) decodes to {type(value).__name__}; give "
+                                f"decoders={{{name!r}: function}} that returns numbers or an array")
+            out[name] = value
+        return out
+
+    def npy_length(self, position: int, name: str) -> int:
+        """The first dimension of sample ``position``'s ``.npy`` field of stream ``name``, from its header alone."""
+        import io
+
+        shard = int(np.searchsorted(self.starts, position, side="right")) - 1
+        index = self.index(shard)
+        row = position - int(self.starts[shard])
+        field = next((extension for extension in self.fields[name] if extension in index.fields[row]), None)
+        if field is None:
+            raise self.missing_field(shard, index, row, name)
+        offset, size = index.fields[row][field]
+        with open(self.files[shard], "rb") as handle:
+            handle.seek(offset)
+            header = io.BytesIO(handle.read(min(size, 4096)))
+        try:
+            major, _ = np.lib.format.read_magic(header)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape = read(header)[0]
+        except ValueError as error:
+            raise DataError(f"TarShards: {field} of sample {index.keys[row]!r} in {self.files[shard]} is not a .npy "
+                            f"array ({error})") from None
+        return int(shape[0]) if shape else 1
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in ("_decoder", "_indexes", "_handles", "_lock"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+
+class TarShards(DatasetDeserializer):
+    """WebDataset tar shards as named streams (``docs/data.md#sharded-data``), chunked by shard.
+
+    Args:
+        paths: the ``.tar`` shards: files, directories (their ``.tar`` files by name), glob patterns, or a
+            list of them.
+        fields: stream -> the extensions that hold it, webdataset's way (``{"image": "jpg;png", "label": "cls"}``);
+            default: every extension of the first sample, each its own stream.
+        decode: webdataset's image spec for image fields (``torchrgb``: float CHW in [0, 1]; ``rgb8``: uint8 HWC, ...).
+        decoders: stream -> a function of the field's bytes returning an array (text, a format of one's own).
+        sequences: streams of variable length (first dimension: steps); their lengths come from ``.npy``
+            headers, else from decoding every sample once when the reader is made.
+        num_classes, num_workers, worker_type, defining_stream: as :class:`DatasetDeserializer`'s (workers
+            decode in parallel, in order).
+        randomization_window_in_chunks: the source's default window, in shards (the reader keeps the indexes
+            and open files of about that many shards).
+
+    Raises:
+        DataError: a missing, truncated or unreadable shard, a shard without samples, a sample without a
+            field a stream needs (naming the shard, the sample and the stream).
+    """
+
+    def __init__(self, paths, fields: Mapping[str, str | Iterable[str]] | None = None, decode: str = "torchrgb",
+                 decoders: Mapping[str, Callable] | None = None, sequences: Iterable[str] | str = (),
+                 num_classes: Mapping[str, int] | None = None, num_workers: int = 0, worker_type: str = "process",
+                 defining_stream: str | None = None, randomization_window_in_chunks: int = 32):
+        require("webdataset", "webdataset", "TarShards")
+        files = expand_shards(paths, (".tar",), "TarShards")
+        self.files, self.names = files, shard_names(files)
+        self.randomization_window_in_chunks = int(randomization_window_in_chunks)
+        counts, first = [], None
+        for path in files:
+            index = _ShardIndex(path)
+            if not index.keys:
+                raise DataError(f"TarShards: shard {path} holds no samples (no member named KEY.EXTENSION)")
+            counts.append(len(index.keys))
+            first = first or index
+        if fields is None:
+            fields = {extension.replace(".", "_"): (extension,) for extension in first.fields[0]}
+        else:
+            fields = {name: tuple(extensions.split(";")) if isinstance(extensions, str) else tuple(extensions)
+                      for name, extensions in fields.items()}
+        self._counts = np.asarray(counts, dtype=np.int64)
+        samples = _TarSamples(files, self._counts, fields, decode, decoders or {},
+                              keep=self.randomization_window_in_chunks + 4)
+        sequence_names = [sequences] if isinstance(sequences, str) else list(sequences)
+        lengths = {name: self._npy_lengths(samples, name) for name in sequence_names
+                   if all(extension == "npy" for extension in fields.get(name, ()))}
+        super().__init__(samples, sequences=sequence_names, lengths=lengths, num_classes=num_classes,
+                         num_workers=num_workers, worker_type=worker_type, defining_stream=defining_stream)
+
+    @staticmethod
+    def _npy_lengths(samples: _TarSamples, name: str) -> np.ndarray:
+        return np.fromiter((samples.npy_length(position, name) for position in range(len(samples))),
+                           dtype=np.int64, count=len(samples))
+
+    def chunk_sizes(self) -> np.ndarray:
+        """Samples of each shard, in data-set order: the source's chunks."""
+        return self._counts
+
+    def checkpoint_identity(self) -> dict:
+        """Each shard's name and samples, and the streams: a checkpoint resumes only on the same samples."""
+        return {"shards": {name: int(count) for name, count in zip(self.names, self._counts)},
+                "streams": {name: [list(info.shape), str(info.dtype), info.is_sequence]
+                            for name, info in self.streams.items()}}
