@@ -9,6 +9,7 @@ from dtrain.data.augmentation import ImageAugmentation, crop_geometry
 from dtrain.data.char_corpus import CharCorpus
 from dtrain.data.cifar10 import Cifar10
 from dtrain.data.cmudict import CMUDict
+from dtrain.data.composite import CompositeDeserializer
 from dtrain.data.ctf import CTFDeserializer
 from dtrain.data.dataset import DatasetDeserializer
 from dtrain.data.digits import Digits
@@ -33,6 +34,7 @@ __all__ = [
     "CTFDeserializer",
     "CharCorpus",
     "Cifar10",
+    "CompositeDeserializer",
     "DataError",
     "DatasetDeserializer",
     "Deserializer",

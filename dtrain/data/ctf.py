@@ -242,6 +242,11 @@ class CTFDeserializer(ArrayDeserializer):
         self.num_sequences = self._arrays.num_sequences
         self.defining_stream = self._arrays.defining_stream
 
+    def sequence_keys(self) -> list[str | int]:
+        """Each sequence's key, in file order (what a ``CompositeDeserializer`` joins by): its ``seqId``, or
+        for a line without one its 0-based index among the file's sequences."""
+        return [index if key is None else key for index, key in enumerate(self._sequence_ids)]
+
     # -- the stream protocol (with sequences) --------------------------------------------------------
     def sequence_lengths(self, name: str) -> np.ndarray:
         """int64 ``[num_sequences]``: the steps of every sequence of the sequence stream ``name``.
@@ -320,6 +325,7 @@ class CTFDeserializer(ArrayDeserializer):
         values: dict[str, list] = {name: [] for name in self.specs}
         self._lengths: dict[str, list[int]] = {name: [] for name, spec in self.specs.items() if spec["sequence"]}
         self._value_lines: dict[str, list[str]] = {name: [] for name in self.specs}  # "file:line" of each value
+        self._sequence_ids: list[str | None] = []  # each sequence's id (None: a line without one)
         seen: dict[str, int] = {}  # stream -> first line that gave it, in the current sequence
         steps: dict[str, int] = {}  # sequence stream -> its steps in the current sequence
         current_id: str | None = None
@@ -338,6 +344,7 @@ class CTFDeserializer(ArrayDeserializer):
                                 f"sequence cannot be read)")
             for name, counts in self._lengths.items():
                 counts.append(steps[name])
+            self._sequence_ids.append(current_id)
 
         for line_number, line in enumerate(lines, start=1):
             if not line.strip():

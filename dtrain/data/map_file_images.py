@@ -70,3 +70,9 @@ class MapFileImages:
     def num_samples(self) -> int:
         """Images listed in the map file."""
         return self.map.num_samples
+
+    def sequence_keys(self) -> np.ndarray:
+        """int64 ``[num_samples]``: each image's key, CNTK's: the map file's ``seqId`` column where a line has
+        one, else the image's 0-based index in the file (what a ``CompositeDeserializer`` joins by)."""
+        keys = self.map.sequence_keys
+        return np.arange(self.num_samples, dtype=np.int64) if keys is None else keys

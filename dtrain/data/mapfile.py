@@ -4,8 +4,10 @@ Format (``docs/semantics.md#data-formats``, CNTK ``articles/BrainScript-Image-re
   * the label is a 0-based class index (a non-negative integer);
   * a relative path is resolved against the map file's directory, and a leading ``...``
     expands to that directory (CNTK's spelling of "next to the map file");
-  * blank lines are skipped; the optional sequence id is checked to be an integer and dropped
-    (samples are identified by their line order).
+  * blank lines are skipped; the optional sequence id is checked to be a non-negative integer and
+    kept as the image's key (``MapFile.sequence_keys``), by which a ``CompositeDeserializer`` joins
+    it to other files (a line without one has its 0-based image index as key, as CNTK keys it by
+    line); samples are read in line order.
 CNTK's ``archive.zip@/inner.jpg`` paths are refused with a message saying to extract the archive.
 """
 
@@ -35,12 +37,15 @@ class MapFile:
         image_paths: absolute image paths, one per sample, in line order.
         labels: int64 ``[num_samples]`` 0-based class indices.
         line_numbers: int64 ``[num_samples]`` 1-based map-file line of each sample (for errors).
+        sequence_keys: int64 ``[num_samples]`` key of each sample: its ``seqId`` column, or its 0-based
+            index in the file where the line has none (None: every sample's index).
     """
 
     path: Path
     image_paths: tuple[str, ...]
     labels: np.ndarray
     line_numbers: np.ndarray
+    sequence_keys: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -94,6 +99,7 @@ def read_map_file(path: str | os.PathLike, check_files: bool = True) -> MapFile:
     image_paths: list[str] = []
     labels: list[int] = []
     line_numbers: list[int] = []
+    keys: list[int] = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -104,8 +110,10 @@ def read_map_file(path: str | os.PathLike, check_files: bool = True) -> MapFile:
             if not sequence_id.strip().isdigit():
                 raise DataError(f"{where}: sequence id {sequence_id!r} is not a non-negative integer; "
                                 f"expected 'seqId<TAB>path<TAB>label'")
+            keys.append(int(sequence_id))
         elif len(fields) == 2:
             image_path, label_text = fields
+            keys.append(len(image_paths))
         else:
             raise DataError(f"{where}: expected 'path<TAB>label' or 'seqId<TAB>path<TAB>label' "
                             f"(tab-separated), got {line!r}")
@@ -136,4 +144,5 @@ def read_map_file(path: str | os.PathLike, check_files: bool = True) -> MapFile:
         image_paths=tuple(image_paths),
         labels=np.asarray(labels, dtype=np.int64),
         line_numbers=np.asarray(line_numbers, dtype=np.int64),
+        sequence_keys=np.asarray(keys, dtype=np.int64),
     )

@@ -536,6 +536,21 @@ class MinibatchSource(UserMinibatchSource):
             state["randomization_window"] = self.randomization_window
         return state
 
+    def state_dict(self) -> dict[str, Any]:
+        """The reading position, in the ``state_dict()`` / ``load_state_dict()`` naming of torchdata's
+        ``StatefulDataLoader`` and ``torch.distributed.checkpoint``'s ``Stateful`` protocol, which this source
+        satisfies: the same dict as :meth:`get_checkpoint_state` (one format), so a loop or a tool that
+        carries state dicts saves and restores dtrain's position. The position is global, so the state
+        is the same on every rank and restores exactly at any world size.
+        """
+        return self.get_checkpoint_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue reading from a :meth:`state_dict` (or :meth:`get_checkpoint_state`) dict: the same as
+        :meth:`restore_from_checkpoint`, whose checks and errors it has.
+        """
+        self.restore_from_checkpoint(state_dict)
+
     def restore_from_checkpoint(self, state: dict[str, Any]) -> None:
         """Continue reading from a state saved by ``get_checkpoint_state``.
 
