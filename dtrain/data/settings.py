@@ -64,6 +64,15 @@ class ImageSourceConfig(SourceConfig):
     crop_size: list[int] = field(default_factory=lambda: [224, 224])   # network input [H, W], pixels
 
 
+@register_schema("schema/source", "shard_source")
+@dataclass
+class ShardSourceConfig(SourceConfig):
+    """Sources over shard files (``source=char_parquet``, ``source=char_tar``): ``data_dir`` holds ``train/``
+    and ``validation/``."""
+
+    data_dir: str = MISSING
+
+
 # -- data
 @register_rule("dtrain.data.MinibatchSource")
 def _minibatch_source_rules(node: DictConfig, name: str) -> list[str]:

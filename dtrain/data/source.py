@@ -202,12 +202,22 @@ class MinibatchSource(UserMinibatchSource):
             chunks = in_chunks if in_chunks is not None else \
                 getattr(self._data, "randomization_window_in_chunks", DEFAULT_WINDOW_IN_CHUNKS)
             in_samples = max(1, -(-self._sequences_per_sweep * int(chunks) // len(sizes)))
-        return ChunkedOrder(sizes, self._seed, in_samples)
+        return ChunkedOrder(sizes, self._seed, min(in_samples, self._sequences_per_sweep))  # a window at most a sweep
 
     @property
     def randomization_window(self) -> int | None:
         """Samples (sequences) per randomization window of chunked data; None for data that is not chunked."""
         return None if self._chunked is None or not self._randomize else self._chunked.window
+
+    def describe_randomization_window(self) -> str:
+        """The start-up line's words on chunked data's shuffling ("" for data read by a full permutation)."""
+        window = self.randomization_window
+        if window is None:
+            return ""
+        chunks = len(self._chunked.chunk_sizes)
+        return (f"shards read in randomization windows of {window:,} sequences (about "
+                f"{min(chunks, window * chunks / self._sequences_per_sweep):.3g} of {chunks:,} chunks): a minibatch "
+                f"draws from one window, two at a boundary")
 
     def _checked_lengths(self, name: str) -> np.ndarray:
         """The sequence stream ``name``'s lengths, checked: one per sequence, each at least one step."""

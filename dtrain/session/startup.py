@@ -66,6 +66,9 @@ class StartupLines:
             parts.append(f"{settings.max_samples:,} samples" + (f" ({settings.max_samples / sweep:.3g} sweeps of "
                                                                  f"{sweep:,})" if sweep else ""))
         printer.line("dtrain: " + ", ".join(parts))
+        window_note = _randomization_window_note(self.source)
+        if window_note:
+            printer.line(f"dtrain: {window_note}")
         if self.objective is not None:
             counted = self.binding.target.text if self.binding.target is not None else "the minibatch"
             printer.line(f"dtrain: objective {self.objective.name}(model, minibatch), samples counted in {counted}"
@@ -158,3 +161,10 @@ def _one_process_note(learner, size: int) -> str:
     if size == 1 and isinstance(learner, ReplicatedLearner):
         return " (one process: plain local optimizer steps, nothing is exchanged)"
     return ""
+
+
+
+def _randomization_window_note(source) -> str:
+    """How chunked training data (shards) is shuffled, where the source says (``MinibatchSource``)."""
+    describe = getattr(source, "describe_randomization_window", None)
+    return describe() if callable(describe) else ""
