@@ -158,8 +158,10 @@ def as_stream_deserializer(value: object) -> StreamDeserializer:
     if isinstance(value, torch.utils.data.IterableDataset):
         raise TypeError(
             f"{type(value).__name__} is an IterableDataset: it can only be read from the start, so dtrain cannot give "
-            f"each rank its own share exactly once per sweep, shuffle it, or resume mid-sweep; give a map-style "
-            f"Dataset (__getitem__ and __len__) instead, e.g. by materialising the stream into a list of samples")
+            f"each rank its own share exactly once per sweep, shuffle it, or resume mid-sweep; dtrain needs to read "
+            f"any sample by its index: pass the shard files themselves (dtrain.data.ParquetShards for Parquet or "
+            f"Arrow files, a datasets cache or save_to_disk directory; dtrain.data.TarShards for WebDataset tar "
+            f"shards), or a map-style Dataset (__getitem__ and __len__)")
     if isinstance(value, (np.ndarray, torch.Tensor)):
         raise TypeError(
             f"deserializer must have streams, num_sequences and read() (or num_samples, feature_shape, num_classes "

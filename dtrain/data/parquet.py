@@ -66,6 +66,7 @@ class ParquetShards:
                  randomization_window_in_chunks: int = 16):
         self.pa = require("pyarrow", "parquet", "ParquetShards")
         self._open_arrow: dict[Path, _Batches] = {}
+        self._open_parquet: dict[Path, object] = {}
         self.files = _shard_files(paths)
         self.names = shard_names(self.files)
         self._num_classes = dict(num_classes or {})
@@ -117,9 +118,15 @@ class ParquetShards:
                             f"damaged: {str(error).splitlines()[0]})") from None
 
     def _parquet(self, path: Path):
+        """The open Parquet file (its footer parsed once; the last few files are kept open)."""
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path, memory_map=True)
+        opened = self._open_parquet.get(path)
+        if opened is None:
+            opened = self._open_parquet[path] = pq.ParquetFile(path)
+            while len(self._open_parquet) > 8:
+                self._open_parquet.pop(next(iter(self._open_parquet))).close()
+        return opened
 
     def _arrow_batches(self, path: Path):
         """An Arrow IPC file or stream (``datasets`` writes streams), memory-mapped: its batches cost no copy.
@@ -280,7 +287,7 @@ class ParquetShards:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(pa=None, _cache=collections.OrderedDict(), _lock=None, _open_arrow={})
+        state.update(pa=None, _cache=collections.OrderedDict(), _lock=None, _open_arrow={}, _open_parquet={})
         return state
 
     def __setstate__(self, state: dict) -> None:

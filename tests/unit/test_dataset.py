@@ -589,8 +589,10 @@ def test_an_iterable_dataset_or_an_object_without_an_index_is_refused():
         with pytest.raises(TypeError) as error:
             DatasetDeserializer(value)
         assert "exactly once per sweep" in one_line(error) and "map-style Dataset" in one_line(error)
-    with pytest.raises(TypeError, match="_Stream is an IterableDataset"):
+    with pytest.raises(TypeError) as error:
         MinibatchSource(_Stream())
+    assert one_line(error).startswith("_Stream is an IterableDataset") and \
+        "pass the shard files themselves (dtrain.data.ParquetShards for Parquet" in one_line(error)
 
 
 def test_a_data_loader_is_refused_saying_to_pass_its_dataset():
