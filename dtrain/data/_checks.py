@@ -137,7 +137,18 @@ def check_not_a_data_loader(value: object) -> None:
         given = "a DataLoader" if name == "DataLoader" else f"{name} (a DataLoader)"
     else:
         given = f"{name} (an iterator over a DataLoader)"
+    is_loader = isinstance(value, torch.utils.data.DataLoader)
+    prefix = "" if is_loader else "_"  # an iterator over a loader keeps the loader's settings as private copies
+    dataset = getattr(value, f"{prefix}dataset", None)
+    workers = getattr(value, f"{prefix}num_workers", 0)
+    collate = getattr(value, f"{prefix}collate_fn", None)
+    arguments = ["loader.dataset"] + ([f"num_workers={workers}"] if workers else [])
+    if collate is not None and getattr(collate, "__name__", "") != "default_collate":
+        arguments.append(f"collate_fn={getattr(collate, '__qualname__', type(collate).__name__)}")
+    instead = f"dtrain.data.DatasetDeserializer({', '.join(arguments)})"
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        instead = (f"the shard files its {type(dataset).__name__} reads (dtrain.data.ParquetShards, "
+                   f"dtrain.data.TarShards) or a map-style Dataset (its IterableDataset has no index to read by)")
     raise TypeError(f"{given} cannot be read as data: dtrain makes the minibatches itself (each rank its share of "
-                    f"every global minibatch, exactly once per sweep); pass loader.dataset, its map-style Dataset, "
-                    f"instead (the loader's num_workers and collate_fn: dtrain.data.DatasetDeserializer(loader.dataset, "
-                    f"num_workers=..., collate_fn=...))")
+                    f"every global minibatch, exactly once per sweep; the loader's sampler, batch_size and shuffle "
+                    f"would not apply); pass {instead} instead")

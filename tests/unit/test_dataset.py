@@ -598,10 +598,24 @@ def test_an_iterable_dataset_or_an_object_without_an_index_is_refused():
 def test_a_data_loader_is_refused_saying_to_pass_its_dataset():
     from torch.utils.data import DataLoader
 
+    def pairs(samples):
+        return torch.utils.data.default_collate(samples)
+
     loader = DataLoader(TensorDataset(torch.randn(8, 3), torch.arange(8) % 2), batch_size=4, num_workers=0)
     for value, given in ((loader, "a DataLoader"), (iter(loader), "(an iterator over a DataLoader)")):
         for make in (MinibatchSource, DatasetDeserializer):
             with pytest.raises(TypeError) as error:
                 make(value)
-            assert given in one_line(error) and "pass loader.dataset, its map-style Dataset, instead" in one_line(error)
+            assert given in one_line(error) and \
+                one_line(error).endswith("pass dtrain.data.DatasetDeserializer(loader.dataset) instead")
     assert MinibatchSource(loader.dataset).samples_per_sweep == 8  # what the line says to pass is read
+    with pytest.raises(TypeError) as error:
+        MinibatchSource(DataLoader(loader.dataset, batch_size=4, num_workers=3, collate_fn=pairs))
+    assert one_line(error).endswith("the loader's sampler, batch_size and shuffle would not apply); pass "
+                                    "dtrain.data.DatasetDeserializer(loader.dataset, num_workers=3, collate_fn="
+                                    "test_a_data_loader_is_refused_saying_to_pass_its_dataset.<locals>.pairs) instead")
+    with pytest.raises(TypeError) as error:
+        MinibatchSource(DataLoader(_Stream(), batch_size=4))
+    assert one_line(error).endswith("pass the shard files its _Stream reads (dtrain.data.ParquetShards, "
+                                    "dtrain.data.TarShards) or a map-style Dataset (its IterableDataset has no index "
+                                    "to read by) instead")
