@@ -315,3 +315,15 @@ def test_a_window_for_data_that_is_not_chunked_or_not_randomized_is_refused(tmp_
     state = MinibatchSource(data, randomization_window_in_chunks=4).get_checkpoint_state()
     with pytest.raises(ValueError, match="checkpoint state has a randomization window of"):
         MinibatchSource(data, randomization_window_in_chunks=5).restore_from_checkpoint(state)
+
+
+def test_tar_shards_read_by_worker_processes_equal_the_reading_process(tmp_path):
+    """Workers decode in parallel (each opens the shards itself) and put the samples back in order."""
+    write_tar_shards(tmp_path, shard_sizes())
+    indices = np.random.default_rng(3).permutation(sum(shard_sizes()))[:120]
+    alone = TarShards(tmp_path, fields=tar_fields(), sequences=["tokens"]).read(indices)
+    with TarShards(tmp_path, fields=tar_fields(), sequences=["tokens"], num_workers=2) as workers:
+        together = workers.read(indices)
+        assert workers.benefits_from_read_ahead and workers.read_ahead_minibatches == 2
+    assert torch.equal(alone["id"], together["id"]) and torch.equal(alone["features"], together["features"])
+    assert torch.equal(alone["tokens"].data, together["tokens"].data)
