@@ -58,8 +58,7 @@ class ChunkedOrder:
         generator = np.random.default_rng(np.random.SeedSequence([self.seed, sweep, 2]))
         order = generator.permutation(len(self.chunk_sizes)).astype(np.int64)
         before = np.concatenate(([0], np.cumsum(self.chunk_sizes[order])))  # samples before each chunk in order
-        # chunk i opens a new window when the samples before it cross a multiple of the window... counted from
-        # the window's own start, so each window holds at least `window` samples (the last one: what is left)
+        # chunk i opens a new window once the open one holds `window` samples or more (the last one: what is left)
         chunk_bounds, position_bounds = [0], [0]
         for i in range(1, len(order)):
             if before[i] - position_bounds[-1] >= self.window:
