@@ -33,9 +33,11 @@ class Minibatch(Mapping):
         num_sequences: sequences in this share (equal to ``num_samples`` without sequences).
         global_num_sequences: sequences in the whole global minibatch.
         sweep_end: this global minibatch contains the last sequence of a sweep.
-        first_position: timeline position (in sequences) of this share's first sequence; the share
-            is contiguous on the timeline.
-        positions: int64 ``[num_sequences]`` timeline positions (made when first asked for).
+        first_position: timeline position (in sequences) of this share's first sequence. Without
+            sequences the share is contiguous on the timeline; with sequences it holds the sequences
+            dealt to this partition, in timeline order, and ``positions`` says where each lies.
+        positions: int64 ``[num_sequences]`` timeline positions of the share's sequences, increasing
+            (``[first_position, first_position + num_sequences)`` when not given, made when first asked for).
         owns_tensors: its streams' tensors are its own: the source made them for this minibatch (by indexing
             its data, not as views of a buffer it fills again), so they may be kept past the next read.
     """
@@ -43,7 +45,8 @@ class Minibatch(Mapping):
     def __init__(self, streams: dict | None = None, *, features: torch.Tensor | None = None,
                  labels: torch.Tensor | None = None, global_num_samples: int, sweep_end: bool, first_position: int,
                  num_samples: int | None = None, num_sequences: int | None = None,
-                 global_num_sequences: int | None = None, owns_tensors: bool = False):
+                 global_num_sequences: int | None = None, owns_tensors: bool = False,
+                 positions: np.ndarray | None = None):
         self.streams: dict = streams if type(streams) is dict else (dict(streams) if streams is not None else {})
         if features is not None:
             self.streams["features"] = features
@@ -58,6 +61,8 @@ class Minibatch(Mapping):
         self.sweep_end = sweep_end
         self.first_position = first_position
         self.owns_tensors = owns_tensors
+        if positions is not None:
+            self.positions = positions
 
     # -- the mapping -------------------------------------------------------------------------------
     def __getitem__(self, name: str):
@@ -93,7 +98,8 @@ class Minibatch(Mapping):
 
     @functools.cached_property
     def positions(self) -> np.ndarray:
-        """``[first_position, first_position + num_sequences)`` as int64 (timeline positions, in sequences)."""
+        """``[first_position, first_position + num_sequences)`` as int64 (timeline positions, in sequences); the
+        positions given to the constructor instead, if any."""
         return np.arange(self.first_position, self.first_position + self.num_sequences, dtype=np.int64)
 
     @property
@@ -122,13 +128,19 @@ class Minibatch(Mapping):
         streams = {name: value.select(start, stop) if isinstance(value, Sequences) else _rows(value, start, stop)
                    for name, value in self.streams.items()}
         selected = self._with_streams(streams, num_samples, stop - start)
-        selected.first_position = self.first_position + start
+        positions = self.__dict__.get("positions")  # given, or made already
+        if positions is None:
+            selected.first_position = self.first_position + start
+        else:
+            selected.positions = positions[start:stop]
+            selected.first_position = int(positions[start]) if stop > start else self.first_position + start
         return selected
 
     def _with_streams(self, streams: dict, num_samples: int, num_sequences: int) -> Minibatch:
         return Minibatch(streams, global_num_samples=self.global_num_samples, sweep_end=self.sweep_end,
                          first_position=self.first_position, num_samples=num_samples, num_sequences=num_sequences,
-                         global_num_sequences=self.global_num_sequences, owns_tensors=self.owns_tensors)
+                         global_num_sequences=self.global_num_sequences, owns_tensors=self.owns_tensors,
+                         positions=self.__dict__.get("positions"))
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{name}: {value!r}" if isinstance(value, Sequences) else

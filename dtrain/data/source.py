@@ -3,8 +3,8 @@
 Semantics (``docs/semantics.md#minibatch-source``, ``docs/data.md``): sizes are global and counted
 in samples, and a sample of sequence data is one step of the defining stream. Every worker builds
 the same source (same deserializer, seed, limits) and asks for the same global minibatch size;
-each gets its contiguous share of the global minibatch (whole sequences, balanced by steps), and
-all advance the same global position. A checkpoint is just that position, so a run resumes on
+each gets its share of the global minibatch (a contiguous slice of samples, or whole sequences
+dealt by steps), and all advance the same global position. A checkpoint is just that position, so a run resumes on
 any world size.
 """
 
@@ -51,7 +51,9 @@ class MinibatchSource(UserMinibatchSource):
 
     Samples are counted in steps of the *defining stream* (CNTK's samples): a global minibatch of
     ``B`` samples holds whole sequences whose defining steps add up to at most ``B`` (at least one
-    sequence), and each partition gets contiguous sequences balanced by steps.
+    sequence), dealt to the partitions by steps: longest first, each to the partition with the fewest
+    steps so far, so none gets more than ``B/N`` plus one sequence and none is empty while the
+    minibatch holds ``N`` sequences (``dtrain.data.timeline``).
 
     Args:
         deserializer: a stream deserializer (``streams``, ``num_sequences``, ``sequence_lengths``,
@@ -361,10 +363,11 @@ class MinibatchSource(UserMinibatchSource):
 
         The global minibatch holds the sequences from the position on whose samples fit
         ``minibatch_size_in_samples`` (at least one sequence; without sequences exactly that many
-        samples), clipped at the reading limit; partition ``k`` of ``N`` gets its contiguous share
-        (``dtrain.data.timeline``). Every partition must make the same calls: each returns a
-        Minibatch (possibly with 0 local samples) for the same number of calls, then None on the
-        same call, and all advance the position alike.
+        samples), clipped at the reading limit; partition ``k`` of ``N`` gets its share: a contiguous
+        slice of samples, or the whole sequences dealt to it by steps (``dtrain.data.timeline``; the
+        Minibatch's ``positions`` say where they lie). Every partition must make the same calls: each
+        returns a Minibatch (possibly with 0 local samples) for the same number of calls, then None on
+        the same call, and all advance the position alike.
 
         Args:
             minibatch_size_in_samples: global minibatch size ``B`` (samples, >= 1).
@@ -410,9 +413,14 @@ class MinibatchSource(UserMinibatchSource):
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="dtrain-read-ahead")
             if self._prefetch is not None:  # the deserializer's workers start on it now, not when the thread gets to it
                 span, partitions, index = following
-                start, stop, _ = self._timeline.share(span, partitions, index)
-                if stop > start:
-                    self._prefetch(self._timeline.indices(start, stop))
+                if self._lengths:
+                    positions, _ = self._timeline.share(span, partitions, index)
+                    if len(positions):
+                        self._prefetch(self._timeline.indices_at(positions))
+                else:
+                    start, stop, _ = self._timeline.share(span, partitions, index)
+                    if stop > start:
+                        self._prefetch(self._timeline.indices(start, stop))
             self._pending.append((following, self._executor.submit(self._read, *following)))
             position = following[0].stop
 
@@ -437,26 +445,34 @@ class MinibatchSource(UserMinibatchSource):
     def _read(self, span: Span, num_data_partitions: int, partition_index: int) -> Minibatch:
         """The minibatch of one request: a pure function of it (no state of the source changes)."""
         timeline = self._timeline
-        start, stop, samples = timeline.share(span, num_data_partitions, partition_index)
-        index = timeline.index_tensor(start, stop) if self._take is not None else None
-        if index is not None:
-            features, labels = self._take(index)
-            streams = {"features": features, "labels": labels if labels.dtype is torch.int64 else label_tensor(labels)}
+        positions = index = None
+        if self._lengths:  # sequences: the share is the positions dealt to this partition (dtrain.data.timeline)
+            positions, samples = timeline.share(span, num_data_partitions, partition_index)
+            start, count = int(positions[0]) if len(positions) else span.start, len(positions)
+            streams = self._checked_read(timeline.indices_at(positions), count)
         else:
-            streams = self._checked_read(timeline.indices(start, stop), stop - start)
+            start, stop, samples = timeline.share(span, num_data_partitions, partition_index)
+            count = stop - start
+            index = timeline.index_tensor(start, stop) if self._take is not None else None
+            if index is not None:
+                features, labels = self._take(index)
+                streams = {"features": features, "labels": labels if labels.dtype is torch.int64 else label_tensor(labels)}
+            else:
+                streams = self._checked_read(timeline.indices(start, stop), count)
         if self._float_features:
             features = streams["features"]
             if features.dtype is not torch.float32 and self._transform is None:
                 streams["features"] = features.to(torch.float32)
         per_sweep = self._sequences_per_sweep
         minibatch = Minibatch(streams, global_num_samples=span.steps, sweep_end=span.stop // per_sweep > span.start // per_sweep,
-                              first_position=start, num_samples=samples, num_sequences=stop - start,
+                              first_position=start, num_samples=samples, num_sequences=count,
                               global_num_sequences=span.stop - span.start,
-                              owns_tensors=index is not None and self._transform is None)
+                              owns_tensors=index is not None and self._transform is None, positions=positions)
         if self._transform is not None:
             minibatch.features = self._apply_transform(minibatch.features, minibatch)
         if self._transform is not None or self._values_finite is not True:
-            check_finite(minibatch.streams, lambda row: self._describe_sample(timeline, start + row))
+            check_finite(minibatch.streams, lambda row: self._describe_sample(
+                timeline, start + row if positions is None else int(positions[row])))
         return minibatch
 
     def _describe_sample(self, timeline, position: int) -> str:

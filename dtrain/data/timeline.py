@@ -10,8 +10,11 @@ share these rules; only counting differs:
   (``dtrain.data.partition``).
 * :class:`SequenceTimeline`: a sequence counts its steps of the defining stream. A global
   minibatch takes whole sequences while their steps fit the budget (at least one sequence, as
-  CNTK's reader), and partition ``k`` takes the contiguous sequences whose cumulative steps lie
-  in ``[kS/N, (k+1)S/N)``, so shares are balanced by steps to within one sequence.
+  CNTK's reader), and its sequences are dealt to the ``N`` partitions by steps, longest first,
+  each to the partition with the fewest steps so far (``SequenceTimeline.share``). No partition
+  gets more than ``S/N`` plus one sequence (``S`` the minibatch's steps), none is empty while the
+  minibatch has ``N`` sequences, and a share holds its sequences in timeline order (its positions
+  need not be contiguous).
 
 Everything is a pure function of the data's lengths, the seed and the position, so every rank
 plans the same global minibatch without talking, and a position restores the same stream at any
@@ -21,6 +24,7 @@ cost does not grow with the position.
 from __future__ import annotations
 
 import functools
+import heapq
 from typing import NamedTuple
 
 import numpy as np
@@ -117,6 +121,7 @@ class SequenceTimeline:
         self.sort_lengths = self.counts if sort_lengths is None else np.asarray(sort_lengths, dtype=np.int64)
         self.chunked = chunked if randomize else None
         self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+        self._shares: tuple | None = None  # ((span, partitions), positions of each, steps of each) of the last span
 
     # -- one sweep --------------------------------------------------------------------------------
     def _sweep(self, sweep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -181,22 +186,59 @@ class SequenceTimeline:
             stop = min(stop, end_position)
         return Span(position, stop, self.steps_before(stop) - start_steps)
 
-    def share(self, span: Span, num_partitions: int, index: int) -> tuple[int, int, int]:
-        """``(start, stop, steps)`` of partition ``index``'s share: the contiguous sequences whose steps
-        before them (from the span's start) are below ``index * S // N`` ... ``(index + 1) * S // N``."""
+    def share(self, span: Span, num_partitions: int, index: int) -> tuple[np.ndarray, int]:
+        """``(positions, steps)`` of partition ``index``'s share of ``span``: the timeline positions of its
+        sequences (int64, increasing, read-only) and their steps.
+
+        The span's sequences are dealt longest first (ties: the earlier position), each to the partition
+        with the fewest steps so far; ties go to the one with fewer sequences, then to the first in turn,
+        turns starting at ``first_partition(span.start, N)``. So every partition gets at most
+        ``S/N + (1 - 1/N) L`` steps (``S = span.steps``, ``L`` its longest sequence), none is empty while
+        the span holds ``N`` sequences, and no partition always gets the longest sequence. A pure function
+        of the span (its position and lengths) and ``N``: every partition computes the same deal, and the
+        last span's is kept for the next partition or read that asks."""
+        key = (span, num_partitions)
+        shares = self._shares
+        if shares is None or shares[0] != key:
+            shares = self._shares = (key, *self._deal(span, num_partitions))
+        return shares[1][index], shares[2][index]
+
+    def _deal(self, span: Span, num_partitions: int) -> tuple[list[np.ndarray], list[int]]:
+        """Every partition's positions and steps of ``span`` (see ``share``)."""
         if num_partitions == 1:
-            return span.start, span.stop, span.steps
-        before = self._steps_from(span.start, span.stop)  # [n + 1]: steps before each position of the span
-
-        def boundary(k: int) -> int:
-            if k == 0:
-                return 0
-            if k == num_partitions:
-                return len(before) - 1
-            return int(np.searchsorted(before, k * span.steps // num_partitions, side="right")) - 1
-
-        low, high = boundary(index), max(boundary(index), boundary(index + 1))
-        return span.start + low, span.start + high, int(before[high] - before[low])
+            positions = np.arange(span.start, span.stop, dtype=np.int64)
+            positions.setflags(write=False)
+            return [positions], [span.steps]
+        steps = np.diff(self._steps_from(span.start, span.stop))
+        order = np.argsort(-steps, kind="stable")  # longest first, ties in timeline order
+        # a heap of keys steps * scale + sequences * N + turn: the least steps, then the fewest sequences, then
+        # the earliest turn first (one int compares faster than a tuple); turn t is partition (first + t) % N
+        scale = (len(steps) + 1) * num_partitions
+        if span.steps < 2**62 // scale:
+            increments = (steps[order] * scale + num_partitions).tolist()
+        else:  # Python ints do not overflow
+            increments = [count * scale + num_partitions for count in steps[order].tolist()]
+        heap = list(range(num_partitions))
+        rows: list[list[int]] = [[] for _ in range(num_partitions)]
+        replace = heapq.heapreplace
+        for row, increment in zip(order.tolist(), increments):
+            key = heap[0]
+            rows[key % num_partitions].append(row)
+            replace(heap, key + increment)
+        first = first_partition(span.start, num_partitions)
+        totals = [0] * num_partitions
+        for key in heap:
+            totals[(first + key % num_partitions) % num_partitions] = key // scale
+        flat, bounds = [], [0]
+        for k in range(num_partitions):
+            mine = rows[(k - first) % num_partitions]
+            mine.sort()  # timeline order within a share
+            flat += mine
+            bounds.append(len(flat))
+        grouped = np.array(flat, dtype=np.int64)
+        grouped += span.start
+        grouped.setflags(write=False)
+        return [grouped[low:high] for low, high in zip(bounds, bounds[1:])], totals
 
     def _steps_from(self, start: int, stop: int) -> np.ndarray:
         """Steps before each position of ``[start, stop]`` counted from ``start`` (``[stop - start + 1]``)."""
@@ -225,9 +267,24 @@ class SequenceTimeline:
             filled += take
         return out
 
+    def indices_at(self, positions: np.ndarray) -> np.ndarray:
+        """Data-set indices of increasing ``positions`` (a share's; a new array)."""
+        if not len(positions):
+            return np.zeros(0, dtype=np.int64)
+        first, last = int(positions[0]), int(positions[-1])
+        covering = self.indices(first, last + 1)
+        return covering if last - first + 1 == len(positions) else covering[positions - first]
+
     def index_tensor(self, start: int, stop: int) -> torch.Tensor | None:
         """Always None: sequence data is read through ``indices``."""
         return None
+
+
+def first_partition(position: int, num_partitions: int) -> int:
+    """The partition that a global minibatch starting at ``position`` deals to first (the longest sequence,
+    and ties), spread evenly over the partitions by Fibonacci hashing of the position: no partition
+    always gets the longest sequences, whatever the stride of the minibatches' positions."""
+    return ((position * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) * num_partitions >> 64
 
 
 def bucketed_order(lengths: np.ndarray, seed: int, sweep: int, randomize: bool, bucket_size: int,

@@ -10,6 +10,9 @@ Checks:
   language_model   a causal attention LM (inputs text[:-1], target text[1:]) equals one process, with
                    and without micro-batches; parameters identical on all ranks; tokens weighted
                    unevenly (some minibatch gives two ranks different step counts).
+  dealt_shares     sequences of 1..3B/2N target tokens (about N to a global minibatch): every rank's tokens stay
+                   within B/N plus the minibatch's longest sequence, no rank is empty while the minibatch has N
+                   sequences, and the update equals one process.
   seq2seq          a GRU encoder-decoder (keyword inputs, packed source lengths, target[1:]) equals one
                    process; its cross-validation and test figures equal one process's (averaged over
                    steps, and over sequences for the sequence error).
@@ -78,6 +81,51 @@ def check_language_model(comm, run_dir: Path) -> dict:
     return figures
 
 
+def check_dealt_shares(comm, run_dir: Path) -> dict:
+    size = 24  # target tokens per global minibatch; sequences of 1..3 * size / 2N target tokens
+    data = token_sequences(num_sequences=80, seed=3, low=2, high=3 * size // (2 * comm.size) + 2)
+
+    def session(model, learner, source, name: str) -> None:
+        dtrain.training_session(model, SequenceCrossEntropy(), learner, source, size, max_samples=300,
+                                inputs=["text[:-1]"], target="text[1:]", run_dir=run_dir / name, tensorboard=False,
+                                stream=io.StringIO(), independent_processes=learner.comm.size == 1).train()
+
+    model = fresh(TinyCausalLM)
+    source = dtrain.MinibatchSource(data, randomization_seed=5)
+    read, reads = source.next_minibatch, []
+
+    def recorded(*args):  # (tokens, sequences, longest sequence's tokens, sequences of the global minibatch)
+        minibatch = read(*args)
+        if minibatch is not None:
+            targets = minibatch["text"].lengths - 1
+            reads.append([minibatch.num_samples, minibatch.num_sequences, int(targets.max()) if len(targets) else 0,
+                          minibatch.global_num_sequences])
+        return minibatch
+    source.next_minibatch = recorded
+    session(model, data_parallel_distributed_learner(optimizer_of(model), comm, bucket_size_mb=0.002), source, "dealt")
+    reference = fresh(TinyCausalLM)
+    session(reference, LocalLearner(optimizer_of(reference), LocalCommunicator()),
+            dtrain.MinibatchSource(data, randomization_seed=5), f"dealt_reference{comm.rank}")
+    everyone = comm.allgather_object(reads)
+    excess, empty, uneven, eligible = [], 0, 0, 0
+    for per_rank in zip(*everyone):
+        tokens = [r[0] for r in per_rank]
+        longest = max(r[2] for r in per_rank)
+        excess.append(max(tokens) - (size / comm.size + longest))
+        if per_rank[0][3] >= comm.size:
+            eligible += 1
+            empty += sum(r[1] == 0 for r in per_rank)
+        uneven += len(set(tokens)) > 1
+    return {
+        "minibatches": len(excess), "with_n_sequences": eligible, "empty_shares_with_n_sequences": empty,
+        "max_tokens_above_share_plus_longest": max(excess), "minibatches_with_uneven_shares": uneven,
+        "tokens_per_rank": [sum(r[0] for r in mine) for mine in everyone],
+        "max_difference_to_one_process": max_difference(model, reference),
+        "differing_parameters": differing_on_ranks(comm, dict(model.named_parameters())),
+        "parameters_moved_by": max_difference(model, fresh(TinyCausalLM)),
+    }
+
+
 def seq2seq_session(model, learner, run_dir: Path, stream) -> dtrain.TrainingResult:
     def source(**options) -> dtrain.MinibatchSource:
         return dtrain.MinibatchSource(sequence_pairs(**options), randomization_seed=2)
@@ -114,6 +162,7 @@ def main() -> None:
     torch.set_num_threads(1)  # several ranks share two cores
     comm = create_communicator(backend=os.environ.get("WORKER_BACKEND", "gloo"), timeout_s=60)
     run_checks(comm, {"language_model": partial(check_language_model, run_dir=run_dir),
+                      "dealt_shares": partial(check_dealt_shares, run_dir=run_dir),
                       "seq2seq": partial(check_seq2seq, run_dir=run_dir)})
     comm.finalize()
 

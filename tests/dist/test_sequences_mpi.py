@@ -35,6 +35,22 @@ def test_language_model_on_n_ranks_equals_one_process_on_the_token_mean(launch: 
         assert figures[f"samples_seen_micro{micro}"] >= 700, figures  # whole sequences: at least max_samples
 
 
+def test_sequences_near_the_per_rank_share_are_dealt_evenly_and_the_update_stays_one_process(launch: CheckLaunch) -> None:
+    """Sequences of 1..3B/2N tokens, where shares cut by cumulative steps left ranks empty (6 shares at 2 ranks, 10
+    at 4; rank 0 trained 22 of 300 tokens at 2): every rank's tokens stay within B/N plus the minibatch's longest
+    sequence, none is empty while the minibatch has N sequences, the ranks' totals are even, and the parameters
+    equal one process's."""
+    figures = launch.result("dealt_shares")
+    assert figures["with_n_sequences"] >= 5 and figures["minibatches_with_uneven_shares"] >= 5, figures
+    assert figures["empty_shares_with_n_sequences"] == 0, figures
+    assert figures["max_tokens_above_share_plus_longest"] <= 0, figures
+    tokens = figures["tokens_per_rank"]
+    assert min(tokens) >= 0.5 * sum(tokens) / len(tokens), figures
+    assert figures["parameters_moved_by"] > 0.05, figures
+    assert figures["max_difference_to_one_process"] <= 1e-5, figures
+    assert figures["differing_parameters"] == [], figures
+
+
 def test_seq2seq_on_n_ranks_equals_one_process_in_training_and_evaluation(launch: CheckLaunch) -> None:
     """A GRU encoder-decoder with keyword inputs (source, target[:-1]) and target[1:]: the same parameters as
     one process, and cross-validation and test figures (token loss, sequence error) equal to float rounding."""
