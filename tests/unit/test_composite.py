@@ -123,14 +123,16 @@ def _sources(count, **options):
 
 
 def _global_stream(sources, minibatches):
-    """The first steps of x of the next global minibatches, the partitions' shares in order (partition ``k`` reads
-    from ``sources[k]``); each share's y is its x."""
+    """The first steps of x of the next global minibatches in timeline order (partition ``k`` reads from
+    ``sources[k]``; shares of sequences are dealt by steps, so their union is put back in position order); each
+    share's y is its x."""
     out = []
     for _ in range(minibatches):
         shares = [source.next_minibatch(9, len(sources), index) for index, source in enumerate(sources)]
         x = torch.cat([share["x"].data[:, :1].flatten() for share in shares])
         assert torch.equal(x.float(), torch.cat([share["y"] for share in shares]))
-        out.append(x.tolist())
+        positions = torch.from_numpy(np.concatenate([share.positions for share in shares]))
+        out.append(x[torch.argsort(positions)].tolist())
     return out
 
 
