@@ -15,6 +15,7 @@ the data set. Making the reader walks every shard's headers once (no data is rea
 from __future__ import annotations
 
 import collections
+import os
 import re
 import tarfile
 import threading
@@ -120,8 +121,8 @@ class _TarSamples(torch.utils.data.Dataset):
                 if found is None:
                     raise self.missing_field(shard, index, row, name)
                 offset, size = index.fields[row][found]
-                handle.seek(offset)
-                data = handle.read(size)
+                # a positional read: worker processes forked from the reader share its open files, and so their offsets
+                data = os.pread(handle.fileno(), size, offset)
                 if len(data) != size:
                     raise DataError(f"TarShards: shard {self.files[shard]} ends inside sample {index.keys[row]!r} "
                                     f"(truncated)")
@@ -143,9 +144,10 @@ class _TarSamples(torch.utils.data.Dataset):
                 value = self.decoders[name](value) if name in self.decoders else \
                     self._decoder.decode({"__key__": sample["__key__"], field: value})[field]
             except Exception as error:  # noqa: BLE001 - a decoder's own error, named with the sample
+                cause = error.__cause__ or error  # webdataset wraps the codec's error in a DecodingError
+                text = str(cause).splitlines()[0] if str(cause) else ""
                 raise DataError(f"TarShards: {field} of sample {sample['__key__']!r} in {sample['__url__']} does not "
-                                f"decode: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                                ) from None
+                                f"decode: {type(cause).__name__}: {text}") from None
             if isinstance(value, (str, bytes, dict, list)):
                 raise DataError(f"TarShards: stream {name!r} ({field}) decodes to {type(value).__name__}; give "
                                 f"decoders={{{name!r}: function}} that returns numbers or an array")

@@ -318,12 +318,16 @@ def test_a_window_for_data_that_is_not_chunked_or_not_randomized_is_refused(tmp_
 
 
 def test_tar_shards_read_by_worker_processes_equal_the_reading_process(tmp_path):
-    """Workers decode in parallel (each opens the shards itself) and put the samples back in order."""
-    write_tar_shards(tmp_path, shard_sizes())
-    indices = np.random.default_rng(3).permutation(sum(shard_sizes()))[:120]
-    alone = TarShards(tmp_path, fields=tar_fields(), sequences=["tokens"]).read(indices)
+    """Workers decode in parallel and put the samples back in order. They are forked from a reader that has
+    a shard open already (it read sample 0 to learn the streams), so they share that file and its offset:
+    reads by position keep one worker's read from moving another's."""
+    write_tar_shards(tmp_path, [400, 37])
+    reader = TarShards(tmp_path, fields=tar_fields(), sequences=["tokens"])
     with TarShards(tmp_path, fields=tar_fields(), sequences=["tokens"], num_workers=2) as workers:
-        together = workers.read(indices)
         assert workers.benefits_from_read_ahead and workers.read_ahead_minibatches == 2
-    assert torch.equal(alone["id"], together["id"]) and torch.equal(alone["features"], together["features"])
-    assert torch.equal(alone["tokens"].data, together["tokens"].data)
+        for seed in range(6):  # the first shard's samples, many at once: both workers in the same file
+            indices = np.random.default_rng(seed).permutation(400)[:300]
+            alone, together = reader.read(indices), workers.read(indices)
+            assert torch.equal(alone["id"], together["id"]) and torch.equal(together["id"], torch.from_numpy(indices))
+            assert torch.equal(alone["features"], together["features"])
+            assert torch.equal(alone["tokens"].data, together["tokens"].data)
