@@ -139,8 +139,32 @@ def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learne
                                           {key: value for key, value in expected_identity.items() if key != DEFAULTS_KEY},
                                           defaults=defaults)
     if difference:
+        shards = _changed_shards(saved.get("train_data"), expected_identity.get("train_data"))
+        if shards:
+            raise CheckpointError(f"checkpoint {path} was written for other training shards: {shards}; restore onto "
+                                  f"the shards it read (the same files, rows and names), or start a new run directory "
+                                  f"(run_dir=...) to train on these")
         raise CheckpointError(f"checkpoint {path} belongs to another configuration: {difference}; "
                               f"restore with the same settings or use a new run directory")
+
+
+def _changed_shards(saved: Any, current: Any) -> str:
+    """The shards whose rows differ between two identities of sharded data (``ParquetShards``, ``TarShards``), as
+    ``part-1.parquet: 48 rows then, 47 now; part-9.parquet: missing now``; "" when the shards did not change."""
+    saved = saved.get("shards") if isinstance(saved, dict) else None
+    current = current.get("shards") if isinstance(current, dict) else None
+    if not isinstance(saved, dict) or not isinstance(current, dict) or saved == current:
+        return ""
+    changes = []
+    for name in sorted(set(saved) | set(current)):
+        if name not in current:
+            changes.append(f"{name}: {saved[name]:,} rows then, missing now")
+        elif name not in saved:
+            changes.append(f"{name}: new, {current[name]:,} rows")
+        elif saved[name] != current[name]:
+            changes.append(f"{name}: {saved[name]:,} rows then, {current[name]:,} now")
+    shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+    return f"{len(changes)} shard{'s' if len(changes) != 1 else ''} changed ({shown})"
 
 
 def describe_model_mismatch(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> str | None:
