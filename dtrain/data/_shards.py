@@ -1,15 +1,17 @@
 """What the shard readers share: finding the shard files, naming them, and an optional library's import."""
 from __future__ import annotations
 
+import collections
 import glob
 import importlib
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 
 from dtrain.data.errors import DataError
 
-__all__ = ["expand_shards", "require", "shard_names"]
+__all__ = ["RecentlyUsed", "expand_shards", "require", "shard_names"]
 
 
 def require(module: str, extra: str, what: str):
@@ -60,3 +62,37 @@ def shard_names(files: list[Path]) -> list[str]:
     move; its shards' names and lengths may not change)."""
     root = Path(os.path.commonpath([str(file.resolve().parent) for file in files]))
     return [str(file.resolve().relative_to(root)) for file in files]
+
+
+class RecentlyUsed:
+    """The values of the last ``capacity`` keys asked for, made on first use: what a shard reader keeps of the
+    shards being read (decoded row groups, tar indexes, open files). Thread-safe (the source's read-ahead thread
+    reads); a value is made outside the lock, and ``close`` is called on each value dropped. Pickles empty."""
+
+    def __init__(self, capacity: int, close: Callable | None = None):
+        self.capacity, self.close = capacity, close
+        self._values: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, make: Callable):
+        with self._lock:
+            if key in self._values:
+                self._values.move_to_end(key)
+                return self._values[key]
+        value = make()
+        with self._lock:
+            self._values[key] = value
+            while len(self._values) > self.capacity:
+                dropped = self._values.popitem(last=False)[1]
+                if self.close is not None:
+                    self.close(dropped)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getstate__(self) -> dict:
+        return {"capacity": self.capacity, "close": self.close}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)

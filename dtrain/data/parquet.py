@@ -14,17 +14,15 @@ the shards have one, else from reading that column once when the reader is made)
 """
 from __future__ import annotations
 
-import collections
 import json
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dtrain.data._shards import expand_shards, require, shard_names
+from dtrain.data._shards import RecentlyUsed, expand_shards, require, shard_names
 from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences, StreamInfo
 
@@ -65,8 +63,8 @@ class ParquetShards:
                  decoders: Mapping[str, Callable] | None = None, defining_stream: str | None = None,
                  randomization_window_in_chunks: int = 16):
         self.pa = require("pyarrow", "parquet", "ParquetShards")
-        self._open_arrow: dict[Path, _Batches] = {}
-        self._open_parquet: dict[Path, object] = {}
+        self._open_arrow = RecentlyUsed(8)
+        self._open_parquet = RecentlyUsed(8)  # closed once dropped and no read holds it
         self.files = _shard_files(paths)
         self.names = shard_names(self.files)
         self._num_classes = dict(num_classes or {})
@@ -97,9 +95,7 @@ class ParquetShards:
             if name not in self.columns:
                 raise DataError(f"ParquetShards: column {name!r} is not among the streams read "
                                 f"({', '.join(self.columns)})")
-        self._cache: collections.OrderedDict[int, dict] = collections.OrderedDict()
-        self._cache_size = self.randomization_window_in_chunks + 4
-        self._lock = threading.Lock()
+        self._cache = RecentlyUsed(self.randomization_window_in_chunks + 4)  # decoded row groups of about a window
         self.streams = {name: self._stream_info(name) for name in self.columns}
         self._lengths = {name: self._read_lengths(name) for name, info in self.streams.items() if info.is_sequence}
 
@@ -121,22 +117,12 @@ class ParquetShards:
         """The open Parquet file (its footer parsed once; the last few files are kept open)."""
         import pyarrow.parquet as pq
 
-        opened = self._open_parquet.get(path)
-        if opened is None:
-            opened = self._open_parquet[path] = pq.ParquetFile(path)
-            while len(self._open_parquet) > 8:
-                self._open_parquet.pop(next(iter(self._open_parquet))).close()
-        return opened
+        return self._open_parquet.get(path, lambda: pq.ParquetFile(path))
 
     def _arrow_batches(self, path: Path):
         """An Arrow IPC file or stream (``datasets`` writes streams), memory-mapped: its batches cost no copy.
         The last few files' batches are kept (a stream's batches are found by walking its headers)."""
-        opened = self._open_arrow.get(path)
-        if opened is None:
-            opened = self._open_arrow[path] = self._walk_arrow(path)
-            while len(self._open_arrow) > 8:
-                self._open_arrow.pop(next(iter(self._open_arrow)))
-        return opened
+        return self._open_arrow.get(path, lambda: self._walk_arrow(path))
 
     def _walk_arrow(self, path: Path):
         source = self.pa.memory_map(str(path), "r")
@@ -235,21 +221,15 @@ class ParquetShards:
 
     def _chunk_table(self, chunk: int):
         """The streams' columns of one chunk, decoded once and kept while the window reads them."""
-        with self._lock:
-            table = self._cache.get(chunk)
-            if table is not None:
-                self._cache.move_to_end(chunk)
-                return table
+        return self._cache.get(chunk, lambda: self._checked_chunk(chunk))
+
+    def _checked_chunk(self, chunk: int):
         table = self._read_chunk(chunk, self.columns)
         if table.num_rows != self._chunk_sizes[chunk]:
             file_index, group = self._chunks[chunk]
             raise DataError(f"ParquetShards: row group {group} of shard {self.files[file_index]} holds "
                             f"{table.num_rows} rows, the index {int(self._chunk_sizes[chunk])}: the shard changed "
                             f"while it was read")
-        with self._lock:
-            self._cache[chunk] = table
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
         return table
 
     def read(self, indices: np.ndarray) -> dict[str, torch.Tensor | Sequences]:
@@ -286,14 +266,11 @@ class ParquetShards:
         return _flat_numbers(column, info).reshape(len(column), *info.shape)
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.update(pa=None, _cache=collections.OrderedDict(), _lock=None, _open_arrow={}, _open_parquet={})
-        return state
+        return {**self.__dict__, "pa": None}  # the caches pickle empty
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.pa = require("pyarrow", "parquet", "ParquetShards")
-        self._lock = threading.Lock()
 
 
 class _Batches:

@@ -14,18 +14,16 @@ the data set. Making the reader walks every shard's headers once (no data is rea
 """
 from __future__ import annotations
 
-import collections
 import os
 import re
 import tarfile
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dtrain.data._shards import expand_shards, require, shard_names
+from dtrain.data._shards import RecentlyUsed, expand_shards, require, shard_names
 from dtrain.data.dataset import DatasetDeserializer
 from dtrain.data.errors import DataError
 
@@ -79,29 +77,22 @@ class _TarSamples(torch.utils.data.Dataset):
     def _setup(self) -> None:
         autodecode = require("webdataset", "webdataset", "TarShards").autodecode
         self._decoder = autodecode.Decoder([autodecode.imagehandler(self.decode_spec)])
-        self._indexes: collections.OrderedDict[int, _ShardIndex] = collections.OrderedDict()
-        self._handles: collections.OrderedDict[int, object] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._indexes = RecentlyUsed(self.keep)  # the tar indexes of about a window of shards
+        self._handles = RecentlyUsed(self.keep)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def index(self, shard: int) -> _ShardIndex:
         """Shard ``shard``'s index, kept for the last ``keep`` shards read."""
-        with self._lock:
-            index = self._indexes.get(shard)
-            if index is not None:
-                self._indexes.move_to_end(shard)
-                return index
+        return self._indexes.get(shard, lambda: self._checked_index(shard))
+
+    def _checked_index(self, shard: int) -> _ShardIndex:
         index = _ShardIndex(self.files[shard])
         expected = int(self.starts[shard + 1] - self.starts[shard])
         if len(index.keys) != expected:
             raise DataError(f"TarShards: shard {self.files[shard]} holds {len(index.keys)} samples, {expected} when "
                             f"the reader was made: it changed while it was read")
-        with self._lock:
-            self._indexes[shard] = index
-            while len(self._indexes) > self.keep:
-                self._indexes.popitem(last=False)
         return index
 
     def raw(self, position: int) -> dict:
@@ -110,23 +101,19 @@ class _TarSamples(torch.utils.data.Dataset):
         index = self.index(shard)
         row = position - int(self.starts[shard])
         sample = {"__key__": index.keys[row], "__url__": str(self.files[shard])}
-        with self._lock:
-            handle = self._handles.get(shard)
-            if handle is None:
-                handle = self._handles[shard] = open(self.files[shard], "rb")  # noqa: SIM115 - kept open, closed on eviction
-                while len(self._handles) > self.keep:
-                    self._handles.popitem(last=False)[1].close()
-            for name, extensions in self.fields.items():
-                found = next((extension for extension in extensions if extension in index.fields[row]), None)
-                if found is None:
-                    raise self.missing_field(shard, index, row, name)
-                offset, size = index.fields[row][found]
-                # a positional read: worker processes forked from the reader share its open files, and so their offsets
-                data = os.pread(handle.fileno(), size, offset)
-                if len(data) != size:
-                    raise DataError(f"TarShards: shard {self.files[shard]} ends inside sample {index.keys[row]!r} "
-                                    f"(truncated)")
-                sample[found] = data
+        # kept open while its shard is read; closed once dropped and no reader holds it (never under a reader's feet)
+        handle = self._handles.get(shard, lambda: open(self.files[shard], "rb"))  # noqa: SIM115
+        for name, extensions in self.fields.items():
+            found = next((extension for extension in extensions if extension in index.fields[row]), None)
+            if found is None:
+                raise self.missing_field(shard, index, row, name)
+            offset, size = index.fields[row][found]
+            # a positional read: worker processes forked from the reader share its open files, and so their offsets
+            data = os.pread(handle.fileno(), size, offset)
+            if len(data) != size:
+                raise DataError(f"TarShards: shard {self.files[shard]} ends inside sample {index.keys[row]!r} "
+                                f"(truncated)")
+            sample[found] = data
         return sample
 
     def missing_field(self, shard: int, index: _ShardIndex, row: int, name: str) -> DataError:
@@ -179,8 +166,7 @@ class _TarSamples(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_decoder", "_indexes", "_handles", "_lock"):
-            state.pop(name)
+        state.pop("_decoder")  # made again by _setup; the caches pickle empty
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -120,7 +120,7 @@ def test_a_minibatch_reads_from_one_window_and_the_reader_keeps_about_a_window(t
     while (minibatch := source.next_minibatch(32)) is not None:
         chunks = set(order.chunk_of(minibatch["id"].numpy()).tolist())
         per_window.append(len(chunks))
-        assert len(data._cache) <= data._cache_size
+        assert len(data._cache) <= data._cache.capacity == 4 + 16
     assert max(per_window) <= 2 * 5  # a window of 4 chunks (it closes at the chunk that fills it), two at a boundary
     assert source.randomization_window == -(-800 * 4 // 60)
 
