@@ -14,6 +14,7 @@ the data set. Making the reader walks every shard's headers once (no data is rea
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import tarfile
@@ -174,12 +175,34 @@ class _TarSamples(torch.utils.data.Dataset):
         self._setup()
 
 
+def _shard_list(paths) -> list[tuple[Path, int]] | None:
+    """``(shard, samples)`` from a JSON shard list (``paths`` one ``.json`` file), else None."""
+    if not isinstance(paths, (str, os.PathLike)) or not str(paths).endswith(".json"):
+        return None
+    path = Path(paths).expanduser()
+    try:
+        listed = json.loads(path.read_text())["shardlist"]
+        shards = [(path.parent / entry["url"], int(entry["nsamples"])) for entry in listed]
+    except OSError as error:
+        raise DataError(f"TarShards: shard list {path} cannot be read ({error.strerror})") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise DataError(f"TarShards: shard list {path} is not a JSON shard list ({{\"shardlist\": [{{\"url\": ..., "
+                        f"\"nsamples\": ...}}]}}: {error})") from None
+    if not shards:
+        raise DataError(f"TarShards: shard list {path} names no shard")
+    missing = next((shard for shard, _ in shards if not shard.is_file()), None)
+    if missing is not None:
+        raise DataError(f"TarShards: shard {missing} of shard list {path} does not exist")
+    return shards
+
+
 class TarShards(DatasetDeserializer):
     """WebDataset tar shards as named streams (``docs/data.md#sharded-data``), chunked by shard.
 
     Args:
         paths: the ``.tar`` shards: files, directories (their ``.tar`` files by name), glob patterns, or a
-            list of them.
+            list of them; or a JSON shard list (``save_shard_list``, webdataset's ``wids`` format), which saves
+            counting every shard's samples at start-up (a shard is checked against it when it is first read).
         fields: stream -> the extensions that hold it, webdataset's way (``{"image": "jpg;png", "label": "cls"}``);
             default: every extension of the first sample, each its own stream.
         decode: webdataset's image spec for image fields (``torchrgb``: float CHW in [0, 1]; ``rgb8``: uint8 HWC, ...).
@@ -201,16 +224,18 @@ class TarShards(DatasetDeserializer):
                  num_classes: Mapping[str, int] | None = None, num_workers: int = 0, worker_type: str = "process",
                  defining_stream: str | None = None, randomization_window_in_chunks: int = 32):
         require("webdataset", "webdataset", "TarShards")
-        files = expand_shards(paths, (".tar",), "TarShards")
+        listed = _shard_list(paths)
+        files = [path for path, _ in listed] if listed else expand_shards(paths, (".tar",), "TarShards")
         self.files, self.names = files, shard_names(files)
         self.randomization_window_in_chunks = int(randomization_window_in_chunks)
-        counts, first = [], None
-        for path in files:
-            index = _ShardIndex(path)
-            if not index.keys:
-                raise DataError(f"TarShards: shard {path} holds no samples (no member named KEY.EXTENSION)")
-            counts.append(len(index.keys))
-            first = first or index
+        first = _ShardIndex(files[0])
+        counts = [count for _, count in listed] if listed else [len(_ShardIndex(path).keys) for path in files]
+        empty = next((path for path, count in zip(files, counts) if count < 1), None)
+        if empty is not None:
+            raise DataError(f"TarShards: shard {empty} holds no samples (no member named KEY.EXTENSION)")
+        if listed and len(first.keys) != counts[0]:
+            raise DataError(f"TarShards: shard {files[0]} holds {len(first.keys)} samples, its shard list "
+                            f"{paths} says {counts[0]}; write the list again (TarShards.save_shard_list)")
         if fields is None:
             fields = {extension.replace(".", "_"): (extension,) for extension in first.fields[0]}
         else:
@@ -221,7 +246,7 @@ class TarShards(DatasetDeserializer):
                               keep=self.randomization_window_in_chunks + 4)
         sequence_names = [sequences] if isinstance(sequences, str) else list(sequences)
         lengths = {name: self._npy_lengths(samples, name) for name in sequence_names
-                   if all(extension == "npy" for extension in fields.get(name, ()))}
+                   if all(extension.split(".")[-1] == "npy" for extension in fields.get(name, ()))}
         super().__init__(samples, sequences=sequence_names, lengths=lengths, num_classes=num_classes,
                          num_workers=num_workers, worker_type=worker_type, defining_stream=defining_stream)
 
@@ -233,6 +258,17 @@ class TarShards(DatasetDeserializer):
     def chunk_sizes(self) -> np.ndarray:
         """Samples of each shard, in data-set order: the source's chunks."""
         return self._counts
+
+    def save_shard_list(self, path) -> None:
+        """Writes the shards and their samples as a JSON shard list (webdataset's ``wids`` format: ``shardlist``
+        of ``url`` and ``nsamples``, urls relative to the list's directory), which ``TarShards(path)`` reads
+        instead of counting every shard's samples at start-up."""
+        path = Path(path)
+        base = path.resolve().parent
+        shards = [{"url": os.path.relpath(file.resolve(), base), "nsamples": int(count)}
+                  for file, count in zip(self.files, self._counts)]
+        path.write_text(json.dumps({"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": shards},
+                                   indent=1))
 
     def checkpoint_identity(self) -> dict:
         """Each shard's name and samples, and the streams: a checkpoint resumes only on the same samples."""

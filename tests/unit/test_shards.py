@@ -335,3 +335,30 @@ def test_tar_shards_read_by_worker_processes_equal_the_reading_process(tmp_path)
             assert torch.equal(alone["id"], together["id"]) and torch.equal(together["id"], torch.from_numpy(indices))
             assert torch.equal(alone["features"], together["features"])
             assert torch.equal(alone["tokens"].data, together["tokens"].data)
+
+
+def test_a_json_shard_list_replaces_counting_at_start_up_and_a_wrong_count_is_named(tmp_path):
+    import json
+
+    write_tar_shards(tmp_path / "shards", shard_sizes())
+    counted = TarShards(tmp_path / "shards", fields=tar_fields(), sequences=["tokens"])
+    counted.save_shard_list(tmp_path / "list.json")
+    listed = json.loads((tmp_path / "list.json").read_text())["shardlist"]
+    assert [entry["nsamples"] for entry in listed] == shard_sizes() and listed[0]["url"] == "shards/shard-00000.tar"
+    from_list = TarShards(tmp_path / "list.json", fields=tar_fields(), sequences=["tokens"])
+    assert np.array_equal(from_list.chunk_sizes(), counted.chunk_sizes())
+    assert from_list.checkpoint_identity() == counted.checkpoint_identity()
+    indices = np.arange(from_list.num_sequences)[::7]
+    assert torch.equal(from_list.read(indices)["id"], torch.from_numpy(indices))
+
+    listed[2]["nsamples"] += 1  # a list that no longer fits its shards: named when that shard is read
+    (tmp_path / "wrong.json").write_text(json.dumps({"shardlist": listed}))
+    wrong = TarShards(tmp_path / "wrong.json", fields={"id": "cls"})
+    with pytest.raises(DataError) as error:
+        wrong.read(np.array([sum(shard_sizes()[:2]) + 1]))
+    assert "shard-00002.tar holds 59 samples, 60 when the reader was made" \
+        in one_line(error)
+    (tmp_path / "bad.json").write_text('{"shards": []}')
+    with pytest.raises(DataError) as error:
+        TarShards(tmp_path / "bad.json")
+    assert one_line(error).startswith(f"TarShards: shard list {tmp_path / 'bad.json'} is not a JSON shard list")
