@@ -55,6 +55,13 @@ def test_shards_that_are_missing_lack_a_column_or_are_damaged_are_one_line(shard
     assert f"has no column 'tokens'; it has text" in refused.stderr.strip().splitlines()[-1], refused.stderr
     assert not (tmp_path / "run").exists()
 
+    refused = run_dtrain("+recipe=shakespeare_char", "source=char_parquet", f"source.data_dir={shards / 'parquet'}",
+                         "session.target=labels", f"run_dir={tmp_path / 'run'}", *SHORT, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "labels" in refused.stderr.strip().splitlines()[-1] and "text" in refused.stderr.strip().splitlines()[-1], \
+        refused.stderr
+    assert not (tmp_path / "run").exists()
+
     damaged = tmp_path / "damaged"
     (damaged / "train").mkdir(parents=True)
     for shard in sorted((shards / "tar" / "train").glob("*.tar")):
