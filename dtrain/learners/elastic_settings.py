@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from dtrain import checks
+from dtrain.rules import StrictBool
+
 #: the learner targets an elastic run accepts (their groups meet only at syncs)
 ELASTIC_TARGETS = {"dtrain.learners.LocalSGDLearner": "local_sgd", "dtrain.learners.DiLoCoLearner": "diloco",
                    "dtrain.learners.block_momentum_distributed_learner": "block_momentum"}
@@ -14,7 +17,7 @@ ELASTIC_TARGETS = {"dtrain.learners.LocalSGDLearner": "local_sgd", "dtrain.learn
 
 @dataclass
 class FaultToleranceConfig:
-    enabled: bool = False           # this process is one replica group of an elastic job
+    enabled: StrictBool = False     # this process is one replica group of an elastic job
     lighthouse: str = ""            # http://HOST:PORT of the Lighthouse (python -m dtrain.lighthouse); "": $TORCHFT_LIGHTHOUSE
     replica_id: str = ""            # this group's name, unique in the job (a restarted group keeps its name)
     min_groups: int = 1             # a sync commits only with at least this many groups
@@ -30,7 +33,13 @@ def lighthouse_address(section: DictConfig) -> str:
 def fault_tolerance_problems(cfg: DictConfig) -> list[str]:
     """One line per reason the config cannot run elastic (empty when it is off, or can)."""
     section = cfg.get("fault_tolerance")
-    if section is None or not section.enabled:
+    if section is None:
+        return []
+    try:
+        enabled = checks.boolean("fault_tolerance.enabled", section.enabled)
+    except (TypeError, ValueError) as error:
+        return [str(error)]
+    if not enabled:
         return []
     prefix = "fault_tolerance.enabled=true"
     problems = []

@@ -51,3 +51,10 @@ def test_a_learner_built_by_hand_is_refused_the_same_way():
     assert elastic_problems(LocalSGDLearner(torch.optim.SGD(model.parameters(), lr=0.1), block_size=32,
                                             distributed_after=0)) == []
     assert not hasattr(DataParallelLearner, "make_elastic")
+
+
+@pytest.mark.parametrize("value", [1, "yes", "true"])
+def test_the_switch_is_true_or_false(value):
+    cfg = config()
+    cfg.fault_tolerance.enabled = value
+    assert fault_tolerance_problems(cfg) == [f"fault_tolerance.enabled={value!r}: expected true or false"]
