@@ -217,6 +217,8 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     optimizer_factory = _instantiate(cfg.optimizer, "optimizer")
     optimizer = optimizer_factory(optimizer_parameters(optimizer_factory, model))  # LARS, LAMB: norm/bias groups
     learner = _instantiate(cfg.learner, "learner", optimizer=optimizer, comm=comm)
+    if cfg.get("fault_tolerance") is not None and cfg.fault_tolerance.enabled:
+        _make_elastic(learner, cfg.fault_tolerance)
     train_source = _instantiate(cfg.source.train, f"source.train (data.root={cfg.data.root})")
     cv_source = _instantiate(cfg.source.cv, "source.cv") if cfg.source.cv is not None else None
     test_source = cv_source if _same_data(cfg.source.test, cfg.source.cv) else \
@@ -253,6 +255,21 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
     if result.preempted:
         exit_preempted(comm, cfg, result, sweep_dir=job.sweep_dir if job is not None else None)
     return result.objective
+
+
+def _make_elastic(learner, section) -> None:
+    """Makes ``learner`` one replica group of an elastic job (``fault_tolerance.enabled``); a learner that cannot be
+    is refused in one line before the Lighthouse is contacted."""
+    from dtrain.learners.block import BlockLearner, elastic_problems
+    from dtrain.learners.elastic import ElasticGroups
+    from dtrain.learners.elastic_settings import lighthouse_address
+
+    problems = elastic_problems(learner) if isinstance(learner, BlockLearner) else \
+        [f"fault_tolerance.enabled=true: learner {type(learner).__name__} is not elastic yet"]
+    if problems:
+        raise UserError(problems[0])
+    learner.make_elastic(ElasticGroups(lighthouse_address(section), section.replica_id, section.min_groups,
+                                       section.timeout_s, section.quorum_timeout_s))
 
 
 def _same_data(test, cv) -> bool:

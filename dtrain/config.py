@@ -30,6 +30,7 @@ from dtrain import checks
 from dtrain.comm.settings import CommConfig, comm_problems
 from dtrain.data.settings import SourceConfig
 from dtrain.exchange import settings as _exchange_settings  # noqa: F401 -- registers its schemas
+from dtrain.learners.elastic_settings import FaultToleranceConfig, fault_tolerance_problems
 from dtrain.learners.settings import RETIRED, retired_setting
 from dtrain.models import settings as _model_settings  # noqa: F401 -- registers its schemas
 from dtrain.optim import settings as _optim_settings  # noqa: F401 -- registers its schemas
@@ -70,6 +71,8 @@ class DTrainConfig:
     source: SourceConfig = MISSING
     session: SessionConfig = field(default_factory=SessionConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    # an elastic run: this process is one replica group on torchft (docs/fault-tolerance.md)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     data: DataConfig = field(default_factory=DataConfig)
     recipe: Any = None
     loss: Any = MISSING                 # conf/loss: loss(output, labels) -> mean over the minibatch
@@ -224,6 +227,7 @@ def validate(cfg: DictConfig, *, check_run_dir: bool = True) -> list[str]:
     run(lambda: batchnorm_setting_problems(cfg.session), "session")
     run(lambda: _epoch_size_problems(cfg), "session.epoch_size")
     run(lambda: comm_problems(cfg.comm), "comm")
+    run(lambda: fault_tolerance_problems(cfg), "fault_tolerance")
     run(lambda: _check(cfg, "", ("seed", checks.whole_number, {"low": 0})), "seed")
     if check_run_dir:
         run(lambda: run_dir_problems(cfg.run_dir), "run_dir")

@@ -177,6 +177,10 @@ class Learner(abc.ABC):
             return self.comm.size, self.comm.rank
         return 1, 0
 
+    def attach_source(self, source) -> None:
+        """Told the training source by ``training_session`` before :meth:`prepare`; nothing here (an elastic block
+        learner reads a discarded block again from it)."""
+
     def plan(self, facts: RunFacts) -> None:
         """Told the run's facts once before :meth:`prepare` (``training_session`` calls it).
 

@@ -180,6 +180,10 @@ class BlockLearner(Learner):
         self._num_parameter_elements = 0
         self._scratch: torch.Tensor | None = None  # [W or d_i | floating-point buffers]
         self._met = True  # the last step ended with the ranks meeting (see is_sync_point)
+        # -- an elastic run (make_elastic): the torchft replica groups this process is one of
+        self.elastic = None
+        self._source = None  # the training source (attach_source): an elastic run rewinds it
+        self._contributors = 0  # an elastic sync's models summed into D
         # -- statistics of the last sync (the session reads them)
         self.exchange_seconds_last_step = 0.0  # seconds in the last step's exchange (0.0: no sync in that step)
         self._bytes_sent_last_sync = 0
@@ -198,6 +202,31 @@ class BlockLearner(Learner):
         self.sync_period = block_size // num_workers  # per-worker samples between syncs (CNTK)
 
     # -- the outer step, and what a subclass may change -----------------------------------------------
+    # -- elastic runs ---------------------------------------------------------------------------------
+    def make_elastic(self, groups) -> None:
+        """Makes this learner one replica group of an elastic job (:mod:`dtrain.learners.elastic`): its syncs are
+        rounds of torchft's quorum, each block's minibatches split among the groups of the last round.
+
+        Raises:
+            ValueError: a setting an elastic run cannot honour yet, in one line that says which and why.
+        """
+        problems = elastic_problems(self)
+        if problems:
+            raise ValueError(problems[0])
+        self.elastic = groups
+        groups.learner = self
+
+    def attach_source(self, source) -> None:
+        """Told the training source by the session: an elastic run reads a discarded block again from it, and a
+        joiner takes its position from a peer."""
+        self._source = source
+
+    def data_partition(self) -> tuple[int, int]:
+        """The base's, or in an elastic run this group's share of the block: ``(groups of the plan, its index)``."""
+        if self.elastic is not None:
+            return self.elastic.partition
+        return super().data_partition()
+
     def default_outer_optimizer(self) -> OuterOptimizerFactory:
         """The outer optimizer when none is given: torch's SGD at lr 1, ``W = W_prev - D / N``, the workers'
         mean model (local SGD)."""
@@ -213,18 +242,23 @@ class BlockLearner(Learner):
         optimizer's step with the gradient ``D / outer_comm.size`` (``D`` where it ``sums_deltas``)."""
         optimizer = self.outer_optimizer
         if not getattr(optimizer, "sums_deltas", False):
-            total_delta = total_delta.div_(self.outer_comm.size)  # g = mean_i (W_prev - W_i)
+            total_delta = total_delta.div_(self.sync_contributors())  # g = mean_i (W_prev - W_i)
         self.prev_parameters.grad = total_delta
         try:
             optimizer.step()
         finally:
             self.prev_parameters.grad = None
 
+    def sync_contributors(self) -> int:
+        """The models summed into ``D`` at a sync: ``outer_comm.size``, or an elastic sync's groups."""
+        return self._contributors if self.elastic is not None else self.outer_comm.size
+
     def set_sync_facts(self, samples_in_block: int | None = None) -> None:
         """Tells the outer optimizer a block's facts (:data:`~dtrain.learners.outer.SYNC_FACTS`) where it reads them:
         this block's samples unless ``samples_in_block`` is given (the block an overlapped step belongs to)."""
         samples = self.global_samples_in_block if samples_in_block is None else samples_in_block
-        facts = {"workers": self.comm.size, "samples_in_block": samples}
+        facts = {"workers": self._contributors if self.elastic is not None else self.comm.size,
+                 "samples_in_block": samples}
         for group in self.outer_optimizer.param_groups:
             for key in SYNC_FACTS:
                 if key in group:
@@ -380,6 +414,8 @@ class BlockLearner(Learner):
     def progress_note(self) -> str:
         """Bytes this rank sent in the last sync, and with a compressing strategy the saving
         against a float32 all-reduce; empty before the first sync."""
+        if self.elastic is not None:
+            return f"elastic: {self.elastic.participants} groups, {self.elastic.discards} blocks discarded"
         if not self._bytes_sent_last_sync:
             return ""
         note = f"{self.exchange.name}: {self._bytes_sent_last_sync / 1e3:,.0f} kB sent/sync"
@@ -429,6 +465,12 @@ class BlockLearner(Learner):
             self._restored_outer = None
         if self._overlap is not None:
             self._overlap.start_blocks()  # progress measured from W_prev
+        if self.elastic is not None:
+            if self._source is None:
+                raise RuntimeError("an elastic learner rewinds its training source: call learner.attach_source("
+                                   "source) before prepare() (training_session does)")
+            self.elastic.model, self.elastic.source = model, self._source
+            self.elastic.join()  # healed from a live peer when the job is running
 
     def apply_update(self) -> None:
         """The local optimizer step, then the block logic (a sync when the block is complete).
@@ -448,8 +490,10 @@ class BlockLearner(Learner):
             self.global_samples_in_block += self.global_samples
             self.largest_share_in_block += -(-self.global_samples // self.comm.size)
             if self.largest_share_in_block >= self.sync_period:
-                self._sync()
-                self._met = True
+                self._met = self._sync(in_step=True)
+            elif self.elastic is not None and self._reaches_the_end():
+                # an elastic run's last partial block syncs inside the step: a discarded one is trained again
+                self._met = self._sync(end_of_block=False, in_step=True)
         elif self.blocks_started(after=self.global_samples):  # step() counts this minibatch when we return
             self._start_blocks()
             self._met = True
@@ -478,6 +522,11 @@ class BlockLearner(Learner):
         finally:
             for group, lr in zip(groups, configured):
                 group["lr"] = lr
+
+    def _reaches_the_end(self) -> bool:
+        """Whether this minibatch reaches the run's ``max_samples``."""
+        end = self.run_facts.max_samples
+        return bool(end) and self.samples_seen + self.global_samples >= end
 
     def is_sync_point(self) -> bool:
         """Whether the step just made ended a block (a sync, or the broadcast that starts blocks),
@@ -522,7 +571,7 @@ class BlockLearner(Learner):
         # not is_distributed(): one worker runs blocks too (CNTK resets momentum at its syncs)
         return self.samples_seen + after >= self.distributed_after
 
-    def _sync(self, end_of_block: bool = True) -> None:
+    def _sync(self, end_of_block: bool = True, in_step: bool = False) -> bool:
         """The block sync (steps 1-3 of the class docstring), on every rank at once.
 
         A sync before the block is complete (``end_of_block=False``: :meth:`synchronize` at the end
@@ -532,7 +581,13 @@ class BlockLearner(Learner):
         ``bm = exp(-n / (TC / N))`` even grows as the block shrinks): measured on the language model,
         block momentum ended 0.041 to 0.085 nats worse that way than with the last block averaged, and
         DiLoCo 0.009 (``docs/semantics.md#the-last-partial-block``).
+
+        In an elastic run the sync is a round of the replica groups (:mod:`dtrain.learners.elastic`); it returns
+        whether the block was committed (False: discarded, its samples to be read again). ``in_step``: called from
+        :meth:`apply_update`.
         """
+        if self.elastic is not None:
+            return self.elastic.round(in_step=in_step, end_of_block=end_of_block)
         scratch, parameter_count = self._scratch, self._num_parameter_elements
         model_delta = scratch[:parameter_count]
         self.flat_parameters(out=model_delta)  # W_i for now
@@ -555,6 +610,33 @@ class BlockLearner(Learner):
                 else:  # the workers' mean, the outer state kept
                     self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)
                 unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
+        self._finish_sync(end_of_block)
+        return True
+
+    def elastic_outer_step(self, contributors: int, end_of_block: bool) -> None:
+        """An elastic sync's outer step: the scratch buffer holds the sum over ``contributors`` groups of their
+        sample-weighted deltas and float buffers; every group present takes this step alike (a joiner too)."""
+        self._contributors = contributors
+        scratch, parameter_count = self._scratch, self._num_parameter_elements
+        model_delta = scratch[:parameter_count]
+        unpack(scratch[parameter_count:].div_(contributors), self._float_buffers)
+        if end_of_block:
+            self.set_sync_facts()
+            self.correct_outer_momentum()
+            self.outer_update(model_delta)
+        else:  # the groups' mean, the outer state kept
+            self.prev_parameters.sub_(model_delta, alpha=1.0 / contributors)
+        unpack(self.prev_parameters, self.parameters)
+        self._finish_sync(end_of_block)
+
+    def reset_block_counters(self) -> None:
+        """No samples in the block (a sync, or an elastic block discarded)."""
+        self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
+        self.block_lr = LearningRateTrace()
+
+    def _finish_sync(self, end_of_block: bool) -> None:
+        """The end of every sync: the block's counters, the lr the next momentum correction compares with, the
+        momentum reset, :meth:`after_sync`."""
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
         if end_of_block and self._overlap is None:  # the outer state's lr (the momentum correction's reference)
             self.previous_block_lr = self.block_lr.mean()
@@ -649,8 +731,10 @@ class BlockLearner(Learner):
         return out
 
     def finalize(self) -> None:
-        """Stops the exchange's thread, if it has one."""
+        """Stops the exchange's thread, if it has one; an elastic group leaves the job."""
         self.exchange.close()
+        if self.elastic is not None:
+            self.elastic.close()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_identity(self) -> dict[str, Any]:
@@ -761,6 +845,35 @@ class BlockLearner(Learner):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+def elastic_problems(learner: BlockLearner) -> list[str]:
+    """Why ``learner`` cannot run elastic (one line each; empty: it can)."""
+    from dtrain.learners.elastic import ELASTIC_LEARNERS
+
+    prefix = "fault_tolerance.enabled=true"
+    problems = []
+    if learner.kind not in ELASTIC_LEARNERS:
+        problems.append(f"{prefix}: learner {learner.kind!r} is not elastic yet; use one of "
+                        f"{', '.join(ELASTIC_LEARNERS)} (their groups meet only at syncs)")
+    if learner.comm.size != 1:
+        problems.append(f"{prefix}: each replica group is one process in this version, this one has "
+                        f"{learner.comm.size}; start one process per group (no mpiexec -n > 1)")
+    if not learner.exchange.lossless or learner.exchange.name != "allreduce":
+        problems.append(f"{prefix}: learner.exchange={learner.exchange.name}: elastic syncs sum the deltas in float32 "
+                        f"through torchft; a compressing strategy's residuals do not heal yet")
+    if learner.overlap:
+        problems.append(f"{prefix}: learner.overlap=true: an overlapped outer step spans two syncs, and membership "
+                        f"changes at each")
+    if learner.block_size_is_auto:
+        problems.append(f"{prefix}: learner.block_size=auto depends on the number of groups, which changes; give it "
+                        f"in samples")
+    if learner.distributed_after_is_auto or learner.distributed_after:
+        problems.append(f"{prefix}: learner.distributed_after={learner.distributed_after!r}: a warm start on one model "
+                        f"is not elastic yet; set learner.distributed_after=0")
+    if type(learner)._sync is not BlockLearner._sync or type(learner).outer_update is not BlockLearner.outer_update:
+        problems.append(f"{prefix}: learner {type(learner).__name__} has a sync of its own, which is not elastic")
+    return problems
+
+
 def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().cpu().clone()
 

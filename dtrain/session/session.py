@@ -461,6 +461,7 @@ class TrainingSession:
         self.learner.plan(RunFacts(samples_per_sweep=self.source.samples_per_sweep,
                                    max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0)),
                                    warmup_samples=self._lr_warmup_samples()))
+        self.learner.attach_source(self.source)
         self.learner.prepare(self.model)
         self.model.train()
         remove_clipping = self.learner.add_before_optimizer_step(self._clip_gradients) \

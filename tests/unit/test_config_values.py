@@ -54,6 +54,8 @@ SWITCHES = [
     ((), "session.profile.enabled"),
     ((), "session.sync_batchnorm"),
     ((), "model.batch_norm"),
+    (("learner=local_sgd", "learner.block_size=640", "learner.distributed_after=0", "session.max_samples=6400",
+      "fault_tolerance.lighthouse=http://localhost:29510", "fault_tolerance.replica_id=a"), "fault_tolerance.enabled"),
 ]
 
 #: 0 and 1 are refused too: the Python API refuses them (checks.boolean), and one rule for both means a
