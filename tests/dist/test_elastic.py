@@ -126,15 +126,17 @@ def test_a_group_killed_mid_block_then_restarted_rejoins(tmp_path):
     again by the two present). Restarted, the group rejoins by itself, heals from a live peer, and ends with the
     others' parameters bit for bit; the ledger has every sample exactly once per sweep."""
     lighthouse = Lighthouse(tmp_path)
-    max_samples = 4 * STREAM_SAMPLES
-    common = {"max_samples": max_samples, "step_seconds": 0.15}
+    # long enough that the survivors are still training when the restarted group is up (about 2.5 s to start
+    # here, more on a busy machine): a group started after the job ended would be a job of its own
+    max_samples = 8 * STREAM_SAMPLES
+    common = {"max_samples": max_samples, "step_seconds": 0.25}
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
         deadline = time.time() + 120
         while sum(event["event"] == "commit" for event in events(tmp_path, "c")) < 3:
             assert time.time() < deadline, (tmp_path / "c.log").read_text()[-3000:]
             time.sleep(0.05)
-        time.sleep(0.2)  # inside the next block (a block is two minibatches of 0.15 s here)
+        time.sleep(0.3)  # inside the next block (a block is two minibatches of 0.25 s here)
         groups["c"].send_signal(signal.SIGKILL)
         killed_at = time.time()
         groups["c"].wait()
