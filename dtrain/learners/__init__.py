@@ -12,6 +12,7 @@ from dtrain.learners.block import BlockLearner
 from dtrain.learners.block_momentum import BlockMomentumLearner, block_momentum_distributed_learner
 from dtrain.learners.diloco import DiLoCoLearner
 from dtrain.learners.data_parallel import DataParallelLearner, data_parallel_distributed_learner
+from dtrain.learners.fsdp import FSDPLearner, fsdp_learner
 from dtrain.learners.local_sgd import LocalSGDLearner
 from dtrain.learners.replicated import ReplicatedLearner
 from dtrain.learners.two_level import (
@@ -22,8 +23,8 @@ from dtrain.learners.two_level import (
 )
 
 __all__ = [
-    "Advice", "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "Learner",
+    "Advice", "BlockLearner", "BlockMomentumLearner", "DataParallelLearner", "DiLoCoLearner", "FSDPLearner", "Learner",
     "LocalLearner", "LocalSGDLearner", "ReplicatedLearner", "TwoLevelBlockMomentumLearner",
     "TwoLevelDataParallelLearner", "TwoLevelDiLoCoLearner", "TwoLevelLocalSGDLearner",
-    "block_momentum_distributed_learner", "data_parallel_distributed_learner",
+    "block_momentum_distributed_learner", "data_parallel_distributed_learner", "fsdp_learner",
 ]

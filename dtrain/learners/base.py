@@ -120,6 +120,12 @@ class Learner(abc.ABC):
     exchange: Exchange | None = None
     #: what travels through :attr:`exchange`, in the collapse advice's words (``"model changes"`` for block learners)
     exchanged: str = "gradients"
+    #: whether the model's parameters are sharded over the ranks (``learner=fsdp``): checkpoints are then written by
+    #: every rank (``dtrain.session.sharded_checkpoint``) and ``model.safetensors`` is gathered
+    shards_model: bool = False
+    #: whether every forward and backward is a collective: a rank without samples then makes an empty pass, and
+    #: every rank evaluates every share (empty ones too)
+    collective_forward: bool = False
     _kind_is_class_name = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -202,6 +208,17 @@ class Learner(abc.ABC):
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Called once before training (after any restore): e.g. broadcast parameters, add hooks."""
+
+    def shard(self, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
+        """Called once by ``training_session`` with the model, before anything else reads its parameters (the
+        checkpoint restore, the evaluation, the optimizer's steps): a learner that shards the model over its ranks
+        (``learner=fsdp``) does it here. Nothing here."""
+
+    def session_problems(self, *, precision: str, compile: bool, ema_decay: float | None,  # noqa: A002
+                         batchnorm_statistics: str) -> list[str]:
+        """The session settings this learner cannot honour, one line each (``training_session`` refuses the
+        first); none here."""
+        return []
 
     def is_sync_point(self) -> bool:
         """Whether the ranks met (communicated) in the step just made, on every rank alike.

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from dtrain import checks
-from dtrain.rules import (KeyChecks, StrictBool, fraction as _fraction, register_rule, register_schema,
+from dtrain.rules import (KeyChecks, StrictBool, fraction as _fraction, plain, register_rule, register_schema,
                           settings_problems, settings_rule)
 
 
@@ -40,6 +40,21 @@ class DataParallelLearnerConfig:
     exchange: Any = None                # learner/exchange=allreduce|bf16|fp16|quantized|powersgd
     warm_start_mode: Optional[str] = None  # a compressing exchange's warm start: allreduce (null: this) or local (CNTK's)
     freeze_variance: Any = "auto"       # Adam's variance held from the warm start's end (1-bit Adam); auto: 1-bit sums only
+
+
+@register_schema("schema/learner", "fsdp")
+@dataclass
+class FSDPLearnerConfig:
+    """``dtrain.learners.fsdp_learner``: parameters, gradients and optimizer state sharded over the ranks (FSDP2),
+    the update of ``data_parallel``."""
+
+    _target_: str = "dtrain.learners.fsdp_learner"
+    wrap: Any = "blocks"                # the units: blocks (ModuleList elements), children, or [ClassName, ...]
+    reshard_after_forward: StrictBool = True  # free gathered parameters after forward (gathered again for backward)
+    param_dtype: str = "float32"        # the dtype units compute in: float32 or bfloat16 (shards stay float32)
+    reduce_dtype: str = "float32"       # the dtype gradients are reduce-scattered in: float32 or bfloat16
+    cpu_offload: StrictBool = False     # shards, gradients and the optimizer step on the CPU (GPU runs only)
+    activation_checkpointing: StrictBool = False  # each unit's activations recomputed in backward
 
 
 @register_schema("schema/learner", "block_momentum")
@@ -158,10 +173,31 @@ BLOCK_MOMENTUM: KeyChecks = {
     "block_learning_rate": checks.positive_number,
     "use_nesterov_momentum": checks.boolean,
 }
+def _wrap_policy(name: str, value) -> Any:
+    """``learner.wrap``: ``blocks``, ``children`` or a non-empty list of module class names."""
+    value = plain(value)
+    if isinstance(value, str) and value in ("blocks", "children"):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(item, str) and item.isidentifier()
+                                                          for item in value):
+        return list(value)
+    raise ValueError(f"{name}={value!r}: expected blocks, children or a list of module class names "
+                     f"(e.g. [Block])")
+
+
+FSDP: KeyChecks = {
+    "wrap": _wrap_policy,
+    "reshard_after_forward": checks.boolean, "cpu_offload": checks.boolean,
+    "activation_checkpointing": checks.boolean,
+    "param_dtype": partial(checks.choice, choices=("float32", "bfloat16")),
+    "reduce_dtype": partial(checks.choice, choices=("float32", "bfloat16")),
+}
 DILOCO: KeyChecks = {"outer_learning_rate": checks.positive_number, "outer_momentum": _fraction(),
                      "outer_nesterov": checks.boolean}
 
 
+register_rule("dtrain.learners.fsdp_learner", settings_rule(FSDP))
+register_rule("dtrain.learners.FSDPLearner", settings_rule(FSDP))
 _distributed_after = settings_rule(DISTRIBUTED_AFTER)
 register_rule("dtrain.learners.Learner", _distributed_after)
 register_rule("dtrain.learners.LocalLearner", _distributed_after)

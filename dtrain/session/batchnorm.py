@@ -59,7 +59,8 @@ def prepare_batchnorm(model: torch.nn.Module, learner, sync_batchnorm: bool, sta
         raise ValueError(f"sync_batchnorm/batchnorm_statistics: the model is a bare {type(model).__name__}; wrap it "
                          f"in a module (e.g. torch.nn.Sequential(layer))")
     comm = learner.comm
-    if sync_batchnorm and comm.size > 1 and not isinstance(learner, ReplicatedLearner):
+    if sync_batchnorm and comm.size > 1 and not (isinstance(learner, ReplicatedLearner)
+                                                   or getattr(learner, "holds_one_model", False)):
         raise ValueError(f"sync_batchnorm=true with the {learner.kind} learner: its ranks hold different models "
                          f"between syncs, so statistics pooled over them would describe no model; use "
                          f"learner=data_parallel (or quantized), or drop sync_batchnorm (per-rank statistics)")

@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -79,11 +80,14 @@ def _parse_header(line: bytes, path: Path) -> Header:
 
 
 def read_header(path: Path) -> Header:
-    """The header of one checkpoint file (reads at most one short line).
+    """The header of one checkpoint file (reads at most one short line); of a sharded checkpoint's directory, its
+    ``dtrain.pt``'s.
 
     Raises:
         CheckpointError: unreadable, not a dtrain checkpoint, or a newer format.
     """
+    if path.is_dir():
+        path = path / _SHARDED_META
     try:
         with open(path, "rb") as stream:
             line = stream.readline(_HEADER_LIMIT)
@@ -120,7 +124,7 @@ class CheckpointFiles:
         if not self.base.parent.is_dir():
             return []
         found = [(number, path) for path in self.base.parent.iterdir()
-                 if (number := _number_in_name(self.base, path)) is not None and path.is_file()]
+                 if (number := _number_in_name(self.base, path)) is not None and (path.is_file() or path.is_dir())]
         return sorted(found)
 
     def by_content(self, warn: bool = True) -> list[tuple[int, Path]]:
@@ -159,7 +163,7 @@ class CheckpointFiles:
             return []
         doomed = [path for _, path in self.by_content(warn=False)[:-keep_last]]
         for path in doomed:
-            path.unlink(missing_ok=True)
+            _remove(path)
         return doomed
 
     def strays(self) -> list[Path]:
@@ -185,14 +189,22 @@ class CheckpointFiles:
         if not self.base.parent.is_dir():
             return []
         pattern = re.compile(r"\." + re.escape(self.base.stem) + r"-\d+" + re.escape(self.base.suffix) + r"\..+\.tmp")
-        return sorted(p for p in self.base.parent.iterdir() if pattern.fullmatch(p.name) and p.is_file())
+        return sorted(p for p in self.base.parent.iterdir() if pattern.fullmatch(p.name) and (p.is_file() or p.is_dir()))
 
     def remove_temporaries(self) -> list[Path]:
         """Deletes the temporaries of writes that were killed; call only while no write of this run is running."""
         removed = self.temporaries()
         for path in removed:
-            path.unlink(missing_ok=True)
+            _remove(path)
         return removed
+
+
+def _remove(path: Path) -> None:
+    """A checkpoint file, or a sharded checkpoint's directory, deleted."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def kept_note(previous: Path | None) -> str:
@@ -265,6 +277,8 @@ def load(path: str | Path) -> dict[str, Any]:
             and plain containers (refused as unsafe).
     """
     path = Path(path)
+    if path.is_dir():
+        return _load_sharded(path)
     try:
         with open(path, "rb") as stream:
             header = _parse_header(stream.readline(_HEADER_LIMIT), path)
@@ -298,6 +312,28 @@ def load(path: str | Path) -> dict[str, Any]:
     if header.samples_seen is not None and state.get("samples_seen") != header.samples_seen:
         raise _damaged(path, f"the header records {header.samples_seen} samples, the content "
                              f"{state.get('samples_seen')!r}")
+    return state
+
+
+#: a sharded checkpoint's file of everything but the tensors (``dtrain.session.sharded_checkpoint.META``)
+_SHARDED_META = "dtrain.pt"
+
+
+def _load_sharded(directory: Path) -> dict[str, Any]:
+    """A sharded checkpoint's ``dtrain.pt``, read and verified as one file is, after every DCP file it lists is
+    checked against its byte count and checksum; ``state["sharded"]["directory"]`` says where the tensors are."""
+    from dtrain.session.sharded_checkpoint import verify
+
+    if not (directory / _SHARDED_META).is_file():
+        raise _damaged(directory, f"a sharded checkpoint without its {_SHARDED_META}: not completely written")
+    state = load(directory / _SHARDED_META)
+    sharded = state.get("sharded")
+    if not isinstance(sharded, dict) or not isinstance(sharded.get("files"), dict):
+        raise _damaged(directory, f"its {_SHARDED_META} lists no sharded files")
+    problem = verify(directory, sharded["files"])
+    if problem is not None:
+        raise _damaged(directory, problem)
+    sharded["directory"] = str(directory.resolve())
     return state
 
 

@@ -64,10 +64,19 @@ def source_identity(source: UserMinibatchSource) -> dict[str, Any]:
     return own if own is not None else {"source": _qualified_name(source)}
 
 
+def _model_type(model: torch.nn.Module) -> str:
+    """The model's class, as written; a model sharded by FSDP2 (its class ``FSDP<Name>``, made on the fly) by the
+    class it was made from, so sharded and replicated runs of one model restore each other's checkpoints."""
+    kind = type(model)
+    if kind.__module__.startswith("torch.distributed.fsdp"):
+        kind = kind.__bases__[-1]
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
 def identity(model: torch.nn.Module, learner, source, extra: dict | None) -> dict[str, Any]:
     """The settings a checkpoint must match: model type, learner, optimizer type, training data,
     and ``extra`` (the caller's own, e.g. the model's config and the seed)."""
-    return {"model_type": _qualified_name(model), "learner": learner_identity(learner),
+    return {"model_type": _model_type(model), "learner": learner_identity(learner),
             "train_data": source_identity(source), **(extra or {})}
 
 
@@ -122,6 +131,7 @@ def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learne
     for key in REQUIRED_KEYS:
         if key not in state:
             raise CheckpointError(f"checkpoint {path} lacks '{key}': it was not written by this dtrain")
+    state = interchanged(state, learner)
     mismatch = describe_model_mismatch(model, state["model"])
     if mismatch:
         raise CheckpointError(f"checkpoint {path} does not fit this model: {mismatch}")
@@ -146,6 +156,26 @@ def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learne
                                   f"(run_dir=...) to train on these")
         raise CheckpointError(f"checkpoint {path} belongs to another configuration: {difference}; "
                               f"restore with the same settings or use a new run directory")
+
+
+def interchanged(state: dict[str, Any], learner) -> dict[str, Any]:
+    """``state`` as ``learner`` reads it where the two learners' checkpoints hold the same thing (one model and the
+    optimizer state of the global minibatch's update: ``fsdp``, ``data_parallel`` with the float32 all-reduce,
+    ``local``; ``dtrain.learners.fsdp.INTERCHANGEABLE_KINDS``): its learner kind becomes ``learner``'s, so a
+    sharded checkpoint is restored by a replicated learner and the other way round. Any other is returned as is."""
+    from dtrain.learners.fsdp import INTERCHANGEABLE_KINDS
+
+    kind = state.get("learner_kind")
+    if kind == learner.kind or kind not in INTERCHANGEABLE_KINDS or learner.kind not in INTERCHANGEABLE_KINDS:
+        return state
+    identity = dict(state.get("identity") or {})
+    saved_learner = identity.get("learner")
+    if isinstance(saved_learner, dict):
+        if set(saved_learner) - {"kind", "optimizer"}:  # e.g. data_parallel with a compressing exchange: its state
+            return state
+        identity["learner"] = {**saved_learner, "kind": learner.kind}
+    return {**state, "learner_kind": learner.kind, "identity": identity,
+            "learner": {**state["learner"], "kind": learner.kind}}
 
 
 def _changed_shards(saved: Any, current: Any) -> str:
@@ -245,15 +275,17 @@ def max_samples_of(state: dict[str, Any]) -> int | None:
 def assemble(*, samples_seen: int, minibatches: int, cv_index: int, model: torch.nn.Module, learner, source, comm,
              expected_identity: dict[str, Any], settings: dict[str, Any], config_fingerprint: str,
              versions: dict[str, str], loss_scaler: dict[str, Any] | None = None,
-             weight_ema: dict[str, Any] | None = None, callbacks: dict[str, Any] | None = None) -> dict[str, Any]:
+             weight_ema: dict[str, Any] | None = None, callbacks: dict[str, Any] | None = None,
+             model_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a bit-exact resume needs, in the layout above; per-rank parts are gathered (a
-    collective: every rank calls it, rank 0 gets the whole dictionary)."""
+    collective: every rank calls it, rank 0 gets the whole dictionary). ``model_state`` replaces
+    ``model.state_dict()`` (a sharded checkpoint: the shapes alone, its tensors are written apart)."""
     per_rank = comm.gather_object({"rng": torch.get_rng_state(), "learner": learner.local_state_dict()})
     state = {
         "samples_seen": samples_seen,
         "minibatches": minibatches,
         "cv_index": cv_index,
-        "model": model.state_dict(),
+        "model": model.state_dict() if model_state is None else model_state,
         "learner": learner.state_dict(),
         "source": source.get_checkpoint_state(),
         "per_rank": per_rank,
@@ -358,8 +390,17 @@ def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) 
     size. Returns whether it was (``False``: re-partitioned onto another number of ranks).
     """
     configured = optimizer_hyperparameters(learner.optimizer)
-    model.load_state_dict(state["model"])
-    learner.load_state_dict(state["learner"])
+    state = interchanged(state, learner)
+    if state.get("sharded") is not None:
+        _load_sharded(state, model, learner)
+    elif getattr(learner, "shards_model", False):  # a replicated checkpoint into a sharded model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+        learner.load_state_dict(state["learner"])
+    else:
+        model.load_state_dict(state["model"])
+        learner.load_state_dict(state["learner"])
     reapply_hyperparameters(learner.optimizer, configured)
     source.restore_from_checkpoint(state["source"])
     if state["world_size"] != comm.size:
@@ -368,6 +409,29 @@ def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) 
     torch.set_rng_state(own["rng"])
     learner.load_local_state_dict(own["learner"])
     return True
+
+
+def _load_sharded(state: dict[str, Any], model: torch.nn.Module, learner) -> None:
+    """A sharded checkpoint's tensors into ``model`` and ``learner`` (every rank reads what it needs with DCP, at
+    any world size): into the shards of a sharded learner, or whole into a replicated one, whose optimizer state
+    then goes through its own ``load_state_dict`` as a replicated checkpoint's would."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from dtrain.session.sharded_checkpoint import load_tensors
+
+    directory = state["sharded"]["directory"]
+    if getattr(learner, "shards_model", False):
+        tensors = learner.sharded_state_dict()
+        load_tensors(directory, tensors)
+        set_state_dict(model, learner.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optimizer"])
+        learner.load_state_dict(state["learner"])
+        return
+    model_state, optimizer_state = get_state_dict(model, learner.optimizer)  # the optimizer's state allocated
+    tensors = {"model": model_state, "optimizer": optimizer_state}
+    load_tensors(directory, tensors)
+    set_state_dict(model, learner.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
+    learner.load_state_dict({**state["learner"], "optimizer": learner.optimizer.state_dict()})
 
 
 def restore_latest(files: CheckpointFiles | None, restore: bool, model: torch.nn.Module, learner, source, comm,

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dtrain.session import checkpoint, checkpoint_state
+from dtrain.session import checkpoint, checkpoint_state, sharded_checkpoint
 from dtrain.session.configs import CheckpointConfig
 from dtrain.session.results import TrainingDiverged
 
@@ -77,8 +77,9 @@ class Checkpointing:
         """
         self.learner.synchronize()
         seen = self.learner.samples_seen
-        # every rank holds the same model now, so every rank reaches the same verdict
-        if not all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters()):
+        sharded = self.learner.shards_model
+        # every rank holds the same model now, so every rank reaches the same verdict (sharded: over every shard)
+        if not self._finite(sharded):
             raise TrainingDiverged(
                 f"training diverged: the model has NaN or infinite parameters at {seen} samples "
                 f"(not saved; {checkpoint.kept_note(self.files.newest())}); {self.advice()}")
@@ -87,8 +88,18 @@ class Checkpointing:
             samples_seen=seen, minibatches=minibatches, cv_index=cv_index,
             model=self.model, learner=self.learner, source=self.source, comm=self.comm,
             expected_identity=self.identity, settings=self.settings, config_fingerprint=self.fingerprint,
-            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)}, **parts)
+            versions={"dtrain": _dtrain_version(), "torch": str(torch.__version__)},
+            model_state=sharded_checkpoint.model_shapes(self.model) if sharded else None, **parts)
         path = self.files.path(seen)
+        if sharded:  # every rank writes its shards into one directory, rank 0 the rest and the rename
+            previous = self.files.newest() if self.comm.is_main else None
+            sharded_checkpoint.save(path, state, self.learner.sharded_state_dict(), self.comm, previous)
+            if self.comm.is_main:
+                self.saved = True
+                self.files.prune(0 if self.config.preserve_all else self.config.keep_last)
+                printer.line(f"checkpoint saved at {seen} samples: {path} (sharded over {self.comm.size} ranks)")
+            self.comm.barrier()
+            return path
         if self.comm.is_main:
             self.saved = True
             checkpoint.save_atomic(state, path, previous=self.files.newest())
@@ -96,6 +107,15 @@ class Checkpointing:
             printer.line(f"checkpoint saved at {seen} samples: {path}")
         self.comm.barrier()
         return path
+
+    def _finite(self, sharded: bool) -> bool:
+        """Whether every parameter is finite (sharded: each rank looks at its shards, the verdict is agreed)."""
+        if not sharded:
+            return all(bool(torch.isfinite(parameter).all()) for parameter in self.model.parameters())
+        local = all(bool(torch.isfinite(getattr(parameter, "_local_tensor", parameter)).all())
+                    for parameter in self.model.parameters())
+        flag = torch.tensor([0.0 if local else 1.0], device=self.comm.device)
+        return not bool(self.comm.allreduce(flag, op="max").item())
 
     def restore(self, max_samples: int | None, lock_run_dir: Callable[[], None]) -> Restored | None:
         """Loads the newest good checkpoint when restore is on (``lock_run_dir()`` first, on rank 0), or refuses to

@@ -74,6 +74,7 @@ def evaluate(
     binding=None,
     progress: Callable[[int], None] | None = None,
     objective=None,
+    collective: bool = False,
 ) -> Evaluation:
     """Reads ``source`` to its end (or ``max_samples``), partitioned over the workers of ``comm``.
 
@@ -88,19 +89,23 @@ def evaluate(
     :class:`~dtrain.session.progress.EvaluationProgress`). ``objective`` (an
     :class:`~dtrain.session.objective_call.ObjectiveCall`, in place of ``loss_fn`` and ``metric_fn``) gives each
     minibatch's mean loss and figures, weighted alike; the figures are the result's ``details`` and its
-    ``error`` is NaN.
+    ``error`` is NaN. ``collective``: the model's forward is a collective (a sharded model, ``learner=fsdp``), so
+    every rank runs it on every share, an empty one too (its output is not counted).
     """
     if objective is not None:
         return _evaluate_objective(model, source, minibatch_size, objective, comm, device, max_samples, binding,
-                                   progress)
+                                   progress, collective)
     per_sequence = metric_counts_sequences(metric_fn)
     decoded_counts = getattr(metric_fn, "decoded_counts", None)
     names = tuple(getattr(metric_fn, "names", ())) if decoded_counts is not None else ()
     decoded = torch.zeros(len(names), 2, dtype=torch.float64)
     totals = torch.zeros(4, dtype=torch.float64)  # loss sum, metric sum, samples, what the metric averages over
-    shares = _Shares(source, minibatch_size, comm, device, max_samples, binding, progress)
+    shares = _Shares(source, minibatch_size, comm, device, max_samples, binding, progress, collective)
     with _evaluating(model, source):
         for batch, target, samples, sequences in shares:
+            if samples == 0:  # an empty share of a collective forward: this rank takes part, nothing to count
+                shares.binding.forward(model, batch)
+                continue
             output = None
             try:
                 output = shares.binding.forward(model, batch)
@@ -130,14 +135,17 @@ def evaluate(
 
 
 def _evaluate_objective(model: torch.nn.Module, source, minibatch_size: int, objective, comm, device: torch.device,
-                        max_samples: int | None, binding, progress) -> Evaluation:
+                        max_samples: int | None, binding, progress, collective: bool = False) -> Evaluation:
     """:func:`evaluate` with an objective: ``objective(model, minibatch)`` in eval mode without gradients, its
     loss and figures weighted by the target's samples, summed over the ranks once."""
     totals = torch.zeros(2, dtype=torch.float64)  # loss sum, samples
     figure_sums = None  # in the order of the objective's first call (training's, or this pass's)
-    shares = _Shares(source, minibatch_size, comm, device, max_samples, binding, progress)
+    shares = _Shares(source, minibatch_size, comm, device, max_samples, binding, progress, collective)
     with _evaluating(model, source):
         for batch, _, samples, _ in shares:
+            if samples == 0:  # an empty share of a collective forward (see evaluate)
+                objective(model, batch, training=False)
+                continue
             loss, figures = objective(model, batch, training=False)
             totals[0] += float(loss) * samples
             totals[1] += samples
@@ -171,10 +179,12 @@ def _evaluating(model: torch.nn.Module, source):
 class _Shares:
     """This rank's shares of an evaluation's global minibatches, on ``device``, with their target and its counts
     (``(batch, target, samples, sequences)``; shares without target samples are skipped, but counted in
-    ``minibatches``); ``progress(samples_read)`` after each share's work."""
+    ``minibatches``, unless ``collective``: then they come with 0 samples, for a forward every rank must make);
+    ``progress(samples_read)`` after each share's work."""
 
     def __init__(self, source, minibatch_size: int, comm, device: torch.device, max_samples: int | None, binding,
-                 progress: Callable[[int], None] | None):
+                 progress: Callable[[int], None] | None, collective: bool = False):
+        self.collective = collective
         self.source, self.minibatch_size, self.comm, self.device = source, minibatch_size, comm, device
         self.max_samples = max_samples
         self.binding = binding if binding is not None else StreamBinding()
@@ -190,12 +200,15 @@ class _Shares:
                 return
             read += batch.global_num_samples
             self.minibatches += 1
-            if batch.num_sequences == 0:
+            if batch.num_sequences == 0 and not self.collective:
                 continue
             batch = batch.to(self.device)
+            if batch.num_sequences == 0:
+                yield batch, None, 0, 0
+                continue
             target = self.binding.target_of(batch)
             samples, sequences = count_steps(target)
-            if samples == 0:
+            if samples == 0 and not self.collective:
                 continue
             yield batch, target, samples, sequences
             if self.progress is not None:

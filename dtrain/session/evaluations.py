@@ -83,7 +83,8 @@ class EvaluationPasses:
             result = evaluate(self.model, config.minibatch_source, config.minibatch_size, self.loss, measures.metric,
                               self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
                               progress=EvaluationProgress(printer, f"cross-validation {self.cv_index}",
-                                                          config.max_samples), objective=measures.objective)
+                                                          config.max_samples), objective=measures.objective,
+                              collective=self.learner.collective_forward)
             self._last_cv = (self.learner.samples_seen, result)
             printer.line(f"cross-validation {self.cv_index} at {self.learner.samples_seen} samples: "
                          f"loss {result.loss:.4f} | {measures.format(result.error, result.details)} over "
@@ -215,7 +216,8 @@ class EvaluationPasses:
             result = evaluate(model, config.minibatch_source, config.minibatch_size, self.loss, measures.metric,
                               self.comm, self.device, max_samples=config.max_samples, binding=self.binding,
                               progress=EvaluationProgress(printer, what, config.max_samples),
-                              objective=measures.objective)
+                              objective=measures.objective,
+                              collective=self.learner.collective_forward)
         accuracy = {"accuracy": result.accuracy} if measures.metric_name == "error" else {}  # 1 - classification error
         self.start_outputs(metrics)
         metrics.write(kind, samples_seen, loss=result.loss, **measures.entries(result), **accuracy,

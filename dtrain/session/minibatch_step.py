@@ -278,6 +278,7 @@ class MinibatchStep:
         learner.begin_minibatch(batch.num_samples, batch.global_num_samples)
         gradient_scale = learner.fold_gradient_scale()  # saves the learner a pass over every gradient
         synchronized = self.batchnorm_sync is not None and self._synchronize_batchnorm(batch, gradient_scale)
+        synchronized = synchronized or learner.collective_forward  # every rank makes every pass (sharded models)
         passes: list = []
         if batch.num_samples > 0:
             if self.count_padding:

@@ -225,6 +225,14 @@ class TrainingSession:
                 f"{type(learner.optimizer).__name__} has none; drop the schedule or use SGD"
             )
         check_one_copy_wanted(learner.comm, independent_processes)
+        refused = learner.session_problems(precision=self.precision, compile=bool(compile), ema_decay=ema_decay,
+                                           batchnorm_statistics=batchnorm_statistics)
+        if refused:
+            raise ValueError(refused[0])
+        if learner.collective_forward and getattr(metric, "decoded_counts", None) is not None:
+            raise ValueError(f"metric {getattr(metric, '__name__', type(metric).__name__)} decodes on each rank's "
+                             f"share, which is not collective; with learner={learner.kind} use a metric without "
+                             f"decoding (e.g. metric=sequence_error)")
         self.compile = bool(compile)
         compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
         if compiled is not None:  # checkpoints and weights name the parameters without the wrapper's _orig_mod.
@@ -232,6 +240,7 @@ class TrainingSession:
         # before the compiled wrapper is made: it must trace the converted layers
         self.batchnorm_sync = prepare_batchnorm(model, learner, sync_batchnorm, batchnorm_statistics,
                                                 batchnorm_recompute_samples)
+        learner.shard(model, self.device)  # before anything reads the parameters (learner=fsdp shards them here)
         self.sync_batchnorm, self.batchnorm_statistics = sync_batchnorm, batchnorm_statistics
         self.batchnorm_recompute_samples = batchnorm_recompute_samples
         self.model = model
@@ -604,6 +613,8 @@ class TrainingSession:
         metrics.close()
         # a preempted job has seconds before the scheduler kills it: no weights, no drawing (the
         # resumed run writes both at its end, from every record)
+        if not preempted and self.learner.shards_model:
+            self.summary.export_sharded_weights(seen)  # every rank: the shards are gathered one tensor at a time
         if is_main and not preempted:
             self.summary.export_weights(seen)
             self.summary.write_report(printer, metrics)

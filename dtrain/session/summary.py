@@ -13,7 +13,7 @@ from dtrain.session.profiling import StepProfiler
 from dtrain.session.progress import format_duration
 from dtrain.session.report import write_report
 from dtrain.session.results import TrainingResult
-from dtrain.session.weights import save_weights
+from dtrain.session.weights import save_sharded_weights, save_weights
 
 
 class RunSummary:
@@ -52,10 +52,18 @@ class RunSummary:
         else:
             self.report_path = path
 
+    def export_sharded_weights(self, samples_seen: int) -> None:
+        """Every rank, where the learner shards the model (``learner=fsdp``): the whole model gathered tensor by
+        tensor into ``run_dir/model.safetensors``, written by rank 0 (``save_sharded_weights``)."""
+        self.weights_path = save_sharded_weights(self.model, self.run_dir / "model.safetensors", self.comm,
+                                                 metadata={"samples_seen": str(samples_seen)})
+
     def export_weights(self, samples_seen: int) -> None:
-        """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors``."""
-        self.weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
-                                          metadata={"samples_seen": str(samples_seen)})
+        """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors`` (already written by
+        :meth:`export_sharded_weights` when the learner shards the model)."""
+        if not getattr(self.learner, "shards_model", False):
+            self.weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
+                                              metadata={"samples_seen": str(samples_seen)})
         if self.ema is not None:
             save_weights(self.ema.module, self.run_dir / "model_ema.safetensors",
                          metadata={"samples_seen": str(samples_seen), "ema_decay": repr(self.ema.decay),

@@ -58,3 +58,66 @@ def load_weights(model: torch.nn.Module, path: str | Path, model_of: str = "the 
                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())), None)
     if broken is not None:
         raise ValueError(f"{path}: {broken} holds NaN or infinity; expected the finite weights of a finished run")
+
+
+#: safetensors' names of torch dtypes
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def save_sharded_weights(model: torch.nn.Module, path: str | Path, comm,
+                         metadata: dict[str, str] | None = None) -> Path | None:
+    """Writes a model whose parameters are sharded over ``comm``'s ranks (``DTensor``\\ s, ``learner=fsdp``) to ``path``
+    as :func:`save_weights` writes a whole one: the same names, dtypes and values (tied parameters once), a file
+    ``safetensors.torch.load_file`` reads. A collective: every rank calls it; rank 0 writes and returns the path
+    (the others ``None``).
+
+    Streamed: the header is known from the global shapes alone, so rank 0 writes it first, then the tensors one
+    at a time in the header's order, each all-gathered (``DTensor.full_tensor()``) just before its bytes are
+    written and dropped just after. Rank 0 never holds more than one whole tensor (at most one unit's worth)
+    plus the file's write buffer; the other ranks hold their shards and, for one gather at a time, that tensor.
+
+    Raises:
+        OSError: the file could not be written (nothing is left at ``path``'s temporary name).
+    """
+    import json
+    import struct
+
+    from torch.distributed.tensor import DTensor
+
+    state = model.state_dict()
+    tied: dict[int, list[str]] = {}  # names of one tensor: kept once, under its first name in sorted order
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in state:
+            tied.setdefault(id(tensor), []).append(name)
+    kept = {min(names) for names in tied.values()}
+    entries = [(name, tensor) for name, tensor in state.items() if name in kept]
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, tensor in entries:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
+
+    def write(name: str | None) -> None:
+        stream = open(name, "wb", buffering=1 << 20) if name is not None else None
+        try:
+            if stream is not None:
+                stream.write(struct.pack("<Q", len(encoded)) + encoded)
+            for _, tensor in entries:
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective per tensor
+                if stream is not None:
+                    stream.write(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                del whole
+        finally:
+            if stream is not None:
+                stream.close()
+
+    if not comm.is_main:
+        write(None)
+        return None
+    return write_through_temporary(Path(path), write)

@@ -65,6 +65,7 @@ def assert_same_state(a, b, where: str) -> None:
 def test_every_shipped_learner_is_resumed_here_or_in_its_own_module():
     resumed = {preset(overrides) for overrides in RESUMED.values()}
     elsewhere = {name for name in shipped_learners() if name.startswith("two_level_")} | {"local"}  # one process
+    elsewhere |= {"fsdp"}  # sharded checkpoints: tests/dist/test_fsdp_checkpoints.py
     assert set(shipped_learners()) - elsewhere <= resumed, set(shipped_learners()) - elsewhere - resumed
 
 

@@ -17,6 +17,9 @@ from tests.helpers.config import compose_config
 
 # (overrides that bring the key into the config, the switch's dotted key); every switch of every schema
 SWITCHES = [
+    (("learner=fsdp",), "learner.reshard_after_forward"),
+    (("learner=fsdp",), "learner.cpu_offload"),
+    (("learner=fsdp",), "learner.activation_checkpointing"),
     (("learner=block_momentum",), "learner.use_nesterov_momentum"),
     (("learner=block_momentum",), "learner.reset_sgd_momentum_after_aggregation"),
     (("learner=diloco",), "learner.outer_nesterov"),

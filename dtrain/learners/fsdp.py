@@ -1,0 +1,448 @@
+"""``learner=fsdp``: parameters, gradients and optimizer state sharded over the ranks (ZeRO-3), with torch's FSDP2.
+
+The update is the data-parallel learner's: N ranks make the update one process makes on the global minibatch,
+each rank's gradient weighted by its share of the samples (uneven shares, sequences, micro-batches), exactly as
+``learner=data_parallel``. What changes is where the model lives: every rank holds ``1/N`` of each parameter, of
+its gradient and of the optimizer's state (``torch.distributed.fsdp.fully_shard`` over a one-dimensional
+``DeviceMesh`` of the job's ranks); a wrapped unit's parameters are all-gathered just before its forward and its
+backward and its gradients reduce-scattered just after, so only one unit is whole at a time.
+
+How the weighting stays exact: FSDP2 averages gradients by default (divides by N); here every unit sums them
+(``set_gradient_divide_factor(1.0)`` with sum-only collectives, which Gloo supports too) and each rank's loss is
+multiplied by ``local_samples / global_samples`` before backward (:meth:`FSDPLearner.fold_gradient_scale`, which
+``training_session`` calls; a hand-driven loop that does not gets the same factor applied to the gradient
+flowing out of the model's output). A rank without samples still makes an (empty) forward and backward, since
+every unit's all-gather and reduce-scatter is a collective (:attr:`FSDPLearner.collective_forward`).
+
+Sharding is a property of one flat group here (the whole job). Two-level schemes (shards inside a host, an outer
+scheme between hosts) and HSDP are not in this learner: :func:`shard_model` takes the mesh, the extension point
+for a two-dimensional one.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.learners.base import Learner
+from dtrain.learners.replicated import make_buffers_consistent
+from dtrain.learners.settings import FSDP
+from dtrain.rules import check_settings
+
+#: ``learner.wrap``'s words (besides a list of module class names)
+WRAP_WORDS = ("blocks", "children")
+#: ``learner.param_dtype`` / ``learner.reduce_dtype``
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def wrapped_units(model: nn.Module, wrap: str | Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The modules ``wrap`` chooses as FSDP units, as ``(qualified name, module)`` in model order (the root is
+    always a unit besides these, for the parameters no unit holds).
+
+    ``"blocks"``: every element of every ``nn.ModuleList`` (a transformer's blocks); ``"children"``: every
+    top-level child that holds parameters; a list of class names: every module of one of those classes
+    (outermost only: a match inside another match is left to it).
+
+    Raises:
+        ValueError: the policy matches no module (one line naming the policy and what the model holds).
+    """
+    if isinstance(wrap, str):
+        if wrap == "blocks":
+            units = [(f"{name}.{index}" if name else str(index), block)
+                     for name, module in model.named_modules() if isinstance(module, nn.ModuleList)
+                     for index, block in enumerate(module)]
+        elif wrap == "children":
+            units = [(name, child) for name, child in model.named_children()
+                     if any(True for _ in child.parameters())]
+        else:
+            raise ValueError(f"learner.wrap={wrap!r}: expected blocks, children or a list of module class names")
+    else:
+        names = set(wrap)
+        units, inside = [], set()
+        for name, module in model.named_modules():
+            if module is model or type(module).__name__ not in names:
+                continue
+            if any(name.startswith(outer + ".") for outer in inside):
+                continue
+            inside.add(name)
+            units.append((name, module))
+    units = [(name, module) for name, module in units if any(True for _ in module.parameters())]
+    if not units:
+        classes = sorted({type(module).__name__ for _, module in model.named_modules() if module is not model})
+        what = "no nn.ModuleList of blocks" if wrap == "blocks" else "no child with parameters" \
+            if wrap == "children" else f"modules of the classes {', '.join(classes[:8])}"
+        raise ValueError(f"learner.wrap={_as_written(wrap)} matches no module of {type(model).__name__} (it has "
+                         f"{what}); name its block classes (learner.wrap=[ClassName]) or use children")
+    return units
+
+
+def _as_written(wrap: str | Sequence[str]) -> str:
+    return wrap if isinstance(wrap, str) else "[" + ",".join(wrap) + "]"
+
+
+def tied_across_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> str | None:
+    """One line naming a parameter shared by two units (or by a unit and the rest of the model); None when none is.
+
+    FSDP2 shards each parameter in exactly one unit and all-gathers it only around that unit's forward and
+    backward, so a parameter used by another unit would be read sharded there."""
+    owner: dict[int, str] = {}
+    for unit_name, unit in units:
+        for name, parameter in unit.named_parameters(remove_duplicate=False):
+            where = owner.setdefault(id(parameter), unit_name)
+            if where != unit_name:
+                return f"{unit_name}.{name} is tied to a parameter of {where}"
+    unit_modules = {id(unit) for _, unit in units}
+
+    def outside(module: nn.Module, prefix: str):
+        for child_name, child in module.named_children():
+            if id(child) in unit_modules:
+                continue
+            yield from ((f"{prefix}{child_name}.{n}", p) for n, p in child.named_parameters(recurse=False))
+            yield from outside(child, f"{prefix}{child_name}.")
+
+    rest = [*((n, p) for n, p in model.named_parameters(recurse=False)), *outside(model, "")]
+    for name, parameter in rest:
+        if id(parameter) in owner:
+            return f"{name} (outside every unit) is tied to a parameter of {owner[id(parameter)]}"
+    return None
+
+
+def process_group_of(comm):
+    """The torch.distributed group ``comm`` reduces through (FSDP2 needs one: Gloo, NCCL, or MPI's Gloo group).
+
+    Raises:
+        ValueError: a communicator without a torch.distributed group.
+    """
+    import torch.distributed as dist
+
+    group = getattr(comm, "_group", None)
+    if group is None and dist.is_initialized() and dist.get_world_size() == comm.size:
+        group = dist.group.WORLD
+    if group is None:
+        raise ValueError(f"learner=fsdp needs a torch.distributed process group (comm.backend=gloo, mpi or nccl); "
+                         f"the {type(comm).__name__} communicator has none")
+    return group
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by the learner's unfolded share of the minibatch."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, learner: FSDPLearner) -> torch.Tensor:  # noqa: D102
+        ctx.learner = learner
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor):  # noqa: D102
+        scale = ctx.learner._unfolded_scale
+        return (gradient if scale == 1.0 else gradient * scale), None
+
+
+class FSDPLearner(Learner):
+    """Synchronous data-parallel SGD on a model sharded over the ranks (ZeRO-3, torch's FSDP2): the update of the
+    mean loss over the GLOBAL minibatch, as :class:`~dtrain.learners.DataParallelLearner` makes it.
+
+    ``training_session`` hands the model over once (:meth:`shard`), before anything reads it: the chosen units and
+    then the root are ``fully_shard``-ed over the job's ranks, the optimizer's parameters are replaced by their
+    sharded counterparts (same order, same groups), and rank 0's values are what every rank starts from. From then
+    on ``model.parameters()`` are ``DTensor`` shards: checkpoints are sharded (``torch.distributed.checkpoint``,
+    every rank writing its part: ``dtrain.session.sharded_checkpoint``) and ``model.safetensors`` is gathered one
+    tensor at a time (``dtrain.session.weights.save_sharded_weights``).
+
+    With one process nothing is sharded: it is the local learner (and writes ordinary checkpoints).
+
+    Args:
+        optimizer: the torch optimizer of the model's (unsharded) parameters.
+        comm: the job's communicator (its torch.distributed group carries the all-gathers and reduce-scatters).
+        wrap: what is a unit (all-gathered whole for its forward and backward): ``"blocks"`` (each element of
+            the model's ``nn.ModuleList``\\ s: transformer blocks), ``"children"`` (each top-level child with
+            parameters) or a list of module class names.
+        reshard_after_forward: free a unit's gathered parameters after its forward (gathered again for
+            backward: least memory); ``False`` keeps them until its backward (one all-gather less per unit).
+        param_dtype: ``"float32"`` or ``"bfloat16"``: the dtype units compute in (FSDP2's ``MixedPrecisionPolicy``:
+            the sharded parameters and optimizer state stay float32).
+        reduce_dtype: the dtype gradients are reduce-scattered in (``"float32"``, or ``"bfloat16"``).
+        cpu_offload: keep the shards, their gradients and the optimizer step on the CPU between uses
+            (``CPUOffloadPolicy``); only where training runs on a GPU.
+        activation_checkpointing: recompute each unit's activations in backward instead of keeping them
+            (``torch.utils.checkpoint``, non-reentrant).
+
+    Raises:
+        ValueError: a setting out of range (one line ``learner.NAME=value: expected ...``); from :meth:`shard`, a
+            policy that matches no module, parameters tied across units, ``cpu_offload`` on a CPU run.
+    """
+
+    kind = "fsdp"
+    #: ranks hold one model (sharded): statistics pooled over them describe it (``sync_batchnorm``)
+    holds_one_model = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm=None, wrap: str | Sequence[str] = "blocks",
+                 reshard_after_forward: bool = True, param_dtype: str = "float32", reduce_dtype: str = "float32",
+                 cpu_offload: bool = False, activation_checkpointing: bool = False):
+        super().__init__(optimizer, comm, 0)
+        if not isinstance(wrap, str):
+            wrap = list(wrap)
+        check_settings(FSDP, wrap=wrap, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                       reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+                       activation_checkpointing=activation_checkpointing)
+        self.wrap = wrap
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.cpu_offload = bool(cpu_offload)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.model: nn.Module | None = None
+        self.units: list[tuple[str, nn.Module]] = []  # the FSDP units besides the root, once sharded
+        self.mesh = None
+        self._unfolded_scale = 1.0  # state: the share the gradient still needs (1 once the caller folded it)
+
+    # -- what the session reads -----------------------------------------------------------------
+    @property
+    def shards_model(self) -> bool:
+        """Whether the model's parameters are sharded over the ranks (several processes)."""
+        return self.comm.size > 1
+
+    @property
+    def collective_forward(self) -> bool:
+        """Whether every forward and backward is a collective (a rank without samples makes an empty pass)."""
+        return self.shards_model
+
+    def session_problems(self, *, precision: str, compile: bool, ema_decay: float | None,  # noqa: A002
+                         batchnorm_statistics: str) -> list[str]:
+        """The session settings this learner cannot honour with sharded parameters, one line each."""
+        if not self.shards_model:
+            return []
+        problems = []
+        if precision == "fp16":
+            problems.append("session.precision=fp16 with learner=fsdp: fp16's loss scaling needs every rank's "
+                            "overflow verdict on whole gradients; use learner.param_dtype=bfloat16 (FSDP's mixed "
+                            "precision) or session.precision=bf16")
+        if compile:
+            problems.append("session.compile=true with learner=fsdp: the compiled whole model would trace through "
+                            "FSDP's all-gathers, which this learner does not support yet; set session.compile=false")
+        if ema_decay is not None:
+            problems.append("session.ema_decay with learner=fsdp: the weight average would copy the sharded model, "
+                            "which this learner does not support yet; drop session.ema_decay")
+        if batchnorm_statistics == "recomputed":
+            problems.append("session.batchnorm_statistics=recomputed with learner=fsdp: the recomputing passes are "
+                            "not collective; use batchnorm_statistics=running (with sync_batchnorm=true if wanted)")
+        return problems
+
+    # -- sharding -----------------------------------------------------------------------------------
+    def shard(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
+        """Shards ``model`` over the job's ranks (every rank calls it once, with the same model): units chosen by
+        ``wrap``, then the root; the optimizer's parameters become the shards. Rank 0's values win (a
+        collective broadcast first). A second call with the same model does nothing; with one process, nothing
+        is sharded.
+
+        Raises:
+            ValueError: the policy matches no module, parameters are tied across units, or ``cpu_offload`` on the
+                CPU (one line each).
+        """
+        if self.model is model:
+            return
+        if self.model is not None:
+            raise ValueError("learner=fsdp: this learner already sharded another model; build one learner per model")
+        device = torch.device(device)
+        if self.cpu_offload and device.type == "cpu":
+            raise ValueError("learner.cpu_offload=true: this run trains on the CPU, where the shards already live; "
+                             "drop cpu_offload (it moves GPU shards to host memory)")
+        self.model = model
+        if not self.shards_model:
+            return
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        units = wrapped_units(model, self.wrap)
+        tied = tied_across_units(model, units)
+        if tied is not None:
+            raise ValueError(f"learner=fsdp with learner.wrap={_as_written(self.wrap)}: {tied}; FSDP2 shards each "
+                             f"parameter in one unit, so tied parameters must live in one unit: choose a wrap that "
+                             f"leaves both users in the same unit (or outside every unit), or untie them")
+        names = {id(parameter): name for name, parameter in model.named_parameters()}
+        group = process_group_of(self.comm)
+        # rank 0's model for everyone, as data_parallel starts (a model built from one seed is the same anyway)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            self.comm.broadcast(tensor.data, root=0) if tensor.device.type == self.comm.device.type else \
+                tensor.data.copy_(self.comm.broadcast(tensor.data.to(self.comm.device), root=0))
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        options: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward,
+                                   "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[self.param_dtype],
+                                                                     reduce_dtype=DTYPES[self.reduce_dtype])}
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        for _, unit in units:
+            if self.activation_checkpointing:
+                _checkpoint_activations(unit)
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        self.units = units
+        for module in model.modules():
+            if isinstance(module, FSDPModule):  # sums, never averages: the loss carries each rank's share
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        sharded = dict(model.named_parameters())
+        self._replace_optimizer_parameters(names, sharded)
+        model.register_forward_hook(self._scale_output_gradient)
+
+    def _replace_optimizer_parameters(self, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
+        """The optimizer's parameters (and any state it holds) become the shards of the same name."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for group in self.optimizer.param_groups:
+            replaced = []
+            for parameter in group["params"]:
+                if id(parameter) not in names:
+                    raise ValueError("learner=fsdp: the optimizer holds a parameter that is not the model's; build "
+                                     "the optimizer from model.parameters()")
+                new = sharded[names[id(parameter)]]
+                state = self.optimizer.state.pop(parameter, None)
+                if state:
+                    self.optimizer.state[new] = {
+                        key: distribute_tensor(value.to(new.device), self.mesh, [Shard(0)])
+                        if torch.is_tensor(value) and value.shape == new.shape and value.dim() > 0 else value
+                        for key, value in state.items()}
+                replaced.append(new)
+            group["params"] = replaced
+
+    def prepare(self, model: nn.Module) -> None:
+        """Shards ``model`` if :meth:`shard` was not called with it (a hand-driven loop)."""
+        self.shard(model, self.comm.device if self.shards_model else "cpu")
+
+    # -- one minibatch ------------------------------------------------------------------------------
+    def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
+        """Clears the gradients and records the counts; this rank's gradient is to be weighted by its share."""
+        super().begin_minibatch(local_samples, global_samples)
+        self._unfolded_scale = local_samples / global_samples if self.shards_model and global_samples else 1.0
+
+    def fold_gradient_scale(self) -> float:
+        """This rank's share ``local_samples / global_samples``, which the caller multiplies the loss by (the
+        reduce-scatter then sums exactly the gradient of the global mean loss)."""
+        scale, self._unfolded_scale = self._unfolded_scale, 1.0
+        return scale
+
+    def _scale_output_gradient(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        """Forward hook on the root: where the caller did not fold the share into the loss, the gradient flowing
+        back out of the model's output is multiplied by it (read at backward time)."""
+        if not torch.is_grad_enabled() or self._unfolded_scale == 1.0:
+            return None
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda tensor: _ScaleGradient.apply(tensor, self)
+            if tensor.requires_grad and tensor.is_floating_point() else tensor, output)
+
+    def apply_update(self) -> None:
+        """The optimizer's step on the shards: their gradients were reduce-scattered during backward (the sum of
+        every rank's share-weighted gradient: the gradient of the global mean loss). Every rank steps, also one
+        without samples: its shards got the others' gradients. Micro-batches reduce-scatter after every pass and
+        accumulate the sharded sums (no unsharded gradient is kept between passes)."""
+        if self.shards_model or self.local_samples > 0:
+            self._step_optimizer()
+
+    def synchronize(self) -> None:
+        """Floating-point buffers (BatchNorm statistics, kept whole on every rank) averaged over the ranks, the
+        others taken from rank 0, so evaluation and checkpoints see one model (the parameters are one already)."""
+        if self.shards_model and self.model is not None:
+            make_buffers_consistent(self.model, self.comm, 25 * 2 ** 20)
+
+    def describe(self) -> str:
+        """The learner and how it shards."""
+        if not self.shards_model:
+            return f"learner {self.kind} (one process: nothing to shard, the local learner's update)"
+        extras = [f"{len(self.units)} units ({_as_written(self.wrap)}) and the root"]
+        if not self.reshard_after_forward:
+            extras.append("gathered parameters kept from forward to backward")
+        if self.param_dtype != "float32" or self.reduce_dtype != "float32":
+            extras.append(f"computing in {self.param_dtype}, reducing in {self.reduce_dtype}")
+        if self.cpu_offload:
+            extras.append("shards offloaded to the CPU")
+        if self.activation_checkpointing:
+            extras.append("activations recomputed per unit")
+        return f"learner {self.kind}: parameters, gradients and optimizer state sharded over {self.comm.size} " \
+               f"ranks, " + ", ".join(extras)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """The kind alone: how the model is cut into units, its dtypes and offloading leave the state as it is."""
+        return {"kind": self.kind}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters; with sharded parameters the optimizer's state is not here but in
+        :meth:`sharded_state_dict` (written by every rank), else the optimizer's state dict as every learner's."""
+        if not self.shards_model:
+            return super().state_dict()
+        return {"kind": self.kind, "samples_seen": self.samples_seen, "distributed_after": 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the counters and, from a replicated checkpoint (``data_parallel``'s, or this learner's in one
+        process), the optimizer's whole state, sharded here; the state of a sharded checkpoint comes back through
+        :meth:`load_sharded_state_dict`."""
+        if state.get("kind") not in INTERCHANGEABLE_KINDS:
+            raise ValueError(f"checkpoint was written by the {state.get('kind')!r} learner, this run uses "
+                             f"{self.kind!r}; use fsdp or data_parallel, or start a new run directory")
+        if "optimizer" in state:
+            load_full_optimizer_state(self.model, self.optimizer, state["optimizer"], sharded=self.shards_model)
+        self.samples_seen = int(state["samples_seen"])
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}``: this rank's shards (``DTensor``\\ s keyed by parameter name), as
+        ``torch.distributed.checkpoint`` saves them."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+
+#: learners whose checkpoints hold the same thing (one model and the optimizer state of the global minibatch's
+#: update), so each restores the other's: a sharded checkpoint into a replicated learner and back
+INTERCHANGEABLE_KINDS = ("fsdp", "data_parallel", "local")
+
+
+def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+                            ) -> dict[str, Any]:
+    """A torch optimizer state dict keyed by parameter numbers (``optimizer.state_dict()``) keyed by the
+    parameters' names instead, as ``torch.distributed.checkpoint.state_dict`` keys it."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    ordered = [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
+    number = {index: name for index, name in enumerate(ordered)}
+    return {"state": {number[int(index)]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [number[int(index)] for index in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                              sharded: bool) -> None:
+    """Loads a replicated optimizer state dict (whole tensors, every rank the same) into ``optimizer``, sharding
+    it where the model is sharded."""
+    if not sharded:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optimizer_state_by_name(model, optimizer, state),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def _checkpoint_activations(unit: nn.Module) -> None:
+    """``unit``'s forward recomputed in backward (non-reentrant ``torch.utils.checkpoint``); its parameter names
+    stay as they are (the forward is replaced on the instance, the module is not wrapped)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = unit.forward
+    unit.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+
+
+def fsdp_learner(optimizer: torch.optim.Optimizer, comm=None, wrap: str | Sequence[str] = "blocks",
+                 reshard_after_forward: bool = True, param_dtype: str = "float32", reduce_dtype: str = "float32",
+                 cpu_offload: bool = False, activation_checkpointing: bool = False) -> FSDPLearner:
+    """``learner=fsdp``: an :class:`FSDPLearner` (its settings; a config's list arrives as a ListConfig)."""
+    if wrap is not None and not isinstance(wrap, str):
+        wrap = [str(name) for name in wrap]
+    return FSDPLearner(optimizer, comm, wrap=wrap, reshard_after_forward=reshard_after_forward,
+                       param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+                       activation_checkpointing=activation_checkpointing)
+
+
+__all__ = ["FSDPLearner", "INTERCHANGEABLE_KINDS", "fsdp_learner", "load_full_optimizer_state",
+           "optimizer_state_by_name", "tied_across_units", "wrapped_units"]
