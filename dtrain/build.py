@@ -260,7 +260,8 @@ def train_from_config(comm, cfg: DictConfig, job: SweepJob | None = None) -> flo
 def _make_elastic(learner, section) -> None:
     """Makes ``learner`` one replica group of an elastic job (``fault_tolerance.enabled``); a learner that cannot be
     is refused in one line before the Lighthouse is contacted."""
-    from dtrain.learners.block import BlockLearner, elastic_problems
+    from dtrain.learners.block import BlockLearner
+    from dtrain.learners.elastic import elastic_problems
     from dtrain.learners.elastic import ElasticGroups
     from dtrain.learners.elastic_settings import lighthouse_address
 

@@ -203,6 +203,10 @@ class BlockLearner(Learner):
 
     # -- the outer step, and what a subclass may change -----------------------------------------------
     # -- elastic runs ---------------------------------------------------------------------------------
+    def has_own_sync(self) -> bool:
+        """Whether this learner's class replaces the block learner's sync or outer update (not elastic then)."""
+        return type(self)._sync is not BlockLearner._sync or type(self).outer_update is not BlockLearner.outer_update
+
     def make_elastic(self, groups) -> None:
         """Makes this learner one replica group of an elastic job (:mod:`dtrain.learners.elastic`): its syncs are
         rounds of torchft's quorum, each block's minibatches split among the groups of the last round.
@@ -210,6 +214,8 @@ class BlockLearner(Learner):
         Raises:
             ValueError: a setting an elastic run cannot honour yet, in one line that says which and why.
         """
+        from dtrain.learners.elastic import elastic_problems
+
         problems = elastic_problems(self)
         if problems:
             raise ValueError(problems[0])
@@ -845,35 +851,6 @@ class BlockLearner(Learner):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def elastic_problems(learner: BlockLearner) -> list[str]:
-    """Why ``learner`` cannot run elastic (one line each; empty: it can)."""
-    from dtrain.learners.elastic import ELASTIC_LEARNERS
-
-    prefix = "fault_tolerance.enabled=true"
-    problems = []
-    if learner.kind not in ELASTIC_LEARNERS:
-        problems.append(f"{prefix}: learner {learner.kind!r} is not elastic yet; use one of "
-                        f"{', '.join(ELASTIC_LEARNERS)} (their groups meet only at syncs)")
-    if learner.comm.size != 1:
-        problems.append(f"{prefix}: each replica group is one process in this version, this one has "
-                        f"{learner.comm.size}; start one process per group (no mpiexec -n > 1)")
-    if not learner.exchange.lossless or learner.exchange.name != "allreduce":
-        problems.append(f"{prefix}: learner.exchange={learner.exchange.name}: elastic syncs sum the deltas in float32 "
-                        f"through torchft; a compressing strategy's residuals do not heal yet")
-    if learner.overlap:
-        problems.append(f"{prefix}: learner.overlap=true: an overlapped outer step spans two syncs, and membership "
-                        f"changes at each")
-    if learner.block_size_is_auto:
-        problems.append(f"{prefix}: learner.block_size=auto depends on the number of groups, which changes; give it "
-                        f"in samples")
-    if learner.distributed_after_is_auto or learner.distributed_after:
-        problems.append(f"{prefix}: learner.distributed_after={learner.distributed_after!r}: a warm start on one model "
-                        f"is not elastic yet; set learner.distributed_after=0")
-    if type(learner)._sync is not BlockLearner._sync or type(learner).outer_update is not BlockLearner.outer_update:
-        problems.append(f"{prefix}: learner {type(learner).__name__} has a sync of its own, which is not elastic")
-    return problems
-
-
 def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().cpu().clone()
 

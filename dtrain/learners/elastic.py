@@ -232,7 +232,7 @@ class ElasticGroups:
         """A joiner healed in a round that commits a block: it is at the peer's last committed sync, takes the same
         outer step (its own delta 0, weight 0) and goes on from the block's end, the peer's data position now."""
         learner = self.learner
-        learner.block_lr = healed_block_lr(healed)  # the momentum correction's rate, as the members have it
+        learner.block_lr = healed_block_lr(healed, type(learner.block_lr))  # the momentum correction's rate, as the members have it
         learner.samples_seen += block_samples - (learner.global_samples if in_step else 0)
         self.source.load_state_dict(copy.deepcopy(healed["source_now"]))
 
@@ -268,11 +268,10 @@ class ElasticGroups:
         self.manager.shutdown(wait=False)
 
 
-def healed_block_lr(healed: dict[str, Any]):
-    """The block's inner learning rate trace a joiner takes from the peer (the momentum correction's)."""
-    from dtrain.learners.block import LearningRateTrace
-
-    return LearningRateTrace(*healed.get("block_lr", ())) if "block_lr" in healed else LearningRateTrace()
+def healed_block_lr(healed: dict[str, Any], trace_type):
+    """The block's inner learning rate trace (of ``trace_type``, the learner's own) a joiner takes from the peer
+    (the momentum correction's)."""
+    return trace_type(*healed.get("block_lr", ())) if "block_lr" in healed else trace_type()
 
 
 def _pack(tensors, flat: torch.Tensor) -> None:
@@ -283,4 +282,31 @@ def _pack(tensors, flat: torch.Tensor) -> None:
             offset += tensor.numel()
 
 
-__all__ = ["ELASTIC_LEARNERS", "ElasticGroups", "import_torchft"]
+__all__ = ["ELASTIC_LEARNERS", "ElasticGroups", "elastic_problems", "import_torchft"]
+
+
+def elastic_problems(learner) -> list[str]:
+    """Why ``learner`` cannot run elastic (one line each; empty: it can)."""
+    prefix = "fault_tolerance.enabled=true"
+    problems = []
+    if learner.kind not in ELASTIC_LEARNERS:
+        problems.append(f"{prefix}: learner {learner.kind!r} is not elastic yet; use one of "
+                        f"{', '.join(ELASTIC_LEARNERS)} (their groups meet only at syncs)")
+    if learner.comm.size != 1:
+        problems.append(f"{prefix}: each replica group is one process in this version, this one has "
+                        f"{learner.comm.size}; start one process per group (no mpiexec -n > 1)")
+    if not learner.exchange.lossless or learner.exchange.name != "allreduce":
+        problems.append(f"{prefix}: learner.exchange={learner.exchange.name}: elastic syncs sum the deltas in float32 "
+                        f"through torchft; a compressing strategy's residuals do not heal yet")
+    if learner.overlap:
+        problems.append(f"{prefix}: learner.overlap=true: an overlapped outer step spans two syncs, and membership "
+                        f"changes at each")
+    if learner.block_size_is_auto:
+        problems.append(f"{prefix}: learner.block_size=auto depends on the number of groups, which changes; give it "
+                        f"in samples")
+    if learner.distributed_after_is_auto or learner.distributed_after:
+        problems.append(f"{prefix}: learner.distributed_after={learner.distributed_after!r}: a warm start on one model "
+                        f"is not elastic yet; set learner.distributed_after=0")
+    if learner.has_own_sync():
+        problems.append(f"{prefix}: learner {type(learner).__name__} has a sync of its own, which is not elastic")
+    return problems

@@ -315,14 +315,14 @@ def load(path: str | Path) -> dict[str, Any]:
     return state
 
 
-#: a sharded checkpoint's file of everything but the tensors (``dtrain.session.sharded_checkpoint.META``)
+#: a sharded checkpoint's file of everything but the tensors (``dtrain.session.shard_manifest.META``)
 _SHARDED_META = "dtrain.pt"
 
 
 def _load_sharded(directory: Path) -> dict[str, Any]:
     """A sharded checkpoint's ``dtrain.pt``, read and verified as one file is, after every DCP file it lists is
     checked against its byte count and checksum; ``state["sharded"]["directory"]`` says where the tensors are."""
-    from dtrain.session.sharded_checkpoint import verify
+    from dtrain.session.shard_manifest import verify
 
     if not (directory / _SHARDED_META).is_file():
         raise _damaged(directory, f"a sharded checkpoint without its {_SHARDED_META}: not completely written")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtrain.learners.block import elastic_problems
+from dtrain.learners.elastic import elastic_problems
 from dtrain.learners.data_parallel import DataParallelLearner
 from dtrain.learners.elastic_settings import fault_tolerance_problems
 from dtrain.learners.local_sgd import LocalSGDLearner
