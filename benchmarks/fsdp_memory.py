@@ -1,0 +1,121 @@
+"""Per-rank memory of a sharded model (``learner=fsdp``) against a replicated one (``data_parallel``), and step time.
+
+    python benchmarks/fsdp_memory.py --ranks 2 4
+    python benchmarks/fsdp_memory.py --ranks 2 --model large --steps 6
+
+Starts ``mpiexec -n N`` itself for each rank count and learner. Every rank builds the character transformer of
+``+recipe=shakespeare_char`` (``--model base``: 4 layers, 128 wide; ``large``: ``model=char_transformer_large``,
+8 layers, 512 wide), AdamW as the recipe has it, and trains ``--steps`` global minibatches of 2,048 tokens of
+the shipped corpus through ``training_session``. Then each rank counts the bytes it holds of the parameters,
+their gradients and the optimizer's state (a sharded tensor: its local shard), and the table prints the largest
+rank's total against ``data_parallel``'s, and the median seconds per step after the first (which includes the
+start), side by side. ``uptime``'s load is printed: a shared machine moves the step times.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODELS = {"base": {"layers": 4, "heads": 4, "width": 128}, "large": {"layers": 8, "heads": 8, "width": 512}}
+
+
+def local_bytes(tensor) -> int:
+    """Bytes this rank holds of ``tensor`` (its shard, for a sharded one)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def worker(learner_name: str, model_name: str, steps: int, out: str) -> None:
+    import numpy as np
+    import torch
+
+    import dtrain
+    from dtrain.comm import create_communicator
+    from dtrain.data import CharCorpus, MinibatchSource
+    from dtrain.learners import FSDPLearner, data_parallel_distributed_learner
+    from dtrain.models import CharTransformer
+    from dtrain.session import SequenceCrossEntropy
+    from dtrain.session.callbacks import Callback
+
+    torch.set_num_threads(1)
+    comm = create_communicator(backend="gloo", timeout_s=120)
+    torch.manual_seed(0)
+    model = CharTransformer(vocab_size=73, context_length=128, dropout=0.0, **MODELS[model_name])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.002, betas=(0.9, 0.99), weight_decay=0.1)
+    learner = FSDPLearner(optimizer, comm) if learner_name == "fsdp" else \
+        data_parallel_distributed_learner(optimizer, comm)
+    step_times: list[float] = []
+
+    class StepClock(Callback):
+        all_ranks = True
+
+        def on_step_end(self, run, step):
+            step_times.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        dtrain.training_session(model, SequenceCrossEntropy(), learner, MinibatchSource(CharCorpus()), 2048,
+                                max_samples=2048 * steps, inputs=["text[:-1]"], target="text[1:]", run_dir=run_dir,
+                                tensorboard=False, stream=io.StringIO(), callbacks=[StepClock()]).train()
+    parameters = sum(local_bytes(p) for p in model.parameters())
+    gradients = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    state = sum(local_bytes(value) for per_parameter in optimizer.state.values() for value in per_parameter.values()
+                if isinstance(value, torch.Tensor))
+    figures = {"rank": comm.rank, "parameters": parameters, "gradients": gradients, "optimizer_state": state,
+               "step_s": float(np.median(np.diff(step_times))) if len(step_times) > 2 else None,
+               "parameter_count": sum(p.numel() for p in model.parameters())}
+    everyone = comm.allgather_object(figures)
+    if comm.rank == 0:
+        Path(out).write_text(json.dumps(everyone))
+    comm.finalize()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        return
+    from _mpiexec import mpi_environment, mpiexec_command
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--model", choices=sorted(MODELS), default="base")
+    parser.add_argument("--steps", type=int, default=8)
+    arguments = parser.parse_args()
+    print(f"load before: {os.getloadavg()[0]:.2f}")
+    rows = []
+    for ranks in arguments.ranks:
+        results = {}
+        for learner in ("data_parallel", "fsdp"):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                command = mpiexec_command(ranks, [__file__, "_worker", learner, arguments.model, str(arguments.steps),
+                                                  out.name])
+                env = mpi_environment(PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+                subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+                results[learner] = json.loads(Path(out.name).read_text())
+        rows.append((ranks, results))
+    print(f"{'ranks':>5} {'learner':>14} {'params MiB':>10} {'grads MiB':>9} {'optim MiB':>9} {'total MiB':>9} "
+          f"{'of dp':>6} {'s/step':>7}")
+    for ranks, results in rows:
+        replicated = max(r["parameters"] + r["gradients"] + r["optimizer_state"] for r in results["data_parallel"])
+        for learner, per_rank in results.items():
+            largest = max(per_rank, key=lambda r: r["parameters"] + r["gradients"] + r["optimizer_state"])
+            total = largest["parameters"] + largest["gradients"] + largest["optimizer_state"]
+            step = statistics.median(r["step_s"] for r in per_rank if r["step_s"] is not None)
+            print(f"{ranks:>5} {learner:>14} {largest['parameters'] / 2**20:>10.2f} {largest['gradients'] / 2**20:>9.2f} "
+                  f"{largest['optimizer_state'] / 2**20:>9.2f} {total / 2**20:>9.2f} {total / replicated:>6.3f} "
+                  f"{step:>7.3f}")
+    print(f"model: {arguments.model}, {rows[0][1]['fsdp'][0]['parameter_count']:,} parameters; "
+          f"load after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
