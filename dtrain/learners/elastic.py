@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 #: the learners an elastic run accepts (``fault_tolerance.enabled=true``): those whose groups meet only at syncs
-ELASTIC_LEARNERS = ("local_sgd", "diloco", "block_momentum")
+ELASTIC_LEARNERS = ("local_sgd", "diloco")
 
 
 def import_torchft():

@@ -11,8 +11,7 @@ from dtrain import checks
 from dtrain.rules import StrictBool
 
 #: the learner targets an elastic run accepts (their groups meet only at syncs)
-ELASTIC_TARGETS = {"dtrain.learners.LocalSGDLearner": "local_sgd", "dtrain.learners.DiLoCoLearner": "diloco",
-                   "dtrain.learners.block_momentum_distributed_learner": "block_momentum"}
+ELASTIC_TARGETS = {"dtrain.learners.LocalSGDLearner": "local_sgd", "dtrain.learners.DiLoCoLearner": "diloco"}
 
 
 @dataclass
@@ -59,9 +58,11 @@ def fault_tolerance_problems(cfg: DictConfig) -> list[str]:
     learner = cfg.get("learner")
     target = learner.get("_target_") if isinstance(learner, DictConfig) else None
     if target not in ELASTIC_TARGETS:
-        problems.append(f"{prefix}: learner {target} is not elastic yet: use learner=local_sgd, diloco or "
-                        f"block_momentum (groups that meet only at syncs); data_parallel, the compressed gradient "
-                        f"learners and two_level_* are not elastic in this version")
+        why = ("block momentum's filter is set by the number of workers (its block momentum 1 - 1/N), which "
+               "changes in an elastic run" if target == "dtrain.learners.block_momentum_distributed_learner" else
+               "data_parallel, the compressed gradient learners and two_level_* are not elastic in this version")
+        problems.append(f"{prefix}: learner {target} is not elastic yet ({why}); use learner=local_sgd or diloco "
+                        f"(groups that meet only at syncs)")
         return problems
     if learner.get("block_size") == "auto":
         problems.append(f"{prefix}: learner.block_size=auto depends on the number of groups, which changes; give it "

@@ -1,7 +1,7 @@
 """One replica group of an elastic test job (or one rank of the same job without elasticity, under mpiexec).
 
 ``python -m tests.helpers.elastic_group SETTINGS_JSON``; the settings: ``mode`` (``elastic`` or ``mpi``),
-``learner`` (``local_sgd``, ``diloco``, ``block_momentum``), ``lighthouse``, ``replica_id``, ``run_dir``,
+``learner`` (``local_sgd``, ``diloco``; ``block_momentum`` for its refusal), ``lighthouse``, ``replica_id``, ``run_dir``,
 ``out`` (a folder), ``max_samples``, ``block_size``, ``minibatch_size``, ``step_seconds`` (a pause in each
 forward, so a test can kill a group mid-block), ``min_groups``.
 

@@ -27,6 +27,7 @@ def test_a_sound_elastic_config_has_no_problem(monkeypatch):
 
 @pytest.mark.parametrize("change, expected", [
     ({"_target_": "dtrain.learners.data_parallel_distributed_learner"}, "is not elastic yet"),
+    ({"_target_": "dtrain.learners.block_momentum_distributed_learner"}, "block momentum 1 - 1/N), which changes"),
     ({"block_size": "auto"}, "learner.block_size=auto"),
     ({"distributed_after": "auto"}, "learner.distributed_after=auto"),
     ({"overlap": True}, "learner.overlap=true"),
