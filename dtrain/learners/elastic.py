@@ -102,6 +102,7 @@ class ElasticGroups:
         self.rounds = self.commits = self.discards = 0
         self.last_event = ""                # the last membership line, for the progress lines
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []  # (event, facts): commit, discard, heal
+        self.unrecorded: list[tuple[str, dict[str, Any]]] = []  # (event, facts) no metrics record holds yet
 
     # -- what heals a joiner ----------------------------------------------------------------------
     def take_snapshot(self) -> None:
@@ -260,6 +261,7 @@ class ElasticGroups:
             print(f"dtrain: elastic [{self.replica_id}] {line}", flush=True)
         self._last_groups = facts["groups"]
         self.last_event = line
+        self.unrecorded.append((event, dict(facts)))  # until a run's records take them (a heal at start-up)
         for listener in self.listeners:
             listener(event, dict(facts))
 

@@ -493,9 +493,13 @@ class TrainingSession:
                                 metric_name=self.metric_name, files=self.record_files,
                                 listener=self._record_to_callbacks if self.callbacks.here else None)
         self._metrics = metrics  # taken back if the data fails (_abandon_run_dir)
+        elastic = getattr(self.learner, "elastic", None)
+        recorder = _ElasticRecords(elastic, metrics, self.learner) if elastic is not None else None
         try:
             return self._train_with(restored_from, metrics)
         finally:
+            if recorder is not None:
+                recorder.detach()
             metrics.close()  # also when training fails
 
     def _train_with(self, restored_from: Path | None, metrics: MetricsWriter) -> TrainingResult:
@@ -801,3 +805,25 @@ training_session = TrainingSession
 
 
 __all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
+
+
+class _ElasticRecords:
+    """An elastic run's heals, commits (with their groups) and discards as ``metrics.jsonl`` records of kind
+    ``elastic`` (``docs/fault-tolerance.md``): those before the writer existed (a joiner heals at start-up), then
+    each as it comes."""
+
+    def __init__(self, groups, metrics: MetricsWriter, learner):
+        self.groups, self.metrics, self.learner = groups, metrics, learner
+        for event, facts in list(groups.unrecorded):
+            self.record(event, facts)
+        groups.listeners.append(self.record)
+
+    def record(self, event: str, facts: dict) -> None:
+        self.groups.unrecorded.clear()  # recorded here
+        samples = facts.get("samples_seen")
+        self.metrics.write("elastic", int(self.learner.samples_seen if samples is None else samples), event=event,
+                           groups=facts["groups"], members=facts["members"], block_samples=facts["samples"],
+                           seconds=round(facts["seconds"], 4))
+
+    def detach(self) -> None:
+        self.groups.listeners.remove(self.record)

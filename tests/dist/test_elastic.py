@@ -109,6 +109,9 @@ def test_no_failure_equals_the_non_elastic_learner(tmp_path, learner):
     sweeps = 192 // STREAM_SAMPLES
     assert counts == Counter({index: sweeps for index in range(STREAM_SAMPLES)})
     assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
+    records = [json.loads(line) for line in (tmp_path / "run-a" / "metrics.jsonl").read_text().splitlines()]
+    syncs = [record for record in records if record["kind"] == "elastic"]  # every sync's participants, recorded
+    assert [(r["event"], r["groups"], r["samples"]) for r in syncs] == [("commit", 2, 32 * (i + 1)) for i in range(6)]
 
     reference = tmp_path / "mpi"
     reference.mkdir()
@@ -157,6 +160,10 @@ def test_a_group_killed_mid_block_then_restarted_rejoins(tmp_path):
     assert any(event["event"] == "discard" for event in survivors), survivors
     after_loss = [event for event in survivors if event["event"] == "commit" and event["time"] > killed_at]
     assert after_loss and after_loss[0]["groups"] == 2, after_loss
+    recorded = [json.loads(line) for line in (tmp_path / "run-a" / "metrics.jsonl").read_text().splitlines()]
+    assert "discard" in [record.get("event") for record in recorded if record["kind"] == "elastic"], recorded
+    healed = [json.loads(line) for line in (tmp_path / "run-c2" / "metrics.jsonl").read_text().splitlines()]
+    assert [record["event"] for record in healed if record["kind"] == "elastic"][:1] == ["heal"], healed
     rejoined = [event for event in events(tmp_path, "c") if event["time"] > restarted_at]
     assert [event["event"] for event in rejoined][:1] == ["heal"], rejoined
     first_commit = next(event for event in rejoined if event["event"] == "commit")
