@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mpiexec import mpi_environment, mpiexec_command
 
 MODELS = {"base": {"layers": 4, "heads": 4, "width": 128}, "large": {"layers": 8, "heads": 8, "width": 512}}
 
@@ -83,8 +83,6 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return
-    from _mpiexec import mpi_environment, mpiexec_command
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", choices=sorted(MODELS), default="base")
