@@ -95,6 +95,7 @@ class ElasticGroups:
         self.partition = (1, 0)            # (groups of this block's plan, this group's index in it)
         self.snapshot: dict[str, Any] | None = None  # the state of the last committed sync (CPU copies)
         self._healed: dict[str, Any] | None = None    # a peer's heal_state received in this round
+        self._refused: str | None = None              # how that state's job differs from this group's
         self.last_round_failed = False                # torchft did not commit the last round (a group lost in it)
         self._last_groups: int | None = None
         # -- statistics
@@ -120,11 +121,26 @@ class ElasticGroups:
         """What a peer receives when it heals from this group (torchft calls it in its quorum): the state of the
         last committed sync, and the data position now (where the block being synced ends)."""
         return {"snapshot": self.snapshot, "source_now": copy.deepcopy(self.source.state_dict()),
-                "block_lr": astuple(self.learner.block_lr)}
+                "block_lr": astuple(self.learner.block_lr), "identity": self.identity()}
+
+    def identity(self) -> dict[str, Any]:
+        """What every group of one job has alike: the learner's identity (its kind, exchange and outer optimizer)
+        and block size (the groups' blocks must end together), the optimizer's type, the model's parameter names
+        and shapes and the data's identity. A joiner's must equal the job's."""
+        learner = self.learner
+        source_identity = getattr(self.source, "checkpoint_identity", None)
+        return {"learner": {**learner.checkpoint_identity(), "block_size": int(learner.block_size)},
+                "optimizer": f"{type(learner.optimizer).__module__}.{type(learner.optimizer).__qualname__}",
+                "model": {name: list(tensor.shape) for name, tensor in self.model.state_dict().items()},
+                "data": source_identity() if callable(source_identity) else None}
 
     def _heal(self, state: dict[str, Any]) -> None:
-        """torchft's load callback: this group becomes the peer's last committed sync."""
+        """torchft's load callback: this group becomes the peer's last committed sync, unless it is not of the
+        peer's job (its config or code differ: refused in the round, and the job goes on without it)."""
         self._healed = state
+        self._refused = _first_difference(state.get("identity"), self.identity())
+        if self._refused is not None:
+            return
         self._restore(state["snapshot"])
         self.snapshot = copy.deepcopy(state["snapshot"])
 
@@ -167,6 +183,10 @@ class ElasticGroups:
         self._healed = None
         manager.start_quorum()  # may heal this group (_heal) from a live peer
         healed = self._healed
+        if healed is not None and self._refused is not None:
+            self.manager.shutdown(wait=False)  # leaves the job: the others' round fails without it, and goes on
+            raise ValueError(f"fault_tolerance: group {self.replica_id!r} is not of the running job: {self._refused}; "
+                             f"start it with the job's config and code (the job goes on without it)")
         if healed is not None:
             member = False  # its block (if any) is gone: it is at the peer's last committed sync now
         scratch, count = learner._scratch, learner._num_parameter_elements
@@ -268,6 +288,20 @@ class ElasticGroups:
     def close(self) -> None:
         """Leaves the job: shuts torchft's manager down."""
         self.manager.shutdown(wait=False)
+
+
+def _first_difference(theirs: Any, mine: Any, path: str = "") -> str | None:
+    """The first place two identities differ, as ``learner.block_size is 64 in the job, 32 here``; None if equal."""
+    if isinstance(theirs, dict) and isinstance(mine, dict):
+        for key in sorted(set(theirs) | set(mine), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in theirs or key not in mine:
+                return f"{where} is {'only here' if key not in theirs else 'missing here'}"
+            difference = _first_difference(theirs[key], mine[key], where)
+            if difference is not None:
+                return difference
+        return None
+    return None if theirs == mine else f"{path} is {theirs!r} in the job, {mine!r} here"
 
 
 def healed_block_lr(healed: dict[str, Any], trace_type):

@@ -174,3 +174,31 @@ def test_a_group_killed_mid_block_then_restarted_rejoins(tmp_path):
     print(f"\nfigures: kill to the survivors' next committed sync {after_loss[0]['time'] - killed_at:.2f} s; "
           f"restart to the rejoined group's first commit {first_commit['time'] - restarted_at:.2f} s "
           f"(process start, imports and healing included)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_of_another_config_is_refused_when_it_joins_and_the_job_goes_on(tmp_path):
+    """A group started with another block size (another job's config) asks to join a running job: its first
+    round's heal says in one line what differs and it ends; the two groups of the job finish with one model and
+    every sample once per sweep."""
+    lighthouse = Lighthouse(tmp_path)
+    max_samples = 8 * STREAM_SAMPLES
+    common = {"max_samples": max_samples, "step_seconds": 0.25}
+    try:
+        groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "ab"}
+        deadline = time.time() + 120
+        while sum(event["event"] == "commit" for event in events(tmp_path, "a")) < 2:
+            assert time.time() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+            time.sleep(0.05)
+        other = start_group(tmp_path, lighthouse, "x", **{**common, "block_size": 64})
+        assert other.wait(timeout=120) != 0
+        wait_all(tmp_path, groups)
+    finally:
+        lighthouse.stop()
+    refusal = [line for line in (tmp_path / "x.log").read_text().splitlines() if "is not of the running job" in line]
+    assert refusal and "learner.block_size is 32 in the job, 64 here" in refusal[-1], \
+        (tmp_path / "x.log").read_text()[-3000:]
+    assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
