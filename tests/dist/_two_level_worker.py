@@ -94,11 +94,11 @@ def check_case(comm, case: str) -> dict:
     seen: dict = {}
     sync = learner._sync
 
-    def recorded_sync() -> None:  # the models, W_prev and the outer state just before the sync
+    def recorded_sync(*args, **kwargs):  # the models, W_prev and the outer state just before the sync
         seen.update(before=flat(model.parameters()), prev=learner.prev_parameters.clone(),
                     block_samples=learner.global_samples_in_block,
                     velocity=None if learner.smoothed_gradient is None else learner.smoothed_gradient.clone())
-        sync()
+        return sync(*args, **kwargs)
 
     learner._sync = recorded_sync
     position, syncs, worst = 0, 0, 0.0
