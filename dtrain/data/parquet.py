@@ -75,6 +75,7 @@ class ParquetShards:
             self.defining_stream = defining_stream
         first_schema = None
         chunk_rows: list[int] = []
+        self._file_rows: list[int] = []  # rows of each shard: what a checkpoint records
         self._chunks: list[tuple[int, int]] = []  # (file, row group or record batch)
         for file_index, path in enumerate(self.files):
             schema, rows = self._index(path)
@@ -84,6 +85,7 @@ class ParquetShards:
             else:
                 self._check_schema(schema, first_schema, path)
             chunk_rows.extend(rows)
+            self._file_rows.append(sum(rows))
             self._chunks.extend((file_index, group) for group in range(len(rows)))
         self._chunk_sizes = np.asarray(chunk_rows, dtype=np.int64)
         self._chunk_starts = np.concatenate(([0], np.cumsum(self._chunk_sizes)))
@@ -202,8 +204,7 @@ class ParquetShards:
 
     def checkpoint_identity(self) -> dict:
         """Each shard's name and rows, and the streams: a checkpoint resumes only on the same rows."""
-        rows = np.add.reduceat(self._chunk_sizes, np.flatnonzero(np.diff([-1] + [f for f, _ in self._chunks])))
-        return {"shards": {name: int(count) for name, count in zip(self.names, rows)},
+        return {"shards": {name: int(count) for name, count in zip(self.names, self._file_rows)},
                 "streams": {name: [list(info.shape), str(info.dtype), info.is_sequence]
                             for name, info in self.streams.items()}}
 
@@ -237,16 +238,16 @@ class ParquetShards:
         if not len(indices):  # an empty share
             return {name: self._stream(name, self._chunk_table(0).slice(0, 0).column(name)) for name in self.columns}
         chunks = np.searchsorted(self._chunk_starts, indices, side="right") - 1
-        by_chunk = np.argsort(chunks, kind="stable")
         pieces = []
         for chunk in np.unique(chunks):
             rows = indices[chunks == chunk] - self._chunk_starts[chunk]
             pieces.append(self._chunk_table(int(chunk)).take(self.pa.array(rows)))
-        table = self.pa.concat_tables(pieces) if len(pieces) != 1 else pieces[0]
-        restore = np.empty_like(by_chunk)
-        restore[by_chunk] = np.arange(len(by_chunk))
-        if len(pieces) > 1 or not np.array_equal(by_chunk, np.arange(len(by_chunk))):
-            table = table.take(self.pa.array(restore))
+        table = pieces[0]
+        if len(pieces) > 1:  # the pieces hold the indices by chunk (stable): put them back in the asked order
+            by_chunk = np.argsort(chunks, kind="stable")
+            restore = np.empty_like(by_chunk)
+            restore[by_chunk] = np.arange(len(by_chunk))
+            table = self.pa.concat_tables(pieces).take(self.pa.array(restore))
         return {name: self._stream(name, table.column(name)) for name in self.columns}
 
     def _stream(self, name: str, column):

@@ -102,20 +102,24 @@ class _TarSamples(torch.utils.data.Dataset):
         index = self.index(shard)
         row = position - int(self.starts[shard])
         sample = {"__key__": index.keys[row], "__url__": str(self.files[shard])}
-        # kept open while its shard is read; closed once dropped and no reader holds it (never under a reader's feet)
-        handle = self._handles.get(shard, lambda: open(self.files[shard], "rb"))  # noqa: SIM115
         for name, extensions in self.fields.items():
             found = next((extension for extension in extensions if extension in index.fields[row]), None)
             if found is None:
                 raise self.missing_field(shard, index, row, name)
             offset, size = index.fields[row][found]
-            # a positional read: worker processes forked from the reader share its open files, and so their offsets
-            data = os.pread(handle.fileno(), size, offset)
+            data = self._read_at(shard, offset, size)
             if len(data) != size:
                 raise DataError(f"TarShards: shard {self.files[shard]} ends inside sample {index.keys[row]!r} "
                                 f"(truncated)")
             sample[found] = data
         return sample
+
+    def _read_at(self, shard: int, offset: int, size: int) -> bytes:
+        """``size`` bytes of shard ``shard`` from ``offset``, by a positional read (worker processes forked from the
+        reader share its open files, and so their offsets). The file is kept open while its shard is read, and
+        closed once dropped and no read holds it (never under a reader's feet)."""
+        handle = self._handles.get(shard, lambda: open(self.files[shard], "rb"))  # noqa: SIM115
+        return os.pread(handle.fileno(), size, offset)
 
     def missing_field(self, shard: int, index: _ShardIndex, row: int, name: str) -> DataError:
         return DataError(f"TarShards: sample {index.keys[row]!r} of shard {self.files[shard]} has no "
@@ -153,9 +157,7 @@ class _TarSamples(torch.utils.data.Dataset):
         if field is None:
             raise self.missing_field(shard, index, row, name)
         offset, size = index.fields[row][field]
-        with open(self.files[shard], "rb") as handle:
-            handle.seek(offset)
-            header = io.BytesIO(handle.read(min(size, 4096)))
+        header = io.BytesIO(self._read_at(shard, offset, min(size, 4096)))
         try:
             major, _ = np.lib.format.read_magic(header)
             read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
