@@ -77,6 +77,14 @@ def events(tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def wait_for_commits(tmp_path: Path, name: str, count: int, timeout: float = 120) -> None:
+    """Waits until group ``name`` has committed ``count`` syncs (its log in the failure)."""
+    deadline = time.time() + timeout
+    while sum(event["event"] == "commit" for event in events(tmp_path, name)) < count:
+        assert time.time() < deadline, (tmp_path / f"{name}.log").read_text()[-3000:]
+        time.sleep(0.05)
+
+
 def ledger_counts(tmp_path: Path) -> Counter:
     counts: Counter = Counter()
     for path in tmp_path.glob("ledger-*.jsonl"):
@@ -135,10 +143,7 @@ def test_a_group_killed_mid_block_then_restarted_rejoins(tmp_path):
     common = {"max_samples": max_samples, "step_seconds": 0.25}
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
-        deadline = time.time() + 120
-        while sum(event["event"] == "commit" for event in events(tmp_path, "c")) < 3:
-            assert time.time() < deadline, (tmp_path / "c.log").read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for_commits(tmp_path, "c", 3)
         time.sleep(0.3)  # inside the next block (a block is two minibatches of 0.25 s here)
         groups["c"].send_signal(signal.SIGKILL)
         killed_at = time.time()
@@ -187,10 +192,7 @@ def test_a_group_of_another_config_is_refused_when_it_joins_and_the_job_goes_on(
     common = {"max_samples": max_samples, "step_seconds": 0.25}
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "ab"}
-        deadline = time.time() + 120
-        while sum(event["event"] == "commit" for event in events(tmp_path, "a")) < 2:
-            assert time.time() < deadline, (tmp_path / "a.log").read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for_commits(tmp_path, "a", 2)
         other = start_group(tmp_path, lighthouse, "x", **{**common, "block_size": 64})
         assert other.wait(timeout=120) != 0
         wait_all(tmp_path, groups)
