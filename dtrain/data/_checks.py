@@ -14,7 +14,8 @@ from dtrain.data.errors import DataError
 from dtrain.data.streams import Sequences
 
 __all__ = ["check_bool", "check_finite", "check_id_dtype", "check_int", "check_not_a_data_loader", "check_partition",
-           "finite_once"]
+           "finite_once", "floating_streams", "not_finite",
+           "on_accelerator"]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -96,13 +97,12 @@ def check_finite(streams: Mapping[str, object], describe: Callable[[int], str]) 
     One sum per stream (NaN and infinities survive it; about 20 µs for the digits' 32 x 64 values, 0.1% of
     their training step), and only when it is not finite a pass that finds the first such sample:
     ``describe(row)`` names that row of the minibatch in the message. Streams on an accelerator are not
-    read here (that would wait for the device every minibatch). A sparse stream (CTF's ``layout: sparse``) is
+    read here (that would wait for the device every minibatch): the source queues their check
+    (:mod:`dtrain.data.device_checks`). A sparse stream (CTF's ``layout: sparse``) is
     checked in its stored values.
     """
-    for name, value in streams.items():
-        data = value.data if isinstance(value, Sequences) else value
-        if not isinstance(data, torch.Tensor) or not data.is_floating_point() or data.device.type != "cpu" \
-                or data.numel() == 0:
+    for name, data in floating_streams(streams):
+        if on_accelerator(data):
             continue
         sparse = data.layout != torch.strided
         if sparse:
@@ -121,9 +121,29 @@ def check_finite(streams: Mapping[str, object], describe: Callable[[int], str]) 
         else:
             row = int(bad.nonzero()[0, 0])
             in_row = values[row]
-        what = "NaN" if bool(torch.isnan(in_row).any()) else "an infinite value"
-        raise DataError(f"stream {name!r}: {describe(row)} holds {what}; expected finite numbers (the data holds "
-                        f"NaN or inf, which training would report as a divergence: fix or drop that sample)")
+        raise DataError(not_finite(name, describe(row), has_nan=bool(torch.isnan(in_row).any())))
+
+
+def floating_streams(streams: Mapping[str, object]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, values)`` of the minibatch's non-empty floating streams (a sequence stream's padded data)."""
+    found = []
+    for name, value in streams.items():
+        data = value.data if isinstance(value, Sequences) else value
+        if isinstance(data, torch.Tensor) and data.is_floating_point() and data.numel() > 0:
+            found.append((name, data))
+    return found
+
+
+def on_accelerator(data: torch.Tensor) -> bool:
+    """Whether ``data`` lives on an accelerator, where reading its values back would wait for the device."""
+    return data.device.type != "cpu"
+
+
+def not_finite(name: str, sample: str, has_nan: bool) -> str:
+    """The one line for stream ``name``'s ``sample`` holding NaN (``has_nan``) or an infinity."""
+    what = "NaN" if has_nan else "an infinite value"
+    return (f"stream {name!r}: {sample} holds {what}; expected finite numbers (the data holds NaN or inf, which "
+            f"training would report as a divergence: fix or drop that sample)")
 
 
 def check_not_a_data_loader(value: object) -> None:

@@ -18,7 +18,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dtrain.data._checks import check_bool, check_finite, check_id_dtype, check_int, check_partition
+from dtrain.data import _checks
+from dtrain.data._checks import (check_bool, check_finite, check_id_dtype, check_int, check_partition,
+                                 floating_streams)
+from dtrain.data.device_checks import DeferredFiniteChecks
 from dtrain.data.chunk_order import ChunkedOrder
 from dtrain.data.deserializer import (Deserializer, FeaturesAndLabels, StreamDeserializer, label_tensor,
                                       as_stream_deserializer)
@@ -173,6 +176,9 @@ class MinibatchSource(UserMinibatchSource):
         # True: the in-memory data was checked for NaN and infinities once (ArrayDeserializer, StreamArrays), so
         # the minibatches read from it are not (a transform's output still is)
         self._values_finite = getattr(self._deserializer, "values_finite", None)
+        self._checks_values = transform is not None or self._values_finite is not True  # each minibatch's
+        # streams on an accelerator are checked without waiting for it (dtrain.data.device_checks)
+        self._device_checks = DeferredFiniteChecks()
         self._executor: ThreadPoolExecutor | None = None
         # the minibatches being read in the background, in order: (request key, future)
         self._pending: deque[tuple[tuple, Future]] = deque()
@@ -390,6 +396,7 @@ class MinibatchSource(UserMinibatchSource):
         request = self._request(self._position, global_size, num_data_partitions, partition_index)
         if request is None:
             self._discard_read_ahead()
+            self._device_checks.flush()
             return None
         if self._pending and self._pending[0][0] == request:
             minibatch = self._pending.popleft()[1].result()  # an error of the background read is raised here
@@ -398,10 +405,28 @@ class MinibatchSource(UserMinibatchSource):
                 self._discard_read_ahead()  # never two reads at once: deserializers need not be thread-safe
             minibatch = self._read(*request)
         self._position = request[0].stop
+        if self._checks_values:
+            self._check_device_values(minibatch)
         if self._read_ahead:
             self._read_ahead_from(self._pending[-1][0][0].stop if self._pending else self._position, global_size,
                                   num_data_partitions, partition_index)
         return minibatch
+
+    def _check_device_values(self, minibatch: Minibatch) -> None:
+        """Looks at the finished checks of earlier minibatches' streams on an accelerator, then queues this
+        one's (:mod:`dtrain.data.device_checks`; its streams on the CPU were checked as it was read)."""
+        self._device_checks.poll()
+        on_device = [(name, data) for name, data in floating_streams(minibatch.streams)
+                     if _checks.on_accelerator(data) and data.layout == torch.strided]
+        if on_device:
+            timeline, positions = self._timeline, minibatch.positions
+            self._device_checks.add(on_device, lambda row: self._describe_sample(timeline, int(positions[row])))
+
+    def check_pending_values(self) -> None:
+        """Waits for the value checks of the minibatches handed out whose streams live on an accelerator, and
+        raises DataError naming a sample that holds NaN or an infinity (the session asks at its progress,
+        cross-validation and checkpoint points and at the end of training, before it judges the loss)."""
+        self._device_checks.flush()
 
     def _read_ahead_from(self, position: int, global_size: int, num_data_partitions: int, partition_index: int) -> None:
         """Queues background reads of the minibatches that follow ``position``, up to the depth."""
@@ -549,6 +574,7 @@ class MinibatchSource(UserMinibatchSource):
         ``randomize``; with sequence streams also ``sequences_per_sweep``, ``defining_stream`` and
         ``length_bucketing`` (all but the position guard against restoring into a different stream).
         """
+        self._device_checks.flush()  # a position is kept only past minibatches whose values were checked
         state = {
             "position": self._position,
             "seed": self._seed,

@@ -69,6 +69,11 @@ class UserMinibatchSource:
                                   f"implement get_checkpoint_state() and restore_from_checkpoint(state) for "
                                   f"checkpoints and evaluations")
 
+    def check_pending_values(self) -> None:
+        """Raises DataError for a sample handed out whose values (NaN, inf) are still being checked, after waiting
+        for the check: a source that checks streams on an accelerator without waiting for the device
+        (``MinibatchSource``) does it here; the session asks before it judges or keeps anything. Nothing here."""
+
     def sequence_lengths(self, reference: str) -> np.ndarray | None:
         """Steps of every sequence of a sequence stream or step slice (``text[:-1]``); None: not known, or a
         stream with one value per sample."""
@@ -108,7 +113,8 @@ class _Declared(UserMinibatchSource):
     def __init__(self, source: Any):
         self.source = source
         self.next_minibatch = source.next_minibatch  # bound once: nothing in between per step
-        for method in ("get_checkpoint_state", "restore_from_checkpoint", "sequence_lengths", "use_defining_stream"):
+        for method in ("get_checkpoint_state", "restore_from_checkpoint", "sequence_lengths", "use_defining_stream",
+                       "check_pending_values"):
             if callable(getattr(source, method, None)):
                 setattr(self, method, getattr(source, method))
 

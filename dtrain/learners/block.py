@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, replace
 from functools import partial
 from typing import Any
 
@@ -24,44 +23,18 @@ import torch
 from dtrain import checks
 from dtrain.advice import Advice
 from dtrain.exchange import Exchange, full_precision_allreduce_bytes
-from dtrain.learners._buckets import coalesced
+from dtrain.learners.flat_copies import broadcast, cpu_copy, pack, unpack
 from dtrain.learners.base import AUTO, Learner, RunFacts, auto_warm_start, bind_exchange, exchange_identity
 from dtrain.learners.block_size import auto_block_size, largest_block_size
 from dtrain.learners.overlap import DelayedOuterStep
-from dtrain.learners.outer import (FIRST_MOMENT_KEYS, SYNC_FACTS, OuterOptimizerFactory, build_outer_optimizer,
-                                   cpu_state, describe_outer_factory, first_moment, first_moments, gives_back_model,
-                                   load_outer_state, outer_optimizer_name, plain_factory, saved_first_moment)
+from dtrain.learners.outer import (FIRST_MOMENT_KEYS, SYNC_FACTS, LearningRateTrace, OuterOptimizerFactory,
+                                   build_outer_optimizer, cpu_state, describe_outer_factory, first_moment,
+                                   first_moments, gives_back_model, load_outer_state, outer_optimizer_name, plain_factory, saved_first_moment)
 from dtrain.learners.settings import BLOCK_SIZE, BLOCK_SYNC, MOMENTUM_CORRECTION
 from dtrain.rules import check_settings
 
 #: Optimizer state entries the momentum reset zeroes: the first moments of :data:`~dtrain.learners.outer.FIRST_MOMENT_KEYS`
 MOMENTUM_STATE_KEYS = FIRST_MOMENT_KEYS
-
-
-@dataclass
-class LearningRateTrace:
-    """The inner learning rate over one block's local steps, for the momentum correction.
-
-    Its :meth:`mean` is the value itself when the rate did not change in the block (so a constant rate
-    gives a correction of exactly 1), else the mean over the steps.
-    """
-
-    total: float = 0.0
-    steps: int = 0
-    low: float = math.inf
-    high: float = -math.inf
-
-    def add(self, lr: float) -> None:
-        """Counts one local step at ``lr``."""
-        self.total += lr
-        self.steps += 1
-        self.low, self.high = min(self.low, lr), max(self.high, lr)
-
-    def mean(self) -> float | None:
-        """The block's learning rate (None: no step counted)."""
-        if self.steps == 0:
-            return None
-        return self.low if self.low == self.high else self.total / self.steps
 
 
 class BlockLearner(Learner):
@@ -786,7 +759,7 @@ class BlockLearner(Learner):
                                "(training_session does)")
         state = super().state_dict()
         state["block"] = {
-            "prev_parameters": _cpu_copy(self.prev_parameters),
+            "prev_parameters": cpu_copy(self.prev_parameters),
             "outer_optimizer": self._outer_state(),
             "outer_optimizer_type": outer_optimizer_name(self.outer_factory()),
             "local_samples_in_block": self.local_samples_in_block,
@@ -848,36 +821,6 @@ class BlockLearner(Learner):
     def _outer_state(self) -> dict[str, Any] | None:
         """The outer optimizer's ``state_dict`` as CPU copies (a restored one not yet loaded as it came)."""
         return self._restored_outer if self.outer_optimizer is None else cpu_state(self.outer_optimizer)
-
-
-# -- helpers ---------------------------------------------------------------------------------------
-def _cpu_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.detach().cpu().clone()
-
-
-def pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copies ``tensors`` one after another into the 1-D ``flat`` (casting to its dtype)."""
-    offset = 0
-    with torch.no_grad():
-        for tensor in tensors:
-            count = tensor.numel()
-            flat[offset:offset + count].copy_(tensor.reshape(-1))
-            offset += count
-
-
-def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copies consecutive slices of the 1-D ``flat`` back into ``tensors`` (casting to theirs)."""
-    offset = 0
-    with torch.no_grad():
-        for tensor in tensors:
-            count = tensor.numel()
-            tensor.copy_(flat[offset:offset + count].view_as(tensor))
-            offset += count
-
-
-def broadcast(tensors: Sequence[torch.Tensor], comm) -> None:
-    """Overwrites ``tensors`` with rank 0's values: one broadcast per dtype, not one per tensor."""
-    coalesced(tensors, math.inf, lambda flat: comm.broadcast(flat, root=0))
 
 
 __all__ = ["MOMENTUM_STATE_KEYS", "BlockLearner", "auto_block_size", "broadcast", "largest_block_size", "pack",

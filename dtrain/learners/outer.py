@@ -18,7 +18,9 @@ What an outer optimizer may declare, beyond torch's interface
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -96,6 +98,32 @@ class BlockMomentumFilter(torch.optim.Optimizer):
                 if group["nesterov"]:
                     parameter.sub_(smoothed, alpha=momentum)  # W -= bm * sg
         return None
+
+
+@dataclass
+class LearningRateTrace:
+    """The inner learning rate over one block's local steps, for the outer momentum's correction.
+
+    Its :meth:`mean` is the value itself when the rate did not change in the block (so a constant rate
+    gives a correction of exactly 1), else the mean over the steps.
+    """
+
+    total: float = 0.0
+    steps: int = 0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, lr: float) -> None:
+        """Counts one local step at ``lr``."""
+        self.total += lr
+        self.steps += 1
+        self.low, self.high = min(self.low, lr), max(self.high, lr)
+
+    def mean(self) -> float | None:
+        """The block's learning rate (None: no step counted)."""
+        if self.steps == 0:
+            return None
+        return self.low if self.low == self.high else self.total / self.steps
 
 
 def gives_back_model(optimizer: torch.optim.Optimizer, gradient: torch.Tensor, workers: int) -> bool:
@@ -238,7 +266,7 @@ def build_outer_optimizer(factory: OuterOptimizerFactory, parameter: torch.Tenso
     return optimizer
 
 
-__all__ = ["BlockMomentumFilter", "FIRST_MOMENT_KEYS", "OuterOptimizerFactory", "SYNC_FACTS", "build_outer_optimizer",
+__all__ = ["BlockMomentumFilter", "FIRST_MOMENT_KEYS", "LearningRateTrace", "OuterOptimizerFactory", "SYNC_FACTS", "build_outer_optimizer",
            "cpu_state", "describe_outer_factory", "first_moment", "first_moment_key", "first_moments", "gives_back_model",
            "load_outer_state", "outer_optimizer_name", "plain_factory", "refuse_replaced_settings",
            "saved_first_moment"]

@@ -28,7 +28,8 @@ from dtrain.comm.local import LocalCommunicator
 from dtrain.exchange import AllReduce, Exchange, full_precision_allreduce_bytes
 from dtrain.exchange.between_hosts import BetweenHosts
 from dtrain.learners.base import AUTO
-from dtrain.learners.block import BlockLearner, pack, unpack
+from dtrain.learners.block import BlockLearner
+from dtrain.learners.flat_copies import pack, unpack
 from dtrain.learners.block_momentum import BlockMomentumLearner
 from dtrain.learners.data_parallel import DataParallelLearner
 from dtrain.learners.diloco import DiLoCoLearner

@@ -23,7 +23,7 @@ from dtrain.data.streams import WHOLE_MINIBATCH
 from dtrain.data.user_source import as_source
 from dtrain.learners.base import Learner, RunFacts
 from dtrain.rules import check_settings
-from dtrain.schedules import Schedule, momentum_from_time_constant, size_sweeps
+from dtrain.schedules import Schedule, size_sweeps
 from dtrain.session import checkpoint_state
 from dtrain.session.collapse import CollapseWatch, training_advice
 from dtrain.session.configs import CheckpointConfig, CrossValidationConfig, TestConfig, action_frequency
@@ -54,7 +54,9 @@ from dtrain.session.rundir import RunDirectoryLock
 from dtrain.safe_files import Originals
 from dtrain.session.settings import TRAINING_SESSION
 from dtrain.session.summary import RunSummary
-from dtrain.session.lr_scaling import LearningRateScaling, lr_warmup_samples
+from dtrain.session.lr_scaling import LearningRateScaling
+from dtrain.session.optimizer_schedules import OptimizerSchedules
+from dtrain.session.elastic_records import ElasticRecords
 from dtrain.session.weights import save_weights
 from dtrain.session.weight_ema import WeightEMA
 
@@ -305,10 +307,8 @@ class TrainingSession:
         if profile is not None and not isinstance(profile, ProfileConfig):
             raise TypeError(f"profile must be a dtrain ProfileConfig or None, got {type(profile).__name__}")
         self.profile = profile
-        # the configured learning rates; an lr schedule multiplies them
-        self.base_learning_rates = [group["lr"] for group in learner.optimizer.param_groups]
-        clock = getattr(learner.optimizer, "set_samples_seen", None)  # told the samples seen before every step
-        self._optimizer_clock = clock if callable(clock) else None
+        self.schedules = OptimizerSchedules(learner.optimizer, lr_schedule, self.lr_scaling,
+                                            momentum_time_constant_schedule, unit_gain_momentum)
         self.progress_period = Periodic(action_frequency("progress_frequency", progress_frequency))
         self.checkpoint_period = Periodic(action_frequency("CheckpointConfig.frequency", checkpoint_config.frequency)
                                           if checkpoint_config else 0)
@@ -361,7 +361,7 @@ class TrainingSession:
                             lr_scaling=self.lr_scaling, defining_stream_note=defining_stream_note),
             model=model, learner=learner, source=minibatch_source, device=self.device,
             minibatch_size=self.minibatch_size, binding=self.binding, objective=objective_call, ema=self.ema,
-            base_learning_rates=self.base_learning_rates, checkpointing=self.checkpointing)
+            base_learning_rates=self.schedules.base_learning_rates, checkpointing=self.checkpointing)
 
     @classmethod
     def from_settings(cls, model: torch.nn.Module, loss, learner: Learner, minibatch_source, settings, *,
@@ -469,7 +469,7 @@ class TrainingSession:
             self.ema.to(self.device)
         self.learner.plan(RunFacts(samples_per_sweep=self.source.samples_per_sweep,
                                    max_samples=self.max_samples, minibatch_size=int(self.minibatch_size(0)),
-                                   warmup_samples=self._lr_warmup_samples()))
+                                   warmup_samples=self.schedules.warmup_samples()))
         self.learner.attach_source(self.source)
         self.learner.prepare(self.model)
         self.model.train()
@@ -494,7 +494,7 @@ class TrainingSession:
                                 listener=self._record_to_callbacks if self.callbacks.here else None)
         self._metrics = metrics  # taken back if the data fails (_abandon_run_dir)
         elastic = getattr(self.learner, "elastic", None)
-        recorder = _ElasticRecords(elastic, metrics, self.learner) if elastic is not None else None
+        recorder = ElasticRecords(elastic, metrics, self.learner) if elastic is not None else None
         try:
             return self._train_with(restored_from, metrics)
         finally:
@@ -522,7 +522,7 @@ class TrainingSession:
             next_period_end = self._next_period_end()
             fixed_size = self.minibatch_size.constant()  # None: the minibatch size follows its schedule
             fixed_size = None if fixed_size is None else int(fixed_size)
-            schedules = self._schedules_in_use()
+            schedules = self.schedules.in_use
             live_bar, has_callbacks = printer.interactive, bool(self.callbacks)
             while self.max_samples is None or self.learner.samples_seen < self.max_samples:
                 seen = self.learner.samples_seen
@@ -533,7 +533,7 @@ class TrainingSession:
                 if batch is None:
                     break
                 if schedules:
-                    self._apply_schedules(seen, size)
+                    self.schedules.apply(seen, size)
                 self._step.train(batch, sums, timer)
                 if self.ema is not None:  # taken in where every rank holds one model (dtrain.session.weight_ema)
                     self.ema.after_step(self.model, self.learner.is_sync_point())
@@ -557,6 +557,7 @@ class TrainingSession:
                 one_model = ranks_meet  # synchronize() adds no outer step here (see the module docstring)
                 acted = False  # a progress, cross-validation or checkpoint point: callbacks' stops are agreed here
                 if seen >= next_period_end:  # a progress, cross-validation or checkpoint period may have ended
+                    self.source.check_pending_values()  # a sample's NaN named before any figure or checkpoint
                     if self.progress_period.due(seen):
                         ranks_meet = acted = True
                         self.progress.report(printer, metrics, sums, throughput, timer)
@@ -582,6 +583,7 @@ class TrainingSession:
                         break
 
             # the end: one last synchronisation, then each action once more for a partial period
+            self.source.check_pending_values()
             self.learner.synchronize()
             if self.ema is not None and not preempted:  # a block learner's last, partial block
                 self.ema.after_last_sync(self.model)
@@ -757,36 +759,10 @@ class TrainingSession:
         if gradients:
             torch.nn.utils.clip_grad_norm_(gradients, self.clip_grad_norm)
 
-    def _lr_warmup_samples(self) -> int:
-        """The samples over which the learning rate warms up from the start (``lr_scaling.lr_warmup_samples``)."""
-        return lr_warmup_samples(self.lr_schedule, self.lr_scaling)
-
     def _next_period_end(self) -> int | float:
         """The samples seen at which the first of the progress, cross-validation and checkpoint periods ends (or
         has ended, waiting for the ranks to hold one model): the loop asks the periods nothing before it."""
         return min(period.next_end() for period in (self.progress_period, self.cv_period, self.checkpoint_period))
-
-    def _schedules_in_use(self) -> bool:
-        """Whether anything changes the optimizer's settings as samples are seen (:meth:`_apply_schedules`)."""
-        return (self.lr_schedule is not None or self.lr_scaling is not None
-                or self.momentum_time_constant_schedule is not None or self._optimizer_clock is not None)
-
-    def _apply_schedules(self, samples_seen: int, minibatch_size: int) -> None:
-        """Sets each parameter group's lr (and momentum) for the next minibatch."""
-        groups = self.learner.optimizer.param_groups
-        if self.lr_schedule is not None or self.lr_scaling is not None:
-            multiplier = (self.lr_schedule(samples_seen) if self.lr_schedule is not None else 1.0) \
-                * (self.lr_scaling(samples_seen) if self.lr_scaling is not None else 1.0)
-            for group, base in zip(groups, self.base_learning_rates):
-                group["lr"] = base * multiplier
-        if self.momentum_time_constant_schedule is not None:
-            momentum = momentum_from_time_constant(self.momentum_time_constant_schedule(samples_seen), minibatch_size)
-            for group in groups:
-                group["momentum"] = momentum
-                if self.unit_gain_momentum:
-                    group["dampening"] = momentum
-        if self._optimizer_clock is not None:  # an optimizer that changes with the samples seen (RMSpropWarmupSGD)
-            self._optimizer_clock(samples_seen)
 
     @contextlib.contextmanager
     def _profiling(self):
@@ -806,24 +782,3 @@ training_session = TrainingSession
 
 __all__ = ["TrainingCollapsed", "TrainingDiverged", "TrainingResult", "TrainingSession", "training_session"]
 
-
-class _ElasticRecords:
-    """An elastic run's heals, commits (with their groups) and discards as ``metrics.jsonl`` records of kind
-    ``elastic`` (``docs/fault-tolerance.md``): those before the writer existed (a joiner heals at start-up), then
-    each as it comes."""
-
-    def __init__(self, groups, metrics: MetricsWriter, learner):
-        self.groups, self.metrics, self.learner = groups, metrics, learner
-        for event, facts in list(groups.unrecorded):
-            self.record(event, facts)
-        groups.listeners.append(self.record)
-
-    def record(self, event: str, facts: dict) -> None:
-        self.groups.unrecorded.clear()  # recorded here
-        samples = facts.get("samples_seen")
-        self.metrics.write("elastic", int(self.learner.samples_seen if samples is None else samples), event=event,
-                           groups=facts["groups"], members=facts["members"], block_samples=facts["samples"],
-                           seconds=round(facts["seconds"], 4))
-
-    def detach(self) -> None:
-        self.groups.listeners.remove(self.record)

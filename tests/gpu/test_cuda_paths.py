@@ -208,3 +208,38 @@ def test_the_noise_scale_on_the_gpu_is_the_cpu_one(tmp_path, capsys):
         rows.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("| 640 |")])
     cpu, cuda = (float(row[0].split("|")[3].split("+-")[0].replace(",", "")) for row in rows)
     assert cuda == pytest.approx(cpu, rel=0.05)  # cuDNN may convolve in TF32: the ratio of differences amplifies it
+
+
+def test_a_stream_on_the_gpu_holding_nan_is_named_without_a_wait_per_minibatch(tmp_path):
+    """A transform that serves its features on the GPU (as DALI's GPU pipeline does): its NaN is found by a
+    check queued on the device and read back once done, and named before the loss is judged."""
+    import io
+
+    import numpy as np
+
+    from dtrain import LocalLearner, MinibatchSource, training_session
+    from dtrain.data import ArrayDeserializer, DataError
+
+    features = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = ArrayDeserializer(features, np.arange(64) % 2, num_classes=2)
+
+    def to_gpu_with_nan_at_40(batch, positions, seed):
+        batch = batch.cuda()
+        batch[torch.as_tensor(positions == 40, device="cuda")] = float("nan")
+        return batch
+
+    source = MinibatchSource(data, randomize=False, transform=to_gpu_with_nan_at_40)
+    for _ in range(5):
+        source.next_minibatch(8)  # samples 0-39: nothing waits, nothing is refused
+    source.next_minibatch(8)
+    with pytest.raises(DataError, match=r"^stream 'features': sample 40 of ArrayDeserializer .* holds NaN"):
+        source.check_pending_values()
+
+    model = torch.nn.Linear(4, 2).cuda()
+    learner = LocalLearner(torch.optim.SGD(model.parameters(), lr=0.1))
+    session = training_session(model, torch.nn.functional.cross_entropy, learner,
+                               MinibatchSource(data, randomize=False, transform=to_gpu_with_nan_at_40), 8,
+                               max_samples=64, progress_frequency=32, run_dir=tmp_path, tensorboard=False,
+                               stream=io.StringIO(), device="cuda")
+    with pytest.raises(DataError, match=r"sample 40 of ArrayDeserializer"):
+        session.train()

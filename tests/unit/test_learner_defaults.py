@@ -842,7 +842,7 @@ def test_the_session_gives_the_note_for_a_short_quantized_run(tmp_path):
                                    lr_schedule=Schedule([[6, 1.0], [2, 0.1]], epoch_size=64, warmup_samples=160),
                                    progress_bar=False, tensorboard=False)
         learner.plan(RunFacts(samples_per_sweep=64, max_samples=max_samples, minibatch_size=16,
-                              warmup_samples=session._lr_warmup_samples()))
+                              warmup_samples=session.schedules.warmup_samples()))
         return session.startup.short_run_note()  # one of the notes the start-up lines print
 
     assert lines(192).startswith("dtrain: note: this run is too short for learner data_parallel (1-bit exchange)'s "

@@ -514,7 +514,7 @@ def test_a_resume_with_changed_settings_equals_a_run_that_switched_at_that_point
         if index == 0:
             for group in session.learner.optimizer.param_groups:
                 group.update(lr=0.03, momentum=0.5, weight_decay=0.01)
-            session.base_learning_rates = [0.03]
+            session.schedules.base_learning_rates[:] = [0.03]
 
     cv = CrossValidationConfig(callback=switch, frequency=64)
     whole_model, session = plain_session(tmp_path / "whole", 160, cv=cv)
