@@ -65,6 +65,23 @@ def worst(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> st
     return max(differences, key=differences.get)
 
 
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, int, int]:
+    """``(parameter bytes, optimizer state bytes, bytes of one first-dimension row of every parameter)``: what this
+    rank holds of the first two (its shards of a sharded model, ``DTensor.to_local``; all of a replicated one), and
+    what an uneven cut may add to a rank's share of the parameters."""
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    parameters = [local(parameter.detach()) for parameter in model.parameters()]
+    state = [] if optimizer is None else [local(value) for per_parameter in optimizer.state.values()
+                                          for value in per_parameter.values()
+                                          if isinstance(value, torch.Tensor) and value.dim() > 0]
+    return (sum(t.numel() * t.element_size() for t in parameters), sum(t.numel() * t.element_size() for t in state),
+            sum(p.numel() // max(p.shape[0], 1) * p.element_size() for p in model.parameters()))
+
+
 def char_model() -> nn.Module:
     torch.manual_seed(0)
     return CharTransformer(VOCABULARY, context_length=64, layers=2, heads=2, width=16)
@@ -123,6 +140,8 @@ def check_attention(comm, run_dir: Path) -> dict:
         everyone = comm.allgather_object(shares)
         figures[f"uneven_minibatches_micro{micro}"] = sum(len(set(per)) > 1 for per in zip(*everyone))
         if micro is None:
+            figures["bytes"] = comm.allgather_object(held_bytes(model, learner.optimizer))
+            figures["bytes_replicated"] = held_bytes(replicated, None)[0]
             figures["moved_by"] = relative_difference({n: t for n, t in got.items() if n.endswith("weight")},
                                                       {n: t for n, t in whole(char_model()).items() if n.endswith("weight")})
             if comm.is_main:

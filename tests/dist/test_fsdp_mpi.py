@@ -37,6 +37,20 @@ def test_a_sharded_transformer_makes_the_update_of_one_process(launch: CheckLaun
     assert figures["weights_same_names"] and figures["weights_difference"] <= 1e-5, figures
 
 
+def test_each_rank_holds_its_share_of_the_parameters_and_optimizer_state(launch: CheckLaunch) -> None:
+    """ZeRO-3's memory: the ranks' parameter shards add up to the whole model, each at most 1/N of it plus a row of
+    each tensor (FSDP2 cuts every tensor along its first dimension); AdamW's two moments likewise, at twice the
+    parameters' bytes; data_parallel holds the whole model on every rank."""
+    figures = launch.result("attention")
+    size, held, whole_bytes = figures["size"], figures["bytes"], figures["bytes_replicated"]
+    parameters, state, rows = [entry[0] for entry in held], [entry[1] for entry in held], held[0][2]
+    assert sum(parameters) == whole_bytes and sum(state) == 2 * whole_bytes, figures
+    slack = rows  # a first-dimension row of each parameter: what an uneven cut may add to a rank's share
+    assert slack < whole_bytes / (2 * size), figures  # so that a rank holding more than its share fails below
+    assert max(parameters) <= whole_bytes / size + slack, figures
+    assert max(state) <= 2 * (whole_bytes / size + slack), figures
+
+
 def test_a_sharded_convnet_with_sync_batchnorm_makes_the_update_of_one_process(launch: CheckLaunch) -> None:
     """SGD with momentum on Conv1d + BatchNorm, one unit per child, sync_batchnorm: one process's parameters and
     BatchNorm statistics."""
