@@ -14,9 +14,11 @@ multiplied by ``local_samples / global_samples`` before backward (:meth:`FSDPLea
 flowing out of the model's output). A rank without samples still makes an (empty) forward and backward, since
 every unit's all-gather and reduce-scatter is a collective (:attr:`FSDPLearner.collective_forward`).
 
-Sharding is a property of one flat group here (the whole job). Two-level schemes (shards inside a host, an outer
-scheme between hosts) and HSDP are not in this learner: :func:`shard_model` takes the mesh, the extension point
-for a two-dimensional one.
+Where the shards are cut (``shard_over``): over the whole job (one flat group, the default), or inside each host
+and replicated across hosts (``"host"``: HSDP, torch's two-dimensional ``DeviceMesh`` of ``(replicate, shard)``),
+where a host's ranks all-gather and reduce-scatter among themselves and only the reduced shards cross hosts, once
+per step (an all-reduce of each shard between the ranks holding it). The update is the same either way. Block
+learners on shards (an outer scheme between hosts) are not in this learner.
 """
 from __future__ import annotations
 
@@ -169,6 +171,8 @@ class FSDPLearner(Learner):
             (``CPUOffloadPolicy``); only where training runs on a GPU.
         activation_checkpointing: recompute each unit's activations in backward instead of keeping them
             (``torch.utils.checkpoint``, non-reentrant).
+        shard_over: ``"job"`` (every rank holds ``1/N``) or ``"host"`` (HSDP: each host's ranks hold ``1/R`` each,
+            ``R`` ranks a host, every host the whole model; hosts from the launcher, or ``comm.ranks_per_host``).
 
     Raises:
         ValueError: a setting out of range (one line ``learner.NAME=value: expected ...``); from :meth:`shard`, a
@@ -181,13 +185,15 @@ class FSDPLearner(Learner):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm=None, wrap: str | Sequence[str] = "blocks",
                  reshard_after_forward: bool = True, param_dtype: str = "float32", reduce_dtype: str = "float32",
-                 cpu_offload: bool = False, activation_checkpointing: bool = False):
+                 cpu_offload: bool = False, activation_checkpointing: bool = False, shard_over: str = "job"):
         super().__init__(optimizer, comm, 0)
         if not isinstance(wrap, str):
             wrap = list(wrap)
         check_settings(FSDP, wrap=wrap, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                        reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-                       activation_checkpointing=activation_checkpointing)
+                       activation_checkpointing=activation_checkpointing, shard_over=shard_over)
+        self.shard_over = shard_over
+        self.shard_ranks = self.comm.size  # the ranks one model's shards are spread over (a host's, for "host")
         self.wrap = wrap
         self.reshard_after_forward = bool(reshard_after_forward)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -267,7 +273,8 @@ class FSDPLearner(Learner):
         for tensor in [*model.parameters(), *model.buffers()]:
             self.comm.broadcast(tensor.data, root=0) if tensor.device.type == self.comm.device.type else \
                 tensor.data.copy_(self.comm.broadcast(tensor.data.to(self.comm.device), root=0))
-        self.mesh = DeviceMesh.from_group(group, device.type)
+        self.mesh = self._host_mesh(device.type) if self.shard_over == "host" else \
+            DeviceMesh.from_group(group, device.type)
         options: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward,
                                    "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[self.param_dtype],
                                                                      reduce_dtype=DTYPES[self.reduce_dtype])}
@@ -287,9 +294,34 @@ class FSDPLearner(Learner):
         self._replace_optimizer_parameters(names, sharded)
         model.register_forward_hook(self._scale_output_gradient)
 
+    def _host_mesh(self, device_type: str):
+        """HSDP's mesh: ``(replicate, shard)``, a host's ranks along ``shard``, the ranks of the same place on every
+        host along ``replicate`` (each a sub-communicator's torch.distributed group; collective).
+
+        Raises:
+            ValueError: hosts of different numbers of ranks (the mesh is a rectangle).
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        hosts = self.comm.host_ranks(self.comm.ranks_per_host)
+        if len({len(ranks) for ranks in hosts}) > 1:
+            raise ValueError(f"learner.shard_over=host needs as many ranks on every host; the hosts have "
+                             f"{', '.join(str(len(ranks)) for ranks in hosts)} (set comm.ranks_per_host, or "
+                             f"learner.shard_over=job)")
+        host = next(index for index, ranks in enumerate(hosts) if self.comm.rank in ranks)
+        place = hosts[host].index(self.comm.rank)
+        inside = self.comm.split(host, key=self.comm.rank)
+        across = self.comm.split(place, key=host)
+        global_rank = self.comm.allgather_object(dist.get_rank())  # the mesh names the default group's ranks
+        layout = torch.tensor([[global_rank[rank] for rank in ranks] for ranks in hosts])
+        self.shard_ranks = len(hosts[0])
+        return DeviceMesh.from_group([process_group_of(across), process_group_of(inside)], device_type, mesh=layout,
+                                     mesh_dim_names=("replicate", "shard"))
+
     def _replace_optimizer_parameters(self, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
         """The optimizer's parameters (and any state it holds) become the shards of the same name."""
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor import distribute_tensor
 
         for group in self.optimizer.param_groups:
             replaced = []
@@ -301,7 +333,7 @@ class FSDPLearner(Learner):
                 state = self.optimizer.state.pop(parameter, None)
                 if state:
                     self.optimizer.state[new] = {
-                        key: distribute_tensor(value.to(new.device), self.mesh, [Shard(0)])
+                        key: distribute_tensor(value.to(new.device), self.mesh, new.placements)
                         if torch.is_tensor(value) and value.shape == new.shape and value.dim() > 0 else value
                         for key, value in state.items()}
                 replaced.append(new)
@@ -359,8 +391,15 @@ class FSDPLearner(Learner):
             extras.append("shards offloaded to the CPU")
         if self.activation_checkpointing:
             extras.append("activations recomputed per unit")
-        return f"learner {self.kind}: parameters, gradients and optimizer state sharded over {self.comm.size} " \
-               f"ranks, " + ", ".join(extras)
+        hosts = self.comm.size // self.shard_ranks
+        if self.shard_over == "host" and self.shard_ranks == 1:
+            over = f"held whole by each of the {hosts} hosts' one rank (HSDP with nothing to shard)"
+        elif self.shard_over == "host" and hosts > 1:
+            over = f"sharded over the {self.shard_ranks} ranks of each host and replicated over the {hosts} hosts " \
+                   f"(HSDP)"
+        else:
+            over = f"sharded over {self.comm.size} ranks"
+        return f"learner {self.kind}: parameters, gradients and optimizer state {over}, " + ", ".join(extras)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint_identity(self) -> dict[str, Any]:
@@ -435,13 +474,14 @@ def _checkpoint_activations(unit: nn.Module) -> None:
 
 def fsdp_learner(optimizer: torch.optim.Optimizer, comm=None, wrap: str | Sequence[str] = "blocks",
                  reshard_after_forward: bool = True, param_dtype: str = "float32", reduce_dtype: str = "float32",
-                 cpu_offload: bool = False, activation_checkpointing: bool = False) -> FSDPLearner:
+                 cpu_offload: bool = False, activation_checkpointing: bool = False,
+                 shard_over: str = "job") -> FSDPLearner:
     """``learner=fsdp``: an :class:`FSDPLearner` (its settings; a config's list arrives as a ListConfig)."""
     if wrap is not None and not isinstance(wrap, str):
         wrap = [str(name) for name in wrap]
     return FSDPLearner(optimizer, comm, wrap=wrap, reshard_after_forward=reshard_after_forward,
                        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-                       activation_checkpointing=activation_checkpointing)
+                       activation_checkpointing=activation_checkpointing, shard_over=shard_over)
 
 
 __all__ = ["FSDPLearner", "INTERCHANGEABLE_KINDS", "fsdp_learner", "load_full_optimizer_state",

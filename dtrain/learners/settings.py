@@ -55,6 +55,7 @@ class FSDPLearnerConfig:
     reduce_dtype: str = "float32"       # the dtype gradients are reduce-scattered in: float32 or bfloat16
     cpu_offload: StrictBool = False     # shards, gradients and the optimizer step on the CPU (GPU runs only)
     activation_checkpointing: StrictBool = False  # each unit's activations recomputed in backward
+    shard_over: str = "job"             # job: every rank holds 1/N; host: HSDP, 1/R inside each host, hosts replicate
 
 
 @register_schema("schema/learner", "block_momentum")
@@ -191,6 +192,7 @@ FSDP: KeyChecks = {
     "activation_checkpointing": checks.boolean,
     "param_dtype": partial(checks.choice, choices=("float32", "bfloat16")),
     "reduce_dtype": partial(checks.choice, choices=("float32", "bfloat16")),
+    "shard_over": partial(checks.choice, choices=("job", "host")),
 }
 DILOCO: KeyChecks = {"outer_learning_rate": checks.positive_number, "outer_momentum": _fraction(),
                      "outer_nesterov": checks.boolean}

@@ -13,6 +13,8 @@ Checks:
                   the clipping acted.
   settings        activation_checkpointing and reshard_after_forward=false give the same update; bfloat16
                   parameters close to it; a hand-driven loop that never folds the gradient scale equals one process.
+  hsdp            shard_over="host" on two hosts of N/2 ranks: equal to one process; each rank holds 2/N of the
+                  model; its sharded checkpoint resumed by the flat learner ends where it did.
   refusals        one line each: a wrap policy matching nothing, parameters tied across units, cpu_offload on the
                   CPU, session settings fp16/compile/ema.
 """
@@ -256,6 +258,36 @@ def check_refusals(comm, run_dir: Path) -> dict:
     return refused
 
 
+def check_hsdp(comm, run_dir: Path) -> dict:
+    """``shard_over="host"`` with the job cut into two hosts (``comm.ranks_per_host``: half the ranks): one process's
+    update; a host's ranks each hold ``1/R`` of the model; its sharded checkpoint resumed by the flat learner."""
+    from dtrain.session import CheckpointConfig
+
+    figures: dict = {"size": comm.size}
+    previous, comm.ranks_per_host = comm.ranks_per_host, max(comm.size // 2, 1)
+    try:
+        model = char_model()
+        learner = fsdp_learner(adamw(model), comm, shard_over="host")
+        lm_session(model, learner, run_dir / "hsdp",
+                   checkpoint_config=CheckpointConfig("checkpoint.pt", frequency=125, keep_last=5)).train()
+        got = whole(model)
+        figures["relative_difference"] = relative_difference(got, reference_lm(run_dir, comm, "hsdp"))
+        figures["mesh"] = [list(learner.mesh.mesh.shape), list(learner.mesh.mesh_dim_names)]
+        figures["bytes"] = comm.allgather_object(held_bytes(model, learner.optimizer))
+        figures["bytes_whole"] = held_bytes(char_model(), None)[0]
+        figures["describe"] = learner.describe()
+    finally:
+        comm.ranks_per_host = previous
+    # the flat learner resumes the HSDP run's checkpoint at 280 (DCP reshards the 2-D shards) and ends where it did
+    flat = char_model()
+    resumed = fsdp_learner(adamw(flat), comm)
+    result = lm_session(flat, resumed, run_dir / "hsdp_flat", checkpoint_config=CheckpointConfig(
+        "checkpoint.pt", frequency=125, restore_from=run_dir / "hsdp" / "checkpoint-280.pt")).train()
+    figures["restored_from"] = None if result.restored_from is None else result.restored_from.name
+    figures["flat_resume_difference"] = relative_difference(whole(flat), got)
+    return figures
+
+
 def main() -> None:
     run_dir = Path(sys.argv[1])
     torch.set_num_threads(1)  # several ranks share two cores
@@ -264,7 +296,8 @@ def main() -> None:
               "convolutions": partial(check_convolutions, run_dir=run_dir),
               "clipping": partial(check_clipping, run_dir=run_dir),
               "settings": partial(check_settings, run_dir=run_dir),
-              "refusals": partial(check_refusals, run_dir=run_dir)}
+              "refusals": partial(check_refusals, run_dir=run_dir),
+              "hsdp": partial(check_hsdp, run_dir=run_dir)}
     only = os.environ.get("FSDP_CHECKS")
     if only:
         checks = {name: check for name, check in checks.items() if name in only.split(",")}

@@ -51,6 +51,23 @@ def test_each_rank_holds_its_share_of_the_parameters_and_optimizer_state(launch:
     assert max(state) <= 2 * (whole_bytes / size + slack), figures
 
 
+def test_hsdp_shards_inside_each_host_and_makes_the_update_of_one_process(launch: CheckLaunch) -> None:
+    """``learner.shard_over=host`` with the job as two hosts of N/2 ranks: a (replicate, shard) mesh, one process's
+    update, each rank holding its host's share (2/N; at 2 ranks the whole model), and a checkpoint the flat learner
+    resumes to the same end."""
+    figures = launch.result("hsdp")
+    size, held, whole_bytes = figures["size"], figures["bytes"], figures["bytes_whole"]
+    per_host = size // 2
+    assert figures["mesh"] == [[2, per_host], ["replicate", "shard"]], figures
+    assert figures["relative_difference"] <= 1e-5, figures
+    parameters, rows = [entry[0] for entry in held], held[0][2]
+    assert sum(parameters) == 2 * whole_bytes, figures  # each host holds the whole model once
+    assert max(parameters) <= whole_bytes / per_host + rows and min(parameters) >= whole_bytes / per_host - rows, figures
+    expected = "replicated over the 2 hosts (HSDP)" if per_host > 1 else "held whole by each of the 2 hosts' one rank"
+    assert expected in figures["describe"], figures
+    assert figures["restored_from"] == "checkpoint-280.pt" and figures["flat_resume_difference"] <= 1e-5, figures
+
+
 def test_a_sharded_convnet_with_sync_batchnorm_makes_the_update_of_one_process(launch: CheckLaunch) -> None:
     """SGD with momentum on Conv1d + BatchNorm, one unit per child, sync_batchnorm: one process's parameters and
     BatchNorm statistics."""

@@ -19,6 +19,7 @@ from tests.helpers.config import compose_config
     ("learner.wrap=[]", "learner.wrap=[]: expected blocks, children or a list of module class names"),
     ("learner.param_dtype=float16", "learner.param_dtype='float16': expected one of float32, bfloat16"),
     ("learner.reduce_dtype=fp32", "learner.reduce_dtype='fp32': expected one of float32, bfloat16"),
+    ("learner.shard_over=rack", "learner.shard_over='rack': expected one of job, host"),
 ])
 def test_a_bad_setting_is_one_line(override, problem):
     problems = validate(compose_config("+recipe=shakespeare_char", "learner=fsdp", override), check_run_dir=False)
@@ -26,7 +27,8 @@ def test_a_bad_setting_is_one_line(override, problem):
 
 
 def test_the_shipped_settings_and_a_class_list_are_accepted():
-    for override in ("learner.wrap=children", "learner.wrap=[_Block]", "learner.param_dtype=bfloat16"):
+    for override in ("learner.wrap=children", "learner.wrap=[_Block]", "learner.param_dtype=bfloat16",
+                     "learner.shard_over=host"):
         assert validate(compose_config("+recipe=shakespeare_char", "learner=fsdp", override), check_run_dir=False) == []
 
 
