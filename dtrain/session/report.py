@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 from dtrain.safe_files import write_through_temporary
 
@@ -25,7 +26,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str | None 
     link planted there) and returns it.
 
     Panels: loss and the metric against samples and against wall time (train, cross-validation,
-    test), then each of ``more_metrics`` (a metric's further figures, e.g. ``per`` beside ``wer``, shown
+    test; an elastic run's membership changes marked on the loss, :func:`membership_changes`), then each of ``more_metrics`` (a metric's further figures, e.g. ``per`` beside ``wer``, shown
     in the same unit) the same way, training throughput, the split of each progress period between waiting for data,
     computing, the gradient exchange, the optimizer and the rest, and, when the learner reports it, bytes sent per
     step.
@@ -59,6 +60,7 @@ def write_report(records: list[dict], path: str | Path, metric_name: str | None 
     figure.subplots_adjust(left=0.8 / 13, right=1 - 0.3 / 13, bottom=0.7 / height, top=1 - 0.8 / height,
                            wspace=0.22, hspace=0.42)
     axes = figure.subplots(rows, 2)
+    changes = membership_changes(records)  # an elastic run's joins, losses and discarded blocks, on the loss panels
 
     for column, (x_key, x_label) in enumerate((("samples", "samples (global)"), ("time", f"wall time ({time_unit})"))):
         for row, (key, label) in enumerate(shown):
@@ -77,6 +79,13 @@ def write_report(records: list[dict], path: str | Path, metric_name: str | None 
             losses = [value for value in losses if value is not None]
             if key == "loss" and losses and min(losses) > 0 and max(losses) / min(losses) > 30:
                 axis.set_yscale("log")  # a loss falling over decades
+            if row == 0:
+                labelled = set()  # one legend entry per kind of mark
+                for change in changes:
+                    x = change.samples if x_key == "samples" else (change.time - start) / time_scale
+                    axis.axvline(x, color=change.color, linestyle=change.style, linewidth=1.2, alpha=0.8,
+                                 label="_nolegend_" if change.text in labelled else change.text)
+                    labelled.add(change.text)
             axis.grid(True, alpha=0.3)
             axis.legend(fontsize="small")
 
@@ -125,6 +134,40 @@ def write_report(records: list[dict], path: str | Path, metric_name: str | None 
     figure.suptitle(title or "dtrain run", fontsize="x-large", y=1 - 0.15 / height, verticalalignment="top")
 
     return write_through_temporary(Path(path), lambda name: figure.savefig(name, format="png"))
+
+
+class MembershipChange(NamedTuple):
+    """Where an elastic run's replica groups changed, as the loss panels mark it."""
+
+    samples: float
+    time: float
+    text: str
+    color: str
+    style: str
+
+
+def membership_changes(records: list[dict]) -> list[MembershipChange]:
+    """The ``elastic`` records (``docs/fault-tolerance.md``) worth a mark: a commit by another number of groups than
+    the one before (``groups: 3 -> 2``, red when fewer, green when more), a discarded block (grey, dashed) and a
+    heal from a live peer (green, dotted). Commits by the same groups are the run going on: no mark."""
+    changes, groups = [], None
+    for record in records:
+        if record.get("kind") != "elastic":
+            continue
+        samples, time, event = _number(record.get("samples")), _number(record.get("time")), record.get("event")
+        if samples is None or time is None:
+            continue
+        if event == "commit" and _number(record.get("groups")) is not None:
+            now = int(record["groups"])
+            if groups is not None and now != groups:
+                changes.append(MembershipChange(samples, time, f"groups: {groups} -> {now}",
+                                                "tab:red" if now < groups else "tab:green", "-"))
+            groups = now
+        elif event == "discard":
+            changes.append(MembershipChange(samples, time, "block discarded", "tab:gray", "--"))
+        elif event == "heal":
+            changes.append(MembershipChange(samples, time, "healed from a peer", "tab:green", ":"))
+    return changes
 
 
 def _phase_seconds(record: dict, key: str) -> float | None:

@@ -135,3 +135,46 @@ def test_the_training_clock_stops_before_the_weights_and_the_report_are_written(
     whole = time.perf_counter() - start
     assert drawn and whole >= 1.0
     assert result.seconds < whole - 0.9
+
+
+def test_an_elastic_runs_joins_losses_and_discards_are_marked_on_the_loss_panels(tmp_path):
+    """``report.png`` marks where the replica groups changed (docs/fault-tolerance.md): commits by the same groups are
+    the run going on, a commit by fewer or more groups is a loss or a join, a discarded block and a heal are marked
+    as such."""
+    from matplotlib.figure import Figure
+
+    from dtrain.session import report
+
+    def elastic(samples, event, groups):
+        return {"kind": "elastic", "samples": samples, "time": 1000.0 + samples / 100, "event": event,
+                "groups": groups, "members": groups, "block_samples": 32, "seconds": 0.1}
+
+    train = [{"kind": "train", "samples": s, "time": 1000.0 + s / 100, "loss": 2.0 - s / 1000, "error": 0.5,
+              "samples_per_second": 100.0} for s in (128, 256, 384, 512)]
+    records = [train[0], elastic(96, "commit", 3), elastic(128, "commit", 3), elastic(160, "discard", 2),
+               train[1], elastic(192, "commit", 2), elastic(224, "commit", 2), elastic(240, "heal", 3),
+               train[2], elastic(256, "commit", 3), train[3]]
+    changes = report.membership_changes(records)
+    assert [(c.samples, c.text, c.color) for c in changes] == [
+        (160, "block discarded", "tab:gray"), (192, "groups: 3 -> 2", "tab:red"),
+        (240, "healed from a peer", "tab:green"), (256, "groups: 2 -> 3", "tab:green")]
+    assert report.membership_changes(train) == []  # a run that is not elastic: nothing marked
+    drawn = []
+    original = Figure.savefig
+
+    def keep_axes(figure, *args, **kwargs):
+        drawn.append(figure)
+        return original(figure, *args, **kwargs)
+
+    Figure.savefig = keep_axes
+    try:
+        path = report.write_report(records, tmp_path / "report.png")
+    finally:
+        Figure.savefig = original
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loss_by_samples, loss_by_time = drawn[0].axes[0], drawn[0].axes[1]
+    for axis in (loss_by_samples, loss_by_time):
+        assert len(axis.lines) == 1 + len(changes)  # the training loss and one line per mark
+        labels = axis.get_legend_handles_labels()[1]
+        assert {"block discarded", "groups: 3 -> 2", "groups: 2 -> 3", "healed from a peer"} <= set(labels)
+    assert [line.get_xdata()[0] for line in loss_by_samples.lines[1:]] == [160, 192, 240, 256]
