@@ -11,7 +11,6 @@ minibatches after it was read, and before its NaN could be reported as a diverge
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,7 +22,7 @@ from dtrain.data.errors import DataError
 
 class _Queued(NamedTuple):
     """One minibatch's flags: per stream, whether each of its rows is finite (host tensors, ready once
-    ``event`` has passed), and how to name a row of the minibatch."""
+    its ``events`` have passed), and how to name a row of the minibatch."""
 
     flags: list[tuple[str, torch.Tensor, torch.Tensor]]  # (stream, finite rows, any NaN per row)
     events: list  # one per device the streams are on
@@ -39,8 +38,8 @@ def device_event(device: torch.device):
 
 
 class DeferredFiniteChecks:
-    """Queued finite checks of accelerator streams (module docstring); reads may queue from the source's
-    read-ahead thread, the errors are raised by the thread that polls or flushes.
+    """Queued finite checks of accelerator streams (module docstring), oldest first: the source queues a minibatch's
+    as it hands it out, and polls or flushes them, all from the thread that reads it.
 
     Args:
         make_event: ``make_event(device)`` after the flags' copies are queued: an object with ``query()``
@@ -51,14 +50,13 @@ class DeferredFiniteChecks:
     def __init__(self, make_event: Callable[[torch.device], Any] | None = None):
         self._make_event = make_event
         self._queued: collections.deque[_Queued] = collections.deque()
-        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._queued)
 
     def __reduce__(self):
-        """A copy (a source sent to another process) starts with nothing queued: the checks are of this process's
-        minibatches, on its device."""
+        """A copy (a source sent to another process) starts with nothing queued: the checks (and their device
+        events, which do not pickle) are of this process's minibatches."""
         return DeferredFiniteChecks, (self._make_event,)
 
     def add(self, streams: list[tuple[str, torch.Tensor]], describe: Callable[[int], str]) -> None:
@@ -74,8 +72,7 @@ class DeferredFiniteChecks:
             return
         make_event = self._make_event if self._make_event is not None else device_event
         events = [make_event(device) for device in {data.device for _, data in streams}]
-        with self._lock:
-            self._queued.append(_Queued(flags, events, describe))
+        self._queued.append(_Queued(flags, events, describe))
 
     def poll(self) -> None:
         """Looks at the queued checks whose copies have finished, oldest first, without waiting.
@@ -94,28 +91,20 @@ class DeferredFiniteChecks:
         """
         self._check(wait=True)
 
-    def clear(self) -> None:
-        """Drops the queued checks unread (the minibatches they belong to were discarded)."""
-        with self._lock:
-            self._queued.clear()
-
     def _check(self, wait: bool) -> None:
-        while True:
-            with self._lock:
-                if not self._queued:
-                    return
-                queued = self._queued[0]
-                if wait:
-                    for event in queued.events:
-                        event.synchronize()
-                elif not all(event.query() for event in queued.events):
-                    return
-                self._queued.popleft()
+        while self._queued:
+            queued = self._queued[0]
+            if wait:
+                for event in queued.events:
+                    event.synchronize()
+            elif not all(event.query() for event in queued.events):
+                return
+            self._queued.popleft()
             for name, finite, has_nan in queued.flags:
                 if bool(finite.all()):
                     continue
                 row = int((~finite).nonzero()[0, 0])
-                self.clear()
+                self._queued.clear()  # reported: the run ends here
                 raise DataError(not_finite(name, queued.describe(row), has_nan=bool(has_nan[row])))
 
 

@@ -176,8 +176,9 @@ class MinibatchSource(UserMinibatchSource):
         # True: the in-memory data was checked for NaN and infinities once (ArrayDeserializer, StreamArrays), so
         # the minibatches read from it are not (a transform's output still is)
         self._values_finite = getattr(self._deserializer, "values_finite", None)
-        self._checks_values = transform is not None or self._values_finite is not True  # each minibatch's
-        # streams on an accelerator are checked without waiting for it (dtrain.data.device_checks)
+        # each minibatch's values are checked unless that was done once (a transform's output always is): those on
+        # the CPU as they are read, those on an accelerator without waiting for it (dtrain.data.device_checks)
+        self._checks_values = transform is not None or self._values_finite is not True
         self._device_checks = DeferredFiniteChecks()
         self._executor: ThreadPoolExecutor | None = None
         # the minibatches being read in the background, in order: (request key, future)
@@ -495,7 +496,7 @@ class MinibatchSource(UserMinibatchSource):
                               owns_tensors=index is not None and self._transform is None, positions=positions)
         if self._transform is not None:
             minibatch.features = self._apply_transform(minibatch.features, minibatch)
-        if self._transform is not None or self._values_finite is not True:
+        if self._checks_values:
             check_finite(minibatch.streams, lambda row: self._describe_sample(
                 timeline, start + row if positions is None else int(positions[row])))
         return minibatch

@@ -274,9 +274,6 @@ class TrainingSession:
         self.checkpoint_config = checkpoint_config
         self.cv_config = cv_config
         self.test_config = test_config
-        self.lr_schedule = lr_schedule
-        self.momentum_time_constant_schedule = momentum_time_constant_schedule
-        self.unit_gain_momentum = unit_gain_momentum
         if lr_scaling is not None and not isinstance(lr_scaling, LearningRateScaling):
             raise TypeError(f"lr_scaling must be a dtrain LearningRateScaling or None, got {type(lr_scaling).__name__}")
         self.lr_scaling = lr_scaling if lr_scaling is not None and lr_scaling.rule != "none" else None
