@@ -29,7 +29,8 @@ from dtrain.learners.block_size import auto_block_size, largest_block_size
 from dtrain.learners.overlap import DelayedOuterStep
 from dtrain.learners.outer import (FIRST_MOMENT_KEYS, SYNC_FACTS, LearningRateTrace, OuterOptimizerFactory,
                                    build_outer_optimizer, cpu_state, describe_outer_factory, first_moment,
-                                   first_moments, gives_back_model, load_outer_state, outer_optimizer_name, plain_factory, saved_first_moment)
+                                   first_moments, gives_back_model, load_outer_state, outer_optimizer_name,
+                                   plain_factory, saved_first_moment)
 from dtrain.learners.settings import BLOCK_SIZE, BLOCK_SYNC, MOMENTUM_CORRECTION
 from dtrain.rules import check_settings
 
@@ -609,17 +610,16 @@ class BlockLearner(Learner):
         self._finish_sync(end_of_block)
 
     def reset_block_counters(self) -> None:
-        """No samples in the block (a sync, or an elastic block discarded)."""
+        """No samples in the block yet: at the start of blocks, after a sync, and for an elastic block discarded."""
         self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
         self.block_lr = LearningRateTrace()
 
     def _finish_sync(self, end_of_block: bool) -> None:
         """The end of every sync: the block's counters, the lr the next momentum correction compares with, the
         momentum reset, :meth:`after_sync`."""
-        self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
         if end_of_block and self._overlap is None:  # the outer state's lr (the momentum correction's reference)
             self.previous_block_lr = self.block_lr.mean()
-        self.block_lr = LearningRateTrace()
+        self.reset_block_counters()
         self.syncs += 1
         if self.reset_sgd_momentum_after_aggregation:
             self.reset_local_momentum()
@@ -692,8 +692,7 @@ class BlockLearner(Learner):
         if self.comm.size > 1:
             broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
         self.flat_parameters(out=self.prev_parameters)
-        self.local_samples_in_block = self.global_samples_in_block = self.largest_share_in_block = 0
-        self.block_lr = LearningRateTrace()
+        self.reset_block_counters()
         if self._overlap is not None:
             self._overlap.start_blocks()
 
