@@ -25,6 +25,9 @@ from tests.helpers.mpi import run_mpi
 pytest.importorskip("torchft")
 
 REPOSITORY = Path(__file__).resolve().parents[2]
+#: a job of the slow tests: long enough that the others are still training when a group is restarted or joins
+#: (about 2.5 s to start here, more on a busy machine): a group started after the job ended would be a job of its own
+LONG_JOB = {"max_samples": 8 * STREAM_SAMPLES, "step_seconds": 0.25}
 
 
 def _env() -> dict[str, str]:
@@ -137,10 +140,7 @@ def test_a_group_killed_mid_block_then_restarted_rejoins(tmp_path):
     again by the two present). Restarted, the group rejoins by itself, heals from a live peer, and ends with the
     others' parameters bit for bit; the ledger has every sample exactly once per sweep."""
     lighthouse = Lighthouse(tmp_path)
-    # long enough that the survivors are still training when the restarted group is up (about 2.5 s to start
-    # here, more on a busy machine): a group started after the job ended would be a job of its own
-    max_samples = 8 * STREAM_SAMPLES
-    common = {"max_samples": max_samples, "step_seconds": 0.25}
+    max_samples, common = LONG_JOB["max_samples"], LONG_JOB
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
         wait_for_commits(tmp_path, "c", 3)
@@ -188,8 +188,7 @@ def test_a_group_of_another_config_is_refused_when_it_joins_and_the_job_goes_on(
     round's heal says in one line what differs and it ends; the two groups of the job finish with one model and
     every sample once per sweep."""
     lighthouse = Lighthouse(tmp_path)
-    max_samples = 8 * STREAM_SAMPLES
-    common = {"max_samples": max_samples, "step_seconds": 0.25}
+    max_samples, common = LONG_JOB["max_samples"], LONG_JOB
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "ab"}
         wait_for_commits(tmp_path, "a", 2)
