@@ -22,7 +22,6 @@ learners on shards (an outer scheme between hosts) are not in this learner.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,116 +31,9 @@ from torch import nn
 from dtrain.learners.base import Learner
 from dtrain.learners.replicated import make_buffers_consistent
 from dtrain.learners.settings import FSDP
+from dtrain.learners.sharding import (_as_written, process_group_of, scale_output_gradient, shard_model,
+                                     tied_across_units, wrapped_units)
 from dtrain.rules import check_settings
-
-#: ``learner.wrap``'s words (besides a list of module class names)
-WRAP_WORDS = ("blocks", "children")
-#: ``learner.param_dtype`` / ``learner.reduce_dtype``
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def wrapped_units(model: nn.Module, wrap: str | Sequence[str]) -> list[tuple[str, nn.Module]]:
-    """The modules ``wrap`` chooses as FSDP units, as ``(qualified name, module)`` in model order (the root is
-    always a unit besides these, for the parameters no unit holds).
-
-    ``"blocks"``: every element of every ``nn.ModuleList`` (a transformer's blocks); ``"children"``: every
-    top-level child that holds parameters; a list of class names: every module of one of those classes
-    (outermost only: a match inside another match is left to it).
-
-    Raises:
-        ValueError: the policy matches no module (one line naming the policy and what the model holds).
-    """
-    if isinstance(wrap, str):
-        if wrap == "blocks":
-            units = [(f"{name}.{index}" if name else str(index), block)
-                     for name, module in model.named_modules() if isinstance(module, nn.ModuleList)
-                     for index, block in enumerate(module)]
-        elif wrap == "children":
-            units = [(name, child) for name, child in model.named_children()
-                     if any(True for _ in child.parameters())]
-        else:
-            raise ValueError(f"learner.wrap={wrap!r}: expected blocks, children or a list of module class names")
-    else:
-        names = set(wrap)
-        units, inside = [], set()
-        for name, module in model.named_modules():
-            if module is model or type(module).__name__ not in names:
-                continue
-            if any(name.startswith(outer + ".") for outer in inside):
-                continue
-            inside.add(name)
-            units.append((name, module))
-    units = [(name, module) for name, module in units if any(True for _ in module.parameters())]
-    if not units:
-        classes = sorted({type(module).__name__ for _, module in model.named_modules() if module is not model})
-        what = "no nn.ModuleList of blocks" if wrap == "blocks" else "no child with parameters" \
-            if wrap == "children" else f"modules of the classes {', '.join(classes[:8])}"
-        raise ValueError(f"learner.wrap={_as_written(wrap)} matches no module of {type(model).__name__} (it has "
-                         f"{what}); name its block classes (learner.wrap=[ClassName]) or use children")
-    return units
-
-
-def _as_written(wrap: str | Sequence[str]) -> str:
-    return wrap if isinstance(wrap, str) else "[" + ",".join(wrap) + "]"
-
-
-def tied_across_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> str | None:
-    """One line naming a parameter shared by two units (or by a unit and the rest of the model); None when none is.
-
-    FSDP2 shards each parameter in exactly one unit and all-gathers it only around that unit's forward and
-    backward, so a parameter used by another unit would be read sharded there."""
-    owner: dict[int, str] = {}
-    for unit_name, unit in units:
-        for name, parameter in unit.named_parameters(remove_duplicate=False):
-            where = owner.setdefault(id(parameter), unit_name)
-            if where != unit_name:
-                return f"{unit_name}.{name} is tied to a parameter of {where}"
-    unit_modules = {id(unit) for _, unit in units}
-
-    def outside(module: nn.Module, prefix: str):
-        for child_name, child in module.named_children():
-            if id(child) in unit_modules:
-                continue
-            yield from ((f"{prefix}{child_name}.{n}", p) for n, p in child.named_parameters(recurse=False))
-            yield from outside(child, f"{prefix}{child_name}.")
-
-    rest = [*((n, p) for n, p in model.named_parameters(recurse=False)), *outside(model, "")]
-    for name, parameter in rest:
-        if id(parameter) in owner:
-            return f"{name} (outside every unit) is tied to a parameter of {owner[id(parameter)]}"
-    return None
-
-
-def process_group_of(comm):
-    """The torch.distributed group ``comm`` reduces through (FSDP2 needs one: Gloo, NCCL, or MPI's Gloo group).
-
-    Raises:
-        ValueError: a communicator without a torch.distributed group.
-    """
-    import torch.distributed as dist
-
-    group = getattr(comm, "_group", None)
-    if group is None and dist.is_initialized() and dist.get_world_size() == comm.size:
-        group = dist.group.WORLD
-    if group is None:
-        raise ValueError(f"learner=fsdp needs a torch.distributed process group (comm.backend=gloo, mpi or nccl); "
-                         f"the {type(comm).__name__} communicator has none")
-    return group
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by the learner's unfolded share of the minibatch."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, learner: FSDPLearner) -> torch.Tensor:  # noqa: D102
-        ctx.learner = learner
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, gradient: torch.Tensor):  # noqa: D102
-        scale = ctx.learner._unfolded_scale
-        return (gradient if scale == 1.0 else gradient * scale), None
-
 
 class FSDPLearner(Learner):
     """Synchronous data-parallel SGD on a model sharded over the ranks (ZeRO-3, torch's FSDP2): the update of the
@@ -259,15 +151,7 @@ class FSDPLearner(Learner):
         if not self.shards_model:
             return
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-        units = wrapped_units(model, self.wrap)
-        tied = tied_across_units(model, units)
-        if tied is not None:
-            raise ValueError(f"learner=fsdp with learner.wrap={_as_written(self.wrap)}: {tied}; FSDP2 shards each "
-                             f"parameter in one unit, so tied parameters must live in one unit: choose a wrap that "
-                             f"leaves both users in the same unit (or outside every unit), or untie them")
-        names = {id(parameter): name for name, parameter in model.named_parameters()}
         group = process_group_of(self.comm)
         # rank 0's model for everyone, as data_parallel starts (a model built from one seed is the same anyway)
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -275,23 +159,10 @@ class FSDPLearner(Learner):
                 tensor.data.copy_(self.comm.broadcast(tensor.data.to(self.comm.device), root=0))
         self.mesh = self._host_mesh(device.type) if self.shard_over == "host" else \
             DeviceMesh.from_group(group, device.type)
-        options: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward,
-                                   "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[self.param_dtype],
-                                                                     reduce_dtype=DTYPES[self.reduce_dtype])}
-        if self.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
-        for _, unit in units:
-            if self.activation_checkpointing:
-                _checkpoint_activations(unit)
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
-        self.units = units
-        for module in model.modules():
-            if isinstance(module, FSDPModule):  # sums, never averages: the loss carries each rank's share
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-        sharded = dict(model.named_parameters())
-        self._replace_optimizer_parameters(names, sharded)
+        self.units = shard_model(model, self.optimizer, self.mesh, self.wrap,
+                                 reshard_after_forward=self.reshard_after_forward, param_dtype=self.param_dtype,
+                                 reduce_dtype=self.reduce_dtype, cpu_offload=self.cpu_offload,
+                                 activation_checkpointing=self.activation_checkpointing)
         model.register_forward_hook(self._scale_output_gradient)
 
     def _host_mesh(self, device_type: str):
@@ -319,26 +190,6 @@ class FSDPLearner(Learner):
         return DeviceMesh.from_group([process_group_of(across), process_group_of(inside)], device_type, mesh=layout,
                                      mesh_dim_names=("replicate", "shard"))
 
-    def _replace_optimizer_parameters(self, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
-        """The optimizer's parameters (and any state it holds) become the shards of the same name."""
-        from torch.distributed.tensor import distribute_tensor
-
-        for group in self.optimizer.param_groups:
-            replaced = []
-            for parameter in group["params"]:
-                if id(parameter) not in names:
-                    raise ValueError("learner=fsdp: the optimizer holds a parameter that is not the model's; build "
-                                     "the optimizer from model.parameters()")
-                new = sharded[names[id(parameter)]]
-                state = self.optimizer.state.pop(parameter, None)
-                if state:
-                    self.optimizer.state[new] = {
-                        key: distribute_tensor(value.to(new.device), self.mesh, new.placements)
-                        if torch.is_tensor(value) and value.shape == new.shape and value.dim() > 0 else value
-                        for key, value in state.items()}
-                replaced.append(new)
-            group["params"] = replaced
-
     def prepare(self, model: nn.Module) -> None:
         """Shards ``model`` if :meth:`shard` was not called with it (a hand-driven loop)."""
         self.shard(model, self.comm.device if self.shards_model else "cpu")
@@ -358,11 +209,7 @@ class FSDPLearner(Learner):
     def _scale_output_gradient(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         """Forward hook on the root: where the caller did not fold the share into the loss, the gradient flowing
         back out of the model's output is multiplied by it (read at backward time)."""
-        if not torch.is_grad_enabled() or self._unfolded_scale == 1.0:
-            return None
-        return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda tensor: _ScaleGradient.apply(tensor, self)
-            if tensor.requires_grad and tensor.is_floating_point() else tensor, output)
+        return scale_output_gradient(self, output)
 
     def apply_update(self) -> None:
         """The optimizer's step on the shards: their gradients were reduce-scattered during backward (the sum of
@@ -461,15 +308,6 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
 
     set_optimizer_state_dict(model, optimizer, optimizer_state_by_name(model, optimizer, state),
                              options=StateDictOptions(full_state_dict=True))
-
-
-def _checkpoint_activations(unit: nn.Module) -> None:
-    """``unit``'s forward recomputed in backward (non-reentrant ``torch.utils.checkpoint``); its parameter names
-    stay as they are (the forward is replaced on the instance, the module is not wrapped)."""
-    from torch.utils.checkpoint import checkpoint
-
-    forward = unit.forward
-    unit.forward = functools.partial(checkpoint, forward, use_reentrant=False)
 
 
 def fsdp_learner(optimizer: torch.optim.Optimizer, comm=None, wrap: str | Sequence[str] = "blocks",
