@@ -416,7 +416,8 @@ class Learner(abc.ABC):
                 f"checkpoint was written by the {state.get('kind')!r} learner, this run uses {self.kind!r}; "
                 f"use the same learner or start a new run directory"
             )
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # a sharded learner's is in the sharded files
+            self.optimizer.load_state_dict(state["optimizer"])
         self.samples_seen = int(state["samples_seen"])
         if state.get("distributed_after") is not None:
             self._restored_distributed_after = int(state["distributed_after"])

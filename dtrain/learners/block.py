@@ -433,7 +433,7 @@ class BlockLearner(Learner):
         self._scratch = torch.empty(self._num_parameter_elements + sum(b.numel() for b in self._float_buffers),
                                     dtype=dtype, device=device)
         if self.comm.size > 1:
-            broadcast(list(parameters) + buffers, self.comm)
+            self.broadcast_model()
         restored_prev = self.prev_parameters
         self.prev_parameters = self.flat_parameters().clone()
         if restored_prev is not None:
@@ -543,7 +543,12 @@ class BlockLearner(Learner):
             if self.comm.size > 1 and self._other_buffers:
                 broadcast(self._other_buffers, self.comm)
         elif self.comm.size > 1:
-            broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
+            self.broadcast_model()
+
+    def broadcast_model(self) -> None:
+        """Overwrites every worker's parameters and buffers with rank 0's (at :meth:`prepare`, the start of blocks,
+        and a warm start's :meth:`synchronize`)."""
+        broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
 
     # -- the block sync ---------------------------------------------------------------------------
     def blocks_started(self, after: int = 0) -> bool:
@@ -690,7 +695,7 @@ class BlockLearner(Learner):
     def _start_blocks(self) -> None:
         """End of the warm start: every worker continues from rank 0's model, which becomes W_prev."""
         if self.comm.size > 1:
-            broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
+            self.broadcast_model()
         self.flat_parameters(out=self.prev_parameters)
         self.reset_block_counters()
         if self._overlap is not None:
@@ -757,9 +762,10 @@ class BlockLearner(Learner):
             raise RuntimeError("an overlapped outer step is in flight: call synchronize() before state_dict() "
                                "(training_session does)")
         state = super().state_dict()
+        prev_parameters, outer_state = self.block_tensors()
         state["block"] = {
-            "prev_parameters": cpu_copy(self.prev_parameters),
-            "outer_optimizer": self._outer_state(),
+            "prev_parameters": prev_parameters,
+            "outer_optimizer": outer_state,
             "outer_optimizer_type": outer_optimizer_name(self.outer_factory()),
             "local_samples_in_block": self.local_samples_in_block,
             "global_samples_in_block": self.global_samples_in_block,
@@ -793,6 +799,10 @@ class BlockLearner(Learner):
                              f"fits only its own kind; use the same learner.outer_optimizer or a new run directory")
         super().load_state_dict(state)  # refuses another learner's checkpoint
         block = state["block"]
+        if block.get("sharded") and not self.shards_model:
+            raise ValueError(f"the checkpoint's block state is sharded over each host's ranks (learner.shard=true); "
+                             f"this run's {self.kind} learner does not shard: set learner.shard=true on several ranks "
+                             f"per host, or use a new run directory")
         self.local_samples_in_block = int(block["local_samples_in_block"])
         self.global_samples_in_block = int(block["global_samples_in_block"])
         self.largest_share_in_block = int(block["largest_share_in_block"])
@@ -816,6 +826,10 @@ class BlockLearner(Learner):
         else:
             self.prev_parameters.copy_(block["prev_parameters"])
             load_outer_state(self.outer_optimizer, self.prev_parameters, outer)
+
+    def block_tensors(self) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
+        """``W_prev`` and the outer optimizer's state as the replicated checkpoint holds them: CPU copies."""
+        return cpu_copy(self.prev_parameters), self._outer_state()
 
     def _outer_state(self) -> dict[str, Any] | None:
         """The outer optimizer's ``state_dict`` as CPU copies (a restored one not yet loaded as it came)."""

@@ -32,6 +32,7 @@ from dtrain.learners.base import Learner
 from dtrain.learners.replicated import make_buffers_consistent
 from dtrain.learners.settings import FSDP
 from dtrain.learners.sharding import (_as_written, process_group_of, scale_output_gradient, shard_model,
+                                     sharded_session_problems,
                                      tied_across_units, wrapped_units)
 from dtrain.rules import check_settings
 
@@ -112,21 +113,8 @@ class FSDPLearner(Learner):
         """The session settings this learner cannot honour with sharded parameters, one line each."""
         if not self.shards_model:
             return []
-        problems = []
-        if precision == "fp16":
-            problems.append("session.precision=fp16 with learner=fsdp: fp16's loss scaling needs every rank's "
-                            "overflow verdict on whole gradients; use learner.param_dtype=bfloat16 (FSDP's mixed "
-                            "precision) or session.precision=bf16")
-        if compile:
-            problems.append("session.compile=true with learner=fsdp: the compiled whole model would trace through "
-                            "FSDP's all-gathers, which this learner does not support yet; set session.compile=false")
-        if ema_decay is not None:
-            problems.append("session.ema_decay with learner=fsdp: the weight average would copy the sharded model, "
-                            "which this learner does not support yet; drop session.ema_decay")
-        if batchnorm_statistics == "recomputed":
-            problems.append("session.batchnorm_statistics=recomputed with learner=fsdp: the recomputing passes are "
-                            "not collective; use batchnorm_statistics=running (with sync_batchnorm=true if wanted)")
-        return problems
+        return sharded_session_problems("learner=fsdp", precision=precision, compile=compile, ema_decay=ema_decay,
+                                        batchnorm_statistics=batchnorm_statistics)
 
     # -- sharding -----------------------------------------------------------------------------------
     def shard(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
@@ -278,6 +266,13 @@ class FSDPLearner(Learner):
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_sharded_state_dict(self, tensors: dict[str, Any]) -> None:
+        """:meth:`sharded_state_dict`'s tensors, read, into the model's shards and the optimizer's state."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optimizer"])
 
 
 #: learners whose checkpoints hold the same thing (one model and the optimizer state of the global minibatch's

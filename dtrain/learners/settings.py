@@ -114,6 +114,8 @@ class TwoLevelDiLoCoLearnerConfig(DiLoCoLearnerConfig):
     or the launcher's), DiLoCo between the hosts."""
 
     _target_: str = "dtrain.learners.TwoLevelDiLoCoLearner"
+    shard: StrictBool = False           # each host's model sharded over its ranks (FSDP2), the outer scheme on the slices
+    wrap: Any = "blocks"                # with shard: the FSDP units (blocks, children, or [ClassName, ...])
 
 
 @register_schema("schema/learner", "two_level_block_momentum")
@@ -122,6 +124,8 @@ class TwoLevelBlockMomentumLearnerConfig(BlockMomentumLearnerConfig):
     """``dtrain.learners.TwoLevelBlockMomentumLearner``: exact data parallel inside each host, BMUF between hosts."""
 
     _target_: str = "dtrain.learners.TwoLevelBlockMomentumLearner"
+    shard: StrictBool = False           # each host's model sharded over its ranks (FSDP2), the outer scheme on the slices
+    wrap: Any = "blocks"                # with shard: the FSDP units (blocks, children, or [ClassName, ...])
 
 
 @register_schema("schema/learner", "two_level_local_sgd")
@@ -130,6 +134,8 @@ class TwoLevelLocalSGDLearnerConfig(LocalSGDLearnerConfig):
     """``dtrain.learners.TwoLevelLocalSGDLearner``: exact data parallel inside each host, local SGD between hosts."""
 
     _target_: str = "dtrain.learners.TwoLevelLocalSGDLearner"
+    shard: StrictBool = False           # each host's model sharded over its ranks (FSDP2), the outer scheme on the slices
+    wrap: Any = "blocks"                # with shard: the FSDP units (blocks, children, or [ClassName, ...])
 
 
 @register_schema("schema/learner", "two_level_data_parallel")
@@ -194,6 +200,7 @@ FSDP: KeyChecks = {
     "reduce_dtype": partial(checks.choice, choices=("float32", "bfloat16")),
     "shard_over": partial(checks.choice, choices=("job", "host")),
 }
+HOST_SHARDS: KeyChecks = {"shard": checks.boolean, "wrap": _wrap_policy}
 DILOCO: KeyChecks = {"outer_learning_rate": checks.positive_number, "outer_momentum": _fraction(),
                      "outer_nesterov": checks.boolean}
 
@@ -258,6 +265,10 @@ def refuse_retired(function: str, keywords: dict[str, Any]) -> None:
 
 
 @register_rule("dtrain.learners.TwoLevelBlockMomentumLearner")
+def _two_level_block_momentum_rules(node: DictConfig, name: str) -> list[str]:
+    return _block_momentum_rules(node, name) + settings_problems(HOST_SHARDS, node, name)
+
+
 @register_rule("dtrain.learners.block_momentum_distributed_learner")
 def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
     problems = settings_problems(DISTRIBUTED_AFTER, node, name)
@@ -269,8 +280,10 @@ def _block_momentum_rules(node: DictConfig, name: str) -> list[str]:
 
 
 _diloco_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO, **MOMENTUM_CORRECTION, **OVERLAP})
-register_rule("dtrain.learners.TwoLevelDiLoCoLearner", _diloco_rules)
+register_rule("dtrain.learners.TwoLevelDiLoCoLearner",
+              settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **DILOCO, **MOMENTUM_CORRECTION, **OVERLAP, **HOST_SHARDS}))
 register_rule("dtrain.learners.DiLoCoLearner", _diloco_rules)
 _local_sgd_rules = settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **OVERLAP})
-register_rule("dtrain.learners.TwoLevelLocalSGDLearner", _local_sgd_rules)
+register_rule("dtrain.learners.TwoLevelLocalSGDLearner",
+              settings_rule({**DISTRIBUTED_AFTER, **BLOCK_SIZE, **OVERLAP, **HOST_SHARDS}))
 register_rule("dtrain.learners.LocalSGDLearner", _local_sgd_rules)

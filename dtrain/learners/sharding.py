@@ -210,6 +210,27 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def sharded_session_problems(who: str, *, precision: str, compile: bool, ema_decay: float | None,  # noqa: A002
+                             batchnorm_statistics: str) -> list[str]:
+    """The session settings a learner with sharded parameters (``who``: ``learner=fsdp``, ``learner.shard=true``)
+    cannot honour, one line each."""
+    problems = []
+    if precision == "fp16":
+        problems.append(f"session.precision=fp16 with {who}: fp16's loss scaling needs every rank's overflow verdict "
+                        f"on whole gradients; use learner.param_dtype=bfloat16 (FSDP's mixed precision) or "
+                        f"session.precision=bf16")
+    if compile:
+        problems.append(f"session.compile=true with {who}: the compiled whole model would trace through FSDP's "
+                        f"all-gathers, which dtrain does not support yet; set session.compile=false")
+    if ema_decay is not None:
+        problems.append(f"session.ema_decay with {who}: the weight average would copy the sharded model, which "
+                        f"dtrain does not support yet; drop session.ema_decay")
+    if batchnorm_statistics == "recomputed":
+        problems.append(f"session.batchnorm_statistics=recomputed with {who}: the recomputing passes are not "
+                        f"collective; use batchnorm_statistics=running (with sync_batchnorm=true if wanted)")
+    return problems
+
+
 __all__ = ["DTYPES", "WRAP_WORDS", "checkpoint_activations", "local_tensor", "process_group_of",
-           "replace_optimizer_parameters", "scale_output_gradient", "shard_model", "tied_across_units",
+           "replace_optimizer_parameters", "scale_output_gradient", "shard_model", "sharded_session_problems", "tied_across_units",
            "wrapped_units"]

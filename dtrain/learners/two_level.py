@@ -19,6 +19,7 @@ is summed exactly inside each host and compressed between the host leaders only
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,12 +30,15 @@ from dtrain.exchange import AllReduce, Exchange, full_precision_allreduce_bytes
 from dtrain.exchange.between_hosts import BetweenHosts
 from dtrain.learners.base import AUTO
 from dtrain.learners.block import BlockLearner
-from dtrain.learners.flat_copies import pack, unpack
+from dtrain.learners.flat_copies import broadcast, pack, unpack
+from dtrain.learners.host_shards import HostShards, flat_entries, outer_state_markers, sharded_entries
+from dtrain.learners.sharding import sharded_session_problems
 from dtrain.learners.block_momentum import BlockMomentumLearner
 from dtrain.learners.data_parallel import DataParallelLearner
 from dtrain.learners.diloco import DiLoCoLearner
 from dtrain.learners.local_sgd import LocalSGDLearner
-from dtrain.learners.settings import refuse_retired
+from dtrain.learners.settings import HOST_SHARDS, refuse_retired
+from dtrain.rules import check_settings
 
 
 def host_layout(comm, ranks_per_host: int | None, equal_hosts: bool = True,
@@ -85,7 +89,8 @@ class TwoLevel:
             raise TypeError(f"{cls.__qualname__}: TwoLevel nests a block learner (DiLoCoLearner, LocalSGDLearner, "
                             f"a BlockLearner of your own) between hosts: put it first among the bases of a BlockLearner subclass")
 
-    def __init__(self, optimizer, comm=None, *args, ranks_per_host: int | None = None, **kwargs):
+    def __init__(self, optimizer, comm=None, *args, ranks_per_host: int | None = None, shard: bool = False,
+                 wrap: str | Sequence[str] = "blocks", **kwargs):
         if kwargs.get("overlap"):
             raise ValueError("learner.overlap=true: the two-level learners do not overlap their exchange between hosts "
                              "yet; use a one-level block learner (learner=diloco, block_momentum, local_sgd) with "
@@ -99,14 +104,80 @@ class TwoLevel:
         self.host = comm.host_groups(ranks_per_host).local
         # local rank i of every host; on the leaders (i = 0) the communicator of the delta exchange
         cross = comm.split(self.host.rank, key=self.host_index)
+        self.host_shards: HostShards | None = None  # set below; read by the parameters property
         super().__init__(optimizer, comm, *args, outer_comm=cross, **kwargs)
+        if not isinstance(wrap, str):
+            wrap = [str(name) for name in wrap]
+        check_settings(HOST_SHARDS, shard=shard, wrap=wrap)
+        self.shard_requested = bool(shard)
+        # the host's model sharded over its ranks (None: one model on every rank, or nothing to shard on one rank)
+        self.host_shards = HostShards(self.host, wrap) if shard and self.host.size > 1 else None
         self._gradients: torch.Tensor | None = None
         self._restored_hosts: list[int] | None = None
 
     @property
     def is_leader(self) -> bool:
-        """Whether this rank exchanges its host's delta with the other hosts (local rank 0)."""
-        return self.host.rank == 0
+        """Whether this rank exchanges its host's delta with the other hosts (local rank 0; every rank, its own
+        slice, where the host's model is sharded)."""
+        return self.host.rank == 0 or self.host_shards is not None
+
+    # -- the host's model sharded (learner.shard=true) ---------------------------------------------
+    @property
+    def shards_model(self) -> bool:
+        """Whether each host's model is sharded over its ranks (``shard=true`` with several ranks a host)."""
+        return self.host_shards is not None
+
+    @property
+    def collective_forward(self) -> bool:
+        """With shards, every forward and backward is a collective inside the host."""
+        return self.host_shards is not None
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The optimizer's parameters; with shards, this rank's local slices of them (what the outer scheme syncs)."""
+        parameters = super().parameters
+        shards = self.host_shards
+        return parameters if shards is None or shards.model is None else shards.local_views(parameters)
+
+    def shard(self, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
+        """With shards: rank 0's model for every rank, then sharded over each host's ranks (FSDP2)."""
+        if self.host_shards is not None and self.host_shards.model is not model:
+            if self.host_shards.model is not None:
+                raise ValueError(f"{self.kind}: this learner already sharded another model; build one learner per "
+                                 f"model")
+            self.host_shards.shard(model, self.optimizer, self.comm, torch.device(device))
+
+    def session_problems(self, *, precision: str, compile: bool, ema_decay: float | None,  # noqa: A002
+                         batchnorm_statistics: str) -> list[str]:
+        """With shards, the session settings sharded parameters cannot honour, one line each."""
+        if self.host_shards is None:
+            return []
+        return sharded_session_problems("learner.shard=true", precision=precision, compile=compile,
+                                        ema_decay=ema_decay, batchnorm_statistics=batchnorm_statistics)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Shards ``model`` first where the session did not (a hand-driven loop), then the block learner's."""
+        if self.host_shards is not None and self.host_shards.model is None:
+            self.shard(model, self.comm.device)
+        super().prepare(model)
+
+    def begin_minibatch(self, local_samples: int, global_samples: int) -> None:
+        """The base's; with shards, the host's samples summed (a collective inside the host)."""
+        super().begin_minibatch(local_samples, global_samples)
+        if self.host_shards is not None:
+            self.host_shards.begin_minibatch(local_samples)
+
+    def fold_gradient_scale(self) -> float:
+        """With shards, this rank's share of its host's samples (the reduce-scatter sums the host's mean gradient)."""
+        return self.host_shards.fold_gradient_scale() if self.host_shards is not None else 1.0
+
+    def broadcast_model(self) -> None:
+        """Rank 0's model for every rank; with shards, host 0's slices to the same place on every host."""
+        if self.host_shards is None:
+            super().broadcast_model()
+            return
+        broadcast(self.parameters, self.outer_comm)  # the outer communicator's rank 0 is host 0's
+        broadcast(self._float_buffers + self._other_buffers, self.comm)
 
     def model_replicas(self) -> int:
         """The hosts: one model each between syncs."""
@@ -120,13 +191,26 @@ class TwoLevel:
 
     def describe(self) -> str:
         """The host layout, then the block learner's line."""
-        return (f"two levels over {describe_hosts(self.hosts)} (from {self.hosts_source}): exact gradient "
-                f"all-reduce inside each host every step, {type(self).outer_name} between the host leaders; "
+        inner = "exact gradient all-reduce inside each host every step"
+        between = "the host leaders"
+        if self.host_shards is not None:
+            inner = (f"each host's model, gradients and optimizer state sharded over its {self.host.size} ranks "
+                     f"(FSDP2, {len(self.host_shards.units)} units and the root)")
+            between = "the ranks holding the same slice on every host"
+        elif self.shard_requested:
+            inner += " (learner.shard=true: one rank a host, nothing to shard)"
+        return (f"two levels over {describe_hosts(self.hosts)} (from {self.hosts_source}): {inner}, "
+                f"{type(self).outer_name} between {between}; "
                 f"{super().describe().replace('local training on the full stream', 'each host on the full stream')}")
 
     # -- the step inside the host -----------------------------------------------------------------
     def _local_step(self) -> None:
-        """The host's exact data-parallel step: the sample-weighted mean gradient over the host's ranks."""
+        """The host's exact data-parallel step: the sample-weighted mean gradient over the host's ranks (with shards,
+        reduce-scattered in backward already)."""
+        if self.host_shards is not None:
+            if self.host_shards.host_samples:  # no sample on this host in this minibatch: its ranks skip alike
+                self._step_with_share(self.host_shards.host_samples / self.global_samples)
+            return
         parameters = self.parameters
         count = self._num_parameter_elements
         if self._gradients is None:
@@ -171,6 +255,12 @@ class TwoLevel:
     def _exchange_model_delta(self) -> None:
         """Sums the hosts' deltas over the leaders with the strategy, broadcasts the sum inside each
         host, and averages the floating-point buffers exactly over every rank."""
+        if self.host_shards is not None:  # every rank exchanges its slice with the same place on the other hosts
+            seconds = self.exchange_seconds_last_step
+            super()._exchange_model_delta()  # BatchNorm statistics averaged over the same place of every host
+            self.average_float_buffers(self.host)  # then over the host: the mean over every rank (equal hosts)
+            self.exchange_seconds_last_step += seconds  # after this step's reduce-scatters
+            return
         started = time.perf_counter()
         scratch, count = self._scratch, self._num_parameter_elements
         buffers = scratch[count:]
@@ -198,15 +288,83 @@ class TwoLevel:
         self.exchange_seconds_last_step += time.perf_counter() - started  # after this step's host all-reduce
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """The block learner's, and ``shard`` where the host's model is sharded (its checkpoints are sharded)."""
+        identity = super().checkpoint_identity()
+        return {**identity, "shard": True} if self.host_shards is not None else identity
+
     def state_dict(self) -> dict[str, Any]:
-        """The block learner's state plus the layout ``[hosts, ranks per host]`` it was trained on."""
-        return {**super().state_dict(), "hosts": [len(self.hosts), len(self.hosts[0])]}
+        """The block learner's state plus the layout ``[hosts, ranks per host]`` it was trained on; with shards,
+        without the tensors :meth:`sharded_state_dict` holds (the inner optimizer's state, ``W_prev``, the outer
+        state of ``W_prev``'s size)."""
+        state = {**super().state_dict(), "hosts": [len(self.hosts), len(self.hosts[0])]}
+        if self.host_shards is not None:
+            state.pop("optimizer", None)
+            state["block"]["sharded"] = True
+        return state
+
+    def block_tensors(self) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
+        """The block learner's; with shards, none of ``W_prev`` and only the outer state's small entries (a step
+        count), the others marked as in the sharded files."""
+        if self.host_shards is None:
+            return super().block_tensors()
+        outer = self._restored_outer if self.outer_optimizer is None else self.outer_optimizer.state_dict()
+        return None, None if outer is None else outer_state_markers(outer, self._num_parameter_elements)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The block learner's restore; the model, ``W_prev``, the outer state and the counters carry
-        over to any layout. Remembers the saved layout for :meth:`load_local_state_dict`."""
+        over to any layout. Remembers the saved layout for :meth:`load_local_state_dict`; with shards, the outer
+        state's small entries, the rest coming from :meth:`load_sharded_state_dict`."""
         super().load_state_dict(state)
         self._restored_hosts = list(state.get("hosts") or [])
+        if self.host_shards is not None:
+            self._restored_outer = state["block"].get("outer_optimizer")
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """The block learner's; with shards, the exchange's state alone (the optimizer's is in the sharded files)."""
+        if self.host_shards is None:
+            return super().local_state_dict()
+        return {"exchange": self.exchange.state_dict()}
+
+    def _optimizer_key(self) -> str:
+        """Where the sharded files keep this host's inner optimizer state (each host's differs between syncs): its
+        own host's, or on another layout than the checkpoint's, host 0's."""
+        layout = [len(self.hosts), len(self.hosts[0])]
+        restored = self._restored_hosts
+        return f"optimizer_host{0 if restored and restored != layout else self.host_index}"
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards as ``torch.distributed.checkpoint`` saves (and loads) them: the model, this host's
+        inner optimizer state, ``W_prev`` and the outer state of its size (``DTensor``\ s keyed by parameter name)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        shards, parameters = self.host_shards, super().parameters
+        model_state, optimizer_state = get_state_dict(shards.model, self.optimizer)
+        if self.outer_optimizer is not None:
+            prev, outer = self.prev_parameters, self.outer_optimizer.state_dict()
+            entries = [(f"{index}_{key}", value)
+                       for index, key, value in flat_entries(outer, self._num_parameter_elements)]
+        else:  # a template to load into, before prepare(): the entries the checkpoint's run had
+            prev = None
+            entries = [(f"{index}_{key}", None) for index, key in sharded_entries(self._restored_outer)]
+        outer_tensors = {name: shards.as_dtensors(value, parameters) for name, value in entries}
+        return {"model": model_state, self._optimizer_key(): optimizer_state,
+                "outer": {"prev_parameters": shards.as_dtensors(prev, parameters), **outer_tensors}}
+
+    def load_sharded_state_dict(self, tensors: dict[str, Any]) -> None:
+        """:meth:`sharded_state_dict`'s tensors, read, into the model, the inner optimizer, ``W_prev`` and the outer
+        state (the last two taken by :meth:`prepare`)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        shards, parameters = self.host_shards, super().parameters
+        set_state_dict(shards.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors[self._optimizer_key()])
+        dtype = torch.promote_types(parameters[0].dtype, torch.float32) if parameters else torch.float32
+        outer = tensors["outer"]
+        self.prev_parameters = shards.as_flat(outer["prev_parameters"], parameters, dtype)
+        restored = self._restored_outer
+        for index, key in sharded_entries(restored):
+            restored["state"][index][key] = shards.as_flat(outer[f"{index}_{key}"], parameters, dtype)
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's optimizer and exchange state, only onto the layout that saved them; onto

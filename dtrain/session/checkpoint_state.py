@@ -421,11 +421,10 @@ def _load_sharded(state: dict[str, Any], model: torch.nn.Module, learner) -> Non
 
     directory = state["sharded"]["directory"]
     if getattr(learner, "shards_model", False):
+        learner.load_state_dict(state["learner"])  # first: what the learner's shards are to be read into may depend on it
         tensors = learner.sharded_state_dict()
         load_tensors(directory, tensors)
-        set_state_dict(model, learner.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors["optimizer"])
-        learner.load_state_dict(state["learner"])
+        learner.load_sharded_state_dict(tensors)
         return
     model_state, optimizer_state = get_state_dict(model, learner.optimizer)  # the optimizer's state allocated
     tensors = {"model": model_state, "optimizer": optimizer_state}

@@ -1,0 +1,131 @@
+"""A host's model sharded over the host's ranks, for the two-level block learners (``learner.shard=true``).
+
+INTELLECT-1's layout: inside each host the model, its gradients and the inner optimizer's state are sharded
+over the host's ranks with torch's FSDP2 (one-dimensional ``DeviceMesh`` of the host's communicator), and
+between hosts the block learner's outer scheme (DiLoCo, block momentum, local SGD, with any exchange) runs on
+each rank's shards: the rank at place ``i`` of every host holds the same slice of every parameter, so it
+exchanges its slice's delta with the place-``i`` ranks of the other hosts, and keeps the outer state
+(``W_prev``, the outer optimizer's momentum) and the exchange's residual of that slice only. No rank holds the
+whole model or its outer state (``docs/learners.md#fsdp``).
+
+:class:`HostShards` is the part of the learner that knows about shards: it shards the model, tells each rank its
+share of the host's minibatch (the host's gradient is the mean over the host's samples, as the unsharded
+two-level learner's exact all-reduce makes it), and turns the flat outer state into ``DTensor``\\ s for a sharded
+checkpoint (``torch.distributed.checkpoint``, so it is resumed at another layout) and back.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.learners.sharding import local_tensor, process_group_of, scale_output_gradient, shard_model
+
+#: what a sharded learner's replicated state holds in place of a tensor that is in the sharded files
+SHARDED = "sharded"
+WHO = "learner.shard=true"
+
+
+class HostShards:
+    """The host's model sharded over ``host``'s ranks (FSDP2), and what a two-level block learner needs of it.
+
+    Args:
+        host: the communicator of this rank's host (its torch.distributed group carries the all-gathers and
+            reduce-scatters).
+        wrap: the FSDP units (``learner.wrap``: ``blocks``, ``children`` or a list of module class names).
+    """
+
+    def __init__(self, host, wrap: str | Sequence[str] = "blocks"):
+        self.host = host
+        self.wrap = wrap
+        self.model: nn.Module | None = None
+        self.mesh = None
+        self.units: list[tuple[str, nn.Module]] = []
+        self.names: dict[int, str] = {}  # id(sharded parameter) -> its name in the model
+        self.host_samples = 0  # this minibatch's samples on this host (every rank of the host alike)
+        self._unfolded_scale = 1.0  # the share the gradient still needs (1 once the caller folded it)
+
+    def shard(self, model: nn.Module, optimizer: torch.optim.Optimizer, job, device: torch.device) -> None:
+        """Makes every rank's model rank 0's (a broadcast over ``job``), then shards it over the host's ranks; the
+        optimizer's parameters become the shards."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for tensor in [*model.parameters(), *model.buffers()]:
+            job.broadcast(tensor.data, root=0) if tensor.device.type == job.device.type else \
+                tensor.data.copy_(job.broadcast(tensor.data.to(job.device), root=0))
+        self.mesh = DeviceMesh.from_group(process_group_of(self.host, WHO), device.type)
+        self.units = shard_model(model, optimizer, self.mesh, self.wrap, who=WHO)
+        self.names = {id(parameter): name for name, parameter in model.named_parameters()}
+        model.register_forward_hook(lambda module, inputs, output: scale_output_gradient(self, output))
+        self.model = model
+
+    @staticmethod
+    def local_views(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's local shard, detached, sharing its storage (what the block learner packs and unpacks)."""
+        return [local_tensor(parameter).detach() for parameter in parameters]
+
+    # -- one minibatch ----------------------------------------------------------------------------
+    def begin_minibatch(self, local_samples: int) -> None:
+        """Sums the host's samples (a collective inside the host) and sets this rank's share of them, which its
+        gradient is weighted by: the reduce-scatter then sums the gradient of the host's mean loss."""
+        count = torch.tensor([float(local_samples)], device=self.host.device)
+        self.host_samples = int(self.host.allreduce(count, op="sum").item()) if self.host.size > 1 else local_samples
+        self._unfolded_scale = local_samples / self.host_samples if self.host_samples else 1.0
+
+    def fold_gradient_scale(self) -> float:
+        """This rank's share of the host's samples, which the caller multiplies the loss by."""
+        scale, self._unfolded_scale = self._unfolded_scale, 1.0
+        return scale
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def as_dtensors(self, flat: torch.Tensor | None, parameters: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """The flat tensor of this rank's shards (``W_prev``, or an outer state of its size) as one ``DTensor`` per
+        parameter, keyed by name, each placed as its parameter (None: zeros, a template to load into)."""
+        from torch.distributed.tensor import DTensor
+
+        tensors, offset = {}, 0
+        for parameter in parameters:
+            local = local_tensor(parameter)
+            count = local.numel()
+            values = torch.zeros_like(local) if flat is None else \
+                flat[offset:offset + count].view_as(local).to(local.dtype)
+            tensors[self.names[id(parameter)]] = DTensor.from_local(
+                values.detach().clone() if flat is None else values, self.mesh, parameter.placements,
+                run_check=False, shape=parameter.shape, stride=parameter.stride())
+            offset += count
+        return tensors
+
+    def as_flat(self, tensors: dict[str, Any], parameters: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`as_dtensors`' inverse: the local shards of ``tensors`` (by the parameters' names) in one flat tensor."""
+        return torch.cat([local_tensor(tensors[self.names[id(parameter)]]).reshape(-1).to(dtype)
+                          for parameter in parameters])
+
+
+def outer_state_markers(state: dict[str, Any], flat_size: int) -> dict[str, Any]:
+    """An outer optimizer's ``state_dict`` with each tensor of ``flat_size`` values (a state of ``W_prev``'s shape,
+    sharded) replaced by :data:`SHARDED`, the rest (a step count) copied to the host."""
+    return {**state, "state": {index: {key: SHARDED if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat_size
+                                       else (value.detach().cpu().clone() if torch.is_tensor(value) else value)
+                                       for key, value in entries.items()}
+                               for index, entries in state.get("state", {}).items()}}
+
+
+def sharded_entries(state: dict[str, Any] | None) -> list[tuple[Any, str]]:
+    """``(index, key)`` of every entry :func:`outer_state_markers` replaced, in order."""
+    if not state:
+        return []
+    return [(index, key) for index, entries in state.get("state", {}).items()
+            for key, value in entries.items() if isinstance(value, str) and value == SHARDED]
+
+
+def flat_entries(state: dict[str, Any], flat_size: int) -> list[tuple[Any, str, torch.Tensor]]:
+    """``(index, key, tensor)`` of an outer optimizer's ``state_dict`` entries of ``W_prev``'s size (the sharded
+    ones), in order."""
+    return [(index, key, value) for index, entries in state.get("state", {}).items()
+            for key, value in entries.items()
+            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat_size]
+
+
+__all__ = ["SHARDED", "HostShards", "flat_entries", "outer_state_markers", "sharded_entries"]
