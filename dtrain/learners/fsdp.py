@@ -17,8 +17,9 @@ every unit's all-gather and reduce-scatter is a collective (:attr:`FSDPLearner.c
 Where the shards are cut (``shard_over``): over the whole job (one flat group, the default), or inside each host
 and replicated across hosts (``"host"``: HSDP, torch's two-dimensional ``DeviceMesh`` of ``(replicate, shard)``),
 where a host's ranks all-gather and reduce-scatter among themselves and only the reduced shards cross hosts, once
-per step (an all-reduce of each shard between the ranks holding it). The update is the same either way. Block
-learners on shards (an outer scheme between hosts) are not in this learner.
+per step (an all-reduce of each shard between the ranks holding it). The update is the same either way. Shards
+inside each host under an outer scheme between hosts (DiLoCo, block momentum) are the two-level block learners'
+``shard=true`` (:mod:`dtrain.learners.host_shards`).
 """
 from __future__ import annotations
 

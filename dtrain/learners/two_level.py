@@ -7,6 +7,8 @@ communicator (one model per host, identical on its ranks after every step), and 
 hosts' models are synced by the block learner's own outer update (DiLoCo's Nesterov step, BMUF's
 filter, local SGD's average), its deltas exchanged between the hosts' leaders by any exchange strategy (e.g.
 4-bit), as OpenDiLoCo / INTELLECT-1 train (``docs/multi-host.md#two-levels``).
+With ``shard=true`` each host's model is sharded over its ranks (FSDP2) and every rank exchanges its own slice
+(:mod:`dtrain.learners.host_shards`), INTELLECT-1's layout.
 
 Why the leaders: the hosts' deltas are identical on the ranks of a host, so one rank per host
 sends it; splitting it into per-local-rank slices would send the same bytes between hosts but

@@ -1,0 +1,147 @@
+"""``learner.shard=true`` on the two-level block learners, from the command line under a real mpiexec, on 2 simulated
+hosts of 2 ranks (``comm.ranks_per_host=2``): each host's model sharded over its ranks (FSDP2), the outer scheme on
+each rank's slice.
+
+- the update of the unsharded two-level learner (DiLoCo's outer Nesterov step, block momentum's filter), BatchNorm
+  statistics included, with half the bytes per rank per sync;
+- the sharded checkpoint resumed bit for bit on the same layout, and on another (2 hosts of 3 ranks) where it
+  ends as the unsharded learner resumed there does;
+- a lossy exchange (4 bits with error feedback) on the slices trains;
+- refusals in one line: an unsharded checkpoint restored with shard=true and the other way round, the weight
+  average, a wrap policy that matches nothing.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.mpi import run_mpi
+
+#: digits with BatchNorm, blocks of 3 global minibatches after a warm start of 24: 1,920 samples end a block
+COMMON = ["-m", "dtrain", "+recipe=digits", "model.batch_norm=true", "learner.wrap=children",
+          "learner.block_size=96", "learner.distributed_after=768", "session.progress_frequency=960",
+          "session.tensorboard=false"]
+HOSTS = ["comm.ranks_per_host=2"]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def run(run_dir: Path, *overrides: str, ranks: int = 4, check: bool = True):
+    result = run_mpi(ranks, [*COMMON, *overrides, f"run_dir={run_dir}"], timeout=300)
+    if check:
+        assert result.returncode == 0, result.report()
+    return result
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model.safetensors")
+
+
+def largest_relative_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == expected.keys()
+    return max(float((got[name].double() - tensor.double()).abs().max() / tensor.double().abs().max().clamp_min(1e-12))
+               for name, tensor in expected.items() if tensor.is_floating_point() and tensor.numel())
+
+
+def bytes_per_sync(run_dir: Path) -> int:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(record.get("bytes_sent_per_step") or 0 for record in records if record["kind"] == "train")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """DiLoCo and block momentum, sharded and not, to 3,000 samples; the sharded DiLoCo also stopped at 1,920 and
+    resumed to 3,000."""
+    root = tmp_path_factory.mktemp("two_level_shards")
+    made = {}
+    for learner in ("two_level_diloco", "two_level_block_momentum"):
+        for shard in ("true", "false"):
+            made[learner, shard] = root / f"{learner}-{shard}"
+            run(made[learner, shard], f"learner={learner}", f"learner.shard={shard}", *HOSTS,
+                "session.max_samples=3000")
+    resumed = made["resumed"] = root / "resumed"
+    run(resumed, "learner=two_level_diloco", "learner.shard=true", *HOSTS, "session.max_samples=1920")
+    made["stopped"] = root / "stopped"
+    shutil.copytree(resumed, made["stopped"])
+    result = run(resumed, "learner=two_level_diloco", "learner.shard=true", *HOSTS, "session.max_samples=3000")
+    assert "restored" in result.stdout and "at 1920 samples" in result.stdout, result.stdout
+    return made
+
+
+@pytest.mark.parametrize("learner", ["two_level_diloco", "two_level_block_momentum"])
+def test_sharded_hosts_make_the_update_of_the_unsharded_two_level_learner(runs, learner):
+    sharded, unsharded = runs[learner, "true"], runs[learner, "false"]
+    assert largest_relative_difference(weights(sharded), weights(unsharded)) < 1e-5
+    assert any("running_mean" in name for name in weights(sharded))  # BatchNorm statistics compared too
+    # each rank sends its slice's delta: half of the leader's whole delta (plus the exact BatchNorm statistics)
+    assert bytes_per_sync(sharded) < 0.55 * bytes_per_sync(unsharded)
+
+
+def test_the_sharded_checkpoint_resumes_bit_for_bit(runs):
+    stopped = runs["stopped"] / "checkpoint-1920.pt"
+    assert stopped.is_dir() and (stopped / ".metadata").exists()  # sharded: DCP's files, one per writing rank
+    assert len(list(stopped.glob("*.distcp"))) == 4
+    got, expected = weights(runs["resumed"]), weights(runs["two_level_diloco", "true"])
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+@pytest.mark.slow
+def test_the_sharded_checkpoint_resumes_on_another_layout_as_the_unsharded_one_does(runs, tmp_path):
+    """4 ranks (2 hosts of 2) to 6 (2 hosts of 3): DCP re-cuts the model, W_prev and the outer momentum; every host
+    continues from host 0's inner optimizer state, as the unsharded learner does on another layout."""
+    sharded, unsharded = tmp_path / "sharded", tmp_path / "unsharded"
+    shutil.copytree(runs["stopped"], sharded)
+    run(unsharded, "learner=two_level_diloco", "learner.shard=false", *HOSTS, "session.max_samples=1920")
+    for run_dir, shard in ((sharded, "true"), (unsharded, "false")):
+        result = run(run_dir, "learner=two_level_diloco", f"learner.shard={shard}", "comm.ranks_per_host=3",
+                     "session.max_samples=2400", ranks=6)
+        assert "at 1920 samples" in result.stdout, result.stdout
+        assert ("sharded over its 3 ranks" in result.stdout) == (shard == "true"), result.stdout
+    assert largest_relative_difference(weights(sharded), weights(unsharded)) < 1e-5
+
+
+def test_a_lossy_exchange_on_the_slices_trains(tmp_path):
+    result = run(tmp_path, "learner=two_level_diloco", "learner.shard=true", *HOSTS, "session.max_samples=3000",
+                 "learner/exchange=quantized", "learner.exchange.num_bits=4")
+    assert "sharded over its 2 ranks" in result.stdout, result.stdout
+    test = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "test"]
+    assert test[-1]["accuracy"] > 0.7, test
+
+
+def refusal(result) -> str:
+    """The one line a refused run printed on stderr (exit 2)."""
+    assert result.returncode == 2, result.report()
+    lines = [line for line in result.stderr.splitlines() if "dtrain: error" in line]
+    assert lines, result.stderr
+    return lines[0]
+
+
+def test_a_checkpoint_restored_with_the_other_sharding_is_refused_in_one_line(runs, tmp_path):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(runs["stopped"], sharded)
+    line = refusal(run(sharded, "learner=two_level_diloco", "learner.shard=false", *HOSTS,
+                       "session.max_samples=3000", check=False))
+    assert "shard" in line, line
+    assert len(list(sharded.glob("checkpoint-*"))) == 1 and not (sharded / "checkpoint-3000.pt").exists()
+    unsharded = tmp_path / "unsharded"
+    shutil.copytree(runs["two_level_diloco", "false"], unsharded)
+    line = refusal(run(unsharded, "learner=two_level_diloco", "learner.shard=true", *HOSTS,
+                       "session.max_samples=4000", check=False))
+    assert "shard" in line, line
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (("session.ema_decay=0.99",), "session.ema_decay with learner.shard=true"),
+    (("learner.wrap=[Transformer]",), "learner.wrap=[Transformer] matches no module"),
+])
+def test_what_sharded_hosts_cannot_do_is_refused_in_one_line(tmp_path, overrides, expected):
+    line = refusal(run(tmp_path / "run", "learner=two_level_diloco", "learner.shard=true", *HOSTS,
+                       "session.max_samples=3000", *overrides, check=False))
+    assert expected in line, line
+    assert not (tmp_path / "run" / "checkpoint-3000.pt").exists()
