@@ -2,6 +2,7 @@
 
     python benchmarks/fsdp_memory.py --ranks 2 4
     python benchmarks/fsdp_memory.py --ranks 2 --model large --steps 6
+    python benchmarks/fsdp_memory.py --ranks 4 --two-level --steps 100
 
 Starts ``mpiexec -n N`` itself for each rank count and learner. Every rank builds the character transformer of
 ``+recipe=shakespeare_char`` (``--model base``: 4 layers, 128 wide; ``large``: ``model=char_transformer_large``,
@@ -9,7 +10,9 @@ Starts ``mpiexec -n N`` itself for each rank count and learner. Every rank build
 the shipped corpus through ``training_session``. Then each rank counts the bytes it holds of the parameters,
 their gradients and the optimizer's state (a sharded tensor: its local shard), and the table prints the largest
 rank's total against ``data_parallel``'s, and the median seconds per step after the first (which includes the
-start), side by side. ``uptime``'s load is printed: a shared machine moves the step times.
+start), side by side, and how far the second learner's parameters end from the first's. ``--two-level``:
+``two_level_diloco`` on 2 simulated hosts, unsharded and with ``learner.shard=true``, the bytes of the outer state
+(``W_prev`` and DiLoCo's momentum) counted too. ``uptime``'s load is printed: a shared machine moves the step times.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from _mpiexec import mpi_environment, mpiexec_command
 
 MODELS = {"base": {"layers": 4, "heads": 4, "width": 128}, "large": {"layers": 8, "heads": 8, "width": 512}}
@@ -35,6 +40,32 @@ def local_bytes(tensor) -> int:
     return local.numel() * local.element_size()
 
 
+#: ``--two-level``: DiLoCo between 2 simulated hosts (``ranks_per_host`` = ranks / 2), a sync every 2 global minibatches
+TWO_LEVEL = ("two_level_diloco", "two_level_diloco shard")
+
+
+def build_learner(learner_name: str, optimizer, comm):
+    """The learner the row is about."""
+    from dtrain.learners import FSDPLearner, TwoLevelDiLoCoLearner, data_parallel_distributed_learner
+
+    if learner_name == "fsdp":
+        return FSDPLearner(optimizer, comm)
+    if learner_name.startswith("two_level_diloco"):
+        return TwoLevelDiLoCoLearner(optimizer, comm, ranks_per_host=comm.size // 2, block_size=2 * 2048,
+                                     distributed_after=0, shard=learner_name.endswith("shard"), wrap="blocks")
+    return data_parallel_distributed_learner(optimizer, comm)
+
+
+def outer_bytes(learner) -> int:
+    """Bytes this rank holds of a block learner's outer state: ``W_prev`` and the outer optimizer's state (0 else)."""
+    prev = getattr(learner, "prev_parameters", None)
+    if prev is None:
+        return 0
+    state = learner.outer_optimizer.state.values() if learner.outer_optimizer is not None else []
+    return local_bytes(prev) + sum(local_bytes(value) for per_parameter in state for value in per_parameter.values()
+                                   if hasattr(value, "numel") and value.dim() > 0)
+
+
 def worker(learner_name: str, model_name: str, steps: int, out: str) -> None:
     import numpy as np
     import torch
@@ -42,7 +73,6 @@ def worker(learner_name: str, model_name: str, steps: int, out: str) -> None:
     import dtrain
     from dtrain.comm import create_communicator
     from dtrain.data import CharCorpus, MinibatchSource
-    from dtrain.learners import FSDPLearner, data_parallel_distributed_learner
     from dtrain.models import CharTransformer
     from dtrain.session import SequenceCrossEntropy
     from dtrain.session.callbacks import Callback
@@ -52,8 +82,7 @@ def worker(learner_name: str, model_name: str, steps: int, out: str) -> None:
     torch.manual_seed(0)
     model = CharTransformer(vocab_size=73, context_length=128, dropout=0.0, **MODELS[model_name])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.002, betas=(0.9, 0.99), weight_decay=0.1)
-    learner = FSDPLearner(optimizer, comm) if learner_name == "fsdp" else \
-        data_parallel_distributed_learner(optimizer, comm)
+    learner = build_learner(learner_name, optimizer, comm)
     step_times: list[float] = []
 
     class StepClock(Callback):
@@ -71,12 +100,22 @@ def worker(learner_name: str, model_name: str, steps: int, out: str) -> None:
     state = sum(local_bytes(value) for per_parameter in optimizer.state.values() for value in per_parameter.values()
                 if isinstance(value, torch.Tensor))
     figures = {"rank": comm.rank, "parameters": parameters, "gradients": gradients, "optimizer_state": state,
+               "outer": outer_bytes(learner),
                "step_s": float(np.median(np.diff(step_times))) if len(step_times) > 2 else None,
                "parameter_count": sum(p.numel() for p in model.parameters())}
     everyone = comm.allgather_object(figures)
+    whole = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+             for name, tensor in model.state_dict().items()}  # gathered: a collective
     if comm.rank == 0:
         Path(out).write_text(json.dumps(everyone))
+        torch.save(whole, out + ".pt")
     comm.finalize()
+
+
+def relative_difference(got: dict, expected: dict) -> float:
+    """The largest ``max|a - b| / max|b|`` over the floating-point tensors."""
+    return max(float((got[name].double() - tensor.double()).abs().max() / tensor.double().abs().max().clamp_min(1e-30))
+               for name, tensor in expected.items() if tensor.is_floating_point() and tensor.numel())
 
 
 def main() -> None:
@@ -87,30 +126,42 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--model", choices=sorted(MODELS), default="base")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--two-level", action="store_true",
+                        help="two_level_diloco on 2 hosts of ranks/2, unsharded and learner.shard=true, instead of "
+                             "data_parallel and fsdp")
     arguments = parser.parse_args()
+    learners = TWO_LEVEL if arguments.two_level else ("data_parallel", "fsdp")
     print(f"load before: {os.getloadavg()[0]:.2f}")
     rows = []
     for ranks in arguments.ranks:
         results = {}
-        for learner in ("data_parallel", "fsdp"):
+        weights = {}
+        for learner in learners:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 command = mpiexec_command(ranks, [__file__, "_worker", learner, arguments.model, str(arguments.steps),
                                                   out.name])
                 env = mpi_environment(PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
                 subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
                 results[learner] = json.loads(Path(out.name).read_text())
-        rows.append((ranks, results))
-    print(f"{'ranks':>5} {'learner':>14} {'params MiB':>10} {'grads MiB':>9} {'optim MiB':>9} {'total MiB':>9} "
-          f"{'of dp':>6} {'s/step':>7}")
-    for ranks, results in rows:
-        replicated = max(r["parameters"] + r["gradients"] + r["optimizer_state"] for r in results["data_parallel"])
+                weights[learner] = torch.load(out.name + ".pt")
+                os.unlink(out.name + ".pt")
+        rows.append((ranks, results, relative_difference(weights[learners[1]], weights[learners[0]])))
+    print(f"{'ranks':>5} {'learner':>22} {'params MiB':>10} {'grads MiB':>9} {'optim MiB':>9} {'outer MiB':>9} "
+          f"{'total MiB':>9} {'of first':>8} {'s/step':>7}")
+
+    def total(figures) -> int:
+        return figures["parameters"] + figures["gradients"] + figures["optimizer_state"] + figures["outer"]
+
+    for ranks, results, difference in rows:
+        replicated = max(total(r) for r in results[learners[0]])
         for learner, per_rank in results.items():
-            largest = max(per_rank, key=lambda r: r["parameters"] + r["gradients"] + r["optimizer_state"])
-            total = largest["parameters"] + largest["gradients"] + largest["optimizer_state"]
+            largest = max(per_rank, key=total)
             step = statistics.median(r["step_s"] for r in per_rank if r["step_s"] is not None)
-            print(f"{ranks:>5} {learner:>14} {largest['parameters'] / 2**20:>10.2f} {largest['gradients'] / 2**20:>9.2f} "
-                  f"{largest['optimizer_state'] / 2**20:>9.2f} {total / 2**20:>9.2f} {total / replicated:>6.3f} "
-                  f"{step:>7.3f}")
+            print(f"{ranks:>5} {learner:>22} {largest['parameters'] / 2**20:>10.2f} {largest['gradients'] / 2**20:>9.2f} "
+                  f"{largest['optimizer_state'] / 2**20:>9.2f} {largest['outer'] / 2**20:>9.2f} "
+                  f"{total(largest) / 2**20:>9.2f} {total(largest) / replicated:>8.3f} {step:>7.3f}")
+        print(f"{ranks:>5} parameters after {arguments.steps} steps, {learners[1]} against {learners[0]}: "
+              f"{difference:.1e} (largest tensor's max|a - b| / max|b|)")
     print(f"model: {arguments.model}, {rows[0][1]['fsdp'][0]['parameter_count']:,} parameters; "
           f"load after: {os.getloadavg()[0]:.2f}")
 
