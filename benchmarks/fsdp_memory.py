@@ -162,7 +162,7 @@ def main() -> None:
                   f"{total(largest) / 2**20:>9.2f} {total(largest) / replicated:>8.3f} {step:>7.3f}")
         print(f"{ranks:>5} parameters after {arguments.steps} steps, {learners[1]} against {learners[0]}: "
               f"{difference:.1e} (largest tensor's max|a - b| / max|b|)")
-    print(f"model: {arguments.model}, {rows[0][1]['fsdp'][0]['parameter_count']:,} parameters; "
+    print(f"model: {arguments.model}, {rows[0][1][learners[1]][0]['parameter_count']:,} parameters; "
           f"load after: {os.getloadavg()[0]:.2f}")
 
 
