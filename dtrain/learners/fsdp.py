@@ -260,9 +260,9 @@ class FSDPLearner(Learner):
             load_full_optimizer_state(self.model, self.optimizer, state["optimizer"], sharded=self.shards_model)
         self.samples_seen = int(state["samples_seen"])
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self, local_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}``: this rank's shards (``DTensor``\\ s keyed by parameter name), as
-        ``torch.distributed.checkpoint`` saves them."""
+        ``torch.distributed.checkpoint`` saves and loads them (``local_state``: this learner keeps none there)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)

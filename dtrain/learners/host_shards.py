@@ -120,6 +120,60 @@ def sharded_entries(state: dict[str, Any] | None) -> list[tuple[Any, str]]:
             for key, value in entries.items() if isinstance(value, str) and value == SHARDED]
 
 
+#: the key of a placeholder that :func:`split_tensors` leaves where a tensor went to the sharded files
+IN_SHARDED_FILES = "in_sharded_files"
+
+
+def split_tensors(state: Any, path: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """``state`` (nested dicts and lists) with every tensor replaced by a small placeholder naming it, its shape and
+    dtype, and the tensors by those names: the placeholders go into the checkpoint's ``dtrain.pt``, the tensors into
+    the sharded files, written by the rank they belong to (a lossy exchange's residual is as large as the rank's
+    slice: rank 0 does not gather them)."""
+    if torch.is_tensor(state):
+        return {IN_SHARDED_FILES: path, "shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch.")}, \
+            {path: state.detach()}
+    tensors: dict[str, torch.Tensor] = {}
+    if isinstance(state, dict):
+        skeleton = {}
+        for key, value in state.items():
+            skeleton[key], found = split_tensors(value, f"{path}/{key}")
+            tensors.update(found)
+        return skeleton, tensors
+    if isinstance(state, (list, tuple)):
+        parts = [split_tensors(value, f"{path}/{index}") for index, value in enumerate(state)]
+        for _, found in parts:
+            tensors.update(found)
+        return type(state)(part for part, _ in parts), tensors
+    return state, tensors
+
+
+def _is_placeholder(value: Any) -> bool:
+    return isinstance(value, dict) and IN_SHARDED_FILES in value
+
+
+def placeholder_templates(skeleton: Any) -> dict[str, torch.Tensor]:
+    """Empty host tensors of the shapes and dtypes :func:`split_tensors`' placeholders name, to read the files into."""
+    if _is_placeholder(skeleton):
+        return {skeleton[IN_SHARDED_FILES]: torch.empty(skeleton["shape"], dtype=getattr(torch, skeleton["dtype"]))}
+    values = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) \
+        else ()
+    templates: dict[str, torch.Tensor] = {}
+    for value in values:
+        templates.update(placeholder_templates(value))
+    return templates
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """:func:`split_tensors`' inverse: the placeholders replaced by the tensors read."""
+    if _is_placeholder(skeleton):
+        return tensors[skeleton[IN_SHARDED_FILES]]
+    if isinstance(skeleton, dict):
+        return {key: join_tensors(value, tensors) for key, value in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(join_tensors(value, tensors) for value in skeleton)
+    return skeleton
+
+
 def flat_entries(state: dict[str, Any], flat_size: int) -> list[tuple[Any, str, torch.Tensor]]:
     """``(index, key, tensor)`` of an outer optimizer's ``state_dict`` entries of ``W_prev``'s size (the sharded
     ones), in order."""
@@ -128,4 +182,5 @@ def flat_entries(state: dict[str, Any], flat_size: int) -> list[tuple[Any, str, 
             if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat_size]
 
 
-__all__ = ["SHARDED", "HostShards", "flat_entries", "outer_state_markers", "sharded_entries"]
+__all__ = ["IN_SHARDED_FILES", "SHARDED", "HostShards", "flat_entries", "join_tensors", "placeholder_templates",
+           "split_tensors", "outer_state_markers", "sharded_entries"]

@@ -33,7 +33,8 @@ from dtrain.exchange.between_hosts import BetweenHosts
 from dtrain.learners.base import AUTO
 from dtrain.learners.block import BlockLearner
 from dtrain.learners.flat_copies import broadcast, pack, unpack
-from dtrain.learners.host_shards import HostShards, flat_entries, outer_state_markers, sharded_entries
+from dtrain.learners.host_shards import (HostShards, flat_entries, join_tensors, outer_state_markers,
+                                        placeholder_templates, sharded_entries, split_tensors)
 from dtrain.learners.sharding import sharded_session_problems
 from dtrain.learners.block_momentum import BlockMomentumLearner
 from dtrain.learners.data_parallel import DataParallelLearner
@@ -116,6 +117,7 @@ class TwoLevel:
         self.host_shards = HostShards(self.host, wrap) if shard and self.host.size > 1 else None
         self._gradients: torch.Tensor | None = None
         self._restored_hosts: list[int] | None = None
+        self._read_local_tensors: dict[str, torch.Tensor] = {}  # with shards: the exchange's tensors, as read
 
     @property
     def is_leader(self) -> bool:
@@ -323,10 +325,11 @@ class TwoLevel:
             self._restored_outer = state["block"].get("outer_optimizer")
 
     def local_state_dict(self) -> dict[str, Any]:
-        """The block learner's; with shards, the exchange's state alone (the optimizer's is in the sharded files)."""
+        """The block learner's; with shards, the exchange's state alone, its tensors replaced by placeholders (they
+        are in the sharded files, as the inner optimizer's state is)."""
         if self.host_shards is None:
             return super().local_state_dict()
-        return {"exchange": self.exchange.state_dict()}
+        return {"exchange": split_tensors(self.exchange.state_dict())[0]}
 
     def _optimizer_key(self) -> str:
         """Where the sharded files keep this host's inner optimizer state (each host's differs between syncs): its
@@ -335,9 +338,11 @@ class TwoLevel:
         restored = self._restored_hosts
         return f"optimizer_host{0 if restored and restored != layout else self.host_index}"
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self, local_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """This rank's shards as ``torch.distributed.checkpoint`` saves (and loads) them: the model, this host's
-        inner optimizer state, ``W_prev`` and the outer state of its size (``DTensor``\ s keyed by parameter name)."""
+        inner optimizer state, ``W_prev`` and the outer state of its size (``DTensor``\\ s keyed by parameter name),
+        and this rank's exchange state (its own key). To load: ``local_state`` is this rank's
+        :meth:`local_state_dict` as the checkpoint holds it (at the same world size; None: not read)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         shards, parameters = self.host_shards, super().parameters
@@ -350,8 +355,13 @@ class TwoLevel:
             prev = None
             entries = [(f"{index}_{key}", None) for index, key in sharded_entries(self._restored_outer)]
         outer_tensors = {name: shards.as_dtensors(value, parameters) for name, value in entries}
-        return {"model": model_state, self._optimizer_key(): optimizer_state,
-                "outer": {"prev_parameters": shards.as_dtensors(prev, parameters), **outer_tensors}}
+        tensors = {"model": model_state, self._optimizer_key(): optimizer_state,
+                   "outer": {"prev_parameters": shards.as_dtensors(prev, parameters), **outer_tensors}}
+        if self.outer_optimizer is not None:  # saving
+            tensors[f"rank{self.comm.rank}"] = split_tensors(self.exchange.state_dict())[1]
+        elif local_state is not None:  # loading at the same world size
+            tensors[f"rank{self.comm.rank}"] = placeholder_templates(local_state.get("exchange"))
+        return tensors
 
     def load_sharded_state_dict(self, tensors: dict[str, Any]) -> None:
         """:meth:`sharded_state_dict`'s tensors, read, into the model, the inner optimizer, ``W_prev`` and the outer
@@ -367,6 +377,7 @@ class TwoLevel:
         restored = self._restored_outer
         for index, key in sharded_entries(restored):
             restored["state"][index][key] = shards.as_flat(outer[f"{index}_{key}"], parameters, dtype)
+        self._read_local_tensors = tensors.get(f"rank{self.comm.rank}", {})  # for load_local_state_dict
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's optimizer and exchange state, only onto the layout that saved them; onto
@@ -378,6 +389,8 @@ class TwoLevel:
                       f"{self._restored_hosts[1]} ranks, this run has {layout[0]} x {layout[1]}: every rank continues "
                       f"with rank 0's optimizer state and a fresh {self.exchange.name} exchange state", flush=True)
             return
+        if self.host_shards is not None and "exchange" in state:
+            state = {**state, "exchange": join_tensors(state["exchange"], self._read_local_tensors)}
         super().load_local_state_dict(state)
 
 

@@ -392,7 +392,8 @@ def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) 
     configured = optimizer_hyperparameters(learner.optimizer)
     state = interchanged(state, learner)
     if state.get("sharded") is not None:
-        _load_sharded(state, model, learner)
+        _load_sharded(state, model, learner, state["per_rank"][comm.rank]["learner"]
+                      if state["world_size"] == comm.size else None)
     elif getattr(learner, "shards_model", False):  # a replicated checkpoint into a sharded model
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -411,7 +412,7 @@ def apply(state: dict[str, Any], model: torch.nn.Module, learner, source, comm) 
     return True
 
 
-def _load_sharded(state: dict[str, Any], model: torch.nn.Module, learner) -> None:
+def _load_sharded(state: dict[str, Any], model: torch.nn.Module, learner, local_state: dict[str, Any] | None) -> None:
     """A sharded checkpoint's tensors into ``model`` and ``learner`` (every rank reads what it needs with DCP, at
     any world size): into the shards of a sharded learner, or whole into a replicated one, whose optimizer state
     then goes through its own ``load_state_dict`` as a replicated checkpoint's would."""
@@ -422,7 +423,7 @@ def _load_sharded(state: dict[str, Any], model: torch.nn.Module, learner) -> Non
     directory = state["sharded"]["directory"]
     if getattr(learner, "shards_model", False):
         learner.load_state_dict(state["learner"])  # first: what the learner's shards are to be read into may depend on it
-        tensors = learner.sharded_state_dict()
+        tensors = learner.sharded_state_dict(local_state=local_state)  # this rank's per-rank tensors too, if any
         load_tensors(directory, tensors)
         learner.load_sharded_state_dict(tensors)
         return

@@ -6,7 +6,8 @@ each rank's slice.
   statistics included, with half the bytes per rank per sync;
 - the sharded checkpoint resumed bit for bit on the same layout, and on another (2 hosts of 3 ranks) where it
   ends as the unsharded learner resumed there does;
-- a lossy exchange (4 bits with error feedback) on the slices trains;
+- a lossy exchange (4 bits with error feedback) on the slices trains, each rank's residual in the sharded files
+  and resumed bit for bit;
 - refusals in one line: an unsharded checkpoint restored with shard=true and the other way round, the weight
   average, a wrap policy that matches nothing.
 """
@@ -114,13 +115,30 @@ def test_the_sharded_checkpoint_resumes_on_another_layout_as_the_unsharded_one_d
     assert largest_relative_difference(weights(sharded), weights(unsharded)) < 1e-5
 
 
-def test_a_lossy_exchange_on_the_slices_trains(tmp_path):
-    result = run(tmp_path, "learner=two_level_diloco", "learner.shard=true", *HOSTS, "session.max_samples=3000",
-                 "learner/exchange=quantized", "learner.exchange.num_bits=4")
+def test_a_lossy_exchange_on_the_slices_trains_and_its_residuals_resume_bit_for_bit(tmp_path):
+    """4 bits with error feedback: every rank's residual (of its slice) is written by that rank into the sharded
+    files, not gathered by rank 0, and read back by the same rank: the resumed run ends exactly where the
+    uninterrupted one does."""
+    import torch.distributed.checkpoint as dcp
+
+    lossy = ["learner=two_level_diloco", "learner.shard=true", *HOSTS, "learner/exchange=quantized",
+             "learner.exchange.num_bits=4"]
+    result = run(tmp_path / "whole", *lossy, "session.max_samples=3000")
     assert "sharded over its 2 ranks" in result.stdout, result.stdout
-    test = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    test = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["kind"] == "test"]
     assert test[-1]["accuracy"] > 0.7, test
+    run(tmp_path / "resumed", *lossy, "session.max_samples=1920")
+    metadata = dcp.FileSystemReader(str(tmp_path / "resumed" / "checkpoint-1920.pt")).read_metadata()
+    residuals = {key: entry.size for key, entry in metadata.state_dict_metadata.items()
+                 if key.startswith("rank") and "residual" in key}
+    assert {key.split(".")[0] for key in residuals} == {"rank0", "rank1", "rank2", "rank3"}, residuals
+    parameters = sum(tensor.numel() for name, tensor in weights(tmp_path / "whole").items()
+                     if tensor.is_floating_point() and "running" not in name)
+    assert all(size.numel() < 0.6 * parameters for size in residuals.values()), (residuals, parameters)  # a slice
+    run(tmp_path / "resumed", *lossy, "session.max_samples=3000")
+    got, expected = weights(tmp_path / "resumed"), weights(tmp_path / "whole")
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
 
 
 def refusal(result) -> str:
