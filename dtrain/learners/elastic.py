@@ -79,6 +79,8 @@ class ElasticGroups:
 
         self.replica_id = replica_id
         self.min_groups = int(min_groups)
+        self.quorum_timeout_s = float(quorum_timeout_s)
+        self._short_since: float | None = None  # when this sync's rounds began to find fewer groups than min_groups
         # the group's own store (torchft keys its process group under it); a world of one, so this process hosts it
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
@@ -172,7 +174,35 @@ class ElasticGroups:
         committed = self._one_round(member, in_step, end_of_block)
         while self.last_round_failed:
             self._one_round(False, in_step, end_of_block)  # a block of a failed round was discarded in it
+        self._short_since = None
         return committed
+
+    def _check_enough_groups(self) -> None:
+        """A round with fewer groups than ``min_groups`` cannot commit, and torchft retries it at once: says so once
+        on this group, and after ``quorum_timeout_s`` of such rounds ends it in one line (else it would retry for
+        ever, a group started alone or the survivors of a loss waiting for groups that never come).
+
+        Raises:
+            ValueError: fewer than ``min_groups`` groups for ``quorum_timeout_s`` seconds.
+        """
+        present = self.manager.num_participants()
+        if present >= self.min_groups:
+            self._short_since = None
+            return
+        now = time.monotonic()
+        if self._short_since is None:
+            self._short_since = now
+            print(f"dtrain: elastic [{self.replica_id}] waiting at a sync for groups: {present} present, "
+                  f"fault_tolerance.min_groups={self.min_groups} (for at most fault_tolerance.quorum_timeout_s="
+                  f"{self.quorum_timeout_s:g} s)", flush=True)
+        elif now - self._short_since > self.quorum_timeout_s:
+            self.manager.shutdown(wait=False)
+            plural = "group has" if present == 1 else "groups have"
+            raise ValueError(f"fault_tolerance.min_groups={self.min_groups}: only {present} {plural} taken part in "
+                             f"this sync's rounds for {self.quorum_timeout_s:g} s (fault_tolerance.quorum_timeout_s); "
+                             f"start at least {self.min_groups} groups, or lower fault_tolerance.min_groups")
+        else:
+            time.sleep(0.05)  # torchft forms the next quorum at once: no busy loop while waiting
 
     def _one_round(self, member: bool, in_step: bool, end_of_block: bool) -> bool:
         from torch.distributed import ReduceOp
@@ -182,6 +212,7 @@ class ElasticGroups:
         self.rounds += 1
         self._healed = None
         manager.start_quorum()  # may heal this group (_heal) from a live peer
+        self._check_enough_groups()
         healed = self._healed
         if healed is not None and self._refused is not None:
             self.manager.shutdown(wait=False)  # leaves the job: the others' round fails without it, and goes on

@@ -203,3 +203,30 @@ def test_a_group_of_another_config_is_refused_when_it_joins_and_the_job_goes_on(
     assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
     counts = ledger_counts(tmp_path)
     assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+
+
+def test_fewer_groups_than_min_groups_end_in_one_line_after_the_quorum_timeout(tmp_path):
+    """One group started where ``fault_tolerance.min_groups=2``: its rounds cannot commit and torchft retries them
+    at once; the group says it waits, then ends after ``quorum_timeout_s`` with one line (exit 2) instead of
+    retrying for ever, leaving no run directory behind."""
+    lighthouse = Lighthouse(tmp_path)
+    run_dir = tmp_path / "run-a"
+    try:
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "dtrain", "+recipe=digits", "learner=diloco", "learner.block_size=640",
+             "learner.distributed_after=0", "session.max_samples=3200", "fault_tolerance.enabled=true",
+             f"fault_tolerance.lighthouse={lighthouse.address}", "fault_tolerance.replica_id=a",
+             "fault_tolerance.min_groups=2", "fault_tolerance.quorum_timeout_s=3", f"run_dir={run_dir}"],
+            capture_output=True, text=True, env=_env(), timeout=120)
+        seconds = time.monotonic() - started
+    finally:
+        lighthouse.stop()
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "waiting at a sync for groups: 1 present, fault_tolerance.min_groups=2" in result.stdout, result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error")]
+    assert errors == ["dtrain: error: fault_tolerance.min_groups=2: only 1 group has taken part in this sync's rounds "
+                      "for 3 s (fault_tolerance.quorum_timeout_s); start at least 2 groups, or lower "
+                      "fault_tolerance.min_groups"], result.stderr[-2000:]
+    assert seconds < 60
+    assert not run_dir.exists()
