@@ -205,6 +205,63 @@ def test_a_group_of_another_config_is_refused_when_it_joins_and_the_job_goes_on(
     assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_new_group_joins_a_running_job_while_nobody_failed(tmp_path):
+    """Scale up: two groups train, a third of a new name starts mid-run. It heals from a live peer at the others'
+    next sync and trains with them from there (commits of 3 groups); all three end with one model bit for bit and
+    every sample exactly once per sweep."""
+    lighthouse = Lighthouse(tmp_path)
+    max_samples, common = LONG_JOB["max_samples"], LONG_JOB
+    try:
+        groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "ab"}
+        wait_for_commits(tmp_path, "a", 3)
+        joined_at = time.time()
+        groups["c"] = start_group(tmp_path, lighthouse, "c", **common)
+        wait_all(tmp_path, groups)
+    finally:
+        lighthouse.stop()
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    joiner = events(tmp_path, "c")
+    assert [event["event"] for event in joiner][:1] == ["heal"], joiner
+    assert any(event["event"] == "commit" and event["groups"] == 3 and event["time"] > joined_at
+               for event in events(tmp_path, "a"))
+    assert not any(event["event"] == "discard" for name in "abc" for event in events(tmp_path, name))
+    assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
+    assert_identical(params(tmp_path, "a"), params(tmp_path, "c"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_groups_lost_one_after_the_other_leave_the_last_to_finish_the_stream(tmp_path):
+    """Two failures in a row: of three groups, one is SIGKILLed mid-block, and once the two left have committed a
+    sync, a second; the last group goes on alone and the ledger still has every sample exactly once per sweep."""
+    lighthouse = Lighthouse(tmp_path)
+    max_samples, common = LONG_JOB["max_samples"], LONG_JOB
+    try:
+        groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
+        wait_for_commits(tmp_path, "c", 2)
+        time.sleep(0.3)  # inside the next block
+        groups.pop("c").send_signal(signal.SIGKILL)
+        first_loss = time.time()
+        deadline = time.time() + 120
+        while not any(event["event"] == "commit" and event["groups"] == 2 and event["time"] > first_loss
+                      for event in events(tmp_path, "a")):
+            assert time.time() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.3)
+        groups.pop("b").send_signal(signal.SIGKILL)
+        second_loss = time.time()
+        wait_all(tmp_path, groups)
+    finally:
+        lighthouse.stop()
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    alone = [event for event in events(tmp_path, "a") if event["event"] == "commit" and event["time"] > second_loss]
+    assert alone and all(event["groups"] == 1 for event in alone), alone
+
+
 def test_fewer_groups_than_min_groups_end_in_one_line_after_the_quorum_timeout(tmp_path):
     """One group started where ``fault_tolerance.min_groups=2``: its rounds cannot commit and torchft retries them
     at once; the group says it waits, then ends after ``quorum_timeout_s`` with one line (exit 2) instead of
