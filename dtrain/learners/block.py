@@ -413,7 +413,7 @@ class BlockLearner(Learner):
             ValueError: the optimizer has no parameters, or they are not all on one device.
         """
         self._require_block_size()
-        parameters = self.parameters
+        parameters = self.synced_tensors
         if not parameters:
             raise ValueError("the optimizer has no parameters; build it from model.parameters()")
         devices = {p.device for p in parameters}
@@ -545,10 +545,16 @@ class BlockLearner(Learner):
         elif self.comm.size > 1:
             self.broadcast_model()
 
+    @property
+    def synced_tensors(self) -> list[torch.Tensor]:
+        """The tensors a sync packs, exchanges and writes back (``W`` flat is their concatenation): the optimizer's
+        parameters here; a learner whose ranks hold slices of them (sharded hosts) gives its local slices."""
+        return self.parameters
+
     def broadcast_model(self) -> None:
         """Overwrites every worker's parameters and buffers with rank 0's (at :meth:`prepare`, the start of blocks,
         and a warm start's :meth:`synchronize`)."""
-        broadcast(self.parameters + self._float_buffers + self._other_buffers, self.comm)
+        broadcast(self.synced_tensors + self._float_buffers + self._other_buffers, self.comm)
 
     # -- the block sync ---------------------------------------------------------------------------
     def blocks_started(self, after: int = 0) -> bool:
@@ -594,7 +600,7 @@ class BlockLearner(Learner):
                     self.outer_update(model_delta)
                 else:  # the workers' mean, the outer state kept
                     self.prev_parameters.sub_(model_delta, alpha=1.0 / self.outer_comm.size)
-                unpack(self.prev_parameters, self.parameters)  # W_prev <- W on every worker
+                unpack(self.prev_parameters, self.synced_tensors)  # W_prev <- W on every worker
         self._finish_sync(end_of_block)
         return True
 
@@ -611,7 +617,7 @@ class BlockLearner(Learner):
             self.outer_update(model_delta)
         else:  # the groups' mean, the outer state kept
             self.prev_parameters.sub_(model_delta, alpha=1.0 / contributors)
-        unpack(self.prev_parameters, self.parameters)
+        unpack(self.prev_parameters, self.synced_tensors)
         self._finish_sync(end_of_block)
 
     def reset_block_counters(self) -> None:
@@ -665,7 +671,7 @@ class BlockLearner(Learner):
             unpack(buffers.div_(comm.size), self._float_buffers)
         else:
             # a lossy strategy compresses only the parameter deltas; BatchNorm statistics stay exact
-            self.exchange.allreduce_("model", scratch[:parameter_count], [p.shape for p in self.parameters])
+            self.exchange.allreduce_("model", scratch[:parameter_count], [p.shape for p in self.synced_tensors])
             self.average_float_buffers(comm)
             if buffers.numel():
                 extra_bytes = full_precision_allreduce_bytes(buffers.numel(), comm.size) * buffers.element_size() // 4
@@ -690,7 +696,7 @@ class BlockLearner(Learner):
 
     def load_flat(self, flat: torch.Tensor) -> None:
         """Copies the flat ``flat`` into the parameters (casting to their dtypes)."""
-        unpack(flat, self.parameters)
+        unpack(flat, self.synced_tensors)
 
     def _start_blocks(self) -> None:
         """End of the warm start: every worker continues from rank 0's model, which becomes W_prev."""
@@ -710,7 +716,7 @@ class BlockLearner(Learner):
         """The parameters as one flat tensor (into ``out`` when given, casting to its dtype)."""
         if out is None:
             out = torch.empty(self._num_parameter_elements, dtype=self._scratch.dtype, device=self._scratch.device)
-        pack(self.parameters, out)
+        pack(self.synced_tensors, out)
         return out
 
     def finalize(self) -> None:
@@ -786,7 +792,7 @@ class BlockLearner(Learner):
                 fit this model's parameters.
         """
         block = state.get("block") if state.get("kind") == self.kind else None
-        expected = sum(p.numel() for p in self.parameters)
+        expected = sum(p.numel() for p in self.synced_tensors)
         for key in ("prev_parameters", "smoothed_gradient"):  # before the optimizer's less clear complaint
             tensor = None if block is None else block.get(key)
             if tensor is not None and tensor.numel() != expected:

@@ -57,7 +57,7 @@ class DelayedOuterStep:
         torch.neg(progress, out=self._sending)                               # d_i = -p_i
         learner.average_float_buffers()
         learner.exchange.begin_step()
-        self.pending = learner.exchange.start("model", self._sending, [p.shape for p in learner.parameters])
+        self.pending = learner.exchange.start("model", self._sending, [p.shape for p in learner.synced_tensors])
         self.pending_lr, self.pending_samples = learner.block_lr.mean(), learner.global_samples_in_block
 
     def _rebase(self, current: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,7 @@ class TwoLevel:
         self.host = comm.host_groups(ranks_per_host).local
         # local rank i of every host; on the leaders (i = 0) the communicator of the delta exchange
         cross = comm.split(self.host.rank, key=self.host_index)
-        self.host_shards: HostShards | None = None  # set below; read by the parameters property
+        self.host_shards: HostShards | None = None  # set below; read by synced_tensors
         super().__init__(optimizer, comm, *args, outer_comm=cross, **kwargs)
         if not isinstance(wrap, str):
             wrap = [str(name) for name in wrap]
@@ -137,11 +137,11 @@ class TwoLevel:
         return self.host_shards is not None
 
     @property
-    def parameters(self) -> list[torch.Tensor]:
-        """The optimizer's parameters; with shards, this rank's local slices of them (what the outer scheme syncs)."""
-        parameters = super().parameters
+    def synced_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's parameters; with shards, this rank's local slices of them (what the outer scheme syncs;
+        the parameters themselves stay the sharded ones, whose gradients clipping and the optimizer read)."""
         shards = self.host_shards
-        return parameters if shards is None or shards.model is None else shards.local_views(parameters)
+        return self.parameters if shards is None or shards.model is None else shards.local_views(self.parameters)
 
     def shard(self, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
         """With shards: rank 0's model for every rank, then sharded over each host's ranks (FSDP2)."""
@@ -180,7 +180,7 @@ class TwoLevel:
         if self.host_shards is None:
             super().broadcast_model()
             return
-        broadcast(self.parameters, self.outer_comm)  # the outer communicator's rank 0 is host 0's
+        broadcast(self.synced_tensors, self.outer_comm)  # the outer communicator's rank 0 is host 0's
         broadcast(self._float_buffers + self._other_buffers, self.comm)
 
     def model_replicas(self) -> int:
@@ -278,7 +278,7 @@ class TwoLevel:
             if self.exchange.lossless:
                 self.exchange.allreduce_("model", scratch, [torch.Size([count]), torch.Size([buffers.numel()])])
             else:
-                self.exchange.allreduce_("model", scratch[:count], [p.shape for p in self.parameters])
+                self.exchange.allreduce_("model", scratch[:count], [p.shape for p in self.synced_tensors])
                 if buffers.numel():
                     self.outer_comm.allreduce(buffers, op="sum")
                     extra = full_precision_allreduce_bytes(buffers.numel(), self.outer_comm.size) \
@@ -345,7 +345,7 @@ class TwoLevel:
         :meth:`local_state_dict` as the checkpoint holds it (at the same world size; None: not read)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        shards, parameters = self.host_shards, super().parameters
+        shards, parameters = self.host_shards, self.parameters
         model_state, optimizer_state = get_state_dict(shards.model, self.optimizer)
         if self.outer_optimizer is not None:
             prev, outer = self.prev_parameters, self.outer_optimizer.state_dict()
@@ -368,7 +368,7 @@ class TwoLevel:
         state (the last two taken by :meth:`prepare`)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        shards, parameters = self.host_shards, super().parameters
+        shards, parameters = self.host_shards, self.parameters
         set_state_dict(shards.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors[self._optimizer_key()])
         dtype = torch.promote_types(parameters[0].dtype, torch.float32) if parameters else torch.float32

@@ -3,7 +3,7 @@ hosts of 2 ranks (``comm.ranks_per_host=2``): each host's model sharded over its
 each rank's slice.
 
 - the update of the unsharded two-level learner (DiLoCo's outer Nesterov step, block momentum's filter), BatchNorm
-  statistics included, with half the bytes per rank per sync;
+  statistics included, with half the bytes per rank per sync; gradient clipping by the host's whole norm;
 - the sharded checkpoint resumed bit for bit on the same layout, and on another (2 hosts of 3 ranks) where it
   ends as the unsharded learner resumed there does;
 - a lossy exchange (4 bits with error feedback) on the slices trains, each rank's residual in the sharded files
@@ -81,6 +81,20 @@ def same_update(sharded: Path, unsharded: Path) -> None:
 
 def test_sharded_hosts_make_the_update_of_the_unsharded_two_level_learner(runs):
     same_update(runs["two_level_diloco", "true"], runs["two_level_diloco", "false"])
+
+
+def test_clipping_reads_the_sharded_gradients_and_clips_by_the_hosts_whole_norm(tmp_path):
+    """``session.clip_grad_norm`` on sharded hosts clips each host's gradient by its whole norm (a collective over
+    the host's shards), as the unsharded learner clips its host's all-reduced gradient. SGD with momentum over 60
+    steps: clipping makes the sums round otherwise step by step, and Adam would carry that further."""
+    runs = {}
+    for shard in ("true", "false", "unclipped"):
+        runs[shard] = tmp_path / shard
+        clip = [] if shard == "unclipped" else ["session.clip_grad_norm=0.5"]
+        run(runs[shard], "learner=two_level_diloco", "optimizer=sgd", f"learner.shard={shard == 'true'}".lower(),
+            *HOSTS, *clip, "session.max_samples=1920")
+    assert largest_relative_difference(weights(runs["true"]), weights(runs["false"])) < 1e-4
+    assert largest_relative_difference(weights(runs["unclipped"]), weights(runs["false"])) > 1e-2  # it clipped
 
 
 @pytest.mark.slow
