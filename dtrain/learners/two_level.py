@@ -40,6 +40,7 @@ from dtrain.learners.block_momentum import BlockMomentumLearner
 from dtrain.learners.data_parallel import DataParallelLearner
 from dtrain.learners.diloco import DiLoCoLearner
 from dtrain.learners.local_sgd import LocalSGDLearner
+from dtrain.learners.outer import load_outer_state
 from dtrain.learners.settings import HOST_SHARDS, refuse_retired
 from dtrain.rules import check_settings
 
@@ -118,6 +119,7 @@ class TwoLevel:
         self._gradients: torch.Tensor | None = None
         self._restored_hosts: list[int] | None = None
         self._read_local_tensors: dict[str, torch.Tensor] = {}  # with shards: the exchange's tensors, as read
+        self._loading_shards = False  # with shards: between load_state_dict() and load_sharded_state_dict()
 
     @property
     def is_leader(self) -> bool:
@@ -323,6 +325,7 @@ class TwoLevel:
         self._restored_hosts = list(state.get("hosts") or [])
         if self.host_shards is not None:
             self._restored_outer = state["block"].get("outer_optimizer")
+            self._loading_shards = True  # sharded_state_dict() is now the template of the checkpoint's tensors
 
     def local_state_dict(self) -> dict[str, Any]:
         """The block learner's; with shards, the exchange's state alone, its tensors replaced by placeholders (they
@@ -347,19 +350,19 @@ class TwoLevel:
 
         shards, parameters = self.host_shards, self.parameters
         model_state, optimizer_state = get_state_dict(shards.model, self.optimizer)
-        if self.outer_optimizer is not None:
+        if self._loading_shards:  # a template to read into: the entries the checkpoint's run had
+            prev = None
+            entries = [(f"{index}_{key}", None) for index, key in sharded_entries(self._restored_outer)]
+        else:
             prev, outer = self.prev_parameters, self.outer_optimizer.state_dict()
             entries = [(f"{index}_{key}", value)
                        for index, key, value in flat_entries(outer, self._num_parameter_elements)]
-        else:  # a template to load into, before prepare(): the entries the checkpoint's run had
-            prev = None
-            entries = [(f"{index}_{key}", None) for index, key in sharded_entries(self._restored_outer)]
         outer_tensors = {name: shards.as_dtensors(value, parameters) for name, value in entries}
         tensors = {"model": model_state, self._optimizer_key(): optimizer_state,
                    "outer": {"prev_parameters": shards.as_dtensors(prev, parameters), **outer_tensors}}
-        if self.outer_optimizer is not None:  # saving
+        if not self._loading_shards:
             tensors[f"rank{self.comm.rank}"] = split_tensors(self.exchange.state_dict())[1]
-        elif local_state is not None:  # loading at the same world size
+        elif local_state is not None:  # at the same world size
             tensors[f"rank{self.comm.rank}"] = placeholder_templates(local_state.get("exchange"))
         return tensors
 
@@ -373,11 +376,18 @@ class TwoLevel:
                        optim_state_dict=tensors[self._optimizer_key()])
         dtype = torch.promote_types(parameters[0].dtype, torch.float32) if parameters else torch.float32
         outer = tensors["outer"]
-        self.prev_parameters = shards.as_flat(outer["prev_parameters"], parameters, dtype)
+        prev = shards.as_flat(outer["prev_parameters"], parameters, dtype)
         restored = self._restored_outer
         for index, key in sharded_entries(restored):
             restored["state"][index][key] = shards.as_flat(outer[f"{index}_{key}"], parameters, dtype)
+        if self.outer_optimizer is None:  # prepare() takes them
+            self.prev_parameters = prev
+        else:  # prepared already (a hand-driven restore): into the tensors the outer optimizer steps
+            self.prev_parameters.copy_(prev)
+            load_outer_state(self.outer_optimizer, self.prev_parameters, restored)
+            self._restored_outer = None
         self._read_local_tensors = tensors.get(f"rank{self.comm.rank}", {})  # for load_local_state_dict
+        self._loading_shards = False
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's optimizer and exchange state, only onto the layout that saved them; onto

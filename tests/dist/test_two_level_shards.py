@@ -87,14 +87,12 @@ def test_clipping_reads_the_sharded_gradients_and_clips_by_the_hosts_whole_norm(
     """``session.clip_grad_norm`` on sharded hosts clips each host's gradient by its whole norm (a collective over
     the host's shards), as the unsharded learner clips its host's all-reduced gradient. SGD with momentum over 60
     steps: clipping makes the sums round otherwise step by step, and Adam would carry that further."""
-    runs = {}
-    for shard in ("true", "false", "unclipped"):
-        runs[shard] = tmp_path / shard
-        clip = [] if shard == "unclipped" else ["session.clip_grad_norm=0.5"]
-        run(runs[shard], "learner=two_level_diloco", "optimizer=sgd", f"learner.shard={shard == 'true'}".lower(),
-            *HOSTS, *clip, "session.max_samples=1920")
-    assert largest_relative_difference(weights(runs["true"]), weights(runs["false"])) < 1e-4
-    assert largest_relative_difference(weights(runs["unclipped"]), weights(runs["false"])) > 1e-2  # it clipped
+    for shard in ("true", "false"):
+        result = run(tmp_path / shard, "learner=two_level_diloco", "optimizer=sgd", f"learner.shard={shard}", *HOSTS,
+                     "session.clip_grad_norm=0.5", "session.max_samples=1920")
+        assert "gradient clipped to global L2 norm 0.5" in result.stdout, result.stdout
+    # with the clipping skipped on the sharded side (as it once was) the two ended 7.5 (relative) apart
+    assert largest_relative_difference(weights(tmp_path / "true"), weights(tmp_path / "false")) < 1e-4
 
 
 @pytest.mark.slow
@@ -123,12 +121,13 @@ def test_the_sharded_checkpoint_resumes_on_another_layout_as_the_unsharded_one_d
     run(unsharded, "learner=two_level_diloco", "learner.shard=false", *HOSTS, "session.max_samples=1920")
     for run_dir, shard in ((sharded, "true"), (unsharded, "false")):
         result = run(run_dir, "learner=two_level_diloco", f"learner.shard={shard}", "comm.ranks_per_host=3",
-                     "session.max_samples=2400", ranks=6)
+                     "session.max_samples=2208", ranks=6)
         assert "at 1920 samples" in result.stdout, result.stdout
         assert ("sharded over its 3 ranks" in result.stdout) == (shard == "true"), result.stdout
     assert largest_relative_difference(weights(sharded), weights(unsharded)) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_lossy_exchange_on_the_slices_trains_and_its_residuals_resume_bit_for_bit(tmp_path):
     """4 bits with error feedback: every rank's residual (of its slice) is written by that rank into the sharded
     files, not gathered by rank 0, and read back by the same rank: the resumed run ends exactly where the
@@ -137,7 +136,7 @@ def test_a_lossy_exchange_on_the_slices_trains_and_its_residuals_resume_bit_for_
 
     lossy = ["learner=two_level_diloco", "learner.shard=true", *HOSTS, "learner/exchange=quantized",
              "learner.exchange.num_bits=4"]
-    result = run(tmp_path / "whole", *lossy, "session.max_samples=3000")
+    result = run(tmp_path / "whole", *lossy, "session.max_samples=2400")
     assert "sharded over its 2 ranks" in result.stdout, result.stdout
     test = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["kind"] == "test"]
@@ -150,7 +149,7 @@ def test_a_lossy_exchange_on_the_slices_trains_and_its_residuals_resume_bit_for_
     parameters = sum(tensor.numel() for name, tensor in weights(tmp_path / "whole").items()
                      if tensor.is_floating_point() and "running" not in name)
     assert all(size.numel() < 0.6 * parameters for size in residuals.values()), (residuals, parameters)  # a slice
-    run(tmp_path / "resumed", *lossy, "session.max_samples=3000")
+    run(tmp_path / "resumed", *lossy, "session.max_samples=2400")
     got, expected = weights(tmp_path / "resumed"), weights(tmp_path / "whole")
     assert all(torch.equal(got[name], expected[name]) for name in expected)
 
