@@ -32,7 +32,8 @@ from torch import nn
 from dtrain.learners.base import Learner
 from dtrain.learners.replicated import make_buffers_consistent
 from dtrain.learners.settings import FSDP
-from dtrain.learners.sharding import (_as_written, process_group_of, scale_output_gradient, shard_model,
+from dtrain.learners.sharding import (_as_written, broadcast_from_rank0, process_group_of, scale_output_gradient,
+                                     shard_model,
                                      sharded_session_problems,
                                      tied_across_units, wrapped_units)
 from dtrain.rules import check_settings
@@ -143,9 +144,7 @@ class FSDPLearner(Learner):
 
         group = process_group_of(self.comm)
         # rank 0's model for everyone, as data_parallel starts (a model built from one seed is the same anyway)
-        for tensor in [*model.parameters(), *model.buffers()]:
-            self.comm.broadcast(tensor.data, root=0) if tensor.device.type == self.comm.device.type else \
-                tensor.data.copy_(self.comm.broadcast(tensor.data.to(self.comm.device), root=0))
+        broadcast_from_rank0(model, self.comm)
         self.mesh = self._host_mesh(device.type) if self.shard_over == "host" else \
             DeviceMesh.from_group(group, device.type)
         self.units = shard_model(model, self.optimizer, self.mesh, self.wrap,

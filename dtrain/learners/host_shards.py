@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.learners.sharding import local_tensor, process_group_of, scale_output_gradient, shard_model
+from dtrain.learners.sharding import (broadcast_from_rank0, local_tensor, process_group_of, scale_output_gradient,
+                                     shard_model)
 
 #: what a sharded learner's replicated state holds in place of a tensor that is in the sharded files
 SHARDED = "sharded"
@@ -52,9 +53,7 @@ class HostShards:
         optimizer's parameters become the shards."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        for tensor in [*model.parameters(), *model.buffers()]:
-            job.broadcast(tensor.data, root=0) if tensor.device.type == job.device.type else \
-                tensor.data.copy_(job.broadcast(tensor.data.to(job.device), root=0))
+        broadcast_from_rank0(model, job)
         self.mesh = DeviceMesh.from_group(process_group_of(self.host, WHO), device.type)
         self.units = shard_model(model, optimizer, self.mesh, self.wrap, who=WHO)
         self.names = {id(parameter): name for name, parameter in model.named_parameters()}
@@ -97,7 +96,8 @@ class HostShards:
             offset += count
         return tensors
 
-    def as_flat(self, tensors: dict[str, Any], parameters: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def as_flat(self, tensors: dict[str, Any], parameters: Sequence[torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
         """:meth:`as_dtensors`' inverse: the local shards of ``tensors`` (by the parameters' names) in one flat tensor."""
         return torch.cat([local_tensor(tensors[self.names[id(parameter)]]).reshape(-1).to(dtype)
                           for parameter in parameters])
@@ -106,7 +106,7 @@ class HostShards:
 def outer_state_markers(state: dict[str, Any], flat_size: int) -> dict[str, Any]:
     """An outer optimizer's ``state_dict`` with each tensor of ``flat_size`` values (a state of ``W_prev``'s shape,
     sharded) replaced by :data:`SHARDED`, the rest (a step count) copied to the host."""
-    return {**state, "state": {index: {key: SHARDED if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat_size
+    return {**state, "state": {index: {key: SHARDED if _is_flat(value, flat_size)
                                        else (value.detach().cpu().clone() if torch.is_tensor(value) else value)
                                        for key, value in entries.items()}
                                for index, entries in state.get("state", {}).items()}}
@@ -178,8 +178,12 @@ def flat_entries(state: dict[str, Any], flat_size: int) -> list[tuple[Any, str, 
     """``(index, key, tensor)`` of an outer optimizer's ``state_dict`` entries of ``W_prev``'s size (the sharded
     ones), in order."""
     return [(index, key, value) for index, entries in state.get("state", {}).items()
-            for key, value in entries.items()
-            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat_size]
+            for key, value in entries.items() if _is_flat(value, flat_size)]
+
+
+def _is_flat(value: Any, flat_size: int) -> bool:
+    """Whether an outer state entry is a tensor of ``W_prev``'s shape (flat, ``flat_size`` values): a sharded one."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat_size
 
 
 __all__ = ["IN_SHARDED_FILES", "SHARDED", "HostShards", "flat_entries", "join_tensors", "placeholder_templates",

@@ -203,6 +203,13 @@ def scale_output_gradient(owner: Any, output: Any) -> Any:
         if tensor.requires_grad and tensor.is_floating_point() else tensor, output)
 
 
+def broadcast_from_rank0(model: nn.Module, comm) -> None:
+    """Every rank's parameters and buffers become rank 0's (over ``comm``, through its device), before sharding."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        comm.broadcast(tensor.data, root=0) if tensor.device.type == comm.device.type else \
+            tensor.data.copy_(comm.broadcast(tensor.data.to(comm.device), root=0))
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A ``DTensor``'s local shard (sharing its storage: writing it writes the parameter), or ``tensor`` itself."""
     from torch.distributed.tensor import DTensor
@@ -231,6 +238,6 @@ def sharded_session_problems(who: str, *, precision: str, compile: bool, ema_dec
     return problems
 
 
-__all__ = ["DTYPES", "WRAP_WORDS", "checkpoint_activations", "local_tensor", "process_group_of",
-           "replace_optimizer_parameters", "scale_output_gradient", "shard_model", "sharded_session_problems", "tied_across_units",
-           "wrapped_units"]
+__all__ = ["DTYPES", "WRAP_WORDS", "broadcast_from_rank0", "checkpoint_activations", "local_tensor", "process_group_of",
+           "replace_optimizer_parameters", "scale_output_gradient", "shard_model", "sharded_session_problems",
+           "tied_across_units", "wrapped_units"]
