@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.testing.processes import hang_guard
 from tests.helpers import durations
 from tests.helpers.mpi import LAUNCHER_VARIABLES
 
@@ -29,6 +30,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: a file counts only its selected tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     durations.longest_files_first(items, durations.recorded())
+    for item in items:  # pytest-timeout's limits are hang guards too, scaled as the runs inside them are
+        limit = item.get_closest_marker("timeout")
+        if limit is not None and limit.args:
+            item.add_marker(pytest.mark.timeout(hang_guard(limit.args[0])), append=False)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -54,7 +54,7 @@ def _run_on_cluster(cluster: NamespaceCluster, program: list[str], env: dict[str
     try:
         return cluster.run(command, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as error:
-        pytest.fail(f"multi-host run timed out after {timeout} s\n--- stdout ---\n{error.output}\n"
+        pytest.fail(f"multi-host run timed out after {error.timeout:.0f} s\n--- stdout ---\n{error.output}\n"
                     f"--- stderr ---\n{error.stderr}")
 
 

@@ -136,7 +136,7 @@ def launch_checks(nprocs: int, args: Sequence[str | os.PathLike], results_dir: P
     try:
         run = run_mpi(nprocs, args, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as error:
-        output = (f"$ {' '.join(map(str, error.cmd))}\ntimed out after {timeout} s\n"
+        output = (f"$ {' '.join(map(str, error.cmd))}\ntimed out after {error.timeout:.0f} s\n"
                   f"--- stdout ---\n{error.output}\n--- stderr ---\n{error.stderr}")
         return CheckLaunch.read(results_dir, nprocs, None, output)
     return CheckLaunch.read(results_dir, nprocs, run.returncode, run.report())

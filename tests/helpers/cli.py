@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dtrain.testing.processes import RunTimedOut, hang_guard
 from tests.helpers.mpi import plain_environment
 
 #: the warm interpreter's script (run by path: importing it here would import dtrain into pytest's process)
@@ -29,7 +30,7 @@ def run_dtrain(*args: str, cwd: Path, timeout: float = 240, gpu: bool = False,
 
     The process is forked from a warm interpreter and sees no GPU (``CUDA_VISIBLE_DEVICES=""``: CUDA does not
     survive a fork once started, and the suites are a CPU machine's); ``gpu=True`` starts a fresh interpreter
-    that sees this machine's GPUs. ``env``: variables added to the plain environment (read after start-up, such
+    that sees this machine's GPUs. ``timeout`` is scaled as every hang guard is (:func:`hang_guard`). ``env``: variables added to the plain environment (read after start-up, such
     as a test model's; ``PYTHONPATH`` joins ``sys.path`` as at an interpreter's start)."""
     return run_python("-m", "dtrain", *args, cwd=cwd, timeout=timeout, gpu=gpu, env=env)
 
@@ -39,6 +40,7 @@ def run_python(*command: str, cwd: Path, timeout: float = 240, gpu: bool = False
     """``python COMMAND`` as :func:`run_dtrain` runs it, for dtrain's other entry points: ``COMMAND`` is
     ``-m MODULE ARGS`` (``dtrain.generate``, ``dtrain.noise_scale``, ...) or ``SCRIPT ARGS`` (a benchmark)."""
     full = [sys.executable, *command]
+    timeout = hang_guard(timeout)
     base = plain_environment(**({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}))
     child_env = {**base, **(env or {})}
     if gpu:
@@ -56,7 +58,7 @@ def run_python(*command: str, cwd: Path, timeout: float = 240, gpu: bool = False
         return subprocess.run(full, cwd=cwd, env=child_env, capture_output=True, text=True, timeout=timeout)
     reply = json.loads(line)
     if reply["timed_out"]:
-        raise subprocess.TimeoutExpired(full, timeout, output=reply["stdout"], stderr=reply["stderr"])
+        raise RunTimedOut(full, timeout, output=reply["stdout"], stderr=reply["stderr"])
     return subprocess.CompletedProcess(full, reply["returncode"], reply["stdout"], reply["stderr"])
 
 
