@@ -115,7 +115,7 @@ class FSDPLearner(Learner):
         """The session settings this learner cannot honour with sharded parameters, one line each."""
         if not self.shards_model:
             return []
-        return sharded_session_problems("learner=fsdp", precision=precision, compile=compile, ema_decay=ema_decay,
+        return sharded_session_problems("learner=fsdp", precision=precision, compile=compile,
                                         batchnorm_statistics=batchnorm_statistics)
 
     # -- sharding -----------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def sharded_session_problems(who: str, *, precision: str, compile: bool, ema_decay: float | None,  # noqa: A002
+def sharded_session_problems(who: str, *, precision: str, compile: bool,  # noqa: A002
                              batchnorm_statistics: str) -> list[str]:
     """The session settings a learner with sharded parameters (``who``: ``learner=fsdp``, ``learner.shard=true``)
     cannot honour, one line each."""
@@ -229,9 +229,6 @@ def sharded_session_problems(who: str, *, precision: str, compile: bool, ema_dec
     if compile:
         problems.append(f"session.compile=true with {who}: the compiled whole model would trace through FSDP's "
                         f"all-gathers, which dtrain does not support yet; set session.compile=false")
-    if ema_decay is not None:
-        problems.append(f"session.ema_decay with {who}: the weight average would copy the sharded model, which "
-                        f"dtrain does not support yet; drop session.ema_decay")
     if batchnorm_statistics == "recomputed":
         problems.append(f"session.batchnorm_statistics=recomputed with {who}: the recomputing passes are not "
                         f"collective; use batchnorm_statistics=running (with sync_batchnorm=true if wanted)")

@@ -159,7 +159,7 @@ class TwoLevel:
         if self.host_shards is None:
             return []
         return sharded_session_problems("learner.shard=true", precision=precision, compile=compile,
-                                        ema_decay=ema_decay, batchnorm_statistics=batchnorm_statistics)
+                                        batchnorm_statistics=batchnorm_statistics)
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Shards ``model`` first where the session did not (a hand-driven loop), then the block learner's."""

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -21,6 +21,16 @@ class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class ShardedStateful(Stateful, Protocol):
+    """A part that keeps tensors in shards (the weight EMA of a sharded model): those go in a sharded checkpoint's
+    files, written by every rank; ``state_dict`` holds ``meta`` placeholders for them."""
+
+    def sharded_state_dict(self) -> dict: ...
+
+    def tensors_to_read(self, saved: dict) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,10 @@ class Checkpointing:
         path = self.files.path(seen)
         if sharded:  # every rank writes its shards into one directory, rank 0 the rest and the rename
             previous = self.files.newest() if self.comm.is_main else None
-            sharded_checkpoint.save(path, state, self.learner.sharded_state_dict(), self.comm, previous)
+            tensors = {**self.learner.sharded_state_dict(),  # and the shards of the session's sharded parts
+                       **{name: part.sharded_state_dict() for name, part in self.parts.items()
+                          if isinstance(part, ShardedStateful)}}
+            sharded_checkpoint.save(path, state, tensors, self.comm, previous)
             if self.comm.is_main:
                 self.saved = True
                 self.files.prune(0 if self.config.preserve_all else self.config.keep_last)
@@ -149,8 +162,22 @@ class Checkpointing:
         self.changed_settings = checkpoint_state.changed_settings(state.get("settings"), self.settings)
         for name, part in self.parts.items():
             if part is not None and state.get(name) is not None:  # without it (an older checkpoint): a fresh part
-                part.load_state_dict(state[name])
+                part.load_state_dict(self._with_sharded_tensors(name, part, state))
         return Restored(path, seen, int(state["minibatches"]), int(state["cv_index"]))
+
+
+    @staticmethod
+    def _with_sharded_tensors(name: str, part, state: dict[str, Any]) -> dict[str, Any]:
+        """``state[name]``, with the tensors a sharded checkpoint keeps of that part in its files (``meta``
+        placeholders in ``dtrain.pt``: the weight EMA of a sharded model) read into the part's own, whole or as
+        this rank's shards (every rank: a collective)."""
+        saved = state[name]
+        if state.get("sharded") is None or not isinstance(saved, dict) or not any(isinstance(value, torch.Tensor) and value.is_meta
+                                                   for value in saved.values()):
+            return saved
+        tensors = part.tensors_to_read(saved)
+        sharded_checkpoint.load_tensors(state["sharded"]["directory"], {name: tensors})
+        return {**saved, **tensors}
 
 
 def _dtrain_version() -> str:

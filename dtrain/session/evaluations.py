@@ -113,10 +113,11 @@ class EvaluationPasses:
             printer.line(f"weight EMA not tested: {too_few}; train longer, or lower session.ema_decay")
         elif self.ema is not None:
             self.ema.take_rank0s(self.comm)  # evaluated in shares by every rank: one average
-            if self.batchnorm.recomputed:  # the average's own statistics, not the live model's
-                self.recompute_batchnorm(printer, samples_seen, self.ema.module, "of the weight EMA ")
-            test_ema = self._test_pass(self.ema.module, metrics, "test_ema", samples_seen, printer,
-                                       "test of the weight EMA")
+            with self.ema.evaluated(self.model) as averaged:  # a sharded model holds the average's shards meanwhile
+                if self.batchnorm.recomputed:  # the average's own statistics, not the live model's
+                    self.recompute_batchnorm(printer, samples_seen, averaged, "of the weight EMA ")
+                test_ema = self._test_pass(averaged, metrics, "test_ema", samples_seen, printer,
+                                           "test of the weight EMA")
         test = self._test_pass(self.model, metrics, "test", samples_seen, printer, "test",
                                reuse=self._final_cross_validation(samples_seen))
         judged_accuracy = test.accuracy if self.measures.metric_name == "error" else None  # else the loss decides

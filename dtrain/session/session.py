@@ -58,6 +58,7 @@ from dtrain.session.lr_scaling import LearningRateScaling
 from dtrain.session.optimizer_schedules import OptimizerSchedules
 from dtrain.session.elastic_records import ElasticRecords
 from dtrain.session.weights import save_weights
+from dtrain.session.sharded_weight_ema import ShardedWeightEMA
 from dtrain.session.weight_ema import WeightEMA
 
 
@@ -277,7 +278,9 @@ class TrainingSession:
         if lr_scaling is not None and not isinstance(lr_scaling, LearningRateScaling):
             raise TypeError(f"lr_scaling must be a dtrain LearningRateScaling or None, got {type(lr_scaling).__name__}")
         self.lr_scaling = lr_scaling if lr_scaling is not None and lr_scaling.rule != "none" else None
-        self.ema = WeightEMA(model, ema_decay) if ema_decay is not None else None
+        # kept in shards as the model is where the learner shards it (dtrain.session.sharded_weight_ema)
+        self.ema = None if ema_decay is None else \
+            (ShardedWeightEMA if learner.shards_model else WeightEMA)(model, ema_decay)
         self.run_dir = Path(run_dir)
         # logger=csv and logger=tensorboard are written with metrics.jsonl, in place of the run's own of their kind
         self.record_files, callbacks = split_record_files(callbacks)

@@ -54,9 +54,14 @@ class RunSummary:
 
     def export_sharded_weights(self, samples_seen: int) -> None:
         """Every rank, where the learner shards the model (``learner=fsdp``): the whole model gathered tensor by
-        tensor into ``run_dir/model.safetensors``, written by rank 0 (``save_sharded_weights``)."""
+        tensor into ``run_dir/model.safetensors``, written by rank 0 (``save_sharded_weights``), and the weight EMA's
+        into ``model_ema.safetensors`` likewise."""
         self.weights_path = save_sharded_weights(self.model, self.run_dir / "model.safetensors", self.comm,
                                                  metadata={"samples_seen": str(samples_seen)})
+        if self.ema is not None:  # its shards in the live model for the gather
+            with self.ema.evaluated(self.model) as averaged:
+                save_sharded_weights(averaged, self.run_dir / "model_ema.safetensors", self.comm,
+                                     metadata=self._ema_metadata(samples_seen))
 
     def export_weights(self, samples_seen: int) -> None:
         """Rank 0: the trained (synchronised) model's weights to ``run_dir/model.safetensors`` (already written by
@@ -64,12 +69,15 @@ class RunSummary:
         if not getattr(self.learner, "shards_model", False):
             self.weights_path = save_weights(self.model, self.run_dir / "model.safetensors",
                                               metadata={"samples_seen": str(samples_seen)})
-        if self.ema is not None:
+        if self.ema is not None and not self.ema.sharded:
             save_weights(self.ema.module, self.run_dir / "model_ema.safetensors",
-                         metadata={"samples_seen": str(samples_seen), "ema_decay": repr(self.ema.decay),
-                                   "ema_updates": str(self.ema.updates),
-                                   # dtrain.generate's auto choice skips an average below its horizon
-                                   "ema_below_horizon": self.ema.too_few_steps() or ""})
+                         metadata=self._ema_metadata(samples_seen))
+
+    def _ema_metadata(self, samples_seen: int) -> dict[str, str]:
+        return {"samples_seen": str(samples_seen), "ema_decay": repr(self.ema.decay),
+                "ema_updates": str(self.ema.updates),
+                # dtrain.generate's auto choice skips an average below its horizon
+                "ema_below_horizon": self.ema.too_few_steps() or ""}
 
     def print_lines(self, printer, result: TrainingResult, metrics: MetricsWriter, *, warnings: list[str],
                     skipped_steps: int, profiler: StepProfiler | None) -> None:

@@ -19,8 +19,10 @@ G2P recipe's 0.999 under DiLoCo (500 steps a block) kept 92% of the first block'
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,15 +43,16 @@ def check_ema_decay(name: str, value: Any) -> float | None:
 STEPS_KEY = "steps_since_update"
 #: the key of the optimizer steps taken in so far (absent from checkpoints written before it was kept)
 TAKEN_KEY = "steps_taken"
+#: ``AveragedModel``'s key of how many times the average took in the weights (the parameters are ``module.<name>``)
+UPDATES_KEY = "n_averaged"
 
 
-class WeightEMA:
-    """The averaged copy of ``model`` (``.module``) and when to update it; ``state_dict`` goes in checkpoints."""
+class AverageClock:
+    """When a weight average takes in the weights and how far it has come (the counters a checkpoint keeps): shared
+    by the whole model's average (:class:`WeightEMA`) and a sharded model's (``sharded_weight_ema``)."""
 
-    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+    def __init__(self, decay: float) -> None:
         self.decay = check_ema_decay("ema_decay", decay)
-        self._per_step = get_ema_multi_avg_fn(self.decay)  # every update under data-parallel learners
-        self.averaged = AveragedModel(model, multi_avg_fn=self._per_step, use_buffers=False)
         self.steps_since_update = 0  # state: optimizer steps not yet taken in (a block learner between syncs)
         self.steps_taken = 0  # state: optimizer steps taken in, the first update's included
 
@@ -69,20 +72,6 @@ class WeightEMA:
                 f"{self.horizon:,.0f} (1 / (1 - session.ema_decay={self.decay:g})): about {100 * first:.0f}% of it is "
                 f"still the weights after the first step")
 
-    @property
-    def module(self) -> torch.nn.Module:
-        """The averaged model, to evaluate or export."""
-        return self.averaged.module
-
-    @property
-    def updates(self) -> int:
-        """How many times the average took in the weights."""
-        return int(self.averaged.n_averaged)
-
-    def to(self, device: torch.device) -> "WeightEMA":
-        self.averaged.to(device)
-        return self
-
     def after_step(self, model: torch.nn.Module, ranks_hold_one_model: bool) -> None:
         """Counts the optimizer step just made; takes in ``model`` if the ranks hold one model now."""
         self.steps_since_update += 1
@@ -99,10 +88,66 @@ class WeightEMA:
         """Takes in ``model``'s current weights (and copies its buffers), as ``decay ** k`` for the ``k`` steps
         counted since the last update (at least one)."""
         steps = max(self.steps_since_update, 1)
-        self.averaged.multi_avg_fn = self._per_step if steps == 1 else get_ema_multi_avg_fn(self.decay ** steps)
-        self.averaged.update_parameters(model)
+        self._take_in(model, self.decay ** steps)
         self.steps_taken += steps
         self.steps_since_update = 0
+
+    def _take_in(self, model: torch.nn.Module, decay: float) -> None:
+        """``average <- decay * average + (1 - decay) * weights`` (a copy at the first update), buffers copied."""
+        raise NotImplementedError
+
+    def _counters(self) -> dict[str, torch.Tensor]:
+        return {STEPS_KEY: torch.tensor(self.steps_since_update), TAKEN_KEY: torch.tensor(self.steps_taken)}
+
+    def _load_counters(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Restores the counters from ``state`` (a checkpoint's entry); returns the rest of it."""
+        state = dict(state)
+        steps = state.pop(STEPS_KEY, None)  # absent from checkpoints written before it was kept: none pending
+        taken = state.pop(TAKEN_KEY, None)
+        self.steps_since_update = int(steps) if steps is not None else 0
+        # written before it was kept: the updates (AveragedModel's n_averaged), one step each
+        self.steps_taken = int(taken) if taken is not None else int(state.get(UPDATES_KEY, 0))
+        return state
+
+    def describe(self) -> str:
+        return (f"weight EMA, decay {self.decay:g} per optimizer step (about {1 / (1 - self.decay):,.0f} steps), "
+                f"updated where the ranks hold one model (a block learner's block end: decay^k for its k steps); "
+                f"tested beside the model once it has taken in that many, saved as model_ema.safetensors")
+
+
+class WeightEMA(AverageClock):
+    """The averaged copy of ``model`` (``.module``) and when to update it; ``state_dict`` goes in checkpoints."""
+
+    #: whether the average is kept in shards (``sharded_weight_ema.ShardedWeightEMA``): not this one
+    sharded = False
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        super().__init__(decay)
+        self._per_step = get_ema_multi_avg_fn(self.decay)  # every update under data-parallel learners
+        self.averaged = AveragedModel(model, multi_avg_fn=self._per_step, use_buffers=False)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The averaged model, to evaluate or export."""
+        return self.averaged.module
+
+    @contextlib.contextmanager
+    def evaluated(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """The model holding the average's weights, to evaluate or export: here the averaged copy itself."""
+        yield self.averaged.module
+
+    @property
+    def updates(self) -> int:
+        """How many times the average took in the weights."""
+        return int(self.averaged.n_averaged)
+
+    def to(self, device: torch.device) -> "WeightEMA":
+        self.averaged.to(device)
+        return self
+
+    def _take_in(self, model: torch.nn.Module, decay: float) -> None:
+        self.averaged.multi_avg_fn = self._per_step if decay == self.decay else get_ema_multi_avg_fn(decay)
+        self.averaged.update_parameters(model)
 
     @torch.no_grad()
     def take_rank0s(self, comm) -> None:
@@ -120,19 +165,14 @@ class WeightEMA:
 
     def state_dict(self) -> dict[str, Any]:
         """``AveragedModel``'s state, plus the steps not yet taken in and those taken in."""
-        return {**self.averaged.state_dict(), STEPS_KEY: torch.tensor(self.steps_since_update),
-                TAKEN_KEY: torch.tensor(self.steps_taken)}
+        return {**self.averaged.state_dict(), **self._counters()}
+
+    def tensors_to_read(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The tensors a sharded checkpoint holds of this average (those ``saved`` has as ``meta`` placeholders),
+        keyed as saved: the average's own, which ``torch.distributed.checkpoint`` fills in place, whole."""
+        own = self.averaged.state_dict()
+        return {key: own[key] for key, value in saved.items()
+                if isinstance(value, torch.Tensor) and value.is_meta and key in own}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        steps = state.pop(STEPS_KEY, None)  # absent from checkpoints written before it was kept: none pending
-        taken = state.pop(TAKEN_KEY, None)
-        self.averaged.load_state_dict(state)
-        self.steps_since_update = int(steps) if steps is not None else 0
-        # written before it was kept: the updates, one step each (a block learner's steps are more)
-        self.steps_taken = int(taken) if taken is not None else self.updates
-
-    def describe(self) -> str:
-        return (f"weight EMA, decay {self.decay:g} per optimizer step (about {1 / (1 - self.decay):,.0f} steps), "
-                f"updated where the ranks hold one model (a block learner's block end: decay^k for its k steps); "
-                f"tested beside the model once it has taken in that many, saved as model_ema.safetensors")
+        self.averaged.load_state_dict(self._load_counters(state))

@@ -15,8 +15,11 @@ Checks:
                   parameters close to it; a hand-driven loop that never folds the gradient scale equals one process.
   hsdp            shard_over="host" on two hosts of N/2 ranks: equal to one process; each rank holds 2/N of the
                   model; its sharded checkpoint resumed by the flat learner ends where it did.
+  weight_ema      session.ema_decay kept in shards: model_ema.safetensors and the EMA's test pass equal
+                  data_parallel's, the live weights untouched by the EMA's pass; its checkpoint resumed bit for bit,
+                  and across sharded and replicated learners both ways.
   refusals        one line each: a wrap policy matching nothing, parameters tied across units, cpu_offload on the
-                  CPU, session settings fp16/compile/ema.
+                  CPU, session settings fp16/compile.
 """
 from __future__ import annotations
 
@@ -250,12 +253,51 @@ def check_refusals(comm, run_dir: Path) -> dict:
         "bad_wrap": _refusal(lambda: fsdp_learner(adamw(char_model()), comm, wrap="layers")),
         "bad_dtype": _refusal(lambda: fsdp_learner(adamw(char_model()), comm, param_dtype="float16")),
     }
-    for name, options in {"fp16": {"precision": "fp16"}, "compile": {"compile": True},
-                          "ema": {"ema_decay": 0.9}}.items():
+    for name, options in {"fp16": {"precision": "fp16"}, "compile": {"compile": True}}.items():
         model = char_model()
         refused[name] = _refusal(lambda: lm_session(model, fsdp_learner(adamw(model), comm), run_dir / name,
                                                     **options))
     return refused
+
+
+def check_weight_ema(comm, run_dir: Path) -> dict:
+    """The weight EMA of a sharded model against data_parallel's, its test pass, and its checkpoints resumed."""
+    from safetensors.torch import load_file
+
+    from dtrain.session import CheckpointConfig, TestConfig
+
+    def run(name: str, sharded: bool, restore_from: Path | None = None):
+        model = char_model()
+        learner = fsdp_learner(adamw(model), comm) if sharded else \
+            data_parallel_distributed_learner(adamw(model), comm)
+        test = TestConfig(dtrain.MinibatchSource(token_sequences(), randomize=False, max_sweeps=1), minibatch_size=64)
+        result = lm_session(model, learner, run_dir / name, ema_decay=0.8, test_config=test,
+                            checkpoint_config=CheckpointConfig("checkpoint.pt", frequency=250, keep_last=5,
+                                                               restore_from=restore_from)).train()
+        average = load_file(str(run_dir / name / "model_ema.safetensors")) if comm.is_main else None
+        return whole(model), result, average
+
+    def first_checkpoint(name: str) -> Path:
+        return min((run_dir / name).glob("checkpoint-*.pt"), key=lambda path: int(path.name.split("-")[1][:-3]))
+
+    sharded, sharded_result, sharded_average = run("ema_fsdp", True)
+    replicated, replicated_result, replicated_average = run("ema_dp", False)
+    _, resumed_result, resumed_average = run("ema_fsdp_resumed", True, first_checkpoint("ema_fsdp"))
+    _, _, from_sharded = run("ema_dp_from_fsdp", False, first_checkpoint("ema_fsdp"))
+    _, _, from_replicated = run("ema_fsdp_from_dp", True, first_checkpoint("ema_dp"))
+    figures = {"parameters": relative_difference(sharded, replicated),
+               "test_ema_loss": abs(sharded_result.test_ema.loss - replicated_result.test_ema.loss),
+               "ema_against_live": abs(sharded_result.test_ema.loss - sharded_result.test.loss),
+               "restored": [None if result.restored_from is None else result.restored_from.name
+                            for result in (resumed_result,)]}
+    if comm.is_main:
+        figures["average"] = relative_difference(sharded_average, replicated_average)
+        figures["average_moved"] = relative_difference(sharded, sharded_average)  # an average, not the last weights
+        figures["resumed"] = max(float((resumed_average[name] - sharded_average[name]).abs().max())
+                                 for name in sharded_average)
+        figures["replicated_from_sharded"] = relative_difference(from_sharded, sharded_average)
+        figures["sharded_from_replicated"] = relative_difference(from_replicated, replicated_average)
+    return figures
 
 
 def check_hsdp(comm, run_dir: Path) -> dict:
@@ -297,6 +339,7 @@ def main() -> None:
               "clipping": partial(check_clipping, run_dir=run_dir),
               "settings": partial(check_settings, run_dir=run_dir),
               "refusals": partial(check_refusals, run_dir=run_dir),
+              "weight_ema": partial(check_weight_ema, run_dir=run_dir),
               "hsdp": partial(check_hsdp, run_dir=run_dir)}
     only = os.environ.get("FSDP_CHECKS")
     if only:

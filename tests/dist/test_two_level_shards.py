@@ -8,8 +8,9 @@ each rank's slice.
   ends as the unsharded learner resumed there does;
 - a lossy exchange (4 bits with error feedback) on the slices trains, each rank's residual in the sharded files
   and resumed bit for bit;
-- refusals in one line: an unsharded checkpoint restored with shard=true and the other way round, the weight
-  average, a wrap policy that matches nothing.
+- the weight EMA kept on the slices: model_ema.safetensors as the unsharded learner's, resumed with the checkpoint;
+- refusals in one line: an unsharded checkpoint restored with shard=true and the other way round, a wrap policy
+  that matches nothing.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ COMMON = ["-m", "dtrain", "+recipe=digits", "model.batch_norm=true", "learner.wr
           "learner.block_size=96", "learner.distributed_after=768", "session.progress_frequency=960",
           "session.tensorboard=false"]
 HOSTS = ["comm.ranks_per_host=2"]
+#: the weight EMA of the DiLoCo runs (a horizon of 10 optimizer steps: tested at 3,000 samples)
+EMA = ["session.ema_decay=0.9"]
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,8 +42,8 @@ def run(run_dir: Path, *overrides: str, ranks: int = 4, check: bool = True):
     return result
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "model.safetensors")
+def weights(run_dir: Path, file: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(run_dir / file)
 
 
 def largest_relative_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -56,18 +59,19 @@ def bytes_per_sync(run_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """DiLoCo, sharded and not, to 3,000 samples; the sharded one also stopped at 1,920 and resumed to 3,000."""
+    """DiLoCo with a weight EMA, sharded and not, to 3,000 samples; the sharded one also stopped at 1,920 and resumed
+    to 3,000."""
     root = tmp_path_factory.mktemp("two_level_shards")
     made = {}
     for shard in ("true", "false"):
         made["two_level_diloco", shard] = root / f"two_level_diloco-{shard}"
-        run(made["two_level_diloco", shard], "learner=two_level_diloco", f"learner.shard={shard}", *HOSTS,
+        run(made["two_level_diloco", shard], "learner=two_level_diloco", f"learner.shard={shard}", *HOSTS, *EMA,
             "session.max_samples=3000")
     resumed = made["resumed"] = root / "resumed"
-    run(resumed, "learner=two_level_diloco", "learner.shard=true", *HOSTS, "session.max_samples=1920")
+    run(resumed, "learner=two_level_diloco", "learner.shard=true", *HOSTS, *EMA, "session.max_samples=1920")
     made["stopped"] = root / "stopped"
     shutil.copytree(resumed, made["stopped"])
-    result = run(resumed, "learner=two_level_diloco", "learner.shard=true", *HOSTS, "session.max_samples=3000")
+    result = run(resumed, "learner=two_level_diloco", "learner.shard=true", *HOSTS, *EMA, "session.max_samples=3000")
     assert "restored" in result.stdout and "at 1920 samples" in result.stdout, result.stdout
     return made
 
@@ -81,6 +85,23 @@ def same_update(sharded: Path, unsharded: Path) -> None:
 
 def test_sharded_hosts_make_the_update_of_the_unsharded_two_level_learner(runs):
     same_update(runs["two_level_diloco", "true"], runs["two_level_diloco", "false"])
+
+
+def test_the_weight_ema_on_the_slices_is_the_unsharded_learners(runs):
+    """Each rank averages its slices at every sync (decay^k for the block's k steps): the gathered
+    model_ema.safetensors equals the unsharded learner's, and it was tested (not the final weights again)."""
+    sharded, unsharded = runs["two_level_diloco", "true"], runs["two_level_diloco", "false"]
+    average = weights(sharded, "model_ema.safetensors")
+    assert largest_relative_difference(average, weights(unsharded, "model_ema.safetensors")) < 1e-5
+    assert largest_relative_difference(average, weights(sharded)) > 1e-3  # an average, not the last weights
+    tests = {}
+    for run_dir in (sharded, unsharded):
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["kind"] in ("test", "test_ema"):
+                tests[run_dir, record["kind"]] = record["loss"]
+    assert abs(tests[sharded, "test_ema"] - tests[unsharded, "test_ema"]) < 1e-4, tests
+    assert tests[sharded, "test_ema"] != tests[sharded, "test"], tests
 
 
 def test_clipping_reads_the_sharded_gradients_and_clips_by_the_hosts_whole_norm(tmp_path):
@@ -108,8 +129,9 @@ def test_the_sharded_checkpoint_resumes_bit_for_bit(runs):
     stopped = runs["stopped"] / "checkpoint-1920.pt"
     assert stopped.is_dir() and (stopped / ".metadata").exists()  # sharded: DCP's files, one per writing rank
     assert len(list(stopped.glob("*.distcp"))) == 4
-    got, expected = weights(runs["resumed"]), weights(runs["two_level_diloco", "true"])
-    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    for file in ("model.safetensors", "model_ema.safetensors"):  # the weight EMA's slices resumed too
+        got, expected = weights(runs["resumed"], file), weights(runs["two_level_diloco", "true"], file)
+        assert all(torch.equal(got[name], expected[name]) for name in expected), file
 
 
 @pytest.mark.slow
@@ -118,13 +140,14 @@ def test_the_sharded_checkpoint_resumes_on_another_layout_as_the_unsharded_one_d
     continues from host 0's inner optimizer state, as the unsharded learner does on another layout."""
     sharded, unsharded = tmp_path / "sharded", tmp_path / "unsharded"
     shutil.copytree(runs["stopped"], sharded)
-    run(unsharded, "learner=two_level_diloco", "learner.shard=false", *HOSTS, "session.max_samples=1920")
+    run(unsharded, "learner=two_level_diloco", "learner.shard=false", *HOSTS, *EMA, "session.max_samples=1920")
     for run_dir, shard in ((sharded, "true"), (unsharded, "false")):
-        result = run(run_dir, "learner=two_level_diloco", f"learner.shard={shard}", "comm.ranks_per_host=3",
+        result = run(run_dir, "learner=two_level_diloco", f"learner.shard={shard}", "comm.ranks_per_host=3", *EMA,
                      "session.max_samples=2208", ranks=6)
         assert "at 1920 samples" in result.stdout, result.stdout
         assert ("sharded over its 3 ranks" in result.stdout) == (shard == "true"), result.stdout
-    assert largest_relative_difference(weights(sharded), weights(unsharded)) < 1e-5
+    for file in ("model.safetensors", "model_ema.safetensors"):  # the weight EMA re-cut as the model is
+        assert largest_relative_difference(weights(sharded, file), weights(unsharded, file)) < 1e-5, file
 
 
 @pytest.mark.slow
@@ -177,7 +200,6 @@ def test_a_checkpoint_restored_with_the_other_sharding_is_refused_in_one_line(ru
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (("session.ema_decay=0.99",), "session.ema_decay with learner.shard=true"),
     (("learner.wrap=[Transformer]",), "learner.wrap=[Transformer] matches no module"),
 ])
 def test_what_sharded_hosts_cannot_do_is_refused_in_one_line(tmp_path, overrides, expected):
