@@ -329,6 +329,11 @@ class MinibatchSource(UserMinibatchSource):
         return self._timeline
 
     @property
+    def repeats_forever(self) -> bool:
+        """Whether reading never ends: neither ``max_samples`` nor ``max_sweeps`` was given."""
+        return self._max_samples is None and self._max_sweeps is None
+
+    @property
     def samples_per_sweep(self) -> int:
         """Samples in one sweep: steps of the defining stream over every sequence (sequences, without any)."""
         return self._timeline_now().samples_per_sweep

@@ -36,6 +36,8 @@ class UserMinibatchSource:
     - ``samples_per_sweep``: samples in one pass over the data, or None (the default: unknown; then
       schedules that change once per sweep need ``epoch_size``).
     - ``deserializer``: what the source reads, for the checkpoint's identity; None by default.
+    - ``repeats_forever``: whether reading never ends (no limit on samples or sweeps); False by default. An
+      evaluation reads its source to the end, so such a source needs a limit there.
     """
 
     #: (see the class docstring: what the session reads, and each default's meaning)
@@ -45,6 +47,7 @@ class UserMinibatchSource:
     samples_per_sweep: int | None = None
     sequences_per_sweep: int | None = None
     deserializer: Any = None
+    repeats_forever: bool = False
 
     @property
     def streams(self) -> Mapping[str, StreamInfo]:

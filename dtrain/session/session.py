@@ -35,8 +35,8 @@ from dtrain.session.checkpointing import Checkpointing
 from dtrain.session.device import resolve_device
 from dtrain.session.evaluate import Evaluation
 from dtrain.session.evaluations import BatchNormStatistics, EvaluationPasses
-from dtrain.session.stream_checks import (bind_sources, check_loss_takes_target, check_model_against_data,
-                                          first_minibatch_check)
+from dtrain.session.stream_checks import (bind_sources, check_evaluations_end, check_loss_takes_target,
+                                          check_model_against_data, first_minibatch_check)
 from dtrain.session.tensorboard_logger import TensorBoardLogger
 from dtrain.session.metrics import CSV_COLUMNS, MetricsWriter, PhaseTimer, resolve_tensorboard
 from dtrain.session.record_files import split_record_files
@@ -266,6 +266,7 @@ class TrainingSession:
                         "the cross-validation data": as_source(cv_config.minibatch_source) if cv_config else None,
                         "the test data": as_source(test_config.minibatch_source) if test_config else None}
         defining_stream_note = bind_sources(self.binding, self.sources)
+        check_evaluations_end(cv_config=cv_config, test_config=test_config, sources=self.sources)
         check_model_against_data(model, self.binding, self.sources)
         if objective_call is None:
             check_loss_takes_target(loss, metric, self.binding, minibatch_source)

@@ -238,3 +238,19 @@ def check_target_steps(output, target: Sequences, minibatch, binding: StreamBind
             f"session.target={binding.target.text!r}: sequence {row} of the minibatch has {int(wanted[row])} "
             f"target steps but {int(lengths[row])} steps of the input {reference.text!r}; expected a target step for "
             f"every input step (a target stream of the inputs' lengths, or a step slice that matches theirs)")
+
+
+def check_evaluations_end(*, cv_config, test_config, sources: Mapping[str, UserMinibatchSource | None]) -> None:
+    """An evaluation reads its source to the end (or to its ``max_samples``): one over a source that repeats
+    forever would never end.
+
+    Raises:
+        ValueError: such a source without ``max_samples`` in its config (one line naming it and the fixes).
+    """
+    for config, what, name in ((cv_config, "the cross-validation data", "CrossValidationConfig"),
+                               (test_config, "the test data", "TestConfig")):
+        source = sources.get(what)
+        if config is not None and source is not None and source.repeats_forever and config.max_samples is None:
+            raise ValueError(f"{what} repeats forever (its source has neither max_samples nor max_sweeps), so its "
+                             f"evaluation, which reads to the end, would never end; give the source max_sweeps=1, or "
+                             f"{name}(max_samples=...)")

@@ -287,3 +287,44 @@ def test_fewer_groups_than_min_groups_end_in_one_line_after_the_quorum_timeout(t
                       "fault_tolerance.min_groups"], result.stderr[-2000:]
     assert seconds < 60
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_group_is_dropped_and_the_job_goes_on_then_it_rejoins_when_continued(tmp_path):
+    """Three groups; one is SIGSTOPped mid-block (alive but silent, as a hung host): its heartbeats stop, the two
+    others' next round leaves it out (1.8 s here: the Lighthouse's 1.5 s heartbeat timeout; bounded below by the
+    groups' 10 s timeout plus a round), the block is discarded and they commit on without it. SIGCONTed, the
+    stopped group finds its round gone, heals from a live peer and ends with the others' parameters bit for bit;
+    the ledger has every sample exactly once per sweep."""
+    lighthouse = Lighthouse(tmp_path)
+    max_samples, common = LONG_JOB["max_samples"], LONG_JOB
+    try:
+        groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
+        wait_for_commits(tmp_path, "c", 3)
+        time.sleep(0.3)  # inside the next block
+        groups["c"].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        deadline = time.time() + 120
+        while not any(event["event"] == "commit" and event["groups"] == 2 and event["time"] > stopped_at
+                      for event in events(tmp_path, "a")):
+            assert time.time() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+            time.sleep(0.05)
+        dropped_after = time.time() - stopped_at
+        groups["c"].send_signal(signal.SIGCONT)
+        continued_at = time.time()
+        wait_all(tmp_path, groups)
+    finally:
+        for process in groups.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+        lighthouse.stop()
+    assert dropped_after < 10 + 8, dropped_after  # the groups' 10 s timeout, then a quorum without it
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    assert any(event["event"] == "discard" for event in events(tmp_path, "a"))
+    continued = [event["event"] for event in events(tmp_path, "c") if event["time"] > continued_at]
+    assert "heal" in continued and continued[-1] == "commit", continued
+    assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
+    assert_identical(params(tmp_path, "a"), params(tmp_path, "c"))
+    print(f"\nfigures: stop to the others' next committed sync {dropped_after:.2f} s")

@@ -149,3 +149,24 @@ def test_the_weight_ema_counts_the_optimizer_steps_it_took_in_across_a_resume() 
     older = {key: value for key, value in ema.state_dict().items() if key != "steps_taken"}
     resumed.load_state_dict(older)  # a checkpoint written before the count was kept: its updates
     assert resumed.steps_taken == resumed.updates == 2
+
+
+@pytest.mark.parametrize("which", ["test", "cv"])
+def test_an_evaluation_of_a_source_that_repeats_forever_is_refused_unless_it_has_a_limit(tmp_path, which) -> None:
+    """An evaluation reads its source to the end: over a source without max_samples or max_sweeps it would never
+    end (the run hung there). Refused in one line before anything is written; a max_samples in the config is a
+    limit, and such a run evaluates that many samples."""
+    endless = MinibatchSource(four_class_data(40, seed=9), randomize=False)
+    assert endless.repeats_forever and not _held_out().repeats_forever
+    config = TestConfig(endless, 16) if which == "test" else CrossValidationConfig(endless, 48, 16)
+    with pytest.raises(ValueError) as refused:
+        _train(tmp_path / "refused", **{which: config})
+    message = str(refused.value)
+    assert "\n" not in message and "repeats forever" in message and "max_sweeps=1" in message, message
+    assert ("TestConfig(max_samples=...)" if which == "test" else "CrossValidationConfig(max_samples=...)") in message
+    assert not (tmp_path / "refused").exists()
+    limited = TestConfig(endless, 16, max_samples=56) if which == "test" else \
+        CrossValidationConfig(endless, 48, 16, max_samples=56)
+    result, _ = _train(tmp_path / "limited", **{which: limited})
+    evaluated = result.test if which == "test" else result.last_cross_validation
+    assert evaluated.num_samples == 56
