@@ -88,6 +88,25 @@ def wait_for_commits(tmp_path: Path, name: str, count: int, timeout: float = 120
         time.sleep(0.05)
 
 
+def signal_mid_block(tmp_path: Path, process: subprocess.Popen, name: str, signum: int, after_commits: int) -> float:
+    """Sends ``signum`` to group ``name`` inside the block after its ``after_commits``-th committed sync (a block is
+    two minibatches of 0.25 s in :data:`LONG_JOB`); returns when."""
+    wait_for_commits(tmp_path, name, after_commits)
+    time.sleep(0.3)
+    process.send_signal(signum)
+    return time.time()
+
+
+def wait_for_a_commit_of(tmp_path: Path, name: str, groups: int, after: float, timeout: float = 120) -> None:
+    """Waits until group ``name`` has committed a sync of ``groups`` groups after time ``after`` (its log in the
+    failure)."""
+    deadline = time.time() + timeout
+    while not any(event["event"] == "commit" and event["groups"] == groups and event["time"] > after
+                  for event in events(tmp_path, name)):
+        assert time.time() < deadline, (tmp_path / f"{name}.log").read_text()[-3000:]
+        time.sleep(0.05)
+
+
 def ledger_counts(tmp_path: Path) -> Counter:
     counts: Counter = Counter()
     for path in tmp_path.glob("ledger-*.jsonl"):
@@ -143,10 +162,7 @@ def test_a_group_killed_mid_block_then_restarted_rejoins(tmp_path):
     max_samples, common = LONG_JOB["max_samples"], LONG_JOB
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
-        wait_for_commits(tmp_path, "c", 3)
-        time.sleep(0.3)  # inside the next block (a block is two minibatches of 0.25 s here)
-        groups["c"].send_signal(signal.SIGKILL)
-        killed_at = time.time()
+        killed_at = signal_mid_block(tmp_path, groups["c"], "c", signal.SIGKILL, after_commits=3)
         groups["c"].wait()
         time.sleep(1.0)
         restarted_at = time.time()
@@ -241,15 +257,8 @@ def test_two_groups_lost_one_after_the_other_leave_the_last_to_finish_the_stream
     max_samples, common = LONG_JOB["max_samples"], LONG_JOB
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
-        wait_for_commits(tmp_path, "c", 2)
-        time.sleep(0.3)  # inside the next block
-        groups.pop("c").send_signal(signal.SIGKILL)
-        first_loss = time.time()
-        deadline = time.time() + 120
-        while not any(event["event"] == "commit" and event["groups"] == 2 and event["time"] > first_loss
-                      for event in events(tmp_path, "a")):
-            assert time.time() < deadline, (tmp_path / "a.log").read_text()[-3000:]
-            time.sleep(0.05)
+        first_loss = signal_mid_block(tmp_path, groups.pop("c"), "c", signal.SIGKILL, after_commits=2)
+        wait_for_a_commit_of(tmp_path, "a", groups=2, after=first_loss)
         time.sleep(0.3)
         groups.pop("b").send_signal(signal.SIGKILL)
         second_loss = time.time()
@@ -301,15 +310,8 @@ def test_a_stopped_group_is_dropped_and_the_job_goes_on_then_it_rejoins_when_con
     max_samples, common = LONG_JOB["max_samples"], LONG_JOB
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "abc"}
-        wait_for_commits(tmp_path, "c", 3)
-        time.sleep(0.3)  # inside the next block
-        groups["c"].send_signal(signal.SIGSTOP)
-        stopped_at = time.time()
-        deadline = time.time() + 120
-        while not any(event["event"] == "commit" and event["groups"] == 2 and event["time"] > stopped_at
-                      for event in events(tmp_path, "a")):
-            assert time.time() < deadline, (tmp_path / "a.log").read_text()[-3000:]
-            time.sleep(0.05)
+        stopped_at = signal_mid_block(tmp_path, groups["c"], "c", signal.SIGSTOP, after_commits=3)
+        wait_for_a_commit_of(tmp_path, "a", groups=2, after=stopped_at)
         dropped_after = time.time() - stopped_at
         groups["c"].send_signal(signal.SIGCONT)
         continued_at = time.time()
