@@ -330,3 +330,47 @@ def test_a_stopped_group_is_dropped_and_the_job_goes_on_then_it_rejoins_when_con
     assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
     assert_identical(params(tmp_path, "a"), params(tmp_path, "c"))
     print(f"\nfigures: stop to the others' next committed sync {dropped_after:.2f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_group_serving_a_heal_killed_while_it_serves_leaves_the_joiner_to_heal_from_another(tmp_path):
+    """Two groups train and a third joins; the group torchft chooses to heal it is SIGKILLed while it serves (it
+    pauses 3 s before sending, here). The round fails: the survivor discards its block when the lost group's
+    collective times out (the groups' 10 s timeout: that round had already formed with it), and in the next round
+    the joiner heals from the survivor. The two end with one model bit for bit and the ledger has every sample
+    exactly once per sweep."""
+    lighthouse = Lighthouse(tmp_path)
+    max_samples, common = LONG_JOB["max_samples"], {**LONG_JOB, "serve_heal_seconds": 3.0}
+    try:
+        groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "ab"}
+        wait_for_commits(tmp_path, "a", 3)
+        joined_at = time.time()
+        groups["c"] = start_group(tmp_path, lighthouse, "c", **common)
+        deadline = time.time() + 120
+        while not (serving := [name for name in "ab" if any(  # not the heal of b's first round, from a
+                event["event"] == "serving" and event["time"] > joined_at for event in events(tmp_path, name))]):
+            assert time.time() < deadline, (tmp_path / "c.log").read_text()[-3000:]
+            time.sleep(0.05)
+        server, = serving
+        groups.pop(server).send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        wait_all(tmp_path, groups)
+    finally:
+        lighthouse.stop()
+    survivor = "b" if server == "a" else "a"
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    joined = [event["event"] for event in events(tmp_path, "c")]
+    assert "heal" in joined and joined[-1] == "commit", joined
+    healed_at = next(event["time"] for event in events(tmp_path, "c") if event["event"] == "heal")
+    assert healed_at > killed_at, (healed_at, killed_at)  # from the survivor, after the server was lost
+    served = [event["time"] for event in events(tmp_path, survivor) if event["event"] == "serving"]
+    assert any(time_ > killed_at for time_ in served), served
+    discarded = next(event["time"] for event in events(tmp_path, survivor)
+                     if event["event"] == "discard" and event["time"] > killed_at)
+    print(f"\nfigures: the server's loss to the survivor's discard {discarded - killed_at:.2f} s, to the joiner's heal "
+          f"{healed_at - killed_at:.2f} s")
+    assert any(event["event"] == "commit" and event["groups"] == 2 and event["time"] > killed_at
+               for event in events(tmp_path, survivor))
+    assert_identical(params(tmp_path, survivor), params(tmp_path, "c"))

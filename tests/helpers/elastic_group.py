@@ -3,7 +3,8 @@
 ``python -m tests.helpers.elastic_group SETTINGS_JSON``; the settings: ``mode`` (``elastic`` or ``mpi``),
 ``learner`` (``local_sgd``, ``diloco``; ``block_momentum`` for its refusal), ``lighthouse``, ``replica_id``, ``run_dir``,
 ``out`` (a folder), ``max_samples``, ``block_size``, ``minibatch_size``, ``step_seconds`` (a pause in each
-forward, so a test can kill a group mid-block), ``min_groups``.
+forward, so a test can kill a group mid-block), ``min_groups``, ``serve_heal_seconds`` (a pause before the
+group's state is sent to a joiner, after an event ``serving``, so a test can kill the group serving a heal).
 
 The per-sample ledger: every sample carries its index in its last feature; the model notes the indices of each
 training forward, and the group appends the notes of a block to ``OUT/ledger-REPLICA.jsonl`` when the block is
@@ -85,8 +86,17 @@ def main() -> None:
     if settings["mode"] == "elastic":
         from dtrain.learners.elastic import ElasticGroups
 
-        groups = ElasticGroups(settings["lighthouse"], name, min_groups=settings.get("min_groups", 1),
-                               timeout_s=10, quorum_timeout_s=120)
+        serve_heal_seconds = settings.get("serve_heal_seconds", 0.0)
+
+        class Groups(ElasticGroups):
+            def heal_state(self) -> dict:  # torchft calls it in the round where this group serves a joiner
+                if serve_heal_seconds:
+                    note("serving", {})
+                    time.sleep(serve_heal_seconds)
+                return super().heal_state()
+
+        groups = Groups(settings["lighthouse"], name, min_groups=settings.get("min_groups", 1), timeout_s=10,
+                        quorum_timeout_s=120)
 
         def note(event: str, facts: dict) -> None:
             if event == "commit":
