@@ -332,16 +332,12 @@ def test_a_stopped_group_is_dropped_and_the_job_goes_on_then_it_rejoins_when_con
     print(f"\nfigures: stop to the others' next committed sync {dropped_after:.2f} s")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_group_serving_a_heal_killed_while_it_serves_leaves_the_joiner_to_heal_from_another(tmp_path):
-    """Two groups train and a third joins; the group torchft chooses to heal it is SIGKILLed while it serves (it
-    pauses 3 s before sending, here). The round fails: the survivor discards its block when the lost group's
-    collective times out (the groups' 10 s timeout: that round had already formed with it), and in the next round
-    the joiner heals from the survivor. The two end with one model bit for bit and the ledger has every sample
-    exactly once per sweep."""
+def _kill_during_a_heal(tmp_path: Path, victim: str) -> tuple[str, float]:
+    """Groups a and b train (each pausing 3 s before it sends a heal), c joins; once a or b is serving c's heal,
+    ``victim`` (``server``: that group, ``joiner``: c) is SIGKILLed and the others run to their end. Returns the
+    server's name and the time of the kill."""
     lighthouse = Lighthouse(tmp_path)
-    max_samples, common = LONG_JOB["max_samples"], {**LONG_JOB, "serve_heal_seconds": 3.0}
+    common = {**LONG_JOB, "serve_heal_seconds": 3.0}
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **common) for name in "ab"}
         wait_for_commits(tmp_path, "a", 3)
@@ -353,14 +349,26 @@ def test_the_group_serving_a_heal_killed_while_it_serves_leaves_the_joiner_to_he
             assert time.time() < deadline, (tmp_path / "c.log").read_text()[-3000:]
             time.sleep(0.05)
         server, = serving
-        groups.pop(server).send_signal(signal.SIGKILL)
+        groups.pop(server if victim == "server" else "c").send_signal(signal.SIGKILL)
         killed_at = time.time()
         wait_all(tmp_path, groups)
     finally:
         lighthouse.stop()
+    return server, killed_at
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_group_serving_a_heal_killed_while_it_serves_leaves_the_joiner_to_heal_from_another(tmp_path):
+    """Two groups train and a third joins; the group torchft chooses to heal it is SIGKILLed while it serves. The
+    round fails: the survivor discards its block when the lost group's collective times out (the groups' 10 s
+    timeout: that round had already formed with it), and in the next round the joiner heals from the survivor. The
+    two end with one model bit for bit and the ledger has every sample exactly once per sweep."""
+    server, killed_at = _kill_during_a_heal(tmp_path, "server")
     survivor = "b" if server == "a" else "a"
     counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    assert counts == Counter({index: LONG_JOB["max_samples"] // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), \
+        counts
     joined = [event["event"] for event in events(tmp_path, "c")]
     assert "heal" in joined and joined[-1] == "commit", joined
     healed_at = next(event["time"] for event in events(tmp_path, "c") if event["event"] == "heal")
@@ -374,3 +382,22 @@ def test_the_group_serving_a_heal_killed_while_it_serves_leaves_the_joiner_to_he
     assert any(event["event"] == "commit" and event["groups"] == 2 and event["time"] > killed_at
                for event in events(tmp_path, survivor))
     assert_identical(params(tmp_path, survivor), params(tmp_path, "c"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_joiner_killed_while_it_is_healed_leaves_the_job_as_it_was(tmp_path):
+    """Two groups train and a third joins; the joiner is SIGKILLed while a peer serves its heal. The two go on
+    without it (the round it was in is discarded or commits without it), end with one model bit for bit, and the
+    ledger has every sample exactly once per sweep: the dead joiner never committed a block."""
+    _, killed_at = _kill_during_a_heal(tmp_path, "joiner")
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: LONG_JOB["max_samples"] // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), \
+        counts
+    assert not any(event["event"] == "commit" for event in events(tmp_path, "c"))
+    after = [event for event in events(tmp_path, "a") if event["event"] in ("commit", "discard")
+             and event["time"] > killed_at]
+    assert after and after[-1]["event"] == "commit" and after[-1]["groups"] == 2, after
+    print(f"\nfigures: the joiner's loss to the others' next committed sync "
+          f"{next(event['time'] for event in after if event['event'] == 'commit') - killed_at:.2f} s")
+    assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
