@@ -401,3 +401,34 @@ def test_a_joiner_killed_while_it_is_healed_leaves_the_job_as_it_was(tmp_path):
     print(f"\nfigures: the joiner's loss to the others' next committed sync "
           f"{next(event['time'] for event in after if event['event'] == 'commit') - killed_at:.2f} s")
     assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_killed_mid_sync_is_dropped_and_the_sync_discarded(tmp_path):
+    """Three groups; one is SIGKILLed in the middle of a sync (between the round's two all-reduces: it pauses there
+    3 s, here). That round fails for all: the two others discard their block, train it again and commit on without
+    the lost group; they end with one model bit for bit and the ledger has every sample exactly once per sweep."""
+    lighthouse = Lighthouse(tmp_path)
+    try:
+        groups = {name: start_group(tmp_path, lighthouse, name, **LONG_JOB) for name in "ab"}
+        groups["c"] = start_group(tmp_path, lighthouse, "c", **LONG_JOB, pause_in_sync_after_commits=3)
+        deadline = time.time() + 120
+        while not any(event["event"] == "syncing" for event in events(tmp_path, "c")):
+            assert time.time() < deadline, (tmp_path / "c.log").read_text()[-3000:]
+            time.sleep(0.05)
+        groups.pop("c").send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        wait_all(tmp_path, groups)
+    finally:
+        lighthouse.stop()
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: LONG_JOB["max_samples"] // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), \
+        counts
+    after = [event for event in events(tmp_path, "a") if event["event"] in ("commit", "discard")
+             and event["time"] > killed_at]
+    assert after[0]["event"] == "discard", after  # the sync the lost group was in
+    first_commit = next(event for event in after if event["event"] == "commit")
+    assert first_commit["groups"] == 2, after
+    print(f"\nfigures: a kill mid-sync to the others' next committed sync {first_commit['time'] - killed_at:.2f} s")
+    assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))

@@ -4,7 +4,9 @@
 ``learner`` (``local_sgd``, ``diloco``; ``block_momentum`` for its refusal), ``lighthouse``, ``replica_id``, ``run_dir``,
 ``out`` (a folder), ``max_samples``, ``block_size``, ``minibatch_size``, ``step_seconds`` (a pause in each
 forward, so a test can kill a group mid-block), ``min_groups``, ``serve_heal_seconds`` (a pause before the
-group's state is sent to a joiner, after an event ``serving``, so a test can kill the group serving a heal).
+group's state is sent to a joiner, after an event ``serving``, so a test can kill the group serving a heal),
+``pause_in_sync_after_commits`` (once this many syncs are committed, the next sync pauses 3 s between its first and
+its second all-reduce, after an event ``syncing``, so a test can kill a group mid-sync).
 
 The per-sample ledger: every sample carries its index in its last feature; the model notes the indices of each
 training forward, and the group appends the notes of a block to ``OUT/ledger-REPLICA.jsonl`` when the block is
@@ -109,6 +111,19 @@ def main() -> None:
                 file.write(json.dumps({"event": event, "time": time.time(), **facts}) + "\n")
 
         groups.listeners.append(note)
+        pause_after = settings.get("pause_in_sync_after_commits")
+        if pause_after is not None:
+            allreduce, state = groups.manager.allreduce, {"calls": 0, "paused": False}
+
+            def paused_allreduce(tensor, *args, **kwargs):  # each round all-reduces its header, then its deltas
+                state["calls"] += 1
+                if state["calls"] % 2 == 0 and groups.commits >= pause_after and not state["paused"]:
+                    state["paused"] = True
+                    note("syncing", {})
+                    time.sleep(3.0)
+                return allreduce(tensor, *args, **kwargs)
+
+            groups.manager.allreduce = paused_allreduce
         learner.make_elastic(groups)
     source = MinibatchSource(stream(), randomize=True, randomization_seed=0)
     result = training_session(model, torch.nn.functional.cross_entropy, learner, source,
