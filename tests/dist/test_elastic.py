@@ -432,3 +432,47 @@ def test_a_group_killed_mid_sync_is_dropped_and_the_sync_discarded(tmp_path):
     assert first_commit["groups"] == 2, after
     print(f"\nfigures: a kill mid-sync to the others' next committed sync {first_commit['time'] - killed_at:.2f} s")
     assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_elastic_runs_checkpoint_continues_in_a_plain_run_and_the_other_way_round(tmp_path):
+    """Checkpoints carry over between elastic and plain runs (the same learner): a plain DiLoCo run's checkpoint at
+    1,280 samples continued by one elastic group, and an elastic group's continued by a plain run, each say what
+    changed and end at 1,920 samples where the uninterrupted run of the other kind does (to the last bits: one
+    group alone computes ``W_prev - (W_prev - W)`` where the plain learner keeps ``W``)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.cli import run_dtrain
+
+    lighthouse = Lighthouse(tmp_path)
+    common = ["+recipe=digits", "learner=diloco", "learner.block_size=640", "learner.distributed_after=0",
+              "session.checkpoint.frequency=640", "session.max_samples=1920", "session.tensorboard=false"]
+    elastic = ["fault_tolerance.enabled=true", f"fault_tolerance.lighthouse={lighthouse.address}",
+               "fault_tolerance.replica_id=a"]
+
+    def run(name: str, *overrides: str) -> str:
+        result = run_dtrain(*common, *overrides, f"run_dir={tmp_path / name}", cwd=tmp_path,
+                            env={"OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+
+    try:
+        run("plain")
+        run("elastic", *elastic)
+        from_plain = run("elastic_from_plain", *elastic,
+                         f"session.checkpoint.restore_from={tmp_path / 'plain' / 'checkpoint-1280.pt'}")
+        from_elastic = run("plain_from_elastic",
+                           f"session.checkpoint.restore_from={tmp_path / 'elastic' / 'checkpoint-1280.pt'}")
+    finally:
+        lighthouse.stop()
+    assert "at 1280 samples" in from_plain and "fault_tolerance.enabled: False -> True" in from_plain, from_plain
+    assert "at 1280 samples" in from_elastic and "fault_tolerance.enabled: True -> False" in from_elastic, from_elastic
+    for continued, uninterrupted in (("elastic_from_plain", "plain"), ("plain_from_elastic", "elastic")):
+        got = load_file(tmp_path / continued / "model.safetensors")
+        expected = load_file(tmp_path / uninterrupted / "model.safetensors")
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            if tensor.is_floating_point():
+                gap = float((got[name] - tensor).abs().max() / tensor.abs().max().clamp_min(1e-12))
+                assert gap < 1e-5, f"{continued} against {uninterrupted}: {name} {gap}"
