@@ -165,15 +165,15 @@ class Checkpointing:
                 part.load_state_dict(self._with_sharded_tensors(name, part, state))
         return Restored(path, seen, int(state["minibatches"]), int(state["cv_index"]))
 
-
     @staticmethod
     def _with_sharded_tensors(name: str, part, state: dict[str, Any]) -> dict[str, Any]:
         """``state[name]``, with the tensors a sharded checkpoint keeps of that part in its files (``meta``
         placeholders in ``dtrain.pt``: the weight EMA of a sharded model) read into the part's own, whole or as
         this rank's shards (every rank: a collective)."""
         saved = state[name]
-        if state.get("sharded") is None or not isinstance(saved, dict) or not any(isinstance(value, torch.Tensor) and value.is_meta
-                                                   for value in saved.values()):
+        placeholders = isinstance(saved, dict) and any(isinstance(value, torch.Tensor) and value.is_meta
+                                                       for value in saved.values())
+        if state.get("sharded") is None or not placeholders:
             return saved
         tensors = part.tensors_to_read(saved)
         sharded_checkpoint.load_tensors(state["sharded"]["directory"], {name: tensors})

@@ -32,7 +32,8 @@ class RunTimedOut(subprocess.TimeoutExpired):
         def tail(text: str | None) -> str:
             return "\n".join((text or "").splitlines()[-_TAIL_LINES:])
 
-        return f"{super().__str__()}\n--- last stdout ---\n{tail(self.output)}\n--- last stderr ---\n{tail(self.stderr)}"
+        return (f"{super().__str__()}\n--- last stdout ---\n{tail(self.output)}\n"
+                f"--- last stderr ---\n{tail(self.stderr)}")
 
 
 class MpiResult(subprocess.CompletedProcess):

@@ -30,8 +30,9 @@ def run_dtrain(*args: str, cwd: Path, timeout: float = 240, gpu: bool = False,
 
     The process is forked from a warm interpreter and sees no GPU (``CUDA_VISIBLE_DEVICES=""``: CUDA does not
     survive a fork once started, and the suites are a CPU machine's); ``gpu=True`` starts a fresh interpreter
-    that sees this machine's GPUs. ``timeout`` is scaled as every hang guard is (:func:`hang_guard`). ``env``: variables added to the plain environment (read after start-up, such
-    as a test model's; ``PYTHONPATH`` joins ``sys.path`` as at an interpreter's start)."""
+    that sees this machine's GPUs. ``timeout`` is scaled as every hang guard is (:func:`hang_guard`). ``env``:
+    variables added to the plain environment (read after start-up, such as a test model's; ``PYTHONPATH`` joins
+    ``sys.path`` as at an interpreter's start)."""
     return run_python("-m", "dtrain", *args, cwd=cwd, timeout=timeout, gpu=gpu, env=env)
 
 

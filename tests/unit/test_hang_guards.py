@@ -18,7 +18,8 @@ def _kill(process: subprocess.Popen) -> None:
 
 def test_a_run_past_its_timeout_is_killed_and_its_error_ends_with_the_last_lines(monkeypatch) -> None:
     monkeypatch.setattr(processes, "TIMEOUT_SCALE", 1.0)
-    program = "import sys, time\nfor i in range(100): print('line', i)\nprint('stuck here', file=sys.stderr, flush=True)\ntime.sleep(60)"
+    program = ("import sys, time\nfor i in range(100): print('line', i)\n"
+               "print('stuck here', file=sys.stderr, flush=True)\ntime.sleep(60)")
     with pytest.raises(subprocess.TimeoutExpired) as raised:
         processes.run_in_new_session([sys.executable, "-u", "-c", program], dict(os.environ), 3, kill=_kill)
     message = str(raised.value)
