@@ -32,10 +32,9 @@ from torch import nn
 from dtrain.learners.base import Learner
 from dtrain.learners.replicated import make_buffers_consistent
 from dtrain.learners.settings import FSDP
-from dtrain.learners.sharding import (_as_written, broadcast_from_rank0, process_group_of, scale_output_gradient,
-                                     shard_model,
-                                     sharded_session_problems,
-                                     tied_across_units, wrapped_units)
+from dtrain.learners.sharding import (_as_written, broadcast_from_rank0, load_full_optimizer_state,
+                                     optimizer_state_by_name, process_group_of, scale_output_gradient, shard_model,
+                                     sharded_session_problems, tied_across_units, wrapped_units)
 from dtrain.rules import check_settings
 
 class FSDPLearner(Learner):
@@ -278,31 +277,6 @@ class FSDPLearner(Learner):
 #: learners whose checkpoints hold the same thing (one model and the optimizer state of the global minibatch's
 #: update), so each restores the other's: a sharded checkpoint into a replicated learner and back
 INTERCHANGEABLE_KINDS = ("fsdp", "data_parallel", "local")
-
-
-def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-                            ) -> dict[str, Any]:
-    """A torch optimizer state dict keyed by parameter numbers (``optimizer.state_dict()``) keyed by the
-    parameters' names instead, as ``torch.distributed.checkpoint.state_dict`` keys it."""
-    names = {id(parameter): name for name, parameter in model.named_parameters()}
-    ordered = [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
-    number = {index: name for index, name in enumerate(ordered)}
-    return {"state": {number[int(index)]: value for index, value in state["state"].items()},
-            "param_groups": [{**group, "params": [number[int(index)] for index in group["params"]]}
-                             for group in state["param_groups"]]}
-
-
-def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                              sharded: bool) -> None:
-    """Loads a replicated optimizer state dict (whole tensors, every rank the same) into ``optimizer``, sharding
-    it where the model is sharded."""
-    if not sharded:
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, optimizer_state_by_name(model, optimizer, state),
-                             options=StateDictOptions(full_state_dict=True))
 
 
 def fsdp_learner(optimizer: torch.optim.Optimizer, comm=None, wrap: str | Sequence[str] = "blocks",

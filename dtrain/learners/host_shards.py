@@ -96,6 +96,22 @@ class HostShards:
             offset += count
         return tensors
 
+    @staticmethod
+    def cut_flat(whole: torch.Tensor, parameters: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A flat tensor over the whole parameters (an unsharded learner's ``W_prev``, or an outer state of its size)
+        as the flat tensor of this rank's shards: each parameter's local chunk, cut as the parameter is (every rank
+        holds the whole tensor, so no communication)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        pieces, offset = [], 0
+        for parameter in parameters:
+            count = parameter.numel()  # the global count
+            whole_parameter = whole[offset:offset + count].view(parameter.shape).to(parameter.device)
+            pieces.append(distribute_tensor(whole_parameter, parameter.device_mesh, parameter.placements,
+                                            src_data_rank=None).to_local().reshape(-1).to(whole.dtype))
+            offset += count
+        return torch.cat(pieces)
+
     def as_flat(self, tensors: dict[str, Any], parameters: Sequence[torch.Tensor],
                 dtype: torch.dtype) -> torch.Tensor:
         """:meth:`as_dtensors`' inverse: the local shards of ``tensors`` (by the parameters' names) in one flat tensor."""
@@ -181,10 +197,18 @@ def flat_entries(state: dict[str, Any], flat_size: int) -> list[tuple[Any, str, 
             for key, value in entries.items() if _is_flat(value, flat_size)]
 
 
+def cut_outer_state(state: dict[str, Any], flat_size: int, cut) -> dict[str, Any]:
+    """An outer optimizer's ``state_dict`` with each entry of ``W_prev``'s whole size (``flat_size`` values) replaced
+    by ``cut(entry)`` (this rank's slices of it), the rest as it is."""
+    return {**state, "state": {index: {key: cut(value) if _is_flat(value, flat_size) else value
+                                       for key, value in entries.items()}
+                               for index, entries in state.get("state", {}).items()}}
+
+
 def _is_flat(value: Any, flat_size: int) -> bool:
     """Whether an outer state entry is a tensor of ``W_prev``'s shape (flat, ``flat_size`` values): a sharded one."""
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat_size
 
 
-__all__ = ["IN_SHARDED_FILES", "SHARDED", "HostShards", "flat_entries", "join_tensors", "placeholder_templates",
+__all__ = ["IN_SHARDED_FILES", "SHARDED", "HostShards", "cut_outer_state", "flat_entries", "join_tensors", "placeholder_templates",
            "split_tensors", "outer_state_markers", "sharded_entries"]

@@ -217,6 +217,31 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+                            ) -> dict[str, Any]:
+    """A torch optimizer state dict keyed by parameter numbers (``optimizer.state_dict()``) keyed by the
+    parameters' names instead, as ``torch.distributed.checkpoint.state_dict`` keys it."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    ordered = [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
+    number = {index: name for index, name in enumerate(ordered)}
+    return {"state": {number[int(index)]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [number[int(index)] for index in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                              sharded: bool) -> None:
+    """Loads a replicated optimizer state dict (whole tensors, every rank the same) into ``optimizer``, sharding
+    it where the model is sharded."""
+    if not sharded:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optimizer_state_by_name(model, optimizer, state),
+                             options=StateDictOptions(full_state_dict=True))
+
+
 def sharded_session_problems(who: str, *, precision: str, compile: bool,  # noqa: A002
                              batchnorm_statistics: str) -> list[str]:
     """The session settings a learner with sharded parameters (``who``: ``learner=fsdp``, ``learner.shard=true``)
@@ -235,6 +260,6 @@ def sharded_session_problems(who: str, *, precision: str, compile: bool,  # noqa
     return problems
 
 
-__all__ = ["DTYPES", "WRAP_WORDS", "broadcast_from_rank0", "checkpoint_activations", "local_tensor", "process_group_of",
-           "replace_optimizer_parameters", "scale_output_gradient", "shard_model", "sharded_session_problems",
-           "tied_across_units", "wrapped_units"]
+__all__ = ["DTYPES", "WRAP_WORDS", "broadcast_from_rank0", "checkpoint_activations", "load_full_optimizer_state",
+           "local_tensor", "optimizer_state_by_name", "process_group_of", "replace_optimizer_parameters",
+           "scale_output_gradient", "shard_model", "sharded_session_problems", "tied_across_units", "wrapped_units"]

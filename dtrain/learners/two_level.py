@@ -33,9 +33,9 @@ from dtrain.exchange.between_hosts import BetweenHosts
 from dtrain.learners.base import AUTO
 from dtrain.learners.block import BlockLearner
 from dtrain.learners.flat_copies import broadcast, pack, unpack
-from dtrain.learners.host_shards import (HostShards, flat_entries, join_tensors, outer_state_markers,
-                                        placeholder_templates, sharded_entries, split_tensors)
-from dtrain.learners.sharding import sharded_session_problems
+from dtrain.learners.host_shards import (HostShards, cut_outer_state, flat_entries, join_tensors,
+                                        outer_state_markers, placeholder_templates, sharded_entries, split_tensors)
+from dtrain.learners.sharding import load_full_optimizer_state, sharded_session_problems
 from dtrain.learners.block_momentum import BlockMomentumLearner
 from dtrain.learners.data_parallel import DataParallelLearner
 from dtrain.learners.diloco import DiLoCoLearner
@@ -120,6 +120,7 @@ class TwoLevel:
         self._restored_hosts: list[int] | None = None
         self._read_local_tensors: dict[str, torch.Tensor] = {}  # with shards: the exchange's tensors, as read
         self._loading_shards = False  # with shards: between load_state_dict() and load_sharded_state_dict()
+        self._cutting = False  # with shards: restoring an unsharded checkpoint (load_state_dict cuts it)
 
     @property
     def is_leader(self) -> bool:
@@ -320,12 +321,44 @@ class TwoLevel:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The block learner's restore; the model, ``W_prev``, the outer state and the counters carry
         over to any layout. Remembers the saved layout for :meth:`load_local_state_dict`; with shards, the outer
-        state's small entries, the rest coming from :meth:`load_sharded_state_dict`."""
+        state's small entries, the rest coming from :meth:`load_sharded_state_dict`. With shards from an unsharded
+        checkpoint (``learner.shard`` turned on): ``W_prev``, the outer state and the inner optimizer's state are cut
+        into this rank's slices (:meth:`_cut_into_slices`)."""
+        self._cutting = self.host_shards is not None and not (state.get("block") or {}).get("sharded")
+        whole_optimizer = None
+        if self._cutting:
+            state, whole_optimizer = self._cut_into_slices(state)
         super().load_state_dict(state)
         self._restored_hosts = list(state.get("hosts") or [])
-        if self.host_shards is not None:
+        if whole_optimizer is not None:  # rank 0's (host 0's); at the same layout each rank's own comes after
+            load_full_optimizer_state(self.host_shards.model, self.optimizer, whole_optimizer, sharded=True)
+        if self.host_shards is not None and not self._cutting:
             self._restored_outer = state["block"].get("outer_optimizer")
             self._loading_shards = True  # sharded_state_dict() is now the template of the checkpoint's tensors
+
+    def _cut_into_slices(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """An unsharded checkpoint's learner state as this sharded learner reads it: ``W_prev`` and the outer state
+        of its size cut into this rank's slices (every rank holds the whole: no communication), and the inner
+        optimizer's whole state taken out, to be sharded (returned beside)."""
+        state = dict(state)
+        whole_optimizer = state.pop("optimizer", None)
+        block = dict(state["block"])
+        parameters, whole = self.parameters, sum(parameter.numel() for parameter in self.parameters)
+
+        def cut(tensor: torch.Tensor) -> torch.Tensor:
+            return self.host_shards.cut_flat(tensor, parameters)
+
+        for key in ("prev_parameters", "smoothed_gradient"):  # the last: checkpoints from before outer optimizers
+            if block.get(key) is not None:
+                block[key] = cut(block[key])
+        if block.get("outer_optimizer") is not None:
+            block["outer_optimizer"] = cut_outer_state(block["outer_optimizer"], whole, cut)
+        state["block"] = block
+        if self.comm.is_main:
+            print(f"dtrain: the checkpoint's hosts were not sharded and this run's are (learner.shard=true): W_prev, "
+                  f"the outer state and the inner optimizer's state are cut into each rank's slices; the "
+                  f"{self.exchange.name} exchange state starts afresh", flush=True)
+        return state, whole_optimizer
 
     def local_state_dict(self) -> dict[str, Any]:
         """The block learner's; with shards, the exchange's state alone, its tensors replaced by placeholders (they
@@ -398,6 +431,10 @@ class TwoLevel:
                 print(f"dtrain: the checkpoint was trained on {self._restored_hosts[0]} hosts x "
                       f"{self._restored_hosts[1]} ranks, this run has {layout[0]} x {layout[1]}: every rank continues "
                       f"with rank 0's optimizer state and a fresh {self.exchange.name} exchange state", flush=True)
+            return
+        if self._cutting:  # an unsharded checkpoint: this rank's (its host's) whole optimizer state, sharded
+            if "optimizer" in state:
+                load_full_optimizer_state(self.host_shards.model, self.optimizer, state["optimizer"], sharded=True)
             return
         if self.host_shards is not None and "exchange" in state:
             state = {**state, "exchange": join_tensors(state["exchange"], self._read_local_tensors)}

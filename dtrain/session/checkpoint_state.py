@@ -140,6 +140,10 @@ def check_restorable(path, state: dict[str, Any], model: torch.nn.Module, learne
             f"checkpoint {path} was written by the {state['learner_kind']!r} learner, this run uses "
             f"{learner.kind!r}; restore with the same learner or use a new run directory")
     saved = state.get("identity", {})
+    if (saved.get("learner") or {}).get("shard") and not (expected_identity.get("learner") or {}).get("shard"):
+        raise CheckpointError(f"checkpoint {path} holds hosts sharded over their ranks (learner.shard=true), which "
+                              f"this unsharded learner cannot read; restore it with learner.shard=true (any ranks per "
+                              f"host), or use a new run directory")
     if "model_type" not in saved:  # written before the learner and source supplied their identity
         expected_identity = {key: value for key, value in expected_identity.items()
                              if key not in ("model_type", "learner", "train_data")}
@@ -166,7 +170,9 @@ def interchanged(state: dict[str, Any], learner) -> dict[str, Any]:
     from dtrain.learners.fsdp import INTERCHANGEABLE_KINDS
 
     kind = state.get("learner_kind")
-    if kind == learner.kind or kind not in INTERCHANGEABLE_KINDS or learner.kind not in INTERCHANGEABLE_KINDS:
+    if kind == learner.kind:
+        return _unsharded_into_shards(state, learner)
+    if kind not in INTERCHANGEABLE_KINDS or learner.kind not in INTERCHANGEABLE_KINDS:
         return state
     identity = dict(state.get("identity") or {})
     saved_learner = identity.get("learner")
@@ -176,6 +182,17 @@ def interchanged(state: dict[str, Any], learner) -> dict[str, Any]:
         identity["learner"] = {**saved_learner, "kind": learner.kind}
     return {**state, "learner_kind": learner.kind, "identity": identity,
             "learner": {**state["learner"], "kind": learner.kind}}
+
+
+def _unsharded_into_shards(state: dict[str, Any], learner) -> dict[str, Any]:
+    """``state`` as a two-level learner with sharded hosts (``learner.shard=true``) reads an unsharded checkpoint of
+    its kind: the identity's ``shard`` (present only when true) becomes this learner's, as the learner cuts the
+    whole state into its slices (``TwoLevel.load_state_dict``). Any other is returned as is."""
+    saved_learner = (state.get("identity") or {}).get("learner")
+    if state.get("sharded") is not None or not isinstance(saved_learner, dict) or saved_learner.get("shard") \
+            or not learner.checkpoint_identity().get("shard"):
+        return state
+    return {**state, "identity": {**state["identity"], "learner": {**saved_learner, "shard": True}}}
 
 
 def _changed_shards(saved: Any, current: Any) -> str:

@@ -9,8 +9,8 @@ each rank's slice.
 - a lossy exchange (4 bits with error feedback) on the slices trains, each rank's residual in the sharded files
   and resumed bit for bit;
 - the weight EMA kept on the slices: model_ema.safetensors as the unsharded learner's, resumed with the checkpoint;
-- refusals in one line: an unsharded checkpoint restored with shard=true and the other way round, a wrap policy
-  that matches nothing.
+- an unsharded checkpoint continued with shard=true as it continues without; refusals in one line: a sharded
+  checkpoint restored without shards, a wrap policy that matches nothing.
 """
 from __future__ import annotations
 
@@ -185,18 +185,32 @@ def refusal(result) -> str:
     return lines[0]
 
 
-def test_a_checkpoint_restored_with_the_other_sharding_is_refused_in_one_line(runs, tmp_path):
+def test_a_sharded_checkpoint_restored_without_shards_is_refused_in_one_line(runs, tmp_path):
     sharded = tmp_path / "sharded"
     shutil.copytree(runs["stopped"], sharded)
     line = refusal(run(sharded, "learner=two_level_diloco", "learner.shard=false", *HOSTS,
                        "session.max_samples=3000", check=False))
-    assert "shard" in line, line
+    assert "holds hosts sharded over their ranks (learner.shard=true)" in line and "learner.shard=true" in line, line
     assert len(list(sharded.glob("checkpoint-*"))) == 1 and not (sharded / "checkpoint-3000.pt").exists()
-    unsharded = tmp_path / "unsharded"
-    shutil.copytree(runs["two_level_diloco", "false"], unsharded)
-    line = refusal(run(unsharded, "learner=two_level_diloco", "learner.shard=true", *HOSTS,
-                       "session.max_samples=4000", check=False))
-    assert "shard" in line, line
+
+
+@pytest.mark.slow
+def test_an_unsharded_checkpoint_continues_with_shards_as_it_continues_without(runs, tmp_path):
+    """``learner.shard`` turned on for a run that has a checkpoint: ``W_prev``, the outer momentum and each rank's
+    inner optimizer state are cut into its slices, the weight EMA into its shards, and the run ends where the same
+    run continued unsharded does (to the sharded learner's own agreement, 1e-5)."""
+    ends, said = {}, {}
+    for shard in ("true", "false"):
+        ends[shard] = tmp_path / shard
+        shutil.copytree(runs["two_level_diloco", "false"], ends[shard])
+        said[shard] = run(ends[shard], "learner=two_level_diloco", f"learner.shard={shard}", *HOSTS, *EMA,
+                          "session.max_samples=3300").stdout
+        assert "restored" in said[shard] and "at 3000 samples" in said[shard], said[shard]
+    assert "are cut into each rank's slices" in said["true"], said["true"]
+    assert "learner.shard: False -> True" in said["true"], said["true"]
+    for file in ("model.safetensors", "model_ema.safetensors"):
+        assert largest_relative_difference(weights(ends["true"], file), weights(ends["false"], file)) < 1e-5, file
+    assert (ends["true"] / "checkpoint-3300.pt" / ".metadata").exists()  # it writes sharded checkpoints from there
 
 
 @pytest.mark.parametrize("overrides, expected", [
