@@ -19,15 +19,10 @@ from typing import Any
 
 import torch
 
+from dtrain.learners.sharding import local_tensor
 from dtrain.session.weight_ema import UPDATES_KEY, AverageClock
 
 _PREFIX = "module."  # AveragedModel's prefix of the averaged module's entries
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ShardedWeightEMA(AverageClock):
@@ -63,8 +58,8 @@ class ShardedWeightEMA(AverageClock):
     @torch.no_grad()
     def _take_in(self, model: torch.nn.Module, decay: float) -> None:
         names = list(self.averaged)
-        averaged = [_local(self.averaged[name]) for name in names]
-        live = [_local(self._live[name].detach()) for name in names]
+        averaged = [local_tensor(self.averaged[name]) for name in names]
+        live = [local_tensor(self._live[name].detach()) for name in names]
         if self.n_averaged == 0:  # the first update copies, as AveragedModel's
             torch._foreach_copy_(averaged, live)
         elif averaged:
@@ -79,7 +74,8 @@ class ShardedWeightEMA(AverageClock):
         its own again (a copy of this rank's shards is kept meanwhile). Every FSDP unit is resharded before and
         after, so no forward uses parameters gathered from the other weights."""
         with torch.no_grad():
-            shards = [(_local(self._live[name]), _local(average)) for name, average in self.averaged.items()]
+            shards = [(local_tensor(self._live[name]), local_tensor(average))
+                      for name, average in self.averaged.items()]
             buffers = [(buffer, self.buffers[name]) for name, buffer in model.named_buffers()]
             _reshard(model)
             kept = [live.clone() for live, _ in shards] + [buffer.clone() for buffer, _ in buffers]
@@ -135,7 +131,7 @@ class ShardedWeightEMA(AverageClock):
                 raise ValueError(f"the weight EMA's {name!r} is in the sharded checkpoint's files and was not read")
             whole = saved.to(device=average.device, dtype=average.dtype)
             local = distribute_tensor(whole, average.device_mesh, average.placements, src_data_rank=None)
-            _local(average).copy_(local.to_local())
+            local_tensor(average).copy_(local.to_local())
         for name, buffer in self.buffers.items():
             buffer.copy_(rest[_PREFIX + name])
         self.n_averaged = int(rest[UPDATES_KEY])

@@ -14,7 +14,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,12 +82,20 @@ def events(tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def wait_until(condition: Callable[[], Any], log: Path, timeout: float = 120) -> Any:
+    """Polls ``condition()`` (a group's events, read from its file) until it is true and returns it; past ``timeout``
+    seconds fails with the end of ``log``."""
+    deadline = time.time() + timeout
+    while not (found := condition()):
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return found
+
+
 def wait_for_commits(tmp_path: Path, name: str, count: int, timeout: float = 120) -> None:
     """Waits until group ``name`` has committed ``count`` syncs (its log in the failure)."""
-    deadline = time.time() + timeout
-    while sum(event["event"] == "commit" for event in events(tmp_path, name)) < count:
-        assert time.time() < deadline, (tmp_path / f"{name}.log").read_text()[-3000:]
-        time.sleep(0.05)
+    wait_until(lambda: sum(event["event"] == "commit" for event in events(tmp_path, name)) >= count,
+               tmp_path / f"{name}.log", timeout)
 
 
 def signal_mid_block(tmp_path: Path, process: subprocess.Popen, name: str, signum: int, after_commits: int) -> float:
@@ -100,11 +110,8 @@ def signal_mid_block(tmp_path: Path, process: subprocess.Popen, name: str, signu
 def wait_for_a_commit_of(tmp_path: Path, name: str, groups: int, after: float, timeout: float = 120) -> None:
     """Waits until group ``name`` has committed a sync of ``groups`` groups after time ``after`` (its log in the
     failure)."""
-    deadline = time.time() + timeout
-    while not any(event["event"] == "commit" and event["groups"] == groups and event["time"] > after
-                  for event in events(tmp_path, name)):
-        assert time.time() < deadline, (tmp_path / f"{name}.log").read_text()[-3000:]
-        time.sleep(0.05)
+    wait_until(lambda: any(event["event"] == "commit" and event["groups"] == groups and event["time"] > after
+                           for event in events(tmp_path, name)), tmp_path / f"{name}.log", timeout)
 
 
 def ledger_counts(tmp_path: Path) -> Counter:
@@ -113,6 +120,12 @@ def ledger_counts(tmp_path: Path) -> Counter:
         for line in path.read_text().splitlines():
             counts.update(json.loads(line)["indices"])
     return counts
+
+
+def assert_every_sample_once_per_sweep(tmp_path: Path, max_samples: int) -> None:
+    """The groups' ledgers, together: every sample of the stream trained exactly once per sweep."""
+    counts = ledger_counts(tmp_path)
+    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
 
 
 def params(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
@@ -135,9 +148,7 @@ def test_no_failure_equals_the_non_elastic_learner(tmp_path, learner):
         wait_all(tmp_path, {name: start_group(tmp_path, lighthouse, name, learner=learner) for name in "ab"})
     finally:
         lighthouse.stop()
-    counts = ledger_counts(tmp_path)
-    sweeps = 192 // STREAM_SAMPLES
-    assert counts == Counter({index: sweeps for index in range(STREAM_SAMPLES)})
+    assert_every_sample_once_per_sweep(tmp_path, 192)
     assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
     records = [json.loads(line) for line in (tmp_path / "run-a" / "metrics.jsonl").read_text().splitlines()]
     syncs = [record for record in records if record["kind"] == "elastic"]  # every sync's participants, recorded
@@ -174,9 +185,7 @@ def test_a_group_killed_mid_block_then_restarted_rejoins(tmp_path):
     finally:
         lighthouse.stop()
 
-    counts = ledger_counts(tmp_path)
-    sweeps = max_samples // STREAM_SAMPLES
-    assert counts == Counter({index: sweeps for index in range(STREAM_SAMPLES)}), counts
+    assert_every_sample_once_per_sweep(tmp_path, max_samples)
     survivors = events(tmp_path, "a")
     assert any(event["event"] == "discard" for event in survivors), survivors
     after_loss = [event for event in survivors if event["event"] == "commit" and event["time"] > killed_at]
@@ -217,8 +226,7 @@ def test_a_group_of_another_config_is_refused_when_it_joins_and_the_job_goes_on(
     assert refusal and "learner.block_size is 32 in the job, 64 here" in refusal[-1], \
         (tmp_path / "x.log").read_text()[-3000:]
     assert_identical(params(tmp_path, "a"), params(tmp_path, "b"))
-    counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    assert_every_sample_once_per_sweep(tmp_path, max_samples)
 
 
 @pytest.mark.slow
@@ -237,8 +245,7 @@ def test_a_new_group_joins_a_running_job_while_nobody_failed(tmp_path):
         wait_all(tmp_path, groups)
     finally:
         lighthouse.stop()
-    counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    assert_every_sample_once_per_sweep(tmp_path, max_samples)
     joiner = events(tmp_path, "c")
     assert [event["event"] for event in joiner][:1] == ["heal"], joiner
     assert any(event["event"] == "commit" and event["groups"] == 3 and event["time"] > joined_at
@@ -265,8 +272,7 @@ def test_two_groups_lost_one_after_the_other_leave_the_last_to_finish_the_stream
         wait_all(tmp_path, groups)
     finally:
         lighthouse.stop()
-    counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    assert_every_sample_once_per_sweep(tmp_path, max_samples)
     alone = [event for event in events(tmp_path, "a") if event["event"] == "commit" and event["time"] > second_loss]
     assert alone and all(event["groups"] == 1 for event in alone), alone
 
@@ -322,8 +328,7 @@ def test_a_stopped_group_is_dropped_and_the_job_goes_on_then_it_rejoins_when_con
                 process.send_signal(signal.SIGCONT)
         lighthouse.stop()
     assert dropped_after < 10 + 8, dropped_after  # the groups' 10 s timeout, then a quorum without it
-    counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: max_samples // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), counts
+    assert_every_sample_once_per_sweep(tmp_path, max_samples)
     assert any(event["event"] == "discard" for event in events(tmp_path, "a"))
     continued = [event["event"] for event in events(tmp_path, "c") if event["time"] > continued_at]
     assert "heal" in continued and continued[-1] == "commit", continued
@@ -343,12 +348,9 @@ def _kill_during_a_heal(tmp_path: Path, victim: str) -> tuple[str, float]:
         wait_for_commits(tmp_path, "a", 3)
         joined_at = time.time()
         groups["c"] = start_group(tmp_path, lighthouse, "c", **common)
-        deadline = time.time() + 120
-        while not (serving := [name for name in "ab" if any(  # not the heal of b's first round, from a
-                event["event"] == "serving" and event["time"] > joined_at for event in events(tmp_path, name))]):
-            assert time.time() < deadline, (tmp_path / "c.log").read_text()[-3000:]
-            time.sleep(0.05)
-        server, = serving
+        server, = wait_until(lambda: [name for name in "ab" if any(  # not the heal of b's first round, from a
+            event["event"] == "serving" and event["time"] > joined_at for event in events(tmp_path, name))],
+            tmp_path / "c.log")
         groups.pop(server if victim == "server" else "c").send_signal(signal.SIGKILL)
         killed_at = time.time()
         wait_all(tmp_path, groups)
@@ -366,9 +368,7 @@ def test_the_group_serving_a_heal_killed_while_it_serves_leaves_the_joiner_to_he
     two end with one model bit for bit and the ledger has every sample exactly once per sweep."""
     server, killed_at = _kill_during_a_heal(tmp_path, "server")
     survivor = "b" if server == "a" else "a"
-    counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: LONG_JOB["max_samples"] // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), \
-        counts
+    assert_every_sample_once_per_sweep(tmp_path, LONG_JOB["max_samples"])
     joined = [event["event"] for event in events(tmp_path, "c")]
     assert "heal" in joined and joined[-1] == "commit", joined
     healed_at = next(event["time"] for event in events(tmp_path, "c") if event["event"] == "heal")
@@ -391,9 +391,7 @@ def test_a_joiner_killed_while_it_is_healed_leaves_the_job_as_it_was(tmp_path):
     without it (the round it was in is discarded or commits without it), end with one model bit for bit, and the
     ledger has every sample exactly once per sweep: the dead joiner never committed a block."""
     _, killed_at = _kill_during_a_heal(tmp_path, "joiner")
-    counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: LONG_JOB["max_samples"] // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), \
-        counts
+    assert_every_sample_once_per_sweep(tmp_path, LONG_JOB["max_samples"])
     assert not any(event["event"] == "commit" for event in events(tmp_path, "c"))
     after = [event for event in events(tmp_path, "a") if event["event"] in ("commit", "discard")
              and event["time"] > killed_at]
@@ -413,18 +411,13 @@ def test_a_group_killed_mid_sync_is_dropped_and_the_sync_discarded(tmp_path):
     try:
         groups = {name: start_group(tmp_path, lighthouse, name, **LONG_JOB) for name in "ab"}
         groups["c"] = start_group(tmp_path, lighthouse, "c", **LONG_JOB, pause_in_sync_after_commits=3)
-        deadline = time.time() + 120
-        while not any(event["event"] == "syncing" for event in events(tmp_path, "c")):
-            assert time.time() < deadline, (tmp_path / "c.log").read_text()[-3000:]
-            time.sleep(0.05)
+        wait_until(lambda: any(event["event"] == "syncing" for event in events(tmp_path, "c")), tmp_path / "c.log")
         groups.pop("c").send_signal(signal.SIGKILL)
         killed_at = time.time()
         wait_all(tmp_path, groups)
     finally:
         lighthouse.stop()
-    counts = ledger_counts(tmp_path)
-    assert counts == Counter({index: LONG_JOB["max_samples"] // STREAM_SAMPLES for index in range(STREAM_SAMPLES)}), \
-        counts
+    assert_every_sample_once_per_sweep(tmp_path, LONG_JOB["max_samples"])
     after = [event for event in events(tmp_path, "a") if event["event"] in ("commit", "discard")
              and event["time"] > killed_at]
     assert after[0]["event"] == "discard", after  # the sync the lost group was in
